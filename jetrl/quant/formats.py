@@ -1,0 +1,92 @@
+"""FP8 formats and THE scale convention of jetrl.
+
+Every FP8 tensor in jetrl is E4M3 (``torch.float8_e4m3fn``, largest finite value 448) with fp32
+scales, one per block of the 2-D tensor. Three block shapes exist, named by role:
+
+=============  ===========  ===========================================================
+block          name         used for
+=============  ===========  ===========================================================
+``(1, 128)``   ``ACT``      activations and grad_out: one scale per row per 128 columns
+``(128, 128)`` ``WEIGHT``   weights: one scale per 128x128 tile (transposes for free)
+``(128, 1)``   ``TOKEN``    WGrad operands: one scale per 128 rows (tokens) per column
+=============  ===========  ===========================================================
+
+The scale convention (DeepSeek-V3 / DeepGEMM), all arithmetic in fp32::
+
+    amax  = max(max |x| over the block, 1e-4)
+    scale = amax / 448                       (IEEE fp32 division, round-to-nearest-even)
+    scale = 2 ** ceil(log2(scale))           (only with pow2_scale: the UE8M0 format)
+    data  = e4m3(clamp(x / scale, -448, 448))  (fp32 division, then RNE cast to E4M3)
+    x    ~= data * scale
+
+The clamp comes before the cast because PyTorch's cast to ``float8_e4m3fn`` does not saturate (it
+gives NaN above about 464); with the clamp every backend saturates identically. The 1e-4 floor keeps
+an all-zero block finite (its data is all zeros, its scale 1e-4/448).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+AMAX_EPS = 1e-4
+BLOCK_SIZE = 128
+
+ACT = (1, BLOCK_SIZE)
+WEIGHT = (BLOCK_SIZE, BLOCK_SIZE)
+TOKEN = (BLOCK_SIZE, 1)
+BLOCKS = (ACT, WEIGHT, TOKEN)
+
+Block = tuple[int, int]
+
+
+def check_block(block: Block) -> Block:
+    """Return ``block`` as a tuple if it is one of the three supported shapes, else raise."""
+    block = tuple(int(b) for b in block)  # type: ignore[assignment]
+    if block not in BLOCKS:
+        raise ValueError(f"unsupported block shape {block}; jetrl uses {ACT}, {WEIGHT} or {TOKEN}")
+    return block  # type: ignore[return-value]
+
+
+def scale_shape(shape: tuple[int, int], block: Block) -> tuple[int, int]:
+    """Shape of the scale tensor for a 2-D tensor of ``shape``: ``(ceil(M/bm), ceil(K/bk))``."""
+    m, k = shape
+    bm, bk = block
+    return (-(-m // bm), -(-k // bk))
+
+
+def transpose_block(block: Block) -> Block:
+    """Block shape of the transposed tensor: (1,128) <-> (128,1); (128,128) stays."""
+    return (block[1], block[0])
+
+
+@dataclass(frozen=True)
+class Fp8Tensor:
+    """A blockwise-quantized 2-D tensor: E4M3 ``data`` (M, K), fp32 ``scale`` (ceil(M/bm), ceil(K/bk)).
+
+    The pair is what every GEMM in jetrl consumes. ``t()`` gives the quantized form of the transpose by
+    transposing data and scales (no re-quantization): a (128, 128)-block weight W yields W^T for DGrad,
+    and a (128, 1)-block operand yields the (1, 128) operand that WGrad's GEMM reads.
+    """
+
+    data: torch.Tensor  # (M, K) float8_e4m3fn
+    scale: torch.Tensor  # (ceil(M/bm), ceil(K/bk)) float32
+    block: Block
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def t(self) -> "Fp8Tensor":
+        return Fp8Tensor(self.data.t(), self.scale.t(), transpose_block(self.block))
+
+    def dequantize(self) -> torch.Tensor:
+        from jetrl.quant.reference import dequantize
+
+        return dequantize(self.data, self.scale, self.block)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4

@@ -1,0 +1,157 @@
+"""``FP8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in blockwise FP8.
+
+A linear layer ``y = x W^T`` (x: (M, K) tokens x in-features, W: (N, K)) costs three GEMMs per training
+step, and jetrl runs all three in E4M3 with fp32 block scales:
+
+* **Fprop** ``y = x @ W^T``: x quantized per (1, 128) (one scale per token per 128 in-features: outliers
+  stay local to a token), W per (128, 128) tiles. Output in the input's dtype (BF16 in training).
+* **DGrad** ``dx = dy @ W``: dy quantized per (1, 128) along N; W's (128, 128) tiles transposed (data and
+  scales, no re-quantization) give W^T's quantized form, so DGrad reads *the same* FP8 weight as Fprop.
+* **WGrad** ``dW = dy^T @ x``: the contraction runs over tokens, so both operands are grouped by 128
+  tokens: dy quantized per (128, 1), and the *FP8* input saved by Fprop re-quantized to (128, 1). The
+  BF16 input is never saved: activations live in FP8 between forward and backward.
+
+Gradients flow between ops in BF16; the master weight stays BF16 (its gradient is in its dtype).
+
+**Unified precision flow.** Rollout and training call this same module on the same weight. Rollout
+reuses the quantized weight cached for the current weight version; training quantizes identically
+(it reads the same cache), so the tokens the policy learns from were produced by exactly the FP8 policy
+that is being trained. The quantized weight is recomputed when the weight changes (its version counter
+moves, e.g. after an optimizer step) or when :meth:`FP8Linear.invalidate_weight_cache` is called; no
+calibration is involved.
+
+Which precision each side runs is set by the recipe (see :mod:`jetrl.quant.recipe`): the module holds
+``fp8_rollout`` and ``fp8_train`` and reads the side from :func:`jetrl.quant.side.current_side`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from jetrl.quant.backend import get_backend, selected_backend_name
+from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Fp8Tensor
+from jetrl.quant.side import current_side
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """Fprop/DGrad/WGrad in FP8; saves the FP8 input and the FP8 weight, nothing in BF16."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_data, w_scale, pow2_scale: bool):  # x: (M, K)
+        backend = get_backend(x.device)
+        qx = backend.quantize(x, ACT, pow2_scale)
+        qw = Fp8Tensor(w_data, w_scale, WEIGHT)
+        y = backend.gemm(qx, qw, out_dtype=x.dtype)  # (M, N)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale)
+        ctx.pow2_scale = pow2_scale
+        ctx.x_dtype = x.dtype
+        ctx.weight_dtype = weight.dtype
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):  # grad_out: (M, N)
+        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+        backend = get_backend(grad_out.device)
+        grad_out = grad_out.contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:  # DGrad: dy (1x128) @ W  ==  dy @ (W^T as 128x128 tiles)^T
+            qg = backend.quantize(grad_out, ACT, ctx.pow2_scale)
+            qw_t = Fp8Tensor(w_data, w_scale, WEIGHT).t()  # (K, N)
+            grad_x = backend.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # (M, K)
+        if ctx.needs_input_grad[1]:  # WGrad: dy^T @ x, both grouped by 128 tokens
+            qg_tok = backend.quantize(grad_out, TOKEN, ctx.pow2_scale).t()  # (N, M), 1x128 along M
+            qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, ctx.pow2_scale).t()  # (K, M)
+            grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = grad_out.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
+               pow2_scale: bool = False) -> torch.Tensor:
+    """``F.linear`` in FP8 for a 2-D ``x`` (M, K) given the (128, 128)-quantized ``weight``."""
+    return _Fp8LinearFunction.apply(x, weight, bias, qweight.data, qweight.scale, pow2_scale)
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` with FP8 Fprop/DGrad/WGrad; same parameters, same state-dict keys.
+
+    ``fp8_train`` / ``fp8_rollout`` choose, per side, FP8 or the plain ``F.linear`` on the master weight.
+    ``check_finite`` raises on NaN/Inf inputs (a debugging aid: it costs a device sync per call).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 fp8_train: bool = True, fp8_rollout: bool = True, pow2_scale: bool = False,
+                 check_finite: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp8_train = fp8_train
+        self.fp8_rollout = fp8_rollout
+        self.pow2_scale = pow2_scale
+        self.check_finite = check_finite
+        self._qweight_key: tuple | None = None
+        self._qweight: Fp8Tensor | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **options) -> "FP8Linear":
+        """Wrap an existing ``nn.Linear``, sharing its parameters (optimizers and tied weights stay valid)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"FP8Linear.from_linear needs an nn.Linear, got {type(linear).__name__}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", **options)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing this layer's parameters."""
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        plain.weight = self.weight
+        plain.bias = self.bias
+        plain.train(self.training)
+        return plain
+
+    def uses_fp8(self) -> bool:
+        """Whether the current side runs this layer in FP8."""
+        return self.fp8_rollout if current_side() == "rollout" else self.fp8_train
+
+    def invalidate_weight_cache(self) -> None:
+        """Forget the quantized weight (call after changing the weight behind autograd's back)."""
+        self._qweight_key = None
+        self._qweight = None
+
+    def quantized_weight(self) -> Fp8Tensor:
+        """The (128, 128)-block FP8 weight for the current weight version, quantized at most once."""
+        w = self.weight
+        key = (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
+               selected_backend_name())
+        if self._qweight is None or self._qweight_key != key:
+            with torch.no_grad():
+                self._qweight = get_backend(w.device).quantize(w.detach(), WEIGHT, self.pow2_scale)
+            self._qweight_key = key
+        return self._qweight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.uses_fp8():
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear expects inputs with {self.in_features} features in the last dim, "
+                             f"got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"FP8Linear input must be a floating-point tensor, got {x.dtype}")
+        if self.check_finite and not bool(torch.isfinite(x).all()):
+            raise FloatingPointError(f"non-finite values (NaN/Inf) in the input of {self!r}")
+        lead = x.shape[:-1]
+        x2d = x.reshape(math.prod(lead), self.in_features)
+        y = fp8_linear(x2d, self.weight, self.bias, self.quantized_weight(), self.pow2_scale)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, fp8_train={self.fp8_train}, fp8_rollout={self.fp8_rollout}"
+                + (", pow2_scale=True" if self.pow2_scale else ""))

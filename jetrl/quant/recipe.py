@@ -1,0 +1,115 @@
+"""Precision recipes: what the rollout side and the training side each run, and the layer swap.
+
+================  ============  ==============  ==========================================================
+recipe            rollout       training        meaning
+================  ============  ==============  ==========================================================
+``bf16``          BF16          BF16            the reference run
+``fp8-rollout``   FP8           BF16            the common baseline: generation in FP8, updates in BF16, so
+                                                the data comes from a different policy (off-policy)
+``jet``           FP8           FP8 (+FP8 bwd)  the unified FP8 flow: identical quantization on both
+                                                sides, FP8 DGrad/WGrad, BF16 master weights
+================  ============  ==============  ==========================================================
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, replace
+
+import torch.nn as nn
+
+from jetrl.quant.linear import FP8Linear
+
+DEFAULT_EXCLUDE = ("lm_head", "*embed*")
+
+
+@dataclass(frozen=True)
+class PrecisionRecipe:
+    """Which sides run FP8, and which linear layers stay out of FP8 (glob patterns on module names)."""
+
+    name: str
+    rollout_fp8: bool
+    train_fp8: bool
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    pow2_scale: bool = False
+    check_finite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.train_fp8 and not self.rollout_fp8:
+            raise ValueError("a recipe that trains in FP8 must also roll out in FP8 (that is the point of it)")
+        if isinstance(self.exclude, str):
+            raise TypeError("PrecisionRecipe.exclude must be a tuple of glob patterns, not a string")
+
+    @property
+    def uses_fp8(self) -> bool:
+        return self.rollout_fp8 or self.train_fp8
+
+    def excludes(self, module_name: str) -> bool:
+        leaf = module_name.rsplit(".", 1)[-1]
+        return any(fnmatch.fnmatchcase(module_name, p) or fnmatch.fnmatchcase(leaf, p) for p in self.exclude)
+
+
+RECIPES: dict[str, PrecisionRecipe] = {
+    "bf16": PrecisionRecipe("bf16", rollout_fp8=False, train_fp8=False),
+    "fp8-rollout": PrecisionRecipe("fp8-rollout", rollout_fp8=True, train_fp8=False),
+    "jet": PrecisionRecipe("jet", rollout_fp8=True, train_fp8=True),
+}
+
+
+def get_recipe(recipe: str | PrecisionRecipe, **overrides) -> PrecisionRecipe:
+    """Look a recipe up by name (``"bf16" | "fp8-rollout" | "jet"``) or pass one through."""
+    if isinstance(recipe, PrecisionRecipe):
+        return replace(recipe, **overrides) if overrides else recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown precision recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    return replace(RECIPES[recipe], **overrides) if overrides else RECIPES[recipe]
+
+
+def apply_recipe(model: nn.Module, recipe: str | PrecisionRecipe) -> nn.Module:
+    """Swap the model's linear layers to match ``recipe``, in place, and return the model.
+
+    Linear layers whose names match ``recipe.exclude`` (embeddings, LM head by default) stay plain.
+    Parameters are shared, never copied, so an optimizer built before the swap stays valid. Reversible:
+    applying ``"bf16"`` turns every ``FP8Linear`` back into ``nn.Linear``.
+    """
+    recipe = get_recipe(recipe)
+    if isinstance(model, nn.Linear):
+        raise TypeError("apply_recipe swaps the linear layers inside a model; wrap a bare nn.Linear in a module")
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if not isinstance(child, nn.Linear):
+                continue
+            want_fp8 = recipe.uses_fp8 and not recipe.excludes(full)
+            if want_fp8:
+                new = child if isinstance(child, FP8Linear) else FP8Linear.from_linear(child)
+                new.fp8_rollout, new.fp8_train = recipe.rollout_fp8, recipe.train_fp8
+                new.pow2_scale, new.check_finite = recipe.pow2_scale, recipe.check_finite
+                new.invalidate_weight_cache()
+            elif isinstance(child, FP8Linear):
+                new = child.to_linear()
+            else:
+                continue
+            setattr(module, child_name, new)
+    model.precision_recipe = recipe  # type: ignore[attr-defined]
+    return model
+
+
+def fp8_linears(model: nn.Module) -> list[FP8Linear]:
+    """The model's FP8Linear layers."""
+    return [m for m in model.modules() if isinstance(m, FP8Linear)]
+
+
+def refresh_fp8_weights(model: nn.Module, eager: bool = False) -> int:
+    """Drop every cached quantized weight (after an update the version counter may not show, e.g. a
+    fused optimizer or a weight load through ``.data``); with ``eager`` re-quantize now. Returns the
+    number of layers refreshed."""
+    layers = fp8_linears(model)
+    for layer in layers:
+        layer.invalidate_weight_cache()
+        if eager:
+            layer.quantized_weight()
+    return len(layers)
+
+
+__all__ = ["PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears", "refresh_fp8_weights"]
