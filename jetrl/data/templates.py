@@ -1,0 +1,95 @@
+"""Turning a :class:`Prompt` into the exact string the policy sees.
+
+When the tokenizer carries a chat template (instruction-tuned checkpoints), the prompt becomes a user turn
+(after an optional system turn) rendered by ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``,
+so the model is prompted the way it was trained. Otherwise (base checkpoints, the embedded character-level
+model) a plain ``str.format`` template is used. The instruction wrapper (``"{prompt}\\nPut the final answer
+after ####."``) applies in both cases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from jetrl.data.prompt import Prompt
+
+
+@dataclass
+class TemplateConfig:
+    """How prompts are rendered.
+
+    ``instruction`` wraps the problem text (must contain ``{prompt}``); ``plain_template`` is the whole
+    string for tokenizers without a chat template (must contain ``{prompt}``, may contain ``{system}``);
+    ``chat`` is ``"auto"`` (chat template when the tokenizer has one), ``"always"`` (error if it has none)
+    or ``"never"``.
+    """
+
+    instruction: str = "{prompt}"
+    system_prompt: str | None = None
+    plain_template: str = "{prompt}"
+    chat: Literal["auto", "always", "never"] = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("instruction", "plain_template"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or "{prompt}" not in value:
+                raise ValueError(f"TemplateConfig.{name} must be a string containing '{{prompt}}', got {value!r}")
+        if self.chat not in ("auto", "always", "never"):
+            raise ValueError(f"TemplateConfig.chat must be 'auto', 'always' or 'never', got {self.chat!r}")
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """True when ``tokenizer`` can render chat turns (a HF tokenizer with a non-empty ``chat_template``)."""
+    return (
+        tokenizer is not None
+        and callable(getattr(tokenizer, "apply_chat_template", None))
+        and bool(getattr(tokenizer, "chat_template", None))
+    )
+
+
+def prompt_messages(prompt: Prompt, config: TemplateConfig) -> list[dict[str, str]]:
+    """The chat turns for ``prompt``: the system prompt (if any) then the instruction-wrapped user turn.
+    A prompt that already is a conversation keeps its turns (the system prompt is added if it has none)."""
+    if prompt.messages is not None:
+        turns = [dict(t) for t in prompt.messages]
+        if config.system_prompt and not any(t["role"] == "system" for t in turns):
+            turns.insert(0, {"role": "system", "content": config.system_prompt})
+        return turns
+    turns = []
+    if config.system_prompt:
+        turns.append({"role": "system", "content": config.system_prompt})
+    turns.append({"role": "user", "content": _fill(config.instruction, prompt=prompt.text)})
+    return turns
+
+
+def render_prompt(prompt: Prompt, tokenizer: Any = None, config: TemplateConfig | None = None) -> str:
+    """The text fed to the policy for ``prompt`` (tokenize it without adding special tokens again
+    when a chat template was used: the template already contains them)."""
+    config = config or TemplateConfig()
+    use_chat = config.chat == "always" or (config.chat == "auto" and has_chat_template(tokenizer))
+    if use_chat:
+        if not has_chat_template(tokenizer):
+            raise ValueError(
+                "TemplateConfig.chat='always' but the tokenizer has no chat template; set chat='auto' or "
+                "'never' to use the plain template, or load a tokenizer with a chat_template"
+            )
+        return tokenizer.apply_chat_template(
+            prompt_messages(prompt, config), tokenize=False, add_generation_prompt=True
+        )
+    if prompt.messages is not None:  # a conversation without a chat template: plain "role: content" lines
+        lines = [f"{t['role']}: {t['content']}" for t in prompt_messages(prompt, config)]
+        return "\n".join(lines) + "\nassistant:"
+    body = _fill(config.instruction, prompt=prompt.text)
+    text = _fill(config.plain_template, system=config.system_prompt or "", prompt=body)  # prompt last: its text is not re-scanned
+    if config.system_prompt and "{system}" not in config.plain_template:
+        text = f"{config.system_prompt}\n\n{text}"
+    return text
+
+
+def _fill(template: str, **values: str) -> str:
+    """``str.format`` that leaves other braces alone (LaTeX problems are full of ``{}``)."""
+    out = template
+    for key, value in values.items():
+        out = out.replace("{" + key + "}", value)
+    return out
