@@ -1,0 +1,210 @@
+"""Policy-gradient losses as pure tensor functions on ``(B, T)`` token tensors.
+
+One clipped-surrogate implementation covers PPO, GRPO and DAPO: GRPO is PPO's clipped ratio with group
+advantages broadcast over a sample's tokens; DAPO adds a separate, larger upper clip ("clip-higher",
+``clip_high > clip_low``) and token-level aggregation; Dr. GRPO aggregates with a constant normaliser.
+
+For every valid token (``mask`` true), with ``ratio = exp(logp - logp_old)`` and advantage ``A``::
+
+    loss_t = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A) * w_t
+
+where ``w_t`` is an optional detached per-token weight: the truncated importance sampling (TIS) weight
+``min(pi_train_old / pi_rollout, C)`` that corrects for rollout-vs-training mismatch (see
+:func:`truncated_is_weights`). Prompt and padding positions are masked: their values never reach the
+loss, its gradient or the metrics, even when they hold ``-inf``/NaN, and a fully masked row contributes 0.
+
+Aggregation (``agg``), over the valid tokens of the whole (mini-)batch:
+
+* ``"token"``: sum over valid tokens / number of valid tokens (DAPO; every token weighs the same).
+* ``"sequence"``: mean over non-empty sequences of each sequence's token mean (original GRPO).
+* ``"sequence-sum-norm"``: sum over valid tokens / (num sequences * max_len), ``max_len`` a constant such
+  as the generation budget (Dr. GRPO; no length bias).
+
+When a mini-batch is split into micro-batches for gradient accumulation, pass the mini-batch's
+``num_tokens`` / ``num_seqs`` so that the micro-batch losses add up to the mini-batch loss exactly.
+
+Metrics are returned as detached 0-dim tensors (no host sync); the caller reduces and logs them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGGREGATIONS = ("token", "sequence", "sequence-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# exp() of a log-ratio beyond this is clamped: keeps k3 and importance ratios finite for tokens whose
+# probabilities differ by more than e^20 (such tokens are clipped anyway)
+MAX_LOG_RATIO = 20.0
+
+
+def _check_same_shape(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+        raise ValueError(f"mask must be a (B, T) tensor, got {getattr(mask, 'shape', type(mask).__name__)}")
+    for name, t in tensors.items():
+        if t is not None and tuple(t.shape) != tuple(mask.shape):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected the mask's shape {tuple(mask.shape)}")
+
+
+def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("mask must be boolean or hold only 0/1")
+    return mask != 0
+
+
+def masked_log_ratio(logprobs: torch.Tensor, other_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``logprobs - other_logprobs`` on valid tokens, exactly 0 elsewhere (NaN-safe, gradient-safe)."""
+    diff = logprobs.float() - other_logprobs.float()
+    return torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, num_tokens: int | float | None = None,
+              num_seqs: int | float | None = None, max_len: int | None = None) -> torch.Tensor:
+    """Reduce per-token ``values`` (B, T) over the valid tokens of ``mask`` to a scalar (see module doc).
+
+    ``num_tokens`` (token), ``num_seqs`` (sequence, sequence-sum-norm) and ``max_len`` (sequence-sum-norm)
+    override the denominators taken from this batch, for gradient accumulation over micro-batches.
+    """
+    _check_same_shape(mask, values=values)
+    mask = _as_bool_mask(mask)
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    v = torch.where(mask, values, zero)  # masked slots may hold NaN/inf: never multiply them
+    if agg == "token":
+        if num_tokens is None:
+            return v.sum() / mask.sum().clamp(min=1)
+        return v.sum() / max(num_tokens, 1)
+    if agg == "sequence":
+        counts = mask.sum(dim=1)
+        seq_mean = v.sum(dim=1) / counts.clamp(min=1)
+        if num_seqs is None:  # empty rows (no response token) are not sequences of the mean
+            return seq_mean.sum() / (counts > 0).sum().clamp(min=1)
+        return seq_mean.sum() / max(num_seqs, 1)
+    seqs = mask.shape[0] if num_seqs is None else num_seqs
+    length = mask.shape[1] if max_len is None else max_len
+    if length < 1:
+        raise ValueError(f"max_len must be >= 1, got {length}")
+    return v.sum() / max(seqs * length, 1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over valid tokens (0 when there are none); detached helper for metrics."""
+    return aggregate(values.detach().float(), mask, "token")
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """TIS weights ``min(exp(old - rollout), cap)`` (B, T), detached; 1 on masked tokens.
+
+    ``old_logprobs`` come from the training-side forward before the update, ``rollout_logprobs`` from the
+    engine that sampled the tokens; the weight corrects the policy gradient for sampling from the rollout
+    policy while the ratio is taken against the training policy (the ``fp8-rollout`` mismatch).
+    """
+    _check_same_shape(mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
+    if not cap >= 1.0:
+        raise ValueError(f"the TIS cap must be >= 1, got {cap}")
+    mask = _as_bool_mask(mask)
+    log_w = masked_log_ratio(old_logprobs.detach(), rollout_logprobs.detach(), mask).clamp(max=MAX_LOG_RATIO)
+    return torch.exp(log_w).clamp(max=cap)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+               estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi; (B, T), 0 on masked tokens.
+
+    With ``log r = logp_ref - logp`` (Schulman's estimators): ``k1 = -log r`` (unbiased, can be negative),
+    ``k2 = (log r)^2 / 2`` (biased, low variance), ``k3 = (r - 1) - log r`` (unbiased, >= 0, low variance).
+    Differentiable with respect to ``logprobs``; ``ref_logprobs`` is treated as a constant.
+    """
+    _check_same_shape(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+    mask = _as_bool_mask(mask)
+    log_r = masked_log_ratio(ref_logprobs.detach(), logprobs, mask)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r.square()
+    log_r = log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token", *,
+                is_weights: torch.Tensor | None = None, num_tokens: int | float | None = None,
+                num_seqs: int | float | None = None, max_len: int | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO/DAPO clipped surrogate loss and its metrics (see the module doc for the formula).
+
+    Args:
+        logprobs: (B, T) log-probabilities of the taken tokens under the policy being optimised (grad).
+        old_logprobs: (B, T) the same under the policy that the ratio is taken against (no grad).
+        advantages: (B,) per sequence or (B, T) per token.
+        mask: (B, T) bool (or 0/1) marking response tokens; prompt and padding are False.
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        agg: "token" | "sequence" | "sequence-sum-norm".
+        is_weights: optional (B, T) per-token multiplicative weights, e.g. :func:`truncated_is_weights`.
+        num_tokens, num_seqs, max_len: denominators for micro-batch accumulation (see :func:`aggregate`).
+
+    Returns ``(loss, metrics)``; metrics (detached, over valid tokens): ``pg_loss``, ``clip_frac_low``
+    (ratio below ``1 - clip_low`` with A < 0: the gradient is cut), ``clip_frac_high`` (ratio above
+    ``1 + clip_high`` with A > 0), ``clip_frac``, ``ratio_mean/min/max``, ``approx_kl`` (k3 estimate of
+    KL(old || new)), ``is_weight_mean`` when weights are given, ``num_tokens``.
+    """
+    _check_same_shape(mask, logprobs=logprobs, old_logprobs=old_logprobs, is_weights=is_weights)
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if clip_low >= 1:
+        raise ValueError(f"clip_low must be < 1 (the lower bound 1 - clip_low must stay positive), got {clip_low}")
+    mask = _as_bool_mask(mask)
+    if advantages.ndim == 1:
+        if advantages.shape[0] != mask.shape[0]:
+            raise ValueError(f"per-sequence advantages have {advantages.shape[0]} rows, the mask {mask.shape[0]}")
+        advantages = advantages[:, None].expand_as(mask)
+    else:
+        _check_same_shape(mask, advantages=advantages)
+    adv = advantages.detach().float()
+
+    log_ratio = masked_log_ratio(logprobs, old_logprobs.detach(), mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)  # exactly 1 on masked tokens
+    surrogate = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(surrogate, clipped)
+    if is_weights is not None:
+        is_weights = torch.where(mask, is_weights.detach().float(), torch.ones((), device=mask.device))
+        per_token = per_token * is_weights
+    loss = aggregate(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (r < 1.0 - clip_low) & (adv < 0) & mask
+        high = (r > 1.0 + clip_high) & (adv > 0) & mask
+        n_valid = mask.sum()
+        denom = n_valid.clamp(min=1).float()
+        lr = log_ratio.detach()
+        inf = torch.tensor(float("inf"), device=r.device)
+        one = torch.ones((), device=r.device)
+        has_tokens = n_valid > 0
+        metrics = {
+            "pg_loss": loss.detach(),
+            "clip_frac_low": low.sum() / denom,
+            "clip_frac_high": high.sum() / denom,
+            "clip_frac": (low | high).sum() / denom,
+            "ratio_mean": (r * mask).sum() / denom,
+            "ratio_max": torch.where(has_tokens, torch.where(mask, r, -inf).max(), one),
+            "ratio_min": torch.where(has_tokens, torch.where(mask, r, inf).min(), one),
+            # k3 estimate of KL(old || new) on tokens sampled from old: (1/ratio - 1) + log ratio
+            "approx_kl": ((torch.exp(-lr) - 1.0 + lr) * mask).sum() / denom,
+            "num_tokens": n_valid.float(),
+        }
+        if is_weights is not None:
+            metrics["is_weight_mean"] = (is_weights * mask).sum() / denom
+    return loss, metrics
+
+
+__all__ = [
+    "AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "masked_mean", "masked_log_ratio", "policy_loss", "kl_penalty",
+    "truncated_is_weights",
+]
