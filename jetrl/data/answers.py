@@ -1,0 +1,98 @@
+"""Extracting and normalising a final numeric answer from free text (GSM8K-style rewards, built-in tasks).
+
+Order of evidence, most explicit first: the text after the last ``####``; the last ``\\boxed{...}``; the
+last "the answer is ..." / "answer: ..."; else the last number anywhere. Numbers are normalised to exact
+fractions: thousands separators (``1,000``), currency and unit words around them (``$``, ``kg``, ``%``),
+trailing zeros (``18.00``), Unicode minus signs and LaTeX fractions all compare equal when their values do.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+
+# A number not glued to a preceding word or number: "-5" in "x = -5", but "5" (not "-5") in "3-5".
+_NUMBER = re.compile(r"(?<![\w.])(?:-\s?)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])-?\.\d+")
+_ANSWER_IS = re.compile(r"(?:final\s+answer|answer)\s*(?:is|:|=|was|would\s+be)\s*:?", re.IGNORECASE)
+_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d,.]+)\s*\}\s*\{\s*(-?[\d,.]+)\s*\}|\\[dt]?frac(\d)(\d)")
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\u2010": "-", "\u00a0": " "})
+
+
+def parse_number(token: str) -> Fraction | None:
+    """Exact value of a number token (``"-1,234.50"`` -> ``Fraction(-2469, 2)``), or None."""
+    cleaned = token.translate(_MINUS_SIGNS).replace(",", "").replace(" ", "")
+    try:
+        return Fraction(Decimal(cleaned))
+    except (InvalidOperation, ValueError):
+        return None
+
+
+def _last_number(text: str) -> Fraction | None:
+    matches = _NUMBER.findall(text)
+    return parse_number(matches[-1]) if matches else None
+
+
+def _first_number(text: str) -> Fraction | None:
+    match = _NUMBER.search(text)
+    return parse_number(match.group(0)) if match else None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    brace = text.find("{", start)
+    if brace < 0:
+        return None
+    depth = 0
+    for i in range(brace, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[brace + 1 : i]
+    return None
+
+
+def _boxed_value(content: str) -> Fraction | None:
+    frac = _FRAC.search(content)
+    if frac:
+        num, den = (frac.group(1), frac.group(2)) if frac.group(1) is not None else (frac.group(3), frac.group(4))
+        n, d = parse_number(num), parse_number(den)
+        if n is not None and d:
+            sign = -1 if re.search(r"-\s*\\[dt]?frac", content) else 1
+            return sign * n / d
+    return _last_number(content.replace("\\!", "").replace("{,}", ","))
+
+
+def extract_final_number(text: str) -> Fraction | None:
+    """The model's final numeric answer in ``text`` (see the module docstring for the order), or None."""
+    text = text.translate(_MINUS_SIGNS)
+    hashes = text.rfind("####")
+    if hashes >= 0:
+        value = _first_number(text[hashes + 4 :])
+        if value is not None:
+            return value
+    boxed = last_boxed(text)
+    if boxed is not None:
+        value = _boxed_value(boxed)
+        if value is not None:
+            return value
+    said = list(_ANSWER_IS.finditer(text))
+    if said:
+        tail = text[said[-1].end() :]
+        value = _first_number(tail[:80])
+        if value is not None:
+            return value
+    return _last_number(text)
+
+
+def reference_number(reference: str) -> Fraction:
+    """The number a reference answer states (GSM8K: after ``####``); ValueError when it states none."""
+    value = extract_final_number(reference)
+    if value is None:
+        raise ValueError(f"reference answer states no number: {reference[-200:]!r}")
+    return value

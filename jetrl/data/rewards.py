@@ -1,0 +1,197 @@
+"""Reward functions: ``fn(completion_text, reference_answer) -> float``.
+
+Built in:
+
+* :func:`gsm8k_reward` -- 1.0 when the completion's final number equals the reference's (GSM8K's full
+  ``answer`` text ending in ``#### N``, or a bare number), compared as exact fractions after normalising
+  thousands separators, ``$``, units, trailing ``.0`` and minus signs (see :mod:`jetrl.data.answers`).
+* :func:`math_reward` -- 1.0 when ``math-verify`` finds the completion's answer (``\\boxed{}`` first, else
+  the last expression) mathematically equal to the reference (MATH's ``answer`` field): fractions,
+  radicals, intervals, sets, LaTeX spellings (``\\dfrac12`` = ``\\frac{1}{2}`` = ``0.5``).
+* the built-in tasks' checkers, by task name (``"arithmetic"``, ``"countdown"``).
+
+Any other callable with the same signature plugs in by name: :func:`resolve_reward` accepts a built-in
+name or a dotted path ``"package.module:function"``. :class:`RewardConfig` adds an optional format bonus
+(:class:`FormatReward`). Reward functions must be importable at module level so that worker processes
+(:mod:`jetrl.data.reward_pool`) can load them; everything here is picklable for that reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jetrl.data.answers import extract_final_number, reference_number
+
+RewardFn = Callable[[str, str], float]
+
+BUILTIN_REWARDS: dict[str, str] = {
+    "gsm8k": "jetrl.data.rewards:gsm8k_reward",
+    "math": "jetrl.data.rewards:math_reward",
+    "arithmetic": "jetrl.data.tasks.arithmetic:arithmetic_reward",
+    "countdown": "jetrl.data.tasks.countdown:countdown_reward",
+}
+
+# What a well-formed final answer looks like, per built-in reward (used by the format bonus).
+FORMAT_PATTERNS: dict[str, str] = {
+    "gsm8k": r"####\s*\\?\$?\s*-?[\d.,]*\d",
+    "math": r"\\boxed\s*\{",
+    "arithmetic": r"####\s*-?\d+\s*$",
+    "countdown": r"####\s*[\d+\-*/() ]+\s*$",
+}
+
+
+def gsm8k_reward(completion_text: str, reference_answer: str) -> float:
+    """1.0 if the completion's final number equals the reference's, else 0.0 (no number: 0.0).
+    Raises ValueError when the reference itself states no number (a data error, not a wrong answer)."""
+    expected = reference_number(reference_answer)
+    got = extract_final_number(completion_text)
+    return 1.0 if got is not None and got == expected else 0.0
+
+
+def _math_timeout() -> int | None:
+    """math-verify enforces its timeouts with SIGALRM, which only the main thread may use; elsewhere run
+    without (the reward pool's per-sample timeout still bounds the time)."""
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_reference(reference_answer: str) -> tuple:
+    from math_verify import parse
+
+    text = reference_answer.strip()
+    if "\\boxed" not in text:
+        text = "\\boxed{" + text + "}"
+    parsed = parse(text, parsing_timeout=_math_timeout())
+    if not parsed:
+        raise ValueError(f"math-verify could not parse the reference answer {reference_answer!r}")
+    return tuple(parsed)
+
+
+def math_reward(completion_text: str, reference_answer: str) -> float:
+    """1.0 if math-verify judges the completion's answer equal to the reference, else 0.0."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ImportError("math_reward needs the math-verify package: pip install math-verify") from None
+    gold = list(_parse_reference(reference_answer))
+    timeout = _math_timeout()
+    predicted = parse(completion_text, parsing_timeout=timeout)
+    if not predicted:
+        return 0.0
+    return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
+
+
+@functools.lru_cache(maxsize=256)
+def _import_callable(spec: str) -> Callable:
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep:  # "pkg.mod.fn"
+        module_name, _, attr_path = spec.rpartition(".")
+    if not module_name or not attr_path:
+        raise ValueError(
+            f"reward {spec!r} is neither a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor a dotted path "
+            "like 'package.module:function'"
+        )
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({e})") from None
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
+            raise ValueError(
+                f"reward {spec!r}: {getattr(obj, '__name__', obj)!r} has no attribute {part!r}; "
+                f"its callables: {', '.join(public[:30])}{' ...' if len(public) > 30 else ''}"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"reward {spec!r} resolved to a {type(obj).__name__}, which is not callable")
+    return obj
+
+
+def resolve_reward(spec: str | RewardFn) -> RewardFn:
+    """A reward function from a built-in name (``"gsm8k"``, ``"math"``, ``"arithmetic"``,
+    ``"countdown"``), a dotted path (``"mypkg.rewards:score"`` or ``"mypkg.rewards.score"``), or a
+    callable (returned as is)."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise TypeError(f"a reward must be a name, a dotted path or a callable, got {spec!r}")
+    return _import_callable(BUILTIN_REWARDS.get(spec, spec))
+
+
+@dataclass(frozen=True)
+class FormatReward:
+    """``base(completion, reference) + weight * [completion matches pattern]``: a small bonus for
+    answering in the expected format, which helps a fresh policy find the answer channel. Picklable
+    (holds the base reward by name), so it runs in worker processes."""
+
+    base: str
+    weight: float
+    pattern: str
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(f"format pattern {self.pattern!r} is not a valid regular expression: {e}") from None
+        if not math.isfinite(self.weight):
+            raise ValueError(f"format weight must be finite, got {self.weight}")
+
+    def __call__(self, completion_text: str, reference_answer: str) -> float:
+        score = float(resolve_reward(self.base)(completion_text, reference_answer))
+        if re.search(self.pattern, completion_text, flags=re.MULTILINE):
+            score += self.weight
+        return score
+
+
+def format_reward(completion_text: str, pattern: str) -> float:
+    """1.0 if ``completion_text`` contains a match of ``pattern`` (multi-line mode), else 0.0."""
+    return 1.0 if re.search(pattern, completion_text, flags=re.MULTILINE) else 0.0
+
+
+@dataclass
+class RewardConfig:
+    """Which reward to compute. ``name`` is a built-in name or ``"package.module:function"`` (None: the
+    dataset's default); ``format_weight`` > 0 adds a bonus for a well-formed answer, matched by
+    ``format_pattern`` (default: the built-in reward's pattern)."""
+
+    name: str | None = None
+    format_weight: float = 0.0
+    format_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format_weight, (int, float)) or not math.isfinite(self.format_weight):
+            raise ValueError(f"format_weight must be a finite number, got {self.format_weight!r}")
+        if self.format_weight < 0:
+            raise ValueError(f"format_weight must be >= 0, got {self.format_weight}")
+
+
+def build_reward_fn(config: RewardConfig, default: str | None = None) -> RewardFn:
+    """The picklable reward callable ``config`` describes (``default``: the dataset's reward name).
+    Resolves the name now, so a typo fails at start-up rather than in a worker."""
+    name = config.name or default
+    if name is None:
+        raise ValueError("no reward function: set reward.name (e.g. 'gsm8k', 'math' or 'package.module:function')")
+    resolve_reward(name)
+    if config.format_weight == 0:
+        return _NamedReward(name)
+    pattern = config.format_pattern or FORMAT_PATTERNS.get(name)
+    if pattern is None:
+        raise ValueError(f"format_weight > 0 needs format_pattern for the custom reward {name!r}")
+    return FormatReward(name, float(config.format_weight), pattern)
+
+
+@dataclass(frozen=True)
+class _NamedReward:
+    """A reward held by name: pickles as a short string, resolves on first use in each process."""
+
+    name: str
+
+    def __call__(self, completion_text: str, reference_answer: str) -> float:
+        return float(resolve_reward(self.name)(completion_text, reference_answer))
