@@ -1,0 +1,344 @@
+"""Triton kernels for blockwise E4M3 quantization and a blockwise FP8 GEMM, with their host wrappers.
+
+Every quantization kernel reproduces :mod:`jetrl.quant.reference` bit for bit, so the arithmetic is the
+reference's, op for op, in fp32:
+
+* ``amax = max(max |x|, 1e-4)`` over the block (masked lanes load 0, like the reference's zero padding);
+* ``scale = div_rn(amax, 448)`` (``tl.div_rn``: Triton's ``/`` on fp32 is an approximate division);
+* power-of-two scales on the fp32 bit pattern, exactly like ``reference.round_scale_to_pow2``;
+* ``data = e4m3(clamp(div_rn(x, scale), -448, 448))``, the cast rounding to nearest even.
+
+Layouts are chosen for the GEMMs that consume them (cuBLAS reads ``a`` row-major and ``b`` as ``b^T``
+column-major, i.e. ``b`` row-major; 1x128 scales "outer-dim-major"):
+
+* 1x128 (``ACT``) data is row-major (M, K); its scales are stored as a (Kb, M) buffer and returned as
+  the (M, Kb) transposed view.
+* 128x1 (``TOKEN``) data is stored transposed, as a row-major (K, M) buffer, and returned as its
+  (M, K) view; the scales are a row-major (Mb, K) buffer. ``Fp8Tensor.t()`` of the result is then a
+  row-major (K, M) operand with outer-dim-major (K, Mb) scales: WGrad's operand, with no copy.
+* 128x128 (``WEIGHT``) data is row-major (N, K), optionally with a row-major copy of W^T (K, N) for
+  DGrad, written in the same pass; scales are row-major (Nb, Kb).
+
+Triton is imported here and nowhere else in jetrl; this module is imported lazily by the CUDA backend.
+Set ``TRITON_INTERPRET=1`` before importing Triton to run the kernels on CPU tensors (the tests do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl.quant.formats import AMAX_EPS, E4M3, E4M3_MAX
+
+BLOCK = 128
+_EPS = tl.constexpr(AMAX_EPS)
+_FP8_MAX = tl.constexpr(E4M3_MAX)
+
+
+# --------------------------------------------------------------------------------------------------
+# device helpers: the reference's arithmetic
+
+
+@triton.jit
+def _scale_from_amax(amax, POW2: tl.constexpr):
+    """fp32 scale ``max(amax, 1e-4) / 448`` (IEEE division), optionally rounded up to a power of two."""
+    amax = tl.maximum(amax, _EPS)
+    scale = tl.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        exponent = bits & 0x7F800000
+        has_mantissa = (bits & 0x007FFFFF) != 0
+        bits = tl.where(has_mantissa, exponent + (1 << 23), exponent)
+        scale = bits.to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _round_to_e4m3_grid(q):
+    """Round fp32 ``q`` (|q| <= 448) to the nearest E4M3 value, ties to even, staying in fp32.
+
+    The cast that follows is then exact, so the result does not depend on how the cast rounds (the
+    Triton interpreter's cast mis-rounds E4M3 subnormals; the hardware's is RNE either way).
+    Normals keep 3 mantissa bits (integer round-half-even on the bit pattern); subnormals (|q| < 2^-6)
+    sit on the 2^-9 grid: rint(q * 512) / 512, rint by the 1.5 * 2^23 add-subtract trick.
+    """
+    bits = q.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648  # 0x80000000
+    mag = bits & 0x7FFFFFFF
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # ~0xFFFFF
+    a = tl.abs(q)
+    sub = ((a * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    r = tl.where(a < 0.015625, sub, normal)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    """``e4m3(clamp(x / scale, -448, 448))`` with an IEEE division; ``scale`` broadcasts to ``x``."""
+    q = tl.div_rn(x, scale)
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    return _round_to_e4m3_grid(q).to(tl.float8e4nv)
+
+
+# --------------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _quantize_rows_cols_kernel(
+    x_ptr, M, K, stride_xm, stride_xk,
+    act_ptr, act_scale_ptr, stride_asm, stride_ask,  # 1x128 outputs: data (M, K) row-major
+    tok_ptr, tok_scale_ptr,  # 128x1 outputs: data as a row-major (K, M) buffer, scales (Mb, K) row-major
+    POW2: tl.constexpr, EMIT_ACT: tl.constexpr, EMIT_TOKEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One tile of x, quantized per row (1x128, needs BLOCK_K == 128) and/or per column (128x1, needs
+    BLOCK_M == 128), reading x once."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    ax = tl.abs(x)
+    if EMIT_ACT:
+        scale = _scale_from_amax(tl.max(ax, axis=1), POW2)  # (BLOCK_M,)
+        q = _to_e4m3(x, scale[:, None])
+        tl.store(act_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+        tl.store(act_scale_ptr + rm * stride_asm + pid_k * stride_ask, scale, mask=rm < M)
+    if EMIT_TOKEN:
+        scale_t = _scale_from_amax(tl.max(ax, axis=0), POW2)  # (BLOCK_K,)
+        q_t = _to_e4m3(x, scale_t[None, :])
+        tl.store(tok_ptr + rk[None, :].to(tl.int64) * M + rm[:, None], q_t, mask=mask)
+        tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
+
+
+@triton.jit
+def _quantize_weight_kernel(
+    w_ptr, N, K, stride_wn, stride_wk,
+    q_ptr, q_t_ptr, scale_ptr,
+    POW2: tl.constexpr, EMIT_T: tl.constexpr,
+):
+    """One 128x128 tile of W: one scale, the data row-major (N, K) and optionally W^T row-major (K, N)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * 128 + tl.arange(0, 128)
+    rk = pid_k * 128 + tl.arange(0, 128)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] * stride_wk, mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
+    scale = _scale_from_amax(amax, POW2)
+    q = _to_e4m3(w, scale)
+    tl.store(q_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+    if EMIT_T:
+        tl.store(q_t_ptr + rk[None, :].to(tl.int64) * N + rn[:, None], q, mask=mask)
+    tl.store(scale_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
+
+
+@triton.jit
+def _requantize_act_to_token_kernel(
+    q_ptr, M, K, stride_qm, stride_qk, s_ptr, stride_sm, stride_sk,
+    tok_ptr, tok_scale_ptr,
+    POW2: tl.constexpr,
+):
+    """Re-quantize a 1x128 FP8 tensor into 128x1 blocks: dequantize in registers (``data * scale`` in
+    fp32, as the reference does), then quantize per 128 rows per column; data written transposed."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * 128 + tl.arange(0, 128)
+    rk = pid_k * 128 + tl.arange(0, 128)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    q = tl.load(q_ptr + rm[:, None].to(tl.int64) * stride_qm + rk[None, :] * stride_qk, mask=mask, other=0.0)
+    s = tl.load(s_ptr + rm * stride_sm + pid_k * stride_sk, mask=rm < M, other=0.0)  # (128,)
+    x = q.to(tl.float32) * s[:, None]
+    x = tl.where(mask, x, 0.0)
+    scale_t = _scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
+    q_t = _to_e4m3(x, scale_t[None, :])
+    tl.store(tok_ptr + rk[None, :].to(tl.int64) * M + rm[:, None], q_t, mask=mask)
+    tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
+
+
+@triton.jit
+def _blockwise_fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    NUM_KB: tl.constexpr,  # ceil(K / 128); a constexpr so the loop bound is known at compile time
+    B_SCALE_ROWS: tl.constexpr,  # 128: b has 128x128 blocks; 1: b has 1x128 blocks
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C = A @ B^T with per-128-K-block scales: ``acc += dot(a_k, b_k) * sa_k * sb_k`` in fp32.
+
+    BLOCK_K is 128 (one scale block); one program owns one output tile and walks all of K in order
+    (no split-K, no atomics), so the result is deterministic and independent of the batch size M.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_size
+    pid_n = (pid % group) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None] * stride_bk  # (128, BLOCK_N)
+    as_ptrs = as_ptr + rm * stride_asm
+    bs_ptrs = bs_ptr + (rn // B_SCALE_ROWS) * stride_bsn
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, NUM_KB):
+        k_ok = rk < K - kb * 128
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        sa = tl.load(as_ptrs + kb * stride_ask, mask=m_ok, other=0.0)
+        sb = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        a_ptrs += 128 * stride_ak
+        b_ptrs += 128 * stride_bk
+    c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn, c,
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# host wrappers
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bool = False):
+    """Quantize x (M, K) per 1x128; with ``emit_token`` also per 128x1, from the same read of x.
+
+    Returns ``(data, scale)`` or ``(data, scale, tok_data, tok_scale)``: data (M, K) row-major, scale the
+    (M, Kb) view of a (Kb, M) buffer; tok_data the (M, K) view of a row-major (K, M) buffer, tok_scale
+    (Mb, K) row-major.
+    """
+    m, k = x.shape
+    kb = _cdiv(k, BLOCK)
+    data = torch.empty((m, k), dtype=E4M3, device=x.device)
+    scale_buf = torch.empty((kb, m), dtype=torch.float32, device=x.device)
+    tok = tok_scale = None
+    if emit_token:
+        tok = torch.empty((k, m), dtype=E4M3, device=x.device)
+        tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
+    if m and k:
+        block_m = BLOCK if emit_token else 32
+        grid = (_cdiv(m, block_m), kb)
+        _quantize_rows_cols_kernel[grid](
+            x, m, k, x.stride(0), x.stride(1),
+            data, scale_buf, 1, m,
+            tok if emit_token else data, tok_scale if emit_token else scale_buf,
+            POW2=pow2_scale, EMIT_ACT=True, EMIT_TOKEN=emit_token, BLOCK_M=block_m, BLOCK_K=BLOCK,
+            num_warps=8 if emit_token else 4,
+        )
+    if emit_token:
+        return data, scale_buf.t(), tok.t(), tok_scale
+    return data, scale_buf.t()
+
+
+def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
+    """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M, K) view of a row-major (K, M)
+    data buffer and the (Mb, K) row-major scales."""
+    m, k = x.shape
+    tok = torch.empty((k, m), dtype=E4M3, device=x.device)
+    tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
+    if m and k:
+        block_k = 64
+        grid = (_cdiv(m, BLOCK), _cdiv(k, block_k))
+        _quantize_rows_cols_kernel[grid](
+            x, m, k, x.stride(0), x.stride(1),
+            tok, tok_scale, 1, 1,
+            tok, tok_scale,
+            POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=4,
+        )
+    return tok.t(), tok_scale
+
+
+def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: bool = False):
+    """Quantize W (N, K) per 128x128 tile. Returns ``(data, scale, data_t)``: data (N, K) row-major,
+    scale (Nb, Kb), data_t a row-major (K, N) copy of data^T (``None`` unless ``emit_t``)."""
+    n, k = w.shape
+    data = torch.empty((n, k), dtype=E4M3, device=w.device)
+    data_t = torch.empty((k, n), dtype=E4M3, device=w.device) if emit_t else None
+    scale = torch.empty((_cdiv(n, BLOCK), _cdiv(k, BLOCK)), dtype=torch.float32, device=w.device)
+    if n and k:
+        grid = (_cdiv(n, BLOCK), _cdiv(k, BLOCK))
+        _quantize_weight_kernel[grid](
+            w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale,
+            POW2=pow2_scale, EMIT_T=emit_t, num_warps=8,
+        )
+    return data, scale, data_t
+
+
+def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False):
+    """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory.
+    Returns the (M, K) view of a row-major (K, M) data buffer and (Mb, K) row-major scales."""
+    m, k = data.shape
+    tok = torch.empty((k, m), dtype=E4M3, device=data.device)
+    tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=data.device)
+    if m and k:
+        grid = (_cdiv(m, BLOCK), _cdiv(k, BLOCK))
+        _requantize_act_to_token_kernel[grid](
+            data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
+            tok, tok_scale, POW2=pow2_scale, num_warps=8,
+        )
+    return tok.t(), tok_scale
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """A fixed tile configuration of the blockwise GEMM (BLOCK_K is always 128, one scale block)."""
+
+    block_m: int
+    block_n: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+LARGE_M_CONFIG = GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
+DECODE_CONFIG = GemmConfig(block_m=16, block_n=32, group_m=1, num_warps=4, num_stages=6)
+
+
+def default_config(m: int, n: int) -> GemmConfig:
+    """Decode-sized M (<= 64) streams the weight: small tiles, deep pipeline, many programs."""
+    if m <= 64:
+        return DECODE_CONFIG if n <= 8192 else GemmConfig(16, 64, group_m=1, num_warps=4, num_stages=6)
+    return LARGE_M_CONFIG
+
+
+def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+                       b_scale_rows: int, out_dtype: torch.dtype = torch.bfloat16,
+                       config: GemmConfig | None = None) -> torch.Tensor:
+    """``a @ b.T`` for a (M, K) with 1x128 scales (M, Kb) and b (N, K) with 128x128 scales (Nb, Kb)
+    (``b_scale_rows=128``) or 1x128 scales (N, Kb) (``b_scale_rows=1``). Any strides; fp32 accumulation."""
+    m, k = a_data.shape
+    n = b_data.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a_data.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config or default_config(m, n)
+    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
+    _blockwise_fp8_gemm_kernel[grid](
+        a_data, b_data, out, a_scale, b_scale, m, n, k,
+        a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1), out.stride(0), out.stride(1),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        NUM_KB=_cdiv(k, BLOCK), B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
