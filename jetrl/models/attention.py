@@ -187,21 +187,25 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     padded.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    group = num_heads // num_kv_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    if any(n < 0 for n in lengths) or cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0]:
+        raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({q.shape[0]}), got {cu_seqlens}")
+    gqa = num_heads != num_kv_heads
+    if len(set(lengths)) == 1:  # equal lengths (the plain (B, T) batch): one batched SDPA
+        num_seqs, seq_len = len(lengths), lengths[0]
+        qb, kb, vb = (t.reshape(num_seqs, seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(q.shape)
     outs = []
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        if end <= start:
+        if end == start:
             continue
-        qs = q[start:end].transpose(0, 1)  # (Hq, L, D)
-        ks = k[start:end].transpose(0, 1)  # (Hkv, L, D)
-        vs = v[start:end].transpose(0, 1)
-        if group > 1:
-            ks = ks.repeat_interleave(group, dim=0)
-            vs = vs.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=softmax_scale)
+        qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # (1, H, L, D)
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
         outs.append(out[0].transpose(0, 1))  # (L, Hq, D)
-    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
-
+    return torch.cat(outs, dim=0)
 
 __all__ = [
     "PagedAttentionMetadata", "PagedKVCache", "write_kv", "paged_attention_reference", "paged_attention",

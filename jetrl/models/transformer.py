@@ -1,0 +1,344 @@
+"""One decoder for Llama 3.x, Qwen2/2.5 and Qwen3, with HuggingFace parameter names.
+
+Module tree (names are the HF state-dict keys, so loading is a loop over the checkpoint)::
+
+    DecoderLM
+      model.embed_tokens                      nn.Embedding            (stays BF16)
+      model.layers[i].input_layernorm         RMSNorm                 (fp32 math)
+      model.layers[i].self_attn.{q,k,v,o}_proj nn.Linear              (-> FP8Linear under a recipe)
+      model.layers[i].self_attn.{q,k}_norm    RMSNorm over head_dim   (Qwen3 only)
+      model.layers[i].post_attention_layernorm RMSNorm
+      model.layers[i].mlp.{gate,up,down}_proj nn.Linear               (-> FP8Linear under a recipe)
+      model.norm                              RMSNorm
+      lm_head                                 nn.Linear, maybe tied   (stays BF16)
+
+Every block linear is a plain ``nn.Linear``: :func:`jetrl.quant.apply_recipe` swaps them for
+``FP8Linear`` in place, so the FP8 rollout and the FP8 training run this very module graph.
+
+All entry points flatten tokens to rows (N, hidden) and differ only in how attention reads K/V:
+
+* ``model(input_ids)`` (B, T): the plain causal batch, logits (B, T, vocab) in the LM head's dtype.
+* ``forward_packed(input_ids, positions, cu_seqlens, max_seqlen)``: packed sequences of different
+  lengths, block-diagonal causal attention, returns the final hidden states (N, hidden); pair it with
+  :func:`jetrl.models.token_logprobs` for chunked fp32 log-probabilities.
+* ``forward_paged(input_ids, positions, meta, kv_cache, logits_indices)``: one rollout step over a
+  paged KV cache (see :mod:`jetrl.models.attention`); returns fp32 logits of the selected rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache, paged_attention, varlen_attention, write_kv
+from jetrl.models.config import DecoderConfig
+
+# attend(layer_idx, q (N, Hq, D), k (N, Hkv, D), v (N, Hkv, D), softmax_scale) -> (N, Hq, D)
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, normalised in fp32 and cast back before the weight (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(in_dtype)
+
+
+def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
+    """RoPE inverse frequencies (head_dim / 2,) in fp32 on CPU, with ``linear`` or ``llama3`` scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin (N, head_dim) for integer positions (N,), computed in fp32 then cast to ``dtype``."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (N, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (N, D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (N, H, D) by the half-split convention of HF Llama/Qwen."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """GQA self-attention; how K/V are stored and read is delegated to ``attend``."""
+
+    def __init__(self, config: DecoderConfig, layer_idx: int, device=None, dtype=None) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.softmax_scale = c.head_dim ** -0.5
+        kw = dict(device=device, dtype=dtype)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias, **kw)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias, **kw)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        n = x.shape[0]  # x: (N, hidden)
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(self.layer_idx, q, k, v, self.softmax_scale)  # (N, Hq, D)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: DecoderConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        c, kw = config, dict(device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **kw)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **kw)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(self, config: DecoderConfig, layer_idx: int, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.self_attn = Attention(config, layer_idx, **kw)
+        self.mlp = MLP(config, **kw)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the blocks and the final norm (HF's ``model.*``)."""
+
+    def __init__(self, config: DecoderConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.inv_freq = rope_inv_freq(config)  # plain attribute: never cast by .to(dtype), moved lazily
+        self.activation_checkpointing = False
+
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        return self.inv_freq
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Rows (N,) of token ids at ``positions`` -> final hidden states (N, hidden)."""
+        h = self.embed_tokens(input_ids)  # (N, hidden)
+        cos, sin = rope_cos_sin(self._inv_freq_on(h.device), positions, h.dtype)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        for layer in self.layers:
+            if recompute:
+                h = checkpoint(layer, h, cos, sin, attend, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, attend)
+        return self.norm(h)
+
+
+class DecoderLM(nn.Module):
+    """The causal LM: :class:`DecoderModel` plus the LM head (tied to the embedding if the config says so)."""
+
+    def __init__(self, config: DecoderConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+        self.tie_weights()
+
+    # ---------------------------------------------------------------- setup
+    def tie_weights(self) -> None:
+        """Share the LM head with the embedding when ``tie_word_embeddings`` (after any re-materialisation)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_activation_checkpointing(self, enabled: bool = True) -> "DecoderLM":
+        """Recompute each block in backward instead of keeping its activations (per-block checkpointing)."""
+        self.model.activation_checkpointing = bool(enabled)
+        return self
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.model.activation_checkpointing
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ---------------------------------------------------------------- entry points
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain causal batch: (B, T) token ids -> (B, T, vocab) logits in the LM head's dtype."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"model(input_ids) expects a (B, T) tensor, got shape {tuple(input_ids.shape)}; use "
+                             f"forward_packed for packed rows")
+        _check_ids(input_ids, self.config.vocab_size)
+        batch, seq_len = input_ids.shape
+        positions = torch.arange(seq_len, device=input_ids.device).repeat(batch)
+        cu = list(range(0, batch * seq_len + 1, seq_len)) if seq_len else [0]
+        if batch * seq_len == 0:
+            return self.lm_head.weight.new_zeros(batch, seq_len, self.config.vocab_size)
+        hidden = self.model(input_ids.reshape(-1), positions, _packed_attend(cu))
+        return self.lm_head(hidden).view(batch, seq_len, -1)
+
+    def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                       max_seqlen: int | None = None) -> torch.Tensor:
+        """Packed sequences: ids and positions (N,), ``cu_seqlens`` (S+1,) -> final hidden states (N, hidden).
+
+        Attention is block-diagonal causal (a row sees its own sequence's earlier rows only). Positions
+        are given explicitly so a packed row can continue a prompt at any offset. ``cu_seqlens`` is read
+        on the host once per call; ``max_seqlen`` is accepted for interface compatibility and checked.
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"forward_packed expects input_ids and positions of shape (N,), got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        _check_ids(input_ids, self.config.vocab_size)
+        cu = [int(c) for c in cu_seqlens.tolist()] if torch.is_tensor(cu_seqlens) else [int(c) for c in cu_seqlens]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != input_ids.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to N={input_ids.shape[0]}, got {cu}")
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
+        if max_seqlen is not None and longest > max_seqlen:
+            raise ValueError(f"a packed sequence has {longest} tokens, more than max_seqlen={max_seqlen}")
+        return self.model(input_ids, positions, _packed_attend(cu))
+
+    def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
+                      kv_cache: PagedKVCache, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """One rollout step over a paged KV cache -> fp32 logits (L, vocab) of the rows in ``logits_indices``.
+
+        Writes K/V of the N new tokens at ``meta.slot_mapping``, then attends through
+        :func:`jetrl.models.attention.paged_attention`. Only tensor ops on the given tensors run inside
+        (no host syncs, no data-dependent shapes), so a decode step can be captured in a CUDA graph.
+        """
+        if kv_cache.num_layers != self.config.num_hidden_layers:
+            raise ValueError(f"kv_cache has {kv_cache.num_layers} layers, the model {self.config.num_hidden_layers}")
+
+        def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
+            k_layer, v_layer = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
+            write_kv(k_layer, v_layer, k, v, meta.slot_mapping)
+            return paged_attention(q, k_layer, v_layer, meta, softmax_scale)
+
+        hidden = self.model(input_ids, positions, attend)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        return self.compute_logits(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on hidden rows (..., hidden) -> fp32 logits (..., vocab)."""
+        return self.lm_head(hidden).float()
+
+
+def _packed_attend(cu_seqlens: list[int]) -> Attend:
+    def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
+        return varlen_attention(q, k, v, cu_seqlens, softmax_scale)
+    return attend
+
+
+def _check_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be an integer (int64/int32) tensor, got {input_ids.dtype}")
+
+
+def init_weights(model: DecoderLM, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+    """Random init in place (normal(0, std) for linears and the embedding, ones for norms, zero biases)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                _normal_(module.weight, std, generator)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                _normal_(module.weight, std, generator)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+
+def _normal_(t: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
+    if generator is None or generator.device == t.device:
+        t.normal_(0.0, std, generator=generator)
+    else:  # a CPU generator for a GPU tensor: draw on CPU, same values on any device
+        t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
+
+
+def build_model(config: DecoderConfig | dict, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str | None = None, recipe: str | object = "bf16",
+                seed: int | None = 0, init: bool = True) -> DecoderLM:
+    """A randomly initialised model from a :class:`DecoderConfig` or a HF config dict.
+
+    Built on the meta device, then allocated once on ``device`` (no second copy) and initialised
+    (``init=False`` leaves the memory uninitialised, for a loader that fills every tensor). ``recipe``
+    is applied last (``"bf16"``, ``"fp8-rollout"``, ``"jet"`` or a ``PrecisionRecipe``).
+    """
+    from jetrl.quant import apply_recipe
+
+    if isinstance(config, dict):
+        config = DecoderConfig.from_hf(config)
+    if not isinstance(config, DecoderConfig):
+        raise TypeError(f"build_model needs a DecoderConfig or a HF config dict, got {type(config).__name__}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    with torch.device("meta"):
+        model = DecoderLM(config, dtype=dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    if init:
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        init_weights(model, generator=generator)
+    apply_recipe(model, recipe)
+    return model
+
+
+__all__ = ["DecoderLM", "DecoderModel", "DecoderLayer", "Attention", "MLP", "RMSNorm", "build_model",
+           "init_weights", "rope_inv_freq", "rope_cos_sin", "apply_rope"]
