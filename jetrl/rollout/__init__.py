@@ -1,0 +1,24 @@
+"""Rollout: batched generation on the policy model through a paged KV cache (continuous batching,
+prefix sharing of the n samples of a prompt, preemption by recomputation, CUDA-graph decode).
+
+Log-probabilities are ``log_softmax(logits / T)`` in fp32 before top-k/top-p truncation, the trainer's
+definition (see :mod:`jetrl.rollout.sampling`).
+"""
+
+from jetrl.rollout.block_manager import BlockManager, NoFreeBlocks
+from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample, seeded_uniform
+from jetrl.rollout.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from jetrl.rollout.sequence import Completion, Sequence, SequenceStatus
+
+
+def __getattr__(name: str):
+    # the engine imports the models package; keep the sampler/scheduler importable on their own
+    if name == "RolloutEngine":
+        from jetrl.rollout.engine import RolloutEngine
+        return RolloutEngine
+    raise AttributeError(f"module 'jetrl.rollout' has no attribute {name!r}")
+
+
+__all__ = ["RolloutEngine", "SamplingParams", "SamplingBatch", "sample", "seeded_uniform", "Completion",
+           "Sequence", "SequenceStatus", "BlockManager", "NoFreeBlocks", "Scheduler", "SchedulerOutput",
+           "ScheduledChunk"]

@@ -1,0 +1,112 @@
+"""The KV block pool: fixed-size blocks, per-sequence block tables, reference counts, copy-on-write.
+
+A sequence's token at position ``p`` lives in physical block ``block_table[p // block_size]`` at offset
+``p % block_size``. The ``n`` samples of one prompt are prefilled once: their block tables start as the
+same list of blocks, each block's reference count equal to the number of holders. A full shared block
+stays shared for the whole generation (nobody writes into it again); the last, partially filled block
+is copied on the first write by each holder but the last one (copy-on-write), so each sample continues
+its own tail without touching the others'.
+
+The manager only does bookkeeping; the engine performs the block copies it returns, on every layer,
+before the forward that writes into the new blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from jetrl.rollout.sequence import Sequence
+
+
+class NoFreeBlocks(RuntimeError):
+    """Raised when an allocation needs more blocks than are free (the scheduler preempts first)."""
+
+
+class BlockManager:
+    """Free list and reference counts of ``num_blocks`` physical blocks of ``block_size`` tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"BlockManager needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
+                             f"{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        if not self._free:
+            raise NoFreeBlocks("no free KV blocks")
+        block = self._free.popleft()
+        assert self.ref_counts[block] == 0
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"double free of block {block}"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free.append(block)
+
+    def allocate_shared(self, seqs: list[Sequence], num_tokens: int) -> None:
+        """Give ``seqs`` (identical prefixes) one shared set of blocks covering ``num_tokens`` tokens."""
+        needed = self.blocks_for_tokens(num_tokens)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocks(f"need {needed} blocks, {self.num_free_blocks} free")
+        for seq in seqs:
+            if seq.block_table:
+                raise RuntimeError(f"{seq} already holds blocks")
+        blocks = [self._take() for _ in range(needed)]
+        for block in blocks:
+            self.ref_counts[block] = len(seqs)
+        for seq in seqs:
+            seq.block_table = list(blocks)
+
+    def blocks_needed_to_append(self, seq: Sequence) -> int:
+        """0 or 1: whether writing the token at ``seq.num_computed_tokens`` needs a block (new or a copy)."""
+        pos = seq.num_computed_tokens
+        index = pos // self.block_size
+        if index >= len(seq.block_table):
+            return 1
+        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
+
+    def prepare_append(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make the slot of the token at ``seq.num_computed_tokens`` writable by ``seq`` alone.
+
+        Allocates a fresh block at a block boundary; copies a shared partial block (returns the
+        ``(src, dst)`` pair the engine must copy before the write); otherwise does nothing.
+        """
+        pos = seq.num_computed_tokens
+        index = pos // self.block_size
+        if index > len(seq.block_table):
+            raise RuntimeError(f"{seq}: block table has a gap at position {pos}")
+        if index == len(seq.block_table):
+            seq.block_table.append(self._take())
+            return None
+        block = seq.block_table[index]
+        if self.ref_counts[block] == 1:
+            return None
+        new = self._take()
+        self._release(block)
+        seq.block_table[index] = new
+        return (block, new)
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Flat slot (block_id * block_size + offset) of ``seq``'s token at ``position``."""
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; blocks nobody else holds return to the pool."""
+        for block in seq.block_table:
+            self._release(block)
+        seq.block_table = []
+
+
+__all__ = ["BlockManager", "NoFreeBlocks"]

@@ -1,0 +1,217 @@
+"""Sampling parameters and the batched sampler: one token AND its log-probability per row, on the device.
+
+**Which log-probability.** The sampler returns ``log_softmax(logits / T)[token]`` computed in fp32 over
+the *whole* vocabulary, *before* top-k/top-p truncation (for greedy rows, T = 0, it is
+``log_softmax(logits)[token]``, i.e. temperature 1). The trainer computes the same quantity
+(``jetrl.models.token_logprobs(..., temperature=T)``), so rollout and training log-probabilities agree
+by definition, and truncation never produces a log-probability the trainer cannot reproduce from the
+logits alone. Tokens are *drawn* from the truncated, renormalised distribution.
+
+**Truncation order** (vLLM's): top-k first (keep the k largest logits), then top-p on the renormalised
+top-k distribution (keep the smallest prefix of tokens, by decreasing probability, whose mass reaches
+``top_p``; the most likely token is always kept).
+
+**Randomness.** Sampling is Gumbel-max: ``argmax(logits / T + g)`` over the kept tokens, with ``g`` i.i.d.
+standard Gumbel noise, which draws exactly from the truncated softmax. For seeded requests ``g`` comes from
+a counter-based hash of ``(seed, sample index, output position, token id)``: a sample's tokens depend only
+on its own seed and history, never on the batch it ran in, the order of requests, or a preemption in
+between (recomputed sequences resume the same noise stream). Unseeded rows draw from the global torch
+generator of the logits' device (cheaper; not reproducible across batch compositions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample completions for one prompt (or every prompt of a ``generate`` call).
+
+    ``temperature=0`` means greedy. ``top_k=-1`` / ``top_p=1`` disable truncation. ``stop_token_ids`` and
+    ``stop`` (strings, needs a tokenizer) end a sample with finish reason ``"stop"``; the token that
+    completes the stop is kept in the output. The model's end-of-sequence ids also stop a sample unless
+    ``ignore_eos``. ``seed`` makes the samples reproducible and independent of batch composition.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def _int(name: str, value) -> None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} ({value!r})")
+
+        _int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1 (samples per prompt), got {self.n}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise TypeError(f"SamplingParams.temperature must be a number, got {self.temperature!r}")
+        if not (self.temperature >= 0.0) or self.temperature == float("inf"):
+            raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), "
+                             f"got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise TypeError(f"SamplingParams.top_p must be a number, got {self.top_p!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        _int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop_token_ids, (str, int)):
+            raise TypeError("SamplingParams.stop_token_ids must be a sequence of ints, "
+                            f"got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for t in self.stop_token_ids:
+            _int("stop_token_ids[...]", t)
+            if t < 0:
+                raise ValueError(f"SamplingParams.stop_token_ids must be non-negative, got {t}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {s!r}")
+        if self.seed is not None:
+            _int("seed", self.seed)
+            if not (0 <= self.seed < 2 ** 64):
+                raise ValueError(f"SamplingParams.seed must be in [0, 2**64), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of one engine step, as device tensors (built once per step)."""
+
+    temperature: torch.Tensor  # (B,) fp32; 0 = greedy
+    top_k: torch.Tensor  # (B,) int64; -1 = off
+    top_p: torch.Tensor  # (B,) fp32
+    seed_lo: torch.Tensor  # (B,) int64, low 32 bits of the seed
+    seed_hi: torch.Tensor  # (B,) int64, high 32 bits of the seed
+    sample_index: torch.Tensor  # (B,) int64, which of the n samples of its prompt
+    position: torch.Tensor  # (B,) int64, index of the token being sampled among the outputs
+    is_seeded: torch.Tensor  # (B,) bool
+    # host-side summaries, so the sampler skips work no row needs without a device sync
+    any_truncation: bool = False
+    any_seeded: bool = False
+    any_unseeded_random: bool = False
+    all_greedy: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @staticmethod
+    def build(params: list[SamplingParams], sample_index: list[int], position: list[int],
+              device: torch.device | str) -> "SamplingBatch":
+        """Pack the rows' parameters (``params[i]`` for row i) into tensors on ``device``."""
+        seeds = [p.seed if p.seed is not None else 0 for p in params]
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        return SamplingBatch(
+            temperature=torch.tensor([float(p.temperature) for p in params], **f32),
+            top_k=torch.tensor([p.top_k for p in params], **i64),
+            top_p=torch.tensor([float(p.top_p) for p in params], **f32),
+            seed_lo=torch.tensor([s & _MASK32 for s in seeds], **i64),
+            seed_hi=torch.tensor([(s >> 32) & _MASK32 for s in seeds], **i64),
+            sample_index=torch.tensor(sample_index, **i64),
+            position=torch.tensor(position, **i64),
+            is_seeded=torch.tensor([p.seed is not None for p in params], dtype=torch.bool, device=device),
+            any_truncation=any((p.top_k != -1 or p.top_p < 1.0) and not p.is_greedy for p in params),
+            any_seeded=any(p.seed is not None and not p.is_greedy for p in params),
+            any_unseeded_random=any(p.seed is None and not p.is_greedy for p in params),
+            all_greedy=all(p.is_greedy for p in params),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Counter-based noise: a 32-bit integer hash evaluated with int64 tensor ops (exact on CPU and CUDA).
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow (split x into 16-bit halves)."""
+    lo = (x & 0xFFFF) * c
+    hi = ((x >> 16) * c) & 0xFFFF
+    return (lo + (hi << 16)) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A well-mixing 32-bit integer hash (xorshift-multiply, "lowbias32" constants)."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, sample_index: torch.Tensor,
+                   position: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), (B, V) fp32, a pure function of (seed, sample index, position, token id)."""
+    key = _hash32(seed_lo ^ _hash32(seed_hi + 0x9E3779B9))
+    key = _hash32(key ^ _hash32(sample_index + 0x85EBCA6B))
+    key = _hash32(key ^ _hash32(position + 0xC2B2AE35))  # (B,)
+    token = torch.arange(vocab_size, device=key.device, dtype=torch.int64)
+    bits = _hash32(_hash32(key[:, None] ^ token[None, :]) + key[:, None])  # (B, V)
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, V): True where a token is removed by top-k, then top-p (on the top-k renormalised)."""
+    vocab = scaled.shape[-1]
+    sorted_vals, order = scaled.sort(dim=-1, descending=True)  # (B, V)
+    ranks = torch.arange(vocab, device=scaled.device)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))  # (B,)
+    removed_sorted = ranks[None, :] >= k[:, None]
+    probs = sorted_vals.masked_fill(removed_sorted, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
+    removed_sorted |= mass_before >= top_p[:, None]  # rank 0 has mass_before 0 < top_p: always kept
+    return torch.zeros_like(removed_sorted).scatter_(-1, order, removed_sorted)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` (B, V) -> (tokens (B,) int64, logprobs (B,) fp32).
+
+    See the module docstring for the log-probability definition and the truncation order. Runs entirely
+    on the logits' device with no host synchronisation.
+    """
+    logits = logits.float()
+    greedy = batch.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
+    scaled = logits / temperature[:, None]  # (B, V)
+    logprobs_full = scaled.log_softmax(dim=-1)
+    if batch.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scores = scaled
+        if batch.any_truncation:
+            scores = scores.masked_fill(_truncation_mask(scaled, batch.top_k, batch.top_p), float("-inf"))
+        if batch.any_seeded and not batch.any_unseeded_random:
+            uniform = seeded_uniform(batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position,
+                                     logits.shape[-1])
+        else:
+            uniform = torch.rand_like(scores).clamp_(min=2.0 ** -25, max=1.0 - 2.0 ** -25)
+            if batch.any_seeded:
+                seeded = seeded_uniform(batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position,
+                                        logits.shape[-1])
+                uniform = torch.where(batch.is_seeded[:, None], seeded, uniform)
+        gumbel = -torch.log(-torch.log(uniform))
+        tokens = torch.where(greedy, logits.argmax(dim=-1), (scores + gumbel).argmax(dim=-1))
+    logprobs = logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs
+
+
+__all__ = ["SamplingParams", "SamplingBatch", "sample", "seeded_uniform"]

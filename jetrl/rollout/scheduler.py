@@ -1,0 +1,225 @@
+"""Continuous batching: which tokens of which sequences the next engine step computes.
+
+Work is organised in *entries*: a list of sequences whose tokens are identical and which share KV blocks.
+A fresh prompt enters as one entry holding its ``n`` samples (prefilled once: prefix sharing); once the
+prompt's last logits are sampled, every sample becomes an entry of its own. A preempted sequence comes
+back as an entry of one.
+
+Each step is either a **prefill** step (chunks of uncomputed tokens, at most ``max_num_batched_tokens``
+in total; a prompt longer than that is split over several steps: chunked prefill) or a **decode** step
+(one new token for every running sequence, the shape CUDA graphs capture). Prefill has priority: a
+waiting entry joins as soon as it fits (continuous batching), which keeps the decode batch full.
+
+When a decode step needs a block and none is free, the newest running entry is **preempted by
+recomputation**: its blocks are freed, it goes back to the front of the waiting queue keeping its
+generated tokens, and later re-prefills them. Nothing is ever truncated; a sequence that cannot fit in
+the whole pool even alone is rejected before generation starts (see :meth:`Scheduler.check_fits`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from jetrl.rollout.block_manager import BlockManager
+from jetrl.rollout.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens ``[start, end)`` of ``seqs[0].token_ids`` computed this step; ``seqs`` share them.
+
+    When ``end`` reaches the sequence length (``samples``), the logits of the chunk's last row are
+    sampled once per sequence in ``seqs``.
+    """
+
+    seqs: list[Sequence]
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.seqs[0])
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    is_decode: bool
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy before the step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(len(c.seqs) for c in self.chunks if c.samples)
+
+
+class Scheduler:
+    """Waiting and running queues over a :class:`BlockManager`."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[list[Sequence]] = deque()
+        self.running: list[list[Sequence]] = []
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- admission
+
+    def check_fits(self, num_prompt_tokens: int, params_max_tokens: int, n: int) -> None:
+        """Raise ValueError for a request that could never run, even alone in an empty pool."""
+        total = min(num_prompt_tokens + params_max_tokens, self.max_model_len)
+        needed = self.blocks.blocks_for_tokens(total - 1)  # the last sampled token is never cached
+        if needed > self.blocks.num_blocks:
+            raise ValueError(
+                f"a sequence of {num_prompt_tokens} prompt + {total - num_prompt_tokens} new tokens needs "
+                f"{needed} KV blocks of {self.blocks.block_size} tokens, but the pool has only "
+                f"{self.blocks.num_blocks}; raise memory_budget, or lower max_tokens")
+        if n > self.max_num_seqs:
+            raise ValueError(f"n={n} samples per prompt exceeds max_num_seqs={self.max_num_seqs}")
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue the samples of one prompt (identical tokens) as one shared-prefix entry."""
+        self.waiting.append(seqs)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _num_running_seqs(self) -> int:
+        return sum(len(e) for e in self.running)
+
+    @staticmethod
+    def _is_prefilling(entry: list[Sequence]) -> bool:
+        return entry[0].num_computed_tokens < len(entry[0]) - 1 or len(entry) > 1
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = self._schedule_prefill()
+        if out.chunks:
+            return out
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for entry in self.running:  # chunked prefills in progress continue first
+            if budget == 0:
+                break
+            if self._is_prefilling(entry):
+                start = entry[0].num_computed_tokens
+                end = min(len(entry[0]), start + budget)
+                chunks.append(ScheduledChunk(entry, start, end))
+                budget -= end - start
+        while self.waiting and budget > 0:
+            entry = self.waiting[0]
+            if self._num_running_seqs() + len(entry) > self.max_num_seqs:
+                break
+            needed = self.blocks.blocks_for_tokens(len(entry[0]))
+            # keep one block per running sequence in reserve so admission does not force an immediate
+            # preemption on the next decode step; with nothing running, admit whatever fits
+            reserve = self._num_running_seqs() + len(entry) - 1
+            if needed + (reserve if self.running else 0) > self.blocks.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.blocks.allocate_shared(entry, len(entry[0]))
+            for seq in entry:
+                seq.status = SequenceStatus.RUNNING
+                seq.num_computed_tokens = 0
+            self.running.append(entry)
+            end = min(len(entry[0]), budget)
+            chunks.append(ScheduledChunk(entry, 0, end))
+            budget -= end
+        return SchedulerOutput(chunks, is_decode=False)
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        chunks: list[ScheduledChunk] = []
+        copies: list[tuple[int, int]] = []
+        i = 0
+        while i < len(self.running):
+            entry = self.running[i]
+            seq = entry[0]
+            while self.blocks.blocks_needed_to_append(seq) > self.blocks.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is entry:
+                    break
+            else:
+                pair = self.blocks.prepare_append(seq)
+                if pair is not None:
+                    copies.append(pair)
+                chunks.append(ScheduledChunk(entry, seq.num_computed_tokens, seq.num_computed_tokens + 1))
+                i += 1
+                continue
+            break  # the entry itself was preempted: it was the newest, nothing after it remains
+        return SchedulerOutput(chunks, is_decode=True, copies=copies)
+
+    def _preempt(self, entry: list[Sequence]) -> None:
+        self.running = [e for e in self.running if e is not entry]
+        for seq in entry:
+            self.blocks.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(entry)
+
+    # ---------------------------------------------------------------- after the step
+
+    def postprocess(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float],
+                    is_stopped: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """Record the step's sampled tokens (one per sampled sequence, in chunk order) and retire the
+        finished sequences; returns them. ``is_stopped`` adds stop-string checks."""
+        finished: list[Sequence] = []
+        replaced: dict[int, list[list[Sequence]]] = {}
+        row = 0
+        for chunk in out.chunks:
+            for seq in chunk.seqs:
+                seq.num_computed_tokens = chunk.end
+            if not chunk.samples:
+                continue
+            survivors: list[list[Sequence]] = []
+            for seq in chunk.seqs:
+                token, logprob = tokens[row], logprobs[row]
+                row += 1
+                seq.append(token, logprob)
+                reason = self._finish_reason(seq, token, is_stopped)
+                if reason is None:
+                    survivors.append([seq])
+                else:
+                    seq.finish_reason = reason
+                    seq.status = SequenceStatus.FINISHED
+                    self.blocks.free(seq)
+                    finished.append(seq)
+            replaced[id(chunk.seqs)] = survivors
+        if replaced:
+            self.running = [e for entry in self.running for e in replaced.get(id(entry), [entry])]
+        if row != len(tokens):
+            raise RuntimeError(f"scheduler expected {row} sampled tokens, got {len(tokens)}")
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int, is_stopped) -> str | None:
+        if token in seq.stop_ids:
+            return "stop"
+        if is_stopped is not None and seq.params.stop and is_stopped(seq):
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledChunk"]
