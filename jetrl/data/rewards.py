@@ -87,6 +87,21 @@ def math_reward(completion_text: str, reference_answer: str) -> float:
     return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
 
 
+def _warm_up_math() -> None:
+    """Import math-verify and sympy and run one check, so a fresh worker's first sample is not slow."""
+    math_reward("\\boxed{\\frac{1}{2}}", "0.5")
+
+
+math_reward.warmup = _warm_up_math  # called by reward workers at start-up
+
+
+def warm_up(fn: RewardFn) -> None:
+    """Run ``fn.warmup()`` if the reward function has one (heavy imports, caches)."""
+    hook = getattr(fn, "warmup", None)
+    if callable(hook):
+        hook()
+
+
 @functools.lru_cache(maxsize=256)
 def _import_callable(spec: str) -> Callable:
     module_name, sep, attr_path = spec.partition(":")
@@ -143,6 +158,9 @@ class FormatReward:
         if not math.isfinite(self.weight):
             raise ValueError(f"format weight must be finite, got {self.weight}")
 
+    def warmup(self) -> None:
+        warm_up(resolve_reward(self.base))
+
     def __call__(self, completion_text: str, reference_answer: str) -> float:
         score = float(resolve_reward(self.base)(completion_text, reference_answer))
         if re.search(self.pattern, completion_text, flags=re.MULTILINE):
@@ -192,6 +210,9 @@ class _NamedReward:
     """A reward held by name: pickles as a short string, resolves on first use in each process."""
 
     name: str
+
+    def warmup(self) -> None:
+        warm_up(resolve_reward(self.name))
 
     def __call__(self, completion_text: str, reference_answer: str) -> float:
         return float(resolve_reward(self.name)(completion_text, reference_answer))

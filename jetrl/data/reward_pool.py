@@ -1,0 +1,310 @@
+"""Reward computation in worker processes with a per-sample timeout.
+
+A reward function is user code: it may loop forever on a pathological completion (a sympy expression that
+never simplifies), raise, or crash its interpreter. :class:`RewardPool` runs it in ``num_workers``
+processes (``forkserver`` or ``spawn`` start, so it is safe next to torch and CUDA) and guarantees that
+``score()`` returns in bounded time: a sample that runs past ``timeout_s`` scores 0.0 and is counted as a
+timeout, its worker is killed and replaced, and the rest of that worker's work is handed out again; a
+sample that raises (or returns a non-finite value) scores 0.0 and is counted as an error; a worker that
+dies takes only its current sample with it.
+
+Fast path: samples travel in chunks (one message per chunk of up to ``chunk_size`` samples), results come
+back one message per sample, so the parent always knows which sample a worker is on and when it started.
+Worst case for one call: about ``ceil(n / num_workers) * timeout_s`` plus restarts.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Literal
+
+from jetrl.data.rewards import RewardFn, resolve_reward, warm_up
+
+MAX_ERROR_MESSAGES = 10
+
+
+@dataclass
+class RewardPoolConfig:
+    """``num_workers`` processes (0: compute inline in the caller, no timeout enforcement -- for
+    debugging only); ``timeout_s`` per sample; ``chunk_size`` samples per message; ``start_method``
+    ``"forkserver"`` (fast restarts) or ``"spawn"``; ``startup_timeout_s`` for a worker to import the
+    reward function and warm up."""
+
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    chunk_size: int = 16
+    start_method: Literal["forkserver", "spawn"] = "forkserver"
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
+        for name in ("timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}")
+
+
+@dataclass
+class RewardResult:
+    """Rewards in input order, and what went wrong. ``status[i]`` is ``"ok"``, ``"timeout"`` or
+    ``"error"``; ``errors`` holds the first few error messages (``"sample i: ..."``)."""
+
+    rewards: list[float]
+    status: list[str]
+    num_timeouts: int = 0
+    num_errors: int = 0
+    errors: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def num_failed(self) -> int:
+        return self.num_timeouts + self.num_errors
+
+
+def _call_reward(fn: RewardFn, completion: str, reference: str) -> tuple[float, str | None]:
+    """(reward, None) or (0.0, error message): never raises for a bad sample."""
+    try:
+        value = float(fn(completion, reference))
+    except Exception as e:  # a reward function's bug or a pathological input: score 0, report
+        return 0.0, f"{type(e).__name__}: {e}"[:500]
+    if not math.isfinite(value):
+        return 0.0, f"non-finite reward {value}"
+    return value, None
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the process that started us goes away (so a hung worker cannot outlive its run)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _worker_main(conn: Connection, payload: bytes) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    try:
+        fn = resolve_reward(pickle.loads(payload))
+        warm_up(fn)
+    except BaseException as e:
+        conn.send(("init_error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            chunk = conn.recv()
+        except EOFError:
+            return
+        if chunk is None:
+            return
+        for index, completion, reference in chunk:
+            value, error = _call_reward(fn, completion, reference)
+            conn.send((index, value, error))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, payload: bytes) -> None:
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_worker_main, args=(child_conn, payload), daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.started_at = time.monotonic()
+        self.ready = False
+        self.pending: deque[tuple[int, str, str]] = deque()  # samples sent, not yet answered
+        self.progress_at = 0.0  # when the current sample started (last message or dispatch)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class RewardPool:
+    """Score completions against references with ``reward_fn`` in worker processes.
+
+    ``reward_fn`` is a reward name or dotted path (see :func:`jetrl.data.rewards.resolve_reward`) or a
+    picklable callable (a module-level function, :class:`~jetrl.data.rewards.FormatReward`, a
+    ``functools.partial`` of one). Workers start at construction and persist across calls; use the pool
+    as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, reward_fn: str | RewardFn, config: RewardPoolConfig | None = None) -> None:
+        self.config = config or RewardPoolConfig()
+        self._fn = resolve_reward(reward_fn)  # fails now, with a clear message, on a bad name
+        try:
+            self._payload = pickle.dumps(reward_fn)
+        except Exception as e:
+            raise TypeError(
+                f"reward function {reward_fn!r} cannot be sent to worker processes ({e}); define it at module "
+                "level (no lambdas or closures) or name it as 'package.module:function'"
+            ) from None
+        self.total_timeouts = 0
+        self.total_errors = 0
+        self._workers: list[_Worker] = []
+        if self.config.num_workers > 0:
+            self._ctx = mp.get_context(self.config.start_method)
+            self._workers = [_Worker(self._ctx, self._payload) for _ in range(self.config.num_workers)]
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force)."""
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 2.0
+        for worker in self._workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            worker.kill()
+        self._workers = []
+
+    def score(self, completions: Sequence[str], references: Sequence[str]) -> RewardResult:
+        """Reward of each completion against its reference, in order, in bounded time."""
+        if len(completions) != len(references):
+            raise ValueError(f"got {len(completions)} completions but {len(references)} references")
+        for name, seq in (("completions", completions), ("references", references)):
+            bad = next((i for i, s in enumerate(seq) if not isinstance(s, str)), None)
+            if bad is not None:
+                raise TypeError(f"{name}[{bad}] is a {type(seq[bad]).__name__}, expected str")
+        start = time.monotonic()
+        n = len(completions)
+        result = RewardResult(rewards=[0.0] * n, status=["ok"] * n)
+        if n:
+            if self.config.num_workers == 0:
+                for i in range(n):
+                    value, error = _call_reward(self._fn, completions[i], references[i])
+                    self._record(result, i, value, error)
+            else:
+                if not self._workers:
+                    raise RuntimeError("RewardPool.score() called after close()")
+                self._score_in_workers(result, completions, references)
+        self.total_timeouts += result.num_timeouts
+        self.total_errors += result.num_errors
+        result.elapsed_s = time.monotonic() - start
+        return result
+
+    def _record(self, result: RewardResult, index: int, value: float, error: str | None, kind: str = "error") -> None:
+        result.rewards[index] = value
+        if error is None:
+            return
+        result.status[index] = kind
+        if kind == "timeout":
+            result.num_timeouts += 1
+        else:
+            result.num_errors += 1
+        if len(result.errors) < MAX_ERROR_MESSAGES:
+            result.errors.append(f"sample {index}: {error}")
+
+    def _replace(self, worker: _Worker) -> _Worker:
+        worker.kill()
+        fresh = _Worker(self._ctx, self._payload)
+        self._workers[self._workers.index(worker)] = fresh
+        return fresh
+
+    def _score_in_workers(self, result: RewardResult, completions: Sequence[str], references: Sequence[str]) -> None:
+        cfg = self.config
+        n = len(completions)
+        # Small batches are spread over all workers; large ones go in chunks of chunk_size.
+        chunk_size = max(1, min(cfg.chunk_size, math.ceil(n / (4 * len(self._workers)))))
+        todo: deque[tuple[int, str, str]] = deque((i, completions[i], references[i]) for i in range(n))
+        remaining = n
+
+        def fail_current(worker: _Worker, kind: str, message: str) -> None:
+            """The worker's current sample fails; its other samples go back in the queue."""
+            nonlocal remaining
+            index, _, _ = worker.pending.popleft()
+            self._record(result, index, 0.0, message, kind)
+            remaining -= 1
+            todo.extendleft(reversed(worker.pending))
+            worker.pending.clear()
+
+        while remaining:
+            now = time.monotonic()
+            for worker in list(self._workers):  # hand out work to idle ready workers
+                if worker.ready and not worker.pending and todo:
+                    chunk = [todo.popleft() for _ in range(min(chunk_size, len(todo)))]
+                    worker.conn.send(chunk)
+                    worker.pending.extend(chunk)
+                    worker.progress_at = now
+            deadlines = []
+            for worker in self._workers:
+                if not worker.ready:
+                    deadlines.append(worker.started_at + cfg.startup_timeout_s)
+                elif worker.pending:
+                    deadlines.append(worker.progress_at + cfg.timeout_s)
+            wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            watched = {w.conn: w for w in self._workers if w.pending or not w.ready}
+            sentinels = {w.process.sentinel: w for w in self._workers if w.pending or not w.ready}
+            ready_objs = wait(list(watched) + list(sentinels), timeout=wait_s)
+            now = time.monotonic()
+            dead: set[int] = set()
+            for obj in ready_objs:
+                worker = watched.get(obj)
+                if worker is None:
+                    continue
+                try:
+                    while worker.conn.poll():
+                        message = worker.conn.recv()
+                        if message[0] == "ready":
+                            worker.ready = True
+                        elif message[0] == "init_error":
+                            self.close()
+                            raise RuntimeError(f"reward worker failed to start: {message[1]}")
+                        else:
+                            index, value, error = message
+                            sent_index, _, _ = worker.pending.popleft()
+                            assert sent_index == index, "reward worker answered out of order"
+                            self._record(result, index, value, error)
+                            remaining -= 1
+                            worker.progress_at = now
+                except (EOFError, OSError):
+                    dead.add(id(worker))
+            for obj in ready_objs:
+                worker = sentinels.get(obj)
+                if worker is not None and not worker.process.is_alive():
+                    dead.add(id(worker))
+            for worker in list(self._workers):
+                if id(worker) in dead:
+                    if worker.pending:
+                        worker.process.join(timeout=1.0)
+                        code = worker.process.exitcode
+                        fail_current(worker, "error", f"reward worker died (exit code {code})")
+                    elif not worker.ready:
+                        self.close()
+                        raise RuntimeError("reward worker died while starting (exit code "
+                                           f"{worker.process.exitcode}); is the reward function importable?")
+                    self._replace(worker)
+                elif worker.pending and now - worker.progress_at > cfg.timeout_s:
+                    fail_current(worker, "timeout", f"timed out after {cfg.timeout_s:g} s")
+                    self._replace(worker)
+                elif not worker.ready and now - worker.started_at > cfg.startup_timeout_s:
+                    self.close()
+                    raise RuntimeError(f"reward worker did not start within {cfg.startup_timeout_s:g} s")
