@@ -41,14 +41,16 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """Fprop/DGrad/WGrad in FP8; saves the FP8 input and the FP8 weight, nothing in BF16."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_data, w_scale, pow2_scale: bool):  # x: (M, K)
+    def forward(ctx, x, weight, bias, w_data, w_scale, pow2_scale: bool, wt_data=None):  # x: (M, K)
         backend = get_backend(x.device)
         qx = backend.quantize(x, ACT, pow2_scale)
         qw = Fp8Tensor(w_data, w_scale, WEIGHT)
         y = backend.gemm(qx, qw, out_dtype=x.dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale)
+        # wt_data: an optional row-major copy of W^T's FP8 data (same values as w_data.t()), cached with
+        # the weight by backends whose DGrad GEMM wants it row-major
+        ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data)
         ctx.pow2_scale = pow2_scale
         ctx.x_dtype = x.dtype
         ctx.weight_dtype = weight.dtype
@@ -57,27 +59,41 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out: (M, N)
-        x_data, x_scale, w_data, w_scale = ctx.saved_tensors
+        x_data, x_scale, w_data, w_scale, wt_data = ctx.saved_tensors
         backend = get_backend(grad_out.device)
         grad_out = grad_out.contiguous()
         grad_x = grad_w = grad_b = None
+        qg = qg_tok = None
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and hasattr(backend, "quantize_act_and_token"):
+            qg, qg_tok = backend.quantize_act_and_token(grad_out, ctx.pow2_scale)  # one read of grad_out
         if ctx.needs_input_grad[0]:  # DGrad: dy (1x128) @ W  ==  dy @ (W^T as 128x128 tiles)^T
-            qg = backend.quantize(grad_out, ACT, ctx.pow2_scale)
-            qw_t = Fp8Tensor(w_data, w_scale, WEIGHT).t()  # (K, N)
+            if qg is None:
+                qg = backend.quantize(grad_out, ACT, ctx.pow2_scale)
+            if wt_data is not None:
+                qw_t = Fp8Tensor(wt_data, w_scale.t(), WEIGHT)  # (K, N), row-major data
+            else:
+                qw_t = Fp8Tensor(w_data, w_scale, WEIGHT).t()  # (K, N)
             grad_x = backend.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # (M, K)
         if ctx.needs_input_grad[1]:  # WGrad: dy^T @ x, both grouped by 128 tokens
-            qg_tok = backend.quantize(grad_out, TOKEN, ctx.pow2_scale).t()  # (N, M), 1x128 along M
+            if qg_tok is None:
+                qg_tok = backend.quantize(grad_out, TOKEN, ctx.pow2_scale)
+            qg_tok = qg_tok.t()  # (N, M), 1x128 along M
             qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, ctx.pow2_scale).t()  # (K, M)
             grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = grad_out.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
-               pow2_scale: bool = False) -> torch.Tensor:
-    """``F.linear`` in FP8 for a 2-D ``x`` (M, K) given the (128, 128)-quantized ``weight``."""
-    return _Fp8LinearFunction.apply(x, weight, bias, qweight.data, qweight.scale, pow2_scale)
+               pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` in FP8 for a 2-D ``x`` (M, K) given the (128, 128)-quantized ``weight``.
+
+    ``qweight_t`` optionally gives W^T's quantized form with row-major data (values equal to
+    ``qweight.t()``), which DGrad then reads instead of the transposed view.
+    """
+    wt_data = qweight_t.data if qweight_t is not None else None
+    return _Fp8LinearFunction.apply(x, weight, bias, qweight.data, qweight.scale, pow2_scale, wt_data)
 
 
 class FP8Linear(nn.Linear):
@@ -97,6 +113,7 @@ class FP8Linear(nn.Linear):
         self.check_finite = check_finite
         self._qweight_key: tuple | None = None
         self._qweight: Fp8Tensor | None = None
+        self._qweight_t: Fp8Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **options) -> "FP8Linear":
@@ -125,17 +142,38 @@ class FP8Linear(nn.Linear):
         """Forget the quantized weight (call after changing the weight behind autograd's back)."""
         self._qweight_key = None
         self._qweight = None
+        self._qweight_t = None
 
     def quantized_weight(self) -> Fp8Tensor:
         """The (128, 128)-block FP8 weight for the current weight version, quantized at most once."""
+        return self._cached_weights(with_transpose=False)[0]
+
+    def quantized_weight_t(self) -> Fp8Tensor | None:
+        """W^T's quantized form with row-major data, for backends that offer it (``None`` otherwise).
+
+        Same values as ``quantized_weight().t()``; made once per weight version, only when a
+        grad-enabled forward needs it (rollout never pays its memory).
+        """
+        return self._cached_weights(with_transpose=True)[1]
+
+    def _cached_weights(self, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
         w = self.weight
         key = (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
                selected_backend_name())
-        if self._qweight is None or self._qweight_key != key:
-            with torch.no_grad():
-                self._qweight = get_backend(w.device).quantize(w.detach(), WEIGHT, self.pow2_scale)
+        if self._qweight_key != key:
+            self._qweight = self._qweight_t = None
             self._qweight_key = key
-        return self._qweight
+        backend = get_backend(w.device)
+        with torch.no_grad():
+            if with_transpose and hasattr(backend, "quantize_weight_pair") and self._qweight_t is None:
+                if self._qweight is None:  # W and W^T from one read of the weight
+                    self._qweight, self._qweight_t = backend.quantize_weight_pair(w.detach(), self.pow2_scale)
+                else:
+                    q = self._qweight
+                    self._qweight_t = Fp8Tensor(q.data.t().contiguous(), q.scale.t(), WEIGHT)
+            elif self._qweight is None:
+                self._qweight = backend.quantize(w.detach(), WEIGHT, self.pow2_scale)
+        return self._qweight, self._qweight_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.uses_fp8():
@@ -149,7 +187,9 @@ class FP8Linear(nn.Linear):
             raise FloatingPointError(f"non-finite values (NaN/Inf) in the input of {self!r}")
         lead = x.shape[:-1]
         x2d = x.reshape(math.prod(lead), self.in_features)
-        y = fp8_linear(x2d, self.weight, self.bias, self.quantized_weight(), self.pow2_scale)
+        # W^T's row-major copy only matters for DGrad; no-grad forwards (rollout) read W alone
+        qweight, qweight_t = self._cached_weights(with_transpose=torch.is_grad_enabled())
+        y = fp8_linear(x2d, self.weight, self.bias, qweight, self.pow2_scale, qweight_t)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

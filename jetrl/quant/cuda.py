@@ -1,0 +1,98 @@
+"""The ``"cuda"`` FP8 backend: Triton quantization kernels and blockwise GEMMs on Hopper.
+
+Same three operations and the same results as :mod:`jetrl.quant.reference` (quantization bit for bit,
+GEMMs to output rounding), plus fused entry points that :class:`~jetrl.quant.linear.FP8Linear` uses
+when a backend offers them:
+
+* :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
+* :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad), one pass.
+
+GEMM choice, per shape class: decode-sized M (<= ``DECODE_MAX_M``) goes to the Triton blockwise GEMM
+(weight-bandwidth bound: a small-M tile streams the FP8 weight); larger M to cuBLAS blockwise
+``scaled_mm`` where its layout constraints hold, the Triton GEMM otherwise. ``JETRL_FP8_GEMM`` =
+``cublas`` | ``triton`` forces one path (benchmarks and batch-invariance use it).
+
+Importing this module imports Triton and registers the backend with :mod:`jetrl.quant.backend`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from jetrl.quant import reference, scaled_mm
+from jetrl.quant import triton_kernels as tk
+from jetrl.quant.backend import register_backend
+from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
+
+DECODE_MAX_M = 64
+GEMM_CHOICES = ("auto", "cublas", "triton")
+
+
+def _check_cuda(x: torch.Tensor, what: str) -> None:
+    if x.device.type != "cuda":
+        raise ValueError(f"the 'cuda' FP8 backend needs CUDA tensors; {what} is on {x.device}")
+
+
+def gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
+    """Which GEMM runs ``a @ b.T``: ``"cublas"`` or ``"triton"`` (see the module docstring)."""
+    choice = os.environ.get("JETRL_FP8_GEMM", "auto")
+    if choice not in GEMM_CHOICES:
+        raise ValueError(f"JETRL_FP8_GEMM must be one of {GEMM_CHOICES}, got {choice!r}")
+    cublas_ok = scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)
+    if choice == "triton" or not cublas_ok:
+        return "triton"
+    if choice == "cublas":
+        return "cublas"
+    return "triton" if a.shape[0] <= DECODE_MAX_M else "cublas"
+
+
+class CudaBackend:
+    """Triton quantization + cuBLAS/Triton blockwise GEMMs; see the module docstring."""
+
+    name = "cuda"
+
+    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
+        reference._check_input(x)
+        _check_cuda(x, "the input")
+        block = check_block(block)
+        if block == ACT:
+            data, scale = tk.quantize_act_1x128(x, pow2_scale)
+        elif block == TOKEN:
+            data, scale = tk.quantize_token_128x1(x, pow2_scale)
+        else:
+            data, scale, _ = tk.quantize_weight_128x128(x, pow2_scale)
+        return Fp8Tensor(data, scale, block)
+
+    def quantize_weight_pair(self, w: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """W (N, K) per 128x128 tile and W^T's quantized form with its data row-major (K, N), one pass."""
+        reference._check_input(w, "the weight")
+        _check_cuda(w, "the weight")
+        data, scale, data_t = tk.quantize_weight_128x128(w, pow2_scale, emit_t=True)
+        return Fp8Tensor(data, scale, WEIGHT), Fp8Tensor(data_t, scale.t(), WEIGHT)
+
+    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """x per 1x128 and per 128x1 from one read of x (grad_out for DGrad and WGrad)."""
+        reference._check_input(x)
+        _check_cuda(x, "the input")
+        data, scale, tok, tok_scale = tk.quantize_act_1x128(x, pow2_scale, emit_token=True)
+        return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)
+
+    def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
+        block = check_block(block)
+        _check_cuda(t.data, "the FP8 tensor")
+        if t.block == ACT and block == TOKEN:
+            data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale)
+            return Fp8Tensor(data, scale, TOKEN)
+        return self.quantize(t.dequantize(), block, pow2_scale)  # rare pairs: same arithmetic, unfused
+
+    def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        reference.check_gemm_operands(a, b)
+        _check_cuda(a.data, "the left operand")
+        if gemm_path(a, b) == "cublas":
+            return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)
+        return tk.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, 128 if b.block == WEIGHT else 1, out_dtype)
+
+
+register_backend("cuda", CudaBackend)

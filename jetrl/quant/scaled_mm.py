@@ -1,0 +1,105 @@
+"""cuBLAS blockwise FP8 GEMM through ``torch.nn.functional.scaled_mm`` (``torch._scaled_mm``) on sm_90.
+
+cuBLAS (12.9+) multiplies E4M3 operands with fp32 block scales on Hopper for two pairings, which are
+exactly jetrl's three GEMMs:
+
+* (1x128) x (128x128): Fprop ``x @ W^T`` and DGrad ``dy @ W`` (``b`` = W or W^T with 128x128 tiles);
+* (1x128) x (1x128): WGrad ``dy^T @ x``, both operands grouped by 128 along the token dimension.
+
+The layout rules live here and nowhere else (callers pass :class:`Fp8Tensor` pairs in jetrl's layout):
+
+* ``a`` (M, K) row-major; its (M, K/128) scales "outer-dim-major" (stride (1, M)); M a multiple of 4
+  (rows are zero-padded here otherwise);
+* ``b`` (N, K) row-major, handed to cuBLAS as the column-major ``b.T``; 1x128 scales (N, K/128)
+  outer-dim-major; 128x128 scales as a (L4, N/128) view of a row-major (N/128, L4) buffer whose
+  K/128 dim is zero-padded to L4, a multiple of 4;
+* K a multiple of 128 and N a multiple of 16 (128 for 128x128 ``b``): other shapes go to the Triton
+  GEMM (see :func:`supports`).
+
+Scales are decode scales (``x ~= data * scale``), which is what cuBLAS multiplies by.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from jetrl.quant.formats import ACT, E4M3, WEIGHT, Fp8Tensor
+
+_SCALING = getattr(F, "ScalingType", None)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def is_available(device: torch.device) -> bool:
+    """cuBLAS blockwise scaling exists on sm_90 only (PyTorch rejects it elsewhere)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def supports(a: Fp8Tensor, b: Fp8Tensor) -> bool:
+    """Whether ``a @ b.T`` fits cuBLAS's blockwise constraints (shape-wise; see the module docstring)."""
+    if a.block != ACT or b.block not in (ACT, WEIGHT) or a.data.dtype != E4M3 or b.data.dtype != E4M3:
+        return False
+    k = a.shape[1]
+    n = b.shape[0]
+    if k == 0 or k % 128 or a.shape[0] == 0 or n == 0:
+        return False
+    return n % (128 if b.block == WEIGHT else 16) == 0
+
+
+def _outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
+    """A (R, C) scale with stride (1, R): the transposed view of a row-major (C, R) buffer."""
+    if scale.stride(0) == 1 and (scale.stride(1) == scale.shape[0] or scale.shape[1] == 1):
+        return scale
+    return scale.t().contiguous().t()
+
+
+def _tile_scale(scale: torch.Tensor) -> torch.Tensor:
+    """(R/128, K/128) 128x128 scales -> cuBLAS's (L4, R/128) view with L4 = K/128 padded to 4."""
+    rb, kb = scale.shape
+    l4 = _round_up(kb, 4)
+    if l4 != kb:
+        padded = scale.new_zeros((rb, l4))
+        padded[:, :kb] = scale
+        return padded.t()
+    return scale.contiguous().t()
+
+
+def _pad_rows(data: torch.Tensor, scale: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad a 1x128 operand to ``rows`` rows (data rows 0, scales 1)."""
+    m, k = data.shape
+    padded = data.new_zeros((rows, k))
+    padded[:m] = data
+    scale_buf = scale.new_ones((scale.shape[1], rows))
+    scale_buf[:, :m] = scale.t()
+    return padded, scale_buf.t()
+
+
+def _call(a: torch.Tensor, b_t: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, b_is_tile: bool,
+          out_dtype: torch.dtype) -> torch.Tensor:
+    if _SCALING is not None and hasattr(F, "scaled_mm"):
+        recipe_b = _SCALING.BlockWise128x128 if b_is_tile else _SCALING.BlockWise1x128
+        return F.scaled_mm(a, b_t, sa, _SCALING.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
+    # older entry point: the recipe is inferred from the scale shapes
+    return torch._scaled_mm(a, b_t, sa, sb, out_dtype=out_dtype)
+
+
+def blockwise_scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ b.T`` on cuBLAS; ``a`` 1x128, ``b`` 128x128 or 1x128 (check :func:`supports` first)."""
+    if not supports(a, b):
+        raise ValueError(f"cuBLAS blockwise GEMM does not support a {tuple(a.shape)} {a.block} x "
+                         f"b {tuple(b.shape)} {b.block}; K must be a multiple of 128, N of 16 (128 for tiles)")
+    m = a.shape[0]
+    a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
+    a_scale = _outer_dim_major(a.scale)
+    if m % 4:
+        a_data, a_scale = _pad_rows(a_data, a_scale, _round_up(m, 4))
+    b_data = b.data if b.data.is_contiguous() else b.data.contiguous()
+    if b.block == WEIGHT:
+        b_scale = _tile_scale(b.scale)
+    else:
+        b_scale = _outer_dim_major(b.scale)
+    out = _call(a_data, b_data.t(), a_scale, b_scale, b.block == WEIGHT, out_dtype)
+    return out[:m] if out.shape[0] != m else out
