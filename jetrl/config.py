@@ -1,0 +1,544 @@
+"""The configuration of a whole run: a tree of dataclasses, validated before anything heavy happens.
+
+Sources, later ones winning: the defaults below, a YAML / JSON / TOML file, then ``--section.key=value``
+command-line overrides (typed by the dataclass field types). Every problem found is reported before a
+model is loaded: an unknown key names the closest valid one, a wrong type names the expected type, and
+range or cross-field constraints (``clip_low < 0``, ``n < 1``, batch sizes that do not divide) say which
+fields disagree. :func:`save_config` writes the resolved config next to the run's outputs so a run can be
+reproduced from its own folder.
+
+Batch sizes, in sequences (a sequence is one prompt plus one sampled completion)::
+
+    rollout batch = data.prompts_per_step * rollout.n
+    rollout batch  = k * algorithm.mini_batch_size      (one optimizer step per mini-batch, per PPO epoch)
+    mini_batch_size = m * algorithm.micro_batch_size    (gradient accumulation), unless micro-batches are
+                      packed by token count (algorithm.max_tokens_per_micro_batch)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid (raised before any model is loaded)."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration value has the wrong type."""
+
+
+RECIPE_NAMES = ("bf16", "fp8-rollout", "jet")
+DTYPES = ("bfloat16", "float32", "float16")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce")
+LOSS_AGGREGATIONS = ("token", "sequence", "sequence-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def _choice(section: str, name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{section + '.' if section else ''}{name} must be one of {list(choices)}, got {value!r}{hint}")
+
+
+def _at_least(section: str, name: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(f"{section}.{name} must be >= {low}, got {value}")
+
+
+class _Section:
+    """Base of every config dataclass: type-checks its fields, then runs the section's own checks."""
+
+    _name = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = _coerce(getattr(self, f.name), hints[f.name], f"{self._name}.{f.name}".lstrip("."))
+            object.__setattr__(self, f.name, value)
+        self.validate()
+
+    def validate(self) -> None:
+        """Range and consistency checks of this section (overridden per section)."""
+
+
+@dataclass
+class ModelConfig(_Section):
+    """The policy checkpoint (a HuggingFace folder) and how to hold it."""
+
+    _name = "model"
+    path: str = ""
+    tokenizer: str | None = None          # defaults to ``path``
+    dtype: str = "bfloat16"               # parameter dtype of the policy (fp32 master state lives in the optimizer)
+    device: str = "auto"                  # "auto" = cuda when available, else cpu
+    gradient_checkpointing: bool = False
+
+    def validate(self) -> None:
+        _choice("model", "dtype", self.dtype, DTYPES)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"model.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+
+@dataclass
+class DataConfig(_Section):
+    """Where prompts come from: a file (``path`` + ``format``) or a built-in task (``task``)."""
+
+    _name = "data"
+    path: str | None = None               # JSONL or Parquet file
+    format: str = "custom"                # "gsm8k" | "math" | "custom"
+    task: str | None = None               # a built-in synthetic task name (instead of ``path``)
+    difficulty: int = 1                   # built-in tasks only
+    num_examples: int = 10_000            # built-in tasks only: examples generated from the seed
+    prompt_column: str | None = None      # custom files: override the column names
+    answer_column: str | None = None
+    instruction: str | None = None        # prompt template override, must contain "{prompt}"
+    system_prompt: str | None = None
+    reward: str | None = None             # reward function name; defaults to the format's / task's
+    max_examples: int | None = None
+    prompts_per_step: int = 8             # P prompts per RL step
+    shuffle: bool = True
+    max_prompt_tokens: int = 512          # longer prompts are an error, not a silent truncation
+
+    def validate(self) -> None:
+        # neither set is allowed while composing a config; the loop reports it before loading data
+        if self.path is not None and self.task is not None:
+            raise ConfigError(f"data.path ({self.path!r}) and data.task ({self.task!r}) are exclusive: set one")
+        _at_least("data", "prompts_per_step", self.prompts_per_step, 1)
+        _at_least("data", "max_prompt_tokens", self.max_prompt_tokens, 1)
+        _at_least("data", "difficulty", self.difficulty, 1)
+        _at_least("data", "num_examples", self.num_examples, 1)
+        if self.max_examples is not None:
+            _at_least("data", "max_examples", self.max_examples, 1)
+        if self.instruction is not None and "{prompt}" not in self.instruction:
+            raise ConfigError(f"data.instruction must contain '{{prompt}}', got {self.instruction!r}")
+
+
+@dataclass
+class RolloutConfig(_Section):
+    """Sampling of ``n`` completions per prompt by the rollout engine."""
+
+    _name = "rollout"
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1                       # -1 disables
+    max_tokens: int = 512                 # new tokens per completion
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    progress: bool = False
+
+    def validate(self) -> None:
+        _at_least("rollout", "n", self.n, 1)
+        if not self.temperature > 0:
+            raise ConfigError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _at_least("rollout", "max_tokens", self.max_tokens, 1)
+
+
+@dataclass
+class AlgorithmConfig(_Section):
+    """Advantages, the clipped policy loss and its regularisers, and how a batch is split for updates."""
+
+    _name = "algorithm"
+    advantage_estimator: str = "grpo"     # "grpo" | "rloo" | "reinforce"
+    std_normalize: bool = True            # False = Dr. GRPO
+    clip_low: float = 0.2
+    clip_high: float = 0.2                # DAPO's clip-higher uses e.g. 0.28
+    agg: str = "token"                    # "token" | "sequence" | "sequence-sum-norm"
+    kl_coef: float = 0.0                  # > 0 loads a frozen reference model in the same recipe
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None          # truncated importance sampling cap C (>= 1); None disables
+    use_rollout_logprobs: bool = False    # verl's "bypass": the engine's logprobs are the old logprobs
+    ppo_epochs: int = 1
+    mini_batch_size: int | None = None    # sequences per optimizer step; None = the whole rollout batch
+    micro_batch_size: int = 8             # sequences per forward/backward (when not packing by tokens)
+    max_tokens_per_micro_batch: int | None = None  # pack micro-batches by token count instead
+
+    def validate(self) -> None:
+        _choice("algorithm", "advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
+        _choice("algorithm", "agg", self.agg, LOSS_AGGREGATIONS)
+        _choice("algorithm", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _at_least("algorithm", "clip_low", self.clip_low, 0.0)
+        _at_least("algorithm", "clip_high", self.clip_high, 0.0)
+        if self.clip_low >= 1:
+            raise ConfigError(f"algorithm.clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), "
+                              f"got {self.clip_low}")
+        _at_least("algorithm", "kl_coef", self.kl_coef, 0.0)
+        _at_least("algorithm", "entropy_coef", self.entropy_coef, 0.0)
+        if self.tis_cap is not None:
+            _at_least("algorithm", "tis_cap", self.tis_cap, 1.0)
+        _at_least("algorithm", "ppo_epochs", self.ppo_epochs, 1)
+        if self.mini_batch_size is not None:
+            _at_least("algorithm", "mini_batch_size", self.mini_batch_size, 1)
+        _at_least("algorithm", "micro_batch_size", self.micro_batch_size, 1)
+        if self.max_tokens_per_micro_batch is not None:
+            _at_least("algorithm", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
+        elif self.mini_batch_size is not None and self.mini_batch_size % self.micro_batch_size:
+            raise ConfigError(f"algorithm.mini_batch_size ({self.mini_batch_size}) must be divisible by "
+                              f"algorithm.micro_batch_size ({self.micro_batch_size})")
+
+
+@dataclass
+class OptimConfig(_Section):
+    """AdamW on fp32 master state, gradient clipping, learning-rate schedule, non-finite step handling."""
+
+    _name = "optim"
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"            # "constant" | "cosine" | "linear" (after warm-up)
+    min_lr_ratio: float = 0.0             # floor of cosine/linear decay, as a fraction of lr
+    grad_clip: float | None = 1.0         # max global grad norm; None disables clipping
+    max_consecutive_nonfinite: int = 3    # non-finite steps skipped in a row before the run stops
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr must be > 0, got {self.lr}")
+        for i, b in enumerate(self.betas):
+            if not 0 <= b < 1:
+                raise ConfigError(f"optim.betas[{i}] must be in [0, 1), got {b}")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
+        _at_least("optim", "weight_decay", self.weight_decay, 0.0)
+        _at_least("optim", "warmup_steps", self.warmup_steps, 0)
+        _choice("optim", "schedule", self.schedule, LR_SCHEDULES)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"optim.grad_clip must be > 0 or null (off), got {self.grad_clip}")
+        _at_least("optim", "max_consecutive_nonfinite", self.max_consecutive_nonfinite, 0)
+
+
+@dataclass
+class TrainerConfig(_Section):
+    """Length of the run, seed, outputs, checkpointing and logging."""
+
+    _name = "trainer"
+    steps: int = 100
+    seed: int = 0
+    output_dir: str = "runs/jetrl"
+    checkpoint_every: int = 50            # 0 = never (a final checkpoint is still written)
+    keep_last: int = 2
+    log_every: int = 1
+    tensorboard: bool = False
+    resume: bool = False                  # continue from the latest complete checkpoint in output_dir
+
+    def validate(self) -> None:
+        _at_least("trainer", "steps", self.steps, 1)
+        _at_least("trainer", "seed", self.seed, 0)
+        _at_least("trainer", "checkpoint_every", self.checkpoint_every, 0)
+        _at_least("trainer", "keep_last", self.keep_last, 1)
+        _at_least("trainer", "log_every", self.log_every, 1)
+        if not self.output_dir:
+            raise ConfigError("trainer.output_dir must not be empty")
+
+
+@dataclass
+class RunConfig(_Section):
+    """A whole RL run."""
+
+    recipe: str = "jet"                   # "bf16" | "fp8-rollout" | "jet"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences per RL step: prompts x samples."""
+        return self.data.prompts_per_step * self.rollout.n
+
+    @property
+    def mini_batch_size(self) -> int:
+        """Sequences per optimizer step (the whole rollout batch unless ``algorithm.mini_batch_size``)."""
+        return self.algorithm.mini_batch_size or self.rollout_batch_size
+
+    def validate(self) -> None:
+        _choice("", "recipe", self.recipe, RECIPE_NAMES)
+        alg = self.algorithm
+        if self.rollout_batch_size % self.mini_batch_size:
+            raise ConfigError(
+                f"the rollout batch (data.prompts_per_step * rollout.n = {self.data.prompts_per_step} * "
+                f"{self.rollout.n} = {self.rollout_batch_size} sequences) must be divisible by "
+                f"algorithm.mini_batch_size ({self.mini_batch_size})")
+        if alg.max_tokens_per_micro_batch is None and self.mini_batch_size % alg.micro_batch_size:
+            raise ConfigError(
+                f"the mini-batch ({self.mini_batch_size} sequences) must be divisible by "
+                f"algorithm.micro_batch_size ({alg.micro_batch_size})")
+        if alg.max_tokens_per_micro_batch is not None:
+            longest = self.data.max_prompt_tokens + self.rollout.max_tokens
+            if alg.max_tokens_per_micro_batch < longest:
+                raise ConfigError(
+                    f"algorithm.max_tokens_per_micro_batch ({alg.max_tokens_per_micro_batch}) must hold the "
+                    f"longest sequence (data.max_prompt_tokens + rollout.max_tokens = {longest})")
+        if alg.advantage_estimator == "rloo" and self.rollout.n < 2:
+            raise ConfigError("algorithm.advantage_estimator='rloo' needs rollout.n >= 2")
+
+
+# ------------------------------------------------------------------------------------------------ typing
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
+    """Check ``value`` against the annotation ``tp`` (parsing it from a string when ``from_string``)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        # the strings "none"/"null" mean None on the command line, and in files for non-string fields
+        # (TOML has no null)
+        is_null_word = isinstance(value, str) and value.lower() in ("none", "null")
+        if value is None or (is_null_word and (from_string or inner[0] is not str)):
+            if type(None) in args:
+                return None
+            raise ConfigTypeError(f"{key} must not be null")
+        return _coerce(value, inner[0], key, from_string)
+    if _is_dataclass_type(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return from_dict(tp, value, key)
+        raise ConfigTypeError(f"{key} must be a section (a mapping of keys), got {type(value).__name__}")
+    if origin is tuple:
+        if from_string and isinstance(value, str):
+            text = value.strip().strip("[]()")
+            value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigTypeError(f"{key} must be a list, got {type(value).__name__} ({value!r})")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]", from_string) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigTypeError(f"{key} must have {len(args)} elements, got {len(value)} ({value!r})")
+        return tuple(_coerce(v, a, f"{key}[{i}]", from_string) for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_string and isinstance(value, str):
+            low = value.lower()
+            if low in ("true", "yes", "on", "1"):
+                return True
+            if low in ("false", "no", "off", "0"):
+                return False
+        raise ConfigTypeError(f"{key} must be a bool (true/false), got {type(value).__name__} ({value!r})")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_string and isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigTypeError(f"{key} must be an int, got {type(value).__name__} ({value!r})")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+        elif isinstance(value, str):  # "1e-6" is a string to YAML 1.1 parsers, so accept float literals
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigTypeError(f"{key} must be a number, got str ({value!r})") from None
+        else:
+            raise ConfigTypeError(f"{key} must be a number, got {type(value).__name__} ({value!r})")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be finite, got {value}")
+        return value
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigTypeError(f"{key} must be a string, got {type(value).__name__} ({value!r})")
+    raise ConfigTypeError(f"{key}: unsupported config field type {_type_name(tp)}")
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _unknown_key(key: str, valid: Sequence[str], prefix: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    full = f"{prefix}.{key}" if prefix else key
+    hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{full}'{hint} (valid keys here: {', '.join(valid)})")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build the dataclass ``cls`` from a nested mapping, rejecting unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigTypeError(f"{prefix or 'the config'} must be a mapping, got {type(data).__name__}")
+    known = _fields(cls)
+    for key in data:
+        if key not in known:
+            raise _unknown_key(str(key), list(known), prefix)
+    kwargs = {k: _coerce(v, known[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain nested dicts/lists/scalars (tuples become lists)."""
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        return v
+    return plain(config)
+
+
+# ------------------------------------------------------------------------------------- files and overrides
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    suffix = path.suffix.lower()
+    text = path.read_text()
+    if suffix == ".json":
+        data = json.loads(text)
+    elif suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError as e:
+            raise ImportError("reading YAML configs needs PyYAML: pip install pyyaml (or use .json/.toml)") from e
+        data = yaml.safe_load(text) or {}
+    elif suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ImportError as e:
+                raise ImportError("reading TOML configs on Python 3.10 needs tomli: pip install tomli") from e
+        data = tomllib.loads(text)
+    else:
+        raise ConfigError(f"config file {path} must end in .yaml, .yml, .json or .toml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], str]:
+    """``"--optim.lr=1e-6"`` -> (["optim", "lr"], "1e-6")."""
+    body = item[2:] if item.startswith("--") else item
+    if "=" not in body:
+        raise ConfigError(f"override {item!r} must look like --section.key=value")
+    key, value = body.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key")
+    return key.split("."), value
+
+
+def apply_override(data: dict[str, Any], item: str, cls: type = None) -> None:
+    """Set one ``--a.b=value`` override into the nested mapping ``data``, parsed by the field type."""
+    cls = cls or RunConfig
+    path, text = parse_override(item)
+    node, node_cls, prefix = data, cls, ""
+    for i, part in enumerate(path):
+        known = _fields(node_cls)
+        if part not in known:
+            raise _unknown_key(part, list(known), prefix)
+        key = f"{prefix}.{part}" if prefix else part
+        tp = known[part]
+        if i == len(path) - 1:
+            if _is_dataclass_type(tp):
+                raise ConfigError(f"override {item!r}: '{key}' is a section; set one of its keys, e.g. "
+                                  f"--{key}.{next(iter(_fields(tp)))}=...")
+            node[part] = _coerce(text, tp, key, from_string=True)
+            return
+        if not _is_dataclass_type(tp):
+            raise ConfigError(f"override {item!r}: '{key}' is a value, not a section")
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigTypeError(f"{key} must be a section (a mapping of keys), got {type(child).__name__}")
+        node, node_cls, prefix = child, tp, key
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Defaults <- the file at ``path`` (YAML/JSON/TOML, optional) <- ``--a.b=value`` overrides."""
+    data = _read_file(Path(path)) if path is not None else {}
+    for item in overrides:
+        apply_override(data, item)
+    return from_dict(RunConfig, data)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _to_toml(config: Any, prefix: str = "") -> str:
+    """TOML text of a config dataclass. TOML has no null: a None number/bool/list field is written as
+    "none" (read back as None); a None string field is left out, which reads back as its default, None."""
+    hints = typing.get_type_hints(type(config))
+    scalars, sections = [], []
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if dataclasses.is_dataclass(v):
+            sections.append(_to_toml(v, f"{prefix}.{f.name}" if prefix else f.name))
+            continue
+        if v is None:
+            if str in typing.get_args(hints[f.name]):
+                if f.default is not None:
+                    raise ConfigError(f"cannot write {prefix}.{f.name}=None to TOML (its default is not None)")
+                continue
+            v = "none"
+        scalars.append(f"{f.name} = {_toml_value(to_dict(v) if isinstance(v, tuple) else v)}")
+    head = ((f"[{prefix}]\n" if prefix else "") + "\n".join(scalars) + "\n") if scalars else ""
+    return "\n".join([head] + sections) if head else "\n".join(sections)
+
+
+def save_config(config: RunConfig, path: str | Path) -> Path:
+    """Write ``config`` to ``path`` in the format its suffix names (.json, .yaml/.yml, .toml).
+
+    TOML has no null: None is written as the string "none", which reads back as None."""
+    path = Path(path)
+    data = to_dict(config)
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    elif suffix in (".yaml", ".yml"):
+        import yaml
+        text = yaml.safe_dump(data, sort_keys=False)
+    elif suffix == ".toml":
+        text = _to_toml(config)
+    else:
+        raise ConfigError(f"config file {path} must end in .yaml, .yml, .json or .toml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+__all__ = [
+    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RolloutConfig", "AlgorithmConfig",
+    "OptimConfig", "TrainerConfig", "load_config", "save_config", "from_dict", "to_dict", "apply_override",
+    "parse_override", "RECIPE_NAMES",
+]

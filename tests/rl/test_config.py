@@ -1,0 +1,136 @@
+"""Run config: typed loading from files and overrides, clear errors before anything is loaded."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jetrl.config import (
+    AlgorithmConfig, ConfigError, ConfigTypeError, RunConfig, from_dict, load_config, save_config,
+)
+
+
+def write(tmp_path, data, name="run.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(data))
+    return p
+
+
+def test_defaults_are_valid():
+    c = RunConfig()
+    assert c.recipe == "jet" and c.rollout_batch_size == 64
+
+
+def test_file_then_overrides(tmp_path):
+    p = write(tmp_path, {"recipe": "fp8-rollout", "optim": {"lr": 3e-6}, "rollout": {"n": 4}})
+    c = load_config(p, ["--optim.lr=1e-5", "--optim.betas=0.9,0.95", "--algorithm.tis_cap=2",
+                        "--trainer.tensorboard=true", "--rollout.stop_token_ids=[3, 7]", "data.task=countdown",
+                        "--algorithm.mini_batch_size=32", "--optim.grad_clip=none"])
+    assert c.recipe == "fp8-rollout" and c.rollout.n == 4
+    assert c.optim.lr == 1e-5 and c.optim.betas == (0.9, 0.95)
+    assert c.algorithm.tis_cap == 2.0 and isinstance(c.algorithm.tis_cap, float)
+    assert c.trainer.tensorboard is True and c.rollout.stop_token_ids == (3, 7)
+    assert c.data.task == "countdown" and c.optim.grad_clip is None
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"optim": {"lrr": 1e-6}}, "unknown config key 'optim.lrr'; did you mean 'optim.lr'"),
+    ({"optimizer": {"lr": 1e-6}}, "unknown config key 'optimizer'; did you mean 'optim'"),
+    ("--rollout.temprature=0.5", "unknown config key 'rollout.temprature'; did you mean 'rollout.temperature'"),
+    ("--algorithm.clip_hi=0.3", "did you mean 'algorithm.clip_high'"),
+])
+def test_unknown_keys_name_the_closest(tmp_path, source, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        if isinstance(source, dict):
+            load_config(write(tmp_path, source))
+        else:
+            load_config(None, [source])
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"rollout": {"n": "eight"}}, "rollout.n must be an int, got str"),
+    ({"rollout": {"n": True}}, "rollout.n must be an int, got bool"),
+    ({"rollout": {"n": 2.5}}, "rollout.n must be an int, got float"),
+    ({"optim": {"lr": "fast"}}, "optim.lr must be a number, got str"),
+    ({"trainer": {"tensorboard": "maybe"}}, "trainer.tensorboard must be a bool"),
+    ({"optim": {"betas": [0.9]}}, "optim.betas must have 2 elements"),
+    ({"optim": 3}, "optim must be a section"),
+    ({"recipe": 1}, "recipe must be a string"),
+])
+def test_wrong_types(tmp_path, data, message):
+    with pytest.raises(ConfigTypeError, match=message):
+        load_config(write(tmp_path, data))
+    with pytest.raises(TypeError):  # ConfigTypeError is a TypeError too
+        load_config(write(tmp_path, data))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--algorithm.clip_low=-0.1"], r"algorithm.clip_low must be >= 0.0, got -0.1"),
+    (["--algorithm.clip_high=-1"], r"algorithm.clip_high must be >= 0.0"),
+    (["--rollout.n=0"], r"rollout.n must be >= 1, got 0"),
+    (["--recipe=jett"], r"recipe must be one of \['bf16', 'fp8-rollout', 'jet'\], got 'jett' \(did you mean 'jet'\?\)"),
+    (["--algorithm.agg=tokens"], r"algorithm.agg must be one of"),
+    (["--data.prompts_per_step=3", "--rollout.n=4", "--algorithm.mini_batch_size=8"],
+     r"rollout batch .* = 12 sequences\) must be divisible by algorithm.mini_batch_size \(8\)"),
+    (["--algorithm.mini_batch_size=32", "--algorithm.micro_batch_size=5"],
+     r"algorithm.mini_batch_size \(32\) must be divisible by algorithm.micro_batch_size \(5\)"),
+    (["--algorithm.max_tokens_per_micro_batch=100"], r"must hold the longest sequence .* = 1024"),
+    (["--algorithm.tis_cap=0.5"], r"algorithm.tis_cap must be >= 1.0"),
+    (["--optim.schedule=cosinus"], r"did you mean 'cosine'"),
+    (["--rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
+    (["--optim.lr=nan"], r"optim.lr must be finite"),
+    (["--data.path=a.jsonl", "--data.task=countdown"], r"are exclusive"),
+    (["--optim=3"], r"'optim' is a section"),
+    (["--optim.lr"], r"must look like --section.key=value"),
+])
+def test_invalid_values(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_direct_construction_is_checked_too():
+    with pytest.raises(ConfigTypeError, match="algorithm.clip_low must be a number"):
+        AlgorithmConfig(clip_low="wide")
+    with pytest.raises(ConfigError, match="algorithm.ppo_epochs must be >= 1"):
+        AlgorithmConfig(ppo_epochs=0)
+    assert from_dict(RunConfig, {}) == RunConfig()
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".toml"])
+def test_round_trip(tmp_path, suffix):
+    if suffix == ".yaml":
+        pytest.importorskip("yaml")
+    c = load_config(None, ["--recipe=bf16", "--optim.betas=0.8,0.9", "--optim.grad_clip=null",
+                           "--algorithm.tis_cap=2.5", '--data.instruction="{prompt}" \\ say "hi"',
+                           "--data.path=/tmp/x.jsonl", "--rollout.stop_token_ids=1,2", "--optim.lr=2e-7"])
+    p = save_config(c, tmp_path / f"run{suffix}")
+    assert load_config(p) == c
+    assert load_config(save_config(RunConfig(), tmp_path / f"default{suffix}")) == RunConfig()
+
+
+def test_yaml_float_strings(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    p = tmp_path / "run.yaml"
+    p.write_text("optim:\n  lr: 1e-6\nrollout:\n  n: 4\n")  # YAML 1.1 reads 1e-6 as a string
+    assert isinstance(yaml.safe_load(p.read_text())["optim"]["lr"], str)
+    assert load_config(p).optim.lr == 1e-6
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    p = tmp_path / "run.ini"
+    p.write_text("x=1")
+    with pytest.raises(ConfigError, match="must end in .yaml"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(write(tmp_path, [1, 2]))
+
+
+def test_config_errors_need_no_torch():
+    """Config problems surface before anything heavy is imported (no torch, no model)."""
+    code = ("import sys, jetrl.config as c\n"
+            "try:\n    c.load_config(None, ['--rollout.n=0'])\nexcept c.ConfigError: pass\n"
+            "assert 'torch' not in sys.modules, 'config imported torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
