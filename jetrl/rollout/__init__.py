@@ -6,18 +6,10 @@ definition (see :mod:`jetrl.rollout.sampling`).
 """
 
 from jetrl.rollout.block_manager import BlockManager, NoFreeBlocks
+from jetrl.rollout.engine import RolloutEngine
 from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample, seeded_uniform
 from jetrl.rollout.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from jetrl.rollout.sequence import Completion, Sequence, SequenceStatus
-
-
-def __getattr__(name: str):
-    # the engine imports the models package; keep the sampler/scheduler importable on their own
-    if name == "RolloutEngine":
-        from jetrl.rollout.engine import RolloutEngine
-        return RolloutEngine
-    raise AttributeError(f"module 'jetrl.rollout' has no attribute {name!r}")
-
 
 __all__ = ["RolloutEngine", "SamplingParams", "SamplingBatch", "sample", "seeded_uniform", "Completion",
            "Sequence", "SequenceStatus", "BlockManager", "NoFreeBlocks", "Scheduler", "SchedulerOutput",
