@@ -12,11 +12,38 @@ from jetrl.data.datasets import (
     load_prompt_dataset,
 )
 from jetrl.data.prompt import Prompt
+from jetrl.data.reward_pool import RewardPool, RewardPoolConfig, RewardResult
+from jetrl.data.rewards import (
+    BUILTIN_REWARDS,
+    FormatReward,
+    RewardConfig,
+    RewardFn,
+    build_reward_fn,
+    gsm8k_reward,
+    math_reward,
+    resolve_reward,
+)
 from jetrl.data.sampler import BatchLoader, EpochSampler
+from jetrl.data.tasks import TASKS, Task, TaskExample, get_task
 from jetrl.data.templates import TemplateConfig, has_chat_template, render_prompt
 
 __all__ = [
+    "BUILTIN_REWARDS",
     "DATASET_FORMATS",
+    "TASKS",
+    "FormatReward",
+    "RewardConfig",
+    "RewardFn",
+    "RewardPool",
+    "RewardPoolConfig",
+    "RewardResult",
+    "Task",
+    "TaskExample",
+    "build_reward_fn",
+    "get_task",
+    "gsm8k_reward",
+    "math_reward",
+    "resolve_reward",
     "BatchLoader",
     "ColumnMap",
     "DatasetConfig",

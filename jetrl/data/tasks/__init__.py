@@ -1,0 +1,55 @@
+"""Built-in synthetic reasoning tasks, generated deterministically from a seed, with checkers.
+
+``get_task("arithmetic", difficulty=4, seed=0)`` / ``get_task("countdown", difficulty=3)``; each task's
+reward is also registered under its name in :data:`jetrl.data.rewards.BUILTIN_REWARDS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jetrl.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward, check_arithmetic
+from jetrl.data.tasks.base import COMPACT_ALPHABET, Task, TaskExample, final_answer_line
+from jetrl.data.tasks.countdown import CountdownTask, check_countdown, countdown_reward, evaluate_expression
+
+TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    """Add a :class:`Task` subclass to the registry under ``cls.name`` (usable as a decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TypeError(f"register_task expects a Task subclass, got {cls!r}")
+    TASKS[cls.name] = cls
+    return cls
+
+
+register_task(ArithmeticTask)
+register_task(CountdownTask)
+
+
+def get_task(name: str, **kwargs: Any) -> Task:
+    """A task instance by name, configured by keyword (``difficulty``, ``seed``, ``style``, task options)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))}")
+    try:
+        return TASKS[name](**kwargs)
+    except TypeError as e:
+        raise TypeError(f"task {name!r}: {e}") from None
+
+
+__all__ = [
+    "COMPACT_ALPHABET",
+    "TASKS",
+    "ArithmeticTask",
+    "CountdownTask",
+    "Task",
+    "TaskExample",
+    "arithmetic_reward",
+    "check_arithmetic",
+    "check_countdown",
+    "countdown_reward",
+    "evaluate_expression",
+    "final_answer_line",
+    "get_task",
+    "register_task",
+]
