@@ -1,0 +1,305 @@
+"""Load and save HuggingFace-format checkpoints (safetensors), including the block-FP8 export.
+
+Loading builds the model on the meta device, allocates it once on the target device, then copies one
+checkpoint tensor at a time into its parameter: peak memory is the model plus one tensor, never two
+copies of the model. Every parameter must come from the checkpoint and every checkpoint tensor must
+land somewhere; anything else (missing shard, unreadable file, wrong shape, stray tensor) raises with
+the offending name.
+
+The FP8 export (``save_model(..., fp8=True)``) writes the layout vLLM and SGLang serve: each block
+linear's ``weight`` as ``float8_e4m3fn`` bytes and ``weight_scale_inv`` as the fp32 scale of each
+128x128 block (jetrl's scale, so ``dequantized = fp8 * weight_scale_inv``), and in ``config.json``::
+
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]}
+
+The bytes are exactly ``FP8Linear.quantized_weight()``: a server computes with the weights the rollout
+used. Loading the export back sets each BF16 master to the dequantized values; re-quantizing such a
+master reproduces the exported bytes and scales bit for bit (tested), so the FP8 policy survives the
+round trip unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+
+from jetrl.models.config import DecoderConfig
+from jetrl.models.transformer import DecoderLM, build_model
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+FP8_BLOCK = [128, 128]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
+# tensors some checkpoints carry that hold no weights of the model
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> str:
+    """A local checkpoint folder for ``path``: the folder itself, or a hub id fetched by ``huggingface_hub``."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"{path} is a file; give the checkpoint folder (holding config.json and *.safetensors)")
+    if path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist (and it is not a hub id 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"{path!r} is not a local folder, and huggingface_hub is not installed to fetch it "
+                                f"from the hub") from None
+    try:
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise FileNotFoundError(f"{path!r} is not a local folder and could not be fetched from the HuggingFace hub "
+                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _weight_map(folder: str) -> dict[str, str]:
+    """Tensor name -> safetensors file path, from the index or the single file."""
+    index_path = os.path.join(folder, INDEX_NAME)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"corrupt checkpoint index {index_path}: {type(e).__name__}: {e}") from None
+        missing = sorted({shard for shard in weight_map.values() if not os.path.isfile(os.path.join(folder, shard))})
+        if missing:
+            raise FileNotFoundError(f"checkpoint shards listed in {INDEX_NAME} are missing from {folder}: {missing}")
+        return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        other = [f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
+        hint = f" (found {other}: convert them to safetensors)" if other else ""
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}{hint}")
+    if len(files) > 1:
+        raise ValueError(f"{folder} holds several safetensors files {files} but no {INDEX_NAME}")
+    path = os.path.join(folder, files[0])
+    return {name: path for name in _open(path).keys()}
+
+
+class _open:
+    """``safe_open`` that turns a corrupt file into a ValueError naming it."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        try:
+            self.handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:
+            raise ValueError(f"cannot read safetensors file {path}: {type(e).__name__}: {e}") from None
+
+    def keys(self) -> list[str]:
+        return list(self.handle.keys())
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.handle.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"cannot read tensor {name!r} from {self.path}: {type(e).__name__}: {e}") from None
+
+
+def _dequantize_block_fp8(data: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
+    from jetrl.quant import WEIGHT
+    from jetrl.quant.reference import dequantize
+
+    if data.dim() != 2:
+        raise ValueError(f"FP8 tensor {name!r} must be 2-D, got shape {tuple(data.shape)}")
+    try:
+        return dequantize(data, scale_inv.float(), WEIGHT)
+    except ValueError as e:
+        raise ValueError(f"FP8 tensor {name!r}: {e}") from None
+
+
+def load_weights(model: DecoderLM, folder: str) -> None:
+    """Fill every parameter of ``model`` from the safetensors checkpoint in ``folder`` (in place)."""
+    weight_map = _weight_map(folder)
+    params = dict(model.named_parameters())  # tied LM head appears once, as the embedding
+    tied = model.config.tie_word_embeddings
+    handles: dict[str, _open] = {}
+
+    def read(name: str) -> torch.Tensor:
+        path = weight_map[name]
+        if path not in handles:
+            handles[path] = _open(path)
+        return handles[path].get(name)
+
+    loaded, unexpected = set(), []
+    with torch.no_grad():
+        for name in weight_map:
+            if name.endswith(SCALE_SUFFIX) or name.endswith(IGNORED_TENSOR_SUFFIXES):
+                continue
+            if tied and name == "lm_head.weight":
+                continue  # some tied checkpoints store the shared matrix twice
+            if name not in params:
+                unexpected.append(name)
+                continue
+            tensor = read(name)
+            if tensor.dtype == torch.float8_e4m3fn:
+                scale_name = name + SCALE_SUFFIX
+                if scale_name not in weight_map:
+                    raise ValueError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
+                tensor = _dequantize_block_fp8(tensor, read(scale_name), name)
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint has {tuple(tensor.shape)}, the model "
+                                 f"built from config.json expects {tuple(param.shape)}")
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            loaded.add(name)
+    stray_scales = [n for n in weight_map if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] not in loaded]
+    if unexpected or stray_scales:
+        names = unexpected + stray_scales
+        raise ValueError(f"checkpoint in {folder} has {len(names)} tensors the model does not have: "
+                         f"{names[:8]}{' ...' if len(names) > 8 else ''}")
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
+               recipe: str | object = "bf16", strict: bool = True) -> DecoderLM:
+    """Load a HF Llama/Qwen2/Qwen3 checkpoint (local folder or hub id) and apply a precision recipe.
+
+    BF16/fp32 and block-FP8 checkpoints are accepted; ``dtype`` is the master-weight dtype. ``strict``
+    rejects unknown config fields. The returned model remembers ``source_path`` (tokenizer files are
+    copied from there on save).
+    """
+    from jetrl.quant import apply_recipe
+
+    folder = resolve_checkpoint(path)
+    config = DecoderConfig.from_file(folder, strict=strict)
+    model = build_model(config, dtype=dtype, device=device, recipe="bf16", init=False)
+    load_weights(model, folder)
+    apply_recipe(model, recipe)
+    model.source_path = folder  # type: ignore[attr-defined]
+    return model
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The checkpoint's tokenizer: ``transformers.AutoTokenizer`` if installed, else a ``tokenizers.Tokenizer``."""
+    folder = resolve_checkpoint(path)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        AutoTokenizer = None
+    if AutoTokenizer is not None:
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except Exception as e:
+            raise ValueError(f"cannot load a tokenizer from {folder}: {type(e).__name__}: {e}") from None
+    tokenizer_json = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(tokenizer_json):
+        raise FileNotFoundError(f"no tokenizer.json in {folder} (and transformers is not installed)")
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tokenizer_json)
+
+
+def _fp8_linears_to_export(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linears whose weights the export stores in FP8: the model's FP8Linears, or (under ``bf16``)
+    every block linear the default recipe would swap."""
+    from jetrl.quant import FP8Linear, get_recipe
+
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    fp8 = {n: m for n, m in linears.items() if isinstance(m, FP8Linear)}
+    if fp8:
+        return fp8
+    jet = get_recipe("jet")
+    return {n: m for n, m in linears.items() if not jet.excludes(n)}
+
+
+def _export_tensors(model: DecoderLM, fp8: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    from jetrl.quant import WEIGHT, FP8Linear, get_backend
+
+    quantized = _fp8_linears_to_export(model) if fp8 else {}
+    for name, param in model.named_parameters():
+        if model.config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        layer = quantized.get(module_name)
+        if layer is not None and leaf == "weight":
+            if isinstance(layer, FP8Linear):
+                q = layer.quantized_weight()
+            else:
+                q = get_backend(param.device).quantize(param.detach(), WEIGHT, False)
+            yield name, q.data
+            yield name + SCALE_SUFFIX, q.scale.float()
+        else:
+            yield name, param.detach()
+
+
+def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,
+               max_shard_size: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write ``model`` as a HF checkpoint (config.json + safetensors, sharded above ``max_shard_size`` bytes).
+
+    ``fp8=True`` writes the block-FP8 layout (see the module docstring). Tokenizer and generation files
+    of the checkpoint the model was loaded from are copied along.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(model, DecoderLM):
+        raise TypeError(f"save_model needs a jetrl DecoderLM, got {type(model).__name__}")
+    if int(max_shard_size) <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    for stale in os.listdir(path):  # never mix shards of two saves
+        if stale.endswith(".safetensors") or stale == INDEX_NAME:
+            os.remove(os.path.join(path, stale))
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for name, tensor in _export_tensors(model, fp8):
+        nbytes = tensor.numel() * tensor.element_size()
+        if sizes[-1] and sizes[-1] + nbytes > max_shard_size:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor.to("cpu").contiguous()
+        sizes[-1] += nbytes
+    # writing shard by shard: each dict only references the model's tensors (CPU models: no copy)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, file), metadata={"format": "pt"})
+            weight_map.update({name: file for name in shard})
+        with open(os.path.join(path, INDEX_NAME), "w") as f:
+            json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, f, indent=2)
+
+    hf = model.config.to_hf()
+    hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    hf.pop("quantization_config", None)
+    if fp8:
+        exported = set(_fp8_linears_to_export(model))
+        kept = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in exported
+                      and n != "lm_head")
+        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": FP8_BLOCK}
+        if kept:
+            qc["ignored_layers"] = kept
+            qc["modules_to_not_convert"] = kept + ["lm_head"]
+        hf["quantization_config"] = qc
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+
+    source = getattr(model, "source_path", None)
+    if source and os.path.isdir(source) and os.path.abspath(source) != os.path.abspath(path):
+        for file in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, file)):
+                shutil.copyfile(os.path.join(source, file), os.path.join(path, file))
+
+
+__all__ = ["load_model", "load_tokenizer", "save_model", "load_weights", "resolve_checkpoint"]
