@@ -280,7 +280,7 @@ class RolloutEngine:
             return
         self._graphs = None
         try:
-            with torch.inference_mode(), precision_side("rollout"):
+            with torch.no_grad(), precision_side("rollout"):
                 graphs = _DecodeGraphs(self, self.graph_batch_sizes)
             self._graphs = graphs
             self._graph_key = key
@@ -315,7 +315,7 @@ class RolloutEngine:
         num_steps = num_decode_steps = num_generated = 0
         start = time.perf_counter()
         try:
-            with torch.inference_mode(), precision_side("rollout"):
+            with torch.no_grad(), precision_side("rollout"):
                 while scheduler.has_unfinished:
                     out = scheduler.schedule()
                     if not out.chunks:
