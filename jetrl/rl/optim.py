@@ -1,0 +1,214 @@
+"""The optimizer side of an RL step: AdamW on fp32 master state, clipping, LR schedule, non-finite guard.
+
+**Master weights.** RL updates are tiny (learning rates around 1e-6), far below the resolution of a BF16
+weight (8 mantissa bits: a relative step of 2^-8), so applying AdamW directly to BF16 parameters would
+round most updates away. :class:`MasterWeightAdamW` therefore keeps an fp32 master copy of every
+non-fp32 parameter, runs ``torch.optim.AdamW`` (fp32 moments) on the masters and writes the rounded
+result back into the BF16 parameters after each step. The BF16 parameters are what the model computes
+with, and in the FP8 recipes they are the weights ``FP8Linear`` quantizes into 128x128 blocks (the
+"BF16 master weights" of the unified precision flow); fp32 parameters are optimised in place, with no copy.
+Memory per BF16 parameter: 2 (param) + 4 (master) + 8 (moments) bytes.
+
+**One guarded step.** :class:`OptimizerStepper` turns accumulated gradients into an update: it copies
+gradients to the masters, clips the global norm, and applies the step only if the loss and the gradient
+norm are finite. A non-finite step is skipped (no parameter, moment or LR-schedule change), counted, and
+after more than ``max_consecutive_nonfinite`` skips in a row the run stops with :class:`NonFiniteError`.
+After every applied step it calls :func:`jetrl.quant.refresh_fp8_weights` so that the next rollout
+quantizes the new weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from jetrl.quant import refresh_fp8_weights
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class MasterWeightAdamW:
+    """AdamW with fp32 master weights and moments for low-precision parameters (see module doc).
+
+    Weight decay applies to matrices (``ndim >= 2``) only, not to norms and biases. The learning-rate
+    scheduler attaches to :attr:`inner` (a real ``torch.optim.AdamW``)."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("MasterWeightAdamW got no trainable parameters")
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("MasterWeightAdamW got the same parameter twice (tied weights: pass model.parameters())")
+        for p in self.params:
+            if not p.is_floating_point():
+                raise TypeError(f"cannot optimise a {p.dtype} parameter")
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+                        for p in self.params]
+        decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
+        no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]
+        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        # foreach=False: the same per-parameter arithmetic on every device, so CPU runs are bitwise
+        # reproducible across resume; the update is a small part of an RL step
+        self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            p.grad = None
+            m.grad = None
+
+    @torch.no_grad()
+    def gather_grads(self) -> list[torch.Tensor]:
+        """Copy the parameters' gradients into fp32 master gradients; returns those gradients."""
+        grads = []
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+            if m.grad is not None:
+                grads.append(m.grad)
+        return grads
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the masters (call :meth:`gather_grads` first), then masters -> parameters."""
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)  # rounds to the parameter dtype; bumps the version FP8Linear's cache is keyed on
+
+    def state_dict(self) -> dict[str, Any]:
+        masters = {i: m.detach().clone() for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p}
+        return {"adamw": self.inner.state_dict(), "masters": masters}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state["adamw"])
+        for i, saved in state["masters"].items():
+            i = int(i)
+            if self.masters[i] is self.params[i] or tuple(saved.shape) != tuple(self.masters[i].shape):
+                raise ValueError(f"optimizer checkpoint does not match the model at parameter #{i}")
+            self.masters[i].copy_(saved)
+            self.params[i].copy_(saved)
+
+
+class LRSchedule:
+    """LR multiplier per applied optimizer step: linear warm-up, then constant / cosine / linear decay.
+
+    Step ``s`` (0-based) during warm-up gets ``(s + 1) / warmup_steps``, so the first step is not 0.
+    After warm-up, ``progress = (s - warmup) / (total - warmup)`` in [0, 1] decays the factor from 1 to
+    ``min_lr_ratio``. A picklable object (not a lambda) so that ``LambdaLR.state_dict`` carries it."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0):
+        if schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"unknown LR schedule {schedule!r}; choose 'constant', 'cosine' or 'linear'")
+        if warmup_steps < 0 or total_steps < 1:
+            raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
+        self.warmup_steps, self.total_steps = warmup_steps, total_steps
+        self.schedule, self.min_lr_ratio = schedule, min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        if self.schedule == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            shape = 1.0 - progress
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
+
+
+def build_lr_scheduler(optimizer: MasterWeightAdamW | torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                       schedule: str = "constant", min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` driven by :class:`LRSchedule`, stepped once per applied optimizer step."""
+    inner = optimizer.inner if isinstance(optimizer, MasterWeightAdamW) else optimizer
+    return torch.optim.lr_scheduler.LambdaLR(inner, LRSchedule(warmup_steps, total_steps, schedule, min_lr_ratio))
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`OptimizerStepper.step` did."""
+
+    applied: bool
+    grad_norm: float          # before clipping; nan/inf when the step was skipped for that reason
+    lr: float                 # the learning rate the step used (or would have used)
+    num_skipped: int          # skipped steps so far in the run
+    num_consecutive_skipped: int
+
+
+class OptimizerStepper:
+    """Clip, guard against non-finite values, step, schedule, refresh FP8 weights (see module doc)."""
+
+    def __init__(self, model: nn.Module, optimizer: MasterWeightAdamW,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, grad_clip: float | None = 1.0,
+                 max_consecutive_nonfinite: int = 3) -> None:
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {grad_clip}")
+        if max_consecutive_nonfinite < 0:
+            raise ValueError(f"max_consecutive_nonfinite must be >= 0, got {max_consecutive_nonfinite}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.grad_clip = grad_clip
+        self.max_consecutive_nonfinite = max_consecutive_nonfinite
+        self.num_skipped = 0
+        self.num_consecutive_skipped = 0
+
+    def step(self, loss_is_finite: bool = True) -> StepResult:
+        """Apply the accumulated gradients (or skip them); always leaves the gradients cleared."""
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        grads = self.optimizer.gather_grads()
+        norm = clip_grad_norm(grads, self.grad_clip)
+        if not (loss_is_finite and math.isfinite(norm)):
+            self.optimizer.zero_grad()
+            self.num_skipped += 1
+            self.num_consecutive_skipped += 1
+            if self.num_consecutive_skipped > self.max_consecutive_nonfinite:
+                what = "loss" if not loss_is_finite else f"gradient norm ({norm})"
+                raise NonFiniteError(
+                    f"{self.num_consecutive_skipped} optimizer steps in a row had a non-finite {what} "
+                    f"(allowed: optim.max_consecutive_nonfinite={self.max_consecutive_nonfinite}); stopping. "
+                    f"Lower optim.lr, check the rewards and inputs, or resume from the last checkpoint.")
+            return StepResult(False, norm, lr, self.num_skipped, self.num_consecutive_skipped)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        refresh_fp8_weights(self.model)
+        self.num_consecutive_skipped = 0
+        return StepResult(True, norm, lr, self.num_skipped, 0)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_skipped": self.num_skipped, "num_consecutive_skipped": self.num_consecutive_skipped}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.num_skipped = int(state["num_skipped"])
+        self.num_consecutive_skipped = int(state["num_consecutive_skipped"])
+
+
+@torch.no_grad()
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None) -> float:
+    """Global L2 norm of ``grads`` (fp32 accumulation); scales them in place to ``max_norm`` if above it
+    and finite. Returns the norm before clipping (a host sync: the step needs the decision anyway)."""
+    if not grads:
+        return 0.0
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+    if max_norm is not None and math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm
+
+
+__all__ = ["MasterWeightAdamW", "LRSchedule", "build_lr_scheduler", "OptimizerStepper", "StepResult",
+           "NonFiniteError", "clip_grad_norm"]
