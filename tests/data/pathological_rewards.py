@@ -1,0 +1,23 @@
+"""Reward functions that misbehave on purpose, importable by the reward pool's worker processes."""
+
+import os
+import time
+
+
+def misbehaving(completion_text: str, reference_answer: str) -> float:
+    """Exact-match reward, except: "hang" sleeps forever, "raise" raises, "crash" kills the process,
+    "nan" returns NaN, "slow" takes 0.3 s and then answers normally."""
+    if completion_text == "hang":
+        while True:
+            time.sleep(3600)
+    if completion_text == "raise":
+        raise RuntimeError("reward function exploded")
+    if completion_text == "crash":
+        os._exit(7)
+    if completion_text == "nan":
+        return float("nan")
+    if completion_text == "slow":
+        time.sleep(0.3)
+        return 0.5
+    return 1.0 if completion_text == reference_answer else 0.0
+
