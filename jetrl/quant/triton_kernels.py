@@ -79,7 +79,7 @@ def _round_to_e4m3_grid(q):
 def _to_e4m3(x, scale):
     """``e4m3(clamp(x / scale, -448, 448))`` with an IEEE division; ``scale`` broadcasts to ``x``."""
     q = tl.div_rn(x, scale)
-    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    q = tl.clamp(q, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, like torch
     return _round_to_e4m3_grid(q).to(tl.float8e4nv)
 
 
