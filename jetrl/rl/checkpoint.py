@@ -1,0 +1,303 @@
+"""Atomic, self-verifying training checkpoints: a run killed at any moment never leaves one that resume
+would pick up half-written.
+
+Layout of ``<root>/step_00000042/``::
+
+    model.safetensors   (or whatever ``save_model`` writes, e.g. a HuggingFace folder's files)
+    optimizer.pt        optimizer state dict (fp32 master weights and moments)
+    scheduler.pt        LR scheduler state dict
+    rng.pt              python / numpy / torch (and CUDA) RNG states
+    extra.pt            any other torch-serialisable state the caller passes (optional)
+    trainer_state.json  step, data position, metrics cursor, ... (JSON, human-readable)
+    COMPLETE.json       the marker: format version, step, and size + SHA-256 of every other file
+
+Protocol: everything is written into ``<root>/.tmp-step_00000042-<pid>``, each file fsync'ed; the marker
+is written last and fsync'ed, then the folder; the folder is renamed to ``step_00000042`` and the root
+fsync'ed. The rename is atomic, so a ``step_*`` folder only ever appears complete; the marker's sizes and
+checksums additionally catch folders damaged later (a truncated or overwritten file). Old checkpoints
+beyond ``keep_last`` are deleted marker-first, so a half-deleted one is never mistaken for valid.
+
+``.pt`` files are read with ``weights_only=False`` (they hold numpy RNG states): load only checkpoints
+you wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+MARKER = "COMPLETE.json"
+FORMAT_VERSION = 1
+MODEL_FILE = "model.safetensors"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+def checkpoint_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ RNG
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a training step may draw from: python, numpy's global, torch CPU and CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------------- saving
+
+def _stateful(obj: Any) -> Any:
+    return obj.state_dict() if hasattr(obj, "state_dict") else obj
+
+
+def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = None,
+                    save_model: Callable[[Path], None] | None = None, optimizer: Any = None, scheduler: Any = None,
+                    trainer_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
+                    keep_last: int | None = None, checksums: bool = True) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically (see module doc) and return its folder.
+
+    Args:
+        model: saved as ``model.safetensors`` (tied weights handled) unless ``save_model`` is given.
+        save_model: ``save_model(folder)`` writes the model itself (e.g. a HuggingFace checkpoint).
+        optimizer, scheduler: objects with ``state_dict()`` (or state dicts).
+        trainer_state: JSON-serialisable run state (data position, metrics cursor, counters...).
+        extra: other torch-serialisable state.
+        keep_last: delete older complete checkpoints beyond the newest ``keep_last``.
+        checksums: record SHA-256 of every file in the marker (costs one read of the files).
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if model is not None and save_model is not None:
+        raise ValueError("pass either model or save_model, not both")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = checkpoint_dir_name(step)
+    for stale in root.glob(f".tmp-{name}-*"):  # left by a run killed while saving this step
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        state = {"step": step, **(trainer_state or {})}
+        try:
+            state_text = json.dumps(state, indent=2, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"trainer_state must be JSON-serialisable (ints, floats, strings, lists, dicts): {e}")
+        if save_model is not None:
+            save_model(tmp)
+        elif model is not None:
+            from safetensors.torch import save_model as save_safetensors
+            save_safetensors(model, str(tmp / MODEL_FILE))
+        if optimizer is not None:
+            torch.save(_stateful(optimizer), tmp / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(_stateful(scheduler), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        if extra:
+            torch.save(extra, tmp / "extra.pt")
+        (tmp / "trainer_state.json").write_text(state_text)
+
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync_file(path)
+            entry: dict[str, Any] = {"size": path.stat().st_size}
+            if checksums:
+                entry["sha256"] = _sha256(path)
+            files[path.relative_to(tmp).as_posix()] = entry
+        for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            _fsync_dir(sub)
+        marker = tmp / MARKER
+        marker.write_text(json.dumps({"format_version": FORMAT_VERSION, "step": step, "files": files}, indent=1))
+        _fsync_file(marker)
+        _fsync_dir(tmp)
+
+        final = root / name
+        if final.exists():  # re-saving a step (e.g. after a resume): replace it
+            _remove_checkpoint(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep_last is not None:
+        prune_checkpoints(root, keep_last)
+    return final
+
+
+def _remove_checkpoint(path: Path) -> None:
+    marker = path / MARKER
+    if marker.exists():
+        marker.unlink()  # first: a folder killed mid-delete is then clearly incomplete
+        _fsync_dir(path)
+    shutil.rmtree(path)
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``step_*`` folder under ``root``, complete or not, by step."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete every checkpoint folder older than the newest ``keep_last`` complete ones; returns them."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    entries = list_checkpoints(root)
+    complete = [step for step, path in entries if verify_checkpoint(path) is None]
+    if len(complete) <= keep_last:
+        return []
+    oldest_kept = complete[-keep_last]
+    removed = [path for step, path in entries if step < oldest_kept]
+    for path in removed:
+        _remove_checkpoint(path)
+    return removed
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+def verify_checkpoint(path: str | Path, checksums: bool = False) -> str | None:
+    """``None`` when the folder is a complete checkpoint, else the reason it is not.
+
+    Checks the marker, the step in its name, and every recorded file's size (and SHA-256 when
+    ``checksums``)."""
+    path = Path(path)
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} marker (the save did not finish)"
+    try:
+        info = json.loads(marker.read_text())
+        files = info["files"]
+        step = info["step"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable marker ({e})"
+    m = _STEP_DIR.match(path.name)
+    if m and int(m.group(1)) != step:
+        return f"marker says step {step} but the folder is {path.name}"
+    if "trainer_state.json" not in files:
+        return "marker lists no trainer_state.json"
+    for rel, entry in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"missing file {rel}"
+        size = f.stat().st_size
+        if size != entry["size"]:
+            return f"{rel} has {size} bytes, the marker recorded {entry['size']} (truncated or overwritten)"
+        if checksums and "sha256" in entry and _sha256(f) != entry["sha256"]:
+            return f"{rel} does not match its recorded SHA-256 (corrupt)"
+    return None
+
+
+def latest_checkpoint(root: str | Path, checksums: bool = False) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None if there is none). Incomplete or corrupt
+    folders are skipped with a warning saying why."""
+    for step, path in reversed(list_checkpoints(root)):
+        reason = verify_checkpoint(path, checksums=checksums)
+        if reason is None:
+            return path
+        warnings.warn(f"ignoring checkpoint {path}: {reason}", RuntimeWarning, stacklevel=2)
+    return None
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` read besides what it loaded into the given objects."""
+
+    path: Path
+    step: int
+    trainer_state: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
+                    load_model: Callable[[Path], None] | None = None, optimizer: Any = None, scheduler: Any = None,
+                    restore_rng: bool = True, checksums: bool = False,
+                    map_location: str | torch.device | None = "cpu") -> LoadedCheckpoint:
+    """Restore a checkpoint written by :func:`save_checkpoint` into the given objects.
+
+    The model is loaded from ``model.safetensors`` (strict: every key must match) or by
+    ``load_model(folder)``; optimizer and scheduler through ``load_state_dict``; the RNG states are
+    restored last, so that nothing after this call has drawn from them."""
+    path = Path(path)
+    reason = verify_checkpoint(path, checksums=checksums)
+    if reason is not None:
+        raise ValueError(f"cannot load checkpoint {path}: {reason}")
+    if load_model is not None:
+        load_model(path)
+    elif model is not None:
+        from safetensors.torch import load_model as load_safetensors
+        if not (path / MODEL_FILE).is_file():
+            raise FileNotFoundError(f"{path} has no {MODEL_FILE}; it was saved with a custom save_model, "
+                                    f"pass the matching load_model")
+        missing, unexpected = load_safetensors(model, str(path / MODEL_FILE), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+    for obj, fname in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt")):
+        if obj is None:
+            continue
+        if not (path / fname).is_file():
+            raise FileNotFoundError(f"{path} has no {fname}")
+        obj.load_state_dict(torch.load(path / fname, map_location=map_location, weights_only=False))
+    state = json.loads((path / "trainer_state.json").read_text())
+    extra = torch.load(path / "extra.pt", map_location=map_location, weights_only=False) \
+        if (path / "extra.pt").is_file() else {}
+    if restore_rng:
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return LoadedCheckpoint(path, int(state["step"]), state, extra)
+
+
+__all__ = [
+    "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint", "prune_checkpoints",
+    "list_checkpoints", "LoadedCheckpoint", "rng_state", "set_rng_state", "checkpoint_dir_name", "MARKER",
+]
