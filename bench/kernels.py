@@ -1,0 +1,251 @@
+"""FP8 kernel benchmarks at Llama-3.1-8B shapes on one Hopper GPU: every ratio against BF16 in the same run.
+
+Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions):
+
+1. quantization kernels: achieved bandwidth as a fraction of a measured device-to-device copy;
+2. pre-quantized GEMMs (Fprop, DGrad, WGrad) in FP8 vs BF16 ``torch.matmul``, TFLOP/s;
+3. ``FP8Linear`` forward+backward, quantization included, vs BF16 ``nn.Linear``;
+4. an MLP block (RMSNorm, gate_up, SwiGLU, down) forward+backward, recipe ``jet`` vs BF16;
+5. decode-size GEMMs (M = 1..64) FP8 vs BF16, per GEMM path.
+
+Run: ``python bench/kernels.py [--quick] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LLAMA8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+TRAIN_M = [64, 256, 4096, 16384]
+DECODE_M = [1, 16, 32, 64]
+
+
+@dataclass
+class Report:
+    device: str = ""
+    torch_version: str = ""
+    triton_version: str = ""
+    copy_gbps: float = 0.0
+    sections: dict[str, list[dict]] = field(default_factory=dict)
+
+    def add(self, section: str, **row) -> None:
+        self.sections.setdefault(section, []).append(row)
+        print(f"[{section}] " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _bench_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def _copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6  # GB/s, bytes read + written
+
+
+def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
+    from jetrl.quant import triton_kernels as tk
+
+    for m, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        q, s = tk.quantize_act_1x128(x)
+        kb, mb = -(-k // 128), -(-m // 128)
+        cases = {
+            # name: (fn, bytes moved)
+            "act 1x128": (lambda: tk.quantize_act_1x128(x), 2 * m * k + m * k + 4 * m * kb),
+            "act 1x128 + 128x1": (lambda: tk.quantize_act_1x128(x, emit_token=True),
+                                  2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
+            "token 128x1": (lambda: tk.quantize_token_128x1(x), 2 * m * k + m * k + 4 * mb * k),
+            "requant 1x128->128x1": (lambda: tk.requantize_act_to_token(q, s), 2 * m * k + 4 * (m * kb + mb * k)),
+            "weight 128x128 + W^T": (lambda: tk.quantize_weight_128x128(x, emit_t=True), 2 * m * k + 2 * m * k),
+        }
+        for name, (fn, nbytes) in cases.items():
+            ms = _bench_ms(fn)
+            gbps = nbytes / ms / 1e6
+            rep.add("quant", kernel=name, shape=f"{m}x{k}", us=ms * 1e3, gbps=gbps, frac_copy=gbps / rep.copy_gbps)
+
+
+def _gemm_operands(m: int, n: int, k: int):
+    from jetrl.quant.cuda import CudaBackend
+
+    be = CudaBackend()
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    qx = be.quantize(x, (1, 128))
+    qw, qw_t = be.quantize_weight_pair(w)
+    qdy, qdy_tok = be.quantize_act_and_token(dy)
+    qx_tok = be.requantize(qx, (128, 1))
+    return be, (x, w, dy), (qx, qw, qw_t, qdy, qdy_tok.t(), qx_tok.t())
+
+
+def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]]) -> None:
+    for n, k in nk_list:
+        for m in ms_list:
+            be, (x, w, dy), (qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t) = _gemm_operands(m, n, k)
+            flop = 2.0 * m * n * k
+            pairs = {
+                "fprop": (lambda: be.gemm(qx, qw), lambda: torch.matmul(x, w.t())),
+                "dgrad": (lambda: be.gemm(qdy, qw_t), lambda: torch.matmul(dy, w)),
+                "wgrad": (lambda: be.gemm(qdy_tok_t, qx_tok_t), lambda: torch.matmul(dy.t(), x)),
+            }
+            for name, (f8, bf) in pairs.items():
+                t8, tb = _bench_ms(f8), _bench_ms(bf)
+                rep.add("gemm", gemm=name, m=m, n=n, k=k, fp8_tflops=flop / t8 / 1e9, bf16_tflops=flop / tb / 1e9,
+                        speedup=tb / t8)
+            del x, w, dy, qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t
+
+
+def bench_decode(rep: Report, nk_list: list[tuple[int, int]]) -> None:
+    from jetrl.quant import cuda as cuda_mod
+    from jetrl.quant import triton_kernels as tk
+
+    for n, k in nk_list:
+        for m in DECODE_M:
+            be, (x, w, _), (qx, qw, *_rest) = _gemm_operands(m, n, k)
+            tb = _bench_ms(lambda: torch.matmul(x, w.t()))
+            row = {"m": m, "n": n, "k": k, "bf16_us": tb * 1e3}
+            os.environ["JETRL_FP8_GEMM"] = "cublas"
+            row["cublas_us"] = _bench_ms(lambda: be.gemm(qx, qw)) * 1e3
+            os.environ["JETRL_FP8_GEMM"] = "triton"
+            row["triton_us"] = _bench_ms(lambda: be.gemm(qx, qw)) * 1e3
+            for bn, stages in ((32, 4), (64, 4), (16, 6)):
+                cfg = tk.GemmConfig(16, bn, group_m=1, num_warps=4, num_stages=stages)
+                row[f"triton_bn{bn}_s{stages}_us"] = _bench_ms(
+                    lambda: tk.blockwise_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128, config=cfg)) * 1e3
+            os.environ["JETRL_FP8_GEMM"] = "auto"
+            row["auto_path"] = cuda_mod.gemm_path(qx, qw)
+            row["auto_us"] = _bench_ms(lambda: be.gemm(qx, qw)) * 1e3
+            row["auto_with_quant_us"] = _bench_ms(lambda: be.gemm(be.quantize(x, (1, 128)), qw)) * 1e3
+            row["speedup_auto"] = tb * 1e3 / row["auto_us"]
+            row["speedup_best_fp8"] = tb * 1e3 / min(v for kk, v in row.items() if kk.endswith("_us")
+                                                     and kk not in ("bf16_us", "auto_with_quant_us"))
+            rep.add("decode", **row)
+
+
+def _fwd_bwd(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor):
+    def step():
+        xi = x.detach().requires_grad_()
+        layer(xi).backward(gy)
+
+    return step
+
+
+def bench_fp8_linear(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]]) -> None:
+    from jetrl.quant import FP8Linear
+
+    for n, k in nk_list:
+        for m in ms_list:
+            ref = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            fp8 = FP8Linear.from_linear(ref)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            tb = _bench_ms(_fwd_bwd(ref, x, gy))
+            t8 = _bench_ms(_fwd_bwd(fp8, x, gy))  # weight cached across steps (the weight does not change)
+            fp8_requant = FP8Linear.from_linear(ref)  # the same step re-quantizing W (after an optimizer step)
+
+            def requant_step():
+                fp8_requant.invalidate_weight_cache()
+                _fwd_bwd(fp8_requant, x, gy)()
+
+            t8q = _bench_ms(requant_step)
+            rep.add("fp8linear", m=m, n=n, k=k, bf16_ms=tb, fp8_ms=t8, fp8_requant_w_ms=t8q, speedup=tb / t8,
+                    speedup_requant_w=tb / t8q)
+            ref.weight.grad = None
+
+
+class _Mlp(nn.Module):
+    """RMSNorm -> gate_up -> SwiGLU -> down, Llama style, with a residual."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, eps=1e-5, device="cuda", dtype=torch.bfloat16)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False, device="cuda", dtype=torch.bfloat16)
+        self.down = nn.Linear(hidden, dim, bias=False, device="cuda", dtype=torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def bench_mlp(rep: Report, ms_list: list[int], dim: int = 4096, hidden: int = 14336) -> None:
+    from jetrl.quant import apply_recipe
+
+    for m in ms_list:
+        model = _Mlp(dim, hidden)
+        x = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16)
+        gy = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16)
+        tb = _bench_ms(_fwd_bwd(model, x, gy))
+        apply_recipe(model, "jet")
+        tj = _bench_ms(_fwd_bwd(model, x, gy))
+        rep.add("mlp", m=m, dim=dim, hidden=hidden, bf16_ms=tb, jet_ms=tj, speedup=tb / tj)
+
+
+def main(argv: list[str] | None = None) -> Report:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="M in {4096, 16384} and fewer shapes")
+    parser.add_argument("--json", default=None, help="write all rows to this JSON file")
+    parser.add_argument("--sections", default="quant,gemm,decode,fp8linear,mlp")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
+        return Report()
+    import triton
+
+    torch.manual_seed(0)
+    rep = Report(device=torch.cuda.get_device_name(), torch_version=torch.__version__,
+                 triton_version=triton.__version__)
+    rep.copy_gbps = _copy_bandwidth()
+    print(f"device {rep.device}, torch {rep.torch_version}, triton {rep.triton_version}, "
+          f"copy {rep.copy_gbps:.0f} GB/s", flush=True)
+    train_m = [4096, 16384] if args.quick else TRAIN_M
+    sections = args.sections.split(",")
+    try:
+        if "quant" in sections:
+            bench_quantization(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])
+        if "gemm" in sections:
+            bench_gemms(rep, train_m, LLAMA8B_NK)
+        if "decode" in sections:
+            bench_decode(rep, LLAMA8B_NK)
+        if "fp8linear" in sections:
+            bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)
+        if "mlp" in sections:
+            bench_mlp(rep, [4096, 16384] if args.quick else [1024, 4096, 16384])
+    finally:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(asdict(rep), f, indent=1)
+        _print_summary(rep)
+    return rep
+
+
+def _print_summary(rep: Report) -> None:
+    print("\n== summary (medians) ==")
+    for row in rep.sections.get("gemm", []):
+        if row["gemm"] == "fprop" and row["m"] >= 4096:
+            print(f"fprop M={row['m']} N={row['n']} K={row['k']}: {row['speedup']:.2f}x")
+    for row in rep.sections.get("fp8linear", []):
+        print(f"FP8Linear M={row['m']} N={row['n']} K={row['k']}: {row['speedup']:.2f}x")
+    for row in rep.sections.get("mlp", []):
+        print(f"MLP M={row['m']}: {row['speedup']:.2f}x")
+    for row in rep.sections.get("decode", []):
+        print(f"decode M={row['m']} N={row['n']} K={row['k']}: auto({row['auto_path']}) {row['speedup_auto']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

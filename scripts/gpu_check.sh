@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU check on a CUDA machine: the gpu-marked tests, then every benchmark under bench/.
+# Logs (and each benchmark's JSON) go to $OUT (default ./gpu-check-logs); a short summary prints last.
+# Usage: scripts/gpu_check.sh [--quick]   (--quick is passed to the benchmarks)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu-check-logs}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/device.log"
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$OUT/device.log"
+
+"$PY" -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
+test_rc=${PIPESTATUS[0]}
+[ "$test_rc" -ne 0 ] && status=1
+
+declare -A bench_rc
+for bench in bench/*.py; do
+  name="$(basename "$bench" .py)"
+  "$PY" "$bench" --json "$OUT/bench_$name.json" "$@" 2>&1 | tee "$OUT/bench_$name.log"
+  bench_rc[$name]=${PIPESTATUS[0]}
+  [ "${bench_rc[$name]}" -ne 0 ] && status=1
+done
+
+echo
+echo "== gpu_check summary =="
+echo "pytest -m gpu: rc=$test_rc  ($(tail -n 1 "$OUT/pytest_gpu.log"))"
+for name in "${!bench_rc[@]}"; do echo "bench/$name.py: rc=${bench_rc[$name]}"; done
+exit $status

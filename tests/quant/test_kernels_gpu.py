@@ -1,0 +1,161 @@
+"""The CUDA FP8 backend on the GPU against the PyTorch reference on the same GPU.
+
+Quantization: FP8 bytes and scales identical (zero blocks, saturation, partial blocks, odd shapes,
+power-of-two scales). GEMMs (cuBLAS and Triton paths): to output rounding. FP8Linear forward and
+backward: the "cuda" backend equals the "reference" backend on the same inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetrl.quant import ACT, TOKEN, WEIGHT, FP8Linear, Fp8Tensor, use_backend
+from jetrl.quant import reference as R
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 1), (7, 5), (130, 300), (256, 256), (3, 129), (129, 4096), (1000, 1000), (4096, 512)]
+DTYPES = [torch.bfloat16, torch.float32, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def cuda_backend():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the FP8 kernels need a Hopper (sm_90+) GPU")
+    from jetrl.quant.cuda import CudaBackend
+
+    return CudaBackend()
+
+
+def _input(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    # mixed magnitudes along K so blocks differ; then an all-zero row, a huge and a tiny value
+    x = torch.randn(m, k, generator=g, device="cuda") * torch.logspace(-5, 5, k, device="cuda")
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    x = x.to(dtype)
+    if m > 2 and k > 3:
+        x[1] = 0
+        x[2, 3] = 6e4 if dtype == torch.float16 else 1e30
+        x[2, 0] = 0 if dtype == torch.float16 else -1e-30
+    return x
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _same(t: Fp8Tensor, ref: Fp8Tensor) -> None:
+    assert t.block == ref.block
+    assert not torch.isnan(t.data.float()).any()
+    assert _bitwise(t.data, ref.data), "FP8 bytes differ from the reference"
+    assert _bitwise(t.scale, ref.scale), "scales differ from the reference"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block", [ACT, TOKEN, WEIGHT])
+def test_quantize_bitwise(cuda_backend, block, shape, dtype, pow2):
+    x = _input(*shape, dtype, seed=hash((block, shape)) % 1000)
+    _same(cuda_backend.quantize(x, block, pow2), R.quantize_tensor(x, block, pow2))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, shape, pow2):
+    x = _input(*shape, torch.bfloat16, seed=11)
+    q_act, q_tok = cuda_backend.quantize_act_and_token(x, pow2)
+    _same(q_act, R.quantize_tensor(x, ACT, pow2))
+    _same(q_tok, R.quantize_tensor(x, TOKEN, pow2))
+    ref_act = R.quantize_tensor(x, ACT, pow2)
+    _same(cuda_backend.requantize(ref_act, TOKEN, pow2), R.requantize(ref_act, TOKEN, pow2))
+    qw, qw_t = cuda_backend.quantize_weight_pair(x, pow2)
+    ref_w = R.quantize_tensor(x, WEIGHT, pow2)
+    _same(qw, ref_w)
+    assert qw_t.data.is_contiguous()
+    _same(qw_t, ref_w.t())
+
+
+def test_quantize_noncontiguous_and_float64(cuda_backend):
+    x = torch.randn(300, 260, device="cuda").t()  # (260, 300) with strides (1, 260)
+    _same(cuda_backend.quantize(x, ACT), R.quantize_tensor(x, ACT))
+    x = torch.randn(200, 300, device="cuda", dtype=torch.float64)
+    _same(cuda_backend.quantize(x, TOKEN), R.quantize_tensor(x, TOKEN))
+
+
+def _gemm_tolerance(a: Fp8Tensor, b: Fp8Tensor, ref: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Half an output ulp of the result plus accumulation error: Hopper FP8 MMAs accumulate inside a
+    128-wide K block with reduced precision before the fp32 block sum; 2^-14 of sum |a||b| bounds it
+    (a wrong scale or block misses by orders of magnitude)."""
+    ulp = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -23
+    absprod = a.dequantize().double().abs() @ b.dequantize().double().abs().t()
+    return ref.abs() * ulp + absprod * 2.0 ** -14
+
+
+@pytest.mark.parametrize("path", ["cublas", "triton"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mnk", [(1, 256, 384), (64, 4096, 4096), (130, 256, 512), (512, 384, 1024),
+                                 (30, 200, 300), (1000, 272, 640)])
+@pytest.mark.parametrize("b_block", [WEIGHT, ACT])
+def test_gemm_to_output_rounding(cuda_backend, monkeypatch, b_block, mnk, out_dtype, path):
+    from jetrl.quant import cuda as cuda_mod
+
+    m, n, k = mnk
+    monkeypatch.setenv("JETRL_FP8_GEMM", path)
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = R.quantize_tensor(torch.randn(m, k, generator=g, device="cuda"), ACT)
+    b = R.quantize_tensor(torch.randn(n, k, generator=g, device="cuda"), b_block)
+    out = cuda_backend.gemm(a, b, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    ref = a.dequantize().double() @ b.dequantize().double().t()
+    err = (out.double() - ref).abs()
+    tol = _gemm_tolerance(a, b, ref, out_dtype)
+    assert torch.isfinite(out).all()
+    assert bool((err <= tol).all()), f"{cuda_mod.gemm_path(a, b)} GEMM: max excess {(err - tol).max().item()}"
+
+
+def test_dgrad_operand_row_major_transposed_weight(cuda_backend):
+    """DGrad: dy (1x128) @ W through the cached row-major W^T equals the transposed-view operand."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(384, 512, generator=g, device="cuda", dtype=torch.bfloat16)
+    dy = R.quantize_tensor(torch.randn(256, 384, generator=g, device="cuda"), ACT)
+    qw, qw_t = cuda_backend.quantize_weight_pair(w)
+    out = cuda_backend.gemm(dy, qw_t, torch.float32)
+    ref = R.gemm(dy, R.quantize_tensor(w, WEIGHT).t(), torch.float32).double()
+    assert bool(((out.double() - ref).abs() <= _gemm_tolerance(dy, qw.t(), ref, torch.float32)).all())
+
+
+@pytest.mark.parametrize("shape", [(256, 384, 512), (77, 200, 300), (4, 2048, 1024)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp8_linear_cuda_equals_reference_backend(cuda_backend, shape, bias):
+    m, n, k = shape
+    torch.manual_seed(m + n)
+    layer = FP8Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, m, k, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(2, m, n, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for name in ("reference", "cuda"):
+        with use_backend(name):
+            layer.invalidate_weight_cache()
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            y.backward(gy)
+            results[name] = (y.detach().float(), xi.grad.float(), layer.weight.grad.float().clone())
+            layer.weight.grad = None
+            if bias:
+                layer.bias.grad = None
+    for ref, out, what in zip(results["reference"], results["cuda"], ("output", "grad_input", "grad_weight")):
+        assert torch.isfinite(out).all(), what
+        # same quantized operands, GEMMs equal to BF16 output rounding: a few 2^-8 relative per element
+        # plus accumulation-order noise; the relative norm error of a correct kernel is ~1e-3
+        rel = float((out - ref).norm() / ref.norm())
+        assert rel < 4e-3, f"{what}: relative error {rel:.2e} between backends"
+
+
+def test_cuda_backend_rejects_cpu_tensors(cuda_backend):
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        cuda_backend.quantize(torch.randn(4, 128), ACT)
