@@ -1,0 +1,182 @@
+"""Triton paged-attention decode: one new query token per sequence against its paged K/V (GQA).
+
+Same semantics as :func:`jetrl.models.attention.paged_attention_reference` for decode steps (each
+sequence's single query sees cache positions ``< context_lens[s]``), read directly from the block pool:
+
+* one program per (sequence, KV head, context split) loads the ``G = Hq / Hkv`` query heads that share
+  the KV head (padded to 16 rows for ``tl.dot``), so every K/V byte is read once for its whole group;
+* it walks the sequence's tokens ``BLOCK_N`` at a time, gathering each token's row through the block
+  table (one contiguous ``head_dim`` row per token), with an online (flash) softmax in fp32;
+* when the batch alone cannot fill the GPU, the context is split across programs (flash-decoding) and a
+  second small kernel merges the partial results by their log-sum-exp.
+
+No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
+so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_SM_COUNT: dict[int, int] = {}
+
+
+@triton.jit
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+                         scale_log2, tokens_per_split,
+                         stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         stride_ts, stride_os, stride_oh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(1)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g  # (BLOCK_G,) query heads of this KV head
+
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+
+    ctx = tl.load(ctx_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(ctx, start + tokens_per_split)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    t0 = start
+    while t0 < end:
+        t = t0 + n
+        t_ok = t < end
+        page = tl.load(tables_ptr + seq * stride_ts + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        row = t % PAGE
+        k = tl.load(k_ptr + page[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # (BLOCK_G, BLOCK_N), fp32 accumulation
+        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        t0 += BLOCK_N
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # partials: acc (S, Hq, NUM_SPLITS, BLOCK_D) and (m, l) (S, Hq, NUM_SPLITS, 2), fp32, contiguous
+        base = (seq * num_kv_heads * GROUP + heads) * NUM_SPLITS + split  # (BLOCK_G,)
+        tl.store(part_acc_ptr + base[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(part_ml_ptr + base * 2, m_i, mask=g_ok)
+        tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_os, stride_oh, num_heads,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sp_ok = sp < NUM_SPLITS
+    base = (seq * num_heads + head) * NUM_SPLITS + sp  # (BLOCK_S,)
+    m = tl.load(part_ml_ptr + base * 2, mask=sp_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + base * 2 + 1, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(sp_ok & (m > float("-inf")), tl.exp2(m - m_max), 0.0)  # (BLOCK_S,)
+    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    total = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # (BLOCK_D,)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
+                      block_n: int = 64) -> int:
+    """Context splits per sequence: enough programs for about two waves on the GPU, at most 16, and never
+    more splits than ``block_n``-token tiles in the longest context."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    want = -(-2 * _sm_count(device) // programs)
+    tiles = max(-(-max(max_context_len, 1) // block_n), 1)
+    return int(max(1, min(want, 16, tiles)))
+
+
+def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
+                 softmax_scale: float, *, num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """Decode attention: q (S, Hq, D) (one row per sequence) over the paged cache -> (S, Hq, D) in q's dtype.
+
+    ``meta`` is a :class:`~jetrl.models.attention.PagedAttentionMetadata` with ``max_query_len == 1``;
+    ``num_splits`` overrides the context split (for tests).
+    """
+    if meta.max_query_len != 1:
+        raise ValueError("paged_decode handles decode steps only (one new token per sequence)")
+    num_seqs, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, cache_dim = k_cache_layer.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"paged_decode: q {tuple(q.shape)} does not match the cache {tuple(k_cache_layer.shape)}")
+    if meta.block_tables.shape[0] != num_seqs:
+        raise ValueError(f"paged_decode: {num_seqs} query rows but {meta.block_tables.shape[0]} sequences")
+    if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
+        raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    group = num_heads // num_kv_heads
+    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, meta.max_context_len, q.device, block_n)
+    tokens_per_split = -(-max(int(meta.max_context_len), 1) // splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    block_d = triton.next_power_of_2(head_dim)
+    block_g = max(16, triton.next_power_of_2(group))
+    tables = meta.block_tables
+    ctx = meta.context_lens
+    out = torch.empty_like(q)
+    if splits > 1:
+        part_acc = torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache_layer, v_cache_layer, tables, ctx, out, part_acc, part_ml,
+        float(softmax_scale) * _LOG2E, tokens_per_split,
+        q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
+        v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2), tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    if splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+            num_warps=4)
+    return out
+
+
+__all__ = ["paged_decode", "choose_num_splits"]
