@@ -1,0 +1,365 @@
+"""The RL step: prompts -> rollout -> rewards -> advantages -> old/reference log-probs -> PPO update.
+
+One :meth:`Trainer.step`, in order (each phase timed):
+
+1. **rollout** -- ``n`` samples per prompt from :class:`jetrl.rollout.RolloutEngine`, which runs the very
+   module being trained on the rollout side of the precision recipe. Each prompt gets its own sampling
+   seed derived from ``(trainer.seed, step, prompt)``, so a resumed run samples the same tokens.
+2. **reward** -- the reward function scores the decoded completions; advantages follow from the
+   ``(P, n)`` rewards (:mod:`jetrl.rl.advantages`).
+3. **old_logprob** -- a training-side forward (no grad) recomputes the log-probabilities of the sampled
+   tokens. These are the PPO "old" log-probs (as verl does), so ``fp8-rollout`` is reproduced faithfully:
+   samples from the FP8 policy, ratios against the BF16 one. With ``use_rollout_logprobs`` (verl's
+   "bypass") the engine's log-probs are the old ones instead. Either way both are compared
+   (:mod:`jetrl.rl.mismatch`): in ``jet`` they agree up to summation order.
+4. **reference** -- with ``kl_coef > 0``, a frozen copy of the initial policy in the same recipe scores
+   the tokens for the KL penalty.
+5. **update** -- ``ppo_epochs`` passes over the batch in shuffled mini-batches; each mini-batch is one
+   optimizer step, accumulated over micro-batches (a fixed number of sequences, or packed up to a token
+   budget). Micro-batches run ``model.forward_packed`` on the concatenated sequences (no padding) and the
+   loss is normalised by the *mini-batch* token / sequence counts, so accumulation is exact.
+6. **weight_refresh** -- the FP8 linears re-quantize the updated BF16 weights (eagerly, so the cost is
+   measured here rather than hidden in the next rollout).
+
+Distributed later: the batch is a list of sequences, mini- and micro-batches are index lists, and the
+loss normalisers are explicit numbers; splitting prompts across ranks and wrapping the model in FSDP2
+changes only how those numbers are all-reduced.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+import torch.nn as nn
+
+from jetrl.config import RunConfig
+from jetrl.quant import refresh_fp8_weights
+from jetrl.rl.advantages import compute_advantages, num_zero_variance_groups
+from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
+from jetrl.rl.metrics import PhaseTimer
+from jetrl.rl.mismatch import mismatch_metrics
+from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """A tokenized prompt and the reference answer its reward is computed against."""
+
+    ids: list[int]
+    reference: str
+
+
+class PromptSource(Protocol):
+    """Where prompts come from: a fixed number per call, with a resumable position."""
+
+    def next_batch(self) -> list[PromptItem]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+RewardFn = Callable[[list[str], list[str]], Sequence[float]]  # (completion texts, references) -> rewards
+
+
+@dataclass
+class RolloutBatch:
+    """The rollout of one step as sequences (prompt-major: prompt p's samples are rows p*n .. p*n+n-1).
+
+    Response tensors are (S, R) with R the longest response; ``mask`` marks real response tokens."""
+
+    tokens: list[torch.Tensor]        # per sequence: prompt + response ids, (L_s,) int64
+    prompt_lens: list[int]
+    response_lens: list[int]
+    mask: torch.Tensor                # (S, R) bool
+    rollout_logprobs: torch.Tensor    # (S, R) fp32, 0 where masked
+    rewards: torch.Tensor             # (P, n) fp32
+    advantages: torch.Tensor          # (S,) fp32
+    truncated: list[bool]             # finish_reason == "length"
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.tokens)
+
+
+def _seed_for(*parts: int) -> int:
+    """A 31-bit seed mixed from integers (splitmix-style), stable across runs and platforms."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return x & 0x7FFFFFFF
+
+
+class Trainer:
+    """Owns the policy's optimizer state and runs RL steps (see the module doc).
+
+    Args:
+        config: the run config (``algorithm``, ``rollout``, ``optim`` and ``trainer.seed`` are read).
+        model: the policy (a jetrl decoder with ``forward_packed``), already in its precision recipe.
+        engine: a :class:`jetrl.rollout.RolloutEngine` over the same ``model``.
+        prompts: a :class:`PromptSource` giving ``config.data.prompts_per_step`` prompts per call.
+        reward_fn: ``(texts, references) -> rewards``.
+        decode: token ids -> text, for the reward function.
+        ref_model: the frozen reference policy; made as a copy of ``model`` when ``kl_coef > 0`` and none
+            is given.
+    """
+
+    def __init__(self, config: RunConfig, model: nn.Module, engine: Any, prompts: PromptSource, reward_fn: RewardFn,
+                 decode: Callable[[list[int]], str], ref_model: nn.Module | None = None) -> None:
+        self.config = config
+        self.model = model
+        self.engine = engine
+        self.prompts = prompts
+        self.reward_fn = reward_fn
+        self.decode = decode
+        self.device = next(model.parameters()).device
+        alg, opt = config.algorithm, config.optim
+        self.ref_model = None
+        if alg.kl_coef > 0:
+            self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
+            self.ref_model.requires_grad_(False).eval()
+        self.optimizer = MasterWeightAdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                           weight_decay=opt.weight_decay)
+        num_updates = config.trainer.steps * alg.ppo_epochs * (config.rollout_batch_size // config.mini_batch_size)
+        self.scheduler = build_lr_scheduler(self.optimizer, opt.warmup_steps, max(1, num_updates), opt.schedule,
+                                            opt.min_lr_ratio)
+        self.stepper = OptimizerStepper(model, self.optimizer, self.scheduler, opt.grad_clip,
+                                        opt.max_consecutive_nonfinite)
+        self.step_count = 0
+
+    # ------------------------------------------------------------------ state (checkpoints)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable run state: step, data position, skip counters (model/optimizer go separately)."""
+        return {"step": self.step_count, "data": self.prompts.state_dict(), "stepper": self.stepper.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step"])
+        self.prompts.load_state_dict(state["data"])
+        self.stepper.load_state_dict(state["stepper"])
+
+    # ------------------------------------------------------------------ phases
+
+    def rollout(self, items: list[PromptItem]) -> tuple[list[Any], float]:
+        from jetrl.rollout import SamplingParams
+
+        r = self.config.rollout
+        params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                 max_tokens=r.max_tokens, stop_token_ids=tuple(r.stop_token_ids),
+                                 ignore_eos=r.ignore_eos,
+                                 seed=_seed_for(self.config.trainer.seed, self.step_count, i))
+                  for i in range(len(items))]
+        completions = self.engine.generate([it.ids for it in items], params)
+        if len(completions) != len(items) * r.n:
+            raise RuntimeError(f"the engine returned {len(completions)} completions for {len(items)} prompts x "
+                               f"n={r.n}")
+        return completions, float(sum(len(c.token_ids) for c in completions))
+
+    def build_batch(self, items: list[PromptItem], completions: list[Any]) -> RolloutBatch:
+        n = self.config.rollout.n
+        texts = [self.decode(list(c.token_ids)) for c in completions]
+        refs = [items[i // n].reference for i in range(len(completions))]
+        rewards = torch.tensor([float(x) for x in self.reward_fn(texts, refs)], dtype=torch.float32)
+        if rewards.numel() != len(completions):
+            raise RuntimeError(f"the reward function returned {rewards.numel()} rewards for {len(completions)} "
+                               f"completions")
+        rewards = rewards.view(len(items), n)
+        alg = self.config.algorithm
+        advantages = compute_advantages(rewards, alg.advantage_estimator, alg.std_normalize).flatten()
+        R = max(1, max(len(c.token_ids) for c in completions))
+        S = len(completions)
+        mask = torch.zeros(S, R, dtype=torch.bool)
+        rollout_lp = torch.zeros(S, R, dtype=torch.float32)
+        tokens, prompt_lens, response_lens = [], [], []
+        for s, c in enumerate(completions):
+            prompt = items[s // n].ids
+            k = len(c.token_ids)
+            if len(c.logprobs) != k:
+                raise RuntimeError(f"completion {s}: {k} tokens but {len(c.logprobs)} logprobs")
+            tokens.append(torch.tensor(list(prompt) + list(c.token_ids), dtype=torch.long))
+            prompt_lens.append(len(prompt))
+            response_lens.append(k)
+            mask[s, :k] = True
+            rollout_lp[s, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
+        return RolloutBatch(tokens, prompt_lens, response_lens, mask.to(self.device), rollout_lp.to(self.device),
+                            rewards, advantages.to(self.device), [c.finish_reason == "length" for c in completions])
+
+    def sequence_logprobs(self, model: nn.Module, batch: RolloutBatch, rows: Sequence[int]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies (len(rows), R) of the response tokens of ``rows``, one packed forward.
+
+        Differentiable when grad is enabled. Row ``i`` of a packed sequence predicts token ``i + 1``, so
+        response token ``j`` of a sequence with prompt length ``p`` is scored at packed row
+        ``start + p - 1 + j``."""
+        from jetrl.models import token_logprobs
+
+        ids = torch.cat([batch.tokens[s] for s in rows]).to(self.device)
+        lens = [batch.tokens[s].numel() for s in rows]
+        positions = torch.cat([torch.arange(L) for L in lens]).to(self.device)
+        targets = torch.cat([torch.cat([batch.tokens[s][1:], torch.tensor([-1])]) for s in rows]).to(self.device)
+        starts = [0]
+        for L in lens:
+            starts.append(starts[-1] + L)
+        cu = torch.tensor(starts, dtype=torch.int32, device=self.device)
+        lp, ent = token_logprobs(model, ids, positions, cu, max(lens), targets,
+                                 temperature=self.config.rollout.temperature)
+        R = batch.mask.shape[1]
+        offsets = torch.arange(R)
+        index = torch.stack([(starts[b] + batch.prompt_lens[s] - 1 + offsets).clamp(max=starts[b + 1] - 1)
+                             for b, s in enumerate(rows)]).to(self.device)  # (b, R); masked slots clamped
+        return lp[index], ent[index]
+
+    @torch.no_grad()
+    def score(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        """Training-side log-probs (S, R) of every response token, in micro-batches, no grad."""
+        out = torch.zeros_like(batch.rollout_logprobs)
+        for rows in self.micro_batches(batch, list(range(batch.num_sequences))):
+            lp, _ = self.sequence_logprobs(model, batch, rows)
+            out[rows] = lp.float()
+        return torch.where(batch.mask, out, torch.zeros((), device=out.device))
+
+    def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
+        """Split ``rows`` into micro-batches: fixed size, or packed greedily up to the token budget."""
+        alg = self.config.algorithm
+        if alg.max_tokens_per_micro_batch is None:
+            size = alg.micro_batch_size
+            return [rows[i:i + size] for i in range(0, len(rows), size)]
+        out, current, used = [], [], 0
+        for s in rows:
+            L = batch.tokens[s].numel()
+            if current and used + L > alg.max_tokens_per_micro_batch:
+                out.append(current)
+                current, used = [], 0
+            current.append(s)
+            used += L
+        if current:
+            out.append(current)
+        return out
+
+    def update(self, batch: RolloutBatch, old_lp: torch.Tensor, ref_lp: torch.Tensor | None,
+               is_weights: torch.Tensor | None) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches; one guarded optimizer step per mini-batch."""
+        alg = self.config.algorithm
+        S, mini = batch.num_sequences, self.config.mini_batch_size
+        gen = torch.Generator().manual_seed(_seed_for(self.config.trainer.seed, self.step_count, 0xB17C4))
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        extremes = {"actor/ratio_max": -math.inf, "actor/ratio_min": math.inf}
+        grad_norms, num_applied = [], 0
+
+        def add(key: str, value: float, weight: float) -> None:
+            sums[key] = sums.get(key, 0.0) + value * weight
+            weights[key] = weights.get(key, 0.0) + weight
+
+        self.model.train()
+        for _ in range(alg.ppo_epochs):
+            order = torch.randperm(S, generator=gen).tolist()
+            for start in range(0, S, mini):
+                rows = order[start:start + mini]
+                m = batch.mask[rows]
+                num_tokens = int(m.sum())
+                num_seqs = int((m.sum(1) > 0).sum()) if alg.agg == "sequence" else len(rows)
+                norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.config.rollout.max_tokens)
+                loss_finite, mini_pg_loss = True, 0.0
+                for micro in self.micro_batches(batch, rows):
+                    mask = batch.mask[micro]
+                    lp, ent = self.sequence_logprobs(self.model, batch, micro)
+                    w = is_weights[micro] if is_weights is not None else None
+                    loss, metrics = policy_loss(lp, old_lp[micro], batch.advantages[micro], mask, alg.clip_low,
+                                                alg.clip_high, alg.agg, is_weights=w, **norm)
+                    if alg.entropy_coef > 0:
+                        loss = loss - alg.entropy_coef * aggregate(ent.float(), mask, alg.agg, **norm)
+                    ntok = float(metrics["num_tokens"])
+                    if ref_lp is not None:
+                        kl_tokens = kl_penalty(lp, ref_lp[micro], mask, alg.kl_estimator)
+                        loss = loss + alg.kl_coef * aggregate(kl_tokens, mask, alg.agg, **norm)
+                        add("actor/kl_ref", float(masked_mean(kl_tokens, mask)), ntok)
+                    loss_finite = loss_finite and bool(torch.isfinite(loss))
+                    loss.backward()
+                    mini_pg_loss += float(metrics["pg_loss"])
+                    for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl"):
+                        add(f"actor/{key}", float(metrics[key]), ntok)
+                    if ntok > 0:
+                        extremes["actor/ratio_max"] = max(extremes["actor/ratio_max"], float(metrics["ratio_max"]))
+                        extremes["actor/ratio_min"] = min(extremes["actor/ratio_min"], float(metrics["ratio_min"]))
+                    add("actor/entropy", float(masked_mean(ent, mask)), ntok)
+                add("actor/pg_loss", mini_pg_loss, 1.0)
+                result = self.stepper.step(loss_is_finite=loss_finite)
+                grad_norms.append(result.grad_norm)
+                num_applied += result.applied
+                add("actor/lr", result.lr, 1.0)
+        out = {k: sums[k] / weights[k] if weights[k] else 0.0 for k in sums}
+        out.update({k: (v if math.isfinite(v) else 1.0) for k, v in extremes.items()})
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        out["actor/num_updates"] = float(num_applied)
+        out["actor/num_skipped_total"] = float(self.stepper.num_skipped)
+        return out
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> dict[str, float]:
+        """One RL step; returns its metrics (flat ``group/name`` keys)."""
+        alg = self.config.algorithm
+        timer = PhaseTimer(self.device)
+        items = self.prompts.next_batch()
+        if not items:
+            raise RuntimeError("the prompt source returned an empty batch")
+        self.model.eval()
+        with timer.phase("rollout"):
+            completions, generated = self.rollout(items)
+        with timer.phase("reward"):
+            batch = self.build_batch(items, completions)
+        num_tokens = float(batch.mask.sum())
+        scored_tokens = float(sum(t.numel() for t in batch.tokens))
+        with timer.phase("old_logprob"):
+            train_lp = self.score(self.model, batch)
+        old_lp = batch.rollout_logprobs if alg.use_rollout_logprobs else train_lp
+        ref_lp = None
+        if self.ref_model is not None:
+            with timer.phase("reference"):
+                ref_lp = self.score(self.ref_model, batch)
+        is_weights = None
+        if alg.tis_cap is not None:
+            is_weights = truncated_is_weights(train_lp, batch.rollout_logprobs, batch.mask, alg.tis_cap)
+        with timer.phase("update"):
+            actor = self.update(batch, old_lp, ref_lp, is_weights)
+        with timer.phase("weight_refresh"):
+            refresh_fp8_weights(self.model, eager=True)
+        self.step_count += 1
+
+        rewards = batch.rewards
+        lengths = torch.tensor(batch.response_lens, dtype=torch.float32)
+        metrics: dict[str, float] = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/accuracy": float((rewards >= 1.0).float().mean()),
+            "reward/zero_variance_groups": float(num_zero_variance_groups(rewards)),
+            "reward/zero_variance_frac": num_zero_variance_groups(rewards) / rewards.shape[0],
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/truncation_rate": sum(batch.truncated) / len(batch.truncated),
+            "advantage/mean": float(batch.advantages.mean()),
+            "advantage/abs_mean": float(batch.advantages.abs().mean()),
+        }
+        mm = mismatch_metrics(batch.rollout_logprobs, train_lp, batch.mask, tis_cap=alg.tis_cap)
+        metrics.update({f"mismatch/{k}": v for k, v in mm.items() if k != "num_tokens"})
+        if ref_lp is not None:
+            metrics["kl_ref/k3"] = float(aggregate(kl_penalty(train_lp, ref_lp, batch.mask, "k3"), batch.mask))
+        metrics.update(actor)
+        seconds = dict(timer.seconds)
+        metrics.update({f"time/{k}": v for k, v in seconds.items()})
+        metrics["time/step"] = sum(seconds.values())
+        tokens_per_phase = {"rollout": generated, "old_logprob": scored_tokens, "reference": scored_tokens,
+                            "update": scored_tokens * alg.ppo_epochs}
+        for phase, count in tokens_per_phase.items():
+            if phase in seconds:
+                metrics[f"throughput/{phase}_tokens_per_s"] = count / max(seconds[phase], 1e-9)
+        metrics["response/num_tokens"] = num_tokens
+        return metrics
+
+
+__all__ = ["Trainer", "PromptItem", "PromptSource", "RolloutBatch", "RewardFn"]
