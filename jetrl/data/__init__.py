@@ -24,7 +24,7 @@ from jetrl.data.rewards import (
     resolve_reward,
 )
 from jetrl.data.sampler import BatchLoader, EpochSampler
-from jetrl.data.tasks import TASKS, Task, TaskExample, get_task
+from jetrl.data.tasks import TASKS, Task, TaskConfig, TaskExample, get_task, task_dataset
 from jetrl.data.templates import TemplateConfig, has_chat_template, render_prompt
 
 __all__ = [
@@ -38,12 +38,14 @@ __all__ = [
     "RewardPoolConfig",
     "RewardResult",
     "Task",
+    "TaskConfig",
     "TaskExample",
     "build_reward_fn",
     "get_task",
     "gsm8k_reward",
     "math_reward",
     "resolve_reward",
+    "task_dataset",
     "BatchLoader",
     "ColumnMap",
     "DatasetConfig",

@@ -165,3 +165,14 @@ def test_dataset_and_registry():
         get_task("arithmetic", difficulty=(5, 2))
     with pytest.raises(ValueError, match="style must be"):
         get_task("arithmetic", style="verbose")
+
+
+def test_task_config_builds_a_dataset():
+    from jetrl.data import TaskConfig, task_dataset
+
+    config = TaskConfig(name="arithmetic", difficulty=[2, 4], seed=7, num_examples=30, options={"max_operand": 9})
+    ds = task_dataset(config)
+    assert len(ds) == 30 and ds.reward == "arithmetic"
+    assert [p.text for p in ds] == [ex.prompt for ex in ArithmeticTask((2, 4), seed=7, max_operand=9).examples(30)]
+    with pytest.raises(ValueError, match="num_examples"):
+        TaskConfig(num_examples=0)
