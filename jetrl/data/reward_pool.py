@@ -31,6 +31,7 @@ from typing import Any, Literal
 from jetrl.data.rewards import RewardFn, resolve_reward, warm_up
 
 MAX_ERROR_MESSAGES = 10
+MAX_STARTUP_DEATHS = 3  # consecutive worker deaths before start-up before the pool gives up
 
 
 @dataclass
@@ -156,6 +157,7 @@ class RewardPool:
             ) from None
         self.total_timeouts = 0
         self.total_errors = 0
+        self._startup_deaths = 0
         self._workers: list[_Worker] = []
         if self.config.num_workers > 0:
             self._ctx = mp.get_context(self.config.start_method)
@@ -251,7 +253,12 @@ class RewardPool:
             for worker in list(self._workers):  # hand out work to idle ready workers
                 if worker.ready and not worker.pending and todo:
                     chunk = [todo.popleft() for _ in range(min(chunk_size, len(todo)))]
-                    worker.conn.send(chunk)
+                    try:
+                        worker.conn.send(chunk)
+                    except OSError:  # died while idle (killed from outside): nothing of ours was lost
+                        todo.extendleft(reversed(chunk))
+                        self._replace(worker)
+                        continue
                     worker.pending.extend(chunk)
                     worker.progress_at = now
             deadlines = []
@@ -265,7 +272,7 @@ class RewardPool:
             sentinels = {w.process.sentinel: w for w in self._workers if w.pending or not w.ready}
             ready_objs = wait(list(watched) + list(sentinels), timeout=wait_s)
             now = time.monotonic()
-            dead: set[int] = set()
+            dead: list[_Worker] = []
             for obj in ready_objs:
                 worker = watched.get(obj)
                 if worker is None:
@@ -275,6 +282,7 @@ class RewardPool:
                         message = worker.conn.recv()
                         if message[0] == "ready":
                             worker.ready = True
+                            self._startup_deaths = 0
                         elif message[0] == "init_error":
                             self.close()
                             raise RuntimeError(f"reward worker failed to start: {message[1]}")
@@ -286,21 +294,27 @@ class RewardPool:
                             remaining -= 1
                             worker.progress_at = now
                 except (EOFError, OSError):
-                    dead.add(id(worker))
+                    dead.append(worker)
             for obj in ready_objs:
                 worker = sentinels.get(obj)
                 if worker is not None and not worker.process.is_alive():
-                    dead.add(id(worker))
+                    dead.append(worker)
             for worker in list(self._workers):
-                if id(worker) in dead:
+                if any(worker is d for d in dead):
                     if worker.pending:
                         worker.process.join(timeout=1.0)
                         code = worker.process.exitcode
                         fail_current(worker, "error", f"reward worker died (exit code {code})")
                     elif not worker.ready:
-                        self.close()
-                        raise RuntimeError("reward worker died while starting (exit code "
-                                           f"{worker.process.exitcode}); is the reward function importable?")
+                        self._startup_deaths += 1
+                        if self._startup_deaths >= MAX_STARTUP_DEATHS:
+                            code = worker.process.exitcode
+                            self.close()
+                            raise RuntimeError(
+                                f"reward workers died while starting, {MAX_STARTUP_DEATHS} times in a row (last exit "
+                                f"code {code}); is the reward function importable in a fresh process? "
+                                "(see its traceback above)"
+                            )
                     self._replace(worker)
                 elif worker.pending and now - worker.progress_at > cfg.timeout_s:
                     fail_current(worker, "timeout", f"timed out after {cfg.timeout_s:g} s")

@@ -21,3 +21,13 @@ def misbehaving(completion_text: str, reference_answer: str) -> float:
         return 0.5
     return 1.0 if completion_text == reference_answer else 0.0
 
+
+
+class BrokenWarmup:
+    """A reward whose start-up fails in the worker (as a missing dependency would)."""
+
+    def warmup(self) -> None:
+        raise ImportError("this reward needs a package that is not installed")
+
+    def __call__(self, completion_text: str, reference_answer: str) -> float:
+        return 0.0

@@ -58,6 +58,14 @@ def test_inline_mode_counts_errors():
     assert pool.score([], []).rewards == []
 
 
+def test_worker_start_up_failure_is_reported():
+    from pathological_rewards import BrokenWarmup
+
+    pool = RewardPool(BrokenWarmup(), RewardPoolConfig(num_workers=1))
+    with pytest.raises(RuntimeError, match="failed to start: ImportError: this reward needs a package"):
+        pool.score(["a"], ["a"])
+
+
 def test_clear_errors():
     with pytest.raises(ValueError, match="neither a built-in"):
         RewardPool("not_a_reward", RewardPoolConfig(num_workers=0))
