@@ -207,7 +207,13 @@ class RewardPool:
             else:
                 if not self._workers:
                     raise RuntimeError("RewardPool.score() called after close()")
-                self._score_in_workers(result, completions, references)
+                try:
+                    self._score_in_workers(result, completions, references)
+                except BaseException:  # e.g. Ctrl-C: busy workers hold stale work, never reuse them
+                    for worker in list(self._workers):
+                        if worker.pending:
+                            self._replace(worker)
+                    raise
         self.total_timeouts += result.num_timeouts
         self.total_errors += result.num_errors
         result.elapsed_s = time.monotonic() - start
@@ -279,7 +285,7 @@ class RewardPool:
                     continue
                 try:
                     while worker.conn.poll():
-                        message = worker.conn.recv()
+                        message = worker.conn.recv()  # ("ready"|"init_error", detail) or (index, value, error)
                         if message[0] == "ready":
                             worker.ready = True
                             self._startup_deaths = 0

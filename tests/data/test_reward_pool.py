@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -83,3 +84,24 @@ def test_clear_errors():
     pool.close()
     with pytest.raises(RuntimeError, match="after close"):
         pool.score(["a"], ["#### 1"])
+
+
+def test_interrupted_call_leaves_no_stale_work():
+    with RewardPool(BAD, RewardPoolConfig(num_workers=1, timeout_s=30.0)) as pool:
+        pool.score(["a"], ["a"])  # started and warm
+        worker = pool._workers[0]
+
+        def interrupt(signum, frame):  # as Ctrl-C would, while the worker is stuck
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.score(["hang", "a"], ["x", "a"])
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert pool._workers[0] is not worker and not worker.process.is_alive()
+        result = pool.score(["b", "a"], ["b", "x"])
+        assert result.rewards == [1.0, 0.0] and result.num_failed == 0
