@@ -1,0 +1,156 @@
+"""Bad checkpoints and configs fail with errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import jetrl.models as jm
+from jetrl.models.config import DecoderConfig
+
+
+@pytest.fixture
+def ckpt(hf_checkpoints, tmp_path):
+    """A writable copy of the tiny Llama checkpoint."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoints["llama"][0], dst)
+    return dst
+
+
+def edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_truncated_safetensors(ckpt):
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        jm.load_model(ckpt)
+
+
+def test_garbage_header(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match="cannot read safetensors file"):
+        jm.load_model(ckpt)
+
+
+def test_no_weights(ckpt):
+    os.remove(ckpt / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        jm.load_model(ckpt)
+    (ckpt / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="convert them to safetensors"):
+        jm.load_model(ckpt)
+
+
+def test_missing_config_and_bad_json(ckpt):
+    (ckpt / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        jm.load_model(ckpt)
+    os.remove(ckpt / "config.json")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        jm.load_model(ckpt)
+
+
+def test_missing_shard_and_corrupt_index(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    names = sorted(tensors)
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, ckpt / "model-00001-of-00002.safetensors")
+    save_file({n: tensors[n] for n in names[half:]}, ckpt / "model-00002-of-00002.safetensors")
+    os.remove(ckpt / "model.safetensors")
+    index = {"weight_map": {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, n in enumerate(names)}}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert jm.load_model(ckpt, dtype=torch.float32) is not None  # the hand-made shards load
+    os.remove(ckpt / "model-00002-of-00002.safetensors")
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        jm.load_model(ckpt)
+    (ckpt / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="corrupt checkpoint index"):
+        jm.load_model(ckpt)
+
+
+def test_mismatched_shapes(ckpt):
+    edit_config(ckpt, intermediate_size=384)
+    with pytest.raises(ValueError, match=r"shape mismatch for 'model.layers.0.mlp.(gate|up|down)_proj.weight'"):
+        jm.load_model(ckpt)
+
+
+def test_missing_and_unexpected_tensors(ckpt):
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks 1 tensors.*layers.1.self_attn.k_proj.weight"):
+        jm.load_model(ckpt)
+    tensors["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(128, 256)
+    tensors["model.layers.7.extra.weight"] = torch.ones(3)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(ValueError, match="does not have.*layers.7.extra.weight"):
+        jm.load_model(ckpt)
+
+
+def test_unknown_config_field(ckpt):
+    edit_config(ckpt, some_new_knob=3)
+    with pytest.raises(ValueError, match="some_new_knob"):
+        jm.load_model(ckpt)
+    assert jm.load_model(ckpt, dtype=torch.float32, strict=False).config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "unsupported model_type 'gpt2'"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_scaling type 'yarn'"),
+    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+    (dict(vocab_size=None), "vocab_size"),
+    (dict(quantization_config={"quant_method": "gptq", "bits": 4}), "unsupported quantization_config"),
+])
+def test_unsupported_configs(ckpt, changes, message):
+    edit_config(ckpt, **changes)
+    with pytest.raises(ValueError, match=message):
+        jm.load_model(ckpt)
+
+
+def test_legacy_rope_keys_read_like_rope_parameters():
+    base = dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                num_attention_heads=4)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    legacy = DecoderConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": scaling})
+    modern = DecoderConfig.from_hf({**base, "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    assert legacy == modern and legacy.rope_theta == 5e5 and legacy.num_key_value_heads == 4
+    with pytest.raises(TypeError, match="DecoderConfig"):
+        jm.build_model("llama")
+
+
+def test_hub_id_offline_fails_clearly(monkeypatch):
+    hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="could not be fetched from the HuggingFace hub"):
+        jm.load_model("jetrl-tests/no-such-model")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        jm.load_model("/no/such/folder")
+
+
+def test_tokenizer_loads_from_folder(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    loaded = jm.load_tokenizer(tmp_path)
+    assert loaded("hello world")["input_ids"] == [1, 2]
