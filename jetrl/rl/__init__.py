@@ -7,8 +7,21 @@
 from jetrl.rl.advantages import (
     batch_baseline_advantages, compute_advantages, group_advantages, num_zero_variance_groups, rloo_advantages,
 )
+from jetrl.rl.losses import kl_penalty, policy_loss, truncated_is_weights
+from jetrl.rl.mismatch import mismatch_metrics
+
+def __getattr__(name: str):
+    # Trainer and run import the models and the rollout engine: load them on first use only
+    if name == "Trainer":
+        from jetrl.rl.trainer import Trainer
+        return Trainer
+    if name == "run":
+        from jetrl.rl.loop import run
+        return run
+    raise AttributeError(f"module 'jetrl.rl' has no attribute {name!r}")
+
 
 __all__ = [
-    "group_advantages", "rloo_advantages", "batch_baseline_advantages", "compute_advantages",
-    "num_zero_variance_groups",
+    "Trainer", "run", "policy_loss", "mismatch_metrics", "group_advantages", "rloo_advantages", "batch_baseline_advantages", "compute_advantages",
+    "num_zero_variance_groups", "kl_penalty", "truncated_is_weights",
 ]

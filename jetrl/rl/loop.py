@@ -1,0 +1,197 @@
+"""The RL run, top to bottom: config -> model, data, engine, trainer -> steps, metrics, checkpoints.
+
+``run(config)`` is what ``jetrl train`` calls. The config is fully validated (including the data source)
+before the model is loaded. With ``trainer.resume`` the run continues from the latest complete
+checkpoint in ``trainer.output_dir``: model, optimizer, scheduler, RNG states, data position and the
+metrics log (truncated to the checkpoint's cursor) are restored, so a run killed at any moment loses
+only the steps since its last checkpoint and then reproduces them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from jetrl.config import ConfigError, RunConfig, load_config, save_config
+from jetrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from jetrl.rl.metrics import MetricsLogger
+from jetrl.rl.trainer import PromptItem, Trainer
+
+CHECKPOINT_SUBDIR = "checkpoints"
+MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def save_trainer_checkpoint(trainer: Trainer, root: str | Path, metrics_cursor: int | None,
+                            keep_last: int | None = None, hf_format: bool = True) -> Path:
+    """Checkpoint everything a resume needs (see :mod:`jetrl.rl.checkpoint`). ``hf_format`` writes the
+    model as a HuggingFace folder through ``jetrl.models.save_model``; otherwise a plain safetensors file."""
+    state = {**trainer.state_dict(), "metrics_cursor": metrics_cursor}
+    save_model = None
+    if hf_format:
+        from jetrl.models import save_model as save_hf
+
+        def save_model(folder: Path) -> None:
+            save_hf(trainer.model, folder / MODEL_SUBDIR)
+    return save_checkpoint(root, trainer.step_count, model=None if hf_format else trainer.model,
+                           save_model=save_model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                           trainer_state=state, keep_last=keep_last)
+
+
+def resume_trainer(trainer: Trainer, root: str | Path) -> dict[str, Any] | None:
+    """Restore ``trainer`` from the latest complete checkpoint under ``root``; returns its trainer state
+    (with ``metrics_cursor``), or None when there is no checkpoint."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return None
+    load_model = None
+    if (path / MODEL_SUBDIR).is_dir():
+        from jetrl.models.checkpoint import load_weights
+
+        def load_model(folder: Path) -> None:
+            load_weights(trainer.model, str(folder / MODEL_SUBDIR))
+    loaded = load_checkpoint(path, model=None if load_model else trainer.model, load_model=load_model,
+                             optimizer=trainer.optimizer, scheduler=trainer.scheduler)
+    trainer.load_state_dict(loaded.trainer_state)
+    from jetrl.quant import refresh_fp8_weights
+    refresh_fp8_weights(trainer.model)
+    return loaded.trainer_state
+
+
+class DatasetPrompts:
+    """Adapts a ``jetrl.data`` prompt dataset to the trainer: renders and tokenizes each prompt."""
+
+    def __init__(self, dataset: Any, tokenizer: Any, batch_size: int, seed: int, shuffle: bool,
+                 max_prompt_tokens: int) -> None:
+        from jetrl.data import BatchLoader
+
+        self.dataset, self.tokenizer = dataset, tokenizer
+        self.loader = BatchLoader(dataset, batch_size, seed=seed, shuffle=shuffle)
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def _encode(self, text: str) -> list[int]:
+        enc = self.tokenizer.encode(text)
+        return list(getattr(enc, "ids", enc))
+
+    def next_batch(self) -> list[PromptItem]:
+        items = []
+        for prompt in self.loader.next_batch():
+            ids = self._encode(self.dataset.render(prompt, self.tokenizer))
+            if not ids:
+                raise ValueError(f"prompt {prompt.index} tokenizes to nothing")
+            if len(ids) > self.max_prompt_tokens:
+                raise ValueError(f"prompt {prompt.index} has {len(ids)} tokens, more than data.max_prompt_tokens="
+                                 f"{self.max_prompt_tokens}; raise it or filter the dataset")
+            items.append(PromptItem(ids, prompt.answer))
+        return items
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+
+def _load_dataset(config: RunConfig) -> Any:
+    d = config.data
+    if d.task is not None:
+        from jetrl.data.tasks import get_task
+        return get_task(d.task, difficulty=d.difficulty, seed=config.trainer.seed).dataset(d.num_examples)
+    from jetrl.data import ColumnMap, DatasetConfig, TemplateConfig, load_prompt_dataset
+    from jetrl.data.datasets import DATASET_FORMATS
+    fmt = DATASET_FORMATS[d.format]
+    columns = None
+    if d.prompt_column or d.answer_column:
+        columns = ColumnMap(prompt=d.prompt_column or fmt.columns.prompt, answer=d.answer_column or fmt.columns.answer)
+    template = None
+    if d.instruction or d.system_prompt:
+        template = TemplateConfig(instruction=d.instruction or fmt.instruction, system_prompt=d.system_prompt)
+    return load_prompt_dataset(DatasetConfig(path=d.path, format=d.format, columns=columns, template=template,
+                                             reward=d.reward, max_examples=d.max_examples))
+
+
+def _device(config: RunConfig) -> torch.device:
+    if config.model.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.model.device)
+
+
+def run(config: RunConfig | str | Path, overrides: Sequence[str] = ()) -> dict[str, float]:
+    """Run RL as configured; returns the last step's metrics. ``config`` may be a file path."""
+    if not isinstance(config, RunConfig):
+        config = load_config(config, overrides)
+    elif overrides:
+        raise ValueError("overrides apply to a config file; pass a path, or change the RunConfig directly")
+    if config.data.path is None and config.data.task is None:
+        raise ConfigError("no prompts: set data.path (a JSONL/Parquet file) or data.task (a built-in task)")
+    if not config.model.path:
+        raise ConfigError("model.path is empty: point it at a HuggingFace checkpoint folder")
+    out = Path(config.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_root = out / CHECKPOINT_SUBDIR
+    try:
+        save_config(config, out / "config.yaml")
+    except ImportError:
+        save_config(config, out / "config.json")
+
+    from jetrl.data.reward_pool import RewardPool
+    from jetrl.data.rewards import RewardConfig, build_reward_fn
+    from jetrl.models import load_model, load_tokenizer
+    from jetrl.rollout import RolloutEngine
+
+    seed_everything(config.trainer.seed)
+    dataset = _load_dataset(config)  # data errors before the model is loaded
+    reward = build_reward_fn(RewardConfig(name=config.data.reward), default=getattr(dataset, "reward", None))
+    dtype = getattr(torch, config.model.dtype)
+    device = _device(config)
+    model = load_model(config.model.path, dtype=dtype, device=device, recipe=config.recipe)
+    if config.model.gradient_checkpointing:
+        model.set_activation_checkpointing(True)
+    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
+    prompts = DatasetPrompts(dataset, tokenizer, config.data.prompts_per_step, config.trainer.seed,
+                             config.data.shuffle, config.data.max_prompt_tokens)
+    engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress,
+                           max_num_seqs=min(256, config.rollout_batch_size))
+    pool = RewardPool(reward)
+
+    def reward_fn(texts: list[str], refs: list[str]) -> list[float]:
+        return list(pool.score(texts, refs).rewards)
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids)
+
+    trainer = Trainer(config, model, engine, prompts, reward_fn, decode)
+    cursor = None
+    if config.trainer.resume:
+        state = resume_trainer(trainer, ckpt_root)
+        cursor = state.get("metrics_cursor") if state else None
+    logger = MetricsLogger(out, tensorboard=config.trainer.tensorboard, resume_cursor=cursor)
+    metrics: dict[str, float] = {}
+    try:
+        while trainer.step_count < config.trainer.steps:
+            start = time.perf_counter()
+            metrics = trainer.step()
+            metrics["time/step_wall"] = time.perf_counter() - start
+            step = trainer.step_count
+            if step % config.trainer.log_every == 0 or step == config.trainer.steps:
+                logger.log(step, metrics)
+            every = config.trainer.checkpoint_every
+            if (every and step % every == 0) or step == config.trainer.steps:
+                save_trainer_checkpoint(trainer, ckpt_root, logger.cursor(), keep_last=config.trainer.keep_last)
+    finally:
+        logger.close()
+        pool.close()
+    return metrics
+
+
+__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything"]
