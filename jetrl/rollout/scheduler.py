@@ -130,10 +130,10 @@ class Scheduler:
             if self._num_running_seqs() + len(entry) > self.max_num_seqs:
                 break
             needed = self.blocks.blocks_for_tokens(len(entry[0]))
-            # keep one block per running sequence in reserve so admission does not force an immediate
-            # preemption on the next decode step; with nothing running, admit whatever fits
-            reserve = self._num_running_seqs() + len(entry) - 1
-            if needed + (reserve if self.running else 0) > self.blocks.num_free_blocks:
+            # keep a watermark of free blocks (1% of the pool) for the running sequences to grow into, so
+            # admission does not force a preemption right away; with nothing running, admit what fits
+            reserve = self.blocks.num_blocks // 100 if self.running else 0
+            if needed + reserve > self.blocks.num_free_blocks:
                 break
             self.waiting.popleft()
             self.blocks.allocate_shared(entry, len(entry[0]))
