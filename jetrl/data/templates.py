@@ -81,7 +81,8 @@ def render_prompt(prompt: Prompt, tokenizer: Any = None, config: TemplateConfig 
         lines = [f"{t['role']}: {t['content']}" for t in prompt_messages(prompt, config)]
         return "\n".join(lines) + "\nassistant:"
     body = _fill(config.instruction, prompt=prompt.text)
-    text = _fill(config.plain_template, system=config.system_prompt or "", prompt=body)  # prompt last: its text is not re-scanned
+    # {prompt} last, so that the problem's own text is never scanned for placeholders
+    text = _fill(config.plain_template, system=config.system_prompt or "", prompt=body)
     if config.system_prompt and "{system}" not in config.plain_template:
         text = f"{config.system_prompt}\n\n{text}"
     return text

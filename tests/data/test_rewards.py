@@ -29,8 +29,8 @@ def test_every_gsm8k_answer_matches_itself_and_not_another(gsm8k_test_rows):
                            f"We get {text}.00 dollars in the end", f"#### {text}"):
             assert gsm8k_reward(completion, answer) == 1.0, (completion, answer)
         # Another problem's answer, the next one with a different final number.
-        j = next(k % len(answers) for k in range(i + 1, i + len(answers)) if gsm8k_final(answers[k % len(answers)]) != n)
-        assert gsm8k_reward(answers[j], answer) == 0.0, (answers[j], answer)
+        other = next(answers[k % 1319] for k in range(i + 1, i + 1319) if gsm8k_final(answers[k % 1319]) != n)
+        assert gsm8k_reward(other, answer) == 0.0, (other, answer)
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,8 @@ class Task(ABC):
         if num_examples < 1:
             raise ValueError(f"num_examples must be >= 1, got {num_examples}")
         prompts = [ex.to_prompt(self.name) for ex in self.examples(num_examples, start)]
-        return PromptDataset(prompts, name=f"{self.name}(seed={self.seed})", reward=self.name, template=TemplateConfig())
+        name = f"{self.name}(seed={self.seed})"
+        return PromptDataset(prompts, name=name, reward=self.name, template=TemplateConfig())
 
     def reward(self, completion_text: str, reference_answer: str) -> float:
         return 1.0 if self.check(completion_text, reference_answer) else 0.0
