@@ -21,6 +21,8 @@ Scales are decode scales (``x ~= data * scale``), which is what cuBLAS multiplie
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +37,12 @@ def _round_up(x: int, m: int) -> int:
 
 def is_available(device: torch.device) -> bool:
     """cuBLAS blockwise scaling exists on sm_90 only (PyTorch rejects it elsewhere)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
 
 
 def supports(a: Fp8Tensor, b: Fp8Tensor) -> bool:

@@ -25,6 +25,7 @@ Set ``TRITON_INTERPRET=1`` before importing Triton to run the kernels on CPU ten
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,9 @@ from jetrl.quant.formats import AMAX_EPS, E4M3, E4M3_MAX
 BLOCK = 128
 _EPS = tl.constexpr(AMAX_EPS)
 _FP8_MAX = tl.constexpr(E4M3_MAX)
+# The interpreter's fp32 -> E4M3 cast mis-rounds subnormals; there the kernels round to the E4M3 grid in
+# fp32 first (exact, RNE), on the GPU the hardware's RNE cast does it directly.
+_SOFT_ROUND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,8 +64,8 @@ def _scale_from_amax(amax, POW2: tl.constexpr):
 def _round_to_e4m3_grid(q):
     """Round fp32 ``q`` (|q| <= 448) to the nearest E4M3 value, ties to even, staying in fp32.
 
-    The cast that follows is then exact, so the result does not depend on how the cast rounds (the
-    Triton interpreter's cast mis-rounds E4M3 subnormals; the hardware's is RNE either way).
+    The cast that follows is then exact, so the result does not depend on how the cast rounds (used
+    under the Triton interpreter, whose cast mis-rounds E4M3 subnormals; the hardware's is RNE).
     Normals keep 3 mantissa bits (integer round-half-even on the bit pattern); subnormals (|q| < 2^-6)
     sit on the 2^-9 grid: rint(q * 512) / 512, rint by the 1.5 * 2^23 add-subtract trick.
     """
@@ -80,7 +84,9 @@ def _to_e4m3(x, scale):
     """``e4m3(clamp(x / scale, -448, 448))`` with an IEEE division; ``scale`` broadcasts to ``x``."""
     q = tl.div_rn(x, scale)
     q = tl.clamp(q, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, like torch
-    return _round_to_e4m3_grid(q).to(tl.float8e4nv)
+    if _SOFT_ROUND:
+        q = _round_to_e4m3_grid(q)
+    return q.to(tl.float8e4nv)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -112,8 +118,9 @@ def _quantize_rows_cols_kernel(
         tl.store(act_scale_ptr + rm * stride_asm + pid_k * stride_ask, scale, mask=rm < M)
     if EMIT_TOKEN:
         scale_t = _scale_from_amax(tl.max(ax, axis=0), POW2)  # (BLOCK_K,)
-        q_t = _to_e4m3(x, scale_t[None, :])
-        tl.store(tok_ptr + rk[None, :].to(tl.int64) * M + rm[:, None], q_t, mask=mask)
+        q_t = tl.trans(_to_e4m3(x, scale_t[None, :]))  # (BLOCK_K, BLOCK_M): a row-major store
+        tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
+             mask=(rk[:, None] < K) & (rm[None, :] < M))
         tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
 
 
@@ -136,7 +143,8 @@ def _quantize_weight_kernel(
     q = _to_e4m3(w, scale)
     tl.store(q_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
     if EMIT_T:
-        tl.store(q_t_ptr + rk[None, :].to(tl.int64) * N + rn[:, None], q, mask=mask)
+        tl.store(q_t_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(q),
+                 mask=(rk[:, None] < K) & (rn[None, :] < N))
     tl.store(scale_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
 
 
@@ -158,8 +166,9 @@ def _requantize_act_to_token_kernel(
     x = q.to(tl.float32) * s[:, None]
     x = tl.where(mask, x, 0.0)
     scale_t = _scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
-    q_t = _to_e4m3(x, scale_t[None, :])
-    tl.store(tok_ptr + rk[None, :].to(tl.int64) * M + rm[:, None], q_t, mask=mask)
+    q_t = tl.trans(_to_e4m3(x, scale_t[None, :]))
+    tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
+             mask=(rk[:, None] < K) & (rm[None, :] < M))
     tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
 
 
@@ -256,13 +265,13 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
     tok = torch.empty((k, m), dtype=E4M3, device=x.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
     if m and k:
-        block_k = 64
+        block_k = 128
         grid = (_cdiv(m, BLOCK), _cdiv(k, block_k))
         _quantize_rows_cols_kernel[grid](
             x, m, k, x.stride(0), x.stride(1),
             tok, tok_scale, 1, 1,
             tok, tok_scale,
-            POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=4,
+            POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=8,
         )
     return tok.t(), tok_scale
 
@@ -310,13 +319,14 @@ class GemmConfig:
 
 
 LARGE_M_CONFIG = GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-DECODE_CONFIG = GemmConfig(block_m=16, block_n=32, group_m=1, num_warps=4, num_stages=6)
 
 
 def default_config(m: int, n: int) -> GemmConfig:
-    """Decode-sized M (<= 64) streams the weight: small tiles, deep pipeline, many programs."""
+    """Decode-sized M (<= 64): one tile row covers all of M, so the weight is streamed from memory once,
+    in narrow column tiles so that every SM streams a share of it; larger M: 128x128 tiles."""
     if m <= 64:
-        return DECODE_CONFIG if n <= 8192 else GemmConfig(16, 64, group_m=1, num_warps=4, num_stages=6)
+        block_m = max(16, 1 << (m - 1).bit_length())
+        return GemmConfig(block_m=block_m, block_n=32 if n <= 8192 else 64, group_m=1, num_warps=4, num_stages=4)
     return LARGE_M_CONFIG
 
 

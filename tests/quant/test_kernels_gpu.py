@@ -88,12 +88,13 @@ def test_quantize_noncontiguous_and_float64(cuda_backend):
 
 
 def _gemm_tolerance(a: Fp8Tensor, b: Fp8Tensor, ref: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Half an output ulp of the result plus accumulation error: Hopper FP8 MMAs accumulate inside a
-    128-wide K block with reduced precision before the fp32 block sum; 2^-14 of sum |a||b| bounds it
-    (a wrong scale or block misses by orders of magnitude)."""
+    """Half an output ulp of the result plus accumulation error. Hopper FP8 MMAs keep about 14 bits
+    while they accumulate inside a 128-wide K block (measured here: ~2^-14 of sum |a||b| for cuBLAS at
+    K=512); 2^-11 of sum |a||b| bounds that with margin, while a wrong scale or block misses by orders
+    of magnitude (|a @ b| is ~sqrt(K) times smaller than sum |a||b| only, not 2^11)."""
     ulp = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -23
     absprod = a.dequantize().double().abs() @ b.dequantize().double().abs().t()
-    return ref.abs() * ulp + absprod * 2.0 ** -14
+    return ref.abs() * ulp + absprod * 2.0 ** -11
 
 
 @pytest.mark.parametrize("path", ["cublas", "triton"])
