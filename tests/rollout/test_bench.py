@@ -3,6 +3,7 @@
 import importlib.util
 import math
 import pathlib
+import sys
 
 import pytest
 
@@ -13,7 +14,11 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "rollout.py"
 def test_rollout_bench_tiny():
     spec = importlib.util.spec_from_file_location("bench_rollout", BENCH)
     bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    sys.modules[spec.name] = bench  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.modules.pop(spec.name, None)
     results = bench.main(["--tiny"])
     assert [r.setting for r in results] == ["tiny", "tiny-n2"]
     for r in results:
