@@ -307,8 +307,9 @@ def init_weights(model: DecoderLM, std: float = 0.02, generator: torch.Generator
 def _normal_(t: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
     if generator is None or generator.device == t.device:
         t.normal_(0.0, std, generator=generator)
-    else:  # a CPU generator for a GPU tensor: draw on CPU, same values on any device
-        t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=generator))
+    else:  # a generator on another device: draw there, then copy
+        t.copy_(torch.empty(t.shape, dtype=torch.float32, device=generator.device).normal_(0.0, std,
+                                                                                          generator=generator))
 
 
 def build_model(config: DecoderConfig | dict, dtype: torch.dtype = torch.bfloat16,
@@ -317,8 +318,9 @@ def build_model(config: DecoderConfig | dict, dtype: torch.dtype = torch.bfloat1
     """A randomly initialised model from a :class:`DecoderConfig` or a HF config dict.
 
     Built on the meta device, then allocated once on ``device`` (no second copy) and initialised
-    (``init=False`` leaves the memory uninitialised, for a loader that fills every tensor). ``recipe``
-    is applied last (``"bf16"``, ``"fp8-rollout"``, ``"jet"`` or a ``PrecisionRecipe``).
+    (``init=False`` leaves the memory uninitialised, for a loader that fills every tensor; ``seed``
+    seeds a generator on ``device``, so the same seed gives the same weights on the same kind of
+    device). ``recipe`` is applied last (``"bf16"``, ``"fp8-rollout"``, ``"jet"`` or a ``PrecisionRecipe``).
     """
     from jetrl.quant import apply_recipe
 
@@ -334,7 +336,7 @@ def build_model(config: DecoderConfig | dict, dtype: torch.dtype = torch.bfloat1
     model.to_empty(device=device)
     model.tie_weights()
     if init:
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         init_weights(model, generator=generator)
     apply_recipe(model, recipe)
     return model
