@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -46,9 +46,35 @@ def _fmt(v) -> str:
 
 
 def _bench_ms(fn) -> float:
+    """Eager median: CPU launch overhead shows up whenever the GPU waits for it."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def _graph_ms(fn) -> float | None:
+    """Median of CUDA-graph replays of ``fn``: GPU time alone (how decoding and graphed steps run)."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+    except Exception as exc:  # a path that cannot be captured is reported, not fatal
+        print(f"  (graph capture failed: {type(exc).__name__}: {str(exc)[:120]})", flush=True)
+        return None
+
+
+def _cpu_us(fn, iters: int = 20) -> float:
+    """Host time to enqueue one call (no synchronization inside the loop)."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / iters * 1e6
 
 
 def _copy_bandwidth() -> float:
@@ -75,7 +101,7 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
             "weight 128x128 + W^T": (lambda: tk.quantize_weight_128x128(x, emit_t=True), 2 * m * k + 2 * m * k),
         }
         for name, (fn, nbytes) in cases.items():
-            ms = _bench_ms(fn)
+            ms = _graph_ms(fn) or _bench_ms(fn)
             gbps = nbytes / ms / 1e6
             rep.add("quant", kernel=name, shape=f"{m}x{k}", us=ms * 1e3, gbps=gbps, frac_copy=gbps / rep.copy_gbps)
 
@@ -108,33 +134,37 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
                 t8, tb = _bench_ms(f8), _bench_ms(bf)
                 rep.add("gemm", gemm=name, m=m, n=n, k=k, fp8_tflops=flop / t8 / 1e9, bf16_tflops=flop / tb / 1e9,
                         speedup=tb / t8)
-            del x, w, dy, qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t
 
 
 def bench_decode(rep: Report, nk_list: list[tuple[int, int]]) -> None:
+    """Decode GEMMs timed as CUDA-graph replays (the rollout engine replays graphs): GPU time."""
     from jetrl.quant import cuda as cuda_mod
+    from jetrl.quant import scaled_mm
     from jetrl.quant import triton_kernels as tk
 
     for n, k in nk_list:
         for m in DECODE_M:
             be, (x, w, _), (qx, qw, *_rest) = _gemm_operands(m, n, k)
-            tb = _bench_ms(lambda: torch.matmul(x, w.t()))
+            tb = _graph_ms(lambda: torch.matmul(x, w.t()))
             row = {"m": m, "n": n, "k": k, "bf16_us": tb * 1e3}
-            os.environ["JETRL_FP8_GEMM"] = "cublas"
-            row["cublas_us"] = _bench_ms(lambda: be.gemm(qx, qw)) * 1e3
-            os.environ["JETRL_FP8_GEMM"] = "triton"
-            row["triton_us"] = _bench_ms(lambda: be.gemm(qx, qw)) * 1e3
-            for bn, stages in ((32, 4), (64, 4), (16, 6)):
-                cfg = tk.GemmConfig(16, bn, group_m=1, num_warps=4, num_stages=stages)
-                row[f"triton_bn{bn}_s{stages}_us"] = _bench_ms(
+            row["cublas_us"] = _graph_ms(lambda: scaled_mm.blockwise_scaled_mm(qx, qw)) * 1e3
+            row["triton_us"] = _graph_ms(lambda: tk.blockwise_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128)) * 1e3
+            for bm, bn, stages in ((16, 16, 4), (16, 32, 6), (32, 64, 4), (64, 32, 3)):
+                if bm < m:
+                    continue
+                cfg = tk.GemmConfig(bm, bn, group_m=1, num_warps=4, num_stages=stages)
+                row[f"triton_m{bm}n{bn}s{stages}_us"] = _graph_ms(
                     lambda: tk.blockwise_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128, config=cfg)) * 1e3
-            os.environ["JETRL_FP8_GEMM"] = "auto"
             row["auto_path"] = cuda_mod.gemm_path(qx, qw)
-            row["auto_us"] = _bench_ms(lambda: be.gemm(qx, qw)) * 1e3
-            row["auto_with_quant_us"] = _bench_ms(lambda: be.gemm(be.quantize(x, (1, 128)), qw)) * 1e3
-            row["speedup_auto"] = tb * 1e3 / row["auto_us"]
-            row["speedup_best_fp8"] = tb * 1e3 / min(v for kk, v in row.items() if kk.endswith("_us")
-                                                     and kk not in ("bf16_us", "auto_with_quant_us"))
+            row["auto_us"] = _graph_ms(lambda: be.gemm(qx, qw)) * 1e3
+            row["auto_with_quant_us"] = _graph_ms(lambda: be.gemm(be.quantize(x, (1, 128)), qw)) * 1e3
+            row["eager_bf16_us"] = _bench_ms(lambda: torch.matmul(x, w.t())) * 1e3
+            row["eager_auto_us"] = _bench_ms(lambda: be.gemm(qx, qw)) * 1e3
+            row["speedup_auto"] = row["bf16_us"] / row["auto_us"]
+            fp8 = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.startswith(("cublas", "triton"))}
+            best = min(fp8, key=fp8.get)
+            row["best_fp8"] = best
+            row["speedup_best_fp8"] = row["bf16_us"] / fp8[best]
             rep.add("decode", **row)
 
 
@@ -156,7 +186,7 @@ def bench_fp8_linear(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
             tb = _bench_ms(_fwd_bwd(ref, x, gy))
-            t8 = _bench_ms(_fwd_bwd(fp8, x, gy))  # weight cached across steps (the weight does not change)
+            t8 = _bench_ms(_fwd_bwd(fp8, x, gy))  # weight quantized once (unchanged weight)
             fp8_requant = FP8Linear.from_linear(ref)  # the same step re-quantizing W (after an optimizer step)
 
             def requant_step():
@@ -164,9 +194,33 @@ def bench_fp8_linear(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
                 _fwd_bwd(fp8_requant, x, gy)()
 
             t8q = _bench_ms(requant_step)
+            gb, g8 = _graph_ms(_fwd_bwd(ref, x, gy)), _graph_ms(_fwd_bwd(fp8, x, gy))
             rep.add("fp8linear", m=m, n=n, k=k, bf16_ms=tb, fp8_ms=t8, fp8_requant_w_ms=t8q, speedup=tb / t8,
-                    speedup_requant_w=tb / t8q)
+                    speedup_requant_w=tb / t8q, graph_bf16_ms=gb, graph_fp8_ms=g8,
+                    graph_speedup=(gb / g8) if gb and g8 else None,
+                    cpu_us_bf16=_cpu_us(_fwd_bwd(ref, x, gy)), cpu_us_fp8=_cpu_us(_fwd_bwd(fp8, x, gy)))
             ref.weight.grad = None
+
+
+def profile_fp8_linear(m: int = 4096, n: int = 4096, k: int = 4096) -> None:
+    """Where one FP8Linear forward+backward spends host and device time (top ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from jetrl.quant import FP8Linear
+
+    layer = FP8Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    step = _fwd_bwd(layer, x, gy)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
 class _Mlp(nn.Module):
@@ -190,10 +244,11 @@ def bench_mlp(rep: Report, ms_list: list[int], dim: int = 4096, hidden: int = 14
         model = _Mlp(dim, hidden)
         x = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16)
         gy = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16)
-        tb = _bench_ms(_fwd_bwd(model, x, gy))
+        tb, gb = _bench_ms(_fwd_bwd(model, x, gy)), _graph_ms(_fwd_bwd(model, x, gy))
         apply_recipe(model, "jet")
-        tj = _bench_ms(_fwd_bwd(model, x, gy))
-        rep.add("mlp", m=m, dim=dim, hidden=hidden, bf16_ms=tb, jet_ms=tj, speedup=tb / tj)
+        tj, gj = _bench_ms(_fwd_bwd(model, x, gy)), _graph_ms(_fwd_bwd(model, x, gy))
+        rep.add("mlp", m=m, dim=dim, hidden=hidden, bf16_ms=tb, jet_ms=tj, speedup=tb / tj, graph_bf16_ms=gb,
+                graph_jet_ms=gj, graph_speedup=(gb / gj) if gb and gj else None)
 
 
 def main(argv: list[str] | None = None) -> Report:
@@ -201,6 +256,7 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--quick", action="store_true", help="M in {4096, 16384} and fewer shapes")
     parser.add_argument("--json", default=None, help="write all rows to this JSON file")
     parser.add_argument("--sections", default="quant,gemm,decode,fp8linear,mlp")
+    parser.add_argument("--profile", action="store_true", help="print a profile of one FP8Linear step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
@@ -215,17 +271,22 @@ def main(argv: list[str] | None = None) -> Report:
           f"copy {rep.copy_gbps:.0f} GB/s", flush=True)
     train_m = [4096, 16384] if args.quick else TRAIN_M
     sections = args.sections.split(",")
+    runs = [
+        ("quant", lambda: bench_quantization(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])),
+        ("gemm", lambda: bench_gemms(rep, train_m, LLAMA8B_NK)),
+        ("decode", lambda: bench_decode(rep, LLAMA8B_NK)),
+        ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
+        ("profile", profile_fp8_linear),
+        ("mlp", lambda: bench_mlp(rep, [4096, 16384] if args.quick else [1024, 4096, 16384])),
+    ]
     try:
-        if "quant" in sections:
-            bench_quantization(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])
-        if "gemm" in sections:
-            bench_gemms(rep, train_m, LLAMA8B_NK)
-        if "decode" in sections:
-            bench_decode(rep, LLAMA8B_NK)
-        if "fp8linear" in sections:
-            bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)
-        if "mlp" in sections:
-            bench_mlp(rep, [4096, 16384] if args.quick else [1024, 4096, 16384])
+        for name, run in runs:
+            if name in sections or (name == "profile" and args.profile):
+                try:
+                    run()
+                except Exception:  # one broken section must not hide the others' numbers
+                    print(f"section {name} failed:\n{traceback.format_exc()}", flush=True)
+                    rep.sections.setdefault("errors", []).append({"section": name})
     finally:
         if args.json:
             with open(args.json, "w") as f:
@@ -240,11 +301,15 @@ def _print_summary(rep: Report) -> None:
         if row["gemm"] == "fprop" and row["m"] >= 4096:
             print(f"fprop M={row['m']} N={row['n']} K={row['k']}: {row['speedup']:.2f}x")
     for row in rep.sections.get("fp8linear", []):
-        print(f"FP8Linear M={row['m']} N={row['n']} K={row['k']}: {row['speedup']:.2f}x")
+        print(f"FP8Linear M={row['m']} N={row['n']} K={row['k']}: eager {row['speedup']:.2f}x, "
+              f"graph {_fmt(row['graph_speedup'])}x, host us/step bf16 {row['cpu_us_bf16']:.0f} fp8 {row['cpu_us_fp8']:.0f}")
     for row in rep.sections.get("mlp", []):
-        print(f"MLP M={row['m']}: {row['speedup']:.2f}x")
+        print(f"MLP M={row['m']}: eager {row['speedup']:.2f}x, graph {_fmt(row['graph_speedup'])}x")
     for row in rep.sections.get("decode", []):
-        print(f"decode M={row['m']} N={row['n']} K={row['k']}: auto({row['auto_path']}) {row['speedup_auto']:.2f}x")
+        print(f"decode M={row['m']} N={row['n']} K={row['k']}: auto({row['auto_path']}) {row['speedup_auto']:.2f}x, "
+              f"best {row['best_fp8']} {row['speedup_best_fp8']:.2f}x")
+    for row in rep.sections.get("quant", []):
+        print(f"quant {row['kernel']} {row['shape']}: {row['frac_copy']:.2f} of copy")
 
 
 if __name__ == "__main__":
