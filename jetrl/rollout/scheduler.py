@@ -125,14 +125,18 @@ class Scheduler:
                 end = min(len(entry[0]), start + budget)
                 chunks.append(ScheduledChunk(entry, start, end))
                 budget -= end - start
+        watermark = self.blocks.num_blocks // 100
+        future = sum(self._future_blocks(e) for e in self.running) if self.waiting else 0
         while self.waiting and budget > 0:
             entry = self.waiting[0]
             if self._num_running_seqs() + len(entry) > self.max_num_seqs:
                 break
             needed = self.blocks.blocks_for_tokens(len(entry[0]))
-            # keep a watermark of free blocks (1% of the pool) for the running sequences to grow into, so
-            # admission does not force a preemption right away; with nothing running, admit what fits
-            reserve = self.blocks.num_blocks // 100 if self.running else 0
+            # keep a watermark of free blocks (1% of the pool) for the running sequences to grow into, so an
+            # admission does not force a preemption right away; no more than they can still use, so a pool
+            # sized for every sequence admits every sequence; with nothing running, admit what fits
+            entry_future = self._future_blocks(entry, allocated=False)
+            reserve = min(watermark, future + entry_future) if self.running else 0
             if needed + reserve > self.blocks.num_free_blocks:
                 break
             self.waiting.popleft()
@@ -141,10 +145,20 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 seq.num_computed_tokens = 0
             self.running.append(entry)
+            future += entry_future
             end = min(len(entry[0]), budget)
             chunks.append(ScheduledChunk(entry, 0, end))
             budget -= end
         return SchedulerOutput(chunks, is_decode=False)
+
+    def _future_blocks(self, entry: list[Sequence], allocated: bool = True) -> int:
+        """Blocks the entry's sequences may still allocate before they finish (at most)."""
+        seq = entry[0]
+        final_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len) - 1  # cached tokens
+        final_blocks = self.blocks.blocks_for_tokens(final_len)
+        held = len(seq.block_table) if allocated else self.blocks.blocks_for_tokens(len(seq))
+        partial = len(seq) % self.blocks.block_size != 0 and len(entry) > 1  # copy-on-write of the shared tail
+        return len(entry) * (max(final_blocks - held, 0) + partial)
 
     def _schedule_decode(self) -> SchedulerOutput:
         chunks: list[ScheduledChunk] = []

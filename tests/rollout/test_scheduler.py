@@ -170,3 +170,17 @@ def test_requests_that_cannot_fit_are_rejected():
         sched.check_fits(10, 8, 1)
     with pytest.raises(ValueError, match="max_num_seqs"):
         sched.check_fits(2, 2, 3)
+
+
+def test_pool_sized_for_every_sequence_admits_every_sequence():
+    groups = _groups(PROMPTS, n=2, max_tokens=9)
+    exact = sum(2 * -(-(len(p) + 9 - 1) // 4) for p in PROMPTS)  # every sample at full length, no sharing
+    run = _SimulatedRun(num_blocks=exact, block_size=4, max_num_seqs=12, max_num_batched_tokens=1000)
+    for g in groups:
+        run.sched.add(g)
+    out = run.sched.schedule()
+    assert not run.sched.waiting and len(out.chunks) == len(PROMPTS)  # the watermark held nothing back
+    run.sched.waiting.clear()
+    big = _SimulatedRun(num_blocks=exact, block_size=4, max_num_seqs=12, max_num_batched_tokens=1000)
+    finished = big.run(_groups(PROMPTS, n=2, max_tokens=9))
+    assert big.sched.num_preemptions == 0 and len(finished) == 12
