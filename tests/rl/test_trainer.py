@@ -145,3 +145,13 @@ def test_all_options_in_one_step():
     assert m["actor/entropy"] > 0
     m = trainer.step()  # the policy moved away from the reference
     assert m["kl_ref/k3"] > 0
+
+
+def test_run_reports_missing_inputs_before_loading(tmp_path):
+    from jetrl.config import ConfigError, RunConfig
+    from jetrl.rl import run
+
+    with pytest.raises(ConfigError, match="no prompts: set data.path"):
+        run(RunConfig())
+    with pytest.raises(ConfigError, match="model.path is empty"):
+        run(load_config(None, ["--data.task=arithmetic", f"--trainer.output_dir={tmp_path}"]))
