@@ -16,12 +16,42 @@ so a decode step using it can be captured in a CUDA graph. Imported lazily by th
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SM_COUNT: dict[int, int] = {}
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, scale_log2,
+                 stride_kb, stride_kt, stride_vb, stride_vt, PAGE: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table, online softmax update."""
+    t_ok = t < end
+    page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+    row = t % PAGE
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_kt + d[None, :], mask=kv_mask,
+                other=0.0)  # (BLOCK_N, BLOCK_D)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # (BLOCK_G, BLOCK_N), fp32 accumulation
+    s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -30,7 +60,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part
                          stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                          stride_ts, stride_os, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                         WHILE_LOOP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,31 +84,19 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    t0 = start
-    while t0 < end:
-        t = t0 + n
-        t_ok = t < end
-        page = tl.load(tables_ptr + seq * stride_ts + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-        row = t % PAGE
-        k = tl.load(k_ptr + page[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # (BLOCK_G, BLOCK_N), fp32 accumulation
-        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + page[:, None] * stride_vb + row[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-        t0 += BLOCK_N
+    table_row = tables_ptr + seq * stride_ts
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
+        t0 = start
+        while t0 < end:
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, scale_log2,
+                                         stride_kb, stride_kt, stride_vb, stride_vt, PAGE, IEEE)
+            t0 += BLOCK_N
+    else:
+        for t0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, scale_log2,
+                                         stride_kb, stride_kt, stride_vb, stride_vt, PAGE, IEEE)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -170,7 +189,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2), tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
