@@ -50,7 +50,7 @@ CASES = [
     (2, 2, 4, 4, 48, 4, [23, 40], 2, "float32", 1e-5),  # MHA (group 1), head_dim not a power of two
     (3, 2, 8, 1, 32, 16, [50, 17], 4, "float32", 1e-5),  # MQA (group 8)
     # half precision: P is rounded to the cache dtype for P @ V (fp16: ~3e-4 relative). BF16 is covered by
-    # the GPU test (tests/rollout/test_gpu.py): Triton 3.6's interpreter computes tl.dot on bf16 wrongly.
+    # the GPU test (tests/rollout/test_rollout_gpu.py): Triton 3.6's interpreter computes tl.dot on bf16 wrongly.
     (4, 2, 4, 2, 32, 4, [21, 6], 2, "float16", 2e-3),
 ]
 

@@ -180,7 +180,6 @@ def test_pool_sized_for_every_sequence_admits_every_sequence():
         run.sched.add(g)
     out = run.sched.schedule()
     assert not run.sched.waiting and len(out.chunks) == len(PROMPTS)  # the watermark held nothing back
-    run.sched.waiting.clear()
     big = _SimulatedRun(num_blocks=exact, block_size=4, max_num_seqs=12, max_num_batched_tokens=1000)
     finished = big.run(_groups(PROMPTS, n=2, max_tokens=9))
     assert big.sched.num_preemptions == 0 and len(finished) == 12
