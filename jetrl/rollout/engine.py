@@ -413,27 +413,27 @@ class RolloutEngine:
                     out_pos.append(s.num_output_tokens)
         width = max(len(t) for t in tables)
         dev = self.device
-        table_t = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        pos_t = torch.tensor(pos, dtype=torch.long)
-        slots_t = torch.tensor(slots, dtype=torch.long)
-        ctx_t = torch.tensor(ctx, dtype=torch.int32)
-        if dev.type == "cuda":
-            ids_t, pos_t, slots_t, ctx_t, table_t = (t.pin_memory().to(dev, non_blocking=True)
-                                                     for t in (ids_t, pos_t, slots_t, ctx_t, table_t))
+        n_rows, n_seqs = len(ids), len(tables)
+        flat_tables = [b for t in tables for b in (t + [-1] * (width - len(t)))]
+        host = torch.tensor(ids + pos + slots + qsl + ctx + sample_rows + flat_tables, dtype=torch.long)
+        if dev.type == "cuda":  # one host-to-device transfer for the whole step's metadata
+            host = host.pin_memory()
+        packed = host.to(dev, non_blocking=True)
+        ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, table_t = packed.split(
+            [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), n_seqs * width])
+        ctx_t = ctx_t.to(torch.int32)
+        table_t = table_t.to(torch.int32).view(n_seqs, width)
         graphs = self._graphs
-        if out.is_decode and graphs is not None and graphs.padded_size(len(ids)) is not None:
+        if out.is_decode and graphs is not None and graphs.padded_size(n_rows) is not None:
             logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
         else:
             meta = PagedAttentionMetadata(
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev), context_lens=ctx_t,
-                block_tables=table_t, slot_mapping=slots_t, max_query_len=max(c.num_tokens for c in out.chunks),
-                max_context_len=max(ctx))
-            rows = None if out.is_decode else torch.tensor(sample_rows, dtype=torch.long, device=dev)
-            if rows is not None and rows.numel() == 0:
-                self._forward(ids_t.to(dev), pos_t.to(dev), meta, rows)  # prefill chunks only: nothing to sample
+                query_start_loc=qsl_t.to(torch.int32), context_lens=ctx_t, block_tables=table_t, slot_mapping=slots_t,
+                max_query_len=max(c.num_tokens for c in out.chunks), max_context_len=max(ctx))
+            rows = None if out.is_decode else rows_t
+            logits = self._forward(ids_t, pos_t, meta, rows)
+            if not sample_rows:  # prefill chunks that end mid-prompt: nothing to sample this step
                 return [], []
-            logits = self._forward(ids_t.to(dev), pos_t.to(dev), meta, rows)
         batch = SamplingBatch.build(params, sample_index, out_pos, dev)
         tokens, logprobs = sample(logits, batch)
         packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()  # one D2H copy

@@ -119,17 +119,16 @@ class SamplingBatch:
               device: torch.device | str) -> "SamplingBatch":
         """Pack the rows' parameters (``params[i]`` for row i) into tensors on ``device``."""
         seeds = [p.seed if p.seed is not None else 0 for p in params]
-        f32 = dict(dtype=torch.float32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        host = torch.tensor([[float(p.temperature) for p in params], [float(p.top_p) for p in params],
+                             [p.top_k for p in params], [s & _MASK32 for s in seeds],
+                             [(s >> 32) & _MASK32 for s in seeds], sample_index, position,
+                             [p.seed is not None for p in params]], dtype=torch.float64)  # exact for < 2**53
+        rows = host.to(device, non_blocking=False)  # one transfer per step
+        as_long = rows[2:].to(torch.int64)
         return SamplingBatch(
-            temperature=torch.tensor([float(p.temperature) for p in params], **f32),
-            top_k=torch.tensor([p.top_k for p in params], **i64),
-            top_p=torch.tensor([float(p.top_p) for p in params], **f32),
-            seed_lo=torch.tensor([s & _MASK32 for s in seeds], **i64),
-            seed_hi=torch.tensor([(s >> 32) & _MASK32 for s in seeds], **i64),
-            sample_index=torch.tensor(sample_index, **i64),
-            position=torch.tensor(position, **i64),
-            is_seeded=torch.tensor([p.seed is not None for p in params], dtype=torch.bool, device=device),
+            temperature=rows[0].to(torch.float32), top_p=rows[1].to(torch.float32), top_k=as_long[0],
+            seed_lo=as_long[1], seed_hi=as_long[2], sample_index=as_long[3], position=as_long[4],
+            is_seeded=as_long[5].bool(),
             any_truncation=any((p.top_k != -1 or p.top_p < 1.0) and not p.is_greedy for p in params),
             any_seeded=any(p.seed is not None and not p.is_greedy for p in params),
             any_unseeded_random=any(p.seed is None and not p.is_greedy for p in params),
