@@ -51,7 +51,9 @@ class Result:
     n: int
     prompt_len: int
     new_tokens: int
-    tokens_per_s: dict[str, float] = field(default_factory=dict)  # recipe -> tokens/s
+    tokens_per_s: dict[str, float] = field(default_factory=dict)  # recipe -> tokens/s, end to end
+    decode_tokens_per_s: dict[str, float] = field(default_factory=dict)  # decode steps only
+    decode_roofline_fraction: dict[str, float] = field(default_factory=dict)
     roofline_tokens_per_s: dict[str, float] = field(default_factory=dict)
     roofline_fraction: dict[str, float] = field(default_factory=dict)
     bound: dict[str, str] = field(default_factory=dict)
@@ -165,7 +167,10 @@ def _run_hf(model, prompts, n, new_tokens, device) -> float:
 
     hf_config = transformers.AutoConfig.for_model(**model.config.to_hf())
     with torch.device(device):  # initialised on the device (fast), then overwritten with our weights
-        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=model.dtype)
+        try:
+            hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=model.dtype)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            hf = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=model.dtype)
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     missing = [k for k in missing if not (hf_config.tie_word_embeddings and "lm_head" in k)]
     if missing or unexpected:
@@ -232,7 +237,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
           f"{bandwidth_measured / 1e12:.2f} TB/s measured (roofline uses {bandwidth / 1e12:.2f}), BF16 matmul "
           f"{matmul_flops / 1e12:.0f} TFLOP/s", flush=True)
 
-    model = build_model(DecoderConfig(**SHAPES[shape]), dtype=dtype, device=device, recipe="bf16", seed=0)
+    # seed=None draws the random weights on the device itself (a CPU generator would take minutes at 8B)
+    model = build_model(DecoderConfig(**SHAPES[shape]), dtype=dtype, device=device, recipe="bf16",
+                        seed=0 if device.type == "cpu" else None)
     results = []
     for setting, (num_prompts, n) in settings.items():
         prompts = _prompts(num_prompts, args.prompt_len, model.config.vocab_size, seed=len(results))
@@ -249,8 +256,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
             res.roofline_fraction[recipe] = tps / roof
             res.bound[recipe] = bound
             res.preemptions[recipe] = int(stats.get("preemptions", 0))
-            print(f"[{shape} {setting}] {recipe}: {tps:,.0f} tok/s, roofline {roof:,.0f} ({bound}), "
-                  f"{tps / roof:.1%} of roofline, {stats.get('preemptions', 0)} preemptions, "
+            res.decode_tokens_per_s[recipe] = stats["decode_tokens_per_s"]
+            res.decode_roofline_fraction[recipe] = stats["decode_tokens_per_s"] / roof
+            print(f"[{shape} {setting}] {recipe}: {tps:,.0f} tok/s end to end ({tps / roof:.1%} of the decode "
+                  f"roofline {roof:,.0f}, {bound}-bound); decode steps alone {stats['decode_tokens_per_s']:,.0f} "
+                  f"tok/s ({stats['decode_tokens_per_s'] / roof:.1%}); prefill {stats['prefill_seconds']:.2f} s, "
+                  f"decode {stats['decode_seconds']:.2f} s; {stats.get('preemptions', 0)} preemptions, "
                   f"{stats.get('num_blocks', 0)} KV blocks", flush=True)
         apply_recipe(model, "bf16")
         if "bf16" in res.tokens_per_s and "jet" in res.tokens_per_s:

@@ -312,7 +312,8 @@ class RolloutEngine:
             scheduler.add(group)
         self._ensure_graphs()
         progress = _Progress(len(all_seqs), self.progress)
-        num_steps = num_decode_steps = num_generated = 0
+        num_steps = num_decode_steps = num_generated = decode_tokens = 0
+        step_seconds = [0.0, 0.0]  # prefill, decode
         start = time.perf_counter()
         try:
             with torch.no_grad(), precision_side("rollout"):
@@ -320,18 +321,24 @@ class RolloutEngine:
                     out = scheduler.schedule()
                     if not out.chunks:
                         raise RuntimeError("scheduler produced an empty step with work pending (a bug)")
-                    tokens, logprobs = self._step(out)
+                    step_start = time.perf_counter()
+                    tokens, logprobs = self._step(out)  # returns after the sampled tokens reached the host
+                    step_seconds[out.is_decode] += time.perf_counter() - step_start
                     finished = scheduler.postprocess(out, tokens, logprobs, self._stop_string_hit)
                     num_steps += 1
                     num_decode_steps += out.is_decode
                     num_generated += len(tokens)
+                    decode_tokens += len(tokens) if out.is_decode else 0
                     progress.update(len(finished), len(tokens))
         finally:
             progress.close()
         elapsed = time.perf_counter() - start
         self.last_stats = dict(seconds=elapsed, steps=num_steps, decode_steps=num_decode_steps,
                                generated_tokens=num_generated, tokens_per_s=num_generated / max(elapsed, 1e-9),
-                               preemptions=scheduler.num_preemptions, num_blocks=self.num_blocks)
+                               preemptions=scheduler.num_preemptions, num_blocks=self.num_blocks,
+                               prefill_seconds=step_seconds[0], decode_seconds=step_seconds[1],
+                               decode_tokens=decode_tokens,
+                               decode_tokens_per_s=decode_tokens / max(step_seconds[1], 1e-9))
         return [s.to_completion() for s in all_seqs]
 
     # ------------------------------------------------------------------ internals
