@@ -94,12 +94,20 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
         cases = {
             # name: (fn, bytes moved)
             "act 1x128": (lambda: tk.quantize_act_1x128(x), 2 * m * k + m * k + 4 * m * kb),
-            "act 1x128 + 128x1": (lambda: tk.quantize_act_1x128(x, emit_token=True),
-                                  2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
-            "token 128x1": (lambda: tk.quantize_token_128x1(x), 2 * m * k + m * k + 4 * mb * k),
-            "requant 1x128->128x1": (lambda: tk.requantize_act_to_token(q, s), 2 * m * k + 4 * (m * kb + mb * k)),
-            "weight 128x128 + W^T": (lambda: tk.quantize_weight_128x128(x, emit_t=True), 2 * m * k + 2 * m * k),
         }
+        for t_in in (True, False):
+            tag = "" if t_in == tk.TRANSPOSE_INPUT else " [transpose E4M3 out]" if not t_in else " [transpose in]"
+            cases.update({
+                "act 1x128 + 128x1" + tag: (lambda t=t_in: tk.quantize_act_1x128(x, emit_token=True, transpose_input=t),
+                                            2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
+                "token 128x1" + tag: (lambda t=t_in: tk.quantize_token_128x1(x, transpose_input=t),
+                                      2 * m * k + m * k + 4 * mb * k),
+                "requant 1x128->128x1" + tag: (lambda t=t_in: tk.requantize_act_to_token(q, s, transpose_input=t),
+                                               2 * m * k + 4 * (m * kb + mb * k)),
+                "weight 128x128 + W^T" + tag: (lambda t=t_in: tk.quantize_weight_128x128(x, emit_t=True,
+                                                                                       transpose_input=t),
+                                               2 * m * k + 2 * m * k),
+            })
         for name, (fn, nbytes) in cases.items():
             ms = _graph_ms(fn) or _bench_ms(fn)
             gbps = nbytes / ms / 1e6
@@ -202,6 +210,27 @@ def bench_fp8_linear(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
             ref.weight.grad = None
 
 
+def bench_host_overhead(rep: Report) -> None:
+    """Host time to enqueue single operations (what an eager step pays per launch)."""
+    from jetrl.quant import triton_kernels as tk
+    from jetrl.quant.cuda import CudaBackend
+
+    be = CudaBackend()
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    qx, qw = be.quantize(x, (1, 128)), be.quantize(w, (128, 128))
+    cases = {
+        "torch.empty": lambda: torch.empty(256, 1024, device="cuda"),
+        "bf16 matmul": lambda: torch.matmul(x, w.t()),
+        "triton quantize_act_1x128": lambda: tk.quantize_act_1x128(x),
+        "backend.quantize ACT": lambda: be.quantize(x, (1, 128)),
+        "backend.gemm (cuBLAS path)": lambda: be.gemm(qx, qw),
+        "triton blockwise_fp8_gemm": lambda: tk.blockwise_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128),
+    }
+    for name, fn in cases.items():
+        rep.add("host", op=name, us=_cpu_us(fn, iters=200))
+
+
 def profile_fp8_linear(m: int = 4096, n: int = 4096, k: int = 4096) -> None:
     """Where one FP8Linear forward+backward spends host and device time (top ops)."""
     from torch.profiler import ProfilerActivity, profile
@@ -255,7 +284,7 @@ def main(argv: list[str] | None = None) -> Report:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="M in {4096, 16384} and fewer shapes")
     parser.add_argument("--json", default=None, help="write all rows to this JSON file")
-    parser.add_argument("--sections", default="quant,gemm,decode,fp8linear,mlp")
+    parser.add_argument("--sections", default="quant,gemm,decode,fp8linear,host,mlp")
     parser.add_argument("--profile", action="store_true", help="print a profile of one FP8Linear step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -276,6 +305,7 @@ def main(argv: list[str] | None = None) -> Report:
         ("gemm", lambda: bench_gemms(rep, train_m, LLAMA8B_NK)),
         ("decode", lambda: bench_decode(rep, LLAMA8B_NK)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
+        ("host", lambda: bench_host_overhead(rep)),
         ("profile", profile_fp8_linear),
         ("mlp", lambda: bench_mlp(rep, [4096, 16384] if args.quick else [1024, 4096, 16384])),
     ]
@@ -308,6 +338,8 @@ def _print_summary(rep: Report) -> None:
     for row in rep.sections.get("decode", []):
         print(f"decode M={row['m']} N={row['n']} K={row['k']}: auto({row['auto_path']}) {row['speedup_auto']:.2f}x, "
               f"best {row['best_fp8']} {row['speedup_best_fp8']:.2f}x")
+    for row in rep.sections.get("host", []):
+        print(f"host {row['op']}: {row['us']:.1f} us")
     for row in rep.sections.get("quant", []):
         print(f"quant {row['kernel']} {row['shape']}: {row['frac_copy']:.2f} of copy")
 

@@ -7,9 +7,10 @@ when a backend offers them:
 * :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
 * :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad), one pass.
 
-GEMM choice, per shape class: decode-sized M (<= ``DECODE_MAX_M``) goes to the Triton blockwise GEMM
-(weight-bandwidth bound: a small-M tile streams the FP8 weight); larger M to cuBLAS blockwise
-``scaled_mm`` where its layout constraints hold, the Triton GEMM otherwise. ``JETRL_FP8_GEMM`` =
+GEMM choice, per shape class: decode-sized M (<= ``DECODE_MAX_M``, K <= ``DECODE_MAX_K``) goes to the
+Triton blockwise GEMM (weight-bandwidth bound: one tile row covers M and streams the FP8 weight once);
+everything else to cuBLAS blockwise ``scaled_mm`` where its layout constraints hold, the Triton GEMM
+otherwise. ``JETRL_FP8_GEMM`` =
 ``cublas`` | ``triton`` forces one path (benchmarks and batch-invariance use it).
 
 Importing this module imports Triton and registers the backend with :mod:`jetrl.quant.backend`.
@@ -26,7 +27,11 @@ from jetrl.quant import triton_kernels as tk
 from jetrl.quant.backend import register_backend
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
 
-DECODE_MAX_M = 64
+# Measured on the H200 (BENCHMARKS.md, CUDA-graph replays): the Triton GEMM beats cuBLAS for M <= 16
+# when K <= 8192; with a longer K one program streams too deep a column without split-K, and from
+# M = 32 cuBLAS's blockwise kernel is faster.
+DECODE_MAX_M = 16
+DECODE_MAX_K = 8192
 GEMM_CHOICES = ("auto", "cublas", "triton")
 
 
@@ -45,7 +50,7 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
         return "triton"
     if choice == "cublas":
         return "cublas"
-    return "triton" if a.shape[0] <= DECODE_MAX_M else "cublas"
+    return "triton" if a.shape[0] <= DECODE_MAX_M and a.shape[1] <= DECODE_MAX_K else "cublas"
 
 
 class CudaBackend:

@@ -40,6 +40,8 @@ _FP8_MAX = tl.constexpr(E4M3_MAX)
 # The interpreter's fp32 -> E4M3 cast mis-rounds subnormals; there the kernels round to the E4M3 grid in
 # fp32 first (exact, RNE), on the GPU the hardware's RNE cast does it directly.
 _SOFT_ROUND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Kernels that write a transposed copy transpose their input tile first (True) or their E4M3 result.
+TRANSPOSE_INPUT = True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -99,17 +101,18 @@ def _quantize_rows_cols_kernel(
     act_ptr, act_scale_ptr, stride_asm, stride_ask,  # 1x128 outputs: data (M, K) row-major
     tok_ptr, tok_scale_ptr,  # 128x1 outputs: data as a row-major (K, M) buffer, scales (Mb, K) row-major
     POW2: tl.constexpr, EMIT_ACT: tl.constexpr, EMIT_TOKEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, T_IN: tl.constexpr,
 ):
     """One tile of x, quantized per row (1x128, needs BLOCK_K == 128) and/or per column (128x1, needs
-    BLOCK_M == 128), reading x once."""
+    BLOCK_M == 128), reading x once. ``T_IN``: transpose the input tile (in its own dtype) before the
+    column quantization, so it reduces along rows and stores row-major; else transpose the E4M3 result."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
-    x = x.to(tl.float32)
+    x_in = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x_in.to(tl.float32)
     ax = tl.abs(x)
     if EMIT_ACT:
         scale = _scale_from_amax(tl.max(ax, axis=1), POW2)  # (BLOCK_M,)
@@ -117,8 +120,13 @@ def _quantize_rows_cols_kernel(
         tl.store(act_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
         tl.store(act_scale_ptr + rm * stride_asm + pid_k * stride_ask, scale, mask=rm < M)
     if EMIT_TOKEN:
-        scale_t = _scale_from_amax(tl.max(ax, axis=0), POW2)  # (BLOCK_K,)
-        q_t = tl.trans(_to_e4m3(x, scale_t[None, :]))  # (BLOCK_K, BLOCK_M): a row-major store
+        if T_IN:
+            xt = tl.trans(x_in).to(tl.float32)  # (BLOCK_K, BLOCK_M)
+            scale_t = _scale_from_amax(tl.max(tl.abs(xt), axis=1), POW2)  # (BLOCK_K,)
+            q_t = _to_e4m3(xt, scale_t[:, None])
+        else:
+            scale_t = _scale_from_amax(tl.max(ax, axis=0), POW2)  # (BLOCK_K,)
+            q_t = tl.trans(_to_e4m3(x, scale_t[None, :]))  # (BLOCK_K, BLOCK_M): a row-major store
         tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
              mask=(rk[:, None] < K) & (rm[None, :] < M))
         tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
@@ -128,22 +136,27 @@ def _quantize_rows_cols_kernel(
 def _quantize_weight_kernel(
     w_ptr, N, K, stride_wn, stride_wk,
     q_ptr, q_t_ptr, scale_ptr,
-    POW2: tl.constexpr, EMIT_T: tl.constexpr,
+    POW2: tl.constexpr, EMIT_T: tl.constexpr, T_IN: tl.constexpr,
 ):
-    """One 128x128 tile of W: one scale, the data row-major (N, K) and optionally W^T row-major (K, N)."""
+    """One 128x128 tile of W: one scale, the data row-major (N, K) and optionally W^T row-major (K, N)
+    (``T_IN``: W^T quantized from the transposed input tile, else the E4M3 tile transposed)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * 128 + tl.arange(0, 128)
     rk = pid_k * 128 + tl.arange(0, 128)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
-    w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] * stride_wk, mask=mask, other=0.0)
-    w = w.to(tl.float32)
+    w_in = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] * stride_wk, mask=mask, other=0.0)
+    w = w_in.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
     scale = _scale_from_amax(amax, POW2)
     q = _to_e4m3(w, scale)
     tl.store(q_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
     if EMIT_T:
-        tl.store(q_t_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(q),
+        if T_IN:
+            q_t = _to_e4m3(tl.trans(w_in).to(tl.float32), scale)
+        else:
+            q_t = tl.trans(q)
+        tl.store(q_t_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], q_t,
                  mask=(rk[:, None] < K) & (rn[None, :] < N))
     tl.store(scale_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
 
@@ -152,10 +165,11 @@ def _quantize_weight_kernel(
 def _requantize_act_to_token_kernel(
     q_ptr, M, K, stride_qm, stride_qk, s_ptr, stride_sm, stride_sk,
     tok_ptr, tok_scale_ptr,
-    POW2: tl.constexpr,
+    POW2: tl.constexpr, T_IN: tl.constexpr,
 ):
     """Re-quantize a 1x128 FP8 tensor into 128x1 blocks: dequantize in registers (``data * scale`` in
-    fp32, as the reference does), then quantize per 128 rows per column; data written transposed."""
+    fp32, as the reference does), then quantize per 128 rows per column; data written transposed
+    (``T_IN``: transpose the E4M3 input tile first and reduce along rows)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * 128 + tl.arange(0, 128)
@@ -163,10 +177,15 @@ def _requantize_act_to_token_kernel(
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     q = tl.load(q_ptr + rm[:, None].to(tl.int64) * stride_qm + rk[None, :] * stride_qk, mask=mask, other=0.0)
     s = tl.load(s_ptr + rm * stride_sm + pid_k * stride_sk, mask=rm < M, other=0.0)  # (128,)
-    x = q.to(tl.float32) * s[:, None]
-    x = tl.where(mask, x, 0.0)
-    scale_t = _scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
-    q_t = tl.trans(_to_e4m3(x, scale_t[None, :]))
+    if T_IN:
+        xt = tl.trans(q).to(tl.float32) * s[None, :]  # (128 k, 128 m); masked lanes are 0 * 0
+        scale_t = _scale_from_amax(tl.max(tl.abs(xt), axis=1), POW2)
+        q_t = _to_e4m3(xt, scale_t[:, None])
+    else:
+        x = q.to(tl.float32) * s[:, None]
+        x = tl.where(mask, x, 0.0)
+        scale_t = _scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
+        q_t = tl.trans(_to_e4m3(x, scale_t[None, :]))
     tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
              mask=(rk[:, None] < K) & (rm[None, :] < M))
     tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
@@ -228,7 +247,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bool = False):
+def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bool = False,
+                       transpose_input: bool | None = None):
     """Quantize x (M, K) per 1x128; with ``emit_token`` also per 128x1, from the same read of x.
 
     Returns ``(data, scale)`` or ``(data, scale, tok_data, tok_scale)``: data (M, K) row-major, scale the
@@ -251,6 +271,7 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bo
             data, scale_buf, 1, m,
             tok if emit_token else data, tok_scale if emit_token else scale_buf,
             POW2=pow2_scale, EMIT_ACT=True, EMIT_TOKEN=emit_token, BLOCK_M=block_m, BLOCK_K=BLOCK,
+            T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
             num_warps=8 if emit_token else 4,
         )
     if emit_token:
@@ -258,7 +279,7 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bo
     return data, scale_buf.t()
 
 
-def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
+def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_input: bool | None = None):
     """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M, K) view of a row-major (K, M)
     data buffer and the (Mb, K) row-major scales."""
     m, k = x.shape
@@ -272,11 +293,13 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
             tok, tok_scale, 1, 1,
             tok, tok_scale,
             POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=8,
+            T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
         )
     return tok.t(), tok_scale
 
 
-def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: bool = False):
+def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: bool = False,
+                            transpose_input: bool | None = None):
     """Quantize W (N, K) per 128x128 tile. Returns ``(data, scale, data_t)``: data (N, K) row-major,
     scale (Nb, Kb), data_t a row-major (K, N) copy of data^T (``None`` unless ``emit_t``)."""
     n, k = w.shape
@@ -288,11 +311,13 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
         _quantize_weight_kernel[grid](
             w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale,
             POW2=pow2_scale, EMIT_T=emit_t, num_warps=8,
+            T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
         )
     return data, scale, data_t
 
 
-def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False):
+def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
+                            transpose_input: bool | None = None):
     """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory.
     Returns the (M, K) view of a row-major (K, M) data buffer and (Mb, K) row-major scales."""
     m, k = data.shape
@@ -303,6 +328,7 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
         _requantize_act_to_token_kernel[grid](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
             tok, tok_scale, POW2=pow2_scale, num_warps=8,
+            T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
         )
     return tok.t(), tok_scale
 

@@ -80,6 +80,24 @@ def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, shape, po
     _same(qw_t, ref_w.t())
 
 
+@pytest.mark.parametrize("shape", [(130, 300), (4096, 512), (256, 1000)])
+def test_transpose_output_variant_bitwise(cuda_backend, shape):
+    """The kernels' other transposition strategy (E4M3 result transposed) gives the same bytes."""
+    from jetrl.quant import triton_kernels as tk
+
+    x = _input(*shape, torch.bfloat16, seed=3)
+    rt = R.quantize_tensor(x, TOKEN)
+    _, _, td, ts = tk.quantize_act_1x128(x, emit_token=True, transpose_input=False)
+    _same(Fp8Tensor(td, ts, TOKEN), rt)
+    td, ts = tk.quantize_token_128x1(x, transpose_input=False)
+    _same(Fp8Tensor(td, ts, TOKEN), rt)
+    _, _, dt = tk.quantize_weight_128x128(x, emit_t=True, transpose_input=False)
+    assert _bitwise(dt, R.quantize_tensor(x, WEIGHT).data.t())
+    qa = R.quantize_tensor(x, ACT)
+    td, ts = tk.requantize_act_to_token(qa.data, qa.scale, transpose_input=False)
+    _same(Fp8Tensor(td, ts, TOKEN), R.requantize(qa, TOKEN))
+
+
 def test_quantize_noncontiguous_and_float64(cuda_backend):
     x = torch.randn(300, 260, device="cuda").t()  # (260, 300) with strides (1, 260)
     _same(cuda_backend.quantize(x, ACT), R.quantize_tensor(x, ACT))

@@ -72,6 +72,15 @@ for name, x in inputs():
         d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2)
         r["requant"] = same(d, rq.data) and same(s, rq.scale)
         r["nan_free"] = not bool(torch.isnan(T.quantize_act_1x128(x, pow2)[0].float()).any())
+        # the other transposition strategy of the kernels that write a transposed copy
+        d, s, td, ts = T.quantize_act_1x128(x, pow2, emit_token=True, transpose_input=False)
+        ok = same(d, ra) and same(s, rsa) and same(td, rt) and same(ts, rst)
+        td, ts = T.quantize_token_128x1(x, pow2, transpose_input=False)
+        ok = ok and same(td, rt) and same(ts, rst)
+        d, s, dt = T.quantize_weight_128x128(x, pow2, emit_t=True, transpose_input=False)
+        ok = ok and same(dt, rw.t().contiguous())
+        d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, transpose_input=False)
+        r["transpose_output_variant"] = ok and same(d, rq.data) and same(s, rq.scale)
         results[key] = r
 
 # GEMM: the Triton blockwise GEMM against dequantize-then-fp32-matmul
@@ -99,7 +108,7 @@ def interpreted():
     return json.loads(proc.stdout)
 
 
-KERNELS = ("act", "act+token", "token", "weight", "requant", "nan_free")
+KERNELS = ("act", "act+token", "token", "weight", "requant", "nan_free", "transpose_output_variant")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
