@@ -59,8 +59,11 @@ def test_decode_step_in_cuda_graph(recipe):
         torch.cuda.synchronize()
         assert torch.equal(static_logits, eager)
         full = model(ids)[:, -1].float()
-    # BF16 cache and a different attention kernel than the full forward: BF16 rounding, a few 1e-3
-    assert rel_err(eager, full) < 2e-2
+    # BF16: a BF16 cache and another attention kernel than the full forward, BF16 rounding (~1e-2).
+    # jet: a BF16-level difference at an FP8Linear's input flips some E4M3 roundings (spacing 2^-3
+    # relative), so two FP8 paths of one model differ by up to the FP8 error itself: ~17-20 dB
+    # against BF16 for this depth (see test_fp8_models), i.e. up to ~0.1 relative; measured 0.035.
+    assert rel_err(eager, full) < (2e-2 if recipe == "bf16" else 1e-1)
 
 
 def test_packed_matches_plain_batch_bf16():
