@@ -9,7 +9,12 @@ transfer per step: that is all the stop checks need).
 
 On CUDA the decode step (one token per sequence) is captured in CUDA graphs for a set of batch sizes;
 a batch is padded to the next captured size with rows that write into a scratch block no sequence owns.
-The graphs are recaptured when a parameter or a cached FP8 weight moves to new storage.
+The graphs are recaptured when a parameter or a cached FP8 weight moves to new storage (in ``jet``, after
+each optimizer step, since the FP8 weight cache makes new tensors for a new weight version).
+
+Forwards run under ``torch.no_grad`` rather than ``torch.inference_mode``: the FP8 weights the rollout
+quantizes are cached on the layers and reused by the training forward of the same weight version, and
+inference-mode tensors cannot be saved for backward.
 """
 
 from __future__ import annotations
@@ -267,6 +272,7 @@ class RolloutEngine:
         ptrs = [p.data_ptr() for p in self.model.parameters()]
         with precision_side("rollout"):
             for layer in fp8_linears(self.model):
+                ptrs.append(id(layer))  # a recipe swap replaces the modules the graphs captured
                 if layer.uses_fp8():
                     qw = layer.quantized_weight()  # re-quantizes here if the weight version moved
                     ptrs += [qw.data.data_ptr(), qw.scale.data_ptr()]
