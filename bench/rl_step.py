@@ -1,0 +1,411 @@
+"""One RL step of a Llama-3.1-8B-shaped policy, ``bf16`` vs ``jet``: the time of every phase and the speed-ups.
+
+The step is :meth:`jetrl.rl.Trainer.step` itself (rollout -> reward -> old-logprob forward -> reference
+forward -> PPO update -> FP8 weight refresh), timed by the trainer's own phase timers. The model has random
+weights built from a config (no download), BF16 parameters, fp32 master weights and AdamW moments, and
+per-block activation checkpointing in the update. The reference policy is a frozen copy in the same recipe
+(``kl_coef > 0``). Rollouts are fixed-length (``ignore_eos``, every sample ``--new-tokens`` long) so every
+recipe does the same work; the reward is a trivial function of the token ids (random weights make noise
+anyway), so the reward phase costs almost nothing.
+
+Default setting: 16 prompts x ``n=4`` samples = 64 sequences of 256 prompt + 1,024 new tokens (the rollout
+target's batch 64 x 1,024), one PPO epoch, the whole batch as one mini-batch, micro-batches of 8 sequences.
+Each recipe runs ``--warmup`` untimed steps (kernel autotuning, CUDA-graph capture) then ``--steps`` timed
+ones; phase times are medians over the timed steps.
+
+**Memory and the layer count.** A full 8B policy needs about 20 bytes per parameter in the update
+(BF16 param 2 + fp32 master 4 + AdamW moments 8 + BF16 grad 2 + its fp32 copy 4): 160 GB before the
+reference, the FP8 weight caches, the KV cache and activations -- more than one H200 holds. The default is
+therefore the 8B *shape* (hidden 4096, 32 heads / 8 KV heads, MLP 14336, vocab 128256) with 16 of its 32
+blocks; ``--layers 32`` asks for the full depth on a bigger device. The script prints its memory estimate
+before building. With fewer blocks the BF16 LM head and embedding (1.05B parameters, unquantized in every
+recipe) weigh more, so the jet/bf16 speed-ups are somewhat below what the full depth would show.
+
+Reported next to the measured jet/bf16 speed-ups: Jet-RL's published 8B numbers and jetrl's targets.
+
+GPU: ``python bench/rl_step.py`` (about 2-3 minutes per recipe on an H200); ``--prompts``, ``--n``,
+``--new-tokens``, ``--prompt-len``, ``--layers``, ``--no-reference`` change the setting. The results go to
+``$OUT/rl_step.json`` when ``OUT`` is set (and to ``--json PATH``). CPU smoke run: ``--tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+try:  # repository root on sys.path (python -m bench.rl_step, the tests)
+    from bench.common import (LLAMA31_8B, TINY_LLAMA, device_description, peak_memory_gib, random_prompts,
+                              reset_peak_memory, with_layers)
+except ModuleNotFoundError:  # python bench/rl_step.py: bench/ itself is on sys.path
+    from common import (LLAMA31_8B, TINY_LLAMA, device_description, peak_memory_gib,  # type: ignore[no-redef]
+                        random_prompts, reset_peak_memory, with_layers)
+
+PHASES = ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh")
+# Jet-RL's reported speed-ups of jet over BF16 at 8B, and the targets jetrl sets itself (issue 6).
+JET_RL_REPORTED = {"rollout": "1.07-1.33x", "reference": "1.80x", "update": "1.54x", "total": "1.16x"}
+JETRL_TARGETS = {"rollout": 1.3, "reference": 1.8, "update": 1.6, "total": 1.3}
+DEFAULT_8B_LAYERS = 16  # of 32: what fits one H200 with the reference model (see the module doc)
+
+
+@dataclass
+class Setting:
+    """The work of one RL step (identical for every recipe)."""
+
+    shape: str
+    num_layers: int
+    num_params: int
+    prompts: int
+    n: int
+    prompt_len: int
+    new_tokens: int
+    micro_batch: int
+    reference: bool
+    checkpointing: bool
+    dtype: str
+    device: str
+
+    @property
+    def num_sequences(self) -> int:
+        return self.prompts * self.n
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.num_sequences * self.new_tokens
+
+    @property
+    def scored_tokens(self) -> int:
+        """Tokens every training-side forward runs over: prompt + response of every sequence."""
+        return self.num_sequences * (self.prompt_len + self.new_tokens)
+
+
+@dataclass
+class RecipeResult:
+    recipe: str
+    seconds: dict[str, float] = field(default_factory=dict)         # phase (and "total") -> median seconds
+    tokens_per_s: dict[str, float] = field(default_factory=dict)    # phase (and "total") -> tokens/s
+    peak_gib: float | None = None
+    estimated_gib: float = 0.0
+    step_metrics: dict[str, float] = field(default_factory=dict)    # the last timed step's trainer metrics
+
+
+# ----------------------------------------------------------------------------------------------- the model
+
+def parameter_counts(shape: dict) -> tuple[int, int]:
+    """(all parameters, parameters of the blocks' linear layers -- the FP8-quantized ones), counted on a
+    meta-device model, so nothing is allocated."""
+    from jetrl.models import DecoderLM, DecoderConfig
+
+    with torch.device("meta"):
+        model = DecoderLM(DecoderConfig.from_hf(shape), dtype=torch.bfloat16)
+    model.tie_weights()
+    total = sum(p.numel() for p in model.parameters())
+    linear = sum(m.weight.numel() for name, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and not name.endswith("lm_head"))
+    return total, linear
+
+
+def estimate_memory_bytes(shape: dict, recipe: str, reference: bool, num_sequences: int, seq_len: int,
+                          micro_batch: int, counts: tuple[int, int] | None = None) -> int:
+    """A conservative estimate of the step's peak device memory (bytes), to choose the layer count.
+
+    Update state: 20 bytes per parameter (BF16 param 2, fp32 master 4, AdamW moments 8, BF16 grad 2 and its
+    fp32 copy 4, all live at the optimizer step). The reference: 2 bytes per parameter. FP8 recipes cache
+    each block linear's E4M3 weight and its transposed copy (2 bytes per linear parameter), in the policy
+    and in the reference copy. The KV cache holds every sequence at full length in BF16. Activations with
+    per-block checkpointing: one BF16 hidden row per token per block, one block recomputed at a time,
+    and the chunked LM-head logits (512 rows x vocab, ~16 bytes per logit), plus 2 GiB of workspace.
+    ``counts`` is :func:`parameter_counts` of ``shape`` when already known.
+    """
+    total, linear = counts or parameter_counts(shape)
+    layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+    head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
+    state = 20 * total + (2 * total if reference else 0)
+    fp8_cache = 0 if recipe == "bf16" else 2 * linear * (2 if reference else 1)
+    kv = num_sequences * seq_len * 2 * layers * shape["num_key_value_heads"] * head_dim * 2
+    micro_tokens = micro_batch * seq_len
+    activations = (micro_tokens * (layers * hidden * 2 + (8 * hidden + 6 * shape["intermediate_size"]) * 2)
+                   + 512 * shape["vocab_size"] * 16 + 2 * 2 ** 30)
+    return state + fp8_cache + kv + activations
+
+
+# ------------------------------------------------------------------------------------- the trainer's inputs
+
+class RandomPrompts:
+    """``prompts`` random prompts of ``length`` ids per call, fresh each call, resumable by position."""
+
+    def __init__(self, prompts: int, length: int, vocab_size: int, seed: int = 0) -> None:
+        self.prompts, self.length, self.vocab_size, self.seed = prompts, length, vocab_size, seed
+        self.position = 0
+
+    def next_batch(self) -> list:
+        from jetrl.rl.trainer import PromptItem
+
+        ids = random_prompts(self.prompts, self.length, self.vocab_size, seed=self.seed + self.position)
+        self.position += 1
+        return [PromptItem(p, "") for p in ids]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+def decode_ids(ids: list[int]) -> str:
+    """Tokenizer-free "text": the ids, comma-separated (all the reward below needs)."""
+    return ",".join(map(str, ids))
+
+
+def even_token_reward(texts: list[str], references: list[str]) -> list[float]:
+    """Fraction of even token ids in each completion: trivial, but it varies across samples, so the GRPO
+    advantages are non-zero and the update does its full work."""
+    out = []
+    for text in texts:
+        ids = text.split(",") if text else []
+        out.append(sum(int(t) % 2 == 0 for t in ids) / len(ids) if ids else 0.0)
+    return out
+
+
+def build_run_config(recipe: str, setting: Setting, steps: int) -> Any:
+    from jetrl.config import (AlgorithmConfig, DataConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig,
+                              TrainerConfig)
+
+    return RunConfig(
+        recipe=recipe,
+        model=ModelConfig(dtype=setting.dtype, device=setting.device, gradient_checkpointing=setting.checkpointing),
+        data=DataConfig(prompts_per_step=setting.prompts, max_prompt_tokens=setting.prompt_len),
+        rollout=RolloutConfig(n=setting.n, temperature=1.0, max_tokens=setting.new_tokens, ignore_eos=True),
+        algorithm=AlgorithmConfig(kl_coef=1e-3 if setting.reference else 0.0, micro_batch_size=setting.micro_batch),
+        optim=OptimConfig(lr=1e-6),
+        trainer=TrainerConfig(steps=steps, seed=0),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- a recipe
+
+def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: int, memory_budget: float,
+               cuda_graphs: bool, progress: bool) -> RecipeResult:
+    """Build the policy (and its engine and trainer) under ``recipe``, run ``warmup + steps`` RL steps,
+    and return the timed steps' median phase times; everything is freed before returning."""
+    from jetrl.models import build_model
+    from jetrl.rl.trainer import Trainer
+    from jetrl.rollout import RolloutEngine
+
+    device = torch.device(setting.device)
+    config = build_run_config(recipe, setting, warmup + steps)  # config errors before the model is built
+    reset_peak_memory(device)
+    model = build_model(shape, dtype=getattr(torch, setting.dtype), device=device, recipe=recipe, seed=0)
+    model.set_activation_checkpointing(setting.checkpointing)
+    engine = RolloutEngine(model, memory_budget=memory_budget if device.type == "cuda" else 2 ** 30,
+                           max_num_seqs=setting.num_sequences, max_model_len=setting.prompt_len + setting.new_tokens,
+                           progress=progress, cuda_graphs=cuda_graphs)
+    prompts = RandomPrompts(setting.prompts, setting.prompt_len, shape["vocab_size"])
+    trainer = Trainer(config, model, engine, prompts, even_token_reward, decode_ids)
+    timed: list[dict[str, float]] = []
+    try:
+        for i in range(warmup + steps):
+            metrics = trainer.step()
+            _check_step(recipe, metrics, setting)
+            if i >= warmup:
+                timed.append(metrics)
+            print(f"  {recipe} step {i + 1}/{warmup + steps} ({'timed' if i >= warmup else 'warm-up'}): "
+                  f"{metrics['time/step']:.2f} s", flush=True)
+        peak = peak_memory_gib(device)
+    finally:
+        engine.free_cache()
+        del trainer, engine, model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result = RecipeResult(recipe, peak_gib=peak, step_metrics=timed[-1])
+    for phase in PHASES + ("step",):
+        values = [m[f"time/{phase}"] for m in timed if f"time/{phase}" in m]
+        if values:
+            result.seconds["total" if phase == "step" else phase] = statistics.median(values)
+    tokens = {"rollout": setting.generated_tokens, "old_logprob": setting.scored_tokens,
+              "reference": setting.scored_tokens, "update": setting.scored_tokens,
+              "total": setting.generated_tokens}
+    for phase, count in tokens.items():
+        if phase in result.seconds:
+            result.tokens_per_s[phase] = count / max(result.seconds[phase], 1e-12)
+    return result
+
+
+def _check_step(recipe: str, metrics: dict[str, float], setting: Setting) -> None:
+    """Every recipe must have done the same work, and a finite one."""
+    if metrics["response/num_tokens"] != setting.generated_tokens:
+        raise RuntimeError(f"{recipe}: the rollout generated {metrics['response/num_tokens']:.0f} tokens, expected "
+                           f"{setting.generated_tokens} (fixed-length rollouts ignore EOS)")
+    if metrics["actor/num_updates"] < 1:
+        raise RuntimeError(f"{recipe}: the optimizer step was skipped (non-finite loss or gradient)")
+    if not math.isfinite(metrics["actor/grad_norm"]):
+        raise RuntimeError(f"{recipe}: non-finite gradient norm")
+
+
+# ------------------------------------------------------------------------------------------------- reporting
+
+def speedups(results: dict[str, RecipeResult], baseline: str = "bf16") -> dict[str, dict[str, float]]:
+    """recipe -> phase -> baseline seconds / recipe seconds, for every recipe other than the baseline."""
+    if baseline not in results:
+        return {}
+    base = results[baseline].seconds
+    return {name: {phase: base[phase] / r.seconds[phase] for phase in base
+                   if phase in r.seconds and r.seconds[phase] > 0}
+            for name, r in results.items() if name != baseline}
+
+
+def format_table(results: dict[str, RecipeResult], ratios: dict[str, dict[str, float]]) -> str:
+    names = list(results)
+    head = (f"{'phase':<15}" + "".join(f"{n + ' s':>12}" for n in names) + "".join(f"{n + ' tok/s':>16}" for n in names)
+            + "".join(f"{n + '/bf16':>12}" for n in ratios))
+    if "jet" in ratios:
+        head += f"{'Jet-RL':>12}{'target':>8}{'met':>5}"
+    lines = [head]
+    for phase in PHASES + ("total",):
+        if not any(phase in r.seconds for r in results.values()):
+            continue
+        row = f"{phase:<15}"
+        row += "".join(f"{results[n].seconds[phase]:12.3f}" if phase in results[n].seconds else f"{'-':>12}"
+                       for n in names)
+        row += "".join(f"{results[n].tokens_per_s[phase]:16,.0f}" if phase in results[n].tokens_per_s
+                       else f"{'-':>16}" for n in names)
+        row += "".join(f"{ratios[n][phase]:11.2f}x" if phase in ratios[n] else f"{'-':>12}" for n in ratios)
+        if "jet" in ratios:
+            target = JETRL_TARGETS.get(phase)
+            met = "" if target is None or phase not in ratios["jet"] else ("yes" if ratios["jet"][phase] >= target
+                                                                           else "no")
+            row += f"{JET_RL_REPORTED.get(phase, ''):>12}{(f'{target:.1f}x' if target else ''):>8}{met:>5}"
+        lines.append(row)
+    peaks = ", ".join(f"{n} {r.peak_gib:.1f} GiB (estimated {r.estimated_gib:.1f})" if r.peak_gib is not None
+                      else f"{n} n/a" for n, r in results.items())
+    lines.append(f"peak memory: {peaks}")
+    return "\n".join(lines)
+
+
+def _results_json(setting: Setting, results: dict[str, RecipeResult], ratios: dict[str, dict[str, float]]
+                  ) -> dict[str, Any]:
+    return {"setting": {**asdict(setting), "num_sequences": setting.num_sequences,
+                        "generated_tokens": setting.generated_tokens, "scored_tokens": setting.scored_tokens},
+            "results": {n: asdict(r) for n, r in results.items()}, "speedups_over_bf16": ratios,
+            "jet_rl_reported": JET_RL_REPORTED, "jetrl_targets": JETRL_TARGETS,
+            "torch": torch.__version__}
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2-layer model, 2 prompts x 2, 8 tokens")
+    parser.add_argument("--device", default=None, help="default: cuda when available (required unless --tiny)")
+    parser.add_argument("--recipes", default="bf16,jet", help="comma list of bf16, fp8-rollout, jet")
+    parser.add_argument("--prompts", type=_positive, default=None, help="prompts per step (16; tiny: 2)")
+    parser.add_argument("--n", type=_positive, default=None, help="samples per prompt (4; tiny: 2)")
+    parser.add_argument("--new-tokens", type=_positive, default=None, help="tokens per sample (1024; tiny: 8)")
+    parser.add_argument("--prompt-len", type=_positive, default=None, help="prompt tokens (256; tiny: 8)")
+    parser.add_argument("--layers", type=_positive, default=None,
+                        help=f"blocks of the 8B shape ({DEFAULT_8B_LAYERS} of 32, see the doc; tiny: 2)")
+    parser.add_argument("--micro-batch", type=_positive, default=None,
+                        help="sequences per forward/backward (8, or fewer when the batch is smaller)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed RL steps first")
+    parser.add_argument("--steps", type=_positive, default=1, help="timed RL steps (medians reported)")
+    parser.add_argument("--no-reference", action="store_true", help="no KL penalty, so no reference model")
+    parser.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
+    parser.add_argument("--memory-budget", type=float, default=0.9,
+                        help="KV-cache fraction of free GPU memory (capped at what the batch needs)")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--progress", action="store_true", help="rollout progress display")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    from jetrl.config import RECIPE_NAMES
+    unknown = [r for r in recipes if r not in RECIPE_NAMES]
+    if not recipes or unknown:
+        parser.error(f"--recipes must name some of {list(RECIPE_NAMES)}, got {args.recipes!r}")
+    args.recipes = recipes
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; returns the results as printed (and as written to ``$OUT/rl_step.json``)."""
+    args = _parse(argv)
+    tiny = args.tiny
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not tiny else "cpu"))
+    if device.type != "cuda" and not tiny:
+        raise SystemExit("bench/rl_step.py needs a CUDA GPU for the 8B shape (use --tiny for a CPU smoke run)")
+    base_shape = TINY_LLAMA if tiny else LLAMA31_8B
+    shape = with_layers(base_shape, args.layers or (base_shape["num_hidden_layers"] if tiny else DEFAULT_8B_LAYERS))
+    prompts = args.prompts or (2 if tiny else 16)
+    n = args.n or (2 if tiny else 4)
+    micro_batch = args.micro_batch or min(8, prompts * n)
+    counts = parameter_counts(shape)
+    setting = Setting(
+        shape="tiny" if tiny else "llama-3.1-8b", num_layers=shape["num_hidden_layers"],
+        num_params=counts[0], prompts=prompts, n=n,
+        prompt_len=args.prompt_len or (8 if tiny else 256), new_tokens=args.new_tokens or (8 if tiny else 1024),
+        micro_batch=micro_batch, reference=not args.no_reference, checkpointing=not args.no_checkpointing,
+        dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device))
+    full_layers = base_shape["num_hidden_layers"]
+    depth = (f"{setting.num_layers} of {full_layers} blocks (fewer than the full model: see the doc)"
+             if setting.num_layers < full_layers else f"{setting.num_layers} blocks")
+    print(f"model: {setting.shape}-shaped, {depth}, {setting.num_params / 1e9:.2f}B parameters, {setting.dtype}; "
+          f"device {device_description(device)}; torch {torch.__version__}", flush=True)
+    print(f"step: {prompts} prompts x n={n} = {setting.num_sequences} sequences, {setting.prompt_len} prompt + "
+          f"{setting.new_tokens} new tokens (EOS ignored), micro-batch {micro_batch}, reference model "
+          f"{'on' if setting.reference else 'off'}, activation checkpointing "
+          f"{'on' if setting.checkpointing else 'off'}; {args.warmup} warm-up + {args.steps} timed steps",
+          flush=True)
+
+    results: dict[str, RecipeResult] = {}
+    for recipe in args.recipes:
+        estimate = estimate_memory_bytes(shape, recipe, setting.reference, setting.num_sequences,
+                                         setting.prompt_len + setting.new_tokens, micro_batch, counts) / 2 ** 30
+        line = f"{recipe}: estimated peak memory {estimate:.1f} GiB"
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
+            line += f" of {total:.0f} GiB"
+            if estimate > total:
+                line += " -- likely out of memory: lower --layers, or --no-reference"
+        print(line, flush=True)
+        results[recipe] = run_recipe(recipe, shape, setting, args.warmup, args.steps, args.memory_budget,
+                                     cuda_graphs=not args.no_cuda_graphs, progress=args.progress)
+        results[recipe].estimated_gib = estimate
+        m = results[recipe].step_metrics
+        print(f"{recipe}: step {results[recipe].seconds['total']:.2f} s; rollout/training mismatch |dlogp| mean "
+              f"{m.get('mismatch/logp_abs_diff_mean', float('nan')):.2e} max "
+              f"{m.get('mismatch/logp_abs_diff_max', float('nan')):.2e}", flush=True)
+
+    ratios = speedups(results)
+    report = _results_json(setting, results, ratios)
+    paths = [args.json] if args.json else []
+    if os.environ.get("OUT"):
+        paths.append(os.path.join(os.environ["OUT"], "rl_step.json"))
+    for path in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+    print(f"\nRL step, {setting.shape} ({setting.num_layers} blocks), {setting.num_sequences} x "
+          f"({setting.prompt_len} + {setting.new_tokens}) tokens; Jet-RL = its reported 8B speed-ups, "
+          f"target = jetrl's")
+    print(format_table(results, ratios), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

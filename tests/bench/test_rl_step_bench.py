@@ -1,0 +1,92 @@
+"""The RL-step benchmark runs end to end on CPU with a tiny config; its 8B shape and memory estimate hold."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # bench/ is a folder of scripts, importable from the root
+    return importlib.import_module("bench.rl_step")
+
+
+@pytest.fixture
+def one_thread():
+    # tiny matrices: threads only add OpenMP contention on a busy 2-core machine (100x slower linears)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_run_times_every_phase_and_writes_json(bench, one_thread, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    report = bench.main(["--tiny", "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--new-tokens", "4"])
+    setting = report["setting"]
+    assert (setting["prompts"], setting["n"], setting["new_tokens"]) == (2, 2, 4)
+    assert setting["generated_tokens"] == 16 and setting["scored_tokens"] == 32
+    results = report["results"]
+    assert list(results) == ["bf16", "jet"]
+    for recipe, r in results.items():
+        seconds = r["seconds"]
+        for phase in ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh", "total"):
+            assert phase in seconds and math.isfinite(seconds[phase]) and seconds[phase] >= 0, (recipe, phase)
+        assert seconds["rollout"] > 0 and seconds["update"] > 0
+        # one timed step: the total is the sum of its phases
+        parts = sum(v for k, v in seconds.items() if k != "total")
+        assert seconds["total"] == pytest.approx(parts, rel=1e-9)
+        assert r["tokens_per_s"]["rollout"] == pytest.approx(16 / seconds["rollout"])
+        assert r["tokens_per_s"]["update"] == pytest.approx(32 / seconds["update"])
+        assert r["step_metrics"]["response/num_tokens"] == 16  # fixed-length rollouts: EOS ignored
+        assert r["step_metrics"]["actor/num_updates"] == 1
+        assert r["peak_gib"] is None and r["estimated_gib"] > 0  # CPU: not tracked
+    ratios = report["speedups_over_bf16"]["jet"]
+    for phase in ("rollout", "reference", "update", "total"):
+        assert ratios[phase] == pytest.approx(results["bf16"]["seconds"][phase] / results["jet"]["seconds"][phase])
+    written = json.loads((tmp_path / "rl_step.json").read_text())
+    assert written["results"]["jet"]["seconds"] == results["jet"]["seconds"]
+    assert written["jetrl_targets"] == {"rollout": 1.3, "reference": 1.8, "update": 1.6, "total": 1.3}
+    out = capsys.readouterr().out.rstrip().splitlines()
+    # the table comes last: header, one row per phase, the memory line
+    assert out[-1].startswith("peak memory:")
+    table_rows = [line.split()[0] for line in out[-9:-1]]
+    assert table_rows == ["phase", "rollout", "reward", "old_logprob", "reference", "update", "weight_refresh", "total"]
+    assert "1.07-1.33x" in out[-8] and "1.80x" in out[-5]
+
+
+def test_8b_shape_and_default_depth_fit_one_h200(bench):
+    from bench.common import LLAMA31_8B, with_layers
+
+    total, linear = bench.parameter_counts(LLAMA31_8B)
+    assert total == 8_030_261_248  # Llama-3.1-8B as published
+    assert total - linear == 2 * 128256 * 4096 + 65 * 4096  # embedding, LM head, norms stay BF16
+    h200 = 139 * 2 ** 30
+
+    def estimate(layers, recipe, reference=True):
+        return bench.estimate_memory_bytes(with_layers(LLAMA31_8B, layers), recipe, reference, 64, 1280, 8)
+
+    # the full depth cannot hold 20 bytes per parameter of update state on one H200, even without a reference
+    assert estimate(32, "bf16", reference=False) > h200
+    # the default depth fits in every recipe, with the reference model, with headroom for fragmentation
+    depth = bench.DEFAULT_8B_LAYERS
+    assert max(estimate(depth, r) for r in ("bf16", "fp8-rollout", "jet")) < 0.9 * h200
+    assert estimate(depth, "jet") > estimate(depth, "bf16")  # FP8 weight caches come on top
+
+
+def test_bad_arguments_are_rejected(bench):
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--prompts", "0"])
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--recipes", "fp4"])
+    with pytest.raises(ValueError, match="num_layers"):
+        from bench.common import LLAMA31_8B, with_layers
+        with_layers(LLAMA31_8B, 0)
