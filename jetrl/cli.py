@@ -1,9 +1,460 @@
-"""The ``jetrl`` command line: thin parsing over importable functions."""
+"""The ``jetrl`` command line: thin parsing over importable functions.
+
+``jetrl`` alone runs ``jetrl train`` on the embedded default: RL of the packaged tiny model on its
+arithmetic task, a few minutes on a CPU. Every command's work lives in a library function
+(:func:`jetrl.rl.run`, :func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`,
+:func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.save_model`), so scripts and tests call those.
+
+User errors (a missing file, a bad config key, an unknown dataset column, a tokenizer that lacks a
+needed special token) print one ``jetrl: error: ...`` line and exit with status 2; set
+``JETRL_DEBUG=1`` to see the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+ASSET_PREFIX = "jetrl:"
+EMBEDDED_MODEL = "jetrl:tiny-arith"
+DEFAULT_CONFIG = "jetrl:tiny_default.yaml"
+USAGE_ERROR = 2
+
+
+class UsageError(ValueError):
+    """A problem with what the user asked for; reported as one line, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def assets_dir() -> Path:
+    """The folder of packaged assets (the embedded model and its default config)."""
+    return Path(__file__).resolve().parent / "assets"
+
+
+def resolve_asset(path: str | os.PathLike) -> str:
+    """``jetrl:NAME`` -> the packaged asset ``NAME``; any other path is returned unchanged."""
+    path = os.fspath(path)
+    if not path.startswith(ASSET_PREFIX):
+        return path
+    name = path[len(ASSET_PREFIX):]
+    target = assets_dir() / name
+    if not target.exists():
+        available = sorted(p.name for p in assets_dir().iterdir() if not p.name.startswith(("_", ".")))
+        raise UsageError(f"no packaged asset {name!r}; available: {', '.join(available)}")
+    return str(target)
+
+
+def _existing(path: str, what: str, hint: str) -> str:
+    path = resolve_asset(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what} {path} does not exist; {hint}")
+    return path
+
+
+def check_tokenizer(tokenizer: Any, where: str, model_eos: Sequence[int] = ()) -> None:
+    """Generation needs an end-of-sequence token (from the tokenizer or the model's config.json)."""
+    if getattr(tokenizer, "eos_token_id", None) is None and not list(model_eos):
+        raise UsageError(f"the tokenizer at {where} has no end-of-sequence token and its config.json names no "
+                         f"eos_token_id, so generation could never stop: set \"eos_token\" in its "
+                         f"tokenizer_config.json (or \"eos_token_id\" in config.json)")
+
+
+def _model_eos(path: str) -> list[int]:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return []
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]
+
+
+def _table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
+    """A two-column text table (rich renders it when installed; plain text otherwise)."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(show_header=False)
+        table.add_column(style="bold")
+        table.add_column(justify="right")
+        for name, value in rows:
+            table.add_row(name, value)
+        console = Console(file=None, width=100, force_terminal=False, color_system=None)
+        with console.capture() as capture:
+            console.print(table)
+        return ((title + "\n") if title else "") + capture.get().rstrip("\n")
+    except ImportError:
+        width = max(len(n) for n, _ in rows)
+        lines = [title] if title else []
+        lines += [f"  {n:<{width}}  {v}" for n, v in rows]
+        return "\n".join(lines)
+
+
+def _device(name: str | None) -> str:
+    if name in (None, "auto"):
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _load_policy(path: str, recipe: str, device: str | None, dtype: str):
+    """Model and tokenizer from a checkpoint folder (or ``jetrl:tiny-arith``), checked for an EOS token."""
+    import torch
+
+    from jetrl.models import load_model, load_tokenizer
+
+    path = resolve_asset(path)
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder (holding "
+                                f"config.json and *.safetensors) or {EMBEDDED_MODEL}")
+    tokenizer = load_tokenizer(path)
+    check_tokenizer(tokenizer, path, _model_eos(path) if os.path.isdir(path) else ())
+    model = load_model(path, dtype=getattr(torch, dtype), device=_device(device), recipe=recipe)
+    return model, tokenizer
+
+
+# ------------------------------------------------------------------------------------------ train
+
+def _train_config(args: argparse.Namespace):
+    """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
+    from jetrl.config import load_config
+
+    path = _existing(args.config or DEFAULT_CONFIG, "config file", "give a YAML/JSON/TOML config, e.g. "
+                     "examples/tiny_default.yaml")
+    overrides = list(args.overrides)
+    for item in overrides:
+        if not item.startswith("--") or "=" not in item:
+            raise UsageError(f"unexpected argument {item!r}: overrides look like --section.key=value "
+                             f"(e.g. --optim.lr=1e-5)")
+    if args.max_steps is not None:
+        overrides.append(f"--trainer.steps={args.max_steps}")
+    if args.output_dir is not None:
+        overrides.append(f"--trainer.output_dir={args.output_dir}")
+    if args.recipe is not None:
+        overrides.append(f"--recipe={args.recipe}")
+    if args.resume:
+        overrides.append("--trainer.resume=true")
+    config = load_config(path, overrides)
+    config.model.path = resolve_asset(config.model.path) if config.model.path else config.model.path
+    if config.model.tokenizer:
+        config.model.tokenizer = resolve_asset(config.model.tokenizer)
+    if config.data.path:
+        config.data.path = _existing(config.data.path, "data file", "set data.path to a JSONL or Parquet file")
+    return config
+
+
+class _TrainProgress:
+    """A progress bar over RL steps with ETA and the latest reward (tqdm; a line per step without it)."""
+
+    def __init__(self, total: int, start: int, enabled: bool) -> None:
+        self.bar = None
+        self.total = total
+        self.t0 = time.perf_counter()
+        if enabled:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+        reward, length = metrics.get("reward/mean", float("nan")), metrics.get("response/length_mean", float("nan"))
+        if self.bar is not None:
+            self.bar.set_postfix(reward=f"{reward:.3f}", len=f"{length:.0f}", refresh=False)
+            self.bar.update(step - self.bar.n)
+        else:
+            elapsed = time.perf_counter() - self.t0
+            print(f"step {step}/{self.total}  reward {reward:.3f}  length {length:.0f}  {elapsed:.0f}s",
+                  file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def summarize_run(output_dir: str | Path) -> list[tuple[str, str]]:
+    """Summary rows of a finished run from its metrics log: reward and accuracy at the start and the end
+    (means over the first and last few steps), response length, mismatch and time."""
+    from jetrl.plotting import load_run
+
+    records = load_run(output_dir).records
+    k = max(1, min(5, len(records) // 4))
+    first, last = records[:k], records[-k:]
+
+    def mean(rows: list[dict], key: str) -> float:
+        vals = [float(r[key]) for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    rows = [("steps", str(records[-1].get("step", len(records))))]
+    for key, name in (("reward/mean", "reward"), ("reward/accuracy", "accuracy"),
+                      ("response/length_mean", "response length")):
+        rows.append((f"{name} (first {k} -> last {k} steps)", f"{mean(first, key):.3f} -> {mean(last, key):.3f}"))
+    rows.append(("mismatch |Δ logp| mean (last)", f"{mean(last, 'mismatch/logp_abs_diff_mean'):.2e}"))
+    rows.append(("mismatch |Δ p| max (last)", f"{mean(last, 'mismatch/prob_abs_diff_max'):.2e}"))
+    total = sum(float(r.get("time/step_wall", r.get("time/step", 0.0))) for r in records)
+    rows.append(("time in steps", f"{total:.0f} s"))
+    return rows
+
+
+def train(config, progress: bool = True, plot: bool = True) -> dict[str, Any]:
+    """Run RL with a progress bar, then write plots and return ``{"metrics", "summary", "plot"}``."""
+    import inspect
+
+    from jetrl.rl.loop import run
+
+    bar = _TrainProgress(config.trainer.steps, 0, progress)
+    try:
+        if "on_step" in inspect.signature(run).parameters:
+            metrics = run(config, on_step=bar)
+        else:
+            metrics = run(config)
+    finally:
+        bar.close()
+    out = Path(config.trainer.output_dir)
+    result: dict[str, Any] = {"metrics": metrics, "summary": summarize_run(out), "plot": None}
+    if plot:
+        from jetrl.plotting import plot_runs
+
+        result["plot"] = plot_runs([out], out / "curves.png")
+    return result
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    _set_threads(args.threads)
+    config = _train_config(args)
+    where = config.model.tokenizer or config.model.path
+    if config.model.path and os.path.isdir(config.model.path):
+        from jetrl.models import load_tokenizer
+
+        check_tokenizer(load_tokenizer(where), where, _model_eos(config.model.path))
+    print(f"jetrl train: {config.recipe} recipe, model {config.model.path}, "
+          f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
+          file=sys.stderr)
+    result = train(config, progress=not args.no_progress)
+    out = Path(config.trainer.output_dir)
+    rows = result["summary"] + [("metrics", str(out / "metrics.jsonl")), ("checkpoints", str(out / "checkpoints")),
+                                ("plot", str(result["plot"]))]
+    print(_table(rows, title="jetrl train: summary"))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ sft
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from jetrl.sft.train import SFTConfig, run_sft
+
+    _set_threads(args.threads)
+    config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
+                       batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
+                       eval_every=args.eval_every, save_dtype=args.save_dtype)
+    result = run_sft(config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+    print(_table([("task", f"{config.task} (difficulty {config.difficulty})"), ("steps", str(result.steps)),
+                  ("parameters", f"{result.num_parameters:,}"), ("final loss", f"{result.final_loss:.4f}"),
+                  (f"greedy accuracy ({config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
+                  ("time", f"{result.seconds:.0f} s"), ("checkpoint", result.output_dir)], title="jetrl sft: summary"))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ eval
+
+def _eval_dataset(args: argparse.Namespace):
+    """The prompts to evaluate on: a file (``--data``) or a built-in task (default: the embedded one's)."""
+    if args.data:
+        from jetrl.data import ColumnMap, DatasetConfig, load_prompt_dataset
+        from jetrl.data.datasets import DATASET_FORMATS
+
+        path = _existing(args.data, "data file", "give a JSONL or Parquet file")
+        fmt = DATASET_FORMATS.get(args.format)
+        if fmt is None:
+            raise UsageError(f"unknown --format {args.format!r}; choose one of {sorted(DATASET_FORMATS)}")
+        columns = None
+        if args.prompt_column or args.answer_column:
+            columns = ColumnMap(prompt=args.prompt_column or fmt.columns.prompt,
+                                answer=args.answer_column or fmt.columns.answer)
+        return load_prompt_dataset(DatasetConfig(path=path, format=args.format, columns=columns, reward=args.reward,
+                                                 max_examples=args.num_examples))
+    from jetrl.data.tasks import get_task
+
+    return get_task(args.task, difficulty=args.difficulty, seed=args.seed).dataset(args.num_examples or 200)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from jetrl.evaluate import evaluate
+
+    _set_threads(args.threads)
+    dataset = _eval_dataset(args)  # data errors before the model is loaded
+    model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype)
+    ks = sorted(set(args.k or [1]))
+    result = evaluate(model, tokenizer, dataset, reward=args.reward, n=args.n, temperature=args.temperature,
+                      top_p=args.top_p, max_tokens=args.max_tokens, ks=ks, seed=args.sample_seed,
+                      progress=not args.no_progress, keep_samples=bool(args.output))
+    mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
+    print(_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe})"))
+    if args.output:
+        with open(args.output, "w") as f:
+            for s in result.samples:
+                f.write(json.dumps(s) + "\n")
+        print(f"samples written to {args.output}", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ generate
+
+def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
+    """Prompts from the arguments, then from ``file`` (one per line; JSONL lines take their "prompt")."""
+    out = list(prompts)
+    if file:
+        path = _existing(file, "prompt file", "give a text file with one prompt per line, or JSONL with 'prompt'")
+        for i, line in enumerate(Path(path).read_text().splitlines()):
+            if not line.strip():
+                continue
+            if path.endswith(".jsonl"):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UsageError(f"{path} line {i + 1} is not JSON: {e}") from None
+                if not isinstance(row, dict) or "prompt" not in row:
+                    raise UsageError(f"{path} line {i + 1} has no 'prompt' field")
+                out.append(str(row["prompt"]))
+            else:
+                out.append(line.encode().decode("unicode_escape") if "\\n" in line else line)
+    if not out:
+        raise UsageError("no prompts: pass them as arguments or with --file")
+    return out
+
+
+def generate_texts(model: Any, tokenizer: Any, prompts: Sequence[str], *, n: int = 1, temperature: float = 0.0,
+                   top_p: float = 1.0, max_tokens: int = 128, seed: int = 0, raw: bool = False) -> list[list[str]]:
+    """Completions (``n`` per prompt) of plain-text prompts. Without a chat template a prompt gets a
+    trailing newline unless ``raw`` (the compact task format ends every prompt with one); with one, the
+    prompt becomes a user turn."""
+    from jetrl.data import Prompt
+    from jetrl.data.templates import render_prompt
+    from jetrl.evaluate import decode_completion, encode_prompt
+    from jetrl.rollout import RolloutEngine, SamplingParams
+
+    texts = []
+    for i, p in enumerate(prompts):
+        if raw:
+            texts.append(p)
+        else:
+            text = render_prompt(Prompt(index=i, answer="", text=p), tokenizer)
+            texts.append(text if text != p or p.endswith("\n") else p + "\n")
+    engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, len(texts) * n)))
+    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i)
+              for i in range(len(texts))]
+    completions = engine.generate([encode_prompt(tokenizer, t) for t in texts], params)
+    outs = [decode_completion(tokenizer, c.token_ids) for c in completions]
+    return [outs[i * n:(i + 1) * n] for i in range(len(texts))]
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    _set_threads(args.threads)
+    prompts = read_prompts(args.prompts, args.file)
+    if args.temperature == 0 and args.n > 1:
+        raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
+                         "for --n > 1")
+    model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype)
+    results = generate_texts(model, tokenizer, prompts, n=args.n, temperature=args.temperature, top_p=args.top_p,
+                             max_tokens=args.max_tokens, seed=args.seed, raw=args.raw)
+    for prompt, completions in zip(prompts, results):
+        if args.jsonl:
+            print(json.dumps({"prompt": prompt, "completions": completions}))
+            continue
+        print(f"=== {prompt.rstrip()}")
+        for c in completions:
+            print(c.rstrip("\n"))
+            if len(completions) > 1:
+                print("---")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ plot, export
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from jetrl.plotting import plot_runs
+
+    output = args.output or str(Path(args.runs[0]) / "curves.png")
+    path = plot_runs(args.runs, output, labels=args.labels, smooth=args.smooth)
+    print(path)
+    return 0
+
+
+def export_model(source: str, output: str, fp8: bool = False) -> str:
+    """Write the checkpoint at ``source`` as a HuggingFace BF16 folder, or block-FP8 with ``fp8``."""
+    import torch
+
+    from jetrl.models import load_model, save_model
+
+    path = resolve_asset(source)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder")
+    if os.path.abspath(path) == os.path.abspath(output):
+        raise UsageError("the export folder must differ from the source checkpoint")
+    model = load_model(path, dtype=torch.bfloat16, device="cpu", recipe="bf16")
+    save_model(model, output, fp8=fp8)
+    return output
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    out = export_model(args.model, args.output, fp8=args.fp8)
+    size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
+    print(f"exported {'block-FP8' if args.fp8 else 'BF16'} checkpoint to {out} ({size / 2 ** 20:.1f} MiB)")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ bench
+
+def bench_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "bench"
+
+
+def available_benches() -> list[str]:
+    folder = bench_dir()
+    names = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_") and p.stem != "common") \
+        if folder.is_dir() else []
+    return ["fp8"] + names
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.name in (None, "list"):
+        print("benchmarks: " + ", ".join(available_benches()))
+        print("run one with: jetrl bench NAME [its arguments]   (fp8 = jetrl check-fp8)")
+        return 0
+    if args.name == "fp8":
+        return main(["check-fp8", *args.bench_args])
+    path = bench_dir() / f"{args.name}.py"
+    if not path.is_file():
+        raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(available_benches())} "
+                         f"(bench scripts live in the source checkout's bench/ folder)")
+    import importlib.util
+
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(f"jetrl_bench_{args.name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.main(list(args.bench_args))
+    finally:
+        sys.path.remove(str(path.parent))
+    return 0
 
 
 def _cmd_check_fp8(args: argparse.Namespace) -> int:
@@ -17,9 +468,98 @@ def _cmd_check_fp8(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------ parser
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=EMBEDDED_MODEL, help=f"checkpoint folder (default: {EMBEDDED_MODEL})")
+    p.add_argument("--recipe", default="bf16", choices=["bf16", "fp8-rollout", "jet"],
+                   help="precision recipe of the rollout (default bf16)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per completion")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jetrl", description="RL of LLMs with a unified FP8 precision flow")
-    sub = parser.add_subparsers(dest="command")
+    parser = argparse.ArgumentParser(
+        prog="jetrl", description="RL of LLMs with a unified FP8 precision flow. With no command: jetrl train "
+        "(RL of the embedded tiny model on its arithmetic task, a few minutes on CPU).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="RL run from a config file (default: the embedded tiny model)",
+                       description="RL run: a config file plus --section.key=value overrides. Without a config, "
+                       "the embedded default (" + DEFAULT_CONFIG + ").")
+    p.add_argument("config", nargs="?", default=None, help="YAML/JSON/TOML config (default: the embedded one)")
+    p.add_argument("--max-steps", type=int, default=None, help="run at most N RL steps (sets trainer.steps)")
+    p.add_argument("--output-dir", default=None, help="where metrics, checkpoints and plots go")
+    p.add_argument("--recipe", default=None, choices=["bf16", "fp8-rollout", "jet"], help="precision recipe")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
+    p.set_defaults(func=_cmd_train, overrides=[])
+
+    p = sub.add_parser("sft", help="supervised warm-start of a tiny model on a built-in task (makes the embedded one)")
+    p.add_argument("--output-dir", default="tiny-arith", help="checkpoint folder to write")
+    p.add_argument("--task", default="arithmetic", help="built-in task")
+    p.add_argument("--difficulty", type=int, default=3, help="reasoning steps per problem")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps (the early-stopping budget)")
+    p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0, help="weight-init seed")
+    p.add_argument("--eval-examples", type=int, default=200, help="unseen problems for the final greedy accuracy")
+    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (to tune --steps)")
+    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_sft)
+
+    p = sub.add_parser("eval", help="accuracy of a checkpoint on a task or dataset (greedy or sampled, pass@k)")
+    _add_model_args(p)
+    p.add_argument("--task", default="arithmetic", help="built-in task (when no --data)")
+    p.add_argument("--difficulty", type=int, default=3)
+    p.add_argument("--seed", type=int, default=12345, help="task seed of the evaluation problems")
+    p.add_argument("--num-examples", type=int, default=None, help="problems (task default 200; file: all rows)")
+    p.add_argument("--data", default=None, help="JSONL/Parquet prompt file instead of a task")
+    p.add_argument("--format", default="custom", help="gsm8k, math or custom (with --data)")
+    p.add_argument("--prompt-column", default=None)
+    p.add_argument("--answer-column", default=None)
+    p.add_argument("--reward", default=None, help="reward name or package.module:function (default: the data's)")
+    p.add_argument("--k", type=int, action="append", help="report pass@k (repeatable; needs --n >= k)")
+    p.add_argument("--sample-seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="write every sample to this JSONL file")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("generate", help="completions of prompts given as arguments or in a file")
+    _add_model_args(p)
+    p.add_argument("prompts", nargs="*", help="prompt texts")
+    p.add_argument("--file", default=None, help="one prompt per line (or JSONL with 'prompt')")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true", help="send the text exactly (no template, no trailing newline)")
+    p.add_argument("--jsonl", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("bench", help="run a benchmark script (jetrl bench list)")
+    p.add_argument("name", nargs="?", default=None, help="benchmark name, or 'list'")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("plot", help="reward/accuracy/length/mismatch curves of runs to a PNG")
+    p.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl)")
+    p.add_argument("--output", "-o", default=None, help="PNG path (default: RUN/curves.png)")
+    p.add_argument("--labels", nargs="+", default=None, help="one label per run")
+    p.add_argument("--smooth", type=int, default=None, help="moving-average window in steps")
+    p.set_defaults(func=_cmd_plot)
+
+    p = sub.add_parser("export", help="write a checkpoint as HuggingFace BF16 or block-FP8")
+    p.add_argument("model", help=f"checkpoint folder (or {EMBEDDED_MODEL})")
+    p.add_argument("output", help="folder to write")
+    p.add_argument("--fp8", action="store_true", help="block-FP8 weights (128x128 scales), as vLLM/SGLang serve")
+    p.set_defaults(func=_cmd_export)
+
     check = sub.add_parser("check-fp8", help="FP8Linear vs BF16 on random data: error, and speed on a GPU")
     check.add_argument("--m", type=int, default=512, help="tokens")
     check.add_argument("--n", type=int, default=768, help="out features")
@@ -30,11 +570,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``jetrl`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:  # the main job on its embedded default
-        args = parser.parse_args(["check-fp8"])
-    return args.func(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("--") and "=" in argv[0]):
+        argv = ["train", *argv]  # the main job on its embedded default
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "train":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = extra
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("jetrl: interrupted", file=sys.stderr)
+        return 130
+    except (FileNotFoundError, ValueError, TypeError, ImportError) as e:
+        if os.environ.get("JETRL_DEBUG"):
+            raise
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, FileNotFoundError) and e.filename and not message.startswith(("no ", "checkpoint")):
+            message = f"{e.filename}: {e.strerror or message}"
+        print(f"jetrl: error: {message}", file=sys.stderr)
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

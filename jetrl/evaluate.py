@@ -1,0 +1,147 @@
+"""Accuracy of a policy on a prompt dataset or built-in task: greedy or sampled, with pass@k.
+
+Generation goes through :class:`jetrl.rollout.RolloutEngine` (the same engine, precision recipe and
+log-probability definition as RL rollouts); rewards through the dataset's reward function in a
+:class:`jetrl.data.RewardPool` (so a pathological answer cannot hang evaluation). A sample counts as
+correct when its reward is at least 1.
+
+pass@k uses the unbiased estimator of Chen et al. (2021): with ``n`` samples of which ``c`` are correct,
+``pass@k = 1 - C(n - c, k) / C(n, k)``, averaged over prompts. Greedy decoding (``temperature=0``)
+draws one sample per prompt, so its accuracy is pass@1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclass
+class EvalResult:
+    """Accuracy (fraction of correct samples), mean reward, pass@k per k, and the samples themselves."""
+
+    num_prompts: int
+    n: int
+    accuracy: float
+    mean_reward: float
+    pass_at_k: dict[int, float]
+    mean_length: float
+    truncation_rate: float
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(name, value) pairs for a summary table."""
+        rows = [("prompts", str(self.num_prompts)), ("samples per prompt", str(self.n)),
+                ("accuracy", f"{self.accuracy:.4f}"), ("mean reward", f"{self.mean_reward:.4f}")]
+        rows += [(f"pass@{k}", f"{v:.4f}") for k, v in sorted(self.pass_at_k.items())]
+        rows += [("mean response tokens", f"{self.mean_length:.1f}"), ("truncated", f"{self.truncation_rate:.2%}")]
+        return rows
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with ``c`` correct among ``n`` samples (``k <= n``)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered prompt, as the RL loop encodes it (the tokenizer adds its own BOS)."""
+    enc = tokenizer.encode(text)
+    return list(getattr(enc, "ids", enc))
+
+
+def decode_completion(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Completion text without special tokens (the end-of-sequence token is kept by the engine)."""
+    try:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+    except TypeError:  # a bare tokenizers.Tokenizer
+        return tokenizer.decode(list(ids))
+
+
+def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: str | None = None, n: int = 1,
+             temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, ks: Sequence[int] = (1,),
+             seed: int = 0, batch_size: int = 64, progress: bool = False, keep_samples: bool = False,
+             reward_workers: int = 1) -> EvalResult:
+    """Generate ``n`` completions for every prompt of ``dataset`` and score them.
+
+    ``dataset`` is a :class:`jetrl.data.PromptDataset` (its ``reward`` name is used unless ``reward`` is
+    given). ``temperature=0`` is greedy and needs ``n=1``. ``ks`` lists the k of pass@k (each <= n).
+    ``reward_workers=0`` scores in this process (no timeout).
+    """
+    from jetrl.data import RewardPool, RewardPoolConfig
+    from jetrl.rollout import RolloutEngine, SamplingParams
+
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if temperature == 0 and n > 1:
+        raise ValueError(f"greedy decoding (temperature 0) gives one answer per prompt; use n=1 or a temperature "
+                         f"> 0 for n={n}")
+    ks = sorted({int(k) for k in ks} | {1})
+    if ks[-1] > n:
+        raise ValueError(f"pass@{ks[-1]} needs at least {ks[-1]} samples per prompt; raise n (now {n})")
+    reward_name = reward or getattr(dataset, "reward", None)
+    if reward_name is None:
+        raise ValueError("the dataset names no reward function; pass one (e.g. --reward gsm8k)")
+    engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, batch_size * n)))
+    bar = _bar(len(dataset), progress)
+    correct_per_prompt: list[int] = []
+    rewards_all: list[float] = []
+    lengths: list[int] = []
+    truncated = 0
+    samples: list[dict[str, Any]] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with RewardPool(reward_name, RewardPoolConfig(num_workers=reward_workers)) as pool:
+            for start in range(0, len(dataset), batch_size):
+                prompts = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
+                texts = [dataset.render(p, tokenizer) for p in prompts]
+                ids = [encode_prompt(tokenizer, t) for t in texts]
+                params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                         seed=(seed * 1_000_003 + start + i) % 2 ** 63) for i in range(len(ids))]
+                completions = engine.generate(ids, params)
+                outputs = [decode_completion(tokenizer, c.token_ids) for c in completions]
+                refs = [prompts[j // n].answer for j in range(len(completions))]
+                scored = pool.score(outputs, refs).rewards
+                for i, prompt in enumerate(prompts):
+                    group = scored[i * n:(i + 1) * n]
+                    correct_per_prompt.append(sum(r >= 1.0 for r in group))
+                    if keep_samples:
+                        for j in range(n):
+                            samples.append({"index": prompt.index, "prompt": texts[i], "completion": outputs[i * n + j],
+                                            "answer": prompt.answer, "reward": group[j]})
+                rewards_all += list(scored)
+                lengths += [len(c.token_ids) for c in completions]
+                truncated += sum(c.finish_reason == "length" for c in completions)
+                if bar is not None:
+                    bar.update(len(prompts))
+                    bar.set_postfix(acc=f"{sum(correct_per_prompt) / (len(correct_per_prompt) * n):.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+        engine.free_cache()
+        model.train(was_training)
+    num = len(correct_per_prompt)
+    return EvalResult(
+        num_prompts=num, n=n, accuracy=sum(correct_per_prompt) / (num * n), mean_reward=sum(rewards_all) / len(rewards_all),
+        pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_per_prompt) / num for k in ks},
+        mean_length=sum(lengths) / len(lengths), truncation_rate=truncated / len(lengths), samples=samples)
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="eval", unit="prompt", dynamic_ncols=True)
+
+
+__all__ = ["EvalResult", "evaluate", "pass_at_k", "encode_prompt", "decode_completion"]

@@ -1,0 +1,156 @@
+"""Curves of one or several RL runs from their ``metrics.jsonl``, drawn to a PNG with matplotlib.
+
+Four panels: reward, accuracy, mean response length and the rollout-vs-training mismatch (mean
+``|logp_rollout - logp_train|`` on the same tokens, log scale). Every run is one line in each panel,
+labelled by its folder name and precision recipe (read from the run's saved config), so runs of the
+three recipes on the same task sit side by side: ``jet`` should track ``bf16`` in reward while its
+mismatch stays near rounding level; ``fp8-rollout`` shows the larger mismatch. Noisy curves get a
+moving average drawn over the raw points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+METRICS_FILE = "metrics.jsonl"
+
+# (metric key, panel title, log scale)
+PANELS: tuple[tuple[str, str, bool], ...] = (
+    ("reward/mean", "reward (mean)", False),
+    ("reward/accuracy", "accuracy", False),
+    ("response/length_mean", "response length (tokens)", False),
+    ("mismatch/logp_abs_diff_mean", "rollout vs training |Δ logp| (mean)", True),
+)
+
+
+@dataclass
+class RunCurves:
+    """The logged steps of one run and its label."""
+
+    label: str
+    records: list[dict]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        steps, values = [], []
+        for r in self.records:
+            value = r.get(key)
+            if isinstance(value, str):  # non-finite floats are logged as strings
+                value = float(value)
+            if isinstance(value, (int, float)) and "step" in r:
+                steps.append(int(r["step"]))
+                values.append(float(value))
+        return steps, values
+
+
+def _metrics_path(run: str | Path) -> Path:
+    path = Path(run)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics at {path}: give a run folder (holding {METRICS_FILE}) or the file itself")
+    return path
+
+
+def _recipe_of(run_dir: Path) -> str | None:
+    for name in ("config.yaml", "config.json"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        try:
+            if name.endswith(".json"):
+                return json.loads(path.read_text()).get("recipe")
+            import yaml
+
+            return (yaml.safe_load(path.read_text()) or {}).get("recipe")
+        except Exception:
+            return None
+    return None
+
+
+def load_run(run: str | Path, label: str | None = None) -> RunCurves:
+    """Read a run's ``metrics.jsonl`` (a partial last line from a killed run is skipped)."""
+    path = _metrics_path(run)
+    records = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if not records:
+        raise ValueError(f"{path} holds no logged steps yet")
+    if label is None:
+        recipe = _recipe_of(path.parent)
+        label = path.parent.name + (f" ({recipe})" if recipe else "")
+    return RunCurves(label, records)
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` points (NaNs skipped)."""
+    out = []
+    for i in range(len(values)):
+        chunk = [v for v in values[max(0, i - window + 1):i + 1] if not math.isnan(v)]
+        out.append(sum(chunk) / len(chunk) if chunk else float("nan"))
+    return out
+
+
+def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[str] | None = None,
+              smooth: int | None = None, title: str | None = None) -> Path:
+    """Draw the four panels for ``runs`` (folders or metrics files) into the PNG ``output``.
+
+    ``smooth`` is the moving-average window (default: about a tenth of the longest run, at least 1).
+    """
+    if not runs:
+        raise ValueError("plot needs at least one run folder")
+    if labels is not None and len(labels) != len(runs):
+        raise ValueError(f"got {len(labels)} labels for {len(runs)} runs")
+    curves = [load_run(r, labels[i] if labels else None) for i, r in enumerate(runs)]
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    longest = max(len(c.records) for c in curves)
+    window = smooth if smooth is not None else max(1, longest // 10)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, name, log_scale) in zip(axes.flat, PANELS):
+        drawn = False
+        for i, run in enumerate(curves):
+            steps, values = run.series(key)
+            if not steps:
+                continue
+            color = colors[i % len(colors)]
+            if window > 1 and len(values) > 2:
+                ax.plot(steps, values, color=color, alpha=0.25, linewidth=1)
+                ax.plot(steps, moving_average(values, window), color=color, linewidth=2, label=run.label)
+            else:
+                ax.plot(steps, values, color=color, linewidth=2, marker="o" if len(steps) < 30 else None,
+                        markersize=3, label=run.label)
+            drawn = True
+        if log_scale and drawn and any(v > 0 for c in curves for v in c.series(key)[1]):
+            ax.set_yscale("log")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if not drawn:
+            ax.text(0.5, 0.5, f"no '{key}' logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    handles, names = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), frameon=False)
+    fig.suptitle(title or "jetrl: " + ", ".join(c.label for c in curves))
+    fig.tight_layout(rect=(0, 0.05 if handles else 0, 1, 1))
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
+__all__ = ["plot_runs", "load_run", "RunCurves", "moving_average", "PANELS", "METRICS_FILE"]
