@@ -93,6 +93,9 @@ class RecipeResult:
     tokens_per_s: dict[str, float] = field(default_factory=dict)    # phase (and "total") -> tokens/s
     peak_gib: float | None = None
     estimated_gib: float = 0.0
+    # of the rollout phase: seconds in the engine's generation loop; the rest is set-up before it
+    # (KV cache, CUDA-graph capture, which repeats whenever the cached FP8 weights move to new storage)
+    rollout_loop_seconds: float = 0.0
     step_metrics: dict[str, float] = field(default_factory=dict)    # the last timed step's trainer metrics
 
 
@@ -210,12 +213,14 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: i
     prompts = RandomPrompts(setting.prompts, setting.prompt_len, shape["vocab_size"])
     trainer = Trainer(config, model, engine, prompts, even_token_reward, decode_ids)
     timed: list[dict[str, float]] = []
+    loop_seconds: list[float] = []
     try:
         for i in range(warmup + steps):
             metrics = trainer.step()
             _check_step(recipe, metrics, setting)
             if i >= warmup:
                 timed.append(metrics)
+                loop_seconds.append(float(engine.last_stats.get("seconds", 0.0)))
             print(f"  {recipe} step {i + 1}/{warmup + steps} ({'timed' if i >= warmup else 'warm-up'}): "
                   f"{metrics['time/step']:.2f} s", flush=True)
         peak = peak_memory_gib(device)
@@ -225,7 +230,8 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: i
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result = RecipeResult(recipe, peak_gib=peak, step_metrics=timed[-1])
+    result = RecipeResult(recipe, peak_gib=peak, step_metrics=timed[-1],
+                          rollout_loop_seconds=statistics.median(loop_seconds))
     for phase in PHASES + ("step",):
         values = [m[f"time/{phase}"] for m in timed if f"time/{phase}" in m]
         if values:
@@ -386,8 +392,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results[recipe] = run_recipe(recipe, shape, setting, args.warmup, args.steps, args.memory_budget,
                                      cuda_graphs=not args.no_cuda_graphs, progress=args.progress)
         results[recipe].estimated_gib = estimate
-        m = results[recipe].step_metrics
-        print(f"{recipe}: step {results[recipe].seconds['total']:.2f} s; rollout/training mismatch |dlogp| mean "
+        r = results[recipe]
+        m = r.step_metrics
+        print(f"{recipe}: step {r.seconds['total']:.2f} s; rollout {r.seconds['rollout']:.2f} s of which "
+              f"{r.seconds['rollout'] - r.rollout_loop_seconds:.2f} s before the generation loop (KV cache, CUDA "
+              f"graphs); rollout/training mismatch |dlogp| mean "
               f"{m.get('mismatch/logp_abs_diff_mean', float('nan')):.2e} max "
               f"{m.get('mismatch/logp_abs_diff_max', float('nan')):.2e}", flush=True)
 

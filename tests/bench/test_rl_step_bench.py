@@ -41,6 +41,7 @@ def test_tiny_run_times_every_phase_and_writes_json(bench, one_thread, tmp_path,
         for phase in ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh", "total"):
             assert phase in seconds and math.isfinite(seconds[phase]) and seconds[phase] >= 0, (recipe, phase)
         assert seconds["rollout"] > 0 and seconds["update"] > 0
+        assert 0 < r["rollout_loop_seconds"] <= seconds["rollout"]  # the engine's loop is part of the phase
         # one timed step: the total is the sum of its phases
         parts = sum(v for k, v in seconds.items() if k != "total")
         assert seconds["total"] == pytest.approx(parts, rel=1e-9)
