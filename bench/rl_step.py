@@ -269,27 +269,28 @@ def speedups(results: dict[str, RecipeResult], baseline: str = "bf16") -> dict[s
 
 
 def format_table(results: dict[str, RecipeResult], ratios: dict[str, dict[str, float]]) -> str:
+    """Phase rows: seconds and tokens/s per recipe, speed-ups over bf16, and for jet the published
+    Jet-RL speed-up, jetrl's target and whether it is met."""
     names = list(results)
-    head = (f"{'phase':<15}" + "".join(f"{n + ' s':>12}" for n in names) + "".join(f"{n + ' tok/s':>16}" for n in names)
-            + "".join(f"{n + '/bf16':>12}" for n in ratios))
+    columns: list[tuple[str, Any]] = []  # (header, phase -> cell text or None)
+    for n in names:
+        columns.append((f"{n} s", lambda p, n=n: f"{results[n].seconds[p]:.3f}" if p in results[n].seconds else None))
+    for n in names:
+        columns.append((f"{n} tok/s", lambda p, n=n: (f"{results[n].tokens_per_s[p]:,.0f}"
+                                                      if p in results[n].tokens_per_s else None)))
+    for n in ratios:
+        columns.append((f"{n}/bf16", lambda p, n=n: f"{ratios[n][p]:.2f}x" if p in ratios[n] else None))
     if "jet" in ratios:
-        head += f"{'Jet-RL':>12}{'target':>8}{'met':>5}"
-    lines = [head]
-    for phase in PHASES + ("total",):
-        if not any(phase in r.seconds for r in results.values()):
-            continue
-        row = f"{phase:<15}"
-        row += "".join(f"{results[n].seconds[phase]:12.3f}" if phase in results[n].seconds else f"{'-':>12}"
-                       for n in names)
-        row += "".join(f"{results[n].tokens_per_s[phase]:16,.0f}" if phase in results[n].tokens_per_s
-                       else f"{'-':>16}" for n in names)
-        row += "".join(f"{ratios[n][phase]:11.2f}x" if phase in ratios[n] else f"{'-':>12}" for n in ratios)
-        if "jet" in ratios:
-            target = JETRL_TARGETS.get(phase)
-            met = "" if target is None or phase not in ratios["jet"] else ("yes" if ratios["jet"][phase] >= target
-                                                                           else "no")
-            row += f"{JET_RL_REPORTED.get(phase, ''):>12}{(f'{target:.1f}x' if target else ''):>8}{met:>5}"
-        lines.append(row)
+        columns.append(("Jet-RL", lambda p: JET_RL_REPORTED.get(p)))
+        columns.append(("target", lambda p: f"{JETRL_TARGETS[p]:.1f}x" if p in JETRL_TARGETS else None))
+        columns.append(("met", lambda p: (("yes" if ratios["jet"][p] >= JETRL_TARGETS[p] else "no")
+                                          if p in JETRL_TARGETS and p in ratios["jet"] else None)))
+    phases = [p for p in PHASES + ("total",) if any(p in r.seconds for r in results.values())]
+    cells = [[fn(p) or "-" for _, fn in columns] for p in phases]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) + 2 for i, (h, _) in enumerate(columns)]
+    lines = [f"{'phase':<15}" + "".join(f"{h:>{w}}" for (h, _), w in zip(columns, widths))]
+    for phase, row in zip(phases, cells):
+        lines.append(f"{phase:<15}" + "".join(f"{c:>{w}}" for c, w in zip(row, widths)))
     peaks = ", ".join(f"{n} {r.peak_gib:.1f} GiB (estimated {r.estimated_gib:.1f})" if r.peak_gib is not None
                       else f"{n} n/a" for n, r in results.items())
     lines.append(f"peak memory: {peaks}")
