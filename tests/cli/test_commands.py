@@ -1,0 +1,176 @@
+"""The ``jetrl`` commands on the embedded model, and one-line errors (exit status 2) for user mistakes."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jetrl.cli import DEFAULT_CONFIG, EMBEDDED_MODEL, main, resolve_asset
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_train_short_run_writes_metrics_checkpoint_and_plot(tmp_path, monkeypatch, capsys):
+    """What `jetrl train --max-steps 2` does in a fresh folder: the embedded default, bounded to 2 steps."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--max-steps", "2", "--no-progress"]) == 0
+    out = tmp_path / "runs" / "tiny-default"
+    records = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert 0.0 <= r["reward/mean"] <= 1.0 and r["response/length_mean"] > 0
+        assert r["mismatch/logp_abs_diff_mean"] >= 0.0
+    checkpoints = [p for p in (out / "checkpoints").iterdir() if p.is_dir()]
+    assert checkpoints and (checkpoints[0] / "model" / "config.json").is_file()
+    assert (checkpoints[0] / "model" / "tokenizer.json").is_file()  # the checkpoint is a usable HF folder
+    png = out / "curves.png"
+    assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+    summary = capsys.readouterr().out
+    assert "reward" in summary and "curves.png" in summary
+
+
+@pytest.mark.slow
+def test_default_run_raises_the_reward(tmp_path, monkeypatch):
+    """`jetrl` with no arguments (the README's main command): the full embedded default run."""
+    monkeypatch.chdir(tmp_path)
+    assert main([]) == 0
+    records = _records(tmp_path / "runs" / "tiny-default" / "metrics.jsonl")
+    rewards = [r["reward/mean"] for r in records]
+    k = len(rewards) // 4
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    assert last > first + 0.1, (first, last)
+
+
+def test_eval_generate_and_export(tmp_path, capsys):
+    assert main(["eval", "--num-examples", "12", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "pass@1" in out
+
+    assert main(["eval", "--num-examples", "6", "--n", "4", "--temperature", "1.0", "--k", "2", "--k", "4",
+                 "--no-progress", "--output", str(tmp_path / "s.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "pass@4" in out and len(_records(tmp_path / "s.jsonl")) == 24
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("3+4*2\n\n18*7-2\n")
+    assert main(["generate", "12+7-3*2", "--file", str(prompts), "--jsonl"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["prompt"] for x in lines] == ["12+7-3*2", "3+4*2", "18*7-2"]
+    assert all(len(x["completions"]) == 1 and "####" in x["completions"][0] for x in lines)
+
+    import torch
+    from safetensors import safe_open
+
+    from jetrl.models import load_model
+
+    for fp8 in (False, True):
+        folder = tmp_path / ("fp8" if fp8 else "bf16")
+        assert main(["export", EMBEDDED_MODEL, str(folder)] + (["--fp8"] if fp8 else [])) == 0
+        config = json.loads((folder / "config.json").read_text())
+        assert ("quantization_config" in config) == fp8
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            dtype = f.get_tensor("model.layers.0.mlp.down_proj.weight").dtype
+        assert dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        assert (folder / "tokenizer.json").is_file()
+        load_model(folder, dtype=torch.float32)  # loads back
+
+
+def test_plot_runs_side_by_side(tmp_path, capsys):
+    runs = []
+    for i, recipe in enumerate(("bf16", "jet")):
+        run = tmp_path / recipe
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"recipe": recipe}))
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in range(1, 21):
+                f.write(json.dumps({"step": step, "reward/mean": 0.2 + 0.02 * step, "reward/accuracy": 0.01 * step,
+                                    "response/length_mean": 30 - step * 0.1,
+                                    "mismatch/logp_abs_diff_mean": 1e-4 * (i + 1)}) + "\n")
+            f.write('{"step": 21, "rew')  # a killed run's partial last line is skipped
+        runs.append(str(run))
+    png = tmp_path / "cmp.png"
+    assert main(["plot", *runs, "-o", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
+
+
+def test_bench_list(capsys):
+    assert main(["bench", "list"]) == 0
+    assert "fp8" in capsys.readouterr().out
+
+
+def test_python_m_jetrl_help():
+    done = subprocess.run([sys.executable, "-m", "jetrl", "--help"], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert done.returncode == 0 and "train" in done.stdout
+
+
+def test_example_configs_load_and_default_matches_the_packaged_one():
+    from jetrl.config import load_config
+
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        load_config(path)
+    packaged = Path(resolve_asset(DEFAULT_CONFIG))
+    assert (REPO / "examples" / "tiny_default.yaml").read_text() == packaged.read_text()
+    recipes = {load_config(p).recipe for p in (REPO / "examples").glob("gsm8k_*.yaml")}
+    assert recipes == {"bf16", "fp8-rollout", "jet"}
+
+
+# ------------------------------------------------------------------------------------------ user errors
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("jetrl: error:")]
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+def test_missing_files(tmp_path, capsys):
+    assert "config file" in _error(capsys, ["train", str(tmp_path / "nope.yaml")])
+    assert "does not exist" in _error(capsys, ["eval", "--model", str(tmp_path / "no-model")])
+    assert "prompt file" in _error(capsys, ["generate", "--file", str(tmp_path / "p.txt")])
+    assert "data file" in _error(capsys, ["eval", "--data", str(tmp_path / "d.jsonl")])
+    assert "metrics" in _error(capsys, ["plot", str(tmp_path)])
+    assert "packaged asset" in _error(capsys, ["eval", "--model", "jetrl:nothing"])
+
+
+def test_bad_config_keys_and_values(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert "did you mean 'optim.lr'" in _error(capsys, ["train", "--optim.lrr=1e-3"])
+    assert "rollout.n" in _error(capsys, ["train", "--rollout.n=0"])
+    assert "--section.key=value" in _error(capsys, ["train", str(REPO / "examples" / "tiny_default.yaml"), "stray"])
+
+
+def test_unknown_dataset_column(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"q": f"{i}+1\n", "a": str(i + 1)}) for i in range(3)))
+    msg = _error(capsys, ["eval", "--data", str(data), "--prompt-column", "question", "--answer-column", "a",
+                          "--reward", "arithmetic"])
+    assert "'question'" in msg and "'q'" in msg  # names the bad column and the available ones
+    monkeypatch.chdir(tmp_path)
+    msg = _error(capsys, ["train", "--data.task=none", f"--data.path={data}", "--data.prompt_column=question",
+                          "--data.answer_column=a", "--data.reward=arithmetic"])
+    assert "'question'" in msg and not (tmp_path / "runs" / "tiny-default" / "checkpoints").exists()
+
+
+def test_tokenizer_without_eos(tmp_path, capsys):
+    folder = tmp_path / "no-eos"
+    shutil.copytree(resolve_asset(EMBEDDED_MODEL), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    tok = json.loads((folder / "tokenizer_config.json").read_text())
+    tok.pop("eos_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+    smap = json.loads((folder / "special_tokens_map.json").read_text())
+    smap.pop("eos_token", None)
+    (folder / "special_tokens_map.json").write_text(json.dumps(smap))
+    msg = _error(capsys, ["generate", "--model", str(folder), "1+2"])
+    assert "end-of-sequence" in msg and "eos_token" in msg

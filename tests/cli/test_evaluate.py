@@ -1,0 +1,60 @@
+"""pass@k estimator values and evaluation of the embedded model (in the weak-but-not-hopeless band)."""
+
+import math
+
+import pytest
+import torch
+
+from jetrl.evaluate import evaluate, pass_at_k
+
+
+def test_pass_at_k_hand_values():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - math.comb(3, 3) / math.comb(5, 3))  # 0.9
+    assert pass_at_k(3, 1, 3) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from jetrl.cli import EMBEDDED_MODEL, resolve_asset
+    from jetrl.models import load_model, load_tokenizer
+
+    path = resolve_asset(EMBEDDED_MODEL)
+    return load_model(path, dtype=torch.float32), load_tokenizer(path)
+
+
+def test_embedded_model_is_weak_but_not_hopeless(tiny):
+    """Greedy accuracy on 100 unseen problems (a fixed eval seed) lies well inside (0, 1): RL has room."""
+    from jetrl.data.tasks import get_task
+
+    model, tok = tiny
+    data = get_task("arithmetic", difficulty=3, seed=12345).dataset(100)
+    result = evaluate(model, tok, data, max_tokens=64, reward_workers=0)
+    assert 0.10 <= result.accuracy <= 0.70, result.accuracy
+    assert result.pass_at_k[1] == pytest.approx(result.accuracy)
+    assert result.truncation_rate < 0.2  # it has learned to stop
+
+
+def test_sampled_pass_at_k_is_monotone(tiny):
+    from jetrl.data.tasks import get_task
+
+    model, tok = tiny
+    data = get_task("arithmetic", difficulty=3, seed=777).dataset(16)
+    result = evaluate(model, tok, data, n=4, temperature=1.0, ks=(1, 2, 4), max_tokens=64, reward_workers=0,
+                      keep_samples=True)
+    p = result.pass_at_k
+    assert p[1] == pytest.approx(result.accuracy)
+    assert p[1] <= p[2] <= p[4] and p[4] > 0
+    assert len(result.samples) == 64 and {s["reward"] for s in result.samples} <= {0.0, 1.0}
+
+
+def test_greedy_with_several_samples_is_an_error(tiny):
+    from jetrl.data.tasks import get_task
+
+    model, tok = tiny
+    with pytest.raises(ValueError, match="greedy"):
+        evaluate(model, tok, get_task("arithmetic", seed=1).dataset(2), n=4, temperature=0.0)
