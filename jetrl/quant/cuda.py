@@ -32,6 +32,9 @@ from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_bloc
 # M = 32 cuBLAS's blockwise kernel is faster.
 DECODE_MAX_M = 16
 DECODE_MAX_K = 8192
+# The one-pass 1x128 + 128x1 kernel reached 0.24 of copy bandwidth, slower than its two halves run
+# apart (0.88 and 0.42); it stays selectable (and tested) until it is the faster one.
+FUSED_ACT_AND_TOKEN = False
 GEMM_CHOICES = ("auto", "cublas", "triton")
 
 
@@ -78,10 +81,18 @@ class CudaBackend:
         return Fp8Tensor(data, scale, WEIGHT), Fp8Tensor(data_t, scale.t(), WEIGHT)
 
     def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
-        """x per 1x128 and per 128x1 from one read of x (grad_out for DGrad and WGrad)."""
+        """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad).
+
+        With ``FUSED_ACT_AND_TOKEN`` from one read of x; by default as two kernels, which measured
+        faster on the H200 (BENCHMARKS.md: 15 + 33 us against 73 us at 4096x4096).
+        """
         reference._check_input(x)
         _check_cuda(x, "the input")
-        data, scale, tok, tok_scale = tk.quantize_act_1x128(x, pow2_scale, emit_token=True)
+        if FUSED_ACT_AND_TOKEN:
+            data, scale, tok, tok_scale = tk.quantize_act_1x128(x, pow2_scale, emit_token=True)
+        else:
+            data, scale = tk.quantize_act_1x128(x, pow2_scale)
+            tok, tok_scale = tk.quantize_token_128x1(x, pow2_scale)
         return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)
 
     def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:

@@ -66,11 +66,15 @@ def test_quantize_bitwise(cuda_backend, block, shape, dtype, pow2):
 
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, shape, pow2):
+def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, monkeypatch, shape, pow2):
+    from jetrl.quant import cuda as cuda_mod
+
     x = _input(*shape, torch.bfloat16, seed=11)
-    q_act, q_tok = cuda_backend.quantize_act_and_token(x, pow2)
-    _same(q_act, R.quantize_tensor(x, ACT, pow2))
-    _same(q_tok, R.quantize_tensor(x, TOKEN, pow2))
+    for fused in (True, False):
+        monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN", fused)
+        q_act, q_tok = cuda_backend.quantize_act_and_token(x, pow2)
+        _same(q_act, R.quantize_tensor(x, ACT, pow2))
+        _same(q_tok, R.quantize_tensor(x, TOKEN, pow2))
     ref_act = R.quantize_tensor(x, ACT, pow2)
     _same(cuda_backend.requantize(ref_act, TOKEN, pow2), R.requantize(ref_act, TOKEN, pow2))
     qw, qw_t = cuda_backend.quantize_weight_pair(x, pow2)
