@@ -136,9 +136,12 @@ class RolloutConfig(_Section):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     progress: bool = False
+    memory_budget: float | None = None    # KV cache: fraction of free GPU memory, or bytes; None = engine default
 
     def validate(self) -> None:
         _at_least("rollout", "n", self.n, 1)
+        if self.memory_budget is not None and not self.memory_budget > 0:
+            raise ConfigError(f"rollout.memory_budget must be > 0 (a fraction or bytes), got {self.memory_budget}")
         if not self.temperature > 0:
             raise ConfigError(f"rollout.temperature must be > 0 for RL sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -96,6 +96,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _Fp8LinearFunction.apply(x, weight, bias, qweight.data, qweight.scale, pow2_scale, wt_data)
 
 
+def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | None:
+    """Copy ``new`` into ``old``'s buffers when their layouts match (stable addresses), else ``new``."""
+    if old is None or new is None or old.block != new.block:
+        return new
+    for a, b in ((old.data, new.data), (old.scale, new.scale)):
+        if a.shape != b.shape or a.stride() != b.stride() or a.device != b.device or a.dtype != b.dtype:
+            return new
+    old.data.copy_(new.data)
+    old.scale.copy_(new.scale)
+    return old
+
+
 class FP8Linear(nn.Linear):
     """``nn.Linear`` with FP8 Fprop/DGrad/WGrad; same parameters, same state-dict keys.
 
@@ -139,10 +151,12 @@ class FP8Linear(nn.Linear):
         return self.fp8_rollout if current_side() == "rollout" else self.fp8_train
 
     def invalidate_weight_cache(self) -> None:
-        """Forget the quantized weight (call after changing the weight behind autograd's back)."""
+        """Mark the quantized weight stale (call after changing the weight behind autograd's back).
+
+        The next use re-quantizes into the same buffers, so their addresses stay fixed and CUDA graphs
+        captured by the rollout engine stay valid across optimizer steps.
+        """
         self._qweight_key = None
-        self._qweight = None
-        self._qweight_t = None
 
     def quantized_weight(self) -> Fp8Tensor:
         """The (128, 128)-block FP8 weight for the current weight version, quantized at most once."""
@@ -160,7 +174,9 @@ class FP8Linear(nn.Linear):
         w = self.weight
         key = (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
                selected_backend_name())
+        stale_q = stale_t = None
         if self._qweight_key != key:
+            stale_q, stale_t = self._qweight, self._qweight_t
             self._qweight = self._qweight_t = None
             self._qweight_key = key
         backend = get_backend(w.device)
@@ -173,6 +189,8 @@ class FP8Linear(nn.Linear):
                     self._qweight_t = Fp8Tensor(q.data.t().contiguous(), q.scale.t(), WEIGHT)
             elif self._qweight is None:
                 self._qweight = backend.quantize(w.detach(), WEIGHT, self.pow2_scale)
+            self._qweight = _write_into(stale_q, self._qweight)
+            self._qweight_t = _write_into(stale_t, self._qweight_t)
         return self._qweight, self._qweight_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -160,8 +160,11 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = ()) -> dict[s
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     prompts = DatasetPrompts(dataset, tokenizer, config.data.prompts_per_step, config.trainer.seed,
                              config.data.shuffle, config.data.max_prompt_tokens)
+    # the KV pool is sized for the longest sequence a rollout can make, not the model's full context
     engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress,
-                           max_num_seqs=min(256, config.rollout_batch_size))
+                           max_num_seqs=min(256, config.rollout_batch_size),
+                           max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
+                           memory_budget=config.rollout.memory_budget)
     pool = RewardPool(reward)
 
     def reward_fn(texts: list[str], refs: list[str]) -> list[float]:

@@ -75,6 +75,7 @@ class MasterWeightAdamW:
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None  # the fp32 copy replaces it: 2 bytes per parameter less at the step's peak
             if m.grad is not None:
                 grads.append(m.grad)
         return grads

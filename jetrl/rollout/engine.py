@@ -9,8 +9,8 @@ transfer per step: that is all the stop checks need).
 
 On CUDA the decode step (one token per sequence) is captured in CUDA graphs for a set of batch sizes;
 a batch is padded to the next captured size with rows that write into a scratch block no sequence owns.
-The graphs are recaptured when a parameter or a cached FP8 weight moves to new storage (in ``jet``, after
-each optimizer step, since the FP8 weight cache makes new tensors for a new weight version).
+The graphs are recaptured only when a parameter or a cached FP8 weight moves to new storage: a new
+weight version is re-quantized into the same FP8 buffers, so graphs survive optimizer steps in ``jet``.
 
 Forwards run under ``torch.no_grad`` rather than ``torch.inference_mode``: the FP8 weights the rollout
 quantizes are cached on the layers and reused by the training forward of the same weight version, and

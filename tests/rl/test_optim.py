@@ -146,13 +146,15 @@ def test_step_refreshes_fp8_weights(gen):
     model = apply_recipe(nn.Sequential(nn.Linear(128, 128)), "jet")
     layer = fp8_linears(model)[0]
     before = layer.quantized_weight()
+    before_data, before_scale = before.data.view(torch.uint8).clone(), before.scale.clone()
     stepper = make_stepper(model)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=gen)
     assert stepper.step().applied
     after = layer.quantized_weight()
-    assert not torch.equal(before.data.view(torch.uint8), after.data.view(torch.uint8)) or \
-        not torch.equal(before.scale, after.scale)
+    assert not torch.equal(before_data, after.data.view(torch.uint8)) or not torch.equal(before_scale, after.scale)
+    from jetrl.quant.reference import quantize_tensor
+    assert torch.equal(after.data.view(torch.uint8), quantize_tensor(layer.weight.detach(), (128, 128)).data.view(torch.uint8))
 
 
 def test_state_dict_round_trip_continues_bitwise(gen):

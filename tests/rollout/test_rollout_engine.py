@@ -162,11 +162,14 @@ def test_jet_engine_reads_the_trainers_fp8_weights_and_follows_updates():
     # a training-side forward/backward reuses the very FP8 tensors the rollout used (same version)
     model(torch.tensor([PROMPTS[0]])).sum().backward()
     assert layer.quantized_weight() is cached
+    old_bytes = cached.data.view(torch.uint8).clone()
     with torch.no_grad():  # an optimizer-like in-place update: the engine must see the new weights
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     outs = engine.generate(PROMPTS[:2], params)
-    assert layer.quantized_weight() is not cached
+    # re-quantized in place (stable buffers keep captured CUDA graphs valid), with new values
+    assert layer.quantized_weight().data.data_ptr() == cached.data.data_ptr()
+    assert not torch.equal(layer.quantized_weight().data.view(torch.uint8), old_bytes)
     for c in outs:
         assert c.token_ids == _naive(model, PROMPTS[c.prompt_index], params, 0, 5)[0]
 
