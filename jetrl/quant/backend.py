@@ -68,16 +68,24 @@ def _instance(name: str) -> Fp8Backend:
     return _INSTANCES[name]
 
 
+_USABLE: dict[torch.device, bool] = {}
+
+
 def _cuda_kernels_usable(device: torch.device) -> bool:
-    if device.type != "cuda" or not torch.cuda.is_available():
+    """Hopper-or-newer GPU and an importable kernel module; decided once per device (a hot path)."""
+    if device.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    try:
-        _instance("cuda")
-    except ImportError:
-        return False
-    return True
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _USABLE:
+        usable = torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
+        if usable:
+            try:
+                _instance("cuda")
+            except ImportError:
+                usable = False
+        _USABLE[device] = usable
+    return _USABLE[device]
 
 
 def selected_backend_name() -> str:
