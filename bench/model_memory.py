@@ -21,15 +21,10 @@ import torch
 
 from jetrl.models import DecoderConfig, build_model, token_logprobs
 
-LLAMA31_8B = dict(
-    model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=131072,
-    rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192},
-)
-TINY = dict(LLAMA31_8B, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+try:  # repository root on sys.path (python -m bench.model_memory, the tests)
+    from bench.common import LLAMA31_8B, TINY_LLAMA, peak_memory_gib, reset_peak_memory, sync
+except ModuleNotFoundError:  # python bench/model_memory.py: bench/ itself is on sys.path
+    from common import LLAMA31_8B, TINY_LLAMA, peak_memory_gib, reset_peak_memory, sync  # type: ignore[no-redef]
 
 
 @dataclass
@@ -44,17 +39,10 @@ class Result:
         return self.tokens / (self.median_ms / 1e3)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_recipe(config: DecoderConfig, recipe: str, num_seqs: int, seq_len: int, device: torch.device,
                steps: int, warmup: int, checkpointing: bool, seed: int = 0) -> Result:
     """Build the model under ``recipe`` and time ``steps`` packed forward+backward steps."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     model = build_model(config, dtype=torch.bfloat16, device=device, recipe=recipe, seed=seed)
     model.set_activation_checkpointing(checkpointing).train()
     gen = torch.Generator(device=device).manual_seed(seed + 1)
@@ -67,17 +55,17 @@ def run_recipe(config: DecoderConfig, recipe: str, num_seqs: int, seq_len: int, 
     times = []
     for step in range(warmup + steps):
         model.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         logprobs, entropy = token_logprobs(model, ids, positions, cu, seq_len, targets)
         loss = -(logprobs.sum() / n) - 1e-3 * entropy.mean()
         loss.backward()
-        _sync(device)
+        sync(device)
         if step >= warmup:
             times.append((time.perf_counter() - start) * 1e3)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss under recipe {recipe!r}")
-    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    peak = peak_memory_gib(device)
     del model
     return Result(recipe, peak, statistics.median(times), n)
 
@@ -107,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = DecoderConfig.from_hf(TINY if args.tiny else LLAMA31_8B)
+    config = DecoderConfig.from_hf(TINY_LLAMA if args.tiny else LLAMA31_8B)
     small = args.tiny
     num_seqs = args.num_seqs or (2 if small else 8)
     seq_len = args.seq_len or (64 if small else 2048)

@@ -27,18 +27,18 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+try:  # repository root on sys.path (python -m bench.rollout, the tests)
+    from bench.common import LLAMA31_8B, TINY_LLAMA, random_prompts, sync
+except ModuleNotFoundError:  # python bench/rollout.py: bench/ itself is on sys.path
+    from common import LLAMA31_8B, TINY_LLAMA, random_prompts, sync  # type: ignore[no-redef]
+
 SHAPES = {
-    "8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
-               rope_theta=500000.0, max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
-               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192}),
+    "8b": LLAMA31_8B,
     "1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6,
                  rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True, qkv_bias=True,
                  eos_token_id=151643),
-    "tiny": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1),
+    "tiny": TINY_LLAMA,
 }
 SETTINGS = {"b64": (64, 1), "b256": (256, 1), "n8": (32, 8)}  # prompts, samples per prompt
 
@@ -124,16 +124,6 @@ def _measure_device(device: torch.device) -> tuple[float, float]:
     return bw, flops  # the buffers are freed on return
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (num, length), generator=gen).tolist()
-
-
 def _run_engine(model, prompts, n, new_tokens, args, device) -> tuple[float, dict]:
     from jetrl.rollout import RolloutEngine, SamplingParams
 
@@ -146,10 +136,10 @@ def _run_engine(model, prompts, n, new_tokens, args, device) -> tuple[float, dic
                                             ignore_eos=True))  # warm-up: graph capture, kernel autotune
     times = []
     for _ in range(args.repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         outs = engine.generate(prompts, params)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
         assert sum(len(o.token_ids) for o in outs) == len(prompts) * n * new_tokens
     stats = dict(engine.last_stats)
@@ -181,10 +171,10 @@ def _run_hf(model, prompts, n, new_tokens, device) -> float:
                   attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         hf.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         out = hf.generate(ids, **kwargs)
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - start
     assert out.shape[1] - ids.shape[1] == new_tokens
     del hf
@@ -242,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
                         seed=0 if device.type == "cpu" else None)
     results = []
     for setting, (num_prompts, n) in settings.items():
-        prompts = _prompts(num_prompts, args.prompt_len, model.config.vocab_size, seed=len(results))
+        prompts = random_prompts(num_prompts, args.prompt_len, model.config.vocab_size, seed=len(results))
         res = Result(shape, setting, num_prompts, n, args.prompt_len, args.new_tokens)
         step_bytes = {}
         for recipe in recipes:

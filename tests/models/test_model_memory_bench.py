@@ -9,10 +9,13 @@ import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "model_memory.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "model_memory.py"
 
 
 def load_bench():
+    if str(ROOT) not in sys.path:  # the script imports bench.common
+        sys.path.insert(0, str(ROOT))
     spec = importlib.util.spec_from_file_location("bench_model_memory", BENCH)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
@@ -40,3 +43,10 @@ def test_8b_config_has_the_published_shape():
     assert params == 8_030_261_248  # Llama-3.1-8B parameter count
     with pytest.raises(SystemExit):
         load_bench().main(["--steps", "x"])
+
+
+def test_shapes_come_from_bench_common():
+    import bench.common
+
+    bench_module = load_bench()
+    assert bench_module.LLAMA31_8B is bench.common.LLAMA31_8B and bench_module.TINY_LLAMA is bench.common.TINY_LLAMA

@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "rollout.py"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench" / "rollout.py"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
-def test_rollout_bench_tiny():
+def test_rollout_bench_tiny(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # the script imports bench.common
     spec = importlib.util.spec_from_file_location("bench_rollout", BENCH)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # dataclasses look their module up
