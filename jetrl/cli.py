@@ -215,16 +215,11 @@ def summarize_run(output_dir: str | Path) -> list[tuple[str, str]]:
 
 def train(config, progress: bool = True, plot: bool = True) -> dict[str, Any]:
     """Run RL with a progress bar, then write plots and return ``{"metrics", "summary", "plot"}``."""
-    import inspect
-
     from jetrl.rl.loop import run
 
     bar = _TrainProgress(config.trainer.steps, 0, progress)
     try:
-        if "on_step" in inspect.signature(run).parameters:
-            metrics = run(config, on_step=bar)
-        else:
-            metrics = run(config)
+        metrics = run(config, on_step=bar)
     finally:
         bar.close()
     out = Path(config.trainer.output_dir)
@@ -573,8 +568,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jetrl`` console script; returns the exit status."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0].startswith("--") and "=" in argv[0]):
-        argv = ["train", *argv]  # the main job on its embedded default
+    commands = {a for action in parser._subparsers._group_actions for a in action.choices}  # type: ignore[union-attr]
+    if not argv or (argv[0].startswith("--") and argv[0] not in ("-h", "--help", "--version")
+                    and argv[0] not in commands):
+        argv = ["train", *argv]  # the main job, on its embedded default unless a config is given
     args, extra = parser.parse_known_args(argv)
     if extra:
         if args.command != "train":
