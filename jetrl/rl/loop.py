@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -126,8 +126,10 @@ def _device(config: RunConfig) -> torch.device:
     return torch.device(config.model.device)
 
 
-def run(config: RunConfig | str | Path, overrides: Sequence[str] = ()) -> dict[str, float]:
-    """Run RL as configured; returns the last step's metrics. ``config`` may be a file path."""
+def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
+        on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+    """Run RL as configured; returns the last step's metrics. ``config`` may be a file path.
+    ``on_step(step, metrics)`` is called after every step (the command line's progress bar)."""
     if not isinstance(config, RunConfig):
         config = load_config(config, overrides)
     elif overrides:
@@ -188,6 +190,8 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = ()) -> dict[s
             step = trainer.step_count
             if step % config.trainer.log_every == 0 or step == config.trainer.steps:
                 logger.log(step, metrics)
+            if on_step is not None:
+                on_step(step, metrics)
             every = config.trainer.checkpoint_every
             if (every and step % every == 0) or step == config.trainer.steps:
                 save_trainer_checkpoint(trainer, ckpt_root, logger.cursor(), keep_last=config.trainer.keep_last)
