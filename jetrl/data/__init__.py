@@ -25,7 +25,7 @@ from jetrl.data.rewards import (
 )
 from jetrl.data.sampler import BatchLoader, EpochSampler
 from jetrl.data.tasks import TASKS, Task, TaskConfig, TaskExample, get_task, task_dataset
-from jetrl.data.templates import TemplateConfig, has_chat_template, render_prompt
+from jetrl.data.templates import TemplateConfig, decode_completion, encode_prompt, has_chat_template, render_prompt
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -41,6 +41,8 @@ __all__ = [
     "TaskConfig",
     "TaskExample",
     "build_reward_fn",
+    "decode_completion",
+    "encode_prompt",
     "get_task",
     "gsm8k_reward",
     "math_reward",

@@ -9,6 +9,7 @@ after ####."``) applies in both cases.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,6 +87,26 @@ def render_prompt(prompt: Prompt, tokenizer: Any = None, config: TemplateConfig 
     if config.system_prompt and "{system}" not in config.plain_template:
         text = f"{config.system_prompt}\n\n{text}"
     return text
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a rendered prompt. The tokenizer adds its special tokens (its BOS) unless the text
+    already starts with the BOS token, as chat templates write it (Llama 3): never two BOS tokens."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if isinstance(bos, str) and bos and text.startswith(bos):
+        enc = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        enc = tokenizer.encode(text)
+    return list(getattr(enc, "ids", enc))
+
+
+def decode_completion(tokenizer: Any, ids: Sequence[int]) -> str:
+    """Completion text for the reward function, without special tokens: the end-of-sequence token the
+    rollout keeps as the last token must not reach answer checkers anchored at the end of the text."""
+    try:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)
+    except TypeError:  # a decoder without the keyword
+        return tokenizer.decode(list(ids))
 
 
 def _fill(template: str, **values: str) -> str:
