@@ -79,14 +79,18 @@ class DatasetPrompts:
         self.loader = BatchLoader(dataset, batch_size, seed=seed, shuffle=shuffle)
         self.max_prompt_tokens = max_prompt_tokens
 
-    def _encode(self, text: str) -> list[int]:
-        enc = self.tokenizer.encode(text)
-        return list(getattr(enc, "ids", enc))
+    def decode(self, ids: list[int]) -> str:
+        """Completion text for the reward function (special tokens such as the final EOS dropped)."""
+        from jetrl.data import decode_completion
+
+        return decode_completion(self.tokenizer, ids)
 
     def next_batch(self) -> list[PromptItem]:
+        from jetrl.data import encode_prompt
+
         items = []
         for prompt in self.loader.next_batch():
-            ids = self._encode(self.dataset.render(prompt, self.tokenizer))
+            ids = encode_prompt(self.tokenizer, self.dataset.render(prompt, self.tokenizer))
             if not ids:
                 raise ValueError(f"prompt {prompt.index} tokenizes to nothing")
             if len(ids) > self.max_prompt_tokens:
@@ -172,10 +176,7 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     def reward_fn(texts: list[str], refs: list[str]) -> list[float]:
         return list(pool.score(texts, refs).rewards)
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids)
-
-    trainer = Trainer(config, model, engine, prompts, reward_fn, decode)
+    trainer = Trainer(config, model, engine, prompts, reward_fn, prompts.decode)
     cursor = None
     if config.trainer.resume:
         state = resume_trainer(trainer, ckpt_root)
