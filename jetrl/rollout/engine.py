@@ -186,7 +186,8 @@ class RolloutEngine:
         self.max_model_len = int(max_model_len) if max_model_len is not None else config_len
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        eos = _config_value(config, "eos_token_ids", "eos_token_id")
+        # DecoderConfig.eos_token_ids is [] (not None) when the config names none: fall back then too
+        eos = _config_value(config, "eos_token_ids", "eos_token_id") or None
         if eos is None and tokenizer is not None:
             eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or ()))

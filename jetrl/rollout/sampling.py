@@ -177,7 +177,9 @@ def _truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     removed_sorted = ranks[None, :] >= k[:, None]
     probs = sorted_vals.masked_fill(removed_sorted, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
-    removed_sorted |= mass_before >= top_p[:, None]  # rank 0 has mass_before 0 < top_p: always kept
+    # rank 0 has mass_before 0 < top_p: always kept. top_p = 1 is off: the fp32 mass of a peaked
+    # distribution can round to 1.0 before the last top-k token, which must not remove it
+    removed_sorted |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     return torch.zeros_like(removed_sorted).scatter_(-1, order, removed_sorted)
 
 

@@ -205,3 +205,16 @@ def test_progress_display(models, capsys):
     err = capsys.readouterr().err
     assert "rollout" in err
     assert engine.last_stats["generated_tokens"] == 6 and engine.last_stats["tokens_per_s"] > 0
+
+
+def test_eos_falls_back_to_the_tokenizer_when_the_config_has_none():
+    class Tokenizer:
+        eos_token_id = 3
+
+        def decode(self, ids):
+            return ""
+
+    model = _model("bf16", eos_token_id=None)
+    assert _engine(model, tokenizer=Tokenizer()).eos_token_ids == {3}
+    assert _engine(model).eos_token_ids == frozenset()
+    assert _engine(_model("bf16")).eos_token_ids == {1}  # the config's own id wins

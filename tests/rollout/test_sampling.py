@@ -124,3 +124,13 @@ def test_seeded_noise_is_uniform_and_keyed():
     hist = torch.histc(u[0], bins=10, min=0, max=1)
     assert _chi2(hist.double(), torch.full((10,), 0.1, dtype=torch.float64)) < 27.9  # 9 dof, p = 0.001
     assert not math.isnan(u.sum().item())
+
+
+def test_top_k_alone_keeps_k_tokens_even_when_the_mass_rounds_to_one():
+    """top_p=1 disables nucleus truncation: a dominant token whose probability rounds the fp32 cumulative
+    mass to 1.0 must not remove the other top-k tokens."""
+    from jetrl.rollout.sampling import _truncation_mask
+
+    logits = torch.tensor([[30.0, 0.0, -1.0, -2.0, -3.0]])
+    removed = _truncation_mask(logits, torch.tensor([3]), torch.tensor([1.0]))
+    assert removed.tolist() == [[False, False, False, True, True]]
