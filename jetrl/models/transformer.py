@@ -286,8 +286,14 @@ def _packed_attend(cu_seqlens: list[int]) -> Attend:
 
 
 def _check_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Integer ids inside ``[0, vocab_size)``: a clear error instead of an embedding IndexError (CPU) or a
+    device-side assert (CUDA). Costs one host sync; the paged rollout path does not call it."""
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must be an integer (int64/int32) tensor, got {input_ids.dtype}")
+    if input_ids.numel():
+        low, high = (int(v) for v in torch.aminmax(input_ids))
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"input_ids hold token ids in [{low}, {high}], outside the vocabulary [0, {vocab_size})")
 
 
 def init_weights(model: DecoderLM, std: float = 0.02, generator: torch.Generator | None = None) -> None:

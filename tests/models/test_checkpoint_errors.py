@@ -154,3 +154,13 @@ def test_tokenizer_loads_from_folder(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     loaded = jm.load_tokenizer(tmp_path)
     assert loaded("hello world")["input_ids"] == [1, 2]
+
+
+def test_token_ids_outside_the_vocabulary_are_rejected_clearly():
+    model = jm.build_model(dict(model_type="llama", vocab_size=10, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=1, num_attention_heads=4), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 10\)"):
+        model(torch.tensor([[1, 2, 10]]))
+    with pytest.raises(ValueError, match=r"outside the vocabulary"):
+        model.forward_packed(torch.tensor([3, -1]), torch.tensor([0, 1]), torch.tensor([0, 2]))
+    assert model(torch.tensor([[0, 9]])).shape == (1, 2, 10)
