@@ -149,6 +149,9 @@ class RolloutConfig(_Section):
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         _at_least("rollout", "max_tokens", self.max_tokens, 1)
+        negative = [t for t in self.stop_token_ids if t < 0]
+        if negative:
+            raise ConfigError(f"rollout.stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)}")
 
 
 @dataclass

@@ -79,6 +79,7 @@ def test_wrong_types(tmp_path, data, message):
     (["--algorithm.tis_cap=0.5"], r"algorithm.tis_cap must be >= 1.0"),
     (["--optim.schedule=cosinus"], r"did you mean 'cosine'"),
     (["--rollout.top_p=0"], r"rollout.top_p must be in \(0, 1\]"),
+    (["--rollout.stop_token_ids=[2, -1]"], r"rollout.stop_token_ids must be token ids >= 0, got \[2, -1\]"),
     (["--optim.lr=nan"], r"optim.lr must be finite"),
     (["--data.path=a.jsonl", "--data.task=countdown"], r"are exclusive"),
     (["--optim=3"], r"'optim' is a section"),
