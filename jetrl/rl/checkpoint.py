@@ -45,6 +45,7 @@ _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
 def checkpoint_dir_name(step: int) -> str:
+    """``step_00000042``: zero-padded so that names sort by step."""
     return f"step_{step:08d}"
 
 
@@ -82,6 +83,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore the RNG states :func:`rng_state` captured (CUDA only where a GPU is present)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -27,6 +27,7 @@ MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
 
 
 def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global RNGs (the rollout and the update use their own seeds)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -86,6 +87,7 @@ class DatasetPrompts:
         return decode_completion(self.tokenizer, ids)
 
     def next_batch(self) -> list[PromptItem]:
+        """The next ``batch_size`` prompts, rendered and tokenized; over-long prompts are an error."""
         from jetrl.data import encode_prompt
 
         items = []

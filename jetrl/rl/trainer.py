@@ -144,6 +144,8 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     def rollout(self, items: list[PromptItem]) -> tuple[list[Any], float]:
+        """``rollout.n`` completions per prompt (prompt-major), seeded per ``(trainer.seed, step, prompt)``;
+        returns them and the number of generated tokens."""
         from jetrl.rollout import SamplingParams
 
         r = self.config.rollout
@@ -159,6 +161,8 @@ class Trainer:
         return completions, float(sum(len(c.token_ids) for c in completions))
 
     def build_batch(self, items: list[PromptItem], completions: list[Any]) -> RolloutBatch:
+        """Score the decoded completions, compute advantages and lay the sequences out as a
+        :class:`RolloutBatch` (response mask and rollout log-probs on the trainer's device)."""
         n = self.config.rollout.n
         texts = [self.decode(list(c.token_ids)) for c in completions]
         refs = [items[i // n].reference for i in range(len(completions))]
