@@ -24,6 +24,7 @@ ASSET_PREFIX = "jetrl:"
 EMBEDDED_MODEL = "jetrl:tiny-arith"
 DEFAULT_CONFIG = "jetrl:tiny_default.yaml"
 USAGE_ERROR = 2
+EVAL_SEED = 12345  # task seed of held-out problems (the embedded model's README reports accuracy on it)
 
 
 class UsageError(ValueError):
@@ -231,6 +232,25 @@ def train(config, progress: bool = True, plot: bool = True) -> dict[str, Any]:
     return result
 
 
+def held_out_accuracy(model_path: str, config, num_examples: int, seed: int = EVAL_SEED) -> float:
+    """Greedy accuracy of the checkpoint at ``model_path`` on ``num_examples`` problems of the run's
+    built-in task drawn with another seed than the training prompts (in the run's recipe and dtype)."""
+    import torch
+
+    from jetrl.data.tasks import get_task
+    from jetrl.evaluate import evaluate
+    from jetrl.models import load_model, load_tokenizer
+
+    if seed == config.trainer.seed:
+        raise UsageError(f"the held-out seed {seed} equals trainer.seed: the evaluation problems would be training "
+                         f"problems")
+    dataset = get_task(config.data.task, difficulty=config.data.difficulty, seed=seed).dataset(num_examples)
+    model = load_model(model_path, dtype=getattr(torch, config.model.dtype), device=_device(config.model.device),
+                       recipe=config.recipe)
+    tokenizer = load_tokenizer(config.model.tokenizer or model_path)
+    return evaluate(model, tokenizer, dataset, max_tokens=config.rollout.max_tokens).accuracy
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     config = _train_config(args)
@@ -239,13 +259,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from jetrl.models import load_tokenizer
 
         check_tokenizer(load_tokenizer(where), where, _model_eos(config.model.path))
+    num_eval = args.eval_examples if args.eval_examples is not None else (200 if config.data.task else 0)
+    if num_eval and not config.data.task:
+        raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task); for a dataset "
+                         "file run jetrl eval on the checkpoints instead")
     print(f"jetrl train: {config.recipe} recipe, model {config.model.path}, "
           f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
           file=sys.stderr)
+    before = held_out_accuracy(config.model.path, config, num_eval) if num_eval and not config.trainer.resume else None
     result = train(config, progress=not args.no_progress)
     out = Path(config.trainer.output_dir)
-    rows = result["summary"] + [("metrics", str(out / "metrics.jsonl")), ("checkpoints", str(out / "checkpoints")),
-                                ("plot", str(result["plot"]))]
+    rows = list(result["summary"])
+    if num_eval:
+        from jetrl.rl.checkpoint import latest_checkpoint
+
+        final = latest_checkpoint(out / "checkpoints")
+        after = held_out_accuracy(str(final / "model"), config, num_eval)
+        (out / "eval.json").write_text(json.dumps({"seed": EVAL_SEED, "num_examples": num_eval, "greedy_accuracy_before":
+                                                   before, "greedy_accuracy_after": after, "checkpoint": str(final)}))
+        shown = f"{before:.3f} -> {after:.3f}" if before is not None else f"{after:.3f}"
+        rows.insert(1, (f"greedy accuracy, {num_eval} held-out problems", shown))
+    rows += [("metrics", str(out / "metrics.jsonl")), ("checkpoints", str(out / "checkpoints")),
+             ("plot", str(result["plot"]))]
     print(_table(rows, title="jetrl train: summary"))
     return 0
 
@@ -493,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default=None, help="where metrics, checkpoints and plots go")
     p.add_argument("--recipe", default=None, choices=["bf16", "fp8-rollout", "jet"], help="precision recipe")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
+    p.add_argument("--eval-examples", type=int, default=None, help="greedy accuracy on N held-out problems before "
+                   "and after the run (built-in tasks; default 200, 0 = off)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
     p.set_defaults(func=_cmd_train, overrides=[])

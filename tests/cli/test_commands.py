@@ -20,7 +20,7 @@ def _records(path: Path) -> list[dict]:
 def test_train_short_run_writes_metrics_checkpoint_and_plot(tmp_path, monkeypatch, capsys):
     """What `jetrl train --max-steps 2` does in a fresh folder: the embedded default, bounded to 2 steps."""
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--max-steps", "2", "--no-progress"]) == 0
+    assert main(["train", "--max-steps", "2", "--no-progress", "--eval-examples", "8"]) == 0
     out = tmp_path / "runs" / "tiny-default"
     records = _records(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
@@ -32,20 +32,25 @@ def test_train_short_run_writes_metrics_checkpoint_and_plot(tmp_path, monkeypatc
     assert (checkpoints[0] / "model" / "tokenizer.json").is_file()  # the checkpoint is a usable HF folder
     png = out / "curves.png"
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
+    held_out = json.loads((out / "eval.json").read_text())
+    assert held_out["num_examples"] == 8 and 0.0 <= held_out["greedy_accuracy_after"] <= 1.0
     summary = capsys.readouterr().out
-    assert "reward" in summary and "curves.png" in summary
+    assert "reward" in summary and "curves.png" in summary and "held-out" in summary
 
 
 @pytest.mark.slow
-def test_default_run_raises_the_reward(tmp_path, monkeypatch):
-    """`jetrl` with no arguments (the README's main command): the full embedded default run."""
+def test_default_run_improves_the_policy(tmp_path, monkeypatch):
+    """`jetrl` with no arguments (the README's main command): the full embedded default run (~4-5 min on
+    2 CPU cores). Greedy accuracy on 200 held-out problems must rise (0.38 -> 0.50 when tuned), and the
+    sampled reward of the last quarter of the run must not fall below the first quarter's."""
     monkeypatch.chdir(tmp_path)
     assert main([]) == 0
-    records = _records(tmp_path / "runs" / "tiny-default" / "metrics.jsonl")
-    rewards = [r["reward/mean"] for r in records]
+    out = tmp_path / "runs" / "tiny-default"
+    held_out = json.loads((out / "eval.json").read_text())
+    assert held_out["greedy_accuracy_after"] >= held_out["greedy_accuracy_before"] + 0.05, held_out
+    rewards = [r["reward/mean"] for r in _records(out / "metrics.jsonl")]
     k = len(rewards) // 4
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    assert last > first + 0.1, (first, last)
+    assert sum(rewards[-k:]) / k >= sum(rewards[:k]) / k, rewards
 
 
 def test_eval_generate_and_export(tmp_path, capsys):
