@@ -40,9 +40,9 @@ def test_train_short_run_writes_metrics_checkpoint_and_plot(tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_default_run_improves_the_policy(tmp_path, monkeypatch):
-    """`jetrl` with no arguments (the README's main command): the full embedded default run (~4-5 min on
-    2 CPU cores). Greedy accuracy on 200 held-out problems must rise (0.38 -> 0.50 when tuned), and the
-    sampled reward of the last quarter of the run must not fall below the first quarter's."""
+    """`jetrl` with no arguments (the README's main command): the full embedded default run (~5 min on
+    2 CPU cores). The sampled reward rises (0.33 -> 0.43 from the first to the last quarter when tuned)
+    and so does greedy accuracy on 200 held-out problems (0.375 -> 0.48)."""
     monkeypatch.chdir(tmp_path)
     assert main([]) == 0
     out = tmp_path / "runs" / "tiny-default"
@@ -50,7 +50,7 @@ def test_default_run_improves_the_policy(tmp_path, monkeypatch):
     assert held_out["greedy_accuracy_after"] >= held_out["greedy_accuracy_before"] + 0.05, held_out
     rewards = [r["reward/mean"] for r in _records(out / "metrics.jsonl")]
     k = len(rewards) // 4
-    assert sum(rewards[-k:]) / k >= sum(rewards[:k]) / k, rewards
+    assert sum(rewards[-k:]) / k >= sum(rewards[:k]) / k + 0.03, rewards
 
 
 def test_eval_generate_and_export(tmp_path, capsys):
