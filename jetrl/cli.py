@@ -377,7 +377,7 @@ def generate_texts(model: Any, tokenizer: Any, prompts: Sequence[str], *, n: int
     prompt becomes a user turn."""
     from jetrl.data import Prompt
     from jetrl.data.templates import render_prompt
-    from jetrl.evaluate import decode_completion, encode_prompt
+    from jetrl.data import decode_completion, encode_prompt
     from jetrl.rollout import RolloutEngine, SamplingParams
 
     texts = []

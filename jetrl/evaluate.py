@@ -18,6 +18,9 @@ from typing import Any, Sequence
 
 import torch
 
+# the RL loop's own prompt encoding (a single BOS under chat templates) and reward text (no special tokens)
+from jetrl.data.templates import decode_completion, encode_prompt
+
 
 @dataclass
 class EvalResult:
@@ -48,20 +51,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a rendered prompt, as the RL loop encodes it (the tokenizer adds its own BOS)."""
-    enc = tokenizer.encode(text)
-    return list(getattr(enc, "ids", enc))
-
-
-def decode_completion(tokenizer: Any, ids: Sequence[int]) -> str:
-    """Completion text without special tokens (the end-of-sequence token is kept by the engine)."""
-    try:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)
-    except TypeError:  # a bare tokenizers.Tokenizer
-        return tokenizer.decode(list(ids))
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: str | None = None, n: int = 1,
@@ -144,4 +133,4 @@ def _bar(total: int, enabled: bool):
     return tqdm(total=total, desc="eval", unit="prompt", dynamic_ncols=True)
 
 
-__all__ = ["EvalResult", "evaluate", "pass_at_k", "encode_prompt", "decode_completion"]
+__all__ = ["EvalResult", "evaluate", "pass_at_k"]
