@@ -38,6 +38,22 @@ def test_train_short_run_writes_metrics_checkpoint_and_plot(tmp_path, monkeypatc
     assert "reward" in summary and "curves.png" in summary and "held-out" in summary
 
 
+def test_train_resume_through_the_cli_loses_no_step(tmp_path, monkeypatch):
+    """A run stopped after step 2 (checkpoint every step) and resumed with --resume continues at step 3:
+    the metrics log holds each step once, and steps 1-2 are the same records as before."""
+    monkeypatch.chdir(tmp_path)
+    common = ["--no-progress", "--eval-examples", "0", "--trainer.checkpoint_every=1", "--data.prompts_per_step=4",
+              "--rollout.n=2", "--algorithm.mini_batch_size=8", "--algorithm.micro_batch_size=8"]
+    assert main(["train", "--max-steps", "2", *common]) == 0
+    out = tmp_path / "runs" / "tiny-default"
+    first = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in first] == [1, 2]
+    assert main(["train", "--max-steps", "3", "--resume", *common]) == 0
+    records = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[:2] == first
+
+
 @pytest.mark.slow
 def test_default_run_improves_the_policy(tmp_path, monkeypatch):
     """`jetrl` with no arguments (the README's main command): the full embedded default run (~5 min on
