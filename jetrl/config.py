@@ -244,6 +244,7 @@ class TrainerConfig(_Section):
     log_every: int = 1
     tensorboard: bool = False
     resume: bool = False                  # continue from the latest complete checkpoint in output_dir
+    export_fp8: bool = False              # also write each checkpoint's policy as block-FP8 (model_fp8/)
 
     def validate(self) -> None:
         _at_least("trainer", "steps", self.steps, 1)

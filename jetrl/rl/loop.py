@@ -24,6 +24,7 @@ from jetrl.rl.trainer import PromptItem, Trainer
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
+FP8_MODEL_SUBDIR = "model_fp8"  # with trainer.export_fp8: the block-FP8 export of the same weights
 
 
 def seed_everything(seed: int) -> None:
@@ -34,16 +35,22 @@ def seed_everything(seed: int) -> None:
 
 
 def save_trainer_checkpoint(trainer: Trainer, root: str | Path, metrics_cursor: int | None,
-                            keep_last: int | None = None, hf_format: bool = True) -> Path:
+                            keep_last: int | None = None, hf_format: bool = True, export_fp8: bool = False) -> Path:
     """Checkpoint everything a resume needs (see :mod:`jetrl.rl.checkpoint`). ``hf_format`` writes the
-    model as a HuggingFace folder through ``jetrl.models.save_model``; otherwise a plain safetensors file."""
+    model as a HuggingFace folder through ``jetrl.models.save_model``; otherwise a plain safetensors file.
+    ``export_fp8`` also writes the policy as a block-FP8 HuggingFace folder (``model_fp8/``, the layout
+    vLLM and SGLang load) holding exactly the FP8 weights the rollout engine used; it is part of the
+    atomic checkpoint."""
     state = {**trainer.state_dict(), "metrics_cursor": metrics_cursor}
     save_model = None
-    if hf_format:
+    if hf_format or export_fp8:
         from jetrl.models import save_model as save_hf
 
         def save_model(folder: Path) -> None:
-            save_hf(trainer.model, folder / MODEL_SUBDIR)
+            if hf_format:
+                save_hf(trainer.model, folder / MODEL_SUBDIR)
+            if export_fp8:
+                save_hf(trainer.model, folder / FP8_MODEL_SUBDIR, fp8=True)
     return save_checkpoint(root, trainer.step_count, model=None if hf_format else trainer.model,
                            save_model=save_model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                            trainer_state=state, keep_last=keep_last)
@@ -197,7 +204,8 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
                 on_step(step, metrics)
             every = config.trainer.checkpoint_every
             if (every and step % every == 0) or step == config.trainer.steps:
-                save_trainer_checkpoint(trainer, ckpt_root, logger.cursor(), keep_last=config.trainer.keep_last)
+                save_trainer_checkpoint(trainer, ckpt_root, logger.cursor(), keep_last=config.trainer.keep_last,
+                                        export_fp8=config.trainer.export_fp8)
     finally:
         logger.close()
         pool.close()

@@ -44,10 +44,14 @@ def test_train_resume_through_the_cli_loses_no_step(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     common = ["--no-progress", "--eval-examples", "0", "--trainer.checkpoint_every=1", "--data.prompts_per_step=4",
               "--rollout.n=2", "--algorithm.mini_batch_size=8", "--algorithm.micro_batch_size=8"]
-    assert main(["train", "--max-steps", "2", *common]) == 0
+    assert main(["train", "--max-steps", "2", "--trainer.export_fp8=true", *common]) == 0
     out = tmp_path / "runs" / "tiny-default"
     first = _records(out / "metrics.jsonl")
     assert [r["step"] for r in first] == [1, 2]
+    exported = [p / "model_fp8" / "config.json" for p in (out / "checkpoints").iterdir() if p.is_dir()]
+    assert exported and all(p.is_file() for p in exported)
+    quant = json.loads(exported[0].read_text())["quantization_config"]
+    assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128]
     assert main(["train", "--max-steps", "3", "--resume", *common]) == 0
     records = _records(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
