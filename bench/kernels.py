@@ -144,36 +144,62 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
                         speedup=tb / t8)
 
 
-def bench_decode(rep: Report, nk_list: list[tuple[int, int]]) -> None:
-    """Decode GEMMs timed as CUDA-graph replays (the rollout engine replays graphs): GPU time."""
+def _rotation(n: int, k: int, min_bytes: int = 256 * 2 ** 20) -> int:
+    """Weight copies to cycle through so that each GEMM reads its weight from HBM, as a decode step does
+    (one layer after another), not from the 50 MB L2 a single repeated GEMM would hit."""
+    return max(2, -(-min_bytes // (2 * n * k)))
+
+
+DECODE_SWEEP = [(bn, split, stages) for bn in (64, 128) for split in (1, 2, 4, 8, 16) for stages in (3, 5)]
+
+
+def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True) -> None:
+    """Decode GEMMs timed as CUDA-graph replays (the rollout engine replays graphs) over rotating weight
+    copies (HBM reads, as in a real step): GPU time per GEMM."""
     from jetrl.quant import cuda as cuda_mod
     from jetrl.quant import scaled_mm
     from jetrl.quant import triton_kernels as tk
+    from jetrl.quant.cuda import CudaBackend
 
+    be = CudaBackend()
     for n, k in nk_list:
+        copies = _rotation(n, k)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        qws = [be.quantize(w, (128, 128)) for w in ws]
         for m in DECODE_M:
-            be, (x, w, _), (qx, qw, *_rest) = _gemm_operands(m, n, k)
-            tb = _graph_ms(lambda: torch.matmul(x, w.t()))
-            row = {"m": m, "n": n, "k": k, "bf16_us": tb * 1e3}
-            row["cublas_us"] = _graph_ms(lambda: scaled_mm.blockwise_scaled_mm(qx, qw)) * 1e3
-            row["triton_us"] = _graph_ms(lambda: tk.blockwise_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128)) * 1e3
-            for bm, bn, stages in ((16, 16, 4), (16, 32, 6), (32, 64, 4), (64, 32, 3)):
-                if bm < m:
-                    continue
-                cfg = tk.GemmConfig(bm, bn, group_m=1, num_warps=4, num_stages=stages)
-                row[f"triton_m{bm}n{bn}s{stages}_us"] = _graph_ms(
-                    lambda: tk.blockwise_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128, config=cfg)) * 1e3
-            row["auto_path"] = cuda_mod.gemm_path(qx, qw)
-            row["auto_us"] = _graph_ms(lambda: be.gemm(qx, qw)) * 1e3
-            row["auto_with_quant_us"] = _graph_ms(lambda: be.gemm(be.quantize(x, (1, 128)), qw)) * 1e3
-            row["eager_bf16_us"] = _bench_ms(lambda: torch.matmul(x, w.t())) * 1e3
-            row["eager_auto_us"] = _bench_ms(lambda: be.gemm(qx, qw)) * 1e3
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            qx = be.quantize(x, (1, 128))
+
+            def per_gemm(fn):
+                ms = _graph_ms(lambda: [fn(i) for i in range(copies)])
+                return None if ms is None else ms * 1e3 / copies
+
+            row = {"m": m, "n": n, "k": k, "copies": copies}
+            row["bf16_us"] = per_gemm(lambda i: torch.matmul(x, ws[i].t()))
+            row["cublas_us"] = per_gemm(lambda i: scaled_mm.blockwise_scaled_mm(qx, qws[i]))
+            row["triton_us"] = per_gemm(lambda i: tk.blockwise_fp8_gemm(qx.data, qx.scale, qws[i].data,
+                                                                         qws[i].scale, 128))
+            row["decode_us"] = per_gemm(lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale,
+                                                                      128))
+            if sweep and m in (16, 64):
+                for bn, split, stages in DECODE_SWEEP:
+                    cfg = tk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=4, num_stages=stages)
+                    row[f"decode_n{bn}k{split}s{stages}_us"] = per_gemm(
+                        lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
+            row["auto_path"] = cuda_mod.gemm_path(qx, qws[0])
+            row["auto_us"] = per_gemm(lambda i: be.gemm(qx, qws[i]))
+            row["auto_with_quant_us"] = per_gemm(lambda i: be.gemm(be.quantize(x, (1, 128)), qws[i]))
             row["speedup_auto"] = row["bf16_us"] / row["auto_us"]
-            fp8 = {kk: v for kk, v in row.items() if kk.endswith("_us") and kk.startswith(("cublas", "triton"))}
+            fp8 = {kk: v for kk, v in row.items() if kk.endswith("_us") and v is not None
+                   and kk.startswith(("cublas", "triton", "decode"))}
             best = min(fp8, key=fp8.get)
             row["best_fp8"] = best
             row["speedup_best_fp8"] = row["bf16_us"] / fp8[best]
+            row["weight_gbps_auto"] = n * k / (row["auto_us"] * 1e3)
+            row["weight_gbps_bf16"] = 2 * n * k / (row["bf16_us"] * 1e3)
             rep.add("decode", **row)
+        del ws, qws
+        torch.cuda.empty_cache()
 
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor):

@@ -7,11 +7,12 @@ when a backend offers them:
 * :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
 * :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad), one pass.
 
-GEMM choice, per shape class: decode-sized M (<= ``DECODE_MAX_M``, K <= ``DECODE_MAX_K``) goes to the
-Triton blockwise GEMM (weight-bandwidth bound: one tile row covers M and streams the FP8 weight once);
-everything else to cuBLAS blockwise ``scaled_mm`` where its layout constraints hold, the Triton GEMM
-otherwise. ``JETRL_FP8_GEMM`` =
-``cublas`` | ``triton`` forces one path (benchmarks and batch-invariance use it).
+GEMM choice, per shape class: decode-sized M (<= ``DECODE_MAX_M``) goes to the split-K Triton decode
+GEMM (:func:`~jetrl.quant.triton_kernels.fp8_decode_gemm`: bound by the weight's bytes, so it is built to
+stream the FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M);
+everything else to cuBLAS blockwise ``scaled_mm`` where its layout constraints hold, the Triton blockwise
+GEMM otherwise. ``JETRL_FP8_GEMM`` = ``cublas`` | ``triton`` | ``decode`` forces one path (benchmarks and
+batch-invariance use it; ``decode`` applies to M <= 64 only).
 
 Importing this module imports Triton and registers the backend with :mod:`jetrl.quant.backend`.
 """
@@ -27,15 +28,12 @@ from jetrl.quant import triton_kernels as tk
 from jetrl.quant.backend import register_backend
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
 
-# Measured on the H200 (BENCHMARKS.md, CUDA-graph replays): the Triton GEMM beats cuBLAS for M <= 16
-# when K <= 8192; with a longer K one program streams too deep a column without split-K, and from
-# M = 32 cuBLAS's blockwise kernel is faster.
-DECODE_MAX_M = 16
-DECODE_MAX_K = 8192
+# Decode-sized GEMMs (M <= 64 rows) go to the split-K decode kernel.
+DECODE_MAX_M = tk.DECODE_GEMM_MAX_M
 # The one-pass 1x128 + 128x1 kernel reached 0.24 of copy bandwidth, slower than its two halves run
 # apart (0.88 and 0.42); it stays selectable (and tested) until it is the faster one.
 FUSED_ACT_AND_TOKEN = False
-GEMM_CHOICES = ("auto", "cublas", "triton")
+GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 
 
 def _check_cuda(x: torch.Tensor, what: str) -> None:
@@ -44,16 +42,17 @@ def _check_cuda(x: torch.Tensor, what: str) -> None:
 
 
 def gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
-    """Which GEMM runs ``a @ b.T``: ``"cublas"`` or ``"triton"`` (see the module docstring)."""
+    """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"cublas"`` or ``"triton"`` (see the module docstring)."""
     choice = os.environ.get("JETRL_FP8_GEMM", "auto")
     if choice not in GEMM_CHOICES:
         raise ValueError(f"JETRL_FP8_GEMM must be one of {GEMM_CHOICES}, got {choice!r}")
+    small = a.shape[0] <= DECODE_MAX_M
+    if choice == "decode" or (choice == "auto" and small):
+        return "decode" if small else "triton"
     cublas_ok = scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)
     if choice == "triton" or not cublas_ok:
         return "triton"
-    if choice == "cublas":
-        return "cublas"
-    return "triton" if a.shape[0] <= DECODE_MAX_M and a.shape[1] <= DECODE_MAX_K else "cublas"
+    return "cublas"
 
 
 class CudaBackend:
@@ -106,9 +105,13 @@ class CudaBackend:
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)
         _check_cuda(a.data, "the left operand")
-        if gemm_path(a, b) == "cublas":
+        path = gemm_path(a, b)
+        rows = 128 if b.block == WEIGHT else 1
+        if path == "cublas":
             return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)
-        return tk.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, 128 if b.block == WEIGHT else 1, out_dtype)
+        if path == "decode":
+            return tk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
+        return tk.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
 
 
 register_backend("cuda", CudaBackend)

@@ -239,6 +239,66 @@ def _blockwise_fp8_gemm_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _fp8_decode_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, ws_ptr, lock_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    NUM_KB: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """C = A @ B^T for a small M (decode): weight-bandwidth bound, so the kernel is built around streaming B.
+
+    "Swap AB": each program computes the transposed tile ``C^T[n-tile, :] = B[n-tile, k-range] @ A^T``, so
+    the weight rows form the MMA's large dimension and the few tokens its small one. BLOCK_M covers all of
+    M. The K range is split over ``SPLIT_K`` programs per column tile so that enough programs stream the
+    weight at once; each writes an fp32 partial, and the last of them to finish (an atomic counter per
+    column tile) sums all partials in split order: deterministic, and independent of which finished last.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 128)
+    m_ok = rm < M
+    n_ok = rn < N
+    kb0 = pid_k * KB_PER_SPLIT
+    a_ptrs = a_ptr + rm[None, :].to(tl.int64) * stride_am + (kb0 * 128 + rk)[:, None] * stride_ak  # (128, BLOCK_M)
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * stride_bn + (kb0 * 128 + rk)[None, :] * stride_bk  # (BLOCK_N, 128)
+    as_ptrs = as_ptr + rm * stride_asm + kb0 * stride_ask
+    bs_ptrs = bs_ptr + (rn // B_SCALE_ROWS) * stride_bsn + kb0 * stride_bsk
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for i in range(0, KB_PER_SPLIT):
+        k_rem = K - (kb0 + i) * 128
+        k_ok = rk < k_rem
+        kb_ok = k_rem > 0
+        b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        sb = tl.load(bs_ptrs, mask=n_ok & kb_ok, other=0.0)
+        sa = tl.load(as_ptrs, mask=m_ok & kb_ok, other=0.0)
+        acc += tl.dot(b, a) * (sb[:, None] * sa[None, :])
+        a_ptrs += 128 * stride_ak
+        b_ptrs += 128 * stride_bk
+        as_ptrs += stride_ask
+        bs_ptrs += stride_bsk
+    c_ptrs = c_ptr + rm[None, :].to(tl.int64) * stride_cm + rn[:, None] * stride_cn
+    c_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]  # (BLOCK_N, BLOCK_M)
+        ws_tile = ws_ptr + pid_n.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+        tl.store(ws_tile + pid_k * (BLOCK_N * BLOCK_M) + tile, acc)
+        done = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel")  # orders the store above before the count
+        if done == SPLIT_K - 1:  # the last split of this column tile: sum the partials in split order
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
+            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call (and the next graph replay)
+
+
 # --------------------------------------------------------------------------------------------------
 # host wrappers
 
@@ -376,5 +436,86 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torc
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         NUM_KB=_cdiv(k, BLOCK), B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class DecodeGemmConfig:
+    """Tiles of the split-K decode GEMM: BLOCK_N weight rows per program, K split in ``split_k`` ranges."""
+
+    block_n: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+DECODE_GEMM_MAX_M = 64
+_LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
+_LOCK_SLOTS = 1 << 14
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_decode_config(m: int, n: int, k: int, device: torch.device) -> DecodeGemmConfig:
+    """Enough programs to keep every SM streaming the weight: 64-row tiles, K split until there are about
+    three programs per SM (at most 16 splits, at least 4 K blocks of 128 per split)."""
+    block_n = 64
+    tiles = _cdiv(n, block_n)
+    kb = _cdiv(k, BLOCK)
+    want = _cdiv(3 * _sm_count(device), tiles)
+    split = max(1, min(want, 16, kb // 4))
+    return DecodeGemmConfig(block_n=block_n, split_k=split)
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    locks = _LOCKS.get(key)
+    if locks is None:  # zeroed once; every use leaves it zeroed again
+        locks = _LOCKS[key] = torch.zeros(_LOCK_SLOTS, dtype=torch.int32, device=device)
+    return locks
+
+
+def fp8_decode_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+                    b_scale_rows: int, out_dtype: torch.dtype = torch.bfloat16,
+                    config: DecodeGemmConfig | None = None) -> torch.Tensor:
+    """``a @ b.T`` for a decode-sized ``a`` (M <= 64 rows), operands as in :func:`blockwise_fp8_gemm`.
+
+    Split-K over the weight with a deterministic in-kernel reduction (see the kernel). Calls on one device
+    must not run concurrently on different streams (they share the per-column-tile counters).
+    """
+    m, k = a_data.shape
+    n = b_data.shape[0]
+    if m > DECODE_GEMM_MAX_M:
+        raise ValueError(f"fp8_decode_gemm handles at most {DECODE_GEMM_MAX_M} rows, got {m}")
+    out = torch.empty((m, n), dtype=out_dtype, device=a_data.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config or default_decode_config(m, n, k, a_data.device)
+    num_kb = _cdiv(k, BLOCK)
+    split = max(1, min(cfg.split_k, num_kb))
+    kb_per_split = _cdiv(num_kb, split)
+    split = _cdiv(num_kb, kb_per_split)  # no empty split
+    tiles = _cdiv(n, cfg.block_n)
+    block_m = max(16, 1 << (m - 1).bit_length())
+    if split > 1:
+        if tiles > _LOCK_SLOTS:
+            raise ValueError(f"fp8_decode_gemm: {tiles} column tiles exceed the {_LOCK_SLOTS} counters")
+        ws = torch.empty(tiles * split * cfg.block_n * block_m, dtype=torch.float32, device=a_data.device)
+        locks = _locks(a_data.device)
+    else:
+        ws = locks = out  # unused
+    _fp8_decode_gemm_kernel[(tiles, split)](
+        a_data, b_data, out, a_scale, b_scale, ws, locks, m, n, k,
+        a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1), out.stride(0), out.stride(1),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        NUM_KB=num_kb, KB_PER_SPLIT=kb_per_split, SPLIT_K=split, B_SCALE_ROWS=b_scale_rows,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

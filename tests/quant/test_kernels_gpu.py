@@ -119,7 +119,7 @@ def _gemm_tolerance(a: Fp8Tensor, b: Fp8Tensor, ref: torch.Tensor, out_dtype: to
     return ref.abs() * ulp + absprod * 2.0 ** -11
 
 
-@pytest.mark.parametrize("path", ["cublas", "triton"])
+@pytest.mark.parametrize("path", ["cublas", "triton", "decode"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("mnk", [(1, 256, 384), (64, 4096, 4096), (130, 256, 512), (512, 384, 1024),
                                  (30, 200, 300), (1000, 272, 640)])
@@ -139,6 +139,35 @@ def test_gemm_to_output_rounding(cuda_backend, monkeypatch, b_block, mnk, out_dt
     tol = _gemm_tolerance(a, b, ref, out_dtype)
     assert torch.isfinite(out).all()
     assert bool((err <= tol).all()), f"{cuda_mod.gemm_path(a, b)} GEMM: max excess {(err - tol).max().item()}"
+
+
+@pytest.mark.parametrize("mnk", [(1, 6144, 4096), (16, 4096, 4096), (64, 28672, 4096), (64, 4096, 14336),
+                                 (37, 1000, 1100)])
+def test_decode_gemm_deterministic_split_k(cuda_backend, mnk):
+    """The split-K decode GEMM: within output rounding of the exact product, bitwise equal across calls,
+    across split counts' own repeated runs, and inside a CUDA graph (the counters reset themselves)."""
+    from jetrl.quant import triton_kernels as tk
+
+    m, n, k = mnk
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    a = R.quantize_tensor(torch.randn(m, k, generator=g, device="cuda"), ACT)
+    b = R.quantize_tensor(torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16), WEIGHT)
+    ref = a.dequantize().double() @ b.dequantize().double().t()
+    tol = _gemm_tolerance(a, b, ref, torch.bfloat16)
+    for split in (1, 3, 8):
+        cfg = tk.DecodeGemmConfig(block_n=64, split_k=split)
+        first = tk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg)
+        assert bool(((first.double() - ref).abs() <= tol).all()), f"split {split}"
+        for _ in range(3):
+            assert torch.equal(tk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg), first)
+    out = cuda_backend.gemm(a, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = cuda_backend.gemm(a, b)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)
 
 
 def test_dgrad_operand_row_major_transposed_weight(cuda_backend):

@@ -95,6 +95,20 @@ for (m, n, k) in [(20, 200, 300), (33, 128, 256)]:
                                    torch.float32, T.GemmConfig(16, 32, 1, 4, 2)).double()
         bound = (a.dequantize().double().abs() @ b.dequantize().double().abs().t()) * (k + 2) * 2.0 ** -24
         gemm[f"{m}x{n}x{k}-{name}"] = bool(((out - ref).abs() <= bound).all())
+# the split-K decode GEMM: several splits (incl. a last split shorter than the others), both b layouts
+for (m, n, k, split, bn) in [(1, 200, 300, 1, 64), (5, 128, 1024, 4, 64), (33, 130, 2000, 16, 32)]:
+    a = R.quantize_tensor(torch.randn(m, k, generator=g), (1, 128))
+    for name, b in (("tile", R.quantize_tensor(torch.randn(n, k, generator=g), (128, 128))),
+                    ("act", R.quantize_tensor(torch.randn(n, k, generator=g), (1, 128)))):
+        ref = R.gemm(a, b, torch.float32).double()
+        cfg = T.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=4, num_stages=2)
+        run = lambda: T.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128 if name == "tile" else 1,
+                                        torch.float32, cfg).double()
+        out = run()
+        bound = (a.dequantize().double().abs() @ b.dequantize().double().abs().t()) * (k + 2) * 2.0 ** -24
+        gemm[f"decode-{m}x{n}x{k}-split{split}-{name}"] = bool(((out - ref).abs() <= bound).all()) and \
+            torch.equal(out, run())
+gemm["decode-counters-reset"] = int(T._locks(torch.device("cpu")).abs().sum()) == 0
 json.dump({"quant": results, "gemm": gemm}, sys.stdout)
 '''
 
