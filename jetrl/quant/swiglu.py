@@ -1,0 +1,167 @@
+"""Fused SwiGLU: ``silu(gate) * up`` in one kernel, optionally with the 1x128 FP8 of its output.
+
+The MLP of every supported decoder computes ``down(silu(gate(x)) * up(x))``. Unfused, that is two
+elementwise kernels (silu, multiply) and, under an FP8 recipe, a third that quantizes the product for the
+down projection. The fused op reads ``gate`` and ``up`` once and writes the BF16 product and, when asked,
+its FP8 (data, scale) pair, which ``down``'s FP8 GEMM consumes directly.
+
+Numerics: the PyTorch reference (:func:`swiglu_reference`) *is* the unfused model code, and the Triton
+kernels reproduce its roundings op for op (see :mod:`jetrl.quant.swiglu_triton`): silu in fp32 rounded to
+the dtype, the product rounded to the dtype, the FP8 taken of that rounded product. The backward rounds
+where autograd of the unfused code rounds, so training sees the same gradients with or without fusion.
+
+Dispatch: CUDA tensors go to the Triton kernels when Triton imports and the FP8 backend for the device is
+``"cuda"``; everything else runs the reference. ``impl="reference" | "triton"`` forces one (the Triton
+kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from jetrl.quant import reference
+from jetrl.quant.backend import get_backend
+from jetrl.quant.formats import ACT, Fp8Tensor
+
+IMPLS = ("reference", "triton")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor, impl: str | None) -> bool:
+    """Whether ``impl`` (``None`` = automatic) selects the Triton kernels for tensors like ``x``."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None (automatic), got {impl!r}")
+    if impl is not None:
+        return impl == "triton"
+    return x.is_cuda and _triton_available() and get_backend(x.device).name == "cuda"
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The unfused model code, the specification of the fused kernels."""
+    return F.silu(gate) * up
+
+
+def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"swiglu: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"swiglu: {name} must be bfloat16, float16 or float32, got {t.dtype}")
+        if t.dim() < 1:
+            raise ValueError(f"swiglu: {name} must have at least one dimension, got a scalar")
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype != up.dtype:
+        raise TypeError(f"swiglu: gate and up must have the same dtype, got {gate.dtype} and {up.dtype}")
+    if gate.device != up.device:
+        raise ValueError(f"swiglu: gate and up must be on the same device, got {gate.device} and {up.device}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., K) as 2-D (M, K) with a unit column stride (a view where possible)."""
+    x = x.reshape(x.shape[:-1].numel(), x.shape[-1])
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+
+
+class _SwiGLU(torch.autograd.Function):
+    """Triton forward/backward of ``silu(gate) * up`` on 2-D inputs; the FP8 outputs carry no gradient."""
+
+    @staticmethod
+    def forward(ctx, gate, up, quantize: bool, pow2_scale: bool):
+        from jetrl.quant import swiglu_triton
+
+        out, data, scale = swiglu_triton.swiglu_fwd(gate, up, quantize, pow2_scale)
+        ctx.save_for_backward(gate, up)
+        if quantize:
+            ctx.mark_non_differentiable(data, scale)
+        return out, data, scale
+
+    @staticmethod
+    def backward(ctx, grad, _grad_data, _grad_scale):
+        from jetrl.quant import swiglu_triton
+
+        gate, up = ctx.saved_tensors
+        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        swiglu_triton.swiglu_bwd(_rows(grad), gate, up, d_gate, d_up)
+        return d_gate, d_up, None, None
+
+
+class _SwiGLUPacked(torch.autograd.Function):
+    """As :class:`_SwiGLU` for one (M, 2K) input ``cat([gate, up], -1)``; its gradient is one (M, 2K) tensor."""
+
+    @staticmethod
+    def forward(ctx, gate_up, quantize: bool, pow2_scale: bool):
+        from jetrl.quant import swiglu_triton
+
+        k = gate_up.shape[1] // 2
+        out, data, scale = swiglu_triton.swiglu_fwd(gate_up[:, :k], gate_up[:, k:], quantize, pow2_scale)
+        ctx.save_for_backward(gate_up)
+        if quantize:
+            ctx.mark_non_differentiable(data, scale)
+        return out, data, scale
+
+    @staticmethod
+    def backward(ctx, grad, _grad_data, _grad_scale):
+        from jetrl.quant import swiglu_triton
+
+        (gate_up,) = ctx.saved_tensors
+        k = gate_up.shape[1] // 2
+        d = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+        swiglu_triton.swiglu_bwd(_rows(grad), gate_up[:, :k], gate_up[:, k:], d[:, :k], d[:, k:])
+        return d, None, None
+
+
+def _finish(out2d: torch.Tensor, data, scale, lead_shape, quantize: bool):
+    out = out2d.reshape(*lead_shape, out2d.shape[-1])
+    return out, (Fp8Tensor(data, scale, ACT) if quantize else None)
+
+
+def _reference_fp8(out: torch.Tensor, quantize: bool, pow2_scale: bool) -> Fp8Tensor | None:
+    if not quantize:
+        return None
+    return reference.quantize_tensor(out.detach().reshape(-1, out.shape[-1]), ACT, pow2_scale)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, quantize: bool = False, pow2_scale: bool = False,
+           impl: str | None = None) -> tuple[torch.Tensor, Fp8Tensor | None]:
+    """``silu(gate) * up`` for ``gate``/``up`` of shape (..., K); differentiable in both.
+
+    Returns ``(out, fp8)``: ``out`` (..., K) in the inputs' dtype; ``fp8`` (when ``quantize``) the 1x128
+    quantization of ``out`` flattened to (M, K), bitwise ``reference.quantize(out, (1, 128), pow2_scale)``,
+    else ``None``.
+    """
+    _check_pair(gate, up)
+    if not use_triton(gate, impl):
+        out = swiglu_reference(gate, up)
+        return out, _reference_fp8(out, quantize, pow2_scale)
+    out, data, scale = _SwiGLU.apply(_rows(gate), _rows(up), quantize, pow2_scale)
+    return _finish(out, data, scale, gate.shape[:-1], quantize)
+
+
+def swiglu_packed(gate_up: torch.Tensor, *, quantize: bool = False, pow2_scale: bool = False,
+                  impl: str | None = None) -> tuple[torch.Tensor, Fp8Tensor | None]:
+    """:func:`swiglu` of ``gate_up`` (..., 2K) = ``cat([gate, up], -1)`` (a fused gate/up projection's output).
+
+    Same math and outputs as ``swiglu(gate_up[..., :K], gate_up[..., K:])``; the gradient is one (..., 2K)
+    tensor written by one kernel.
+    """
+    if not isinstance(gate_up, torch.Tensor):
+        raise TypeError(f"swiglu_packed: gate_up must be a torch.Tensor, got {type(gate_up).__name__}")
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_packed: gate_up's last dimension must be even (gate and up side by side), "
+                         f"got shape {tuple(gate_up.shape)}")
+    k = gate_up.shape[-1] // 2
+    _check_pair(gate_up[..., :k], gate_up[..., k:])
+    if not use_triton(gate_up, impl):
+        out = swiglu_reference(gate_up[..., :k], gate_up[..., k:])
+        return out, _reference_fp8(out, quantize, pow2_scale)
+    out, data, scale = _SwiGLUPacked.apply(_rows(gate_up), quantize, pow2_scale)
+    return _finish(out, data, scale, gate_up.shape[:-1], quantize)

@@ -1,0 +1,168 @@
+"""Triton kernels of the fused SwiGLU ``silu(gate) * up``: forward (optionally with its 1x128 FP8) and backward.
+
+Op for op the arithmetic of the unfused PyTorch code ``F.silu(gate) * up`` on CUDA, so the results are
+the same bits:
+
+* ``silu``: ATen computes ``x / (1 + exp(-x))`` in fp32 (``expf`` of CUDA's math library, an IEEE
+  division) and rounds to the tensor dtype; here ``libdevice.exp`` (the same ``__nv_expf``) and
+  ``tl.div_rn`` (Triton's ``/`` on fp32 is approximate).
+* the product: ``silu`` (already rounded) times ``up`` in fp32, rounded to the dtype.
+* FP8 (``QUANTIZE``): the 1x128 quantization of the rounded output, with the jitted helpers of
+  :mod:`jetrl.quant.triton_kernels` (bitwise the reference's quantization of the returned tensor).
+* backward: autograd of the unfused code rounds ``g * up`` and ``g * silu`` to the dtype, then ATen's
+  ``silu_backward`` computes ``dy * s * (1 + x * (1 - s))`` with ``s = 1 / (1 + exp(-x))`` in fp32, which
+  nvcc contracts to ``(dy * s) * fma(x, 1 - s, 1)``; the kernel does exactly that.
+
+Floating-point contraction is switched off at launch (``enable_fp_fusion=False``) so that no other
+multiply-add is fused behind our back; the one fma above is explicit.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests): ``exp`` is NumPy's (libdevice does not exist there) and the
+interpreter's fp32 -> bf16 cast truncates, so values are first rounded to the bf16 grid in fp32 (exact,
+ties to even) and the cast that follows is exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from jetrl.quant.formats import E4M3
+from jetrl.quant.triton_kernels import _scale_from_amax, _to_e4m3
+
+BLOCK_K = 128  # one 1x128 scale block per program along the columns
+_BLOCK_K = tl.constexpr(BLOCK_K)
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _exp(x):
+    """fp32 ``exp`` as CUDA's ``expf`` (libdevice); NumPy's under the interpreter."""
+    if _INTERPRET:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _round_to_bf16_grid(x):
+    """Round fp32 to the nearest bfloat16 value (ties to even), staying in fp32 (interpreter only)."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648  # 0x80000000
+    mag = bits & 0x7FFFFFFF
+    rounded = (mag + 0x7FFF + ((mag >> 16) & 1)) & -65536  # ~0xFFFF
+    rounded = tl.where(mag > 0x7F800000, mag, rounded)  # NaN stays NaN
+    return (rounded | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, IS_BF16: tl.constexpr):
+    """fp32 -> ``dtype`` rounding to nearest even, on the GPU and under the interpreter alike."""
+    if _INTERPRET and IS_BF16:
+        x = _round_to_bf16_grid(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    gate_ptr, up_ptr, out_ptr, q_ptr, scale_ptr,
+    M, K, stride_gm, stride_um,
+    POW2: tl.constexpr, QUANTIZE: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One (BLOCK_M, 128) tile: ``out = rnd(rnd(silu(gate)) * up)`` and its 1x128 FP8 (data row-major
+    (M, K), scales into a (Kb, M) buffer)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k * _BLOCK_K + tl.arange(0, _BLOCK_K)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    rows = rm[:, None].to(tl.int64)
+    gate = tl.load(gate_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    silu = _cast(tl.div_rn(gate, 1.0 + _exp(-gate)), out_ptr.dtype.element_ty, IS_BF16).to(tl.float32)
+    out = _cast(silu * up, out_ptr.dtype.element_ty, IS_BF16)
+    tl.store(out_ptr + rows * K + rk[None, :], out, mask=mask)
+    if QUANTIZE:
+        x = out.to(tl.float32)  # masked lanes are silu(0) * 0 = 0, like the reference's zero padding
+        scale = _scale_from_amax(tl.max(tl.abs(x), axis=1), POW2)  # (BLOCK_M,)
+        tl.store(q_ptr + rows * K + rk[None, :], _to_e4m3(x, scale[:, None]), mask=mask)
+        tl.store(scale_ptr + pid_k * M + rm, scale, mask=rm < M)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
+    M, K, stride_grm, stride_gm, stride_um, stride_dgm, stride_dum,
+    IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One (BLOCK_M, 128) tile of ``d gate = silu'(gate) * rnd(g * up)`` and ``d up = rnd(g * rnd(silu(gate)))``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k * _BLOCK_K + tl.arange(0, _BLOCK_K)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    rows = rm[:, None].to(tl.int64)
+    g = tl.load(grad_ptr + rows * stride_grm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(gate_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    e = 1.0 + _exp(-x)
+    silu = _cast(tl.div_rn(x, e), dgate_ptr.dtype.element_ty, IS_BF16).to(tl.float32)
+    d_up = _cast(g * silu, dgate_ptr.dtype.element_ty, IS_BF16)
+    d_silu = _cast(g * up, dgate_ptr.dtype.element_ty, IS_BF16).to(tl.float32)
+    s = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), e)
+    d_gate = _cast((d_silu * s) * tl.fma(x, 1.0 - s, 1.0), dgate_ptr.dtype.element_ty, IS_BF16)
+    tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate, mask=mask)
+    tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up, mask=mask)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _block_m(m: int) -> int:
+    return min(32, triton.next_power_of_2(max(m, 1)))
+
+
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow2_scale: bool = False):
+    """``silu(gate) * up`` for 2-D (M, K) ``gate``/``up`` with unit column stride (any row stride).
+
+    Returns ``(out, data, scale)``: ``out`` (M, K) contiguous in gate's dtype; with ``quantize`` the 1x128
+    E4M3 ``data`` (M, K) and fp32 ``scale`` as the (M, Kb) view of a (Kb, M) buffer (the layout of
+    :func:`jetrl.quant.triton_kernels.quantize_act_1x128`), else ``None, None``.
+    """
+    m, k = gate.shape
+    out = torch.empty((m, k), dtype=gate.dtype, device=gate.device)
+    data = scale_buf = None
+    if quantize:
+        data = torch.empty((m, k), dtype=E4M3, device=gate.device)
+        scale_buf = torch.empty((_cdiv(k, BLOCK_K), m), dtype=torch.float32, device=gate.device)
+    if m and k:
+        block_m = _block_m(m)
+        grid = (_cdiv(m, block_m), _cdiv(k, BLOCK_K))
+        _swiglu_fwd_kernel[grid](
+            gate, up, out, data if quantize else out, scale_buf if quantize else out,
+            m, k, gate.stride(0), up.stride(0),
+            POW2=pow2_scale, QUANTIZE=quantize, IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m,
+            num_warps=4, enable_fp_fusion=False,
+        )
+    if quantize:
+        return out, data, scale_buf.t()
+    return out, None, None
+
+
+def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor,
+               d_up: torch.Tensor) -> None:
+    """Write ``d gate`` and ``d up`` (M, K) into the given buffers (unit column stride, any row stride;
+    they may be the two halves of one (M, 2K) buffer)."""
+    m, k = gate.shape
+    if m and k:
+        block_m = _block_m(m)
+        grid = (_cdiv(m, block_m), _cdiv(k, BLOCK_K))
+        _swiglu_bwd_kernel[grid](
+            grad, gate, up, d_gate, d_up,
+            m, k, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
+            IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m, num_warps=4, enable_fp_fusion=False,
+        )
