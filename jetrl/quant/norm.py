@@ -128,6 +128,8 @@ class _FusedRMSNorm(torch.autograd.Function):
 
         h, weight, rstd = ctx.saved_tensors
         need_x, need_res, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if grad_out is None:  # only the residual stream was used: it passes its gradient through unchanged
+            return grad_h if need_x else None, grad_h if need_res else None, None, None, None, None
         grad_in, grad_w = norm_triton.rms_norm_backward(
             grad_out, grad_h if ctx.has_residual else None, h, weight, rstd, compute_dweight=need_w
         )

@@ -295,12 +295,9 @@ def rms_norm_backward(
     grad_out: torch.Tensor, grad_h: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor,
     rstd: torch.Tensor, compute_dweight: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fused backward. ``grad_out`` may be None (``out`` unused), ``grad_h`` is the grad of the returned
-    residual stream (None if unused). Returns ``(grad_h_total, grad_weight)``: the gradient of ``x``
+    """Fused backward. ``grad_h`` is the grad of the returned residual stream (None if unused). Returns ``(grad_h_total, grad_weight)``: the gradient of ``x``
     (and of the input residual), in h's dtype, and of ``weight`` in its dtype (None unless asked)."""
     m, d = h.shape
-    if grad_out is None:
-        grad_out = torch.zeros((m, d), dtype=torch.promote_types(weight.dtype, h.dtype), device=h.device)
     grad_out = grad_out.contiguous()
     if grad_h is not None:
         grad_h = grad_h.contiguous()
