@@ -34,6 +34,9 @@ from jetrl.quant.formats import E4M3
 from jetrl.quant.triton_kernels import _scale_from_amax, _to_e4m3
 
 BLOCK_K = 128  # one 1x128 scale block per program along the columns
+# ATen's silu_backward ``dy * s * (1 + x * (1 - s))`` is compiled by nvcc with multiply-add contraction on
+# (its default), i.e. ``(dy * s) * fma(x, 1 - s, 1)``; False computes the product and the sum apart.
+SILU_BWD_FMA = True
 _BLOCK_K = tl.constexpr(BLOCK_K)
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -96,7 +99,7 @@ def _swiglu_fwd_kernel(
 def _swiglu_bwd_kernel(
     grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
     M, K, stride_grm, stride_gm, stride_um, stride_dgm, stride_dum,
-    IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_BF16: tl.constexpr, FMA: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One (BLOCK_M, 128) tile of ``d gate = silu'(gate) * rnd(g * up)`` and ``d up = rnd(g * rnd(silu(gate)))``."""
     pid_m = tl.program_id(0)
@@ -113,7 +116,11 @@ def _swiglu_bwd_kernel(
     d_up = _cast(g * silu, dgate_ptr.dtype.element_ty, IS_BF16)
     d_silu = _cast(g * up, dgate_ptr.dtype.element_ty, IS_BF16).to(tl.float32)
     s = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), e)
-    d_gate = _cast((d_silu * s) * tl.fma(x, 1.0 - s, 1.0), dgate_ptr.dtype.element_ty, IS_BF16)
+    if FMA:
+        slope = tl.fma(x, 1.0 - s, 1.0)
+    else:
+        slope = 1.0 + x * (1.0 - s)
+    d_gate = _cast((d_silu * s) * slope, dgate_ptr.dtype.element_ty, IS_BF16)
     tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate, mask=mask)
     tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up, mask=mask)
 
@@ -164,5 +171,6 @@ def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate:
         _swiglu_bwd_kernel[grid](
             grad, gate, up, d_gate, d_up,
             m, k, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
-            IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m, num_warps=4, enable_fp_fusion=False,
+            IS_BF16=gate.dtype == torch.bfloat16, FMA=SILU_BWD_FMA, BLOCK_M=block_m, num_warps=4,
+            enable_fp_fusion=False,
         )
