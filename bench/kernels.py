@@ -150,7 +150,9 @@ def _rotation(n: int, k: int, min_bytes: int = 256 * 2 ** 20) -> int:
     return max(2, -(-min_bytes // (2 * n * k)))
 
 
-DECODE_SWEEP = [(bn, split, stages) for bn in (64, 128) for split in (1, 2, 4, 8, 16) for stages in (3, 5)]
+# (block_n, split_k, num_stages, num_warps) tried at M = 64, where the default is least settled
+DECODE_SWEEP = [(bn, split, stages, warps) for bn in (32, 64, 128) for split in (2, 4, 8) for stages in (2, 3, 4)
+                for warps in (4, 8)]
 
 
 def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True) -> None:
@@ -181,10 +183,10 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
                                                                          qws[i].scale, 128))
             row["decode_us"] = per_gemm(lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale,
                                                                       128))
-            if sweep and m in (16, 64):
-                for bn, split, stages in DECODE_SWEEP:
-                    cfg = tk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=4, num_stages=stages)
-                    row[f"decode_n{bn}k{split}s{stages}_us"] = per_gemm(
+            if sweep and m == 64:
+                for bn, split, stages, warps in DECODE_SWEEP:
+                    cfg = tk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=stages)
+                    row[f"decode_n{bn}k{split}s{stages}w{warps}_us"] = per_gemm(
                         lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
             row["auto_path"] = cuda_mod.gemm_path(qx, qws[0])
             row["auto_us"] = per_gemm(lambda i: be.gemm(qx, qws[i]))
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> Report:
     runs = [
         ("quant", lambda: bench_quantization(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])),
         ("gemm", lambda: bench_gemms(rep, train_m, LLAMA8B_NK)),
-        ("decode", lambda: bench_decode(rep, LLAMA8B_NK)),
+        ("decode", lambda: bench_decode(rep, LLAMA8B_NK + [(1024, 4096)])),  # + the k/v projections
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
         ("profile", profile_fp8_linear),

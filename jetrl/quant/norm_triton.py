@@ -50,10 +50,11 @@ _SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 @triton.jit
 def _cast(x, DTYPE: tl.constexpr):
     """fp32 ``x`` rounded to ``DTYPE`` to nearest even (under the interpreter too)."""
-    if _SOFT_BF16 and DTYPE == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # ~0xFFFF
-        x = tl.where(x != x, x, rounded)
+    if _SOFT_BF16:  # compile-time: never compiled for the GPU
+        if DTYPE == tl.bfloat16:
+            bits = x.to(tl.int32, bitcast=True)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # ~0xFFFF
+            x = tl.where(x != x, x, rounded)
     return x.to(DTYPE)
 
 
@@ -234,7 +235,7 @@ def _tile(m: int, d: int, max_tile: int) -> tuple[int, int, int, int]:
     if block_d > max_tile:
         block_d, chunks = max_tile, _cdiv(d, max_tile)
     block_m = max(1, min(ROWS_TILE // block_d, triton.next_power_of_2(max(m, 1))))
-    num_warps = min(16, max(1, block_m * block_d // 512))
+    num_warps = min(16, max(1, block_m * block_d // 256))  # about 8 elements per thread
     return block_m, block_d, chunks, num_warps
 
 

@@ -447,7 +447,7 @@ class DecodeGemmConfig:
     block_n: int = 64
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
 
 
 DECODE_GEMM_MAX_M = 64
@@ -462,14 +462,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_decode_config(m: int, n: int, k: int, device: torch.device) -> DecodeGemmConfig:
-    """Enough programs to keep every SM streaming the weight: 64-row tiles, K split until there are about
-    three programs per SM (at most 16 splits, at least 4 K blocks of 128 per split)."""
+    """64-row weight tiles, K split (a power of two, at most 16) until about three programs per SM run for
+    M <= 32, about 1.5 for larger M (whose programs do more MMA work per weight byte). Chosen from a sweep
+    on the H200 at Llama-8B shapes (BENCHMARKS.md, decode GEMMs)."""
     block_n = 64
     tiles = _cdiv(n, block_n)
-    kb = _cdiv(k, BLOCK)
-    want = _cdiv(3 * _sm_count(device), tiles)
-    split = max(1, min(want, 16, kb // 4))
-    return DecodeGemmConfig(block_n=block_n, split_k=split)
+    per_sm = 3.0 if m <= 32 else 1.5
+    want = max(1, -(-int(per_sm * _sm_count(device)) // tiles))
+    split = 1 << (want - 1).bit_length()
+    split = max(1, min(split, 16, max(1, _cdiv(k, BLOCK) // 4)))
+    return DecodeGemmConfig(block_n=block_n, split_k=split, num_stages=3)
 
 
 def _locks(device: torch.device) -> torch.Tensor:
