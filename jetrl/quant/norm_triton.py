@@ -34,9 +34,13 @@ import triton.language as tl
 from jetrl.quant.formats import ACT, BLOCK_SIZE, E4M3, Fp8Tensor
 from jetrl.quant.triton_kernels import _scale_from_amax, _to_e4m3
 
-MAX_FWD_TILE = 16384  # longest row held in registers by the forward (power of two, >= 128)
-MAX_BWD_TILE = 8192  # the backward holds more live tensors per element
-ROWS_TILE = 4096  # elements per program for short rows: rows are grouped up to this size
+# Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register at
+# about 8 elements per thread (16 warps). The backward holds more live tensors per element.
+MAX_FWD_TILE = 8192
+MAX_BWD_TILE = 4096
+# elements per program for short rows (e.g. the per-head norm over head_dim): rows are grouped up to this
+ROWS_TILE_FWD = 4096
+ROWS_TILE_BWD = 2048
 BWD_PROGRAMS_PER_SM = 2
 # The interpreter's fp32 -> bf16 cast truncates; there the kernels round to the bf16 grid in fp32 first
 # (exact RNE, as torch and the GPU cast do), and the cast that follows is exact.
@@ -227,14 +231,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _tile(m: int, d: int, max_tile: int) -> tuple[int, int, int, int]:
+def _tile(m: int, d: int, max_tile: int, rows_tile: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_D, NUM_CHUNKS, num_warps): whole rows when they fit ``max_tile``, short rows
-    grouped up to ``ROWS_TILE`` elements per program, long rows walked in chunks."""
+    grouped up to ``rows_tile`` elements per program, long rows walked in chunks."""
     block_d = triton.next_power_of_2(d)
     chunks = 1
     if block_d > max_tile:
         block_d, chunks = max_tile, _cdiv(d, max_tile)
-    block_m = max(1, min(ROWS_TILE // block_d, triton.next_power_of_2(max(m, 1))))
+    block_m = max(1, min(rows_tile // block_d, triton.next_power_of_2(max(m, 1))))
     num_warps = min(16, max(1, block_m * block_d // 256))  # about 8 elements per thread
     return block_m, block_d, chunks, num_warps
 
@@ -267,7 +271,7 @@ def rms_norm_forward(
         q_data = torch.empty((m, d), dtype=E4M3, device=device)
         q_scale = torch.empty((_cdiv(d, BLOCK_SIZE), m), dtype=torch.float32, device=device)
     if m:
-        block_m, block_d, chunks, num_warps = _tile(m, d, MAX_FWD_TILE)
+        block_m, block_d, chunks, num_warps = _tile(m, d, MAX_FWD_TILE, ROWS_TILE_FWD)
         _rms_norm_fwd_kernel[(_cdiv(m, block_m),)](
             x, residual if residual is not None else x, weight, out, h if h is not None else x, rstd,
             q_data if quantize else out, q_scale if quantize else rstd,
@@ -306,7 +310,7 @@ def rms_norm_backward(
     if m == 0:
         dw = torch.zeros((d,), dtype=weight.dtype, device=h.device) if compute_dweight else None
         return dh, dw
-    block_m, block_d, chunks, num_warps = _tile(m, d, MAX_BWD_TILE)
+    block_m, block_d, chunks, num_warps = _tile(m, d, MAX_BWD_TILE, ROWS_TILE_BWD)
     # a power-of-two number of row tiles per program keeps the number of compiled variants small
     tiles = triton.next_power_of_2(_cdiv(_cdiv(m, block_m), _programs(h.device)))
     programs = _cdiv(_cdiv(m, block_m), tiles)
