@@ -41,9 +41,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
     """Fprop/DGrad/WGrad in FP8; saves the FP8 input and the FP8 weight, nothing in BF16."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_data, w_scale, pow2_scale: bool, wt_data=None):  # x: (M, K)
+    def forward(ctx, x, weight, bias, w_data, w_scale, pow2_scale: bool, wt_data=None, xq_data=None,
+                xq_scale=None):  # x: (M, K)
         backend = get_backend(x.device)
-        qx = backend.quantize(x, ACT, pow2_scale)
+        if xq_data is not None:  # x's 1x128 quantization, made by the op that produced x (a fused kernel)
+            qx = Fp8Tensor(xq_data, xq_scale, ACT)
+        else:
+            qx = backend.quantize(x, ACT, pow2_scale)
         qw = Fp8Tensor(w_data, w_scale, WEIGHT)
         y = backend.gemm(qx, qw, out_dtype=x.dtype)  # (M, N)
         if bias is not None:
@@ -82,18 +86,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = grad_out.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
-               pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None) -> torch.Tensor:
+               pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None,
+               x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
     """``F.linear`` in FP8 for a 2-D ``x`` (M, K) given the (128, 128)-quantized ``weight``.
 
     ``qweight_t`` optionally gives W^T's quantized form with row-major data (values equal to
-    ``qweight.t()``), which DGrad then reads instead of the transposed view.
+    ``qweight.t()``), which DGrad then reads instead of the transposed view. ``x_fp8`` optionally gives
+    x's 1x128 quantization (bitwise what the backend would compute from x), so x is not read again.
     """
     wt_data = qweight_t.data if qweight_t is not None else None
-    return _Fp8LinearFunction.apply(x, weight, bias, qweight.data, qweight.scale, pow2_scale, wt_data)
+    xq_data, xq_scale = (x_fp8.data, x_fp8.scale) if x_fp8 is not None else (None, None)
+    return _Fp8LinearFunction.apply(x, weight, bias, qweight.data, qweight.scale, pow2_scale, wt_data, xq_data,
+                                    xq_scale)
 
 
 def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | None:
@@ -193,7 +201,9 @@ class FP8Linear(nn.Linear):
             self._qweight_t = _write_into(stale_t, self._qweight_t)
         return self._qweight, self._qweight_t
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
+        """``x`` (..., in_features). ``x_fp8``: x flattened to 2-D and quantized per 1x128 with this layer's
+        ``pow2_scale`` by a fused producer (see :func:`fp8_input_scaling`); ignored when not in FP8."""
         if not self.uses_fp8():
             return F.linear(x, self.weight, self.bias)
         if x.shape[-1] != self.in_features:
@@ -207,9 +217,32 @@ class FP8Linear(nn.Linear):
         x2d = x.reshape(math.prod(lead), self.in_features)
         # W^T's row-major copy only matters for DGrad; no-grad forwards (rollout) read W alone
         qweight, qweight_t = self._cached_weights(with_transpose=torch.is_grad_enabled())
-        y = fp8_linear(x2d, self.weight, self.bias, qweight, self.pow2_scale, qweight_t)
+        if x_fp8 is not None and (x_fp8.block != ACT or tuple(x_fp8.shape) != tuple(x2d.shape)):
+            raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x2d.shape)}, got "
+                             f"block {x_fp8.block} and shape {tuple(x_fp8.shape)}")
+        y = fp8_linear(x2d, self.weight, self.bias, qweight, self.pow2_scale, qweight_t, x_fp8)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, fp8_train={self.fp8_train}, fp8_rollout={self.fp8_rollout}"
                 + (", pow2_scale=True" if self.pow2_scale else ""))
+
+
+def fp8_input_scaling(*modules: nn.Module) -> bool | None:
+    """Whether a producer should hand these linears a pre-quantized input, and with which scaling.
+
+    Returns the shared ``pow2_scale`` when every module is an :class:`FP8Linear` running FP8 on the
+    current side (so each would quantize the same input per 1x128 with that scaling), else ``None``: then
+    the producer emits no FP8 copy and the layers do what they always do.
+    """
+    if not modules or not all(isinstance(m, FP8Linear) and m.uses_fp8() for m in modules):
+        return None
+    scalings = {m.pow2_scale for m in modules}
+    return scalings.pop() if len(scalings) == 1 else None
+
+
+def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
+    """``module(x)``, passing ``x_fp8`` along to an :class:`FP8Linear` when there is one."""
+    if x_fp8 is None:
+        return module(x)
+    return module(x, x_fp8=x_fp8)

@@ -208,3 +208,49 @@ def test_tiny_mlp_learns_in_jet_like_bf16():
     assert end_jet < 0.2 * start, "FP8 training did not learn"
     # FP8 noise costs a little final loss (about 7% here); within 15% of the unquantized run
     assert end_jet < 1.15 * end_bf16, (end_jet, end_bf16)
+
+
+# ------------------------------------------------------------------------ pre-quantized inputs
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_prequantized_input_gives_identical_results(gen, pow2):
+    """A producer's 1x128 quantization of x, handed over as ``x_fp8``, changes nothing: same output, same
+    gradients, bit for bit (it is the quantization the layer would have made itself)."""
+    from jetrl.quant import call_linear, fp8_input_scaling
+
+    layer = FP8Linear(256, 192, bias=True, dtype=torch.bfloat16, pow2_scale=pow2)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05, generator=gen)
+        layer.bias.normal_(0, 0.05, generator=gen)
+    x = torch.randn(3, 50, 256, generator=gen).to(torch.bfloat16)
+    results = []
+    for pre in (False, True):
+        xi = x.clone().requires_grad_(True)
+        x_fp8 = quantize_tensor(xi.detach().reshape(-1, 256), ACT, pow2) if pre else None
+        assert fp8_input_scaling(layer) is pow2
+        y = call_linear(layer, xi, x_fp8)
+        y.float().square().sum().backward()
+        results.append((y.detach(), xi.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
+        layer.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert torch.isfinite(a.float()).all() and torch.equal(a, b)
+
+
+def test_prequantized_input_checks_and_scaling_agreement(gen):
+    from jetrl.quant import fp8_input_scaling, precision_side
+
+    a = FP8Linear(256, 128, dtype=torch.bfloat16)
+    b = FP8Linear(256, 128, dtype=torch.bfloat16, pow2_scale=True)
+    plain = nn.Linear(256, 128)
+    assert fp8_input_scaling(a) is False and fp8_input_scaling(b) is True
+    assert fp8_input_scaling(a, b) is None  # different scalings: no shared input
+    assert fp8_input_scaling(a, plain) is None and fp8_input_scaling() is None
+    a.fp8_rollout = False
+    with precision_side("rollout"):
+        assert fp8_input_scaling(a) is None  # BF16 on this side
+    x = torch.randn(4, 256, generator=gen).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="x_fp8"):
+        a(x, x_fp8=quantize_tensor(x[:2], ACT))
+    with pytest.raises(ValueError, match="x_fp8"):
+        a(x, x_fp8=quantize_tensor(x, TOKEN))
