@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import NamedTuple
 
 import torch
@@ -164,6 +165,8 @@ def rms_norm(
         return rms_norm_reference(x, weight, eps, residual, quantize=quantize, pow2_scale=pow2_scale)
     if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
         raise TypeError(f"rms_norm: the Triton kernels take bf16/fp16/fp32, got x {x.dtype}, weight {weight.dtype}")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"rms_norm: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), x is on {x.device}")
 
     shape = x.shape
     x2 = _rows(x)

@@ -139,9 +139,11 @@ def test_reference_gradients_are_autograd_of_the_unfused_code(gen, dtype):
         (lambda x, w, r: rms_norm(x.numpy(), w, EPS), TypeError, "x must be a torch.Tensor"),
         (lambda x, w, r: rms_norm(x, w, EPS, impl="cuda"), ValueError, "impl must be one of"),
         (lambda x, w, r: rms_norm(x.double(), w.double(), EPS, impl="triton"), TypeError, "Triton kernels take"),
+        (lambda x, w, r: rms_norm(x, w, EPS, impl="triton"), ValueError, "needs CUDA tensors"),
     ],
 )
-def test_bad_inputs_raise_clear_errors(gen, call, error, match):
+def test_bad_inputs_raise_clear_errors(gen, monkeypatch, call, error, match):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, r, w = _inputs((4, 64), torch.float32, gen)
     with pytest.raises(error, match=match):
         call(x, w, r)
