@@ -32,18 +32,24 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache, paged_attention, varlen_attention, write_kv
 from jetrl.models.config import DecoderConfig
+from jetrl.models.rope import apply_rope, apply_rope_qk
+from jetrl.quant import call_linear, fp8_input_scaling
+from jetrl.quant.norm import NormOutput, rms_norm
+from jetrl.quant.swiglu import swiglu
 
 # attend(layer_idx, q (N, Hq, D), k (N, Hkv, D), v (N, Hkv, D), softmax_scale) -> (N, Hq, D)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, normalised in fp32 and cast back before the weight (as HF does)."""
+    """``weight * x / rms(x)``, normalised in fp32 and cast back before the weight (as HF does).
+
+    Runs :func:`jetrl.quant.norm.rms_norm`: one fused kernel on the GPU, the PyTorch formulas elsewhere.
+    """
 
     def __init__(self, dim: int, eps: float, device=None, dtype=None) -> None:
         super().__init__()
@@ -51,10 +57,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(in_dtype)
+        return rms_norm(x, self.weight, self.eps).out
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None, fp8_scaling: bool | None) -> NormOutput:
+        """Norm of ``x + residual`` (the new residual stream comes back too), plus the output's 1x128 FP8
+        when ``fp8_scaling`` is not None (the next linears' input, see :func:`jetrl.quant.fp8_input_scaling`)."""
+        return rms_norm(x, self.weight, self.eps, residual, quantize=fp8_scaling is not None,
+                        pow2_scale=bool(fp8_scaling))
 
 
 def rope_inv_freq(config: DecoderConfig) -> torch.Tensor:
@@ -86,13 +95,6 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (N, H, D) by the half-split convention of HF Llama/Qwen."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
     """GQA self-attention; how K/V are stored and read is delegated to ``attend``."""
 
@@ -113,14 +115,18 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        n = x.shape[0]  # x: (N, hidden)
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                x_fp8=None) -> torch.Tensor:
+        n = x.shape[0]  # x: (N, hidden); x_fp8: its 1x128 FP8 made by the norm, shared by q, k and v
+        q = call_linear(self.q_proj, x, x_fp8).view(n, self.num_heads, self.head_dim)
+        k = call_linear(self.k_proj, x, x_fp8).view(n, self.num_kv_heads, self.head_dim)
+        v = call_linear(self.v_proj, x, x_fp8).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope_qk(q, k, cos, sin)
         out = attend(self.layer_idx, q, k, v, self.softmax_scale)  # (N, Hq, D)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -135,12 +141,25 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **kw)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        return self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor, x_fp8=None) -> torch.Tensor:
+        gate, up = call_linear(self.gate_proj, x, x_fp8), call_linear(self.up_proj, x, x_fp8)
+        # silu(gate) * up in one kernel, which also quantizes it for an FP8 down projection
+        scaling = fp8_input_scaling(self.down_proj)
+        act, act_fp8 = swiglu(gate, up, quantize=scaling is not None, pow2_scale=bool(scaling))
+        return call_linear(self.down_proj, act, act_fp8)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
+
+    The residual additions run inside the norms (one fused kernel computes ``h = x + r`` and ``norm(h)``,
+    and the FP8 input of the next linears when they run FP8), so a block takes and returns the pair
+    ``(x, residual)`` whose sum is the residual stream: ``out = x_out + residual_out``. The values are those
+    of the unfused formulas (the same BF16 additions, in the same order).
+    """
 
     def __init__(self, config: DecoderConfig, layer_idx: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -150,9 +169,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual)`` -> ``(mlp_out, h)`` with the block's input stream ``x + residual`` (``residual``
+        None: the stream is ``x``)."""
+        normed = self.input_layernorm.fused(x, residual, fp8_input_scaling(*self.self_attn.input_projections()))
+        stream = normed.residual if normed.residual is not None else x
+        attn = self.self_attn(normed.out, cos, sin, attend, normed.out_fp8)
+        normed = self.post_attention_layernorm.fused(attn, stream, fp8_input_scaling(*self.mlp.input_projections()))
+        return self.mlp(normed.out, normed.out_fp8), normed.residual
 
 
 class DecoderModel(nn.Module):
@@ -177,12 +202,13 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)  # (N, hidden)
         cos, sin = rope_cos_sin(self._inv_freq_on(h.device), positions, h.dtype)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        residual = None
         for layer in self.layers:
             if recompute:
-                h = checkpoint(layer, h, cos, sin, attend, use_reentrant=False)
+                h, residual = checkpoint(layer, h, residual, cos, sin, attend, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, attend)
-        return self.norm(h)
+                h, residual = layer(h, residual, cos, sin, attend)
+        return self.norm.fused(h, residual, None).out
 
 
 class DecoderLM(nn.Module):
