@@ -271,9 +271,8 @@ def test_gpu_forward_bitwise_other_dtypes(dtype):
     assert _bitwise(fp8.data, data) and _bitwise(fp8.scale, scale)
 
 
-def _ulps_within_one(a: torch.Tensor, b: torch.Tensor) -> bool:
-    eps = torch.finfo(b.dtype).eps
-    return bool(((a.double() - b.double()).abs() <= eps * b.double().abs() + torch.finfo(b.dtype).tiny).all())
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.gpu
@@ -291,9 +290,10 @@ def test_gpu_backward_matches_autograd(m, dtype):
     assert not any(torch.isnan(t).any() for t in ours)
     # d up = rnd(g * rnd(silu(gate))): the same operations as autograd, bitwise
     assert _bitwise(ours[1], theirs[1]), "d up differs from autograd"
-    # d gate: autograd's rounding of g * up, then ATen's silu_backward formula; within one ulp even if the
-    # compiler contracts ATen's multiply-add differently than SILU_BWD_FMA assumes (bitwise: next test)
-    assert _ulps_within_one(ours[0], theirs[0])
+    # d gate: autograd's rounding of g * up, then ATen's silu_backward formula (bitwise: next test). Should
+    # the compiler contract ATen's multiply-add differently than SILU_BWD_FMA assumes, the results differ by
+    # an fp32 rounding of 1 + x(1 - s), amplified only near its zero: far below a bf16/fp16 ulp norm-wise.
+    assert _rel(ours[0], theirs[0]) <= (1e-6 if dtype == torch.float32 else 1e-4)
     gu = torch.cat([gate, up], -1).requires_grad_(True)
     dp = torch.autograd.grad(swiglu_packed(gu, impl="triton")[0], gu, grad)[0]
     assert _bitwise(dp, torch.cat(ours, -1))
