@@ -72,9 +72,10 @@ def test_paged_decode_matches_reference_under_interpreter():
         import triton.language  # noqa: F401
     except Exception as exc:  # a broken install: say so rather than fail the suite
         pytest.skip(f"triton does not import: {exc}")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))  # installed or not
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, cwd=root)
     print(proc.stdout)
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, proc.stdout + proc.stderr
 
