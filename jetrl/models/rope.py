@@ -19,6 +19,7 @@ kernel runs on CPU tensors under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -39,6 +40,8 @@ def use_triton(x: torch.Tensor, impl: str | None) -> bool:
     """Whether ``impl`` (``None`` = automatic) selects the Triton kernel for tensors like ``x``."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None (automatic), got {impl!r}")
+    if impl == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}")
     if impl is not None:
         return impl == "triton"
     return x.is_cuda and importlib.util.find_spec("triton") is not None and get_backend(x.device).name == "cuda"

@@ -18,6 +18,7 @@ kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,8 @@ def use_triton(x: torch.Tensor, impl: str | None) -> bool:
     """Whether ``impl`` (``None`` = automatic) selects the Triton kernels for tensors like ``x``."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None (automatic), got {impl!r}")
+    if impl == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}")
     if impl is not None:
         return impl == "triton"
     return x.is_cuda and _triton_available() and get_backend(x.device).name == "cuda"

@@ -40,22 +40,33 @@ def _qk_views(n: int, hq: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.
     return q, k
 
 
+def _unfused_apply_rope(x, cos, sin):
+    """The decoder's RoPE before fusion, verbatim: what the reference must keep reproducing."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reference_is_the_model_apply_rope(dtype, gen):
+def test_reference_is_the_unfused_model_code(dtype, gen):
     cos, sin = _cos_sin(9, 64, dtype, gen)
     q, k = _qk_views(9, 6, 2, 64, dtype, gen)
-    assert torch.equal(apply_rope(q, cos, sin), transformer.apply_rope(q, cos, sin))
+    assert torch.equal(apply_rope(q, cos, sin), _unfused_apply_rope(q, cos, sin))
     q_out, k_out = apply_rope_qk(q, k, cos, sin, impl="reference")
-    assert torch.equal(q_out, transformer.apply_rope(q, cos, sin))
-    assert torch.equal(k_out, transformer.apply_rope(k, cos, sin))
+    assert torch.equal(q_out, _unfused_apply_rope(q, cos, sin))
+    assert torch.equal(k_out, _unfused_apply_rope(k, cos, sin))
     assert not torch.isnan(q_out).any() and not torch.isnan(k_out).any()
 
 
-def test_automatic_dispatch_runs_the_reference_on_cpu(gen):
+def test_automatic_dispatch_runs_the_reference_on_cpu(gen, monkeypatch):
     cos, sin = _cos_sin(3, 16, torch.bfloat16, gen)
     q, k = _qk_views(3, 4, 2, 16, torch.bfloat16, gen)
-    assert not use_triton(q, None)
-    assert use_triton(q, "triton") and not use_triton(q, "reference")
+    assert not use_triton(q, None) and not use_triton(q, "reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton(q, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        apply_rope_qk(q, k, cos, sin, impl="triton")
     q_out, _ = apply_rope_qk(q, k, cos, sin)
     assert torch.equal(q_out, apply_rope(q, cos, sin))
 

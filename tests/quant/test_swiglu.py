@@ -83,10 +83,14 @@ def test_reference_path_backward_is_autograd_of_the_formula(gen):
     assert torch.allclose(ours[1].double(), expected_up, rtol=1e-5, atol=1e-6)
 
 
-def test_automatic_dispatch_runs_the_reference_on_cpu(gen):
+def test_automatic_dispatch_runs_the_reference_on_cpu(gen, monkeypatch):
     gate, up = _inputs((2, 130), torch.bfloat16, gen)
-    assert not use_triton(gate, None)
-    assert use_triton(gate, "triton") and not use_triton(gate, "reference")
+    assert not use_triton(gate, None) and not use_triton(gate, "reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton(gate, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        swiglu(gate, up, impl="triton")
     assert _bitwise(swiglu(gate, up)[0], swiglu_reference(gate, up))
 
 
