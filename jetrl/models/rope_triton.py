@@ -26,19 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.quant.triton_kernels import round_to_bf16_grid as _round_to_bf16_grid
+
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 MAX_TILE = 2048  # elements per half-tile (BLOCK_H * BLOCK_HALF): registers for four fp32 tiles at 4 warps
-
-
-@triton.jit
-def _round_to_bf16_grid(x):
-    """Round fp32 to the nearest bfloat16 value (ties to even), staying in fp32 (interpreter only)."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = bits & -2147483648  # 0x80000000
-    mag = bits & 0x7FFFFFFF
-    rounded = (mag + 0x7FFF + ((mag >> 16) & 1)) & -65536  # ~0xFFFF
-    rounded = tl.where(mag > 0x7F800000, mag, rounded)  # NaN stays NaN
-    return (rounded | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache, paged_attention, varlen_attention, write_kv
 from jetrl.models.config import DecoderConfig
 from jetrl.models.rope import apply_rope, apply_rope_qk
-from jetrl.quant import call_linear, fp8_input_scaling
+from jetrl.quant import call_linear, fp8_input_scaling, linears_shared_input
 from jetrl.quant.norm import NormOutput, rms_norm
 from jetrl.quant.swiglu import swiglu
 
@@ -121,9 +121,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 x_fp8=None) -> torch.Tensor:
         n = x.shape[0]  # x: (N, hidden); x_fp8: its 1x128 FP8 made by the norm, shared by q, k and v
-        q = call_linear(self.q_proj, x, x_fp8).view(n, self.num_heads, self.head_dim)
-        k = call_linear(self.k_proj, x, x_fp8).view(n, self.num_kv_heads, self.head_dim)
-        v = call_linear(self.v_proj, x, x_fp8).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = linears_shared_input(self.input_projections(), x, x_fp8)  # one launch when decoding in FP8
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_qk(q, k, cos, sin)
@@ -145,7 +146,7 @@ class MLP(nn.Module):
         return self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, x_fp8=None) -> torch.Tensor:
-        gate, up = call_linear(self.gate_proj, x, x_fp8), call_linear(self.up_proj, x, x_fp8)
+        gate, up = linears_shared_input(self.input_projections(), x, x_fp8)
         # silu(gate) * up in one kernel, which also quantizes it for an FP8 down projection
         scaling = fp8_input_scaling(self.down_proj)
         act, act_fp8 = swiglu(gate, up, quantize=scaling is not None, pow2_scale=bool(scaling))

@@ -6,7 +6,7 @@ reference or the Hopper kernels; everything else is backend-agnostic.
 
 from jetrl.quant.backend import get_backend, set_backend, use_backend
 from jetrl.quant.formats import ACT, E4M3, E4M3_MAX, TOKEN, WEIGHT, Fp8Tensor
-from jetrl.quant.linear import FP8Linear, call_linear, fp8_input_scaling, fp8_linear
+from jetrl.quant.linear import FP8Linear, call_linear, fp8_input_scaling, fp8_linear, linears_shared_input
 from jetrl.quant.recipe import RECIPES, PrecisionRecipe, apply_recipe, fp8_linears, get_recipe, refresh_fp8_weights
 from jetrl.quant.ops import dequantize, gemm, quantize
 from jetrl.quant.reference import quantize_tensor
@@ -15,7 +15,7 @@ from jetrl.quant.side import current_side, precision_side
 __all__ = [
     "ACT", "WEIGHT", "TOKEN", "E4M3", "E4M3_MAX", "Fp8Tensor",
     "quantize", "dequantize", "gemm", "quantize_tensor",
-    "FP8Linear", "fp8_linear", "fp8_input_scaling", "call_linear",
+    "FP8Linear", "fp8_linear", "fp8_input_scaling", "call_linear", "linears_shared_input",
     "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears", "refresh_fp8_weights",
     "precision_side", "current_side",
     "get_backend", "set_backend", "use_backend",

@@ -102,6 +102,21 @@ class CudaBackend:
             return Fp8Tensor(data, scale, TOKEN)
         return self.quantize(t.dequantize(), block, pow2_scale)  # rare pairs: same arithmetic, unfused
 
+    def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+        """``cat([a @ w.T (+ bias)])`` in one launch for decode-sized ``a`` and 128x128-block weights that
+        share it; ``None`` where this does not apply (the caller then runs the GEMMs one by one)."""
+        if (a.block != ACT or not 1 <= len(weights) <= 3 or any(w.block != WEIGHT for w in weights)
+                or gemm_path(a, weights[0]) != "decode"
+                or (any(b is not None for b in biases) and any(b is None for b in biases))):
+            return None
+        for w in weights:
+            reference.check_gemm_operands(a, w)
+        _check_cuda(a.data, "the left operand")
+        bias_list = [b.to(out_dtype) if b is not None else None for b in biases]
+        return tk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, b) for w, b in zip(weights, bias_list)],
+                                          out_dtype)
+
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)
         _check_cuda(a.data, "the left operand")

@@ -246,3 +246,23 @@ def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = No
     if x_fp8 is None:
         return module(x)
     return module(x, x_fp8=x_fp8)
+
+
+def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
+                         x_fp8: Fp8Tensor | None = None) -> list[torch.Tensor]:
+    """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up).
+
+    In a no-grad decode step (few rows, FP8 on this side, ``x_fp8`` given) a backend that offers
+    ``grouped_gemm`` computes them in one launch, each output a column slice of one buffer with the values
+    the layers give one by one; otherwise each layer runs as usual.
+    """
+    if x_fp8 is not None and not torch.is_grad_enabled() and 2 <= len(modules) <= 3 and x.dim() == 2:
+        backend = get_backend(x.device)
+        grouped = getattr(backend, "grouped_gemm", None)
+        if grouped is not None and fp8_input_scaling(*modules) is not None and tuple(x_fp8.shape) == tuple(x.shape):
+            weights = [m._cached_weights(with_transpose=False)[0] for m in modules]
+            biases = [m.bias for m in modules]
+            out = grouped(x_fp8, weights, biases, out_dtype=x.dtype)
+            if out is not None:
+                return list(out.split([m.out_features for m in modules], dim=1))
+    return [call_linear(m, x, x_fp8) for m in modules]

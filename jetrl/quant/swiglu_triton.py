@@ -32,6 +32,7 @@ from triton.language.extra import libdevice
 
 from jetrl.quant.formats import E4M3
 from jetrl.quant.triton_kernels import _scale_from_amax, _to_e4m3
+from jetrl.quant.triton_kernels import round_to_bf16_grid as _round_to_bf16_grid
 
 BLOCK_K = 128  # one 1x128 scale block per program along the columns
 # ATen's silu_backward ``dy * s * (1 + x * (1 - s))`` is compiled by nvcc with multiply-add contraction on
@@ -48,17 +49,6 @@ def _exp(x):
         return tl.exp(x)
     else:
         return libdevice.exp(x)
-
-
-@triton.jit
-def _round_to_bf16_grid(x):
-    """Round fp32 to the nearest bfloat16 value (ties to even), staying in fp32 (interpreter only)."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = bits & -2147483648  # 0x80000000
-    mag = bits & 0x7FFFFFFF
-    rounded = (mag + 0x7FFF + ((mag >> 16) & 1)) & -65536  # ~0xFFFF
-    rounded = tl.where(mag > 0x7F800000, mag, rounded)  # NaN stays NaN
-    return (rounded | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -82,6 +82,29 @@ def _round_to_e4m3_grid(q):
 
 
 @triton.jit
+def round_to_bf16_grid(x):
+    """Round fp32 to the nearest bfloat16 value (ties to even), staying in fp32.
+
+    Needed under the interpreter only, whose fp32 -> bf16 cast truncates (the GPU's rounds to nearest even).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648  # 0x80000000
+    mag = bits & 0x7FFFFFFF
+    rounded = (mag + 0x7FFF + ((mag >> 16) & 1)) & -65536  # ~0xFFFF
+    rounded = tl.where(mag > 0x7F800000, mag, rounded)  # NaN stays NaN
+    return (rounded | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr):
+    """fp32 -> ``dtype`` rounding to nearest even, on the GPU and under the interpreter alike."""
+    if _SOFT_ROUND:
+        if dtype == tl.bfloat16:
+            x = round_to_bf16_grid(x)
+    return x.to(dtype)
+
+
+@triton.jit
 def _to_e4m3(x, scale):
     """``e4m3(clamp(x / scale, -448, 448))`` with an IEEE division; ``scale`` broadcasts to ``x``."""
     q = tl.div_rn(x, scale)
@@ -241,12 +264,13 @@ def _blockwise_fp8_gemm_kernel(
 
 @triton.jit
 def _fp8_decode_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, ws_ptr, lock_ptr,
-    M, N, K,
+    a_ptr, c_ptr, as_ptr, ws_ptr, lock_ptr,
+    b0_ptr, bs0_ptr, bias0_ptr, N0, b1_ptr, bs1_ptr, bias1_ptr, N1, b2_ptr, bs2_ptr, bias2_ptr, N2,
+    M, K,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     NUM_KB: tl.constexpr, KB_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """C = A @ B^T for a small M (decode): weight-bandwidth bound, so the kernel is built around streaming B.
 
@@ -255,11 +279,39 @@ def _fp8_decode_gemm_kernel(
     M. The K range is split over ``SPLIT_K`` programs per column tile so that enough programs stream the
     weight at once; each writes an fp32 partial, and the last of them to finish (an atomic counter per
     column tile) sums all partials in split order: deterministic, and independent of which finished last.
+
+    Up to three weights (``NUM_GROUPS``) that share the input A (q/k/v, gate/up) run in one launch: their
+    column tiles follow one another and their outputs lie side by side in C. With ``HAS_BIAS`` the BF16
+    result gets the bias added after rounding, as ``F.linear``-style ``y + bias`` would.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    b_ptr = b0_ptr
+    bs_ptr = bs0_ptr
+    bias_ptr = bias0_ptr
+    N = N0
+    tile_n = pid_n
+    col0 = 0
+    if NUM_GROUPS > 1:
+        t0 = tl.cdiv(N0, BLOCK_N)
+        if pid_n >= t0:
+            b_ptr = b1_ptr
+            bs_ptr = bs1_ptr
+            bias_ptr = bias1_ptr
+            N = N1
+            tile_n = pid_n - t0
+            col0 = N0
+        if NUM_GROUPS > 2:
+            t1 = t0 + tl.cdiv(N1, BLOCK_N)
+            if pid_n >= t1:
+                b_ptr = b2_ptr
+                bs_ptr = bs2_ptr
+                bias_ptr = bias2_ptr
+                N = N2
+                tile_n = pid_n - t1
+                col0 = N0 + N1
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, 128)
     m_ok = rm < M
     n_ok = rn < N
@@ -282,10 +334,10 @@ def _fp8_decode_gemm_kernel(
         b_ptrs += 128 * stride_bk
         as_ptrs += stride_ask
         bs_ptrs += stride_bsk
-    c_ptrs = c_ptr + rm[None, :].to(tl.int64) * stride_cm + rn[:, None] * stride_cn
+    c_ptrs = c_ptr + rm[None, :].to(tl.int64) * stride_cm + (col0 + rn)[:, None] * stride_cn
     c_mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT_K == 1:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        _store_decode_tile(c_ptrs, acc, c_mask, bias_ptr, rn, n_ok, HAS_BIAS)
     else:
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + rm[None, :]  # (BLOCK_N, BLOCK_M)
         ws_tile = ws_ptr + pid_n.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
@@ -295,9 +347,17 @@ def _fp8_decode_gemm_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in range(0, SPLIT_K):
                 total += tl.load(ws_tile + s * (BLOCK_N * BLOCK_M) + tile, cache_modifier=".cg")
-            tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
+            _store_decode_tile(c_ptrs, total, c_mask, bias_ptr, rn, n_ok, HAS_BIAS)
             tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call (and the next graph replay)
 
+
+@triton.jit
+def _store_decode_tile(c_ptrs, acc, c_mask, bias_ptr, rn, n_ok, HAS_BIAS: tl.constexpr):
+    c = cast_rne(acc, c_ptrs.dtype.element_ty)
+    if HAS_BIAS:  # round the product first, then add: the unfused ``gemm(...) + bias``
+        bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        c = cast_rne(c.to(tl.float32) + bias[:, None], c_ptrs.dtype.element_ty)
+    tl.store(c_ptrs, c, mask=c_mask)
 
 # --------------------------------------------------------------------------------------------------
 # host wrappers
@@ -490,21 +550,48 @@ def fp8_decode_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.T
     Split-K over the weight with a deterministic in-kernel reduction (see the kernel). Calls on one device
     must not run concurrently on different streams (they share the per-column-tile counters).
     """
+    return _decode_gemm(a_data, a_scale, [(b_data, b_scale, None)], b_scale_rows, out_dtype, config)
+
+
+def fp8_decode_gemm_grouped(a_data: torch.Tensor, a_scale: torch.Tensor,
+                            weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                            out_dtype: torch.dtype = torch.bfloat16,
+                            config: DecodeGemmConfig | None = None) -> torch.Tensor:
+    """``cat([a @ w_i.T + bias_i], dim=1)`` for up to three 128x128-block weights sharing the input ``a``
+    (M <= 64), in one launch: (M, sum N_i). Each output slice equals :func:`fp8_decode_gemm` of its weight
+    (plus its bias, added after rounding to ``out_dtype``)."""
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"fp8_decode_gemm_grouped takes 1 to 3 weights, got {len(weights)}")
+    return _decode_gemm(a_data, a_scale, weights, 128, out_dtype, config)
+
+
+def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
     m, k = a_data.shape
-    n = b_data.shape[0]
     if m > DECODE_GEMM_MAX_M:
         raise ValueError(f"fp8_decode_gemm handles at most {DECODE_GEMM_MAX_M} rows, got {m}")
-    out = torch.empty((m, n), dtype=out_dtype, device=a_data.device)
-    if m == 0 or n == 0:
+    ns = [w.shape[0] for w, _, _ in weights]
+    b0, bs0, _ = weights[0]
+    for w, sc, bias in weights:
+        if w.shape[1] != k or w.stride() != b0.stride() or sc.stride() != bs0.stride():
+            raise ValueError("fp8_decode_gemm: grouped weights need the input's K and equal layouts")
+    biases = [bias for _, _, bias in weights]
+    has_bias = any(b is not None for b in biases)
+    if has_bias and (any(b is None for b in biases) or len({b.dtype for b in biases}) != 1):
+        raise ValueError("fp8_decode_gemm: give a bias for every grouped weight (one dtype) or for none")
+    n_total = sum(ns)
+    out = torch.empty((m, n_total), dtype=out_dtype, device=a_data.device)
+    if m == 0 or n_total == 0:
         return out
     if k == 0:
-        return out.zero_()
-    cfg = config or default_decode_config(m, n, k, a_data.device)
+        out.zero_()
+        return out + torch.cat(biases).to(out_dtype) if has_bias else out
+    block_n = (config or DecodeGemmConfig()).block_n
+    tiles = sum(_cdiv(n, block_n) for n in ns)
+    cfg = config or default_decode_config(m, n_total, k, a_data.device)
     num_kb = _cdiv(k, BLOCK)
     split = max(1, min(cfg.split_k, num_kb))
     kb_per_split = _cdiv(num_kb, split)
     split = _cdiv(num_kb, kb_per_split)  # no empty split
-    tiles = _cdiv(n, cfg.block_n)
     block_m = max(16, 1 << (m - 1).bit_length())
     if split > 1:
         if tiles > _LOCK_SLOTS:
@@ -513,11 +600,16 @@ def fp8_decode_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.T
         locks = _locks(a_data.device)
     else:
         ws = locks = out  # unused
+    groups = []
+    for i in range(3):
+        w, sc, bias = weights[i] if i < len(weights) else weights[0]
+        groups += [w, sc, bias if has_bias else out, ns[i] if i < len(weights) else 0]
     _fp8_decode_gemm_kernel[(tiles, split)](
-        a_data, b_data, out, a_scale, b_scale, ws, locks, m, n, k,
-        a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1), out.stride(0), out.stride(1),
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        a_data, out, a_scale, ws, locks, *groups, m, k,
+        a_data.stride(0), a_data.stride(1), b0.stride(0), b0.stride(1), out.stride(0), out.stride(1),
+        a_scale.stride(0), a_scale.stride(1), bs0.stride(0), bs0.stride(1),
         NUM_KB=num_kb, KB_PER_SPLIT=kb_per_split, SPLIT_K=split, B_SCALE_ROWS=b_scale_rows,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_GROUPS=len(weights), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -170,6 +170,22 @@ def test_decode_gemm_deterministic_split_k(cuda_backend, mnk):
         assert torch.equal(captured, out)
 
 
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_decode_gemm_equals_one_by_one(cuda_backend, m, bias):
+    """q/k/v-like weights sharing an input: one launch, each slice bitwise the single GEMM (+ bias)."""
+    g = torch.Generator(device="cuda").manual_seed(m + 11 * bias)
+    a = cuda_backend.quantize(torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
+    ws = [cuda_backend.quantize(torch.randn(n, 4096, generator=g, device="cuda", dtype=torch.bfloat16), WEIGHT)
+          for n in (4096, 1024, 1024)]
+    bs = [torch.randn(w.shape[0], generator=g, device="cuda", dtype=torch.bfloat16) if bias else None for w in ws]
+    out = cuda_backend.grouped_gemm(a, ws, bs)
+    assert out is not None and out.shape == (m, 6144)
+    one = [cuda_backend.gemm(a, w) for w in ws]
+    one = torch.cat([y + b if b is not None else y for y, b in zip(one, bs)], dim=1)
+    assert torch.isfinite(out.float()).all() and torch.equal(out, one)
+
+
 def test_dgrad_operand_row_major_transposed_weight(cuda_backend):
     """DGrad: dy (1x128) @ W through the cached row-major W^T equals the transposed-view operand."""
     g = torch.Generator(device="cuda").manual_seed(5)

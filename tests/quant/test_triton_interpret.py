@@ -108,6 +108,19 @@ for (m, n, k, split, bn) in [(1, 200, 300, 1, 64), (5, 128, 1024, 4, 64), (33, 1
         bound = (a.dequantize().double().abs() @ b.dequantize().double().abs().t()) * (k + 2) * 2.0 ** -24
         gemm[f"decode-{m}x{n}x{k}-split{split}-{name}"] = bool(((out - ref).abs() <= bound).all()) and \
             torch.equal(out, run())
+# grouped: up to three weights sharing the input, with and without biases, equal to one-by-one calls
+for (m, ns, k, split) in [(3, (256, 128, 128), 512, 2), (20, (200, 130), 300, 1)]:
+    a = R.quantize_tensor(torch.randn(m, k, generator=g), (1, 128))
+    for with_bias in (False, True):
+        ws = []
+        for n in ns:
+            q = R.quantize_tensor(torch.randn(n, k, generator=g), (128, 128))
+            ws.append((q.data, q.scale, torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None))
+        cfg = T.DecodeGemmConfig(block_n=64, split_k=split, num_warps=4, num_stages=2)
+        out = T.fp8_decode_gemm_grouped(a.data, a.scale, ws, torch.bfloat16, cfg)
+        sep = [T.fp8_decode_gemm(a.data, a.scale, d, sc, 128, torch.bfloat16, cfg) for d, sc, _ in ws]
+        sep = [y + b if b is not None else y for y, (_, _, b) in zip(sep, ws)]
+        gemm[f"grouped-{m}-{len(ns)}-bias{with_bias}"] = bool(torch.equal(out, torch.cat(sep, 1)))
 gemm["decode-counters-reset"] = int(T._locks(torch.device("cpu")).abs().sum()) == 0
 json.dump({"quant": results, "gemm": gemm}, sys.stdout)
 '''
