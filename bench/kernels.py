@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 LLAMA8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 TRAIN_M = [64, 256, 4096, 16384]
@@ -281,17 +280,25 @@ def profile_fp8_linear(m: int = 4096, n: int = 4096, k: int = 4096) -> None:
 
 
 class _Mlp(nn.Module):
-    """RMSNorm -> gate_up -> SwiGLU -> down, Llama style, with a residual."""
+    """jetrl's own MLP block: the fused norm (+ residual add, + FP8 input), gate/up, fused SwiGLU (+ FP8
+    input of down), down; the residual stream comes back as ``mlp_out + residual`` like a decoder block's."""
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.norm = nn.RMSNorm(dim, eps=1e-5, device="cuda", dtype=torch.bfloat16)
-        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False, device="cuda", dtype=torch.bfloat16)
-        self.down = nn.Linear(hidden, dim, bias=False, device="cuda", dtype=torch.bfloat16)
+        from jetrl.models.config import DecoderConfig
+        from jetrl.models.transformer import MLP, RMSNorm
+
+        cfg = DecoderConfig.from_hf(dict(model_type="llama", vocab_size=256, hidden_size=dim, intermediate_size=hidden,
+                                         num_hidden_layers=1, num_attention_heads=dim // 128,
+                                         num_key_value_heads=dim // 128))
+        self.norm = RMSNorm(dim, 1e-5, device="cuda", dtype=torch.bfloat16)
+        self.mlp = MLP(cfg, device="cuda", dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(self.norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        from jetrl.quant import fp8_input_scaling
+
+        normed = self.norm.fused(x, None, fp8_input_scaling(*self.mlp.input_projections()))
+        return x + self.mlp(normed.out, normed.out_fp8)
 
 
 def bench_mlp(rep: Report, ms_list: list[int], dim: int = 4096, hidden: int = 14336) -> None:
