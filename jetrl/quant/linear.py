@@ -253,8 +253,9 @@ def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: to
     """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up).
 
     In a no-grad decode step (few rows, FP8 on this side, ``x_fp8`` given) a backend that offers
-    ``grouped_gemm`` computes them in one launch, each output a column slice of one buffer with the values
-    the layers give one by one; otherwise each layer runs as usual.
+    ``grouped_gemm`` computes them in one launch, each output a column slice of one buffer (the same FP8
+    operands; the K-split of the sum may differ from a lone call's, so values agree to output rounding);
+    otherwise each layer runs as usual.
     """
     if x_fp8 is not None and not torch.is_grad_enabled() and 2 <= len(modules) <= 3 and x.dim() == 2:
         backend = get_backend(x.device)

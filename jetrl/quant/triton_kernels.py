@@ -559,7 +559,8 @@ def fp8_decode_gemm_grouped(a_data: torch.Tensor, a_scale: torch.Tensor,
                             config: DecodeGemmConfig | None = None) -> torch.Tensor:
     """``cat([a @ w_i.T + bias_i], dim=1)`` for up to three 128x128-block weights sharing the input ``a``
     (M <= 64), in one launch: (M, sum N_i). Each output slice equals :func:`fp8_decode_gemm` of its weight
-    (plus its bias, added after rounding to ``out_dtype``)."""
+    run with the same config (plus its bias, added after rounding to ``out_dtype``); the default config is
+    chosen for the total width, so its K split may differ from a lone call's."""
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"fp8_decode_gemm_grouped takes 1 to 3 weights, got {len(weights)}")
     return _decode_gemm(a_data, a_scale, weights, 128, out_dtype, config)
