@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--parts", default="decode,train")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", default=None)
+    p.add_argument("--quick", action="store_true", help="4 blocks instead of --layers (scripts/gpu_check.sh --quick)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.layers = 4
 
     from jetrl.models import build_model, token_logprobs
     from jetrl.quant import precision_side
