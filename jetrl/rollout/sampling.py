@@ -21,11 +21,18 @@ generator of the logits' device (cheaper; not reproducible across batch composit
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 
 _MASK32 = 0xFFFFFFFF
+# seeded rows without truncation sample in one Triton kernel on CUDA (False: always the tensor ops)
+FUSED_SEEDED_SAMPLING = True
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -187,8 +194,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     """Sample one token per row of ``logits`` (B, V) -> (tokens (B,) int64, logprobs (B,) fp32).
 
     See the module docstring for the log-probability definition and the truncation order. Runs entirely
-    on the logits' device with no host synchronisation.
+    on the logits' device with no host synchronisation. On CUDA, a batch of seeded (and greedy) rows without
+    truncation runs as one Triton kernel (:mod:`jetrl.rollout.sampling_triton`: the same tokens, the
+    log-probabilities up to fp32 summation order) instead of some fifty tensor ops over (B, V).
     """
+    if (FUSED_SEEDED_SAMPLING and logits.is_cuda and logits.dim() == 2 and not batch.all_greedy
+            and not batch.any_truncation and not batch.any_unseeded_random and _triton_available()):
+        from jetrl.rollout.sampling_triton import seeded_sample
+
+        return seeded_sample(logits, batch.temperature, batch.seed_lo, batch.seed_hi, batch.sample_index,
+                             batch.position)
     logits = logits.float()
     greedy = batch.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)

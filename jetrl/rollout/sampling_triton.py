@@ -1,0 +1,124 @@
+"""One-kernel sampling for seeded (and greedy) rows without top-k/top-p truncation.
+
+The PyTorch sampler (:func:`jetrl.rollout.sampling.sample`) builds the counter-based noise of seeded rows
+with about forty int64 tensor ops over the whole (B, V) logits, then the Gumbel transform, the argmax and
+a full log-softmax: at a 128K vocabulary that is over a millisecond per decode step, more than a small
+model's whole forward. This kernel does the same in one pass over the logits, one program per row:
+
+* ``scaled = logits / T`` (IEEE division; T = 1 for greedy rows), an online max / sum-of-exponentials of
+  ``scaled`` for the log-probability ``scaled[token] - logsumexp(scaled)``;
+* the noise bits from the same 32-bit hash of ``(seed, sample index, position, token id)`` as
+  :func:`~jetrl.rollout.sampling.seeded_uniform` (exact: unsigned 32-bit arithmetic wraps like the
+  reference's masked int64), ``u = ((bits >> 8) + 0.5) / 2^24`` and ``g = -log(-log(u))`` with the
+  device's libm ``log`` (the function PyTorch's CUDA ``log`` calls);
+* the first index of the largest ``scaled + g`` (of ``logits`` for greedy rows), as ``argmax`` picks it.
+
+The tokens are therefore those of the reference (on the GPU; the interpreter's ``log`` is NumPy's, which
+may differ by an ulp), and the log-probability equals the reference's up to fp32 summation order.
+Imported lazily; ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from triton.language.extra import libdevice
+
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _log(x):
+    """fp32 natural log: the device libm's (as PyTorch's CUDA ``log``); NumPy's under the interpreter."""
+    if _INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.log(x)
+
+
+@triton.jit
+def _mix32(x):
+    """The reference's ``_hash32`` ("lowbias32") on uint32 values."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, seed_hi_ptr, index_ptr, pos_ptr,
+                                 token_ptr, logprob_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    t = tl.load(temp_ptr + row)
+    greedy = t == 0.0
+    t = tl.where(greedy, 1.0, t)
+    seed_lo = tl.load(seed_lo_ptr + row).to(tl.uint32)
+    seed_hi = tl.load(seed_hi_ptr + row).to(tl.uint32)
+    index = tl.load(index_ptr + row).to(tl.uint32)
+    position = tl.load(pos_ptr + row).to(tl.uint32)
+    key = _mix32(seed_lo ^ _mix32(seed_hi + 0x9E3779B9))
+    key = _mix32(key ^ _mix32(index + 0x85EBCA6B))
+    key = _mix32(key ^ _mix32(position + 0xC2B2AE35))
+
+    offs = tl.arange(0, BLOCK_V)
+    run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane online logsumexp of scaled
+    run_sum = tl.zeros([BLOCK_V], tl.float32)
+    best = tl.full([1], float("-inf"), tl.float32)
+    best_idx = tl.full([1], 0, tl.int32)
+    best_scaled = tl.full([1], 0.0, tl.float32)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + offs
+        ok = v < V
+        x = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32)
+        scaled = tl.div_rn(x, tl.full([BLOCK_V], 1.0, tl.float32) * t)
+        new_max = tl.maximum(run_max, scaled)
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe) + tl.where(ok, tl.exp(scaled - safe), 0.0)
+        run_max = new_max
+        bits = _mix32(_mix32(key ^ v.to(tl.uint32)) + key)
+        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        gumbel = -_log(-_log(u))
+        score = tl.where(greedy, x, scaled + gumbel)
+        score = tl.where(ok, score, float("-inf"))
+        tile_best = tl.max(score, 0)
+        tile_idx = tl.argmax(score, 0)  # first index of the maximum
+        tile_scaled = tl.sum(tl.where(offs == tile_idx, scaled, 0.0), 0)
+        better = tile_best > best  # strictly: an earlier tile keeps ties, like argmax over the row
+        best_idx = tl.where(better, v0 + tile_idx, best_idx)
+        best_scaled = tl.where(better, tile_scaled, best_scaled)
+        best = tl.where(better, tile_best, best)
+    total_max = tl.max(run_max, 0)
+    total = tl.sum(run_sum * tl.exp(run_max - total_max), 0)
+    logprob = best_scaled - (total_max + _log(total))
+    one = tl.arange(0, 1)
+    tl.store(token_ptr + row + one, best_idx.to(tl.int64))
+    tl.store(logprob_ptr + row + one, logprob)
+
+
+def seeded_sample(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                  sample_index: torch.Tensor, position: torch.Tensor, block_v: int = 4096
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (B,) int64, logprobs (B,) fp32) for rows that are seeded or greedy (T = 0), no truncation."""
+    if logits.dim() != 2:
+        raise ValueError(f"seeded_sample expects (B, V) logits, got shape {tuple(logits.shape)}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    b, v = logits.shape
+    tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
+    if b == 0:
+        return tokens, logprobs
+    block_v = min(block_v, triton.next_power_of_2(v))
+    _seeded_gumbel_sample_kernel[(b,)](
+        logits, logits.stride(0), temperature.float().contiguous(), seed_lo.contiguous(), seed_hi.contiguous(),
+        sample_index.contiguous(), position.contiguous(), tokens, logprobs, V=v, BLOCK_V=block_v, num_warps=8)
+    return tokens, logprobs
+
+
+__all__ = ["seeded_sample"]
