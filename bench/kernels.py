@@ -154,7 +154,8 @@ DECODE_SWEEP = [(bn, split, stages, warps) for bn in (32, 64, 128) for split in 
                 for warps in (4, 8)]
 
 
-def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True) -> None:
+def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True,
+                 ms: list[int] | None = None) -> None:
     """Decode GEMMs timed as CUDA-graph replays (the rollout engine replays graphs) over rotating weight
     copies (HBM reads, as in a real step): GPU time per GEMM."""
     from jetrl.quant import cuda as cuda_mod
@@ -167,7 +168,7 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
         copies = _rotation(n, k)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         qws = [be.quantize(w, (128, 128)) for w in ws]
-        for m in DECODE_M:
+        for m in ms or DECODE_M:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             qx = be.quantize(x, (1, 128))
 
@@ -181,11 +182,16 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
             row["triton_us"] = per_gemm(lambda i: tk.blockwise_fp8_gemm(qx.data, qx.scale, qws[i].data,
                                                                          qws[i].scale, 128))
             row["decode_us"] = per_gemm(lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale,
-                                                                      128))
+                                                                      128)) if m <= 64 else None
             if sweep and m == 64:
                 for bn, split, stages, warps in DECODE_SWEEP:
                     cfg = tk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=stages)
                     row[f"decode_n{bn}k{split}s{stages}w{warps}_us"] = per_gemm(
+                        lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
+            if m > 64:  # beyond the decode path's range: is the decode kernel still competitive there?
+                for bn, split, warps in ((64, 1, 8), (64, 2, 8), (128, 1, 8), (64, 4, 8)):
+                    cfg = tk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=3)
+                    row[f"decode_n{bn}k{split}s3w{warps}_us"] = per_gemm(
                         lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
             row["auto_path"] = cuda_mod.gemm_path(qx, qws[0])
             row["auto_us"] = per_gemm(lambda i: be.gemm(qx, qws[i]))
@@ -321,6 +327,8 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--json", default=None, help="write all rows to this JSON file")
     parser.add_argument("--sections", default="quant,gemm,decode,fp8linear,host,mlp")
     parser.add_argument("--profile", action="store_true", help="print a profile of one FP8Linear step")
+    parser.add_argument("--decode-m", default=",".join(str(m) for m in DECODE_M),
+                        help="row counts of the decode section (up to 256)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
@@ -338,7 +346,8 @@ def main(argv: list[str] | None = None) -> Report:
     runs = [
         ("quant", lambda: bench_quantization(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])),
         ("gemm", lambda: bench_gemms(rep, train_m, LLAMA8B_NK)),
-        ("decode", lambda: bench_decode(rep, LLAMA8B_NK + [(1024, 4096)])),  # + the k/v projections
+        ("decode", lambda: bench_decode(rep, LLAMA8B_NK + [(1024, 4096)],
+                                        ms=[int(m) for m in args.decode_m.split(",")])),  # + the k/v projections
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
         ("profile", profile_fp8_linear),

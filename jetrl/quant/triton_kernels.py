@@ -510,7 +510,7 @@ class DecodeGemmConfig:
     num_stages: int = 3
 
 
-DECODE_GEMM_MAX_M = 64
+DECODE_GEMM_MAX_M = 256  # one tile row covers M; the backend sends only M <= 64 here by default
 _LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
 _LOCK_SLOTS = 1 << 14
 
@@ -545,7 +545,7 @@ def _locks(device: torch.device) -> torch.Tensor:
 def fp8_decode_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
                     b_scale_rows: int, out_dtype: torch.dtype = torch.bfloat16,
                     config: DecodeGemmConfig | None = None) -> torch.Tensor:
-    """``a @ b.T`` for a decode-sized ``a`` (M <= 64 rows), operands as in :func:`blockwise_fp8_gemm`.
+    """``a @ b.T`` for a decode-sized ``a`` (M <= 256 rows), operands as in :func:`blockwise_fp8_gemm`.
 
     Split-K over the weight with a deterministic in-kernel reduction (see the kernel). Calls on one device
     must not run concurrently on different streams (they share the per-column-tile counters).
@@ -558,7 +558,7 @@ def fp8_decode_gemm_grouped(a_data: torch.Tensor, a_scale: torch.Tensor,
                             out_dtype: torch.dtype = torch.bfloat16,
                             config: DecodeGemmConfig | None = None) -> torch.Tensor:
     """``cat([a @ w_i.T + bias_i], dim=1)`` for up to three 128x128-block weights sharing the input ``a``
-    (M <= 64), in one launch: (M, sum N_i). Each output slice equals :func:`fp8_decode_gemm` of its weight
+    (M <= 256), in one launch: (M, sum N_i). Each output slice equals :func:`fp8_decode_gemm` of its weight
     run with the same config (plus its bias, added after rounding to ``out_dtype``); the default config is
     chosen for the total width, so its K split may differ from a lone call's."""
     if not 1 <= len(weights) <= 3:
