@@ -188,20 +188,21 @@ def _quantize_weight_kernel(
 def _requantize_act_to_token_kernel(
     q_ptr, M, K, stride_qm, stride_qk, s_ptr, stride_sm, stride_sk,
     tok_ptr, tok_scale_ptr,
-    POW2: tl.constexpr, T_IN: tl.constexpr,
+    POW2: tl.constexpr, T_IN: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Re-quantize a 1x128 FP8 tensor into 128x1 blocks: dequantize in registers (``data * scale`` in
     fp32, as the reference does), then quantize per 128 rows per column; data written transposed
-    (``T_IN``: transpose the E4M3 input tile first and reduce along rows)."""
+    (``T_IN``: transpose the E4M3 input tile first and reduce along rows). BLOCK_K divides 128, so a
+    tile's columns share one 1x128 source scale per row."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * 128 + tl.arange(0, 128)
-    rk = pid_k * 128 + tl.arange(0, 128)
+    rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     q = tl.load(q_ptr + rm[:, None].to(tl.int64) * stride_qm + rk[None, :] * stride_qk, mask=mask, other=0.0)
-    s = tl.load(s_ptr + rm * stride_sm + pid_k * stride_sk, mask=rm < M, other=0.0)  # (128,)
+    s = tl.load(s_ptr + rm * stride_sm + (pid_k * BLOCK_K // 128) * stride_sk, mask=rm < M, other=0.0)  # (128,)
     if T_IN:
-        xt = tl.trans(q).to(tl.float32) * s[None, :]  # (128 k, 128 m); masked lanes are 0 * 0
+        xt = tl.trans(q).to(tl.float32) * s[None, :]  # (BLOCK_K k, 128 m); masked lanes are 0 * 0
         scale_t = _scale_from_amax(tl.max(tl.abs(xt), axis=1), POW2)
         q_t = _to_e4m3(xt, scale_t[:, None])
     else:
@@ -399,20 +400,28 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bo
     return data, scale_buf.t()
 
 
-def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_input: bool | None = None):
+# Tile width (columns per program) and warps of the 128x1 kernels (quantize and re-quantize).
+TOKEN_BLOCK_K = 128
+TOKEN_NUM_WARPS = 8
+
+
+def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_input: bool | None = None,
+                         block_k: int | None = None, num_warps: int | None = None):
     """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M, K) view of a row-major (K, M)
-    data buffer and the (Mb, K) row-major scales."""
+    data buffer and the (Mb, K) row-major scales. ``block_k`` (a power of two <= 128) and ``num_warps``
+    override the tile (benchmarks)."""
     m, k = x.shape
     tok = torch.empty((k, m), dtype=E4M3, device=x.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
     if m and k:
-        block_k = 128
+        block_k = block_k or TOKEN_BLOCK_K
         grid = (_cdiv(m, BLOCK), _cdiv(k, block_k))
         _quantize_rows_cols_kernel[grid](
             x, m, k, x.stride(0), x.stride(1),
             tok, tok_scale, 1, 1,
             tok, tok_scale,
-            POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=8,
+            POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k,
+            num_warps=num_warps or TOKEN_NUM_WARPS,
             T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
         )
     return tok.t(), tok_scale
@@ -437,17 +446,21 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
 
 
 def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
-                            transpose_input: bool | None = None):
+                            transpose_input: bool | None = None, block_k: int | None = None,
+                            num_warps: int | None = None):
     """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory.
     Returns the (M, K) view of a row-major (K, M) data buffer and (Mb, K) row-major scales."""
     m, k = data.shape
     tok = torch.empty((k, m), dtype=E4M3, device=data.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=data.device)
     if m and k:
-        grid = (_cdiv(m, BLOCK), _cdiv(k, BLOCK))
+        block_k = block_k or TOKEN_BLOCK_K
+        if block_k > BLOCK or BLOCK % block_k:
+            raise ValueError(f"requantize_act_to_token: block_k must divide {BLOCK}, got {block_k}")
+        grid = (_cdiv(m, BLOCK), _cdiv(k, block_k))
         _requantize_act_to_token_kernel[grid](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
-            tok, tok_scale, POW2=pow2_scale, num_warps=8,
+            tok, tok_scale, POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps or TOKEN_NUM_WARPS,
             T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
         )
     return tok.t(), tok_scale

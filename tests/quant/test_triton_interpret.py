@@ -81,6 +81,14 @@ for name, x in inputs():
         ok = ok and same(dt, rw.t().contiguous())
         d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, transpose_input=False)
         r["transpose_output_variant"] = ok and same(d, rq.data) and same(s, rq.scale)
+        # narrower 128x1 tiles (the benchmarks sweep them)
+        ok = True
+        for bk in (32, 64):
+            td, ts = T.quantize_token_128x1(x, pow2, block_k=bk, num_warps=4)
+            ok = ok and same(td, rt) and same(ts, rst)
+            d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, block_k=bk, num_warps=4)
+            ok = ok and same(d, rq.data) and same(s, rq.scale)
+        r["narrow_token_tiles"] = ok
         results[key] = r
 
 # GEMM: the Triton blockwise GEMM against dequantize-then-fp32-matmul
@@ -135,7 +143,8 @@ def interpreted():
     return json.loads(proc.stdout)
 
 
-KERNELS = ("act", "act+token", "token", "weight", "requant", "nan_free", "transpose_output_variant")
+KERNELS = ("act", "act+token", "token", "weight", "requant", "nan_free", "transpose_output_variant",
+           "narrow_token_tiles")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
