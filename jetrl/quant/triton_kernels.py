@@ -400,9 +400,13 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bo
     return data, scale_buf.t()
 
 
-# Tile width (columns per program) and warps of the 128x1 kernels (quantize and re-quantize).
-TOKEN_BLOCK_K = 128
-TOKEN_NUM_WARPS = 8
+# Tile width (columns per program) and warps of the 128x1 kernels, from a sweep on the H200
+# (BENCHMARKS.md, run E): 128 x 64 tiles on 4 warps reach 0.54-0.67 of copy bandwidth for quantization
+# (0.37-0.44 with 128 x 128 on 8 warps), 128 x 32 on 4 warps 0.32-0.36 for re-quantization (0.28-0.30).
+TOKEN_BLOCK_K = 64
+TOKEN_NUM_WARPS = 4
+REQUANT_BLOCK_K = 32
+REQUANT_NUM_WARPS = 4
 
 
 def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_input: bool | None = None,
@@ -454,13 +458,13 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
     tok = torch.empty((k, m), dtype=E4M3, device=data.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=data.device)
     if m and k:
-        block_k = block_k or TOKEN_BLOCK_K
+        block_k = block_k or REQUANT_BLOCK_K
         if block_k > BLOCK or BLOCK % block_k:
             raise ValueError(f"requantize_act_to_token: block_k must divide {BLOCK}, got {block_k}")
         grid = (_cdiv(m, BLOCK), _cdiv(k, block_k))
         _requantize_act_to_token_kernel[grid](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
-            tok, tok_scale, POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps or TOKEN_NUM_WARPS,
+            tok, tok_scale, POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps or REQUANT_NUM_WARPS,
             T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
         )
     return tok.t(), tok_scale
