@@ -325,11 +325,10 @@ def _fp8_decode_gemm_kernel(
     for i in range(0, KB_PER_SPLIT):
         k_rem = K - (kb0 + i) * 128
         k_ok = rk < k_rem
-        kb_ok = k_rem > 0
         b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        sb = tl.load(bs_ptrs, mask=n_ok & kb_ok, other=0.0)
-        sa = tl.load(as_ptrs, mask=m_ok & kb_ok, other=0.0)
+        sb = tl.load(bs_ptrs, mask=n_ok & (rn * 0 + k_rem > 0), other=0.0)  # (block tensors: a scalar
+        sa = tl.load(as_ptrs, mask=m_ok & (rm * 0 + k_rem > 0), other=0.0)  # mask trips some interpreters)
         acc += tl.dot(b, a) * (sb[:, None] * sa[None, :])
         a_ptrs += 128 * stride_ak
         b_ptrs += 128 * stride_bk
