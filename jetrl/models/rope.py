@@ -18,14 +18,10 @@ kernel runs on CPU tensors under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
-from jetrl.quant import get_backend
+from jetrl.quant.fused_dispatch import choose_impl
 
-IMPLS = ("reference", "triton")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -37,14 +33,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def use_triton(x: torch.Tensor, impl: str | None) -> bool:
-    """Whether ``impl`` (``None`` = automatic) selects the Triton kernel for tensors like ``x``."""
-    if impl is not None and impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS} or None (automatic), got {impl!r}")
-    if impl == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}")
-    if impl is not None:
-        return impl == "triton"
-    return x.is_cuda and importlib.util.find_spec("triton") is not None and get_backend(x.device).name == "cuda"
+    """Whether ``impl`` (``None`` = automatic, see :mod:`jetrl.quant.fused_dispatch`) selects the kernel."""
+    return choose_impl(x, impl, op="apply_rope_qk") == "triton"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

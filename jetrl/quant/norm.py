@@ -11,17 +11,14 @@ the very ``out`` returned, so a consumer that takes it gets exactly what quantiz
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from typing import NamedTuple
 
 import torch
 
 from jetrl.quant import reference
 from jetrl.quant.formats import ACT, Fp8Tensor
+from jetrl.quant.fused_dispatch import choose_impl
 
-IMPLS = ("reference", "triton")
 # dtypes the kernels handle (activations and weight); anything else takes the reference path
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -84,22 +81,6 @@ def rms_norm_reference(
     return NormOutput(out, h if residual is not None else None, out_fp8)
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _auto_uses_kernels(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """CUDA tensors of kernel dtypes, Triton installed and the FP8 backend for the device is "cuda"."""
-    if not x.is_cuda or x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
-        return False
-    if not _triton_installed():
-        return False
-    from jetrl.quant.backend import get_backend
-
-    return get_backend(x.device).name == "cuda"
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """(..., D) as a 2-D (M, D) tensor with a unit last stride (copied only when needed)."""
     t2 = t.reshape(-1, t.shape[-1])
@@ -157,16 +138,12 @@ def rms_norm(
     ``out`` and ``residual``; ``out_fp8`` is not differentiable.
     """
     _check_inputs(x, weight, eps, residual)
-    if impl is None:
-        impl = "triton" if _auto_uses_kernels(x, weight) else "reference"
-    if impl not in IMPLS:
-        raise ValueError(f"rms_norm: impl must be one of {IMPLS} or None, got {impl!r}")
-    if impl == "reference":
-        return rms_norm_reference(x, weight, eps, residual, quantize=quantize, pow2_scale=pow2_scale)
-    if x.dtype not in KERNEL_DTYPES or weight.dtype not in KERNEL_DTYPES:
+    kernel_dtypes = x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES
+    if impl == "triton" and not kernel_dtypes:
         raise TypeError(f"rms_norm: the Triton kernels take bf16/fp16/fp32, got x {x.dtype}, weight {weight.dtype}")
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(f"rms_norm: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), x is on {x.device}")
+    impl = choose_impl(x, impl, eligible=kernel_dtypes, op="rms_norm")
+    if impl == "reference" or not kernel_dtypes:  # (a block forcing the kernels still runs other dtypes here)
+        return rms_norm_reference(x, weight, eps, residual, quantize=quantize, pow2_scale=pow2_scale)
 
     shape = x.shape
     x2 = _rows(x)

@@ -17,33 +17,19 @@ kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 import torch.nn.functional as F
 
 from jetrl.quant import reference
-from jetrl.quant.backend import get_backend
+from jetrl.quant.fused_dispatch import choose_impl
 from jetrl.quant.formats import ACT, Fp8Tensor
 
-IMPLS = ("reference", "triton")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def use_triton(x: torch.Tensor, impl: str | None) -> bool:
-    """Whether ``impl`` (``None`` = automatic) selects the Triton kernels for tensors like ``x``."""
-    if impl is not None and impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS} or None (automatic), got {impl!r}")
-    if impl == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}")
-    if impl is not None:
-        return impl == "triton"
-    return x.is_cuda and _triton_available() and get_backend(x.device).name == "cuda"
+    """Whether ``impl`` (``None`` = automatic, see :mod:`jetrl.quant.fused_dispatch`) selects the kernels."""
+    return choose_impl(x, impl, op="swiglu") == "triton"
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
