@@ -6,6 +6,7 @@ reference or the Hopper kernels; everything else is backend-agnostic.
 
 from jetrl.quant.backend import get_backend, set_backend, use_backend
 from jetrl.quant.formats import ACT, E4M3, E4M3_MAX, TOKEN, WEIGHT, Fp8Tensor
+from jetrl.quant.fused_dispatch import fused_impl
 from jetrl.quant.linear import FP8Linear, call_linear, fp8_input_scaling, fp8_linear, linears_shared_input
 from jetrl.quant.recipe import RECIPES, PrecisionRecipe, apply_recipe, fp8_linears, get_recipe, refresh_fp8_weights
 from jetrl.quant.ops import dequantize, gemm, quantize
@@ -18,5 +19,5 @@ __all__ = [
     "FP8Linear", "fp8_linear", "fp8_input_scaling", "call_linear", "linears_shared_input",
     "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears", "refresh_fp8_weights",
     "precision_side", "current_side",
-    "get_backend", "set_backend", "use_backend",
+    "get_backend", "set_backend", "use_backend", "fused_impl",
 ]
