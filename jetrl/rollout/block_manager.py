@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from jetrl.rollout.sequence import Sequence
 
 
@@ -68,6 +70,7 @@ class BlockManager:
             self.ref_counts[block] = len(seqs)
         for seq in seqs:
             seq.block_table = list(blocks)
+            seq.table_version += 1
 
     def blocks_needed_to_append(self, seq: Sequence) -> int:
         """0 or 1: whether writing the token at ``seq.num_computed_tokens`` needs a block (new or a copy)."""
@@ -96,6 +99,7 @@ class BlockManager:
         new = self._take()
         self._release(block)
         seq.block_table[index] = new
+        seq.table_version += 1
         return (block, new)
 
     def slot(self, seq: Sequence, position: int) -> int:
@@ -107,6 +111,43 @@ class BlockManager:
         for block in seq.block_table:
             self._release(block)
         seq.block_table = []
+        seq.table_version += 1
 
 
-__all__ = ["BlockManager", "NoFreeBlocks"]
+class BlockTableMirror:
+    """A host array holding the block tables of one ``generate`` call's sequences, updated incrementally.
+
+    Packing every block table into a fresh list each step costs the engine more host time than a small
+    model's decode step takes on the GPU; here a sequence's row only receives the blocks appended since the
+    last step, and is rewritten whole only when its ``table_version`` moved (shared-prefix allocation,
+    copy-on-write of a block, or a free before recomputation). ``rows(seqs)`` is then one gather.
+    """
+
+    def __init__(self, seqs: list[Sequence], max_blocks_per_seq: int) -> None:
+        self.table = np.full((max(len(seqs), 1), max(max_blocks_per_seq, 1)), -1, dtype=np.int64)
+        self._row = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        self._version = [-1] * len(seqs)
+        self._written = [0] * len(seqs)
+
+    def rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """(len(seqs), width) int64 tables, -1 padded; width = the longest table among ``seqs`` (>= 1)."""
+        rows = [self._sync(seq) for seq in seqs]
+        width = max(max((len(seq.block_table) for seq in seqs), default=1), 1)
+        return self.table[rows, :width]
+
+    def _sync(self, seq: Sequence) -> int:
+        row = self._row[seq.seq_id]
+        table, written = seq.block_table, self._written[row]
+        if len(table) > self.table.shape[1]:
+            raise ValueError(f"{seq} holds {len(table)} blocks, more than the {self.table.shape[1]} a sequence may")
+        if self._version[row] != seq.table_version or len(table) < written:
+            self.table[row, :written] = -1
+            self.table[row, :len(table)] = table
+            self._version[row] = seq.table_version
+        elif len(table) > written:
+            self.table[row, written:len(table)] = table[written:]
+        self._written[row] = len(table)
+        return row
+
+
+__all__ = ["BlockManager", "BlockTableMirror", "NoFreeBlocks"]

@@ -25,11 +25,12 @@ import time
 import warnings
 from typing import Sequence as Seq
 
+import numpy as np
 import torch
 
 from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache
 from jetrl.quant import fp8_linears, precision_side
-from jetrl.rollout.block_manager import BlockManager
+from jetrl.rollout.block_manager import BlockManager, BlockTableMirror
 from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample
 from jetrl.rollout.scheduler import Scheduler, SchedulerOutput
 from jetrl.rollout.sequence import Completion, Sequence
@@ -206,6 +207,7 @@ class RolloutEngine:
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0  # usable blocks (the pool has one more: the scratch block)
         self._graphs: _DecodeGraphs | None = None
+        self._tables: BlockTableMirror | None = None  # the current generate call's block tables, on the host
         self._graph_key: tuple | None = None
         self._seq_counter = 0
         self.last_stats: dict[str, float] = {}
@@ -318,6 +320,7 @@ class RolloutEngine:
             all_seqs += group
             scheduler.add(group)
         self._ensure_graphs()
+        self._tables = BlockTableMirror(all_seqs, self.max_blocks_per_seq)
         progress = _Progress(len(all_seqs), self.progress)
         num_steps = num_decode_steps = num_generated = decode_tokens = 0
         step_seconds = [0.0, 0.0]  # prefill, decode
@@ -407,29 +410,33 @@ class RolloutEngine:
     def _step(self, out: SchedulerOutput) -> tuple[list[int], list[float]]:
         if out.copies:
             self._copy_blocks(out.copies)
-        ids, pos, slots, qsl, ctx, tables, sample_rows = [], [], [], [0], [], [], []
+        ids, pos, slots, qsl, ctx, sample_rows = [], [], [], [0], [], []
         params, sample_index, out_pos = [], [], []
         bs = self.block_size
         for chunk in out.chunks:
             seq = chunk.seqs[0]
-            ids += seq.token_ids[chunk.start:chunk.end]
-            pos += range(chunk.start, chunk.end)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end)]
+            if chunk.num_tokens == 1:  # a decode step (or a one-token chunk): no list building per token
+                ids.append(seq.token_ids[chunk.start])
+                pos.append(chunk.start)
+                slots.append(table[chunk.start // bs] * bs + chunk.start % bs)
+            else:
+                ids += seq.token_ids[chunk.start:chunk.end]
+                pos += range(chunk.start, chunk.end)
+                slots += [table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end)]
             qsl.append(qsl[-1] + chunk.num_tokens)
             ctx.append(chunk.end)
-            tables.append(table)
             if chunk.samples:
                 for s in chunk.seqs:
                     sample_rows.append(qsl[-1] - 1)
                     params.append(s.params)
                     sample_index.append(s.sample_index)
                     out_pos.append(s.num_output_tokens)
-        width = max(len(t) for t in tables)
+        tables = self._tables.rows([chunk.seqs[0] for chunk in out.chunks])  # (S, width), one gather
         dev = self.device
-        n_rows, n_seqs = len(ids), len(tables)
-        flat_tables = [b for t in tables for b in (t + [-1] * (width - len(t)))]
-        host = torch.tensor(ids + pos + slots + qsl + ctx + sample_rows + flat_tables, dtype=torch.long)
+        n_rows, n_seqs, width = len(ids), tables.shape[0], tables.shape[1]
+        head = np.array(ids + pos + slots + qsl + ctx + sample_rows, dtype=np.int64)
+        host = torch.from_numpy(np.concatenate([head, tables.reshape(-1)]))
         if dev.type == "cuda":  # one host-to-device transfer for the whole step's metadata
             host = host.pin_memory()
         packed = host.to(dev, non_blocking=True)

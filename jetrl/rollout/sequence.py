@@ -45,6 +45,8 @@ class Sequence:
         self.stop_ids = stop_ids
         self.logprobs: list[float] = []
         self.block_table: list[int] = []
+        # bumped whenever block_table changes other than by an append (so copies can update incrementally)
+        self.table_version = 0
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -183,3 +183,42 @@ def test_pool_sized_for_every_sequence_admits_every_sequence():
     big = _SimulatedRun(num_blocks=exact, block_size=4, max_num_seqs=12, max_num_batched_tokens=1000)
     finished = big.run(_groups(PROMPTS, n=2, max_tokens=9))
     assert big.sched.num_preemptions == 0 and len(finished) == 12
+
+
+def test_block_table_mirror_follows_every_kind_of_table_change():
+    """The engine's incremental host copy of the block tables equals the tables themselves after
+    shared-prefix allocation, appends, copy-on-write, free and re-allocation (recomputation), in any order."""
+    import random
+
+    import numpy as np
+
+    from jetrl.rollout.block_manager import BlockTableMirror
+
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=256, block_size=2)
+    seqs = [_seq(i, [1, 2, 3], max_tokens=40) for i in range(5)]
+    mirror = BlockTableMirror(seqs, max_blocks_per_seq=30)
+
+    def check(subset):
+        got = mirror.rows(subset)
+        width = max(len(s.block_table) for s in subset) or 1
+        want = np.array([s.block_table + [-1] * (width - len(s.block_table)) for s in subset]).reshape(len(subset), -1)
+        assert got.shape == (len(subset), max(width, 1)) and (got[:, :width] == want).all()
+
+    bm.allocate_shared(seqs[:3], 3)  # three samples share a prefix (one full block + a partial one)
+    bm.allocate_shared(seqs[3:], 3)
+    for s in seqs:
+        s.num_computed_tokens = 3
+    check(seqs)
+    for _ in range(200):
+        s = rng.choice(seqs)
+        action = rng.random()
+        if action < 0.75 and s.block_table and s.num_computed_tokens < 56:  # write the next token (append/copy)
+            bm.prepare_append(s)
+            s.num_computed_tokens += 1
+        elif action < 0.85:  # preempted and recomputed: free, then a fresh (unshared) allocation
+            bm.free(s)
+            check([x for x in seqs if x.block_table] or seqs)
+            bm.allocate_shared([s], max(s.num_computed_tokens, 1))
+        check(rng.sample(seqs, rng.randint(1, len(seqs))))
+    check(seqs)
