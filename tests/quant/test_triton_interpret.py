@@ -51,6 +51,8 @@ def inputs():
     yield "noncontig-200x300", torch.randn(300, 200, generator=g).t()
     yield "zeros-256x256", torch.zeros(256, 256)
 
+NARROW_CASES = {"130x300-bfloat16", "3x129-float32", "256x256-float16", "300x200-float64", "noncontig-200x300",
+                "zeros-256x256"}
 results = {}
 for name, x in inputs():
     for pow2 in (False, True):
@@ -81,9 +83,9 @@ for name, x in inputs():
         ok = ok and same(dt, rw.t().contiguous())
         d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, transpose_input=False)
         r["transpose_output_variant"] = ok and same(d, rq.data) and same(s, rq.scale)
-        # narrower 128x1 tiles (the benchmarks sweep them)
+        # narrower 128x1 tiles (the defaults and the benchmark sweep): a subset of the cases keeps this fast
         ok = True
-        for bk in (32, 64):
+        for bk in ((32, 64) if name in NARROW_CASES else ()):
             td, ts = T.quantize_token_128x1(x, pow2, block_k=bk, num_warps=4)
             ok = ok and same(td, rt) and same(ts, rst)
             d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, block_k=bk, num_warps=4)
@@ -104,7 +106,7 @@ for (m, n, k) in [(20, 200, 300), (33, 128, 256)]:
         bound = (a.dequantize().double().abs() @ b.dequantize().double().abs().t()) * (k + 2) * 2.0 ** -24
         gemm[f"{m}x{n}x{k}-{name}"] = bool(((out - ref).abs() <= bound).all())
 # the split-K decode GEMM: several splits (incl. a last split shorter than the others), both b layouts
-for (m, n, k, split, bn) in [(1, 200, 300, 1, 64), (5, 128, 1024, 4, 64), (33, 130, 2000, 16, 32)]:
+for (m, n, k, split, bn) in [(1, 200, 300, 1, 64), (5, 128, 1024, 4, 64), (33, 130, 1100, 6, 32)]:
     a = R.quantize_tensor(torch.randn(m, k, generator=g), (1, 128))
     for name, b in (("tile", R.quantize_tensor(torch.randn(n, k, generator=g), (128, 128))),
                     ("act", R.quantize_tensor(torch.randn(n, k, generator=g), (1, 128)))):
