@@ -444,6 +444,9 @@ class RolloutEngine:
             [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), n_seqs * width])
         ctx_t = ctx_t.to(torch.int32)
         table_t = table_t.to(torch.int32).view(n_seqs, width)
+        # the sampling settings go to the device before the forward is queued, so the sampler follows the
+        # forward on the GPU without the host waiting in between
+        batch = SamplingBatch.build(params, sample_index, out_pos, dev) if sample_rows else None
         graphs = self._graphs
         if out.is_decode and graphs is not None and graphs.padded_size(n_rows) is not None:
             logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
@@ -453,9 +456,8 @@ class RolloutEngine:
                 max_query_len=max(c.num_tokens for c in out.chunks), max_context_len=max(ctx))
             rows = None if out.is_decode else rows_t
             logits = self._forward(ids_t, pos_t, meta, rows)
-            if not sample_rows:  # prefill chunks that end mid-prompt: nothing to sample this step
+            if batch is None:  # prefill chunks that end mid-prompt: nothing to sample this step
                 return [], []
-        batch = SamplingBatch.build(params, sample_index, out_pos, dev)
         tokens, logprobs = sample(logits, batch)
         packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()  # one D2H copy
         return [int(t) for t in packed[0].tolist()], packed[1].tolist()

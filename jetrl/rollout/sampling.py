@@ -130,7 +130,11 @@ class SamplingBatch:
                              [p.top_k for p in params], [s & _MASK32 for s in seeds],
                              [(s >> 32) & _MASK32 for s in seeds], sample_index, position,
                              [p.seed is not None for p in params]], dtype=torch.float64)  # exact for < 2**53
-        rows = host.to(device, non_blocking=False)  # one transfer per step
+        device = torch.device(device)
+        if device.type == "cuda":  # one transfer per step, queued behind the step's forward, no host wait
+            rows = host.pin_memory().to(device, non_blocking=True)
+        else:
+            rows = host.to(device)
         as_long = rows[2:].to(torch.int64)
         return SamplingBatch(
             temperature=rows[0].to(torch.float32), top_p=rows[1].to(torch.float32), top_k=as_long[0],
