@@ -25,14 +25,13 @@ the kernels on CPU tensors.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from jetrl.quant.formats import ACT, BLOCK_SIZE, E4M3, Fp8Tensor
 from jetrl.quant.triton_kernels import _scale_from_amax, _to_e4m3
+from jetrl.quant.triton_kernels import cast_rne as _cast  # RNE to bf16 under the interpreter too
 
 # Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register at
 # about 8 elements per thread (16 warps). The backward holds more live tensors per element.
@@ -42,24 +41,10 @@ MAX_BWD_TILE = 4096
 ROWS_TILE_FWD = 4096
 ROWS_TILE_BWD = 2048
 BWD_PROGRAMS_PER_SM = 2
-# The interpreter's fp32 -> bf16 cast truncates; there the kernels round to the bf16 grid in fp32 first
-# (exact RNE, as torch and the GPU cast do), and the cast that follows is exact.
-_SOFT_BF16 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 # --------------------------------------------------------------------------------------------------
 # device helpers
-
-
-@triton.jit
-def _cast(x, DTYPE: tl.constexpr):
-    """fp32 ``x`` rounded to ``DTYPE`` to nearest even (under the interpreter too)."""
-    if _SOFT_BF16:  # compile-time: never compiled for the GPU
-        if DTYPE == tl.bfloat16:
-            bits = x.to(tl.int32, bitcast=True)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)  # ~0xFFFF
-            x = tl.where(x != x, x, rounded)
-    return x.to(DTYPE)
 
 
 @triton.jit
