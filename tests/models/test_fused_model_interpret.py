@@ -8,16 +8,12 @@ autograd functions as a model's training step uses them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from interpreted import run_interpreted
+
 
 _CHILD = r'''
 import json, sys
@@ -55,13 +51,7 @@ json.dump(out, sys.stdout)
 
 @pytest.fixture(scope="module")
 def interpreted():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreted model failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout)
+    return run_interpreted(_CHILD, "model")
 
 
 def test_fused_kernels_in_the_model_match_the_reference_paths(interpreted):

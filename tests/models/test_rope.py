@@ -8,20 +8,14 @@ half-dims and transposed layouts. GPU (``gpu`` marker): the same claims at Llama
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from jetrl.models import transformer
 from jetrl.models.rope import apply_rope, apply_rope_qk, use_triton
 
-ROOT = Path(__file__).resolve().parents[2]
+from interpreted import run_interpreted
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -146,13 +140,7 @@ json.dump(res, sys.stdout)
 
 @pytest.fixture(scope="module")
 def interpreted():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreted kernel failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout)
+    return run_interpreted(_CHILD, "kernel")
 
 
 @pytest.mark.parametrize("check", ["forward_bitwise", "contiguous_out", "nan_free", "backward_bitwise",

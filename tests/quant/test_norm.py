@@ -22,11 +22,6 @@ Tolerances (relative Frobenius norm of the difference):
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +29,8 @@ import torch
 from jetrl.quant import reference as R
 from jetrl.quant.norm import NormOutput, rms_norm, rms_norm_reference
 
-ROOT = Path(__file__).resolve().parents[2]
+from interpreted import run_interpreted
+
 EPS = 1e-6
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 OUT_TOL = {"bfloat16": 2.0**-8, "float16": 2.0**-10, "float32": 1e-6}
@@ -248,11 +244,7 @@ json.dump({"cases": cases, "empty": empty}, sys.stdout)
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreted norm kernels failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout)
+    return run_interpreted(_CHILD, "norm kernels")
 
 
 @needs_triton

@@ -10,13 +10,6 @@ the same GPU, where both sides use CUDA's ``expf``.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +17,8 @@ import torch.nn.functional as F
 from jetrl.quant import reference as R
 from jetrl.quant.swiglu import swiglu, swiglu_packed, swiglu_reference, use_triton
 
-ROOT = Path(__file__).resolve().parents[2]
+from interpreted import run_interpreted
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -195,13 +189,7 @@ json.dump(res, sys.stdout)
 
 @pytest.fixture(scope="module")
 def interpreted():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout)
+    return run_interpreted(_CHILD, "kernels")
 
 
 CHECKS = ("nan_free", "fwd_bitwise_emulated", "fwd_within_1ulp_of_torch", "fp8_pow2=False", "fp8_pow2=True",

@@ -8,18 +8,14 @@ runs all cases once and reports, per case, whether FP8 bytes and scales equal th
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from interpreted import run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton) ")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 _CHILD = r'''
 import json, sys
@@ -138,11 +134,7 @@ json.dump({"quant": results, "gemm": gemm}, sys.stdout)
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout)
+    return run_interpreted(_CHILD, "kernels")
 
 
 KERNELS = ("act", "act+token", "token", "weight", "requant", "nan_free", "transpose_output_variant",

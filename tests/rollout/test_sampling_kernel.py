@@ -7,19 +7,13 @@ GPU (``gpu`` marker) at a Llama-3 vocabulary, through :func:`jetrl.rollout.sampl
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample
 
-ROOT = Path(__file__).resolve().parents[2]
+from interpreted import run_interpreted
+
 
 _CHILD = r'''
 import json, sys
@@ -47,13 +41,7 @@ json.dump(out, sys.stdout)
 
 @pytest.fixture(scope="module")
 def interpreted():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreted sampler failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout)
+    return run_interpreted(_CHILD, "sampler")
 
 
 def test_kernel_draws_the_reference_tokens(interpreted):
