@@ -171,6 +171,7 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
     copies (HBM reads, as in a real step): GPU time per GEMM."""
     from jetrl.quant import cuda as cuda_mod
     from jetrl.quant import scaled_mm
+    from jetrl.quant import decode_gemm_triton as dk
     from jetrl.quant import triton_kernels as tk
     from jetrl.quant.cuda import CudaBackend
 
@@ -192,18 +193,18 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
             row["cublas_us"] = per_gemm(lambda i: scaled_mm.blockwise_scaled_mm(qx, qws[i]))
             row["triton_us"] = per_gemm(lambda i: tk.blockwise_fp8_gemm(qx.data, qx.scale, qws[i].data,
                                                                          qws[i].scale, 128))
-            row["decode_us"] = per_gemm(lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale,
+            row["decode_us"] = per_gemm(lambda i: dk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale,
                                                                       128)) if m <= 64 else None
             if sweep and m == 64:
                 for bn, split, stages, warps in DECODE_SWEEP:
-                    cfg = tk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=stages)
+                    cfg = dk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=stages)
                     row[f"decode_n{bn}k{split}s{stages}w{warps}_us"] = per_gemm(
-                        lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
+                        lambda i: dk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
             if m > 64:  # beyond the decode path's range: is the decode kernel still competitive there?
                 for bn, split, warps in ((64, 1, 8), (64, 2, 8), (128, 1, 8), (64, 4, 8)):
-                    cfg = tk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=3)
+                    cfg = dk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=3)
                     row[f"decode_n{bn}k{split}s3w{warps}_us"] = per_gemm(
-                        lambda i: tk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
+                        lambda i: dk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
             row["auto_path"] = cuda_mod.gemm_path(qx, qws[0])
             row["auto_us"] = per_gemm(lambda i: be.gemm(qx, qws[i]))
             row["auto_with_quant_us"] = per_gemm(lambda i: be.gemm(be.quantize(x, (1, 128)), qws[i]))

@@ -8,7 +8,7 @@ when a backend offers them:
 * :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad), one pass.
 
 GEMM choice, per shape class: decode-sized M (<= ``DECODE_MAX_M``) goes to the split-K Triton decode
-GEMM (:func:`~jetrl.quant.triton_kernels.fp8_decode_gemm`: bound by the weight's bytes, so it is built to
+GEMM (:func:`~jetrl.quant.decode_gemm_triton.fp8_decode_gemm`: bound by the weight's bytes, so it is built to
 stream the FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M);
 everything else to cuBLAS blockwise ``scaled_mm`` where its layout constraints hold, the Triton blockwise
 GEMM otherwise. ``JETRL_FP8_GEMM`` = ``cublas`` | ``triton`` | ``decode`` forces one path (benchmarks and
@@ -24,6 +24,7 @@ import os
 import torch
 
 from jetrl.quant import reference, scaled_mm
+from jetrl.quant import decode_gemm_triton as dk
 from jetrl.quant import triton_kernels as tk
 from jetrl.quant.backend import register_backend
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
@@ -115,7 +116,7 @@ class CudaBackend:
             reference.check_gemm_operands(a, w)
         _check_cuda(a.data, "the left operand")
         bias_list = [b.to(out_dtype) if b is not None else None for b in biases]
-        return tk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, b) for w, b in zip(weights, bias_list)],
+        return dk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, b) for w, b in zip(weights, bias_list)],
                                           out_dtype)
 
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -126,7 +127,7 @@ class CudaBackend:
         if path == "cublas":
             return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)
         if path == "decode":
-            return tk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
+            return dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
         return tk.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
 
 

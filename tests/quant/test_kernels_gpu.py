@@ -146,7 +146,7 @@ def test_gemm_to_output_rounding(cuda_backend, monkeypatch, b_block, mnk, out_dt
 def test_decode_gemm_deterministic_split_k(cuda_backend, mnk):
     """The split-K decode GEMM: within output rounding of the exact product, bitwise equal across calls,
     across split counts' own repeated runs, and inside a CUDA graph (the counters reset themselves)."""
-    from jetrl.quant import triton_kernels as tk
+    from jetrl.quant import decode_gemm_triton as dk
 
     m, n, k = mnk
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
@@ -155,11 +155,11 @@ def test_decode_gemm_deterministic_split_k(cuda_backend, mnk):
     ref = a.dequantize().double() @ b.dequantize().double().t()
     tol = _gemm_tolerance(a, b, ref, torch.bfloat16)
     for split in (1, 3, 8):
-        cfg = tk.DecodeGemmConfig(block_n=64, split_k=split)
-        first = tk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg)
+        cfg = dk.DecodeGemmConfig(block_n=64, split_k=split)
+        first = dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg)
         assert bool(((first.double() - ref).abs() <= tol).all()), f"split {split}"
         for _ in range(3):
-            assert torch.equal(tk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg), first)
+            assert torch.equal(dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg), first)
     out = cuda_backend.gemm(a, b)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -176,7 +176,7 @@ def test_grouped_decode_gemm_equals_one_by_one(cuda_backend, m, bias):
     """q/k/v-like weights sharing an input: one launch, each slice bitwise the single GEMM (+ bias) run with
     the grouped launch's split (the default split depends on the total width, so it can differ from a lone
     call's: then the two sum K in different orders)."""
-    from jetrl.quant import triton_kernels as tk
+    from jetrl.quant import decode_gemm_triton as dk
 
     g = torch.Generator(device="cuda").manual_seed(m + 11 * bias)
     a = cuda_backend.quantize(torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
@@ -185,8 +185,8 @@ def test_grouped_decode_gemm_equals_one_by_one(cuda_backend, m, bias):
     bs = [torch.randn(w.shape[0], generator=g, device="cuda", dtype=torch.bfloat16) if bias else None for w in ws]
     out = cuda_backend.grouped_gemm(a, ws, bs)
     assert out is not None and out.shape == (m, 6144)
-    cfg = tk.default_decode_config(m, 6144, 4096, a.data.device)
-    one = [tk.fp8_decode_gemm(a.data, a.scale, w.data, w.scale, 128, torch.bfloat16, cfg) for w in ws]
+    cfg = dk.default_decode_config(m, 6144, 4096, a.data.device)
+    one = [dk.fp8_decode_gemm(a.data, a.scale, w.data, w.scale, 128, torch.bfloat16, cfg) for w in ws]
     one = torch.cat([y + b if b is not None else y for y, b in zip(one, bs)], dim=1)
     assert torch.isfinite(out.float()).all() and torch.equal(out, one)
 

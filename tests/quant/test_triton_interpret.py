@@ -21,6 +21,7 @@ _CHILD = r'''
 import json, sys
 import torch
 from jetrl.quant import reference as R
+from jetrl.quant import decode_gemm_triton as D
 from jetrl.quant import triton_kernels as T
 
 def same(a, b):
@@ -107,8 +108,8 @@ for (m, n, k, split, bn) in [(1, 200, 300, 1, 64), (5, 128, 1024, 4, 64), (33, 1
     for name, b in (("tile", R.quantize_tensor(torch.randn(n, k, generator=g), (128, 128))),
                     ("act", R.quantize_tensor(torch.randn(n, k, generator=g), (1, 128)))):
         ref = R.gemm(a, b, torch.float32).double()
-        cfg = T.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=4, num_stages=2)
-        run = lambda: T.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128 if name == "tile" else 1,
+        cfg = D.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=4, num_stages=2)
+        run = lambda: D.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128 if name == "tile" else 1,
                                         torch.float32, cfg).double()
         out = run()
         bound = (a.dequantize().double().abs() @ b.dequantize().double().abs().t()) * (k + 2) * 2.0 ** -24
@@ -122,12 +123,12 @@ for (m, ns, k, split) in [(3, (256, 128, 128), 512, 2), (20, (200, 130), 300, 1)
         for n in ns:
             q = R.quantize_tensor(torch.randn(n, k, generator=g), (128, 128))
             ws.append((q.data, q.scale, torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None))
-        cfg = T.DecodeGemmConfig(block_n=64, split_k=split, num_warps=4, num_stages=2)
-        out = T.fp8_decode_gemm_grouped(a.data, a.scale, ws, torch.bfloat16, cfg)
-        sep = [T.fp8_decode_gemm(a.data, a.scale, d, sc, 128, torch.bfloat16, cfg) for d, sc, _ in ws]
+        cfg = D.DecodeGemmConfig(block_n=64, split_k=split, num_warps=4, num_stages=2)
+        out = D.fp8_decode_gemm_grouped(a.data, a.scale, ws, torch.bfloat16, cfg)
+        sep = [D.fp8_decode_gemm(a.data, a.scale, d, sc, 128, torch.bfloat16, cfg) for d, sc, _ in ws]
         sep = [y + b if b is not None else y for y, (_, _, b) in zip(sep, ws)]
         gemm[f"grouped-{m}-{len(ns)}-bias{with_bias}"] = bool(torch.equal(out, torch.cat(sep, 1)))
-gemm["decode-counters-reset"] = int(T._locks(torch.device("cpu")).abs().sum()) == 0
+gemm["decode-counters-reset"] = int(D._locks(torch.device("cpu")).abs().sum()) == 0
 json.dump({"quant": results, "gemm": gemm}, sys.stdout)
 '''
 
