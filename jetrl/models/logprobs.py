@@ -3,40 +3,146 @@
 The definition shared by rollout and training: ``logprob = log_softmax(logits / temperature)[target]``
 in fp32, before any top-p / top-k truncation; ``entropy = -sum(p * log p)`` of that same distribution.
 
-Memory: the LM head runs on ``chunk_size`` rows at a time. Inside a chunk the live temporaries are the
-head's output in the model dtype, its fp32 copy, the fp32 probabilities and one fp32 product, so the
-extra peak is about ``chunk_size * vocab * (2 + 3 * 4)`` bytes (~14 bytes per logit; 512 x 152k vocab:
-~1.1 GB), independent of the number of tokens N. No tensor larger than ``chunk_size x vocab`` is ever
-created. With autograd on, each chunk is checkpointed: backward keeps only the chunk's hidden rows and
-recomputes its logits, so the saved state is the (N, hidden) input, not (N, vocab) logits.
+The LM head runs on ``chunk_size`` rows at a time, inside one autograd function
+(:class:`_LMHeadLogprobs`): forward keeps, per row, only the log-sum-exp and the entropy besides the
+(N, hidden) input; backward recomputes each chunk's logits, turns them into d(loss)/d(logits) in place
+and feeds them to the two GEMMs of the head's backward (d hidden, d weight accumulated over chunks).
+No tensor larger than ``chunk_size x vocab`` is ever created, forward or backward.
+
+The per-chunk statistics and logit gradients have two implementations with one dispatch rule
+(:mod:`jetrl.quant.fused_dispatch`): on CUDA one Triton kernel each way
+(:mod:`jetrl.models.logprobs_triton`: the chunk's logits in the model dtype are read once, ~2 bytes of
+extra memory per logit), elsewhere the PyTorch formulas below (fp32 copies: ~14 bytes per logit, e.g.
+512 x 152k vocab: ~1.1 GB). Heads that are not a plain bias-free ``nn.Linear`` take the generic path
+(``model.compute_logits`` under activation checkpointing, per chunk).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK_SIZE = 512
+from jetrl.quant.fused_dispatch import choose_impl
+
+DEFAULT_CHUNK_SIZE = 512  # the PyTorch path's rows per chunk (its fp32 temporaries: ~14 bytes per logit)
+FUSED_CHUNK_SIZE = 2048  # the kernels' (the logits in the model dtype only: ~2 bytes per logit)
+
+
+def chunk_stats_reference(logits: torch.Tensor, targets: torch.Tensor,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 ``(logprob, entropy, logsumexp)`` per row of a chunk of logits (rows, vocab): the definition."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+    logprobs = torch.where(targets >= 0, picked - lse, torch.zeros_like(lse))
+    probs = torch.exp(z - lse[:, None])
+    entropy = lse - (probs * z).sum(-1)
+    return logprobs, entropy, lse
+
+
+def chunk_grad_reference(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor,
+                         grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                         temperature: float) -> torch.Tensor:
+    """d(loss)/d(logits) in the logits' dtype, from the upstream gradients of logprob and entropy:
+    ``dz = g_lp * (onehot(target) - p) - g_ent * p * (z - lse + entropy)``, ``dlogits = dz / T``."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    p = torch.exp(z - lse[:, None])
+    dz = torch.zeros_like(z)
+    if grad_logprob is not None:
+        g = torch.where(targets >= 0, grad_logprob.float(), torch.zeros_like(lse))
+        dz = -g[:, None] * p
+        rows = torch.arange(len(targets), device=z.device)
+        dz[rows, targets.clamp(min=0)] += g
+    if grad_entropy is not None:
+        dz = dz - grad_entropy.float()[:, None] * p * (z - lse[:, None] + entropy[:, None])
+    if temperature != 1.0:
+        dz = dz / temperature
+    return dz.to(logits.dtype)
+
+
+def _stats(logits, targets, temperature, impl):
+    if impl == "triton":
+        from jetrl.models.logprobs_triton import logprob_stats
+
+        return logprob_stats(logits, targets, temperature)
+    return chunk_stats_reference(logits, targets, temperature)
+
+
+def _grad(logits, targets, lse, entropy, g_lp, g_ent, temperature, impl):
+    if impl == "triton":
+        from jetrl.models.logprobs_triton import logprob_grad_
+
+        return logprob_grad_(logits, targets, lse, entropy, g_lp, g_ent, temperature)
+    return chunk_grad_reference(logits, targets, lse, entropy, g_lp, g_ent, temperature)
+
+
+class _LMHeadLogprobs(torch.autograd.Function):
+    """``(logprob, entropy)`` of ``targets`` under ``softmax(hidden @ weight.T / T)``, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, impl):
+        n = hidden.shape[0]
+        lp = hidden.new_empty(n, dtype=torch.float32)
+        ent, lse = torch.empty_like(lp), torch.empty_like(lp)
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            lp[s:e], ent[s:e], lse[s:e] = _stats(F.linear(hidden[s:e], weight), targets[s:e], temperature, impl)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.temperature, ctx.chunk_size, ctx.impl = temperature, chunk_size, impl
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        d_weight = None
+        n = hidden.shape[0]
+        for s in range(0, n, ctx.chunk_size):
+            e = min(n, s + ctx.chunk_size)
+            h = hidden[s:e]
+            dlogits = _grad(F.linear(h, weight), targets[s:e], lse[s:e], ent[s:e],
+                            None if g_lp is None else g_lp[s:e], None if g_ent is None else g_ent[s:e],
+                            ctx.temperature, ctx.impl)
+            if need_h:
+                torch.mm(dlogits, weight, out=d_hidden[s:e])
+            if need_w:  # one rounding per chunk: the GEMM adds into the running sum (beta = 1)
+                d_weight = dlogits.t() @ h if d_weight is None else d_weight.addmm_(dlogits.t(), h)
+        if need_w and d_weight is None:
+            d_weight = torch.zeros_like(weight)
+        return d_hidden, d_weight, None, None, None, None
+
+
+def _plain_head_weight(model) -> torch.Tensor | None:
+    """The LM head's weight when logits are exactly ``F.linear(hidden, weight)`` (a jetrl decoder's bias-free
+    ``nn.Linear`` head, ``compute_logits`` not overridden); ``None`` sends the model to the generic path."""
+    from jetrl.models.transformer import DecoderLM
+
+    head = getattr(model, "lm_head", None)
+    if (isinstance(model, DecoderLM) and type(model).compute_logits is DecoderLM.compute_logits
+            and type(head) is nn.Linear and head.bias is None):
+        return head.weight
+    return None
 
 
 def _chunk_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = compute_logits(hidden)  # (C, V) fp32
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = torch.logsumexp(logits, dim=-1)  # (C,)
-    picked = logits.gather(-1, targets.clamp(min=0)[:, None])[:, 0]
-    logprobs = torch.where(targets >= 0, picked - lse, torch.zeros_like(lse))
-    probs = torch.exp(logits - lse[:, None])
-    entropy = lse - (probs * logits).sum(-1)
-    return logprobs, entropy
+    lp, ent, _ = chunk_stats_reference(compute_logits(hidden), targets, temperature)
+    return lp, ent
 
 
 def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_size: int | None = None, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked fp32 log-probabilities and entropies of ``targets`` (N,) from final hidden states (N, hidden).
 
-    ``model.compute_logits`` maps hidden rows to fp32 logits. A negative target marks a row without a
-    target (its logprob is 0; its entropy is still computed).
+    A negative target marks a row without a target (its logprob is 0; its entropy is still computed).
+    ``chunk_size``: rows per chunk (default: ``DEFAULT_CHUNK_SIZE`` on the PyTorch path,
+    ``FUSED_CHUNK_SIZE`` on the kernels'); ``impl`` forces ``"reference"`` or ``"triton"``.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be (N, hidden) and targets (N,), got {tuple(hidden.shape)} and "
@@ -45,17 +151,31 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
         raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
     if not float(temperature) > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    if int(chunk_size) <= 0:
+    if chunk_size is not None and int(chunk_size) <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     targets = targets.long()
+    temperature = float(temperature)
+    weight = _plain_head_weight(model)
+    if weight is not None:
+        if weight.dtype != hidden.dtype or weight.device != hidden.device:
+            raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) must match the LM head "
+                             f"({weight.dtype}, {weight.device})")
+        chosen = choose_impl(hidden, impl, eligible=hidden.dtype in (torch.bfloat16, torch.float16, torch.float32),
+                             op="logprobs_from_hidden")
+        size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen)
+        with torch.no_grad():
+            return _LMHeadLogprobs.forward(_NoCtx(), hidden, weight, targets, temperature, size, chosen)
+    size = int(chunk_size or DEFAULT_CHUNK_SIZE)
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     lps, ents = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+    for start in range(0, hidden.shape[0], size):
+        h, t = hidden[start:start + size], targets[start:start + size]
         if recompute:
-            lp, ent = checkpoint(_chunk_logprobs, model.compute_logits, h, t, float(temperature), use_reentrant=False)
+            lp, ent = checkpoint(_chunk_logprobs, model.compute_logits, h, t, temperature, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(model.compute_logits, h, t, float(temperature))
+            lp, ent = _chunk_logprobs(model.compute_logits, h, t, temperature)
         lps.append(lp)
         ents.append(ent)
     if not lps:
@@ -64,9 +184,16 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     return torch.cat(lps), torch.cat(ents)
 
 
+class _NoCtx:
+    """Stands in for autograd's context when the function runs without autograd (nothing is saved)."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+
 def token_logprobs(model, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                    max_seqlen: int | None, targets: torch.Tensor, temperature: float = 1.0,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_size: int | None = None, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward then chunked fp32 ``(logprobs (N,), entropy (N,))`` of ``targets`` (N,).
 
     Row ``i``'s logprob is that of ``targets[i]`` under the distribution predicted at row ``i`` (the
@@ -74,7 +201,8 @@ def token_logprobs(model, input_ids: torch.Tensor, positions: torch.Tensor, cu_s
     is no next token). Differentiable; see the module docstring for the memory bound.
     """
     hidden = model.forward_packed(input_ids, positions, cu_seqlens, max_seqlen)
-    return logprobs_from_hidden(model, hidden, targets, temperature, chunk_size)
+    return logprobs_from_hidden(model, hidden, targets, temperature, chunk_size, impl)
 
 
-__all__ = ["token_logprobs", "logprobs_from_hidden", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["token_logprobs", "logprobs_from_hidden", "chunk_stats_reference", "chunk_grad_reference",
+           "DEFAULT_CHUNK_SIZE", "FUSED_CHUNK_SIZE"]

@@ -198,7 +198,7 @@ class Trainer:
         Differentiable when grad is enabled. Row ``i`` of a packed sequence predicts token ``i + 1``, so
         response token ``j`` of a sequence with prompt length ``p`` is scored at packed row
         ``start + p - 1 + j``."""
-        from jetrl.models import token_logprobs
+        from jetrl.models import logprobs_from_hidden
 
         ids = torch.cat([batch.tokens[s] for s in rows]).to(self.device)
         lens = [batch.tokens[s].numel() for s in rows]
@@ -208,13 +208,15 @@ class Trainer:
         for L in lens:
             starts.append(starts[-1] + L)
         cu = torch.tensor(starts, dtype=torch.int32, device=self.device)
-        lp, ent = token_logprobs(model, ids, positions, cu, max(lens), targets,
-                                 temperature=self.config.rollout.temperature)
         R = batch.mask.shape[1]
         offsets = torch.arange(R)
         index = torch.stack([(starts[b] + batch.prompt_lens[s] - 1 + offsets).clamp(max=starts[b + 1] - 1)
                              for b, s in enumerate(rows)]).to(self.device)  # (b, R); masked slots clamped
-        return lp[index], ent[index]
+        hidden = model.forward_packed(ids, positions, cu, max(lens))
+        # the LM head runs on the response rows only (prompt rows predict no scored token)
+        flat = index.flatten()
+        lp, ent = logprobs_from_hidden(model, hidden[flat], targets[flat], temperature=self.config.rollout.temperature)
+        return lp.view_as(index), ent.view_as(index)
 
     @torch.no_grad()
     def score(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:

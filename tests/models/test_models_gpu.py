@@ -105,3 +105,32 @@ def test_fused_kernels_match_reference_paths_in_a_training_step(recipe):
     tol = 2e-2 if recipe == "bf16" else 8e-2
     assert rel_err(runs["triton"][0], runs["reference"][0]) < tol
     assert rel_err(runs["triton"][1], runs["reference"][1]) < tol
+
+
+def test_fused_lm_head_logprobs_match_the_pytorch_path():
+    """The LM head's logprob/entropy kernels against the PyTorch chunk formulas at the 8B head's shape
+    (128,256 x 4,096, bf16), over several chunks, with a temperature and rows without a target."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    vocab, hid, n = 128256, 4096, 2600
+    head = torch.nn.Linear(hid, vocab, bias=False, device="cuda", dtype=torch.bfloat16)
+    model = jm.build_model(dict(CFG, vocab_size=vocab, hidden_size=hid, intermediate_size=256, head_dim=128,
+                                num_hidden_layers=1), dtype=torch.bfloat16, device="cuda", seed=1)
+    model.lm_head = head
+    hidden = (torch.randn(n, hid, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    targets[::50] = -1
+    weights = torch.randn(n, device="cuda", generator=gen)
+    runs = {}
+    for impl in ("reference", "triton"):
+        head.weight.grad = None
+        h = hidden.clone().requires_grad_(True)
+        lp, ent = jm.logprobs_from_hidden(model, h, targets, 0.8, impl=impl)
+        ((lp * weights).sum() + 0.1 * ent.sum()).backward()
+        runs[impl] = (lp.detach(), ent.detach(), h.grad.float(), head.weight.grad.float())
+    (lp_r, ent_r, dh_r, dw_r), (lp_t, ent_t, dh_t, dw_t) = runs["reference"], runs["triton"]
+    assert (lp_t[targets < 0] == 0).all()
+    # same bf16 logits, fp32 statistics that differ in summation order only
+    assert (lp_t - lp_r).abs().max() < 1e-4 and (ent_t - ent_r).abs().max() < 1e-4
+    # bf16 logit gradients (a flipped rounding is 2^-8 of one element), then bf16 GEMMs whose chunk split
+    # differs (2048 vs 512 rows per weight-gradient accumulation): a few bf16 roundings apart
+    assert rel_err(dh_t, dh_r) < 1e-2 and rel_err(dw_t, dw_r) < 1e-2
