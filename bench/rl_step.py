@@ -96,6 +96,7 @@ class RecipeResult:
     # of the rollout phase: seconds in the engine's generation loop; the rest is set-up before it
     # (KV cache, CUDA-graph capture, which repeats whenever the cached FP8 weights move to new storage)
     rollout_loop_seconds: float = 0.0
+    rollout_host_seconds: float = 0.0  # of the loop: the host not waiting for the GPU (GPU idle on CUDA)
     step_metrics: dict[str, float] = field(default_factory=dict)    # the last timed step's trainer metrics
 
 
@@ -214,6 +215,7 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: i
     trainer = Trainer(config, model, engine, prompts, even_token_reward, decode_ids)
     timed: list[dict[str, float]] = []
     loop_seconds: list[float] = []
+    host_seconds: list[float] = []
     try:
         for i in range(warmup + steps):
             metrics = trainer.step()
@@ -221,6 +223,7 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: i
             if i >= warmup:
                 timed.append(metrics)
                 loop_seconds.append(float(engine.last_stats.get("seconds", 0.0)))
+                host_seconds.append(float(engine.last_stats.get("host_seconds", 0.0)))
             print(f"  {recipe} step {i + 1}/{warmup + steps} ({'timed' if i >= warmup else 'warm-up'}): "
                   f"{metrics['time/step']:.2f} s", flush=True)
         peak = peak_memory_gib(device)
@@ -231,7 +234,8 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: i
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result = RecipeResult(recipe, peak_gib=peak, step_metrics=timed[-1],
-                          rollout_loop_seconds=statistics.median(loop_seconds))
+                          rollout_loop_seconds=statistics.median(loop_seconds),
+                          rollout_host_seconds=statistics.median(host_seconds))
     for phase in PHASES + ("step",):
         values = [m[f"time/{phase}"] for m in timed if f"time/{phase}" in m]
         if values:
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         m = r.step_metrics
         print(f"{recipe}: step {r.seconds['total']:.2f} s; rollout {r.seconds['rollout']:.2f} s of which "
               f"{r.seconds['rollout'] - r.rollout_loop_seconds:.2f} s before the generation loop (KV cache, CUDA "
-              f"graphs); rollout/training mismatch |dlogp| mean "
+              f"graphs) and {r.rollout_host_seconds:.2f} s of host time in the loop (GPU idle); rollout/training mismatch |dlogp| mean "
               f"{m.get('mismatch/logp_abs_diff_mean', float('nan')):.2e} max "
               f"{m.get('mismatch/logp_abs_diff_max', float('nan')):.2e}", flush=True)
 

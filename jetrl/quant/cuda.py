@@ -7,12 +7,13 @@ when a backend offers them:
 * :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
 * :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad), one pass.
 
-GEMM choice, per shape class: decode-sized M (<= ``DECODE_MAX_M``) goes to the split-K Triton decode
+GEMM choice, per shape class: decode-sized M (see :func:`decode_max_m`) goes to the split-K Triton decode
 GEMM (:func:`~jetrl.quant.decode_gemm_triton.fp8_decode_gemm`: bound by the weight's bytes, so it is built to
-stream the FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M);
-everything else to cuBLAS blockwise ``scaled_mm`` where its layout constraints hold, the Triton blockwise
-GEMM otherwise. ``JETRL_FP8_GEMM`` = ``cublas`` | ``triton`` | ``decode`` forces one path (benchmarks and
-batch-invariance use it; ``decode`` applies to M <= 64 only).
+stream the FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and
+so do grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; everything else
+to cuBLAS blockwise ``scaled_mm`` where its layout constraints hold, the Triton blockwise GEMM otherwise
+(M > 256 never takes the decode kernel). ``JETRL_FP8_GEMM`` = ``cublas`` | ``triton`` | ``decode`` forces one
+path (benchmarks and batch-invariance use it; ``decode`` applies to M <= 256 only).
 
 Importing this module imports Triton and registers the backend with :mod:`jetrl.quant.backend`.
 """
@@ -30,8 +31,13 @@ from jetrl.quant.backend import register_backend
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
 
 # Decode-sized GEMMs (M <= 64 rows) go to the split-K decode kernel (measured faster than cuBLAS up to 64;
-# from 128 rows on, cuBLAS's tiles do more MMA work per weight byte).
+# from 128 rows on, cuBLAS's tiles do more MMA work per weight byte), grouped launches (one kernel for
+# q/k/v or gate/up, against one cuBLAS call per weight) up to GROUPED_DECODE_MAX_M rows. Per-shape
+# exceptions, from `bench/kernels.py --sections decode-sweep`: {(N, K): max M} for single GEMMs and
+# {("grouped", sum of N, K): max M} for grouped launches, each replacing the general bound.
 DECODE_MAX_M = 64
+GROUPED_DECODE_MAX_M = 64
+DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {}
 # The one-pass 1x128 + 128x1 kernel reached 0.24 of copy bandwidth, slower than its two halves run
 # apart (0.88 and 0.42); it stays selectable (and tested) until it is the faster one.
 FUSED_ACT_AND_TOKEN = False
@@ -43,14 +49,26 @@ def _check_cuda(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"the 'cuda' FP8 backend needs CUDA tensors; {what} is on {x.device}")
 
 
-def gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
-    """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"cublas"`` or ``"triton"`` (see the module docstring)."""
+def decode_max_m(n: int, k: int, grouped: bool = False) -> int:
+    """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
+    launch), by :data:`DECODE_MAX_M`, :data:`GROUPED_DECODE_MAX_M` and :data:`DECODE_MAX_M_BY_SHAPE`."""
+    bound = max(DECODE_MAX_M, GROUPED_DECODE_MAX_M) if grouped else DECODE_MAX_M
+    bound = DECODE_MAX_M_BY_SHAPE.get(("grouped", n, k) if grouped else (n, k), bound)
+    return min(bound, dk.DECODE_GEMM_MAX_M)
+
+
+def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None) -> str:
+    """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"cublas"`` or ``"triton"`` (see the module docstring);
+    ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``."""
     choice = os.environ.get("JETRL_FP8_GEMM", "auto")
     if choice not in GEMM_CHOICES:
         raise ValueError(f"JETRL_FP8_GEMM must be one of {GEMM_CHOICES}, got {choice!r}")
-    small = a.shape[0] <= DECODE_MAX_M
-    if choice == "decode" or (choice == "auto" and small):
-        return "decode" if small else "triton"
+    m, k = a.shape[0], a.shape[1]
+    if choice == "decode":
+        return "decode" if m <= dk.DECODE_GEMM_MAX_M else "triton"
+    grouped = grouped_n is not None
+    if choice == "auto" and m <= decode_max_m(grouped_n if grouped else b.shape[0], k, grouped):
+        return "decode"
     cublas_ok = scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)
     if choice == "triton" or not cublas_ok:
         return "triton"
@@ -109,7 +127,7 @@ class CudaBackend:
         """``cat([a @ w.T (+ bias)])`` in one launch for decode-sized ``a`` and 128x128-block weights that
         share it; ``None`` where this does not apply (the caller then runs the GEMMs one by one)."""
         if (a.block != ACT or not 1 <= len(weights) <= 3 or any(w.block != WEIGHT for w in weights)
-                or gemm_path(a, weights[0]) != "decode"
+                or gemm_path(a, weights[0], grouped_n=sum(w.shape[0] for w in weights)) != "decode"
                 or (any(b is not None for b in biases) and any(b is None for b in biases))):
             return None
         for w in weights:

@@ -37,6 +37,7 @@ from jetrl.quant.formats import AMAX_EPS, E4M3, E4M3_MAX
 BLOCK = 128
 _EPS = tl.constexpr(AMAX_EPS)
 _FP8_MAX = tl.constexpr(E4M3_MAX)
+_RCP_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)))  # RN_fp32(1/448)
 # The interpreter's fp32 -> E4M3 cast mis-rounds subnormals; there the kernels round to the E4M3 grid in
 # fp32 first (exact, RNE), on the GPU the hardware's RNE cast does it directly.
 _SOFT_ROUND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -114,8 +115,85 @@ def _to_e4m3(x, scale):
     return q.to(tl.float8e4nv)
 
 
+@triton.jit
+def _fma_rn(a, b, c):
+    """``a * b + c`` rounded once (fp32). The GPU's ``fma.rn``; under the interpreter (whose fma may round
+    twice) the exact sum is formed in fp64 and rounded to odd, so that the cast to fp32 rounds correctly."""
+    if _SOFT_ROUND:
+        p = a.to(tl.float64) * b.to(tl.float64)  # exact: 24 + 24 significant bits
+        c64 = c.to(tl.float64)
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)  # s + err == p + c exactly (TwoSum)
+        bits = s.to(tl.int64, bitcast=True)
+        step = tl.where((err > 0) == (s > 0), 1, -1)  # one ulp away from zero, or towards it
+        bits = tl.where((err != 0) & ((bits & 1) == 0), bits + step, bits)
+        return bits.to(tl.float64, bitcast=True).to(tl.float32)
+    else:
+        return tl.fma(a, b, c)
+
+
+@triton.jit
+def _recip_scale(scale):
+    """Per block: ``(RN(1 / scale), scale)`` for :func:`_to_e4m3_recip`; an infinite scale (a block holding
+    an inf) gets reciprocal 0 and residual multiplier 0, which gives ``x / inf`` (+-0, NaN for +-inf)."""
+    recip = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return recip, tl.where(recip == 0.0, 0.0, scale)
+
+
+@triton.jit
+def _to_e4m3_recip(x, recip, scale_r, POW2: tl.constexpr):
+    """Same bits as :func:`_to_e4m3` without a division per element.
+
+    ``y = RN(x * RN(1/s))`` is within one ulp of ``x / s``; the residual ``x - s*y`` is then exact in one
+    fma and ``RN(y + residual * RN(1/s))`` is the correctly rounded quotient (Markstein's theorem). A
+    power-of-two scale has an exact reciprocal, so ``RN(x * (1/s)) == RN(x / s)`` directly. The order of the
+    correction terms keeps the sign of a zero ``x``, as the division does."""
+    y = x * recip
+    if not POW2:
+        res = _fma_rn(scale_r, y, -x)  # s*y - x, exact; written this way round so that x = -0 gives -0:
+        y = _fma_rn(-res, recip, y)  # -(+0) + (-0) is -0, where (+0) + (-0) would be +0
+    q = tl.clamp(y, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if _SOFT_ROUND:
+        q = _round_to_e4m3_grid(q)
+    return q.to(tl.float8e4nv)
+
+
 # --------------------------------------------------------------------------------------------------
 # kernels
+
+
+@triton.jit
+def _block_scale(amax, POW2: tl.constexpr, RECIP: tl.constexpr):
+    """:func:`_scale_from_amax`; with ``RECIP`` without a division: ``RN(amax / 448)`` is the multiply by
+    ``RN(1/448)`` plus one exact-residual fma correction (Markstein; checked for every fp32 significand,
+    which covers every normal amax >= 1e-4 since 448 is fixed). An infinite amax keeps scale inf."""
+    if RECIP:
+        amax = tl.maximum(amax, _EPS)
+        y = amax * _RCP_FP8_MAX
+        res = _fma_rn(tl.full(amax.shape, _FP8_MAX, tl.float32), y, -amax)
+        scale = _fma_rn(-res, tl.full(amax.shape, _RCP_FP8_MAX, tl.float32), y)
+        scale = tl.where(amax == float("inf"), amax, scale)
+        if POW2:
+            bits = scale.to(tl.int32, bitcast=True)
+            exponent = bits & 0x7F800000
+            has_mantissa = (bits & 0x007FFFFF) != 0
+            bits = tl.where(has_mantissa, exponent + (1 << 23), exponent)
+            scale = bits.to(tl.float32, bitcast=True)
+        return scale
+    else:
+        return _scale_from_amax(amax, POW2)
+
+
+@triton.jit
+def _quantize_e4m3(x, scale, RECIP: tl.constexpr, POW2: tl.constexpr):
+    """``_to_e4m3(x, scale)``; with ``RECIP`` through one reciprocal per block (same bits, no per-element
+    division). ``scale`` is a block-level tensor already broadcastable to ``x``."""
+    if RECIP:
+        recip, scale_r = _recip_scale(scale)
+        return _to_e4m3_recip(x, recip, scale_r, POW2)
+    else:
+        return _to_e4m3(x, scale)
 
 
 @triton.jit
@@ -124,11 +202,12 @@ def _quantize_rows_cols_kernel(
     act_ptr, act_scale_ptr, stride_asm, stride_ask,  # 1x128 outputs: data (M, K) row-major
     tok_ptr, tok_scale_ptr,  # 128x1 outputs: data as a row-major (K, M) buffer, scales (Mb, K) row-major
     POW2: tl.constexpr, EMIT_ACT: tl.constexpr, EMIT_TOKEN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, T_IN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, T_IN: tl.constexpr, RECIP: tl.constexpr = False,
 ):
     """One tile of x, quantized per row (1x128, needs BLOCK_K == 128) and/or per column (128x1, needs
     BLOCK_M == 128), reading x once. ``T_IN``: transpose the input tile (in its own dtype) before the
-    column quantization, so it reduces along rows and stores row-major; else transpose the E4M3 result."""
+    column quantization, so it reduces along rows and stores row-major; else transpose the E4M3 result.
+    ``RECIP``: divide through one reciprocal per block (:func:`_to_e4m3_recip`, same bits)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -138,20 +217,20 @@ def _quantize_rows_cols_kernel(
     x = x_in.to(tl.float32)
     ax = tl.abs(x)
     if EMIT_ACT:
-        scale = _scale_from_amax(tl.max(ax, axis=1), POW2)  # (BLOCK_M,)
-        q = _to_e4m3(x, scale[:, None])
+        scale = _block_scale(tl.max(ax, axis=1), POW2, RECIP)  # (BLOCK_M,)
+        q = _quantize_e4m3(x, scale[:, None], RECIP, POW2)
         tl.store(act_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
         tl.store(act_scale_ptr + rm * stride_asm + pid_k * stride_ask, scale, mask=rm < M)
     if EMIT_TOKEN:
         if T_IN:
             xt = tl.trans(x_in).to(tl.float32)  # (BLOCK_K, BLOCK_M)
-            scale_t = _scale_from_amax(tl.max(tl.abs(xt), axis=1), POW2)  # (BLOCK_K,)
-            q_t = _to_e4m3(xt, scale_t[:, None])
+            scale_t = _block_scale(tl.max(tl.abs(xt), axis=1), POW2, RECIP)  # (BLOCK_K,)
+            q_t = _quantize_e4m3(xt, scale_t[:, None], RECIP, POW2)
         else:
-            scale_t = _scale_from_amax(tl.max(ax, axis=0), POW2)  # (BLOCK_K,)
-            q_t = tl.trans(_to_e4m3(x, scale_t[None, :]))  # (BLOCK_K, BLOCK_M): a row-major store
+            scale_t = _block_scale(tl.max(ax, axis=0), POW2, RECIP)  # (BLOCK_K,)
+            q_t = tl.trans(_quantize_e4m3(x, scale_t[None, :], RECIP, POW2))  # (BLOCK_K, BLOCK_M): row-major store
         tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
-             mask=(rk[:, None] < K) & (rm[None, :] < M))
+                 mask=(rk[:, None] < K) & (rm[None, :] < M))
         tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
 
 
@@ -159,10 +238,11 @@ def _quantize_rows_cols_kernel(
 def _quantize_weight_kernel(
     w_ptr, N, K, stride_wn, stride_wk,
     q_ptr, q_t_ptr, scale_ptr,
-    POW2: tl.constexpr, EMIT_T: tl.constexpr, T_IN: tl.constexpr,
+    POW2: tl.constexpr, EMIT_T: tl.constexpr, T_IN: tl.constexpr, RECIP: tl.constexpr = False,
 ):
     """One 128x128 tile of W: one scale, the data row-major (N, K) and optionally W^T row-major (K, N)
-    (``T_IN``: W^T quantized from the transposed input tile, else the E4M3 tile transposed)."""
+    (``T_IN``: W^T quantized from the transposed input tile, else the E4M3 tile transposed).
+    ``RECIP``: divide through the tile's reciprocal (:func:`_to_e4m3_recip`, same bits)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * 128 + tl.arange(0, 128)
@@ -171,12 +251,12 @@ def _quantize_weight_kernel(
     w_in = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] * stride_wk, mask=mask, other=0.0)
     w = w_in.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
-    scale = _scale_from_amax(amax, POW2)
-    q = _to_e4m3(w, scale)
+    scale = _block_scale(amax, POW2, RECIP)
+    q = _quantize_e4m3(w, scale, RECIP, POW2)
     tl.store(q_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
     if EMIT_T:
         if T_IN:
-            q_t = _to_e4m3(tl.trans(w_in).to(tl.float32), scale)
+            q_t = _quantize_e4m3(tl.trans(w_in).to(tl.float32), scale, RECIP, POW2)
         else:
             q_t = tl.trans(q)
         tl.store(q_t_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], q_t,
@@ -188,12 +268,12 @@ def _quantize_weight_kernel(
 def _requantize_act_to_token_kernel(
     q_ptr, M, K, stride_qm, stride_qk, s_ptr, stride_sm, stride_sk,
     tok_ptr, tok_scale_ptr,
-    POW2: tl.constexpr, T_IN: tl.constexpr, BLOCK_K: tl.constexpr,
+    POW2: tl.constexpr, T_IN: tl.constexpr, BLOCK_K: tl.constexpr, RECIP: tl.constexpr = False,
 ):
     """Re-quantize a 1x128 FP8 tensor into 128x1 blocks: dequantize in registers (``data * scale`` in
     fp32, as the reference does), then quantize per 128 rows per column; data written transposed
     (``T_IN``: transpose the E4M3 input tile first and reduce along rows). BLOCK_K divides 128, so a
-    tile's columns share one 1x128 source scale per row."""
+    tile's columns share one 1x128 source scale per row. ``RECIP``: no per-element division (same bits)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * 128 + tl.arange(0, 128)
@@ -203,13 +283,13 @@ def _requantize_act_to_token_kernel(
     s = tl.load(s_ptr + rm * stride_sm + (pid_k * BLOCK_K // 128) * stride_sk, mask=rm < M, other=0.0)  # (128,)
     if T_IN:
         xt = tl.trans(q).to(tl.float32) * s[None, :]  # (BLOCK_K k, 128 m); masked lanes are 0 * 0
-        scale_t = _scale_from_amax(tl.max(tl.abs(xt), axis=1), POW2)
-        q_t = _to_e4m3(xt, scale_t[:, None])
+        scale_t = _block_scale(tl.max(tl.abs(xt), axis=1), POW2, RECIP)
+        q_t = _quantize_e4m3(xt, scale_t[:, None], RECIP, POW2)
     else:
         x = q.to(tl.float32) * s[:, None]
         x = tl.where(mask, x, 0.0)
-        scale_t = _scale_from_amax(tl.max(tl.abs(x), axis=0), POW2)
-        q_t = tl.trans(_to_e4m3(x, scale_t[None, :]))
+        scale_t = _block_scale(tl.max(tl.abs(x), axis=0), POW2, RECIP)
+        q_t = tl.trans(_quantize_e4m3(x, scale_t[None, :], RECIP, POW2))
     tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
              mask=(rk[:, None] < K) & (rm[None, :] < M))
     tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)

@@ -324,6 +324,7 @@ class RolloutEngine:
         progress = _Progress(len(all_seqs), self.progress)
         num_steps = num_decode_steps = num_generated = decode_tokens = 0
         step_seconds = [0.0, 0.0]  # prefill, decode
+        self._wait_seconds = 0.0
         start = time.perf_counter()
         try:
             with torch.no_grad(), precision_side("rollout"):
@@ -348,7 +349,10 @@ class RolloutEngine:
                                preemptions=scheduler.num_preemptions, num_blocks=self.num_blocks,
                                prefill_seconds=step_seconds[0], decode_seconds=step_seconds[1],
                                decode_tokens=decode_tokens,
-                               decode_tokens_per_s=decode_tokens / max(step_seconds[1], 1e-9))
+                               decode_tokens_per_s=decode_tokens / max(step_seconds[1], 1e-9),
+                               # time the host was not waiting for the GPU: scheduling, input building,
+                               # launches (on CUDA about the time the GPU sat idle between steps)
+                               host_seconds=elapsed - self._wait_seconds)
         return [s.to_completion() for s in all_seqs]
 
     # ------------------------------------------------------------------ internals
@@ -459,7 +463,10 @@ class RolloutEngine:
             if batch is None:  # prefill chunks that end mid-prompt: nothing to sample this step
                 return [], []
         tokens, logprobs = sample(logits, batch)
-        packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()  # one D2H copy
+        packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        wait_start = time.perf_counter()
+        packed = packed.cpu()  # one D2H copy; the host waits here for the step's GPU work
+        self._wait_seconds += time.perf_counter() - wait_start
         return [int(t) for t in packed[0].tolist()], packed[1].tolist()
 
 

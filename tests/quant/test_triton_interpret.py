@@ -128,6 +128,34 @@ for (m, ns, k, split) in [(3, (256, 128, 128), 512, 2), (20, (200, 130), 300, 1)
         sep = [D.fp8_decode_gemm(a.data, a.scale, d, sc, 128, torch.bfloat16, cfg) for d, sc, _ in ws]
         sep = [y + b if b is not None else y for y, (_, _, b) in zip(sep, ws)]
         gemm[f"grouped-{m}-{len(ns)}-bias{with_bias}"] = bool(torch.equal(out, torch.cat(sep, 1)))
+# tuning variants: K blocks per iteration, TMA descriptor loads (K % 16 == 0; a partial last K block; and a K
+# where TMA does not apply, which falls back to pointer loads), row tiles (a partial last one), 128/256-row tiles
+from triton.tools.tensor_descriptor import TensorDescriptor
+made = []
+_from_tensor = TensorDescriptor.from_tensor
+TensorDescriptor.from_tensor = staticmethod(lambda t, shape, *r: made.append(tuple(shape)) or _from_tensor(t, shape, *r))
+for (m, n, k, cfg) in [(40, 130, 1040, D.DecodeGemmConfig(64, 3, 4, 2, block_m=16, k_unroll=2, tma=True)),
+                       (5, 200, 1100, D.DecodeGemmConfig(128, 2, 4, 2, k_unroll=2, tma=True)),
+                       (70, 64, 256, D.DecodeGemmConfig(256, 1, 4, 2, block_m=32))]:
+    a = R.quantize_tensor(torch.randn(m, k, generator=g), (1, 128))
+    b = R.quantize_tensor(torch.randn(n, k, generator=g), (128, 128))
+    ref = R.gemm(a, b, torch.float32).double()
+    run = lambda: D.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.float32, cfg).double()
+    out = run()
+    bound = (a.dequantize().double().abs() @ b.dequantize().double().abs().t()) * (k + 2) * 2.0 ** -24
+    gemm[f"decode-{m}x{n}x{k}-{cfg.name}"] = bool(((out - ref).abs() <= bound).all()) and \
+        (m != 40 or torch.equal(out, run()))
+gemm["decode-tma-descriptors"] = made[:2] == [(16, 128), (64, 128)] and len(made) == 8  # only the first case
+ws = []
+for n in (256, 128, 72):
+    q = R.quantize_tensor(torch.randn(n, 512, generator=g), (128, 128))
+    ws.append((q.data, q.scale, torch.randn(n, generator=g).to(torch.bfloat16)))
+a = R.quantize_tensor(torch.randn(3, 512, generator=g), (1, 128))
+cfg = D.DecodeGemmConfig(block_n=64, split_k=2, num_warps=4, num_stages=2, k_unroll=2, tma=True)
+out = D.fp8_decode_gemm_grouped(a.data, a.scale, ws, torch.bfloat16, cfg)
+sep = torch.cat([D.fp8_decode_gemm(a.data, a.scale, d, sc, 128, torch.bfloat16, cfg) + b for d, sc, b in ws], 1)
+gemm["grouped-tma-unrolled"] = bool(torch.equal(out, sep)) and len(made) == 8 + 4 + 6
+TensorDescriptor.from_tensor = _from_tensor
 gemm["decode-counters-reset"] = int(D._locks(torch.device("cpu")).abs().sum()) == 0
 json.dump({"quant": results, "gemm": gemm}, sys.stdout)
 '''
