@@ -32,7 +32,7 @@ from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache
 from jetrl.quant import fp8_linears, precision_side
 from jetrl.rollout.block_manager import BlockManager, BlockTableMirror
 from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample
-from jetrl.rollout.scheduler import Scheduler, SchedulerOutput
+from jetrl.rollout.scheduler import PLACEHOLDER, Scheduler, SchedulerOutput
 from jetrl.rollout.sequence import Completion, Sequence
 
 DEFAULT_CPU_BUDGET_BYTES = 256 * 2 ** 20
@@ -161,12 +161,17 @@ class RolloutEngine:
         num_blocks: exact pool size in blocks (overrides ``memory_budget``; tests use it for tiny pools).
         progress: show requests done and tokens/s.
         cuda_graphs: capture the decode step on CUDA; ``graph_batch_sizes`` overrides the captured sizes.
+        async_scheduling: queue step t+1 before step t's tokens reach the host (its input tokens are read
+            on the device), so scheduling and input packing overlap the GPU's work instead of idling it.
+            A sequence that stops at step t is computed once more at t+1 and that result dropped; the
+            completions are the same as without (up to the batch-size dependence of the GEMMs' rounding).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, memory_budget: float | int | None = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, num_blocks: int | None = None, progress: bool = True,
-                 cuda_graphs: bool = True, graph_batch_sizes: Seq[int] | None = None) -> None:
+                 cuda_graphs: bool = True, graph_batch_sizes: Seq[int] | None = None,
+                 async_scheduling: bool = True) -> None:
         if not hasattr(model, "forward_paged") or not hasattr(model, "config"):
             raise TypeError(f"RolloutEngine needs a jetrl decoder with forward_paged and config, "
                             f"got {type(model).__name__}")
@@ -203,6 +208,8 @@ class RolloutEngine:
         self.memory_budget = memory_budget
         self.requested_num_blocks = num_blocks
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.async_scheduling = bool(async_scheduling)
+        self._wait_seconds = 0.0
         self.graph_batch_sizes = self._graph_sizes(graph_batch_sizes)
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0  # usable blocks (the pool has one more: the scratch block)
@@ -326,21 +333,43 @@ class RolloutEngine:
         step_seconds = [0.0, 0.0]  # prefill, decode
         self._wait_seconds = 0.0
         start = time.perf_counter()
+        in_flight: _InFlight | None = None
+        last_finish = 0.0
+
+        def finish(step: _InFlight) -> None:
+            nonlocal num_generated, decode_tokens, last_finish
+            tokens, logprobs = self._collect(step)
+            finished = scheduler.resolve(step.rows, tokens, logprobs, self._stop_string_hit) + step.finished
+            n = sum(1 for r in step.rows if r is not None)
+            num_generated += n
+            decode_tokens += n if step.out.is_decode else 0
+            now = time.perf_counter()  # steps overlap when asynchronous: count each span once
+            step_seconds[step.out.is_decode] += now - max(step.start, last_finish)
+            last_finish = now
+            progress.update(len(finished), n)
+
         try:
             with torch.no_grad(), precision_side("rollout"):
                 while scheduler.has_unfinished:
                     out = scheduler.schedule()
                     if not out.chunks:
+                        if in_flight is not None:  # what the scheduler waits for may be freed by the last step
+                            finish(in_flight)
+                            in_flight = None
+                            continue
                         raise RuntimeError("scheduler produced an empty step with work pending (a bug)")
-                    step_start = time.perf_counter()
-                    tokens, logprobs = self._step(out)  # returns after the sampled tokens reached the host
-                    step_seconds[out.is_decode] += time.perf_counter() - step_start
-                    finished = scheduler.postprocess(out, tokens, logprobs, self._stop_string_hit)
+                    step = self._launch(out, in_flight)  # queued on the GPU; the host goes on
+                    if in_flight is not None:
+                        finish(in_flight)
+                    step.rows, step.finished = scheduler.advance(out)
                     num_steps += 1
                     num_decode_steps += out.is_decode
-                    num_generated += len(tokens)
-                    decode_tokens += len(tokens) if out.is_decode else 0
-                    progress.update(len(finished), len(tokens))
+                    in_flight = step
+                    if not self.async_scheduling:
+                        finish(in_flight)
+                        in_flight = None
+                if in_flight is not None:
+                    finish(in_flight)
         finally:
             progress.close()
         elapsed = time.perf_counter() - start
@@ -411,17 +440,27 @@ class RolloutEngine:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
-    def _step(self, out: SchedulerOutput) -> tuple[list[int], list[float]]:
+    def _launch(self, out: SchedulerOutput, prev: "_InFlight | None") -> "_InFlight":
+        """Queue one step (inputs, forward, sampling, the copy of its tokens to the host) without waiting.
+
+        Decode rows whose input token is still a placeholder (sampled by ``prev``, not yet on the host)
+        read it from ``prev``'s sampled tokens on the device."""
+        step = _InFlight(out, time.perf_counter())
         if out.copies:
             self._copy_blocks(out.copies)
         ids, pos, slots, qsl, ctx, sample_rows = [], [], [], [0], [], []
         params, sample_index, out_pos = [], [], []
         bs = self.block_size
+        from_prev: list[tuple[int, int]] = []  # (row of this step, sampled row of prev)
+        prev_rows = {} if prev is None else {id(q): r for r, q in enumerate(prev.rows) if q is not None}
         for chunk in out.chunks:
             seq = chunk.seqs[0]
             table = seq.block_table
             if chunk.num_tokens == 1:  # a decode step (or a one-token chunk): no list building per token
-                ids.append(seq.token_ids[chunk.start])
+                token = seq.token_ids[chunk.start]
+                if token == PLACEHOLDER:
+                    from_prev.append((len(ids), prev_rows[id(seq)]))
+                ids.append(token)
                 pos.append(chunk.start)
                 slots.append(table[chunk.start // bs] * bs + chunk.start % bs)
             else:
@@ -446,6 +485,11 @@ class RolloutEngine:
         packed = host.to(dev, non_blocking=True)
         ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, table_t = packed.split(
             [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), n_seqs * width])
+        if from_prev:
+            if prev is None or prev.tokens is None:
+                raise RuntimeError("a placeholder token without the step that samples it (engine bug)")
+            where = torch.tensor(from_prev, dtype=torch.long).t().to(dev, non_blocking=True)
+            ids_t = ids_t.index_put((where[0],), prev.tokens[where[1]].to(ids_t.dtype))
         ctx_t = ctx_t.to(torch.int32)
         table_t = table_t.to(torch.int32).view(n_seqs, width)
         # the sampling settings go to the device before the forward is queued, so the sampler follows the
@@ -461,13 +505,43 @@ class RolloutEngine:
             rows = None if out.is_decode else rows_t
             logits = self._forward(ids_t, pos_t, meta, rows)
             if batch is None:  # prefill chunks that end mid-prompt: nothing to sample this step
-                return [], []
+                return step
         tokens, logprobs = sample(logits, batch)
+        step.tokens = tokens
         packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        if dev.type == "cuda":  # one D2H copy into pinned memory, waited for in _collect
+            step.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            step.host.copy_(packed, non_blocking=True)
+            step.done = torch.cuda.Event()
+            step.done.record()
+        else:
+            step.host = packed
+        return step
+
+    def _collect(self, step: "_InFlight") -> tuple[list[int], list[float]]:
+        """The step's sampled tokens and log-probabilities on the host (waits for the step)."""
+        if step.host is None:
+            return [], []
         wait_start = time.perf_counter()
-        packed = packed.cpu()  # one D2H copy; the host waits here for the step's GPU work
+        if step.done is not None:
+            step.done.synchronize()
         self._wait_seconds += time.perf_counter() - wait_start
-        return [int(t) for t in packed[0].tolist()], packed[1].tolist()
+        return [int(t) for t in step.host[0].tolist()], step.host[1].tolist()
+
+
+class _InFlight:
+    """A launched step: its schedule, its sampled tokens on the device and (on their way) on the host,
+    and what :meth:`Scheduler.advance` recorded for it."""
+
+    def __init__(self, out: SchedulerOutput, start: float) -> None:
+        self.out, self.start = out, start
+        self.tokens: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.done: torch.cuda.Event | None = None
+        self.rows: list[Sequence | None] = []
+        self.finished: list[Sequence] = []
+
+
 
 
 __all__ = ["RolloutEngine"]

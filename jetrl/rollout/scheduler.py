@@ -25,6 +25,8 @@ from typing import Callable
 from jetrl.rollout.block_manager import BlockManager
 from jetrl.rollout.sequence import Sequence, SequenceStatus
 
+PLACEHOLDER = -1  # a sampled token still on its way to the host (see Scheduler.advance)
+
 
 @dataclass
 class ScheduledChunk:
@@ -193,47 +195,91 @@ class Scheduler:
         self.waiting.appendleft(entry)
 
     # ---------------------------------------------------------------- after the step
+    #
+    # A step's results are recorded in two halves, so the engine can queue the next step on the GPU
+    # before this one's tokens reach the host (asynchronous scheduling):
+    #   advance(out)  right after the step is launched: every sampled sequence gets a placeholder token
+    #                 (so the next step can be scheduled: lengths, blocks, positions are all known) and
+    #                 sequences that reach max_tokens / the context limit finish ("length" needs no token);
+    #   resolve(...)  once the tokens are on the host: placeholders become tokens, stop tokens and stop
+    #                 strings end their sequences. A sequence that stopped may already be part of the next
+    #                 step, computed once more for nothing; advance() of that step skips it.
+    # ``postprocess`` is both at once (the synchronous engine loop).
+
+    def advance(self, out: SchedulerOutput) -> tuple[list[Sequence | None], list[Sequence]]:
+        """Placeholders for the step's sampled tokens; returns (one entry per sampled row, in chunk order:
+        the sequence, or None for a sequence that had already finished; the sequences finished by length)."""
+        rows: list[Sequence | None] = []
+        finished: list[Sequence] = []
+        replaced: dict[int, list[list[Sequence]]] = {}
+        for chunk in out.chunks:
+            for seq in chunk.seqs:
+                if not seq.is_finished:
+                    seq.num_computed_tokens = chunk.end
+            if not chunk.samples:
+                continue
+            survivors: list[list[Sequence]] = []
+            for seq in chunk.seqs:
+                if seq.is_finished:  # stopped at the previous step, after this one was queued
+                    rows.append(None)
+                    continue
+                seq.append(PLACEHOLDER, float("nan"))
+                rows.append(seq)
+                if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                    self._finish(seq, "length")
+                    finished.append(seq)
+                else:
+                    survivors.append([seq])
+            replaced[id(chunk.seqs)] = survivors
+        if replaced:
+            self.running = [e for entry in self.running for e in replaced.get(id(entry), [entry])]
+        return rows, finished
+
+    def resolve(self, rows: list[Sequence | None], tokens: list[int], logprobs: list[float],
+                is_stopped: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
+        """Write the sampled tokens over the placeholders of :meth:`advance` (``rows``) and retire the
+        sequences a stop token or stop string ends; returns them."""
+        if len(rows) != len(tokens) or len(tokens) != len(logprobs):
+            raise RuntimeError(f"scheduler expected {len(rows)} sampled tokens, got {len(tokens)}")
+        finished: list[Sequence] = []
+        for seq, token, logprob in zip(rows, tokens, logprobs):
+            if seq is None:
+                continue
+            index = self._placeholder_index(seq)
+            seq.token_ids[index] = token
+            seq.logprobs[index - seq.num_prompt_tokens] = logprob
+            stopped = token in seq.stop_ids or (is_stopped is not None and bool(seq.params.stop) and is_stopped(seq))
+            if not stopped:
+                continue
+            if seq.is_finished:  # also at its length limit: a stop says more
+                seq.finish_reason = "stop"
+                continue
+            self.running = [e for e in self.running if seq not in e]
+            if seq.status is SequenceStatus.WAITING:  # preempted while its last token was in flight
+                self.waiting = deque(e for e in self.waiting if seq not in e)
+            self._finish(seq, "stop")
+            finished.append(seq)
+        return finished
 
     def postprocess(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float],
                     is_stopped: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
         """Record the step's sampled tokens (one per sampled sequence, in chunk order) and retire the
         finished sequences; returns them. ``is_stopped`` adds stop-string checks."""
-        finished: list[Sequence] = []
-        replaced: dict[int, list[list[Sequence]]] = {}
-        row = 0
-        for chunk in out.chunks:
-            for seq in chunk.seqs:
-                seq.num_computed_tokens = chunk.end
-            if not chunk.samples:
-                continue
-            survivors: list[list[Sequence]] = []
-            for seq in chunk.seqs:
-                token, logprob = tokens[row], logprobs[row]
-                row += 1
-                seq.append(token, logprob)
-                reason = self._finish_reason(seq, token, is_stopped)
-                if reason is None:
-                    survivors.append([seq])
-                else:
-                    seq.finish_reason = reason
-                    seq.status = SequenceStatus.FINISHED
-                    self.blocks.free(seq)
-                    finished.append(seq)
-            replaced[id(chunk.seqs)] = survivors
-        if replaced:
-            self.running = [e for entry in self.running for e in replaced.get(id(entry), [entry])]
-        if row != len(tokens):
-            raise RuntimeError(f"scheduler expected {row} sampled tokens, got {len(tokens)}")
-        return finished
+        rows, finished = self.advance(out)
+        return finished + self.resolve(rows, tokens, logprobs, is_stopped)
 
-    def _finish_reason(self, seq: Sequence, token: int, is_stopped) -> str | None:
-        if token in seq.stop_ids:
-            return "stop"
-        if is_stopped is not None and seq.params.stop and is_stopped(seq):
-            return "stop"
-        if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+    @staticmethod
+    def _placeholder_index(seq: Sequence) -> int:
+        # the only unresolved token of a sequence is its newest: resolve() runs before the next advance()
+        index = len(seq.token_ids) - 1
+        if seq.token_ids[index] != PLACEHOLDER:
+            raise RuntimeError(f"{seq!r}: no sampled token is pending (scheduler bug)")
+        return index
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+        self.blocks.free(seq)
 
 
-__all__ = ["Scheduler", "SchedulerOutput", "ScheduledChunk"]
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledChunk", "PLACEHOLDER"]

@@ -218,3 +218,35 @@ def test_eos_falls_back_to_the_tokenizer_when_the_config_has_none():
     assert _engine(model, tokenizer=Tokenizer()).eos_token_ids == {3}
     assert _engine(model).eos_token_ids == frozenset()
     assert _engine(_model("bf16")).eos_token_ids == {1}  # the config's own id wins
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_async_scheduling_equals_synchronous(models, recipe):
+    """Step t+1 queued before step t's tokens reach the host gives the same completions as waiting for
+    them: samples that stop (stop ids, stop strings, max_tokens of several lengths) mid-batch, prefix
+    sharing, chunked prefill, preemption in a small pool, new prompts joining as others finish."""
+    model = models[recipe]
+    probe = _engine(model).generate(PROMPTS, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12,
+                                                            ignore_eos=True))
+    stop_ids = (probe[0].token_ids[2], probe[5].token_ids[6])  # tokens these samples do produce
+    stop_str = _LetterTokenizer().decode(probe[3].token_ids[4:6])
+    params = [SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, stop_token_ids=stop_ids),
+              SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=9, ignore_eos=True),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, stop=(stop_str,), ignore_eos=True),
+              SamplingParams(n=1, temperature=0.0, max_tokens=4)]
+    for kw in (dict(), dict(num_blocks=10, max_num_seqs=5, max_num_batched_tokens=8)):
+        runs = {}
+        for mode in (False, True):
+            engine = _engine(model, tokenizer=_LetterTokenizer(), async_scheduling=mode, **kw)
+            runs[mode] = engine.generate(PROMPTS, params)
+            stats = engine.last_stats
+        sync, asyn = runs[False], runs[True]
+        assert [c.token_ids for c in asyn] == [c.token_ids for c in sync], kw
+        assert [c.finish_reason for c in asyn] == [c.finish_reason for c in sync]
+        assert {c.finish_reason for c in sync} == {"stop", "length"}
+        for a, b in zip(asyn, sync):
+            assert all(t >= 0 for t in a.token_ids)  # no placeholder left behind
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=2e-5)
+        assert stats["generated_tokens"] == sum(len(c.token_ids) for c in asyn)
+        if kw:
+            assert stats["preemptions"] > 0
