@@ -434,8 +434,10 @@ class RolloutEngine:
         return self.model.forward_paged(input_ids, positions, meta, self.kv_cache, logits_indices)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        host = torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long)
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the steps already queued
+            host = host.pin_memory()
+        src, dst = host.to(self.device, non_blocking=True)
         for k, v in zip(self.kv_cache.k, self.kv_cache.v):
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
@@ -478,18 +480,19 @@ class RolloutEngine:
         tables = self._tables.rows([chunk.seqs[0] for chunk in out.chunks])  # (S, width), one gather
         dev = self.device
         n_rows, n_seqs, width = len(ids), tables.shape[0], tables.shape[1]
-        head = np.array(ids + pos + slots + qsl + ctx + sample_rows, dtype=np.int64)
+        if from_prev and (prev is None or prev.tokens is None):
+            raise RuntimeError("a placeholder token without the step that samples it (engine bug)")
+        fill = [r for r, _ in from_prev] + [q for _, q in from_prev]  # rows to fill, prev's sampled rows
+        head = np.array(ids + pos + slots + qsl + ctx + sample_rows + fill, dtype=np.int64)
         host = torch.from_numpy(np.concatenate([head, tables.reshape(-1)]))
-        if dev.type == "cuda":  # one host-to-device transfer for the whole step's metadata
-            host = host.pin_memory()
+        if dev.type == "cuda":  # one host-to-device transfer for the whole step's metadata (pinned, so
+            host = host.pin_memory()  # it does not wait for the steps already queued)
         packed = host.to(dev, non_blocking=True)
-        ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, table_t = packed.split(
-            [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), n_seqs * width])
-        if from_prev:
-            if prev is None or prev.tokens is None:
-                raise RuntimeError("a placeholder token without the step that samples it (engine bug)")
-            where = torch.tensor(from_prev, dtype=torch.long).t().to(dev, non_blocking=True)
-            ids_t = ids_t.index_put((where[0],), prev.tokens[where[1]].to(ids_t.dtype))
+        ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, fill_t, table_t = packed.split(
+            [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), len(fill), n_seqs * width])
+        if from_prev:  # placeholder inputs: the previous step's sampled tokens, still on the device
+            k = len(from_prev)
+            ids_t = ids_t.index_put((fill_t[:k],), prev.tokens[fill_t[k:]].to(ids_t.dtype))
         ctx_t = ctx_t.to(torch.int32)
         table_t = table_t.to(torch.int32).view(n_seqs, width)
         # the sampling settings go to the device before the forward is queued, so the sampler follows the
