@@ -371,11 +371,12 @@ def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         a_arg = TensorDescriptor.from_tensor(a_data, [block_m, 128])
+    w_args = [TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if use_tma else w for w, _, _ in weights]
     groups = []
-    for i in range(3):
-        w, sc, bias = weights[i] if i < len(weights) else weights[0]
-        w_arg = TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if use_tma else w
-        groups += [w_arg, sc, bias if has_bias else out, ns[i] if i < len(weights) else 0]
+    for i in range(3):  # absent groups repeat the first (never read: their width is 0)
+        j = i if i < len(weights) else 0
+        _, sc, bias = weights[j]
+        groups += [w_args[j], sc, bias if has_bias else out, ns[i] if i < len(weights) else 0]
     _fp8_decode_gemm_kernel[(tiles, split)](
         a_arg, out, a_scale, ws, locks, *groups, m, k,
         a_data.stride(0), a_data.stride(1), b0.stride(0), b0.stride(1), out.stride(0), out.stride(1),
