@@ -6,7 +6,9 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
 2. pre-quantized GEMMs (Fprop, DGrad, WGrad) in FP8 vs BF16 ``torch.matmul``, TFLOP/s;
 3. ``FP8Linear`` forward+backward, quantization included, vs BF16 ``nn.Linear``;
 4. an MLP block (RMSNorm, gate_up, SwiGLU, down) forward+backward, recipe ``jet`` vs BF16;
-5. decode-size GEMMs (M = 1..64) FP8 vs BF16, per GEMM path.
+5. decode-size GEMMs (M = 1..64) FP8 vs BF16, per GEMM path;
+6. ``decode-sweep`` (not in the default sections): the decode kernel's tuning variants at M = 16..256, per
+   shape the best config and its ratio to BF16, the best policy per M and where it beats cuBLAS.
 
 Run: ``python bench/kernels.py [--quick] [--json PATH]``.
 """
@@ -96,7 +98,7 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
             "act 1x128": (lambda: tk.quantize_act_1x128(x), 2 * m * k + m * k + 4 * m * kb),
         }
         for t_in in (True, False):
-            tag = "" if t_in == tk.TRANSPOSE_INPUT else " [transpose E4M3 out]" if not t_in else " [transpose in]"
+            tag = " [transpose in]" if t_in else " [transpose E4M3 out]"
             cases.update({
                 "act 1x128 + 128x1" + tag: (lambda t=t_in: tk.quantize_act_1x128(x, emit_token=True, transpose_input=t),
                                             2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
@@ -122,6 +124,78 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
             ms = _graph_ms(fn) or _bench_ms(fn)
             gbps = nbytes / ms / 1e6
             rep.add("quant", kernel=name, shape=f"{m}x{k}", us=ms * 1e3, gbps=gbps, frac_copy=gbps / rep.copy_gbps)
+
+
+# quant-sweep: per kernel, the configurations timed (wrapper keyword arguments; None = the module default).
+# Every configuration gives the same bits (tests/quant/test_triton_interpret.py, tests/quant/test_kernels_gpu.py).
+def _quant_sweep_configs() -> dict[str, list[dict]]:
+    both = (False, True)
+    return {
+        "act 1x128": [dict(recip=r, block_m=bm, num_warps=w) for r in both for bm, w in ((32, 4), (64, 8))],
+        "act 1x128 + 128x1": [dict(recip=r, num_warps=w) for r in both for w in (8, 4)],
+        "token 128x1": [dict(recip=r, transpose_input=t, block_k=bk, num_warps=w) for r in both for t in both
+                        for bk, w in ((64, 4), (32, 2), (64, 2), (128, 4))],
+        "requant 1x128->128x1": [dict(recip=r, transpose_input=t, block_k=bk, num_warps=w) for r in both
+                                 for t in both for bk, w in ((32, 4), (32, 2), (64, 2), (128, 4))]
+                                + [dict(recip=True, transpose_input=False, block_k=32, num_warps=1)],
+        "weight 128x128 + W^T": [dict(recip=r, transpose_input=t, num_warps=w) for r in both for t in both
+                                 for w in (8, 4)],
+    }
+
+
+def _config_name(cfg: dict) -> str:
+    short = {"recip": "recip", "transpose_input": "t_in", "block_k": "bk", "block_m": "bm", "num_warps": "w"}
+    return " ".join(f"{short[k]}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items())
+
+
+def bench_quant_sweep(rep: Report, shapes: list[tuple[int, int]]) -> None:
+    """Every quantization kernel in every configuration of :func:`_quant_sweep_configs`, per shape: fraction of
+    copy bandwidth (CUDA-graph replays, same byte counts as the ``quant`` section), the best configuration per
+    kernel and shape, and the configuration best over all shapes (geometric mean), to set as the default."""
+    import math
+
+    import triton.testing
+
+    from jetrl.quant import triton_kernels as tk
+
+    def graph_ms(fn) -> float:
+        try:
+            return float(triton.testing.do_bench_cudagraph(fn, rep=15, return_mode="median"))
+        except Exception:  # capture failed: eager timing still ranks the configurations
+            return float(triton.testing.do_bench(fn, warmup=5, rep=15, return_mode="median"))
+
+    configs = _quant_sweep_configs()
+    fracs: dict[str, dict[str, list[float]]] = {kernel: {} for kernel in configs}
+    for m, k in shapes:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        q, s = tk.quantize_act_1x128(x)
+        kb, mb = -(-k // 128), -(-m // 128)
+        calls = {  # kernel: (call with a configuration, bytes moved)
+            "act 1x128": (lambda c: tk.quantize_act_1x128(x, **c), 2 * m * k + m * k + 4 * m * kb),
+            "act 1x128 + 128x1": (lambda c: tk.quantize_act_1x128(x, emit_token=True, **c),
+                                  2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
+            "token 128x1": (lambda c: tk.quantize_token_128x1(x, **c), 2 * m * k + m * k + 4 * mb * k),
+            "requant 1x128->128x1": (lambda c: tk.requantize_act_to_token(q, s, **c),
+                                     2 * m * k + 4 * (m * kb + mb * k)),
+            "weight 128x128 + W^T": (lambda c: tk.quantize_weight_128x128(x, emit_t=True, **c), 2 * m * k + 2 * m * k),
+        }
+        for kernel, (call, nbytes) in calls.items():
+            best = None
+            for cfg in configs[kernel]:
+                name = _config_name(cfg)
+                ms = graph_ms(lambda c=cfg: call(c))
+                frac = nbytes / ms / 1e6 / rep.copy_gbps
+                fracs[kernel].setdefault(name, []).append(frac)
+                rep.add("quant-sweep", kernel=kernel, shape=f"{m}x{k}", config=name, us=ms * 1e3, frac_copy=frac)
+                best = max(best or (frac, name), (frac, name))
+            default_ms = graph_ms(lambda: call({}))
+            print(f"  -> {kernel} {m}x{k}: best {best[1]} {best[0]:.2f} of copy; "
+                  f"current default {nbytes / default_ms / 1e6 / rep.copy_gbps:.2f}", flush=True)
+    for kernel, by_cfg in fracs.items():
+        score = {name: math.exp(sum(math.log(f) for f in v) / len(v)) for name, v in by_cfg.items()}
+        name = max(score, key=score.get)
+        rep.add("quant-sweep-best", kernel=kernel, config=name, geomean_frac_copy=score[name],
+                per_shape=" ".join(f"{f:.2f}" for f in by_cfg[name]))
 
 
 def _gemm_operands(m: int, n: int, k: int):
@@ -219,6 +293,299 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
             rep.add("decode", **row)
         del ws, qws
         torch.cuda.empty_cache()
+
+
+# ---- decode GEMM sweep: tuning variants of the split-K decode kernel against BF16 and cuBLAS FP8 ----
+
+DECODE_SWEEP_M = [16, 32, 64, 128, 256]
+# (label, output widths sharing one input, K): the four Llama-8B linears, then the grouped launches
+DECODE_SWEEP_CELLS = [("qkv", (6144,), 4096), ("o", (4096,), 4096), ("gate_up", (28672,), 4096),
+                      ("down", (4096,), 14336), ("qkv-grouped", (4096, 1024, 1024), 4096),
+                      ("gate_up-grouped", (14336, 14336), 4096)]
+
+
+def decode_sweep_policies(m: int) -> list:
+    """Variants of the default policy for ``m`` rows, most promising first (the sweep stops when its time
+    budget runs out, after the same variants for every shape)."""
+    from dataclasses import replace
+
+    from jetrl.quant import decode_gemm_triton as dk
+
+    base = dk.decode_policy(m)
+    if m <= 64:
+        kws = [{}, dict(tma=True), dict(k_unroll=2), dict(tma=True, k_unroll=2),
+               dict(block_n=128, num_warps=8, tma=True, k_unroll=2), dict(block_n=128, num_warps=8),
+               dict(tma=True, num_stages=4), dict(num_warps=8, tma=True),
+               dict(programs_per_sm=base.programs_per_sm * 2, tma=True),
+               dict(programs_per_sm=base.programs_per_sm / 2, tma=True),
+               dict(block_n=128, num_warps=4, tma=True, k_unroll=2), dict(block_n=32, tma=True, k_unroll=2)]
+    else:
+        kws = [{}, dict(tma=True), dict(tma=True, k_unroll=2), dict(block_n=128, tma=True, k_unroll=2),
+               dict(block_n=128), dict(block_m=64, num_warps=4, tma=True), dict(programs_per_sm=2.0, tma=True),
+               dict(block_n=256, tma=True), dict(tma=True, num_stages=4), dict(block_m=128, block_n=128, tma=True)]
+    return [replace(base, **kw) for kw in kws]
+
+
+def _replay_us(calls: list, reps: int = 20) -> float | None:
+    """GPU time per call: ``calls`` (one per rotating weight copy) captured in one CUDA graph, the median of
+    ``reps`` timed replays divided by the number of calls; ``None`` if the path fails or cannot be captured."""
+    try:
+        for c in calls:  # compile / allocate outside the graph
+            c()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        times = sorted(start.elapsed_time(end) for start, end in events)
+        del graph
+        return times[len(times) // 2] * 1e3 / len(calls)
+    except Exception as exc:
+        print(f"  (failed: {type(exc).__name__}: {str(exc)[:160]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+
+
+def _operand_layout(t: torch.Tensor) -> list:
+    return [list(t.shape), list(t.stride())]
+
+
+def _decode_precompile_worker(specs_json: str) -> None:
+    """Compile the decode-kernel variants of ``specs_json`` (run in a child process: many at once fill the
+    Triton cache that the timing process then reads). Operands are uninitialized tensors with the measured
+    runs' shapes and strides, which is all the compiled kernel is specialized on."""
+    from jetrl.quant import decode_gemm_triton as dk
+
+    def empty(layout, dtype):
+        return torch.empty_strided(layout[0], layout[1], dtype=dtype, device="cuda")
+
+    cache: dict = {}
+    for spec in json.loads(specs_json):
+        key = json.dumps(spec["operands"])
+        if key not in cache:
+            ops = spec["operands"]
+            a = empty(ops["a"], torch.uint8).view(torch.float8_e4m3fn)
+            a_s = empty(ops["a_scale"], torch.float32)
+            ws = [(empty(w, torch.uint8).view(torch.float8_e4m3fn), empty(s, torch.float32), None)
+                  for w, s in zip(ops["w"], ops["w_scale"])]
+            cache = {key: (a, a_s, ws)}  # one shape's operands at a time
+        a, a_s, ws = cache[key]
+        cfg = dk.DecodeGemmConfig(**spec["config"])
+        try:
+            if len(ws) == 1:
+                dk.fp8_decode_gemm(a, a_s, ws[0][0], ws[0][1], 128, config=cfg)
+            else:
+                dk.fp8_decode_gemm_grouped(a, a_s, ws, config=cfg)
+        except Exception as exc:
+            print(f"precompile {cfg.name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+    torch.cuda.synchronize()
+
+
+def _start_precompile(specs: list, workers: int) -> list:
+    """Child processes compiling ``specs`` round-robin (each in priority order); returned running."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    if not specs or workers < 1:
+        return []
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import kernels; "
+            "kernels._decode_precompile_worker(sys.stdin.read())")
+    procs = []
+    for i in range(min(workers, len(specs))):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, text=True, env=dict(os.environ))
+        proc.stdin.write(json.dumps(specs[i::workers]))
+        proc.stdin.close()
+        procs.append(proc)
+    return procs
+
+
+def _wait_precompile(procs: list, deadline: float) -> None:
+    import subprocess
+    import time
+
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:  # out of time: the timing process compiles what is missing itself
+            proc.kill()
+            proc.wait()
+
+
+def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | None = None,
+                       workers: int | None = None) -> None:
+    """Tuning variants of the split-K decode kernel per shape and row count against BF16 ``torch.matmul``
+    and cuBLAS blockwise FP8 in the same run (CUDA-graph replays over rotating weight copies, as
+    :func:`bench_decode`), then per row count the policy that is best across shapes (to paste into
+    ``DECODE_POLICIES``) and where the decode kernel beats cuBLAS (the routing bounds in ``jetrl.quant.cuda``).
+
+    Variants are compiled ahead by child processes, then timed variant by variant across all shapes until
+    ``budget_s`` (counted from the start of this function) runs out."""
+    import math
+    import os
+    import time
+    from dataclasses import replace
+
+    from jetrl.quant import cuda as cuda_mod
+    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant import scaled_mm
+    from jetrl.quant.cuda import CudaBackend
+
+    t0 = time.perf_counter()
+    be = CudaBackend()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ms = ms or DECODE_SWEEP_M
+    cells = []
+    for label, ns, k in DECODE_SWEEP_CELLS:
+        copies = _rotation(sum(ns), k)
+        ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n in ns] for _ in range(copies)]
+        qws = [[be.quantize(w, (128, 128)) for w in group] for group in ws]
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cells.append(dict(label=label, ns=ns, k=k, m=m, copies=copies, ws=ws, qws=qws, x=x,
+                              qx=be.quantize(x, (1, 128)), times={}, ok={}, policy_us={}))
+    policies = {m: decode_sweep_policies(m) for m in ms}
+    specs = []
+    for pi in range(max(len(p) for p in policies.values())):
+        for cell in cells:
+            if pi < len(policies[cell["m"]]):
+                cfg = policies[cell["m"]][pi].config(cell["m"], sum(cell["ns"]), cell["k"], sms)
+                qx, qw = cell["qx"], cell["qws"][0]
+                ops = dict(a=_operand_layout(qx.data), a_scale=_operand_layout(qx.scale),
+                           w=[_operand_layout(w.data) for w in qw], w_scale=[_operand_layout(w.scale) for w in qw])
+                specs.append(dict(operands=ops, config=asdict(cfg)))
+    workers = workers if workers is not None else max(1, min(12, (os.cpu_count() or 2) - 2))
+    procs = _start_precompile(specs, workers)
+    print(f"[decode-sweep] {len(cells)} cells, {len(specs)} variant launches compiling in {len(procs)} processes",
+          flush=True)
+
+    def calls_for(cell, fn):
+        return [lambda i=i: fn(cell, i) for i in range(cell["copies"])]
+
+    def bf16(cell, i):
+        return [torch.matmul(cell["x"], w.t()) for w in cell["ws"][i]]
+
+    def cublas(cell, i):
+        return [scaled_mm.blockwise_scaled_mm(cell["qx"], w) for w in cell["qws"][i]]
+
+    def auto(cell, i):
+        qws = cell["qws"][i]
+        out = be.grouped_gemm(cell["qx"], qws, [None] * len(qws)) if len(qws) > 1 else None
+        return out if out is not None else [be.gemm(cell["qx"], w) for w in qws]
+
+    def decode(cfg):
+        def run(cell, i):
+            qx, qws = cell["qx"], cell["qws"][i]
+            if len(qws) == 1:
+                return dk.fp8_decode_gemm(qx.data, qx.scale, qws[0].data, qws[0].scale, 128, config=cfg)
+            return dk.fp8_decode_gemm_grouped(qx.data, qx.scale, [(w.data, w.scale, None) for w in qws], config=cfg)
+        return run
+
+    for cell in cells:  # the baselines (no Triton compiles) while the variants compile
+        cell["bf16_us"] = _replay_us(calls_for(cell, bf16))
+        cell["cublas_us"] = _replay_us(calls_for(cell, cublas))
+        cell["ref"] = torch.cat(cublas(cell, 0), dim=1).float()
+    _wait_precompile(procs, t0 + 0.6 * budget_s)
+    print(f"[decode-sweep] compiled after {time.perf_counter() - t0:.0f} s", flush=True)
+    for cell in cells:
+        qws = cell["qws"][0]
+        cell["auto_path"] = cuda_mod.gemm_path(cell["qx"], qws[0], grouped_n=sum(cell["ns"]) if len(qws) > 1 else None)
+        cell["auto_us"] = _replay_us(calls_for(cell, auto))
+    measured = {m: 0 for m in ms}  # how many policies (in order) every cell of this M has measured
+    stop = False
+    for pi in range(max(len(p) for p in policies.values())):
+        for cell in cells:
+            m = cell["m"]
+            if pi >= len(policies[m]):
+                continue
+            if time.perf_counter() - t0 > budget_s:
+                stop = True
+                break
+            cfg = policies[m][pi].config(m, sum(cell["ns"]), cell["k"], sms)
+            if cfg.name not in cell["times"]:
+                try:
+                    out = decode(cfg)(cell, 0)
+                except Exception as exc:  # e.g. a tile that does not fit in shared memory at this M
+                    print(f"[decode-sweep] {cell['label']} M={m} {cfg.name}: {type(exc).__name__}", flush=True)
+                    cell["ok"][cfg.name], cell["times"][cfg.name] = False, None
+                else:
+                    rel = float((out.float() - cell["ref"]).norm() / cell["ref"].norm())
+                    cell["ok"][cfg.name] = bool(rel < 1e-2)  # vs cuBLAS ~1e-3 (summation order); broken ~1
+                    cell["times"][cfg.name] = _replay_us(calls_for(cell, decode(cfg)))
+            cell["policy_us"][pi] = cell["times"][cfg.name] if cell["ok"][cfg.name] else None
+        if stop:
+            print(f"[decode-sweep] time budget of {budget_s:.0f} s reached at variant {pi}", flush=True)
+            break
+        for m in ms:
+            if pi < len(policies[m]):
+                measured[m] = pi + 1
+    for cell in cells:
+        ok_times = {name: t for name, t in cell["times"].items() if t is not None and cell["ok"][name]}
+        best = min(ok_times, key=ok_times.get) if ok_times else None
+        n, bf = sum(cell["ns"]), cell["bf16_us"]
+        default = cell.get("policy_us", {}).get(0)
+        row = dict(cell=cell["label"], m=cell["m"], n=n, k=cell["k"], bf16_us=bf, cublas_us=cell["cublas_us"],
+                   auto_path=cell["auto_path"], auto_us=cell["auto_us"], default_us=default, best=best,
+                   best_us=ok_times.get(best))
+        ratio = lambda t: (bf / t) if (bf and t) else None  # noqa: E731
+        row.update(cublas_x=ratio(cell["cublas_us"]), auto_x=ratio(cell["auto_us"]), default_x=ratio(default),
+                   best_x=ratio(row["best_us"]),
+                   best_frac_copy=(n * cell["k"] / (row["best_us"] * 1e3) / rep.copy_gbps)
+                   if row["best_us"] and rep.copy_gbps else None,
+                   broken=[name for name, good in cell["ok"].items() if not good],
+                   variants={name: t for name, t in cell["times"].items()})
+        rep.add("decode-sweep", **row)
+    print("\n== decode sweep: per shape, best decode config vs BF16 (x = BF16 time / time) ==")
+    for row in rep.sections.get("decode-sweep", []):
+        print(f"{row['cell']:>16} M={row['m']:<4} bf16 {_fmt(row['bf16_us'])} us | cuBLAS FP8 {_fmt(row['cublas_x'])}x"
+              f" | auto({row['auto_path']}) {_fmt(row['auto_x'])}x | default {_fmt(row['default_x'])}x"
+              f" | best {row['best']} {_fmt(row['best_us'])} us {_fmt(row['best_x'])}x"
+              f" ({_fmt(row['best_frac_copy'])} of copy)" + (f" BROKEN: {row['broken']}" if row["broken"] else ""))
+    print("\n== decode sweep: policy per M (geometric mean over shapes of time / that shape's best; 1.0 = best "
+          "everywhere) ==")
+    chosen = {}
+    for m in ms:
+        mcells = [c for c in cells if c["m"] == m]
+        scores = []
+        for pi in range(measured[m]):
+            ts = [c["policy_us"].get(pi) for c in mcells]
+            bests = [min(t for t in c["policy_us"].values() if t is not None) if any(
+                t is not None for t in c["policy_us"].values()) else None for c in mcells]
+            if all(t is not None for t in ts) and all(b is not None for b in bests):
+                scores.append((math.exp(sum(math.log(t / b) for t, b in zip(ts, bests)) / len(ts)), pi))
+        scores.sort()
+        for score, pi in scores[:3]:
+            print(f"M={m}: {score:.3f}  {replace(policies[m][pi], max_m=m).literal()}")
+        if scores:
+            chosen[m] = scores[0][1]
+    print("\n== decode sweep: routing (the chosen policy per M against cuBLAS FP8; one cuBLAS call per weight) ==")
+    for label, ns, k in DECODE_SWEEP_CELLS:
+        wins = []
+        for m in ms:
+            cell = next(c for c in cells if c["label"] == label and c["m"] == m)
+            t = cell["policy_us"].get(chosen.get(m, -1)) if m in chosen else None
+            wins.append((m, t is not None and cell["cublas_us"] is not None and t < cell["cublas_us"], t,
+                         cell["cublas_us"]))
+        bound = 0
+        for m, win, _, _ in wins:
+            if not win:
+                break
+            bound = m
+        key = ("grouped", sum(ns), k) if len(ns) > 1 else (sum(ns), k)
+        detail = ", ".join(f"M={m}: {_fmt(t)} vs {_fmt(c)} us" for m, _, t, c in wins)
+        general = max(cuda_mod.DECODE_MAX_M, cuda_mod.GROUPED_DECODE_MAX_M if len(ns) > 1 else 0)
+        hint = f"; set DECODE_MAX_M_BY_SHAPE[{key!r}] = {bound}" if bound > general else ""
+        print(f"{label:>16}: the decode kernel beats cuBLAS through M={bound}{hint}   ({detail})")
+    rep.sections.setdefault("decode-sweep-policy", []).extend(
+        {"m": m, "policy": replace(policies[m][pi], max_m=m).literal()} for m, pi in chosen.items())
 
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor):
@@ -341,6 +708,7 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--profile", action="store_true", help="print a profile of one FP8Linear step")
     parser.add_argument("--decode-m", default=",".join(str(m) for m in DECODE_M),
                         help="row counts of the decode section (up to 256)")
+    parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time budget of the decode sweep")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
@@ -357,9 +725,11 @@ def main(argv: list[str] | None = None) -> Report:
     sections = args.sections.split(",")
     runs = [
         ("quant", lambda: bench_quantization(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])),
+        ("quant-sweep", lambda: bench_quant_sweep(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])),
         ("gemm", lambda: bench_gemms(rep, train_m, LLAMA8B_NK)),
         ("decode", lambda: bench_decode(rep, LLAMA8B_NK + [(1024, 4096)],
                                         ms=[int(m) for m in args.decode_m.split(",")])),  # + the k/v projections
+        ("decode-sweep", lambda: bench_decode_sweep(rep, budget_s=args.sweep_seconds)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
         ("profile", profile_fp8_linear),
@@ -398,6 +768,9 @@ def _print_summary(rep: Report) -> None:
         print(f"host {row['op']}: {row['us']:.1f} us")
     for row in rep.sections.get("quant", []):
         print(f"quant {row['kernel']} {row['shape']}: {row['frac_copy']:.2f} of copy")
+    for row in rep.sections.get("quant-sweep-best", []):
+        print(f"quant-sweep best over shapes: {row['kernel']}: {row['config']} (geomean {row['geomean_frac_copy']:.2f} "
+              f"of copy; per shape {row['per_shape']})")
 
 
 if __name__ == "__main__":

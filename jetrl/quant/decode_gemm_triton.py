@@ -258,13 +258,16 @@ class DecodePolicy:
         return f"DecodePolicy({', '.join(parts)})"
 
 
-# Default configs by row count, first match wins (measured on the H200 at Llama-8B shapes, BENCHMARKS.md):
-# M <= 32 about three programs per SM, M <= 64 about 1.5 (more MMA work per weight byte); M <= 256 (run E:
-# best 1-4 splits of 64-row tiles with 8 warps) about one program per SM, rounded down.
+# Default configs by row count, first match wins, from the decode sweep on the H200 at Llama-8B shapes
+# (BENCHMARKS.md, "Decode GEMM sweep"): M <= 32 about three programs per SM, M <= 64 about 1.5 (more MMA
+# work per weight byte); M <= 128 about one program per SM, rounded down, 8 warps; M <= 256 128 x 128 tiles
+# of weight rows x tokens with TMA loads. (TMA and K unrolling won single shapes at M <= 64, not the set.)
 DECODE_POLICIES: tuple[DecodePolicy, ...] = (
     DecodePolicy(max_m=32, programs_per_sm=3.0),
     DecodePolicy(max_m=64, programs_per_sm=1.5),
-    DecodePolicy(max_m=DECODE_GEMM_MAX_M, programs_per_sm=1.0, round_up=False, num_warps=8),
+    DecodePolicy(max_m=128, programs_per_sm=1.0, round_up=False, num_warps=8),
+    DecodePolicy(max_m=DECODE_GEMM_MAX_M, programs_per_sm=1.0, round_up=False, block_n=128, num_warps=8,
+                 block_m=128, tma=True),
 )
 _LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
 _LOCK_SLOTS = 1 << 14

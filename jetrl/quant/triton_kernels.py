@@ -151,8 +151,11 @@ def _to_e4m3_recip(x, recip, scale_r, POW2: tl.constexpr):
     correction terms keeps the sign of a zero ``x``, as the division does."""
     y = x * recip
     if not POW2:
-        res = _fma_rn(scale_r, y, -x)  # s*y - x, exact; written this way round so that x = -0 gives -0:
-        y = _fma_rn(-res, recip, y)  # -(+0) + (-0) is -0, where (+0) + (-0) would be +0
+        # res = s*y - x (exact), then y - res * (1/s). This order keeps x = -0 at -0: the last fma adds
+        # -(+0) to y = -0, where (x - s*y) = +0 added to -0 would give +0. Negation is a multiply by -1:
+        # Triton 3.6's unary minus on floats is 0 - v, which turns -(+0) into +0.
+        res = _fma_rn(scale_r, y, x * -1.0)
+        y = _fma_rn(res * -1.0, recip, y)
     q = tl.clamp(y, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if _SOFT_ROUND:
         q = _round_to_e4m3_grid(q)
@@ -171,8 +174,8 @@ def _block_scale(amax, POW2: tl.constexpr, RECIP: tl.constexpr):
     if RECIP:
         amax = tl.maximum(amax, _EPS)
         y = amax * _RCP_FP8_MAX
-        res = _fma_rn(tl.full(amax.shape, _FP8_MAX, tl.float32), y, -amax)
-        scale = _fma_rn(-res, tl.full(amax.shape, _RCP_FP8_MAX, tl.float32), y)
+        res = _fma_rn(tl.full(amax.shape, _FP8_MAX, tl.float32), y, amax * -1.0)
+        scale = _fma_rn(res * -1.0, tl.full(amax.shape, _RCP_FP8_MAX, tl.float32), y)
         scale = tl.where(amax == float("inf"), amax, scale)
         if POW2:
             bits = scale.to(tl.int32, bitcast=True)
@@ -351,13 +354,42 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Tiles, warps, transposition and division strategy per kernel, from the quant-sweep on the H200
+# (BENCHMARKS.md, "Quantization kernels: reciprocal division and tile sweep"). RECIP=True divides through
+# one reciprocal per block plus an exact fma correction (``_to_e4m3_recip``: the same bits as ``div_rn`` on
+# every element, at about half the instructions per element); it lifted every kernel, most of all the
+# weight kernel (0.44-0.53 -> 0.70-0.84 of copy bandwidth). *_TRANSPOSE_INPUT picks, for the kernels that
+# write a transposed copy, whether the input tile (True) or the E4M3 result (False) is transposed.
+TOKEN_BLOCK_K = 32
+TOKEN_NUM_WARPS = 2
+TOKEN_TRANSPOSE_INPUT = False
+REQUANT_BLOCK_K = 32
+REQUANT_NUM_WARPS = 1
+REQUANT_TRANSPOSE_INPUT = False
+ACT_BLOCK_M = 32  # rows per program of the 1x128 kernel
+ACT_NUM_WARPS = 4
+ACT_TOKEN_NUM_WARPS = 4  # the one-pass 1x128 + 128x1 kernel (128 x 128 tiles)
+WEIGHT_NUM_WARPS = 4
+ACT_RECIP = True
+ACT_TOKEN_RECIP = True
+TOKEN_RECIP = True
+WEIGHT_RECIP = True
+REQUANT_RECIP = True
+
+
+def _pick(override, default):
+    return default if override is None else override
+
+
 def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bool = False,
-                       transpose_input: bool | None = None):
+                       transpose_input: bool | None = None, recip: bool | None = None, block_m: int | None = None,
+                       num_warps: int | None = None):
     """Quantize x (M, K) per 1x128; with ``emit_token`` also per 128x1, from the same read of x.
 
     Returns ``(data, scale)`` or ``(data, scale, tok_data, tok_scale)``: data (M, K) row-major, scale the
     (M, Kb) view of a (Kb, M) buffer; tok_data the (M, K) view of a row-major (K, M) buffer, tok_scale
-    (Mb, K) row-major.
+    (Mb, K) row-major. ``recip``, ``block_m`` (rows per program, a power of two; 128 with ``emit_token``) and
+    ``num_warps`` override the defaults below (benchmarks); every choice gives the same bits.
     """
     m, k = x.shape
     kb = _cdiv(k, BLOCK)
@@ -368,35 +400,28 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bo
         tok = torch.empty((k, m), dtype=E4M3, device=x.device)
         tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
     if m and k:
-        block_m = BLOCK if emit_token else 32
+        if emit_token:
+            block_m, warps, use_recip = BLOCK, num_warps or ACT_TOKEN_NUM_WARPS, _pick(recip, ACT_TOKEN_RECIP)
+        else:
+            block_m, warps, use_recip = block_m or ACT_BLOCK_M, num_warps or ACT_NUM_WARPS, _pick(recip, ACT_RECIP)
         grid = (_cdiv(m, block_m), kb)
         _quantize_rows_cols_kernel[grid](
             x, m, k, x.stride(0), x.stride(1),
             data, scale_buf, 1, m,
             tok if emit_token else data, tok_scale if emit_token else scale_buf,
             POW2=pow2_scale, EMIT_ACT=True, EMIT_TOKEN=emit_token, BLOCK_M=block_m, BLOCK_K=BLOCK,
-            T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
-            num_warps=8 if emit_token else 4,
+            T_IN=_pick(transpose_input, TRANSPOSE_INPUT), RECIP=use_recip, num_warps=warps,
         )
     if emit_token:
         return data, scale_buf.t(), tok.t(), tok_scale
     return data, scale_buf.t()
 
 
-# Tile width (columns per program) and warps of the 128x1 kernels, from a sweep on the H200
-# (BENCHMARKS.md, run E): 128 x 64 tiles on 4 warps reach 0.54-0.67 of copy bandwidth for quantization
-# (0.37-0.44 with 128 x 128 on 8 warps), 128 x 32 on 4 warps 0.32-0.36 for re-quantization (0.28-0.30).
-TOKEN_BLOCK_K = 64
-TOKEN_NUM_WARPS = 4
-REQUANT_BLOCK_K = 32
-REQUANT_NUM_WARPS = 4
-
-
 def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_input: bool | None = None,
-                         block_k: int | None = None, num_warps: int | None = None):
+                         block_k: int | None = None, num_warps: int | None = None, recip: bool | None = None):
     """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M, K) view of a row-major (K, M)
-    data buffer and the (Mb, K) row-major scales. ``block_k`` (a power of two <= 128) and ``num_warps``
-    override the tile (benchmarks)."""
+    data buffer and the (Mb, K) row-major scales. ``block_k`` (a power of two <= 128), ``num_warps`` and
+    ``recip`` override the defaults (benchmarks); every choice gives the same bits."""
     m, k = x.shape
     tok = torch.empty((k, m), dtype=E4M3, device=x.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
@@ -408,16 +433,18 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_in
             tok, tok_scale, 1, 1,
             tok, tok_scale,
             POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k,
-            num_warps=num_warps or TOKEN_NUM_WARPS,
-            T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
+            num_warps=num_warps or TOKEN_NUM_WARPS, RECIP=_pick(recip, TOKEN_RECIP),
+            T_IN=_pick(transpose_input, TOKEN_TRANSPOSE_INPUT),
         )
     return tok.t(), tok_scale
 
 
 def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: bool = False,
-                            transpose_input: bool | None = None):
+                            transpose_input: bool | None = None, recip: bool | None = None,
+                            num_warps: int | None = None):
     """Quantize W (N, K) per 128x128 tile. Returns ``(data, scale, data_t)``: data (N, K) row-major,
-    scale (Nb, Kb), data_t a row-major (K, N) copy of data^T (``None`` unless ``emit_t``)."""
+    scale (Nb, Kb), data_t a row-major (K, N) copy of data^T (``None`` unless ``emit_t``). ``recip`` and
+    ``num_warps`` override the defaults (benchmarks); every choice gives the same bits."""
     n, k = w.shape
     data = torch.empty((n, k), dtype=E4M3, device=w.device)
     data_t = torch.empty((k, n), dtype=E4M3, device=w.device) if emit_t else None
@@ -426,17 +453,18 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
         grid = (_cdiv(n, BLOCK), _cdiv(k, BLOCK))
         _quantize_weight_kernel[grid](
             w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale,
-            POW2=pow2_scale, EMIT_T=emit_t, num_warps=8,
-            T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
+            POW2=pow2_scale, EMIT_T=emit_t, num_warps=num_warps or WEIGHT_NUM_WARPS,
+            T_IN=_pick(transpose_input, TRANSPOSE_INPUT), RECIP=_pick(recip, WEIGHT_RECIP),
         )
     return data, scale, data_t
 
 
 def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
                             transpose_input: bool | None = None, block_k: int | None = None,
-                            num_warps: int | None = None):
+                            num_warps: int | None = None, recip: bool | None = None):
     """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory.
-    Returns the (M, K) view of a row-major (K, M) data buffer and (Mb, K) row-major scales."""
+    Returns the (M, K) view of a row-major (K, M) data buffer and (Mb, K) row-major scales. ``block_k``
+    (divides 128), ``num_warps`` and ``recip`` override the defaults (benchmarks); same bits for all."""
     m, k = data.shape
     tok = torch.empty((k, m), dtype=E4M3, device=data.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=data.device)
@@ -448,7 +476,7 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
         _requantize_act_to_token_kernel[grid](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
             tok, tok_scale, POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps or REQUANT_NUM_WARPS,
-            T_IN=TRANSPOSE_INPUT if transpose_input is None else transpose_input,
+            T_IN=_pick(transpose_input, REQUANT_TRANSPOSE_INPUT), RECIP=_pick(recip, REQUANT_RECIP),
         )
     return tok.t(), tok_scale
 

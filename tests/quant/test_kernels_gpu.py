@@ -102,6 +102,53 @@ def test_transpose_output_variant_bitwise(cuda_backend, shape):
     _same(Fp8Tensor(td, ts, TOKEN), R.requantize(qa, TOKEN))
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
+def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
+    """The reciprocal division (recip=True) in every kernel, tile and transposition strategy the benchmark
+    sweeps, on inputs with partial blocks, a zero row, saturation and signed zeros: the reference's bytes."""
+    from jetrl.quant import triton_kernels as tk
+
+    x = _input(*shape, dtype, seed=5)
+    x[0, : min(5, shape[1])] = -0.0
+    ra, rt, rw = (R.quantize_tensor(x, b, pow2) for b in (ACT, TOKEN, WEIGHT))
+    qa = R.quantize_tensor(x, ACT, pow2)
+    rq = R.requantize(qa, TOKEN, pow2)
+    for bm, warps in ((32, 4),):
+        d, s = tk.quantize_act_1x128(x, pow2, recip=True, block_m=bm, num_warps=warps)
+        _same(Fp8Tensor(d, s, ACT), ra)
+    for t_in in (True, False):
+        for warps in (4,):
+            d, s, td, ts = tk.quantize_act_1x128(x, pow2, emit_token=True, transpose_input=t_in, recip=True,
+                                                 num_warps=warps)
+            _same(Fp8Tensor(d, s, ACT), ra)
+            _same(Fp8Tensor(td, ts, TOKEN), rt)
+            d, s, dt = tk.quantize_weight_128x128(x, pow2, emit_t=True, transpose_input=t_in, recip=True,
+                                                  num_warps=warps)
+            _same(Fp8Tensor(d, s, WEIGHT), rw)
+            assert _bitwise(dt, rw.data.t())
+        for bk, warps in ((32, 1), (32, 2)):  # the defaults (more tiles: the interpreter test and the sweep)
+            td, ts = tk.quantize_token_128x1(x, pow2, transpose_input=t_in, block_k=bk, num_warps=warps, recip=True)
+            _same(Fp8Tensor(td, ts, TOKEN), rt)
+            td, ts = tk.requantize_act_to_token(qa.data, qa.scale, pow2, transpose_input=t_in, block_k=bk,
+                                                num_warps=warps, recip=True)
+            _same(Fp8Tensor(td, ts, TOKEN), rq)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_recip_division_inf_blocks_equal_division(cuda_backend, pow2):
+    """A block holding an inf has scale inf: x / inf is +-0 and inf / inf NaN, with or without recip."""
+    from jetrl.quant import triton_kernels as tk
+
+    x = torch.randn(260, 300, device="cuda")
+    x[5, 7], x[9, 200], x[5, 8] = float("inf"), -float("inf"), -0.0
+    for fn in (lambda r: tk.quantize_act_1x128(x, pow2, emit_token=True, recip=r),
+               lambda r: tk.quantize_weight_128x128(x, pow2, emit_t=True, recip=r)):
+        for a, b in zip(fn(False), fn(True)):
+            assert _bitwise(a, b)
+
+
 def test_quantize_noncontiguous_and_float64(cuda_backend):
     x = torch.randn(300, 260, device="cuda").t()  # (260, 300) with strides (1, 260)
     _same(cuda_backend.quantize(x, ACT), R.quantize_tensor(x, ACT))
@@ -189,6 +236,97 @@ def test_grouped_decode_gemm_equals_one_by_one(cuda_backend, m, bias):
     one = [dk.fp8_decode_gemm(a.data, a.scale, w.data, w.scale, 128, torch.bfloat16, cfg) for w in ws]
     one = torch.cat([y + b if b is not None else y for y, b in zip(one, bs)], dim=1)
     assert torch.isfinite(out.float()).all() and torch.equal(out, one)
+
+
+def _skip_if_too_big(fn):
+    """Run ``fn``; a variant whose tiles do not fit in shared memory at this M is skipped, not failed (the
+    sweep reports it the same way and never picks it)."""
+    try:
+        return fn()
+    except Exception as exc:
+        if type(exc).__name__ == "OutOfResources":
+            pytest.skip(f"variant does not fit in shared memory here: {exc}")
+        raise
+
+
+# the tuning variants the benchmark sweeps: K blocks per iteration, TMA loads, row tiles, wide column tiles
+DECODE_VARIANTS = [dict(k_unroll=2), dict(tma=True), dict(tma=True, k_unroll=2, num_stages=4),
+                   dict(block_n=128, num_warps=8, tma=True), dict(block_n=256, num_warps=8),
+                   dict(block_m=64, num_warps=8, tma=True), dict(block_n=32, k_unroll=4)]
+
+
+@pytest.mark.parametrize("variant", range(len(DECODE_VARIANTS)))
+@pytest.mark.parametrize("mnk", [(16, 4096, 4096), (64, 1000, 1104), (256, 4096, 14336), (37, 300, 1100)])
+def test_decode_gemm_variants(cuda_backend, mnk, variant):
+    """Every tuning variant of the decode GEMM (1 and 3 K splits): within output rounding of the exact
+    product, bitwise equal across calls and inside a CUDA graph; K = 1104 (a partial K block) and 1100 (no
+    TMA: K % 16 != 0, pointer loads instead) cover the edges."""
+    from jetrl.quant import decode_gemm_triton as dk
+
+    m, n, k = mnk
+    g = torch.Generator(device="cuda").manual_seed(m * 5 + n + variant)
+    a = cuda_backend.quantize(torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
+    b = cuda_backend.quantize(torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16), WEIGHT)
+    ref = a.dequantize().double() @ b.dequantize().double().t()
+    tol = _gemm_tolerance(a, b, ref, torch.bfloat16)
+    for split in (1, 3):
+        cfg = dk.DecodeGemmConfig(**{"split_k": split, **DECODE_VARIANTS[variant]})
+        first = _skip_if_too_big(lambda: dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg))
+        assert bool(((first.double() - ref).abs() <= tol).all()), f"{cfg.name}"
+        assert torch.equal(dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg), first)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, torch.bfloat16, cfg)
+        for _ in range(2):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, first), f"{cfg.name} in a CUDA graph"
+    assert int(dk._locks(a.data.device).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("m", [32, 128, 256])
+@pytest.mark.parametrize("variant", [0, 1, 3, 5])
+def test_grouped_decode_gemm_variants_equal_one_by_one(cuda_backend, m, variant):
+    """Grouped q/k/v (with biases) through each variant, TMA descriptors per weight included: bitwise the
+    one-by-one calls with the same config."""
+    from jetrl.quant import decode_gemm_triton as dk
+
+    g = torch.Generator(device="cuda").manual_seed(m + variant)
+    a = cuda_backend.quantize(torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
+    ws = [cuda_backend.quantize(torch.randn(n, 4096, generator=g, device="cuda", dtype=torch.bfloat16), WEIGHT)
+          for n in (4096, 1024, 1024)]
+    bs = [torch.randn(w.shape[0], generator=g, device="cuda", dtype=torch.bfloat16) for w in ws]
+    cfg = dk.DecodeGemmConfig(**{"split_k": 2, **DECODE_VARIANTS[variant]})
+    out = _skip_if_too_big(lambda: dk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, b) for w, b in
+                                                                 zip(ws, bs)], torch.bfloat16, cfg))
+    one = [dk.fp8_decode_gemm(a.data, a.scale, w.data, w.scale, 128, torch.bfloat16, cfg) + b for w, b in zip(ws, bs)]
+    assert torch.isfinite(out.float()).all() and torch.equal(out, torch.cat(one, dim=1))
+
+
+def test_decode_routing_bounds(cuda_backend, monkeypatch):
+    """Single GEMMs up to DECODE_MAX_M, grouped launches up to GROUPED_DECODE_MAX_M and per-shape entries
+    go to the decode kernel; M > 256 never does; a grouped launch past its bound returns None."""
+    from jetrl.quant import cuda as cuda_mod
+
+    monkeypatch.delenv("JETRL_FP8_GEMM", raising=False)
+    monkeypatch.setattr(cuda_mod, "DECODE_MAX_M", 64)
+    monkeypatch.setattr(cuda_mod, "GROUPED_DECODE_MAX_M", 256)
+    monkeypatch.setattr(cuda_mod, "DECODE_MAX_M_BY_SHAPE", {(1024, 4096): 128, ("grouped", 6144, 4096): 128})
+    g = torch.Generator(device="cuda").manual_seed(9)
+    ws = [cuda_backend.quantize(torch.randn(n, 4096, generator=g, device="cuda", dtype=torch.bfloat16), WEIGHT)
+          for n in (4096, 1024, 1024)]
+    for m, single, kv, qkv, gate_up in [(64, "decode", "decode", "decode", "decode"),
+                                         (128, "cublas", "decode", "decode", "decode"),
+                                         (256, "cublas", "cublas", "cublas", "decode"),
+                                         (512, "cublas", "cublas", "cublas", "cublas")]:
+        a = cuda_backend.quantize(torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
+        assert cuda_mod.gemm_path(a, ws[0]) == single and cuda_mod.gemm_path(a, ws[1]) == kv
+        assert cuda_mod.gemm_path(a, ws[0], grouped_n=6144) == qkv
+        assert cuda_mod.gemm_path(a, ws[0], grouped_n=2 * 14336) == gate_up
+        out = cuda_backend.grouped_gemm(a, ws, [None] * 3)
+        assert (out is not None) == (qkv == "decode")
+        if out is not None:
+            assert out.shape == (m, 6144) and torch.isfinite(out.float()).all()
 
 
 def test_dgrad_operand_row_major_transposed_weight(cuda_backend):
