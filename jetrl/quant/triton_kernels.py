@@ -446,6 +446,13 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
     scale (Nb, Kb), data_t a row-major (K, N) copy of data^T (``None`` unless ``emit_t``). ``recip`` and
     ``num_warps`` override the defaults (benchmarks); every choice gives the same bits."""
     n, k = w.shape
+    if emit_t and w.dtype == torch.float32 and w.is_cuda:
+        # On the H200 the in-kernel transposed write gave wrong bytes for an fp32 4096 x 512 input
+        # (tests/quant/test_kernels_gpu.py::test_recip_division_and_tiles_bitwise; bf16 and fp16 inputs are
+        # bitwise at every tested shape). Until that is understood, fp32 weights take two exact steps: the
+        # plain kernel, then a transposed copy of its E4M3 bytes.
+        data, scale, _ = quantize_weight_128x128(w, pow2_scale, False, transpose_input, recip, num_warps)
+        return data, scale, data.t().contiguous()
     data = torch.empty((n, k), dtype=E4M3, device=w.device)
     data_t = torch.empty((k, n), dtype=E4M3, device=w.device) if emit_t else None
     scale = torch.empty((_cdiv(n, BLOCK), _cdiv(k, BLOCK)), dtype=torch.float32, device=w.device)
