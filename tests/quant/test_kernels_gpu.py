@@ -232,7 +232,7 @@ def test_grouped_decode_gemm_equals_one_by_one(cuda_backend, m, bias):
     bs = [torch.randn(w.shape[0], generator=g, device="cuda", dtype=torch.bfloat16) if bias else None for w in ws]
     out = cuda_backend.grouped_gemm(a, ws, bs)
     assert out is not None and out.shape == (m, 6144)
-    cfg = dk.default_decode_config(m, 6144, 4096, a.data.device)
+    cfg = dk.default_decode_config(m, 6144, 4096, a.data.device, grouped=True)
     one = [dk.fp8_decode_gemm(a.data, a.scale, w.data, w.scale, 128, torch.bfloat16, cfg) for w in ws]
     one = torch.cat([y + b if b is not None else y for y, b in zip(one, bs)], dim=1)
     assert torch.isfinite(out.float()).all() and torch.equal(out, one)

@@ -1,0 +1,59 @@
+"""Default configs of the split-K decode GEMM: the per-M policies, the measured per-shape entries, validation.
+
+Pure host logic (no kernel runs); the kernels themselves are checked under the interpreter and on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (pip install triton)", allow_module_level=True)
+
+from jetrl.quant import decode_gemm_triton as dk  # noqa: E402
+
+CPU = torch.device("cpu")  # 132 SMs assumed off the GPU, as on the H200
+
+
+def test_policies_cover_every_row_count_in_order():
+    bounds = [p.max_m for p in dk.DECODE_POLICIES]
+    assert bounds == sorted(bounds) and bounds[-1] == dk.DECODE_GEMM_MAX_M
+    for m in (1, 32, 33, 64, 65, 128, 129, 256):
+        assert dk.decode_policy(m).max_m == min(b for b in bounds if b >= m)
+
+
+def test_policy_splits_fill_the_gpu():
+    # M <= 32, 4096-wide output: 64 column tiles, three programs per SM wanted -> split 8 (rounded up)
+    cfg = dk.default_decode_config(8, 1024 + 4096 + 7, 4096, CPU)
+    tiles = -(-(1024 + 4096 + 7) // cfg.block_n)
+    assert cfg.block_n == 64 and tiles * cfg.split_k >= 3 * 132 > tiles * cfg.split_k // 2
+    # M = 129-256: 128 x 128 tiles with TMA, about one program per SM rounded down
+    cfg = dk.default_decode_config(200, 4096, 4096, CPU)
+    assert (cfg.block_n, cfg.block_m, cfg.tma, cfg.num_warps) == (128, 128, True, 8)
+    assert (4096 // 128) * 2 * cfg.split_k <= 132
+
+
+@pytest.mark.parametrize("m,bucket", [(1, 32), (16, 32), (32, 32), (33, 64), (64, 64)])
+def test_measured_shape_entries_win_within_their_bucket(m, bucket):
+    for (b, n, k, grouped), cfg in dk.DECODE_SHAPE_CONFIGS.items():
+        got = dk.default_decode_config(m, n, k, CPU, grouped=grouped)
+        assert (got == cfg) == (b == bucket), (m, n, k, grouped)
+
+
+def test_grouped_and_single_launches_are_looked_up_apart():
+    single = dk.default_decode_config(64, 28672, 4096, CPU)
+    grouped = dk.default_decode_config(64, 28672, 4096, CPU, grouped=True)
+    assert single == dk.DECODE_SHAPE_CONFIGS[(64, 28672, 4096, False)]
+    assert grouped == dk.decode_policy(64).config(64, 28672, 4096, 132) != single
+    # beyond M = 64 only the policies apply
+    assert dk.default_decode_config(65, 4096, 14336, CPU) == dk.decode_policy(65).config(65, 4096, 14336, 132)
+
+
+@pytest.mark.parametrize("bad", [dict(block_n=48), dict(block_n=512), dict(block_m=8), dict(k_unroll=3),
+                                 dict(split_k=0), dict(num_warps=3), dict(num_stages=0)])
+def test_bad_configs_get_clear_errors(bad):
+    with pytest.raises(ValueError, match="DecodeGemmConfig"):
+        dk.DecodeGemmConfig(**bad)
