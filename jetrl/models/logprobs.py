@@ -7,7 +7,9 @@ The LM head runs on ``chunk_size`` rows at a time, inside one autograd function
 (:class:`_LMHeadLogprobs`): forward keeps, per row, only the log-sum-exp and the entropy besides the
 (N, hidden) input; backward recomputes each chunk's logits, turns them into d(loss)/d(logits) in place
 and feeds them to the two GEMMs of the head's backward (d hidden, d weight accumulated over chunks).
-No tensor larger than ``chunk_size x vocab`` is ever created, forward or backward.
+No tensor larger than ``chunk_size x vocab`` is created, forward or backward, unless the logits are kept
+for the backward (``keep_logits_bytes``: the default on CUDA when they fit in ``KEEP_LOGITS_BYTES``), which
+saves recomputing them: one of the head's four GEMMs.
 
 The per-chunk statistics and logit gradients have two implementations with one dispatch rule
 (:mod:`jetrl.quant.fused_dispatch`): on CUDA one Triton kernel each way
@@ -28,6 +30,9 @@ from jetrl.quant.fused_dispatch import choose_impl
 
 DEFAULT_CHUNK_SIZE = 512  # the PyTorch path's rows per chunk (its fp32 temporaries: ~14 bytes per logit)
 FUSED_CHUNK_SIZE = 2048  # the kernels' (the logits in the model dtype only: ~2 bytes per logit)
+# With autograd on the kernels' path, logits up to this size are kept for the backward rather than recomputed
+# there (saves one of the LM head's four GEMMs; 8,192 rows x 128k vocab in bf16 is 2 GiB)
+KEEP_LOGITS_BYTES = 4 << 30
 
 
 def chunk_stats_reference(logits: torch.Tensor, targets: torch.Tensor,
@@ -83,23 +88,31 @@ def _grad(logits, targets, lse, entropy, g_lp, g_ent, temperature, impl):
 
 
 class _LMHeadLogprobs(torch.autograd.Function):
-    """``(logprob, entropy)`` of ``targets`` under ``softmax(hidden @ weight.T / T)``, chunk by chunk."""
+    """``(logprob, entropy)`` of ``targets`` under ``softmax(hidden @ weight.T / T)``, chunk by chunk.
+
+    With ``keep_logits`` the forward writes every chunk's logits into one (N, vocab) buffer that the
+    backward turns into logit gradients in place, instead of recomputing them (one LM-head GEMM less)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, impl):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, impl, keep_logits=False):
         n = hidden.shape[0]
         lp = hidden.new_empty(n, dtype=torch.float32)
         ent, lse = torch.empty_like(lp), torch.empty_like(lp)
+        kept = hidden.new_empty(n, weight.shape[0]) if keep_logits else None
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            lp[s:e], ent[s:e], lse[s:e] = _stats(F.linear(hidden[s:e], weight), targets[s:e], temperature, impl)
+            logits = F.linear(hidden[s:e], weight)
+            if kept is not None:
+                kept[s:e] = logits
+            lp[s:e], ent[s:e], lse[s:e] = _stats(logits, targets[s:e], temperature, impl)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk_size, ctx.impl = temperature, chunk_size, impl
+        ctx.temperature, ctx.chunk_size, ctx.impl, ctx.kept = temperature, chunk_size, impl, kept
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None  # overwritten below; freed with this function's references
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         d_hidden = torch.empty_like(hidden) if need_h else None
         d_weight = None
@@ -107,7 +120,8 @@ class _LMHeadLogprobs(torch.autograd.Function):
         for s in range(0, n, ctx.chunk_size):
             e = min(n, s + ctx.chunk_size)
             h = hidden[s:e]
-            dlogits = _grad(F.linear(h, weight), targets[s:e], lse[s:e], ent[s:e],
+            logits = kept[s:e] if kept is not None else F.linear(h, weight)
+            dlogits = _grad(logits, targets[s:e], lse[s:e], ent[s:e],
                             None if g_lp is None else g_lp[s:e], None if g_ent is None else g_ent[s:e],
                             ctx.temperature, ctx.impl)
             if need_h:
@@ -116,7 +130,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
                 d_weight = dlogits.t() @ h if d_weight is None else d_weight.addmm_(dlogits.t(), h)
         if need_w and d_weight is None:
             d_weight = torch.zeros_like(weight)
-        return d_hidden, d_weight, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None
 
 
 def _plain_head_weight(model) -> torch.Tensor | None:
@@ -137,12 +151,16 @@ def _chunk_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor,
 
 
 def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                         chunk_size: int | None = None, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_size: int | None = None, impl: str | None = None,
+                         keep_logits_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked fp32 log-probabilities and entropies of ``targets`` (N,) from final hidden states (N, hidden).
 
     A negative target marks a row without a target (its logprob is 0; its entropy is still computed).
     ``chunk_size``: rows per chunk (default: ``DEFAULT_CHUNK_SIZE`` on the PyTorch path,
     ``FUSED_CHUNK_SIZE`` on the kernels'); ``impl`` forces ``"reference"`` or ``"triton"``.
+    ``keep_logits_bytes``: with autograd, keep the (N, vocab) logits in the model dtype for the backward
+    when they take at most this many bytes, instead of recomputing them there (default:
+    ``KEEP_LOGITS_BYTES`` on the kernels' path, 0 on the PyTorch path).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be (N, hidden) and targets (N,), got {tuple(hidden.shape)} and "
@@ -164,7 +182,10 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
                              op="logprobs_from_hidden")
         size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen)
+            budget = keep_logits_bytes if keep_logits_bytes is not None else (
+                KEEP_LOGITS_BYTES if chosen == "triton" else 0)
+            keep = hidden.shape[0] * weight.shape[0] * hidden.element_size() <= budget
+            return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen, keep)
         with torch.no_grad():
             return _LMHeadLogprobs.forward(_NoCtx(), hidden, weight, targets, temperature, size, chosen)
     size = int(chunk_size or DEFAULT_CHUNK_SIZE)
@@ -205,4 +226,4 @@ def token_logprobs(model, input_ids: torch.Tensor, positions: torch.Tensor, cu_s
 
 
 __all__ = ["token_logprobs", "logprobs_from_hidden", "chunk_stats_reference", "chunk_grad_reference",
-           "DEFAULT_CHUNK_SIZE", "FUSED_CHUNK_SIZE"]
+           "DEFAULT_CHUNK_SIZE", "FUSED_CHUNK_SIZE", "KEEP_LOGITS_BYTES"]

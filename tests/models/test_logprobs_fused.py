@@ -120,15 +120,16 @@ cfg = dict(model_type="qwen2", vocab_size=5000, hidden_size=64, intermediate_siz
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
            rope_theta=10000.0, tie_word_embeddings=True)
 res = {}
-for impl in ("reference", "triton"):
+for impl, keep in (("reference", 0), ("triton", 1 << 30), ("triton", 0)):  # logits kept, or recomputed
     model = jm.build_model(cfg, dtype=torch.bfloat16, seed=2)
     hidden = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_(True)
     targets = torch.randint(0, 5000, (37,), generator=torch.Generator().manual_seed(2))
     targets[-1] = -1
-    lp, ent = jm.logprobs_from_hidden(model, hidden, targets, 0.9, 16, impl=impl)
+    lp, ent = jm.logprobs_from_hidden(model, hidden, targets, 0.9, 16, impl=impl, keep_logits_bytes=keep)
     (lp.sum() + 0.3 * ent.sum()).backward()
-    res[impl] = (lp.detach(), ent.detach(), hidden.grad.float(), model.lm_head.weight.grad.float())
-out["function"] = [rel(a, b) for a, b in zip(res["triton"], res["reference"])]
+    res[impl, keep] = (lp.detach(), ent.detach(), hidden.grad.float(), model.lm_head.weight.grad.float())
+out["function"] = [rel(a, b) for a, b in zip(res["triton", 1 << 30], res["reference", 0])]
+out["kept_equals_recomputed"] = all(torch.equal(a, b) for a, b in zip(res["triton", 1 << 30], res["triton", 0]))
 json.dump(out, sys.stdout)
 '''
 
@@ -151,7 +152,24 @@ def test_kernels_match_the_chunk_formulas(interpreted):
 
 
 def test_function_through_the_kernels_matches_its_pytorch_path(interpreted):
+    assert interpreted["kept_equals_recomputed"]  # kept logits are the recomputed ones, bit for bit
     lp, ent, d_hidden, d_weight = interpreted["function"]
     assert lp < 1e-6 and ent < 1e-6  # same bf16 logits, fp32 statistics: summation order only
     # bf16 logit gradients, then bf16 GEMMs: a few bf16 roundings apart (2^-8 relative each)
     assert d_hidden < 1e-2 and d_weight < 1e-2
+
+
+def test_kept_logits_give_the_recomputed_gradients_bitwise(gen):
+    """Keeping the logits for the backward (one GEMM less) changes nothing: the same logits, bit for bit."""
+    model = tiny_model(False)
+    hidden = torch.randn(45, 64, generator=gen)
+    targets = torch.randint(0, 333, (45,), generator=gen)
+    grads = {}
+    for keep in (0, 1 << 30):
+        model.zero_grad()
+        h = hidden.clone().requires_grad_(True)
+        lp, ent = jm.logprobs_from_hidden(model, h, targets, 0.9, 16, impl="reference", keep_logits_bytes=keep)
+        (lp.sum() - 0.2 * ent.sum()).backward()
+        grads[keep] = (lp.detach(), h.grad, model.lm_head.weight.grad.clone())
+    for a, b in zip(grads[0], grads[1 << 30]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
