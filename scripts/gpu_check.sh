@@ -14,7 +14,10 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/device.log"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$OUT/device.log"
 
-"$PY" -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
+# the GPU tests compile many Triton kernels: spread them over worker processes when pytest-xdist is there
+WORKERS=()
+if "$PY" -c "import xdist" 2>/dev/null; then WORKERS=(-n "${GPU_TEST_WORKERS:-6}"); fi
+"$PY" -m pytest -m gpu -q -p no:cacheprovider ${WORKERS[@]+"${WORKERS[@]}"} 2>&1 | tee "$OUT/pytest_gpu.log"
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" -ne 0 ] && status=1
 
