@@ -19,6 +19,7 @@ inference-mode tensors cannot be saved for backward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -209,6 +210,7 @@ class RolloutEngine:
         self.requested_num_blocks = num_blocks
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.async_scheduling = bool(async_scheduling)
+        self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
         self._wait_seconds = 0.0
         self.graph_batch_sizes = self._graph_sizes(graph_batch_sizes)
         self.kv_cache: PagedKVCache | None = None
@@ -451,7 +453,8 @@ class RolloutEngine:
         if out.copies:
             self._copy_blocks(out.copies)
         ids, pos, slots, qsl, ctx, sample_rows = [], [], [], [0], [], []
-        params, sample_index, out_pos = [], [], []
+        sampled: list[Sequence] = []
+        out_pos: list[int] = []
         bs = self.block_size
         from_prev: list[tuple[int, int]] = []  # (row of this step, sampled row of prev)
         prev_rows = {} if prev is None else {id(q): r for r, q in enumerate(prev.rows) if q is not None}
@@ -474,8 +477,7 @@ class RolloutEngine:
             if chunk.samples:
                 for s in chunk.seqs:
                     sample_rows.append(qsl[-1] - 1)
-                    params.append(s.params)
-                    sample_index.append(s.sample_index)
+                    sampled.append(s)
                     out_pos.append(s.num_output_tokens)
         tables = self._tables.rows([chunk.seqs[0] for chunk in out.chunks])  # (S, width), one gather
         dev = self.device
@@ -483,13 +485,13 @@ class RolloutEngine:
         if from_prev and (prev is None or prev.tokens is None):
             raise RuntimeError("a placeholder token without the step that samples it (engine bug)")
         fill = [r for r, _ in from_prev] + [q for _, q in from_prev]  # rows to fill, prev's sampled rows
-        head = np.array(ids + pos + slots + qsl + ctx + sample_rows + fill, dtype=np.int64)
+        head = np.array(ids + pos + slots + qsl + ctx + sample_rows + fill + out_pos, dtype=np.int64)
         host = torch.from_numpy(np.concatenate([head, tables.reshape(-1)]))
         if dev.type == "cuda":  # one host-to-device transfer for the whole step's metadata (pinned, so
             host = host.pin_memory()  # it does not wait for the steps already queued)
         packed = host.to(dev, non_blocking=True)
-        ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, fill_t, table_t = packed.split(
-            [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), len(fill), n_seqs * width])
+        ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, fill_t, out_pos_t, table_t = packed.split(
+            [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), len(fill), len(out_pos), n_seqs * width])
         if from_prev:  # placeholder inputs: the previous step's sampled tokens, still on the device
             k = len(from_prev)
             ids_t = ids_t.index_put((fill_t[:k],), prev.tokens[fill_t[k:]].to(ids_t.dtype))
@@ -497,7 +499,7 @@ class RolloutEngine:
         table_t = table_t.to(torch.int32).view(n_seqs, width)
         # the sampling settings go to the device before the forward is queued, so the sampler follows the
         # forward on the GPU without the host waiting in between
-        batch = SamplingBatch.build(params, sample_index, out_pos, dev) if sample_rows else None
+        batch = self._sampling_batch(sampled, out_pos, out_pos_t) if sample_rows else None
         graphs = self._graphs
         if out.is_decode and graphs is not None and graphs.padded_size(n_rows) is not None:
             logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
@@ -520,6 +522,17 @@ class RolloutEngine:
         else:
             step.host = packed
         return step
+
+    def _sampling_batch(self, seqs: list[Sequence], out_pos: list[int], out_pos_t: torch.Tensor) -> SamplingBatch:
+        """The rows' sampling settings on the device. Between decode steps of the same sequences only the
+        output positions change (they came with the step's metadata): the rest is built once and reused."""
+        key = tuple(s.seq_id for s in seqs)
+        cached = self._sampling_cache
+        if cached is None or cached[0] != key:
+            batch = SamplingBatch.build([s.params for s in seqs], [s.sample_index for s in seqs], out_pos, self.device)
+            self._sampling_cache = (key, batch)
+            return batch
+        return dataclasses.replace(cached[1], position=out_pos_t)
 
     def _collect(self, step: "_InFlight") -> tuple[list[int], list[float]]:
         """The step's sampled tokens and log-probabilities on the host (waits for the step)."""

@@ -230,7 +230,8 @@ class Scheduler:
                     finished.append(seq)
                 else:
                     survivors.append([seq])
-            replaced[id(chunk.seqs)] = survivors
+            if len(chunk.seqs) > 1 or len(survivors) != 1:  # a solo entry that goes on stays as it is
+                replaced[id(chunk.seqs)] = survivors
         if replaced:
             self.running = [e for entry in self.running for e in replaced.get(id(entry), [entry])]
         return rows, finished
