@@ -30,8 +30,12 @@ import triton
 import triton.language as tl
 
 from jetrl.quant.formats import ACT, BLOCK_SIZE, E4M3, Fp8Tensor
-from jetrl.quant.triton_kernels import _scale_from_amax, _to_e4m3
+from jetrl.quant.triton_kernels import _block_scale, _quantize_e4m3
 from jetrl.quant.triton_kernels import cast_rne as _cast  # RNE to bf16 under the interpreter too
+
+# FP8 output: divide through one reciprocal per 1x128 group (bitwise the per-element IEEE division, about
+# half the instructions; see jetrl.quant.triton_kernels._to_e4m3_recip)
+_RECIP = tl.constexpr(True)
 
 # Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register at
 # about 8 elements per thread (16 warps). The backward holds more live tensors per element.
@@ -83,8 +87,8 @@ def _normalize_store(
     if QUANT:
         # masked lanes hold 0 (x and weight load 0), like the reference's zero padding of a partial block
         o = tl.reshape(out.to(tl.float32), (BLOCK_M, BLOCK_D // QG, QG))
-        scale = _scale_from_amax(tl.max(tl.abs(o), axis=2), POW2)  # (BLOCK_M, BLOCK_D // QG)
-        q = tl.reshape(_to_e4m3(o, scale[:, :, None]), (BLOCK_M, BLOCK_D))
+        scale = _block_scale(tl.max(tl.abs(o), axis=2), POW2, _RECIP)  # (BLOCK_M, BLOCK_D // QG)
+        q = tl.reshape(_quantize_e4m3(o, scale[:, :, None], _RECIP, POW2), (BLOCK_M, BLOCK_D))
         tl.store(q_ptr + offs, q, mask=mask)
         grp = chunk * (BLOCK_D // QG) + tl.arange(0, BLOCK_D // QG)
         tl.store(qs_ptr + grp[None, :].to(tl.int64) * M + rows[:, None], scale,
