@@ -365,6 +365,12 @@ class Trainer:
             if phase in seconds:
                 metrics[f"throughput/{phase}_tokens_per_s"] = count / max(seconds[phase], 1e-9)
         metrics["response/num_tokens"] = num_tokens
+        engine_stats = getattr(self.engine, "last_stats", None) or {}
+        for key, name in (("preemptions", "rollout/preemptions"),
+                          ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s"),
+                          ("host_seconds", "time/rollout_host")):  # part of time/rollout, not a phase of its own
+            if key in engine_stats:  # the engine's own view: KV-cache pressure, decode speed, host time
+                metrics[name] = float(engine_stats[key])
         return metrics
 
 
