@@ -41,8 +41,8 @@ GROUPED_DECODE_MAX_M = 64
 # faster in the decode kernel than in three cuBLAS calls up to M = 256 (cuBLAS's ~14 us floor per call);
 # the other 8B shapes lose to cuBLAS beyond M = 64.
 DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256}
-# The one-pass 1x128 + 128x1 kernel reached 0.24 of copy bandwidth, slower than its two halves run
-# apart (0.88 and 0.42); it stays selectable (and tested) until it is the faster one.
+# The one-pass 1x128 + 128x1 kernel reached 0.40-0.44 of copy bandwidth (quant sweep), slower than its two
+# halves run apart (0.92-0.94 and 0.66-0.77); it stays selectable (and tested) until it is the faster one.
 FUSED_ACT_AND_TOKEN = False
 GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 

@@ -7,7 +7,8 @@ Imported lazily by the CUDA backend, like every Triton module of jetrl.
 
 Tuning knobs (:class:`DecodeGemmConfig`): weight rows per program, K splits, warps, pipeline stages, K blocks
 per loop iteration, TMA (tensor-descriptor) loads, and row tiles for M > 64. :data:`DECODE_POLICIES` turns
-them into the default config per row count; ``bench/kernels.py --sections decode-sweep`` measures them.
+them into the default config per row count, :data:`DECODE_SHAPE_CONFIGS` overrides it for measured shapes;
+``bench/kernels.py --sections decode-sweep`` measures them.
 """
 
 from __future__ import annotations
