@@ -125,9 +125,12 @@ def estimate_memory_bytes(shape: dict, recipe: str, reference: bool, num_sequenc
     each block linear's E4M3 weight and its transposed copy (2 bytes per linear parameter), in the policy
     and in the reference copy. The KV cache holds every sequence at full length in BF16. Activations with
     per-block checkpointing: one BF16 hidden row per token per block, one block recomputed at a time,
-    and the chunked LM-head logits (512 rows x vocab, ~16 bytes per logit), plus 2 GiB of workspace.
+    and the LM head's logits: one micro-batch's kept for the backward (BF16, up to the 4 GiB the kernels'
+    path keeps) plus one 2,048-row chunk in flight, plus 2 GiB of workspace.
     ``counts`` is :func:`parameter_counts` of ``shape`` when already known.
     """
+    from jetrl.models.logprobs import KEEP_LOGITS_BYTES
+
     total, linear = counts or parameter_counts(shape)
     layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
     head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
@@ -136,7 +139,8 @@ def estimate_memory_bytes(shape: dict, recipe: str, reference: bool, num_sequenc
     kv = num_sequences * seq_len * 2 * layers * shape["num_key_value_heads"] * head_dim * 2
     micro_tokens = micro_batch * seq_len
     activations = (micro_tokens * (layers * hidden * 2 + (8 * hidden + 6 * shape["intermediate_size"]) * 2)
-                   + 512 * shape["vocab_size"] * 16 + 2 * 2 ** 30)
+                   + min(micro_tokens * shape["vocab_size"] * 2, KEEP_LOGITS_BYTES)
+                   + 2048 * shape["vocab_size"] * 2 + 2 * 2 ** 30)
     return state + fp8_cache + kv + activations
 
 
