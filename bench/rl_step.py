@@ -96,7 +96,7 @@ class RecipeResult:
     # of the rollout phase: seconds in the engine's generation loop; the rest is set-up before it
     # (KV cache, CUDA-graph capture, which repeats whenever the cached FP8 weights move to new storage)
     rollout_loop_seconds: float = 0.0
-    rollout_host_seconds: float = 0.0  # of the loop: the host not waiting for the GPU (GPU idle on CUDA)
+    rollout_host_seconds: float = 0.0  # of the loop: the host not waiting for the GPU (overlapped when async)
     step_metrics: dict[str, float] = field(default_factory=dict)    # the last timed step's trainer metrics
 
 
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         m = r.step_metrics
         print(f"{recipe}: step {r.seconds['total']:.2f} s; rollout {r.seconds['rollout']:.2f} s of which "
               f"{r.seconds['rollout'] - r.rollout_loop_seconds:.2f} s before the generation loop (KV cache, CUDA "
-              f"graphs) and {r.rollout_host_seconds:.2f} s of host time in the loop (GPU idle); rollout/training mismatch |dlogp| mean "
+              f"graphs) and {r.rollout_host_seconds:.2f} s of host time not waiting for the GPU; rollout/training mismatch |dlogp| mean "
               f"{m.get('mismatch/logp_abs_diff_mean', float('nan')):.2e} max "
               f"{m.get('mismatch/logp_abs_diff_max', float('nan')):.2e}", flush=True)
 

@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
             print(f"[{shape} {setting}] {recipe}: {tps:,.0f} tok/s end to end ({tps / roof:.1%} of the decode "
                   f"roofline {roof:,.0f}, {bound}-bound); decode steps alone {stats['decode_tokens_per_s']:,.0f} "
                   f"tok/s ({stats['decode_tokens_per_s'] / roof:.1%}); prefill {stats['prefill_seconds']:.2f} s, "
-                  f"decode {stats['decode_seconds']:.2f} s; host (GPU idle) {stats.get('host_seconds', 0.0):.2f} s of "
+                  f"decode {stats['decode_seconds']:.2f} s; host time not waiting for the GPU {stats.get('host_seconds', 0.0):.2f} s of "
                   f"{stats['seconds']:.2f} s; {stats.get('preemptions', 0)} preemptions, "
                   f"{stats.get('num_blocks', 0)} KV blocks", flush=True)
         apply_recipe(model, "bf16")

@@ -382,7 +382,8 @@ class RolloutEngine:
                                decode_tokens=decode_tokens,
                                decode_tokens_per_s=decode_tokens / max(step_seconds[1], 1e-9),
                                # time the host was not waiting for the GPU: scheduling, input building,
-                               # launches (on CUDA about the time the GPU sat idle between steps)
+                               # launches; overlapped with the GPU's work when scheduling asynchronously,
+                               # the GPU's idle time between steps when not
                                host_seconds=elapsed - self._wait_seconds)
         return [s.to_completion() for s in all_seqs]
 
