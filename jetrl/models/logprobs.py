@@ -180,6 +180,8 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
                              f"({weight.dtype}, {weight.device})")
         chosen = choose_impl(hidden, impl, eligible=hidden.dtype in (torch.bfloat16, torch.float16, torch.float32),
                              op="logprobs_from_hidden")
+        if chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:  # the kernels
+            raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")  # would read past a row
         size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             budget = keep_logits_bytes if keep_logits_bytes is not None else (

@@ -129,6 +129,11 @@ for impl, keep in (("reference", 0), ("triton", 1 << 30), ("triton", 0)):  # log
     (lp.sum() + 0.3 * ent.sum()).backward()
     res[impl, keep] = (lp.detach(), ent.detach(), hidden.grad.float(), model.lm_head.weight.grad.float())
 out["function"] = [rel(a, b) for a, b in zip(res["triton", 1 << 30], res["reference", 0])]
+try:
+    jm.logprobs_from_hidden(model, hidden.detach(), torch.tensor([0] * 36 + [5000]), impl="triton")
+    out["target_out_of_vocab_rejected"] = False
+except ValueError as e:
+    out["target_out_of_vocab_rejected"] = "vocabulary" in str(e)
 out["kept_equals_recomputed"] = all(torch.equal(a, b) for a, b in zip(res["triton", 1 << 30], res["triton", 0]))
 json.dump(out, sys.stdout)
 '''
@@ -153,6 +158,7 @@ def test_kernels_match_the_chunk_formulas(interpreted):
 
 def test_function_through_the_kernels_matches_its_pytorch_path(interpreted):
     assert interpreted["kept_equals_recomputed"]  # kept logits are the recomputed ones, bit for bit
+    assert interpreted["target_out_of_vocab_rejected"]  # a clear error, not a read past the row
     lp, ent, d_hidden, d_weight = interpreted["function"]
     assert lp < 1e-6 and ent < 1e-6  # same bf16 logits, fp32 statistics: summation order only
     # bf16 logit gradients, then bf16 GEMMs: a few bf16 roundings apart (2^-8 relative each)
