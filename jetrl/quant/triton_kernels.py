@@ -55,12 +55,19 @@ def _scale_from_amax(amax, POW2: tl.constexpr):
     amax = tl.maximum(amax, _EPS)
     scale = tl.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
     if POW2:
-        bits = scale.to(tl.int32, bitcast=True)
-        exponent = bits & 0x7F800000
-        has_mantissa = (bits & 0x007FFFFF) != 0
-        bits = tl.where(has_mantissa, exponent + (1 << 23), exponent)
-        scale = bits.to(tl.float32, bitcast=True)
+        scale = _round_up_pow2(scale)
     return scale
+
+
+@triton.jit
+def _round_up_pow2(scale):
+    """Round a positive fp32 scale up to a power of two on its bit pattern, like
+    ``reference.round_scale_to_pow2``."""
+    bits = scale.to(tl.int32, bitcast=True)
+    exponent = bits & 0x7F800000
+    has_mantissa = (bits & 0x007FFFFF) != 0
+    bits = tl.where(has_mantissa, exponent + (1 << 23), exponent)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -178,11 +185,7 @@ def _block_scale(amax, POW2: tl.constexpr, RECIP: tl.constexpr):
         scale = _fma_rn(res * -1.0, tl.full(amax.shape, _RCP_FP8_MAX, tl.float32), y)
         scale = tl.where(amax == float("inf"), amax, scale)
         if POW2:
-            bits = scale.to(tl.int32, bitcast=True)
-            exponent = bits & 0x7F800000
-            has_mantissa = (bits & 0x007FFFFF) != 0
-            bits = tl.where(has_mantissa, exponent + (1 << 23), exponent)
-            scale = bits.to(tl.float32, bitcast=True)
+            scale = _round_up_pow2(scale)
         return scale
     else:
         return _scale_from_amax(amax, POW2)
