@@ -8,7 +8,10 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
 4. an MLP block (RMSNorm, gate_up, SwiGLU, down) forward+backward, recipe ``jet`` vs BF16;
 5. decode-size GEMMs (M = 1..64) FP8 vs BF16, per GEMM path;
 6. ``decode-sweep`` (not in the default sections): the decode kernel's tuning variants at M = 16..256, per
-   shape the best config and its ratio to BF16, the best policy per M and where it beats cuBLAS.
+   shape the best config and its ratio to BF16, the best policy per M and where it beats cuBLAS
+   (``--sweep-shape 1.5b`` for the rollout benchmark's small model, ``--sweep-m`` for the row counts);
+7. ``profile`` / ``host-profile`` (not in the default sections): one FP8Linear step under the PyTorch
+   profiler, and the host (Python) time of its eager forward+backward under cProfile.
 
 Run: ``python bench/kernels.py [--quick] [--json PATH]``.
 """
@@ -302,6 +305,11 @@ DECODE_SWEEP_M = [16, 32, 64, 128, 256]
 DECODE_SWEEP_CELLS = [("qkv", (6144,), 4096), ("o", (4096,), 4096), ("gate_up", (28672,), 4096),
                       ("down", (4096,), 14336), ("qkv-grouped", (4096, 1024, 1024), 4096),
                       ("gate_up-grouped", (14336, 14336), 4096)]
+# the rollout benchmark's 1.5B shape (Qwen2-1.5B: hidden 1536, 12 query and 2 key/value heads, MLP 8960), as the
+# engine launches it: q/k/v and gate/up grouped, o and down alone
+DECODE_SWEEP_CELLS_1P5B = [("o", (1536,), 1536), ("down", (1536,), 8960), ("qkv-grouped", (1536, 256, 256), 1536),
+                           ("gate_up-grouped", (8960, 8960), 1536)]
+DECODE_SWEEP_SHAPES = {"8b": DECODE_SWEEP_CELLS, "1.5b": DECODE_SWEEP_CELLS_1P5B}
 
 
 def decode_sweep_policies(m: int) -> list:
@@ -421,7 +429,7 @@ def _wait_precompile(procs: list, deadline: float) -> None:
 
 
 def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | None = None,
-                       workers: int | None = None) -> None:
+                       workers: int | None = None, shape: str = "8b") -> None:
     """Tuning variants of the split-K decode kernel per shape and row count against BF16 ``torch.matmul``
     and cuBLAS blockwise FP8 in the same run (CUDA-graph replays over rotating weight copies, as
     :func:`bench_decode`), then per row count the policy that is best across shapes (to paste into
@@ -443,8 +451,9 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
     be = CudaBackend()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ms = ms or DECODE_SWEEP_M
+    sweep_cells = DECODE_SWEEP_SHAPES[shape]
     cells = []
-    for label, ns, k in DECODE_SWEEP_CELLS:
+    for label, ns, k in sweep_cells:
         copies = _rotation(sum(ns), k)
         ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n in ns] for _ in range(copies)]
         qws = [[be.quantize(w, (128, 128)) for w in group] for group in ws]
@@ -516,6 +525,7 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
                 except Exception as exc:  # e.g. a tile that does not fit in shared memory at this M
                     print(f"[decode-sweep] {cell['label']} M={m} {cfg.name}: {type(exc).__name__}", flush=True)
                     cell["ok"][cfg.name], cell["times"][cfg.name] = False, None
+                    cell.setdefault("failed", []).append(cfg.name)
                 else:
                     rel = float((out.float() - cell["ref"]).norm() / cell["ref"].norm())
                     cell["ok"][cfg.name] = bool(rel < 1e-2)  # vs cuBLAS ~1e-3 (summation order); broken ~1
@@ -540,7 +550,8 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
                    best_x=ratio(row["best_us"]),
                    best_frac_copy=(n * cell["k"] / (row["best_us"] * 1e3) / rep.copy_gbps)
                    if row["best_us"] and rep.copy_gbps else None,
-                   broken=[name for name, good in cell["ok"].items() if not good],
+                   failed=cell.get("failed", []),  # raised (e.g. tiles beyond shared memory): not timed
+                   broken=[name for name, good in cell["ok"].items() if not good and name not in cell.get("failed", [])],
                    variants={name: t for name, t in cell["times"].items()})
         rep.add("decode-sweep", **row)
     print("\n== decode sweep: per shape, best decode config vs BF16 (x = BF16 time / time) ==")
@@ -548,7 +559,8 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
         print(f"{row['cell']:>16} M={row['m']:<4} bf16 {_fmt(row['bf16_us'])} us | cuBLAS FP8 {_fmt(row['cublas_x'])}x"
               f" | auto({row['auto_path']}) {_fmt(row['auto_x'])}x | default {_fmt(row['default_x'])}x"
               f" | best {row['best']} {_fmt(row['best_us'])} us {_fmt(row['best_x'])}x"
-              f" ({_fmt(row['best_frac_copy'])} of copy)" + (f" BROKEN: {row['broken']}" if row["broken"] else ""))
+              f" ({_fmt(row['best_frac_copy'])} of copy)" + (f" WRONG RESULTS: {row['broken']}" if row["broken"] else "")
+              + (f" (did not run: {len(row['failed'])} variants)" if row["failed"] else ""))
     print("\n== decode sweep: policy per M (geometric mean over shapes of time / that shape's best; 1.0 = best "
           "everywhere) ==")
     chosen = {}
@@ -567,7 +579,7 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
         if scores:
             chosen[m] = scores[0][1]
     print("\n== decode sweep: routing (the chosen policy per M against cuBLAS FP8; one cuBLAS call per weight) ==")
-    for label, ns, k in DECODE_SWEEP_CELLS:
+    for label, ns, k in sweep_cells:
         wins = []
         for m in ms:
             cell = next(c for c in cells if c["label"] == label and c["m"] == m)
@@ -664,6 +676,33 @@ def profile_fp8_linear(m: int = 4096, n: int = 4096, k: int = 4096) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
+def profile_fp8_linear_host(m: int = 4096, n: int = 4096, k: int = 4096, iters: int = 100) -> None:
+    """Python-level profile (cProfile) of the host work of FP8Linear forward+backward steps: which calls
+    the eager path's host time goes to (the GPU work is not waited for inside the loop)."""
+    import cProfile
+    import pstats
+
+    from jetrl.quant import FP8Linear
+
+    layer = FP8Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    step = _fwd_bwd(layer, x, gy)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"== host profile: FP8Linear {m}x{n}x{k} forward+backward, {iters} steps (times are totals) ==")
+    stats = pstats.Stats(prof).strip_dirs()
+    stats.sort_stats("tottime").print_stats(22)
+    stats.sort_stats("cumulative").print_stats(22)
+
+
 class _Mlp(nn.Module):
     """jetrl's own MLP block: the fused norm (+ residual add, + FP8 input), gate/up, fused SwiGLU (+ FP8
     input of down), down; the residual stream comes back as ``mlp_out + residual`` like a decoder block's."""
@@ -709,6 +748,10 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--decode-m", default=",".join(str(m) for m in DECODE_M),
                         help="row counts of the decode section (up to 256)")
     parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time budget of the decode sweep")
+    parser.add_argument("--sweep-shape", choices=sorted(DECODE_SWEEP_SHAPES), default="8b",
+                        help="model whose linears the decode sweep measures")
+    parser.add_argument("--sweep-m", default=",".join(str(m) for m in DECODE_SWEEP_M),
+                        help="row counts of the decode sweep (up to 256)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
@@ -729,10 +772,13 @@ def main(argv: list[str] | None = None) -> Report:
         ("gemm", lambda: bench_gemms(rep, train_m, LLAMA8B_NK)),
         ("decode", lambda: bench_decode(rep, LLAMA8B_NK + [(1024, 4096)],
                                         ms=[int(m) for m in args.decode_m.split(",")])),  # + the k/v projections
-        ("decode-sweep", lambda: bench_decode_sweep(rep, budget_s=args.sweep_seconds)),
+        ("decode-sweep", lambda: bench_decode_sweep(rep, budget_s=args.sweep_seconds,
+                                                            ms=[int(m) for m in args.sweep_m.split(",")],
+                                                            shape=args.sweep_shape)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
         ("profile", profile_fp8_linear),
+        ("host-profile", profile_fp8_linear_host),
         ("mlp", lambda: bench_mlp(rep, [4096, 16384] if args.quick else [1024, 4096, 16384])),
     ]
     try:

@@ -40,7 +40,10 @@ GROUPED_DECODE_MAX_M = 64
 # Measured (decode sweep): Llama-8B's grouped q/k/v (4096 + 1024 + 1024 rows, K = 4096) runs 1.5-2.2x
 # faster in the decode kernel than in three cuBLAS calls up to M = 256 (cuBLAS's ~14 us floor per call);
 # the other 8B shapes lose to cuBLAS beyond M = 64.
-DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256}
+# For the 1.5B rollout shape (decode sweep with --sweep-shape 1.5b) the decode kernel also beats cuBLAS through
+# M = 256 for down (1536 x 8960: 14.3 vs 30.4 us at M = 128) and the grouped q/k/v (9.4 vs 23.3 us at M = 256).
+DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256, (1536, 8960): 256,
+                                           ("grouped", 2048, 1536): 256}
 # The one-pass 1x128 + 128x1 kernel reached 0.40-0.44 of copy bandwidth (quant sweep), slower than its two
 # halves run apart (0.92-0.94 and 0.66-0.77); it stays selectable (and tested) until it is the faster one.
 FUSED_ACT_AND_TOKEN = False

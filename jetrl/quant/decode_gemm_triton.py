@@ -288,9 +288,11 @@ def decode_policy(m: int) -> DecodePolicy:
     raise ValueError(f"no decode policy for {m} rows (the decode GEMM handles at most {DECODE_GEMM_MAX_M})")
 
 
-# Shapes whose best config in the decode sweep (run G; Llama-8B linears on the H200, measured at M = 16, 32
-# and 64) beat the per-M policy by more than 3%: (largest M, total N, K, grouped launch) -> config. The
-# bucket "32" covers M = 1-32 (the same config won at 16 and 32), "64" covers M = 33-64.
+# Shapes whose best config in the decode sweep beat the per-M policy by more than 3%: (largest M, total N, K,
+# grouped launch) -> config. Bucket "32" covers M = 1-32 (the same config won at 16 and 32), "64" M = 33-64,
+# "128" M = 65-128, "256" M = 129-256. Llama-8B linears: run G (M = 16, 32, 64); the rollout benchmark's 1.5B
+# model (Qwen2-1.5B: hidden 1536, MLP 8960, q/k/v 1536 + 256 + 256): `bench/kernels.py --sections decode-sweep
+# --sweep-shape 1.5b` (M = 32, 64, 128, 256), both on the H200.
 DECODE_SHAPE_CONFIGS: dict[tuple[int, int, int, bool], DecodeGemmConfig] = {
     (32, 6144, 4096, True): DecodeGemmConfig(block_n=64, split_k=4, tma=True),  # q/k/v: 10.9 vs 12.4 us
     (32, 6144, 4096, False): DecodeGemmConfig(block_n=64, split_k=4, tma=True),
@@ -299,6 +301,16 @@ DECODE_SHAPE_CONFIGS: dict[tuple[int, int, int, bool], DecodeGemmConfig] = {
     (32, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=8, num_stages=4, tma=True),  # 20.5 vs 22.1
     (64, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, tma=True),  # gate_up: 36.2 vs 38.5 us
     (64, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=4, k_unroll=2, tma=True),  # 26.1 vs 28.3
+    # 1.5B shape
+    (32, 1536, 1536, False): DecodeGemmConfig(block_n=64, split_k=3, num_stages=4, tma=True),  # o: 5.4 vs 6.1
+    (32, 1536, 8960, False): DecodeGemmConfig(block_n=64, split_k=16, num_warps=8, tma=True),  # down: 10.1 vs 11.2
+    (128, 1536, 8960, False): DecodeGemmConfig(block_n=64, split_k=4, num_warps=8, k_unroll=2, tma=True),  # 14.3/17.6
+    (256, 1536, 8960, False): DecodeGemmConfig(block_n=128, split_k=4, num_warps=8, block_m=128, k_unroll=2,
+                                               tma=True),  # down: 21.4 vs 22.9 us
+    (32, 2048, 1536, True): DecodeGemmConfig(block_n=64, split_k=3, k_unroll=2),  # q/k/v: 5.7 vs 6.3 us
+    (128, 2048, 1536, True): DecodeGemmConfig(block_n=64, split_k=2, block_m=64, tma=True),  # 7.5 vs 9.6 us
+    (256, 2048, 1536, True): DecodeGemmConfig(block_n=128, split_k=2, block_m=64, tma=True),  # 9.4 vs 11.4 us
+    (32, 17920, 1536, True): DecodeGemmConfig(block_n=64, split_k=1, tma=True),  # gate/up: 10.9 vs 13.5 us
 }
 
 
@@ -306,7 +318,7 @@ def default_decode_config(m: int, n: int, k: int, device: torch.device, grouped:
     """The default config for an (m, n, k) decode GEMM (``n``: total width of a grouped launch, ``grouped``:
     whether it is one): the measured per-shape entry of :data:`DECODE_SHAPE_CONFIGS` where there is one,
     else the per-M policy of :data:`DECODE_POLICIES`."""
-    bucket = 32 if m <= 32 else 64 if m <= 64 else 0
+    bucket = 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
     tuned = DECODE_SHAPE_CONFIGS.get((bucket, n, k, bool(grouped)))
     if tuned is not None:
         return tuned

@@ -113,13 +113,22 @@ def cast_rne(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _to_e4m3(x, scale):
-    """``e4m3(clamp(x / scale, -448, 448))`` with an IEEE division; ``scale`` broadcasts to ``x``."""
-    q = tl.div_rn(x, scale)
-    q = tl.clamp(q, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, like torch
+def _saturating_e4m3(q):
+    """``e4m3(clamp(q, -448, 448))`` for fp32 ``q``, NaN staying NaN, as the reference computes it.
+
+    On the GPU the cast itself saturates (Triton lowers it to ``cvt.rn.satfinite.e4m3x2.f32``: finite and
+    infinite values beyond +-448 become +-448, NaN stays NaN), so the clamp would cost two instructions per
+    element for nothing. Under the interpreter the clamp and the exact rounding to the E4M3 grid come first."""
     if _SOFT_ROUND:
+        q = tl.clamp(q, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, like torch
         q = _round_to_e4m3_grid(q)
     return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    """``e4m3(clamp(x / scale, -448, 448))`` with an IEEE division; ``scale`` broadcasts to ``x``."""
+    return _saturating_e4m3(tl.div_rn(x, scale))
 
 
 @triton.jit
@@ -163,10 +172,7 @@ def _to_e4m3_recip(x, recip, scale_r, POW2: tl.constexpr):
         # Triton 3.6's unary minus on floats is 0 - v, which turns -(+0) into +0.
         res = _fma_rn(scale_r, y, x * -1.0)
         y = _fma_rn(res * -1.0, recip, y)
-    q = tl.clamp(y, -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    if _SOFT_ROUND:
-        q = _round_to_e4m3_grid(q)
-    return q.to(tl.float8e4nv)
+    return _saturating_e4m3(y)
 
 
 # --------------------------------------------------------------------------------------------------

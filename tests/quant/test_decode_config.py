@@ -36,7 +36,8 @@ def test_policy_splits_fill_the_gpu():
     assert (4096 // 128) * 2 * cfg.split_k <= 132
 
 
-@pytest.mark.parametrize("m,bucket", [(1, 32), (16, 32), (32, 32), (33, 64), (64, 64)])
+@pytest.mark.parametrize("m,bucket", [(1, 32), (16, 32), (32, 32), (33, 64), (64, 64), (65, 128), (128, 128),
+                                      (129, 256), (256, 256)])
 def test_measured_shape_entries_win_within_their_bucket(m, bucket):
     for (b, n, k, grouped), cfg in dk.DECODE_SHAPE_CONFIGS.items():
         got = dk.default_decode_config(m, n, k, CPU, grouped=grouped)
@@ -48,7 +49,7 @@ def test_grouped_and_single_launches_are_looked_up_apart():
     grouped = dk.default_decode_config(64, 28672, 4096, CPU, grouped=True)
     assert single == dk.DECODE_SHAPE_CONFIGS[(64, 28672, 4096, False)]
     assert grouped == dk.decode_policy(64).config(64, 28672, 4096, 132) != single
-    # beyond M = 64 only the policies apply
+    # beyond M = 64 only the policies apply to shapes without a measured entry there
     assert dk.default_decode_config(65, 4096, 14336, CPU) == dk.decode_policy(65).config(65, 4096, 14336, 132)
 
 
@@ -57,3 +58,15 @@ def test_grouped_and_single_launches_are_looked_up_apart():
 def test_bad_configs_get_clear_errors(bad):
     with pytest.raises(ValueError, match="DecodeGemmConfig"):
         dk.DecodeGemmConfig(**bad)
+
+
+def test_decode_routing_reads_the_per_shape_bounds():
+    """The measured per-shape bounds replace the general ones; other shapes keep the general bounds."""
+    from jetrl.quant import cuda as cuda_mod
+
+    for key, bound in cuda_mod.DECODE_MAX_M_BY_SHAPE.items():
+        grouped = key[0] == "grouped"
+        n, k = key[1:] if grouped else key
+        assert cuda_mod.decode_max_m(n, k, grouped=grouped) == min(bound, dk.DECODE_GEMM_MAX_M)
+    assert cuda_mod.decode_max_m(1536, 1536) == cuda_mod.DECODE_MAX_M  # o of the 1.5B shape: cuBLAS past 64
+    assert cuda_mod.decode_max_m(17920, 1536, grouped=True) == cuda_mod.GROUPED_DECODE_MAX_M

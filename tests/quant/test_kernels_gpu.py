@@ -284,6 +284,40 @@ def test_decode_gemm_variants(cuda_backend, mnk, variant):
     assert int(dk._locks(a.data.device).abs().sum()) == 0
 
 
+def _shape_config_cases():
+    from jetrl.quant import decode_gemm_triton as dk
+
+    lower = {32: 1, 64: 33, 128: 65, 256: 129}
+    return [(key, m) for key in dk.DECODE_SHAPE_CONFIGS for m in (lower[key[0]], key[0])]
+
+
+# how the grouped entries' total widths split into weights (q/k/v or gate/up of the measured models)
+GROUPED_SPLITS = {6144: (4096, 1024, 1024), 2048: (1536, 256, 256), 17920: (8960, 8960), 28672: (14336, 14336)}
+
+
+@pytest.mark.parametrize("key,m", _shape_config_cases(), ids=lambda v: str(v))
+def test_measured_shape_configs_compute_their_shapes(cuda_backend, key, m):
+    """Every per-shape decode config, at both ends of its row bucket, on the shape it was measured for: within
+    output rounding of the exact product; grouped entries bitwise equal to their one-by-one calls."""
+    from jetrl.quant import decode_gemm_triton as dk
+
+    _, n, k, grouped = key
+    cfg = dk.DECODE_SHAPE_CONFIGS[key]
+    assert dk.default_decode_config(m, n, k, torch.device("cuda"), grouped=grouped) == cfg
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = cuda_backend.quantize(torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
+    ns = GROUPED_SPLITS[n] if grouped else (n,)
+    ws = [cuda_backend.quantize(torch.randn(w, k, generator=g, device="cuda", dtype=torch.bfloat16), WEIGHT)
+          for w in ns]
+    one = [dk.fp8_decode_gemm(a.data, a.scale, w.data, w.scale, 128, torch.bfloat16, cfg) for w in ws]
+    for w, out in zip(ws, one):
+        ref = a.dequantize().double() @ w.dequantize().double().t()
+        assert bool(((out.double() - ref).abs() <= _gemm_tolerance(a, w, ref, torch.bfloat16)).all()), cfg.name
+    if grouped:
+        out = dk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, None) for w in ws], torch.bfloat16, cfg)
+        assert torch.equal(out, torch.cat(one, dim=1)), cfg.name
+
+
 @pytest.mark.parametrize("m", [32, 128, 256])
 @pytest.mark.parametrize("variant", [0, 1, 3, 5])
 def test_grouped_decode_gemm_variants_equal_one_by_one(cuda_backend, m, variant):
