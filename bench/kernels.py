@@ -30,7 +30,7 @@ import torch.nn as nn
 LLAMA8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 TRAIN_M = [64, 256, 4096, 16384]
 DECODE_M = [1, 16, 32, 64]
-TOKEN_TILES = [(64, 4), (32, 4), (32, 2), (32, 1), (16, 1)]  # (block_k, num_warps), 128x1 kernels
+TOKEN_TILES = [(128, 4), (64, 4), (64, 8), (32, 4), (32, 2)]  # (block_k, num_warps) tried for the 128x1 kernels
 
 
 @dataclass
@@ -113,24 +113,15 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
                                                                                        transpose_input=t),
                                                2 * m * k + 2 * m * k),
             })
-        cases.update({  # the third transposition strategy: the fp32 values
-            "act 1x128 + 128x1 [transpose fp32]": (lambda: tk.quantize_act_1x128(x, emit_token=True, transpose_f32=True),
-                                                   2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
-            "token 128x1 [transpose fp32]": (lambda: tk.quantize_token_128x1(x, transpose_f32=True),
-                                             2 * m * k + m * k + 4 * mb * k),
-            "requant 1x128->128x1 [transpose fp32]": (lambda: tk.requantize_act_to_token(q, s, transpose_f32=True),
-                                                      2 * m * k + 4 * (m * kb + mb * k)),
-        })
-        for bk, warps in TOKEN_TILES:  # the 128x1 kernels' tile sweep (all three transposition strategies)
-            for t_in, f32 in ((True, False), (False, False), (False, True)):
-                tag = f" [bk{bk} w{warps} {'T_f32' if f32 else 'T_in' if t_in else 'T_out'}]"
+        for bk, warps in TOKEN_TILES:  # the 128x1 kernels' tile sweep (both transposition strategies)
+            for t_in in (True, False):
+                tag = f" [bk{bk} w{warps} {'T_in' if t_in else 'T_out'}]"
                 cases["token 128x1" + tag] = (
-                    lambda b=bk, w=warps, t=t_in, f=f32: tk.quantize_token_128x1(x, transpose_input=t, block_k=b,
-                                                                                 num_warps=w, transpose_f32=f),
+                    lambda b=bk, w=warps, t=t_in: tk.quantize_token_128x1(x, transpose_input=t, block_k=b, num_warps=w),
                     2 * m * k + m * k + 4 * mb * k)
                 cases["requant 1x128->128x1" + tag] = (
-                    lambda b=bk, w=warps, t=t_in, f=f32: tk.requantize_act_to_token(q, s, transpose_input=t, block_k=b,
-                                                                                    num_warps=w, transpose_f32=f),
+                    lambda b=bk, w=warps, t=t_in: tk.requantize_act_to_token(q, s, transpose_input=t, block_k=b,
+                                                                            num_warps=w),
                     2 * m * k + 4 * (m * kb + mb * k))
         for name, (fn, nbytes) in cases.items():
             ms = _graph_ms(fn) or _bench_ms(fn)

@@ -215,14 +215,11 @@ def _quantize_rows_cols_kernel(
     tok_ptr, tok_scale_ptr,  # 128x1 outputs: data as a row-major (K, M) buffer, scales (Mb, K) row-major
     POW2: tl.constexpr, EMIT_ACT: tl.constexpr, EMIT_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, T_IN: tl.constexpr, RECIP: tl.constexpr = False,
-    T_F32: tl.constexpr = False,
 ):
     """One tile of x, quantized per row (1x128, needs BLOCK_K == 128) and/or per column (128x1, needs
     BLOCK_M == 128), reading x once. ``T_IN``: transpose the input tile (in its own dtype) before the
     column quantization, so it reduces along rows and stores row-major; else transpose the E4M3 result.
-    ``T_F32`` (overrides ``T_IN``): transpose the tile's fp32 values (4-byte elements move through shared
-    memory as whole words). ``RECIP``: divide through one reciprocal per block (:func:`_to_e4m3_recip`, same
-    bits)."""
+    ``RECIP``: divide through one reciprocal per block (:func:`_to_e4m3_recip`, same bits)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -237,11 +234,7 @@ def _quantize_rows_cols_kernel(
         tl.store(act_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
         tl.store(act_scale_ptr + rm * stride_asm + pid_k * stride_ask, scale, mask=rm < M)
     if EMIT_TOKEN:
-        if T_F32:
-            xt = tl.trans(x)  # (BLOCK_K, BLOCK_M) fp32
-            scale_t = _block_scale(tl.max(tl.abs(xt), axis=1), POW2, RECIP)  # (BLOCK_K,)
-            q_t = _quantize_e4m3(xt, scale_t[:, None], RECIP, POW2)
-        elif T_IN:
+        if T_IN:
             xt = tl.trans(x_in).to(tl.float32)  # (BLOCK_K, BLOCK_M)
             scale_t = _block_scale(tl.max(tl.abs(xt), axis=1), POW2, RECIP)  # (BLOCK_K,)
             q_t = _quantize_e4m3(xt, scale_t[:, None], RECIP, POW2)
@@ -288,13 +281,11 @@ def _requantize_act_to_token_kernel(
     q_ptr, M, K, stride_qm, stride_qk, s_ptr, stride_sm, stride_sk,
     tok_ptr, tok_scale_ptr,
     POW2: tl.constexpr, T_IN: tl.constexpr, BLOCK_K: tl.constexpr, RECIP: tl.constexpr = False,
-    T_F32: tl.constexpr = False,
 ):
     """Re-quantize a 1x128 FP8 tensor into 128x1 blocks: dequantize in registers (``data * scale`` in
     fp32, as the reference does), then quantize per 128 rows per column; data written transposed
-    (``T_IN``: transpose the E4M3 input tile first and reduce along rows; ``T_F32``, which overrides it:
-    transpose the dequantized fp32 tile). BLOCK_K divides 128, so a tile's columns share one 1x128 source
-    scale per row. ``RECIP``: no per-element division (same bits)."""
+    (``T_IN``: transpose the E4M3 input tile first and reduce along rows). BLOCK_K divides 128, so a
+    tile's columns share one 1x128 source scale per row. ``RECIP``: no per-element division (same bits)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * 128 + tl.arange(0, 128)
@@ -302,12 +293,7 @@ def _requantize_act_to_token_kernel(
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     q = tl.load(q_ptr + rm[:, None].to(tl.int64) * stride_qm + rk[None, :] * stride_qk, mask=mask, other=0.0)
     s = tl.load(s_ptr + rm * stride_sm + (pid_k * BLOCK_K // 128) * stride_sk, mask=rm < M, other=0.0)  # (128,)
-    if T_F32:
-        x = tl.where(mask, q.to(tl.float32) * s[:, None], 0.0)
-        xt = tl.trans(x)  # (BLOCK_K k, 128 m) fp32
-        scale_t = _block_scale(tl.max(tl.abs(xt), axis=1), POW2, RECIP)
-        q_t = _quantize_e4m3(xt, scale_t[:, None], RECIP, POW2)
-    elif T_IN:
+    if T_IN:
         xt = tl.trans(q).to(tl.float32) * s[None, :]  # (BLOCK_K k, 128 m); masked lanes are 0 * 0
         scale_t = _block_scale(tl.max(tl.abs(xt), axis=1), POW2, RECIP)
         q_t = _quantize_e4m3(xt, scale_t[:, None], RECIP, POW2)
@@ -386,15 +372,12 @@ def _cdiv(a: int, b: int) -> int:
 TOKEN_BLOCK_K = 32
 TOKEN_NUM_WARPS = 2
 TOKEN_TRANSPOSE_INPUT = False
-TOKEN_TRANSPOSE_F32 = False  # transpose the fp32 values instead (overrides TOKEN_TRANSPOSE_INPUT)
 REQUANT_BLOCK_K = 32
 REQUANT_NUM_WARPS = 1
 REQUANT_TRANSPOSE_INPUT = True  # 0.49-0.54 of copy against 0.46-0.53 transposing the E4M3 result (run H)
-REQUANT_TRANSPOSE_F32 = False
 ACT_BLOCK_M = 32  # rows per program of the 1x128 kernel
 ACT_NUM_WARPS = 4
 ACT_TOKEN_NUM_WARPS = 4  # the one-pass 1x128 + 128x1 kernel (128 x 128 tiles)
-ACT_TOKEN_TRANSPOSE_F32 = False
 WEIGHT_NUM_WARPS = 4
 ACT_RECIP = True
 ACT_TOKEN_RECIP = True
@@ -409,14 +392,13 @@ def _pick(override, default):
 
 def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bool = False,
                        transpose_input: bool | None = None, recip: bool | None = None, block_m: int | None = None,
-                       num_warps: int | None = None, transpose_f32: bool | None = None):
+                       num_warps: int | None = None):
     """Quantize x (M, K) per 1x128; with ``emit_token`` also per 128x1, from the same read of x.
 
     Returns ``(data, scale)`` or ``(data, scale, tok_data, tok_scale)``: data (M, K) row-major, scale the
     (M, Kb) view of a (Kb, M) buffer; tok_data the (M, K) view of a row-major (K, M) buffer, tok_scale
     (Mb, K) row-major. ``recip``, ``block_m`` (rows per program, a power of two; 128 with ``emit_token``) and
-    ``num_warps`` override the defaults below (benchmarks), as does ``transpose_f32`` (the 128x1 half
-    transposes the fp32 values; overrides ``transpose_input``); every choice gives the same bits.
+    ``num_warps`` override the defaults below (benchmarks); every choice gives the same bits.
     """
     m, k = x.shape
     kb = _cdiv(k, BLOCK)
@@ -438,7 +420,6 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bo
             tok if emit_token else data, tok_scale if emit_token else scale_buf,
             POW2=pow2_scale, EMIT_ACT=True, EMIT_TOKEN=emit_token, BLOCK_M=block_m, BLOCK_K=BLOCK,
             T_IN=_pick(transpose_input, TRANSPOSE_INPUT), RECIP=use_recip, num_warps=warps,
-            T_F32=bool(emit_token) and _pick(transpose_f32, ACT_TOKEN_TRANSPOSE_F32),
         )
     if emit_token:
         return data, scale_buf.t(), tok.t(), tok_scale
@@ -446,12 +427,10 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bo
 
 
 def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_input: bool | None = None,
-                         block_k: int | None = None, num_warps: int | None = None, recip: bool | None = None,
-                         transpose_f32: bool | None = None):
+                         block_k: int | None = None, num_warps: int | None = None, recip: bool | None = None):
     """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M, K) view of a row-major (K, M)
-    data buffer and the (Mb, K) row-major scales. ``block_k`` (a power of two <= 128), ``num_warps``,
-    ``recip`` and the transposition (``transpose_f32`` overrides ``transpose_input``) override the defaults
-    (benchmarks); every choice gives the same bits."""
+    data buffer and the (Mb, K) row-major scales. ``block_k`` (a power of two <= 128), ``num_warps`` and
+    ``recip`` override the defaults (benchmarks); every choice gives the same bits."""
     m, k = x.shape
     tok = torch.empty((k, m), dtype=E4M3, device=x.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
@@ -464,7 +443,7 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_in
             tok, tok_scale,
             POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k,
             num_warps=num_warps or TOKEN_NUM_WARPS, RECIP=_pick(recip, TOKEN_RECIP),
-            T_IN=_pick(transpose_input, TOKEN_TRANSPOSE_INPUT), T_F32=_pick(transpose_f32, TOKEN_TRANSPOSE_F32),
+            T_IN=_pick(transpose_input, TOKEN_TRANSPOSE_INPUT),
         )
     return tok.t(), tok_scale
 
@@ -498,12 +477,10 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
 
 def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
                             transpose_input: bool | None = None, block_k: int | None = None,
-                            num_warps: int | None = None, recip: bool | None = None,
-                            transpose_f32: bool | None = None):
+                            num_warps: int | None = None, recip: bool | None = None):
     """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory.
     Returns the (M, K) view of a row-major (K, M) data buffer and (Mb, K) row-major scales. ``block_k``
-    (divides 128), ``num_warps``, ``recip`` and the transposition (``transpose_f32`` overrides
-    ``transpose_input``) override the defaults (benchmarks); same bits for all."""
+    (divides 128), ``num_warps`` and ``recip`` override the defaults (benchmarks); same bits for all."""
     m, k = data.shape
     tok = torch.empty((k, m), dtype=E4M3, device=data.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=data.device)
@@ -516,7 +493,6 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
             tok, tok_scale, POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps or REQUANT_NUM_WARPS,
             T_IN=_pick(transpose_input, REQUANT_TRANSPOSE_INPUT), RECIP=_pick(recip, REQUANT_RECIP),
-            T_F32=_pick(transpose_f32, REQUANT_TRANSPOSE_F32),
         )
     return tok.t(), tok_scale
 

@@ -102,11 +102,6 @@ for name, x in inputs():
             ok = ok and same(dt, rw.t().contiguous())
             d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, transpose_input=not T.REQUANT_TRANSPOSE_INPUT)
             ok = ok and same(d, rq.data) and same(s, rq.scale)
-            # the fp32-transposing strategy of the 128x1 kernels
-            td, ts = T.quantize_token_128x1(x, pow2, transpose_f32=not T.TOKEN_TRANSPOSE_F32)
-            ok = ok and same(td, rt) and same(ts, rst)
-            d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, transpose_f32=not T.REQUANT_TRANSPOSE_F32)
-            ok = ok and same(d, rq.data) and same(s, rq.scale)
         r["transpose_output_variant"] = ok
         # narrower 128x1 tiles (the defaults and the benchmark sweep): a subset of the cases keeps this fast
         ok = True
