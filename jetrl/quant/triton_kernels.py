@@ -209,51 +209,30 @@ def _quantize_e4m3(x, scale, RECIP: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptrs, mask, EVEN: tl.constexpr):
-    """``tl.load`` of a tile, masked (zeros outside) unless ``EVEN`` says every lane is in bounds: whole
-    tiles then skip the per-element bounds arithmetic and predication (same values)."""
-    if EVEN:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _store_tile(ptrs, value, mask, EVEN: tl.constexpr):
-    """``tl.store`` of a tile, masked unless ``EVEN`` (see :func:`_load_tile`)."""
-    if EVEN:
-        tl.store(ptrs, value)
-    else:
-        tl.store(ptrs, value, mask=mask)
-
-
-@triton.jit
 def _quantize_rows_cols_kernel(
     x_ptr, M, K, stride_xm, stride_xk,
     act_ptr, act_scale_ptr, stride_asm, stride_ask,  # 1x128 outputs: data (M, K) row-major
     tok_ptr, tok_scale_ptr,  # 128x1 outputs: data as a row-major (K, M) buffer, scales (Mb, K) row-major
     POW2: tl.constexpr, EMIT_ACT: tl.constexpr, EMIT_TOKEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, T_IN: tl.constexpr, RECIP: tl.constexpr = False,
-    EVEN: tl.constexpr = False,
 ):
     """One tile of x, quantized per row (1x128, needs BLOCK_K == 128) and/or per column (128x1, needs
     BLOCK_M == 128), reading x once. ``T_IN``: transpose the input tile (in its own dtype) before the
     column quantization, so it reduces along rows and stores row-major; else transpose the E4M3 result.
-    ``RECIP``: divide through one reciprocal per block (:func:`_to_e4m3_recip`, same bits). ``EVEN``: M and
-    K are multiples of the tile, so no lane is out of bounds (no masks)."""
+    ``RECIP``: divide through one reciprocal per block (:func:`_to_e4m3_recip`, same bits)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    x_in = _load_tile(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk, mask, EVEN)
+    x_in = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk, mask=mask, other=0.0)
     x = x_in.to(tl.float32)
     ax = tl.abs(x)
     if EMIT_ACT:
         scale = _block_scale(tl.max(ax, axis=1), POW2, RECIP)  # (BLOCK_M,)
         q = _quantize_e4m3(x, scale[:, None], RECIP, POW2)
-        _store_tile(act_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask, EVEN)
-        _store_tile(act_scale_ptr + rm * stride_asm + pid_k * stride_ask, scale, rm < M, EVEN)
+        tl.store(act_ptr + rm[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
+        tl.store(act_scale_ptr + rm * stride_asm + pid_k * stride_ask, scale, mask=rm < M)
     if EMIT_TOKEN:
         if T_IN:
             xt = tl.trans(x_in).to(tl.float32)  # (BLOCK_K, BLOCK_M)
@@ -262,9 +241,9 @@ def _quantize_rows_cols_kernel(
         else:
             scale_t = _block_scale(tl.max(ax, axis=0), POW2, RECIP)  # (BLOCK_K,)
             q_t = tl.trans(_quantize_e4m3(x, scale_t[None, :], RECIP, POW2))  # (BLOCK_K, BLOCK_M): row-major store
-        _store_tile(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
-                    (rk[:, None] < K) & (rm[None, :] < M), EVEN)
-        _store_tile(tok_scale_ptr + pid_m * K + rk, scale_t, rk < K, EVEN)
+        tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
+                 mask=(rk[:, None] < K) & (rm[None, :] < M))
+        tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
 
 
 @triton.jit
@@ -272,30 +251,28 @@ def _quantize_weight_kernel(
     w_ptr, N, K, stride_wn, stride_wk,
     q_ptr, q_t_ptr, scale_ptr,
     POW2: tl.constexpr, EMIT_T: tl.constexpr, T_IN: tl.constexpr, RECIP: tl.constexpr = False,
-    EVEN: tl.constexpr = False,
 ):
     """One 128x128 tile of W: one scale, the data row-major (N, K) and optionally W^T row-major (K, N)
     (``T_IN``: W^T quantized from the transposed input tile, else the E4M3 tile transposed).
-    ``RECIP``: divide through the tile's reciprocal (:func:`_to_e4m3_recip`, same bits). ``EVEN``: N and K
-    are multiples of 128 (no masks)."""
+    ``RECIP``: divide through the tile's reciprocal (:func:`_to_e4m3_recip`, same bits)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * 128 + tl.arange(0, 128)
     rk = pid_k * 128 + tl.arange(0, 128)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
-    w_in = _load_tile(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] * stride_wk, mask, EVEN)
+    w_in = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] * stride_wk, mask=mask, other=0.0)
     w = w_in.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
     scale = _block_scale(amax, POW2, RECIP)
     q = _quantize_e4m3(w, scale, RECIP, POW2)
-    _store_tile(q_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], q, mask, EVEN)
+    tl.store(q_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], q, mask=mask)
     if EMIT_T:
         if T_IN:
             q_t = _quantize_e4m3(tl.trans(w_in).to(tl.float32), scale, RECIP, POW2)
         else:
             q_t = tl.trans(q)
-        _store_tile(q_t_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], q_t, (rk[:, None] < K) & (rn[None, :] < N),
-                    EVEN)
+        tl.store(q_t_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], q_t,
+                 mask=(rk[:, None] < K) & (rn[None, :] < N))
     tl.store(scale_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
 
 
@@ -304,33 +281,30 @@ def _requantize_act_to_token_kernel(
     q_ptr, M, K, stride_qm, stride_qk, s_ptr, stride_sm, stride_sk,
     tok_ptr, tok_scale_ptr,
     POW2: tl.constexpr, T_IN: tl.constexpr, BLOCK_K: tl.constexpr, RECIP: tl.constexpr = False,
-    EVEN: tl.constexpr = False,
 ):
     """Re-quantize a 1x128 FP8 tensor into 128x1 blocks: dequantize in registers (``data * scale`` in
     fp32, as the reference does), then quantize per 128 rows per column; data written transposed
     (``T_IN``: transpose the E4M3 input tile first and reduce along rows). BLOCK_K divides 128, so a
-    tile's columns share one 1x128 source scale per row. ``RECIP``: no per-element division (same bits).
-    ``EVEN``: M a multiple of 128 and K of BLOCK_K (no masks)."""
+    tile's columns share one 1x128 source scale per row. ``RECIP``: no per-element division (same bits)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * 128 + tl.arange(0, 128)
     rk = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    q = _load_tile(q_ptr + rm[:, None].to(tl.int64) * stride_qm + rk[None, :] * stride_qk, mask, EVEN)
-    s = _load_tile(s_ptr + rm * stride_sm + (pid_k * BLOCK_K // 128) * stride_sk, rm < M, EVEN)  # (128,)
+    q = tl.load(q_ptr + rm[:, None].to(tl.int64) * stride_qm + rk[None, :] * stride_qk, mask=mask, other=0.0)
+    s = tl.load(s_ptr + rm * stride_sm + (pid_k * BLOCK_K // 128) * stride_sk, mask=rm < M, other=0.0)  # (128,)
     if T_IN:
         xt = tl.trans(q).to(tl.float32) * s[None, :]  # (BLOCK_K k, 128 m); masked lanes are 0 * 0
         scale_t = _block_scale(tl.max(tl.abs(xt), axis=1), POW2, RECIP)
         q_t = _quantize_e4m3(xt, scale_t[:, None], RECIP, POW2)
     else:
         x = q.to(tl.float32) * s[:, None]
-        if not EVEN:
-            x = tl.where(mask, x, 0.0)
+        x = tl.where(mask, x, 0.0)
         scale_t = _block_scale(tl.max(tl.abs(x), axis=0), POW2, RECIP)
         q_t = tl.trans(_quantize_e4m3(x, scale_t[None, :], RECIP, POW2))
-    _store_tile(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t, (rk[:, None] < K) & (rm[None, :] < M),
-                EVEN)
-    _store_tile(tok_scale_ptr + pid_m * K + rk, scale_t, rk < K, EVEN)
+    tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
+             mask=(rk[:, None] < K) & (rm[None, :] < M))
+    tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
 
 
 @triton.jit
@@ -416,11 +390,6 @@ def _pick(override, default):
     return default if override is None else override
 
 
-def _even(m: int, block_m: int, k: int, block_k: int) -> bool:
-    """Whether (m, k) splits into whole (block_m, block_k) tiles, so the kernels can skip bounds masks."""
-    return m % block_m == 0 and k % block_k == 0
-
-
 def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bool = False,
                        transpose_input: bool | None = None, recip: bool | None = None, block_m: int | None = None,
                        num_warps: int | None = None):
@@ -451,7 +420,6 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, emit_token: bo
             tok if emit_token else data, tok_scale if emit_token else scale_buf,
             POW2=pow2_scale, EMIT_ACT=True, EMIT_TOKEN=emit_token, BLOCK_M=block_m, BLOCK_K=BLOCK,
             T_IN=_pick(transpose_input, TRANSPOSE_INPUT), RECIP=use_recip, num_warps=warps,
-            EVEN=_even(m, block_m, k, BLOCK),
         )
     if emit_token:
         return data, scale_buf.t(), tok.t(), tok_scale
@@ -475,7 +443,7 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, transpose_in
             tok, tok_scale,
             POW2=pow2_scale, EMIT_ACT=False, EMIT_TOKEN=True, BLOCK_M=BLOCK, BLOCK_K=block_k,
             num_warps=num_warps or TOKEN_NUM_WARPS, RECIP=_pick(recip, TOKEN_RECIP),
-            T_IN=_pick(transpose_input, TOKEN_TRANSPOSE_INPUT), EVEN=_even(m, BLOCK, k, block_k),
+            T_IN=_pick(transpose_input, TOKEN_TRANSPOSE_INPUT),
         )
     return tok.t(), tok_scale
 
@@ -503,7 +471,6 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
             w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale,
             POW2=pow2_scale, EMIT_T=emit_t, num_warps=num_warps or WEIGHT_NUM_WARPS,
             T_IN=_pick(transpose_input, TRANSPOSE_INPUT), RECIP=_pick(recip, WEIGHT_RECIP),
-            EVEN=_even(n, BLOCK, k, BLOCK),
         )
     return data, scale, data_t
 
@@ -526,7 +493,6 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
             tok, tok_scale, POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps or REQUANT_NUM_WARPS,
             T_IN=_pick(transpose_input, REQUANT_TRANSPOSE_INPUT), RECIP=_pick(recip, REQUANT_RECIP),
-            EVEN=_even(m, BLOCK, k, block_k),
         )
     return tok.t(), tok_scale
 
