@@ -1,4 +1,7 @@
-"""Shared test setup: the ``gpu`` marker skips with a reason where no CUDA GPU is present."""
+"""Shared test setup: the ``gpu`` marker skips with a reason where no CUDA GPU is present, and the Triton-
+interpreter children of the selected tests start right after collection (they run alongside the suite)."""
+
+import os
 
 import pytest
 import torch
@@ -11,6 +14,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_collection_finish(session):
+    """Start the Triton-interpreter children of the selected CPU tests now, so they run alongside the suite
+    (see ``tests/interpreted.py``). Under pytest-xdist each worker starts its own when it needs them."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
+        return
+    import interpreted
+
+    for item in session.items:
+        module = getattr(item, "module", None)
+        child = getattr(module, "_CHILD", None)
+        if isinstance(child, str) and getattr(module, "run_interpreted", None) is interpreted.run_interpreted \
+                and "gpu" not in item.keywords:
+            interpreted.prestart(child)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    interpreted = sys.modules.get("interpreted")
+    if interpreted is not None:
+        interpreted.stop_all()
 
 
 @pytest.fixture
