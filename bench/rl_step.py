@@ -71,6 +71,7 @@ class Setting:
     checkpointing: bool
     dtype: str
     device: str
+    old_logprobs_from_update: bool = False  # no separate old_logprob pass (see AlgorithmConfig)
 
     @property
     def num_sequences(self) -> int:
@@ -191,7 +192,8 @@ def build_run_config(recipe: str, setting: Setting, steps: int) -> Any:
         model=ModelConfig(dtype=setting.dtype, device=setting.device, gradient_checkpointing=setting.checkpointing),
         data=DataConfig(prompts_per_step=setting.prompts, max_prompt_tokens=setting.prompt_len),
         rollout=RolloutConfig(n=setting.n, temperature=1.0, max_tokens=setting.new_tokens, ignore_eos=True),
-        algorithm=AlgorithmConfig(kl_coef=1e-3 if setting.reference else 0.0, micro_batch_size=setting.micro_batch),
+        algorithm=AlgorithmConfig(kl_coef=1e-3 if setting.reference else 0.0, micro_batch_size=setting.micro_batch,
+                                  old_logprobs_from_update=setting.old_logprobs_from_update),
         optim=OptimConfig(lr=1e-6),
         trainer=TrainerConfig(steps=steps, seed=0),
     )
@@ -340,6 +342,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=_positive, default=1, help="timed RL steps (medians reported)")
     parser.add_argument("--no-reference", action="store_true", help="no KL penalty, so no reference model")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
+    parser.add_argument("--old-logprobs-from-update", action="store_true",
+                        help="take the old log-probs from the update's own forward (no old_logprob pass)")
     parser.add_argument("--memory-budget", type=float, default=0.9,
                         help="KV-cache fraction of free GPU memory (capped at what the batch needs)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -375,6 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         num_params=counts[0], prompts=prompts, n=n,
         prompt_len=args.prompt_len or (8 if tiny else 256), new_tokens=args.new_tokens or (8 if tiny else 1024),
         micro_batch=micro_batch, reference=not args.no_reference, checkpointing=not args.no_checkpointing,
+        old_logprobs_from_update=args.old_logprobs_from_update,
         dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device))
     full_layers = base_shape["num_hidden_layers"]
     depth = (f"{setting.num_layers} of {full_layers} blocks (fewer than the full model: see the doc)"
@@ -384,7 +389,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"step: {prompts} prompts x n={n} = {setting.num_sequences} sequences, {setting.prompt_len} prompt + "
           f"{setting.new_tokens} new tokens (EOS ignored), micro-batch {micro_batch}, reference model "
           f"{'on' if setting.reference else 'off'}, activation checkpointing "
-          f"{'on' if setting.checkpointing else 'off'}; {args.warmup} warm-up + {args.steps} timed steps",
+          f"{'on' if setting.checkpointing else 'off'}"
+          f"{', old log-probs from the update' if setting.old_logprobs_from_update else ''}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps",
           flush=True)
 
     results: dict[str, RecipeResult] = {}

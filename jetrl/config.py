@@ -169,6 +169,9 @@ class AlgorithmConfig(_Section):
     entropy_coef: float = 0.0
     tis_cap: float | None = None          # truncated importance sampling cap C (>= 1); None disables
     use_rollout_logprobs: bool = False    # verl's "bypass": the engine's logprobs are the old logprobs
+    # One optimizer step per RL step (ppo_epochs 1, one mini-batch): the policy has not moved when the update's
+    # forwards run, so their detached log-probs are the old ones and the separate old_logprob pass is skipped
+    old_logprobs_from_update: bool = False
     ppo_epochs: int = 1
     mini_batch_size: int | None = None    # sequences per optimizer step; None = the whole rollout batch
     micro_batch_size: int = 8             # sequences per forward/backward (when not packing by tokens)
@@ -296,6 +299,15 @@ class RunConfig(_Section):
                 raise ConfigError(
                     f"algorithm.max_tokens_per_micro_batch ({alg.max_tokens_per_micro_batch}) must hold the "
                     f"longest sequence (data.max_prompt_tokens + rollout.max_tokens = {longest})")
+        if alg.old_logprobs_from_update:
+            if alg.use_rollout_logprobs:
+                raise ConfigError("algorithm.old_logprobs_from_update and algorithm.use_rollout_logprobs both choose "
+                                  "where the old log-probs come from; set one of them")
+            if alg.ppo_epochs != 1 or self.mini_batch_size != self.rollout_batch_size:
+                raise ConfigError(
+                    "algorithm.old_logprobs_from_update needs one optimizer step per RL step (ppo_epochs = 1 and "
+                    f"one mini-batch), got ppo_epochs = {alg.ppo_epochs} and {self.rollout_batch_size // self.mini_batch_size}"
+                    " mini-batches: after the first step the policy has moved, so later forwards are not the old policy")
         if alg.advantage_estimator == "rloo" and self.rollout.n < 2:
             raise ConfigError("algorithm.advantage_estimator='rloo' needs rollout.n >= 2")
 

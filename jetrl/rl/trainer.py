@@ -10,8 +10,11 @@ One :meth:`Trainer.step`, in order (each phase timed):
 3. **old_logprob** -- a training-side forward (no grad) recomputes the log-probabilities of the sampled
    tokens. These are the PPO "old" log-probs (as verl does), so ``fp8-rollout`` is reproduced faithfully:
    samples from the FP8 policy, ratios against the BF16 one. With ``use_rollout_logprobs`` (verl's
-   "bypass") the engine's log-probs are the old ones instead. Either way both are compared
-   (:mod:`jetrl.rl.mismatch`): in ``jet`` they agree up to summation order.
+   "bypass") the engine's log-probs are the old ones instead. With ``old_logprobs_from_update`` (one
+   optimizer step per RL step) this pass is skipped: the update's own forwards run before the policy
+   moves, so their detached log-probs are the old ones (the same policy, without a second forward). Either
+   way the training-side and the engine's log-probs are compared (:mod:`jetrl.rl.mismatch`): in ``jet``
+   they agree up to summation order.
 4. **reference** -- with ``kl_coef > 0``, a frozen copy of the initial policy in the same recipe scores
    the tokens for the KL penalty.
 5. **update** -- ``ppo_epochs`` passes over the batch in shuffled mini-batches; each mini-batch is one
@@ -116,6 +119,7 @@ class Trainer:
         self.reward_fn = reward_fn
         self.decode = decode
         self.device = next(model.parameters()).device
+        self.update_logprobs: torch.Tensor | None = None  # set by update() when it makes the old log-probs
         alg, opt = config.algorithm, config.optim
         self.ref_model = None
         if alg.kl_coef > 0:
@@ -245,10 +249,15 @@ class Trainer:
             out.append(current)
         return out
 
-    def update(self, batch: RolloutBatch, old_lp: torch.Tensor, ref_lp: torch.Tensor | None,
+    def update(self, batch: RolloutBatch, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None,
                is_weights: torch.Tensor | None) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; one guarded optimizer step per mini-batch."""
+        """PPO epochs over shuffled mini-batches; one guarded optimizer step per mini-batch.
+
+        ``old_lp`` None (``old_logprobs_from_update``, validated to mean a single optimizer step): each
+        micro-batch's own log-probs, detached, are its old log-probs, and its TIS weights come from them;
+        the (S, R) training-side log-probs are left in :attr:`update_logprobs` for the step's metrics."""
         alg = self.config.algorithm
+        own_lp = torch.zeros_like(batch.rollout_logprobs) if old_lp is None else None
         S, mini = batch.num_sequences, self.config.mini_batch_size
         gen = torch.Generator().manual_seed(_seed_for(self.config.trainer.seed, self.step_count, 0xB17C4))
         sums: dict[str, float] = {}
@@ -273,8 +282,15 @@ class Trainer:
                 for micro in self.micro_batches(batch, rows):
                     mask = batch.mask[micro]
                     lp, ent = self.sequence_logprobs(self.model, batch, micro)
-                    w = is_weights[micro] if is_weights is not None else None
-                    loss, metrics = policy_loss(lp, old_lp[micro], batch.advantages[micro], mask, alg.clip_low,
+                    if own_lp is not None:  # the policy has not moved yet: these are the old log-probs
+                        old = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))
+                        own_lp[micro] = old
+                        w = (truncated_is_weights(old, batch.rollout_logprobs[micro], mask, alg.tis_cap)
+                             if alg.tis_cap is not None else None)
+                    else:
+                        old = old_lp[micro]
+                        w = is_weights[micro] if is_weights is not None else None
+                    loss, metrics = policy_loss(lp, old, batch.advantages[micro], mask, alg.clip_low,
                                                 alg.clip_high, alg.agg, is_weights=w, **norm)
                     if alg.entropy_coef > 0:
                         loss = loss - alg.entropy_coef * aggregate(ent.float(), mask, alg.agg, **norm)
@@ -303,6 +319,7 @@ class Trainer:
         out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         out["actor/num_updates"] = float(num_applied)
         out["actor/num_skipped_total"] = float(self.stepper.num_skipped)
+        self.update_logprobs = own_lp
         return out
 
     # ------------------------------------------------------------------ the step
@@ -321,18 +338,22 @@ class Trainer:
             batch = self.build_batch(items, completions)
         num_tokens = float(batch.mask.sum())
         scored_tokens = float(sum(t.numel() for t in batch.tokens))
-        with timer.phase("old_logprob"):
-            train_lp = self.score(self.model, batch)
-        old_lp = batch.rollout_logprobs if alg.use_rollout_logprobs else train_lp
+        train_lp = old_lp = None
+        if not alg.old_logprobs_from_update:
+            with timer.phase("old_logprob"):
+                train_lp = self.score(self.model, batch)
+            old_lp = batch.rollout_logprobs if alg.use_rollout_logprobs else train_lp
         ref_lp = None
         if self.ref_model is not None:
             with timer.phase("reference"):
                 ref_lp = self.score(self.ref_model, batch)
         is_weights = None
-        if alg.tis_cap is not None:
+        if alg.tis_cap is not None and train_lp is not None:
             is_weights = truncated_is_weights(train_lp, batch.rollout_logprobs, batch.mask, alg.tis_cap)
         with timer.phase("update"):
             actor = self.update(batch, old_lp, ref_lp, is_weights)
+        if train_lp is None:
+            train_lp = self.update_logprobs
         with timer.phase("weight_refresh"):
             refresh_fp8_weights(self.model, eager=True)
         self.step_count += 1

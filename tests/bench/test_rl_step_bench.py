@@ -64,6 +64,17 @@ def test_tiny_run_times_every_phase_and_writes_json(bench, one_thread, tmp_path,
     assert "1.07-1.33x" in out[-8] and "1.80x" in out[-5]
 
 
+def test_tiny_run_without_the_old_logprob_pass(bench, one_thread, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    report = bench.main(["--tiny", "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--new-tokens", "4",
+                         "--recipes", "jet", "--old-logprobs-from-update"])
+    assert report["setting"]["old_logprobs_from_update"] is True
+    seconds = report["results"]["jet"]["seconds"]
+    assert "old_logprob" not in seconds and seconds["update"] > 0
+    assert report["results"]["jet"]["step_metrics"]["actor/ratio_mean"] == 1.0
+    assert "old log-probs from the update" in capsys.readouterr().out
+
+
 def test_8b_shape_and_default_depth_fit_one_h200(bench):
     from bench.common import LLAMA31_8B, with_layers
 

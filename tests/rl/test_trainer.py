@@ -156,3 +156,48 @@ def test_run_reports_missing_inputs_before_loading(tmp_path):
         run(RunConfig())
     with pytest.raises(ConfigError, match="model.path is empty"):
         run(load_config(None, ["--data.task=arithmetic", f"--trainer.output_dir={tmp_path}"]))
+
+
+def test_old_logprobs_from_update_equals_the_separate_pass():
+    """One optimizer step per RL step: taking the old log-probs from the update's own forward gives the same
+    update and metrics as the separate old_logprob pass (up to fp32 summation order: the two pack different
+    micro-batches), skips that pass, and keeps the ratio at exactly 1."""
+    one_step = ["--algorithm.mini_batch_size=16", "--algorithm.kl_coef=0.1"]
+    base = make_trainer("bf16", one_step)
+    reuse = make_trainer("bf16", one_step + ["--algorithm.old_logprobs_from_update=true"])
+    start = {k: v.detach().clone() for k, v in base.model.named_parameters()}
+    a, b = base.step(), reuse.step()
+    assert "time/old_logprob" in a and "time/old_logprob" not in b and "time/update" in b
+    assert b["actor/ratio_mean"] == 1.0 and b["actor/clip_frac"] == 0.0
+    for key in ("reward/mean", "response/length_mean", "advantage/abs_mean"):
+        assert a[key] == b[key], key  # the same rollout
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_ref", "mismatch/logp_abs_diff_mean",
+                "kl_ref/k3"):
+        assert math.isfinite(b[key]) and abs(a[key] - b[key]) <= 1e-4 * max(1e-3, abs(a[key])), (key, a[key], b[key])
+    with torch.no_grad():
+        moved = sum(float((p - start[k]).norm() ** 2) for k, p in base.model.named_parameters()) ** 0.5
+        apart = sum(float((p - q).norm() ** 2) for p, q in zip(base.model.parameters(), reuse.model.parameters())) ** 0.5
+    assert moved > 0 and apart <= 1e-4 * moved, (apart, moved)
+
+
+def test_old_logprobs_from_update_with_tis_in_fp8_rollout():
+    trainer = make_trainer("fp8-rollout", ["--algorithm.mini_batch_size=16", "--algorithm.tis_cap=2",
+                                           "--algorithm.old_logprobs_from_update=true"])
+    m = trainer.step()
+    assert m["actor/num_updates"] == 1 and "time/old_logprob" not in m
+    for key in ("mismatch/tis_weight_mean", "mismatch/logp_abs_diff_mean", "actor/pg_loss"):
+        assert math.isfinite(m[key]) and (key != "mismatch/logp_abs_diff_mean" or m[key] > 0), key
+    assert trainer.update_logprobs is not None and trainer.update_logprobs.shape == (16, 8)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--algorithm.ppo_epochs=2"], "one optimizer step per RL step"),
+    (["--algorithm.mini_batch_size=8"], "one optimizer step per RL step"),
+    (["--algorithm.use_rollout_logprobs=true"], "set one of them"),
+])
+def test_old_logprobs_from_update_needs_a_single_step(extra, match):
+    from jetrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["--data.prompts_per_step=4", "--rollout.n=4", "--algorithm.mini_batch_size=16",
+                           "--algorithm.old_logprobs_from_update=true", *extra])
