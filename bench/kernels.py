@@ -123,7 +123,21 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
                     lambda b=bk, w=warps, t=t_in: tk.requantize_act_to_token(q, s, transpose_input=t, block_k=b,
                                                                             num_warps=w),
                     2 * m * k + 4 * (m * kb + mb * k))
+        try:  # the Gluon requant kernel (explicit layout): chunk rows x warps
+            from jetrl.quant import requant_gluon as rg
+
+            for rows, warps in ((16, 4), (8, 4), (32, 4), (16, 2), (32, 2), (16, 1)):
+                cases[f"requant 1x128->128x1 [gluon rows{rows} w{warps}]"] = (
+                    lambda r=rows, w=warps: rg.requantize_act_to_token(q, s, rows_per_chunk=r, num_warps=w),
+                    2 * m * k + 4 * (m * kb + mb * k))
+        except ImportError as exc:
+            print(f"  (no Gluon requant: {exc})", flush=True)
         for name, (fn, nbytes) in cases.items():
+            try:
+                fn()
+            except Exception as exc:  # an experimental variant that does not compile here is reported, not fatal
+                print(f"  ({name}: {type(exc).__name__}: {str(exc)[:200]})", flush=True)
+                continue
             ms = _graph_ms(fn) or _bench_ms(fn)
             gbps = nbytes / ms / 1e6
             rep.add("quant", kernel=name, shape=f"{m}x{k}", us=ms * 1e3, gbps=gbps, frac_copy=gbps / rep.copy_gbps)

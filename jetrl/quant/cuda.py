@@ -13,7 +13,8 @@ stream the FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kerne
 so do grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; everything else
 to cuBLAS blockwise ``scaled_mm`` where its layout constraints hold, the Triton blockwise GEMM otherwise
 (M > 256 never takes the decode kernel). ``JETRL_FP8_GEMM`` = ``cublas`` | ``triton`` | ``decode`` forces one
-path (benchmarks and batch-invariance use it; ``decode`` applies to M <= 256 only).
+path (benchmarks and batch-invariance use it; ``decode`` applies to M <= 256 only). :data:`REQUANT_KERNEL`
+picks the re-quantization kernel (the Triton one, or the Gluon one with an explicit layout).
 
 Importing this module imports Triton and registers the backend with :mod:`jetrl.quant.backend`.
 """
@@ -47,6 +48,10 @@ DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256, (1536, 
 # The one-pass 1x128 + 128x1 kernel reached 0.40-0.44 of copy bandwidth (quant sweep), slower than its two
 # halves run apart (0.92-0.94 and 0.66-0.77); it stays selectable (and tested) until it is the faster one.
 FUSED_ACT_AND_TOKEN = False
+# The 1x128 -> 128x1 re-quantization: "triton" (compiler-chosen layout, tile transposed through shared memory)
+# or "gluon" (explicit layout, one thread per output column: jetrl.quant.requant_gluon); same bytes.
+REQUANT_KERNEL = "triton"
+REQUANT_KERNELS = ("triton", "gluon")
 GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 
 
@@ -124,7 +129,14 @@ class CudaBackend:
         block = check_block(block)
         _check_cuda(t.data, "the FP8 tensor")
         if t.block == ACT and block == TOKEN:
-            data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale)
+            if REQUANT_KERNEL not in REQUANT_KERNELS:
+                raise ValueError(f"jetrl.quant.cuda.REQUANT_KERNEL must be one of {REQUANT_KERNELS}, got {REQUANT_KERNEL!r}")
+            if REQUANT_KERNEL == "gluon" and t.data.stride(1) == 1:
+                from jetrl.quant import requant_gluon
+
+                data, scale = requant_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale)
+            else:
+                data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale)
             return Fp8Tensor(data, scale, TOKEN)
         return self.quantize(t.dequantize(), block, pow2_scale)  # rare pairs: same arithmetic, unfused
 

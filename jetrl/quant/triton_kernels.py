@@ -50,10 +50,17 @@ TRANSPOSE_INPUT = True
 
 
 @triton.jit
+def _full_like(x, value):
+    """A tensor of ``value`` (fp32) with ``x``'s shape and layout: ``tl.full`` without naming a layout, so that
+    these helpers also serve Gluon kernels (explicit layouts); the select of two equal constants folds away."""
+    return tl.where(x == x, value, value).to(tl.float32)
+
+
+@triton.jit
 def _scale_from_amax(amax, POW2: tl.constexpr):
     """fp32 scale ``max(amax, 1e-4) / 448`` (IEEE division), optionally rounded up to a power of two."""
     amax = tl.maximum(amax, _EPS)
-    scale = tl.div_rn(amax, tl.full(amax.shape, _FP8_MAX, tl.float32))
+    scale = tl.div_rn(amax, _full_like(amax, _FP8_MAX))
     if POW2:
         scale = _round_up_pow2(scale)
     return scale
@@ -153,7 +160,7 @@ def _fma_rn(a, b, c):
 def _recip_scale(scale):
     """Per block: ``(RN(1 / scale), scale)`` for :func:`_to_e4m3_recip`; an infinite scale (a block holding
     an inf) gets reciprocal 0 and residual multiplier 0, which gives ``x / inf`` (+-0, NaN for +-inf)."""
-    recip = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    recip = tl.div_rn(_full_like(scale, 1.0), scale)
     return recip, tl.where(recip == 0.0, 0.0, scale)
 
 
@@ -187,8 +194,8 @@ def _block_scale(amax, POW2: tl.constexpr, RECIP: tl.constexpr):
     if RECIP:
         amax = tl.maximum(amax, _EPS)
         y = amax * _RCP_FP8_MAX
-        res = _fma_rn(tl.full(amax.shape, _FP8_MAX, tl.float32), y, amax * -1.0)
-        scale = _fma_rn(res * -1.0, tl.full(amax.shape, _RCP_FP8_MAX, tl.float32), y)
+        res = _fma_rn(_full_like(amax, _FP8_MAX), y, amax * -1.0)
+        scale = _fma_rn(res * -1.0, _full_like(amax, _RCP_FP8_MAX), y)
         scale = tl.where(amax == float("inf"), amax, scale)
         if POW2:
             scale = _round_up_pow2(scale)

@@ -137,6 +137,31 @@ def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
 
 
 @pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512), (256, 4096)])
+def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
+    """The Gluon requant kernel (one thread per output column), at every chunk size and warp count the
+    benchmark sweeps, on partial blocks, a zero row, saturation and signed zeros: the reference's bytes."""
+    from jetrl.quant import requant_gluon as rg
+
+    x = _input(*shape, torch.bfloat16, seed=17)
+    x[0, : min(5, shape[1])] = -0.0
+    qa = R.quantize_tensor(x, ACT, pow2)
+    rq = R.requantize(qa, TOKEN, pow2)
+    for rows, warps in ((16, 4), (8, 4), (32, 4), (16, 2), (16, 1)):
+        td, ts = rg.requantize_act_to_token(qa.data, qa.scale, pow2, rows_per_chunk=rows, num_warps=warps)
+        _same(Fp8Tensor(td, ts, TOKEN), rq)
+
+
+def test_gluon_requant_through_the_backend(cuda_backend, monkeypatch):
+    from jetrl.quant import cuda as cuda_mod
+
+    x = _input(512, 384, torch.bfloat16, seed=19)
+    qa = R.quantize_tensor(x, ACT)
+    monkeypatch.setattr(cuda_mod, "REQUANT_KERNEL", "gluon")
+    _same(cuda_backend.requantize(qa, TOKEN), R.requantize(qa, TOKEN))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
 def test_recip_division_inf_blocks_equal_division(cuda_backend, pow2):
     """A block holding an inf has scale inf: x / inf is +-0 and inf / inf NaN, with or without recip."""
     from jetrl.quant import triton_kernels as tk
