@@ -123,15 +123,22 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
                     lambda b=bk, w=warps, t=t_in: tk.requantize_act_to_token(q, s, transpose_input=t, block_k=b,
                                                                             num_warps=w),
                     2 * m * k + 4 * (m * kb + mb * k))
-        try:  # the Gluon requant kernel (explicit layout): chunk rows x warps
-            from jetrl.quant import requant_gluon as rg
+        try:  # the Gluon 128x1 kernels (explicit layout): rows per chunk x columns per thread x warps
+            from jetrl.quant import token_gluon as tg
 
-            for rows, warps in ((16, 4), (8, 4), (32, 4), (16, 2), (32, 2), (16, 1)):
-                cases[f"requant 1x128->128x1 [gluon rows{rows} w{warps}]"] = (
-                    lambda r=rows, w=warps: rg.requantize_act_to_token(q, s, rows_per_chunk=r, num_warps=w),
+            for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (32, 4, 1), (16, 2, 1), (16, 2, 2), (16, 1, 4)):
+                tag = f" [gluon r{rows} c{cols} w{warps}]"
+                cases["requant 1x128->128x1" + tag] = (
+                    lambda r=rows, c=cols, w=warps: tg.requantize_act_to_token(q, s, rows_per_chunk=r,
+                                                                               cols_per_thread=c, num_warps=w),
                     2 * m * k + 4 * (m * kb + mb * k))
+            for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (16, 8, 1), (8, 8, 1), (16, 2, 2)):
+                cases[f"token 128x1 [gluon r{rows} c{cols} w{warps}]"] = (
+                    lambda r=rows, c=cols, w=warps: tg.quantize_token_128x1(x, rows_per_chunk=r, cols_per_thread=c,
+                                                                            num_warps=w),
+                    2 * m * k + m * k + 4 * mb * k)
         except ImportError as exc:
-            print(f"  (no Gluon requant: {exc})", flush=True)
+            print(f"  (no Gluon kernels: {exc})", flush=True)
         for name, (fn, nbytes) in cases.items():
             try:
                 fn()

@@ -13,8 +13,8 @@ stream the FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kerne
 so do grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; everything else
 to cuBLAS blockwise ``scaled_mm`` where its layout constraints hold, the Triton blockwise GEMM otherwise
 (M > 256 never takes the decode kernel). ``JETRL_FP8_GEMM`` = ``cublas`` | ``triton`` | ``decode`` forces one
-path (benchmarks and batch-invariance use it; ``decode`` applies to M <= 256 only). :data:`REQUANT_KERNEL`
-picks the re-quantization kernel (the Triton one, or the Gluon one with an explicit layout).
+path (benchmarks and batch-invariance use it; ``decode`` applies to M <= 256 only). :data:`TOKEN_KERNEL` and
+:data:`REQUANT_KERNEL` pick the 128x1 kernels (the Triton ones, or the Gluon ones with an explicit layout).
 
 Importing this module imports Triton and registers the backend with :mod:`jetrl.quant.backend`.
 """
@@ -48,10 +48,27 @@ DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256, (1536, 
 # The one-pass 1x128 + 128x1 kernel reached 0.40-0.44 of copy bandwidth (quant sweep), slower than its two
 # halves run apart (0.92-0.94 and 0.66-0.77); it stays selectable (and tested) until it is the faster one.
 FUSED_ACT_AND_TOKEN = False
-# The 1x128 -> 128x1 re-quantization: "triton" (compiler-chosen layout, tile transposed through shared memory)
-# or "gluon" (explicit layout, one thread per output column: jetrl.quant.requant_gluon); same bytes.
+# The 128x1 kernels (grad_out per 128x1, and the 1x128 -> 128x1 re-quantization of the saved input): "triton"
+# (compiler-chosen layout, tile transposed through shared memory) or "gluon" (explicit layout, threads owning
+# whole output columns: jetrl.quant.token_gluon); the same bytes.
+TOKEN_KERNEL = "triton"
 REQUANT_KERNEL = "triton"
-REQUANT_KERNELS = ("triton", "gluon")
+TOKEN_KERNELS = ("triton", "gluon")
+
+
+def _token_kernel(choice: str, name: str) -> str:
+    if choice not in TOKEN_KERNELS:
+        raise ValueError(f"jetrl.quant.cuda.{name} must be one of {TOKEN_KERNELS}, got {choice!r}")
+    return choice
+
+
+def _quantize_token(x: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if (_token_kernel(TOKEN_KERNEL, "TOKEN_KERNEL") == "gluon" and x.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+        from jetrl.quant import token_gluon
+
+        return token_gluon.quantize_token_128x1(x, pow2_scale)
+    return tk.quantize_token_128x1(x, pow2_scale)
 GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 
 
@@ -98,7 +115,7 @@ class CudaBackend:
         if block == ACT:
             data, scale = tk.quantize_act_1x128(x, pow2_scale)
         elif block == TOKEN:
-            data, scale = tk.quantize_token_128x1(x, pow2_scale)
+            data, scale = _quantize_token(x, pow2_scale)
         else:
             data, scale, _ = tk.quantize_weight_128x128(x, pow2_scale)
         return Fp8Tensor(data, scale, block)
@@ -122,19 +139,17 @@ class CudaBackend:
             data, scale, tok, tok_scale = tk.quantize_act_1x128(x, pow2_scale, emit_token=True)
         else:
             data, scale = tk.quantize_act_1x128(x, pow2_scale)
-            tok, tok_scale = tk.quantize_token_128x1(x, pow2_scale)
+            tok, tok_scale = _quantize_token(x, pow2_scale)
         return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)
 
     def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
         block = check_block(block)
         _check_cuda(t.data, "the FP8 tensor")
         if t.block == ACT and block == TOKEN:
-            if REQUANT_KERNEL not in REQUANT_KERNELS:
-                raise ValueError(f"jetrl.quant.cuda.REQUANT_KERNEL must be one of {REQUANT_KERNELS}, got {REQUANT_KERNEL!r}")
-            if REQUANT_KERNEL == "gluon" and t.data.stride(1) == 1:
-                from jetrl.quant import requant_gluon
+            if _token_kernel(REQUANT_KERNEL, "REQUANT_KERNEL") == "gluon" and t.data.stride(1) == 1:
+                from jetrl.quant import token_gluon
 
-                data, scale = requant_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale)
+                data, scale = token_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale)
             else:
                 data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale)
             return Fp8Tensor(data, scale, TOKEN)

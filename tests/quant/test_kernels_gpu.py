@@ -139,26 +139,51 @@ def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512), (256, 4096)])
 def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
-    """The Gluon requant kernel (one thread per output column), at every chunk size and warp count the
-    benchmark sweeps, on partial blocks, a zero row, saturation and signed zeros: the reference's bytes."""
-    from jetrl.quant import requant_gluon as rg
+    """The Gluon requant kernel (threads own whole output columns), at the chunk sizes, columns per thread and
+    warp counts the benchmark sweeps, on partial blocks, a zero row, saturation and signed zeros: the
+    reference's bytes."""
+    from jetrl.quant import token_gluon as rg
 
     x = _input(*shape, torch.bfloat16, seed=17)
     x[0, : min(5, shape[1])] = -0.0
     qa = R.quantize_tensor(x, ACT, pow2)
     rq = R.requantize(qa, TOKEN, pow2)
-    for rows, warps in ((16, 4), (8, 4), (32, 4), (16, 2), (16, 1)):
-        td, ts = rg.requantize_act_to_token(qa.data, qa.scale, pow2, rows_per_chunk=rows, num_warps=warps)
+    for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (32, 4, 1), (16, 2, 1), (16, 1, 4), (16, 2, 2)):
+        td, ts = rg.requantize_act_to_token(qa.data, qa.scale, pow2, rows_per_chunk=rows, cols_per_thread=cols,
+                                            num_warps=warps)
         _same(Fp8Tensor(td, ts, TOKEN), rq)
 
 
-def test_gluon_requant_through_the_backend(cuda_backend, monkeypatch):
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
+def test_gluon_token_bitwise(cuda_backend, shape, dtype, pow2):
+    """The Gluon 128x1 kernel on a float input, at the chunk sizes, columns per thread and warp counts the
+    benchmark sweeps: the reference's bytes."""
+    from jetrl.quant import token_gluon as tg
+
+    x = _input(*shape, dtype, seed=23)
+    x[0, : min(5, shape[1])] = -0.0
+    rt = R.quantize_tensor(x, TOKEN, pow2)
+    for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (16, 8, 1), (8, 8, 1), (16, 2, 2)):
+        td, ts = tg.quantize_token_128x1(x, pow2, rows_per_chunk=rows, cols_per_thread=cols, num_warps=warps)
+        _same(Fp8Tensor(td, ts, TOKEN), rt)
+
+
+def test_gluon_kernels_through_the_backend(cuda_backend, monkeypatch):
     from jetrl.quant import cuda as cuda_mod
 
     x = _input(512, 384, torch.bfloat16, seed=19)
     qa = R.quantize_tensor(x, ACT)
     monkeypatch.setattr(cuda_mod, "REQUANT_KERNEL", "gluon")
+    monkeypatch.setattr(cuda_mod, "TOKEN_KERNEL", "gluon")
     _same(cuda_backend.requantize(qa, TOKEN), R.requantize(qa, TOKEN))
+    _same(cuda_backend.quantize(x, TOKEN), R.quantize_tensor(x, TOKEN))
+    act, tok = cuda_backend.quantize_act_and_token(x)
+    _same(tok, R.quantize_tensor(x, TOKEN))
+    monkeypatch.setattr(cuda_mod, "TOKEN_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="TOKEN_KERNEL"):
+        cuda_backend.quantize(x, TOKEN)
 
 
 @pytest.mark.parametrize("pow2", [False, True])
