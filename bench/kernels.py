@@ -30,7 +30,7 @@ import torch.nn as nn
 LLAMA8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 TRAIN_M = [64, 256, 4096, 16384]
 DECODE_M = [1, 16, 32, 64]
-TOKEN_TILES = [(64, 4), (32, 4), (32, 2), (32, 1), (16, 1)]  # (block_k, num_warps) tried for the 128x1 kernels
+TOKEN_TILES = [(64, 4), (32, 2), (32, 1)]  # (block_k, num_warps) tried for the 128x1 kernels (runs J, K: the rest lose)
 
 
 @dataclass
