@@ -132,6 +132,10 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
                     lambda r=rows, c=cols, w=warps: tg.requantize_act_to_token(q, s, rows_per_chunk=r,
                                                                                cols_per_thread=c, num_warps=w),
                     2 * m * k + 4 * (m * kb + mb * k))
+            for rows in (8, 16):
+                cases[f"act 1x128 + 128x1 [gluon one pass r{rows}]"] = (
+                    lambda r=rows: tg.quantize_act_and_token(x, rows_per_chunk=r),
+                    2 * m * k + 2 * m * k + 4 * (m * kb + mb * k))
             for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (16, 8, 1), (8, 8, 1), (16, 2, 2)):
                 cases[f"token 128x1 [gluon r{rows} c{cols} w{warps}]"] = (
                     lambda r=rows, c=cols, w=warps: tg.quantize_token_128x1(x, rows_per_chunk=r, cols_per_thread=c,

@@ -48,6 +48,7 @@ DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256, (1536, 
 # The one-pass 1x128 + 128x1 kernel reached 0.40-0.44 of copy bandwidth (quant sweep), slower than its two
 # halves run apart (0.92-0.94 and 0.66-0.77); it stays selectable (and tested) until it is the faster one.
 FUSED_ACT_AND_TOKEN = False
+FUSED_ACT_AND_TOKEN_KERNEL = "triton"  # with FUSED_ACT_AND_TOKEN: "triton", or "gluon" (jetrl.quant.token_gluon)
 # The 128x1 kernels (grad_out per 128x1, and the 1x128 -> 128x1 re-quantization of the saved input): "triton"
 # (compiler-chosen layout, tile transposed through shared memory) or "gluon" (explicit layout, threads owning
 # whole output columns: jetrl.quant.token_gluon); the same bytes.
@@ -135,7 +136,13 @@ class CudaBackend:
         """
         reference._check_input(x)
         _check_cuda(x, "the input")
-        if FUSED_ACT_AND_TOKEN:
+        gluon_ok = x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        if FUSED_ACT_AND_TOKEN and _token_kernel(FUSED_ACT_AND_TOKEN_KERNEL, "FUSED_ACT_AND_TOKEN_KERNEL") == "gluon" \
+                and gluon_ok:
+            from jetrl.quant import token_gluon
+
+            data, scale, tok, tok_scale = token_gluon.quantize_act_and_token(x, pow2_scale)
+        elif FUSED_ACT_AND_TOKEN:
             data, scale, tok, tok_scale = tk.quantize_act_1x128(x, pow2_scale, emit_token=True)
         else:
             data, scale = tk.quantize_act_1x128(x, pow2_scale)

@@ -170,6 +170,22 @@ def test_gluon_token_bitwise(cuda_backend, shape, dtype, pow2):
         _same(Fp8Tensor(td, ts, TOKEN), rt)
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
+def test_gluon_act_and_token_bitwise(cuda_backend, shape, dtype, pow2):
+    """The one-pass Gluon kernel: both quantizations bitwise the reference's, at every chunk size."""
+    from jetrl.quant import token_gluon as tg
+
+    x = _input(*shape, dtype, seed=29)
+    x[0, : min(5, shape[1])] = -0.0
+    ra, rt = R.quantize_tensor(x, ACT, pow2), R.quantize_tensor(x, TOKEN, pow2)
+    for rows in (8, 16, 32):
+        d, s, td, ts = tg.quantize_act_and_token(x, pow2, rows_per_chunk=rows)
+        _same(Fp8Tensor(d, s, ACT), ra)
+        _same(Fp8Tensor(td, ts, TOKEN), rt)
+
+
 def test_gluon_kernels_through_the_backend(cuda_backend, monkeypatch):
     from jetrl.quant import cuda as cuda_mod
 
@@ -180,6 +196,11 @@ def test_gluon_kernels_through_the_backend(cuda_backend, monkeypatch):
     _same(cuda_backend.requantize(qa, TOKEN), R.requantize(qa, TOKEN))
     _same(cuda_backend.quantize(x, TOKEN), R.quantize_tensor(x, TOKEN))
     act, tok = cuda_backend.quantize_act_and_token(x)
+    _same(tok, R.quantize_tensor(x, TOKEN))
+    monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN", True)
+    monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN_KERNEL", "gluon")
+    act, tok = cuda_backend.quantize_act_and_token(x)
+    _same(act, R.quantize_tensor(x, ACT))
     _same(tok, R.quantize_tensor(x, TOKEN))
     monkeypatch.setattr(cuda_mod, "TOKEN_KERNEL", "cutlass")
     with pytest.raises(ValueError, match="TOKEN_KERNEL"):
