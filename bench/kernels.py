@@ -680,10 +680,8 @@ def bench_host_overhead(rep: Report) -> None:
         rep.add("host", op=name, us=_cpu_us(fn, iters=200))
 
 
-def profile_fp8_linear(m: int = 4096, n: int = 4096, k: int = 4096) -> None:
-    """Where one FP8Linear forward+backward spends host and device time (top ops)."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _warm_fp8_linear_step(m: int, n: int, k: int):
+    """One FP8Linear forward+backward step (an (m, k) input, an (n, k) weight), already run a few times."""
     from jetrl.quant import FP8Linear
 
     layer = FP8Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -693,6 +691,14 @@ def profile_fp8_linear(m: int = 4096, n: int = 4096, k: int = 4096) -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def profile_fp8_linear(m: int = 4096, n: int = 4096, k: int = 4096) -> None:
+    """Where one FP8Linear forward+backward spends host and device time (top ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _warm_fp8_linear_step(m, n, k)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             step()
@@ -707,15 +713,7 @@ def profile_fp8_linear_host(m: int = 4096, n: int = 4096, k: int = 4096, iters: 
     import cProfile
     import pstats
 
-    from jetrl.quant import FP8Linear
-
-    layer = FP8Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    step = _fwd_bwd(layer, x, gy)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    step = _warm_fp8_linear_step(m, n, k)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(iters):
