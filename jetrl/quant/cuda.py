@@ -63,9 +63,13 @@ def _token_kernel(choice: str, name: str) -> str:
     return choice
 
 
+def _gluon_takes(x: torch.Tensor) -> bool:
+    """Whether the Gluon kernels take ``x`` (rows with unit stride, a 16- or 32-bit float); else Triton runs."""
+    return x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _quantize_token(x: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if (_token_kernel(TOKEN_KERNEL, "TOKEN_KERNEL") == "gluon" and x.stride(1) == 1
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)):
+    if _token_kernel(TOKEN_KERNEL, "TOKEN_KERNEL") == "gluon" and _gluon_takes(x):
         from jetrl.quant import token_gluon
 
         return token_gluon.quantize_token_128x1(x, pow2_scale)
@@ -136,9 +140,8 @@ class CudaBackend:
         """
         reference._check_input(x)
         _check_cuda(x, "the input")
-        gluon_ok = x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         if FUSED_ACT_AND_TOKEN and _token_kernel(FUSED_ACT_AND_TOKEN_KERNEL, "FUSED_ACT_AND_TOKEN_KERNEL") == "gluon" \
-                and gluon_ok:
+                and _gluon_takes(x):
             from jetrl.quant import token_gluon
 
             data, scale, tok, tok_scale = token_gluon.quantize_act_and_token(x, pow2_scale)
