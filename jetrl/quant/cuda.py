@@ -55,6 +55,7 @@ FUSED_ACT_AND_TOKEN_KERNEL = "triton"  # with FUSED_ACT_AND_TOKEN: "triton", or 
 TOKEN_KERNEL = "triton"
 REQUANT_KERNEL = "triton"
 TOKEN_KERNELS = ("triton", "gluon")
+GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 
 
 def _token_kernel(choice: str, name: str) -> str:
@@ -74,7 +75,6 @@ def _quantize_token(x: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, to
 
         return token_gluon.quantize_token_128x1(x, pow2_scale)
     return tk.quantize_token_128x1(x, pow2_scale)
-GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 
 
 def _check_cuda(x: torch.Tensor, what: str) -> None:
