@@ -576,7 +576,8 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
                    best_frac_copy=(n * cell["k"] / (row["best_us"] * 1e3) / rep.copy_gbps)
                    if row["best_us"] and rep.copy_gbps else None,
                    failed=cell.get("failed", []),  # raised (e.g. tiles beyond shared memory): not timed
-                   broken=[name for name, good in cell["ok"].items() if not good and name not in cell.get("failed", [])],
+                   broken=[name for name, good in cell["ok"].items()
+                           if not good and name not in cell.get("failed", [])],
                    variants={name: t for name, t in cell["times"].items()})
         rep.add("decode-sweep", **row)
     print("\n== decode sweep: per shape, best decode config vs BF16 (x = BF16 time / time) ==")
@@ -584,7 +585,8 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
         print(f"{row['cell']:>16} M={row['m']:<4} bf16 {_fmt(row['bf16_us'])} us | cuBLAS FP8 {_fmt(row['cublas_x'])}x"
               f" | auto({row['auto_path']}) {_fmt(row['auto_x'])}x | default {_fmt(row['default_x'])}x"
               f" | best {row['best']} {_fmt(row['best_us'])} us {_fmt(row['best_x'])}x"
-              f" ({_fmt(row['best_frac_copy'])} of copy)" + (f" WRONG RESULTS: {row['broken']}" if row["broken"] else "")
+              f" ({_fmt(row['best_frac_copy'])} of copy)"
+              + (f" WRONG RESULTS: {row['broken']}" if row["broken"] else "")
               + (f" (did not run: {len(row['failed'])} variants)" if row["failed"] else ""))
     print("\n== decode sweep: policy per M (geometric mean over shapes of time / that shape's best; 1.0 = best "
           "everywhere) ==")

@@ -304,10 +304,11 @@ class RunConfig(_Section):
                 raise ConfigError("algorithm.old_logprobs_from_update and algorithm.use_rollout_logprobs both choose "
                                   "where the old log-probs come from; set one of them")
             if alg.ppo_epochs != 1 or self.mini_batch_size != self.rollout_batch_size:
+                minis = self.rollout_batch_size // self.mini_batch_size
                 raise ConfigError(
                     "algorithm.old_logprobs_from_update needs one optimizer step per RL step (ppo_epochs = 1 and "
-                    f"one mini-batch), got ppo_epochs = {alg.ppo_epochs} and {self.rollout_batch_size // self.mini_batch_size}"
-                    " mini-batches: after the first step the policy has moved, so later forwards are not the old policy")
+                    f"one mini-batch), got ppo_epochs = {alg.ppo_epochs} and {minis} mini-batches: after the "
+                    "first step the policy has moved, so later forwards are not the old policy")
         if alg.advantage_estimator == "rloo" and self.rollout.n < 2:
             raise ConfigError("algorithm.advantage_estimator='rloo' needs rollout.n >= 2")
 

@@ -1,6 +1,5 @@
 """The RL step on a tiny random model and a toy task (CPU): learning, mismatch metrics, resume."""
 
-import copy
 import math
 
 import pytest
