@@ -45,8 +45,8 @@ GROUPED_DECODE_MAX_M = 64
 # M = 256 for down (1536 x 8960: 14.3 vs 30.4 us at M = 128) and the grouped q/k/v (9.4 vs 23.3 us at M = 256).
 DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256, (1536, 8960): 256,
                                            ("grouped", 2048, 1536): 256}
-# The one-pass 1x128 + 128x1 kernel reached 0.40-0.44 of copy bandwidth (quant sweep), slower than its two
-# halves run apart (0.92-0.94 and 0.66-0.77); it stays selectable (and tested) until it is the faster one.
+# The one-pass 1x128 + 128x1 Triton kernel reached 0.40-0.46 of copy bandwidth (quant sweep), slower than its
+# two halves run apart (0.92-0.96 and 0.69-0.82); it stays selectable (and tested) until one pass is faster.
 FUSED_ACT_AND_TOKEN = False
 FUSED_ACT_AND_TOKEN_KERNEL = "triton"  # with FUSED_ACT_AND_TOKEN: "triton", or "gluon" (jetrl.quant.token_gluon)
 # The 128x1 kernels (grad_out per 128x1, and the 1x128 -> 128x1 re-quantization of the saved input): "triton"
@@ -58,7 +58,8 @@ TOKEN_KERNELS = ("triton", "gluon")
 GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 
 
-def _token_kernel(choice: str, name: str) -> str:
+def _kernel_choice(choice: str, name: str) -> str:
+    """``choice`` if it names a kernel family of :data:`TOKEN_KERNELS`, else a clear error naming the setting."""
     if choice not in TOKEN_KERNELS:
         raise ValueError(f"jetrl.quant.cuda.{name} must be one of {TOKEN_KERNELS}, got {choice!r}")
     return choice
@@ -70,7 +71,7 @@ def _gluon_takes(x: torch.Tensor) -> bool:
 
 
 def _quantize_token(x: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if _token_kernel(TOKEN_KERNEL, "TOKEN_KERNEL") == "gluon" and _gluon_takes(x):
+    if _kernel_choice(TOKEN_KERNEL, "TOKEN_KERNEL") == "gluon" and _gluon_takes(x):
         from jetrl.quant import token_gluon
 
         return token_gluon.quantize_token_128x1(x, pow2_scale)
@@ -140,7 +141,7 @@ class CudaBackend:
         """
         reference._check_input(x)
         _check_cuda(x, "the input")
-        if FUSED_ACT_AND_TOKEN and _token_kernel(FUSED_ACT_AND_TOKEN_KERNEL, "FUSED_ACT_AND_TOKEN_KERNEL") == "gluon" \
+        if FUSED_ACT_AND_TOKEN and _kernel_choice(FUSED_ACT_AND_TOKEN_KERNEL, "FUSED_ACT_AND_TOKEN_KERNEL") == "gluon" \
                 and _gluon_takes(x):
             from jetrl.quant import token_gluon
 
@@ -156,7 +157,7 @@ class CudaBackend:
         block = check_block(block)
         _check_cuda(t.data, "the FP8 tensor")
         if t.block == ACT and block == TOKEN:
-            if _token_kernel(REQUANT_KERNEL, "REQUANT_KERNEL") == "gluon" and t.data.stride(1) == 1:
+            if _kernel_choice(REQUANT_KERNEL, "REQUANT_KERNEL") == "gluon" and t.data.stride(1) == 1:
                 from jetrl.quant import token_gluon
 
                 data, scale = token_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale)
