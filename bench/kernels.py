@@ -123,24 +123,18 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
                     lambda b=bk, w=warps, t=t_in: tk.requantize_act_to_token(q, s, transpose_input=t, block_k=b,
                                                                             num_warps=w),
                     2 * m * k + 4 * (m * kb + mb * k))
-        try:  # the Gluon 128x1 kernels (explicit layout): rows per chunk x columns per thread x warps
+        try:  # the Gluon 128x1 kernels (tile staged in shared memory): rows per chunk x warps x staged output
             from jetrl.quant import token_gluon as tg
 
-            for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (32, 4, 1), (16, 2, 1), (16, 2, 2), (16, 1, 4)):
-                tag = f" [gluon r{rows} c{cols} w{warps}]"
-                cases["requant 1x128->128x1" + tag] = (
-                    lambda r=rows, c=cols, w=warps: tg.requantize_act_to_token(q, s, rows_per_chunk=r,
-                                                                               cols_per_thread=c, num_warps=w),
-                    2 * m * k + 4 * (m * kb + mb * k))
-            for rows in (8, 16):
-                cases[f"act 1x128 + 128x1 [gluon one pass r{rows}]"] = (
-                    lambda r=rows: tg.quantize_act_and_token(x, rows_per_chunk=r),
-                    2 * m * k + 2 * m * k + 4 * (m * kb + mb * k))
-            for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (16, 8, 1), (8, 8, 1), (16, 2, 2)):
-                cases[f"token 128x1 [gluon r{rows} c{cols} w{warps}]"] = (
-                    lambda r=rows, c=cols, w=warps: tg.quantize_token_128x1(x, rows_per_chunk=r, cols_per_thread=c,
-                                                                            num_warps=w),
-                    2 * m * k + m * k + 4 * mb * k)
+            for rows, warps, stage in GLUON_TILES:
+                tag = f" [gluon r{rows} w{warps}{' so' if stage else ''}]"
+                kw = dict(rows_per_chunk=rows, num_warps=warps, stage_out=stage)
+                cases["requant 1x128->128x1" + tag] = (lambda kw=kw: tg.requantize_act_to_token(q, s, **kw),
+                                                       2 * m * k + 4 * (m * kb + mb * k))
+                cases["token 128x1" + tag] = (lambda kw=kw: tg.quantize_token_128x1(x, **kw),
+                                              2 * m * k + m * k + 4 * mb * k)
+                cases["act 1x128 + 128x1 [one pass]" + tag] = (lambda kw=kw: tg.quantize_act_and_token(x, **kw),
+                                                               2 * m * k + 2 * m * k + 4 * (m * kb + mb * k))
         except ImportError as exc:
             print(f"  (no Gluon kernels: {exc})", flush=True)
         for name, (fn, nbytes) in cases.items():
@@ -152,6 +146,11 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
             ms = _graph_ms(fn) or _bench_ms(fn)
             gbps = nbytes / ms / 1e6
             rep.add("quant", kernel=name, shape=f"{m}x{k}", us=ms * 1e3, gbps=gbps, frac_copy=gbps / rep.copy_gbps)
+
+
+# The Gluon 128x1 kernels' sweep: (rows per chunk, warps, staged output); 128 rows = whole columns in registers.
+GLUON_TILES = ((16, 4, True), (16, 4, False), (32, 4, True), (128, 4, True), (128, 4, False), (16, 2, True),
+               (8, 1, True))
 
 
 # quant-sweep: per kernel, the configurations timed (wrapper keyword arguments; None = the module default).

@@ -136,21 +136,26 @@ def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
             _same(Fp8Tensor(td, ts, TOKEN), rq)
 
 
+# (rows per chunk, warps, staged output): the configurations the benchmark sweeps; 128 rows keep whole
+# columns in registers, fewer rows make two passes over shared memory
+GLUON_CONFIGS = ((16, 4, True), (16, 4, False), (32, 4, True), (128, 4, True), (128, 4, False), (16, 2, True),
+                 (8, 1, True))
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512), (256, 4096)])
 def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
-    """The Gluon requant kernel (threads own whole output columns), at the chunk sizes, columns per thread and
-    warp counts the benchmark sweeps, on partial blocks, a zero row, saturation and signed zeros: the
-    reference's bytes."""
+    """The Gluon requant kernel (the tile staged in shared memory, threads owning whole columns), at every
+    swept configuration, on partial blocks, a zero row, saturation and signed zeros: the reference's bytes."""
     from jetrl.quant import token_gluon as rg
 
     x = _input(*shape, torch.bfloat16, seed=17)
     x[0, : min(5, shape[1])] = -0.0
     qa = R.quantize_tensor(x, ACT, pow2)
     rq = R.requantize(qa, TOKEN, pow2)
-    for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (32, 4, 1), (16, 2, 1), (16, 1, 4), (16, 2, 2)):
-        td, ts = rg.requantize_act_to_token(qa.data, qa.scale, pow2, rows_per_chunk=rows, cols_per_thread=cols,
-                                            num_warps=warps)
+    for rows, warps, stage in GLUON_CONFIGS:
+        td, ts = rg.requantize_act_to_token(qa.data, qa.scale, pow2, rows_per_chunk=rows, num_warps=warps,
+                                            stage_out=stage)
         _same(Fp8Tensor(td, ts, TOKEN), rq)
 
 
@@ -158,15 +163,14 @@ def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
 def test_gluon_token_bitwise(cuda_backend, shape, dtype, pow2):
-    """The Gluon 128x1 kernel on a float input, at the chunk sizes, columns per thread and warp counts the
-    benchmark sweeps: the reference's bytes."""
+    """The Gluon 128x1 kernel on a float input, at every swept configuration: the reference's bytes."""
     from jetrl.quant import token_gluon as tg
 
     x = _input(*shape, dtype, seed=23)
     x[0, : min(5, shape[1])] = -0.0
     rt = R.quantize_tensor(x, TOKEN, pow2)
-    for rows, cols, warps in ((16, 4, 1), (8, 4, 1), (16, 8, 1), (8, 8, 1), (16, 2, 2)):
-        td, ts = tg.quantize_token_128x1(x, pow2, rows_per_chunk=rows, cols_per_thread=cols, num_warps=warps)
+    for rows, warps, stage in GLUON_CONFIGS:
+        td, ts = tg.quantize_token_128x1(x, pow2, rows_per_chunk=rows, num_warps=warps, stage_out=stage)
         _same(Fp8Tensor(td, ts, TOKEN), rt)
 
 
@@ -174,14 +178,14 @@ def test_gluon_token_bitwise(cuda_backend, shape, dtype, pow2):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
 def test_gluon_act_and_token_bitwise(cuda_backend, shape, dtype, pow2):
-    """The one-pass Gluon kernel: both quantizations bitwise the reference's, at every chunk size."""
+    """The one-pass Gluon kernel: both quantizations bitwise the reference's, at every swept configuration."""
     from jetrl.quant import token_gluon as tg
 
     x = _input(*shape, dtype, seed=29)
     x[0, : min(5, shape[1])] = -0.0
     ra, rt = R.quantize_tensor(x, ACT, pow2), R.quantize_tensor(x, TOKEN, pow2)
-    for rows in (8, 16, 32):
-        d, s, td, ts = tg.quantize_act_and_token(x, pow2, rows_per_chunk=rows)
+    for rows, warps, stage in GLUON_CONFIGS:
+        d, s, td, ts = tg.quantize_act_and_token(x, pow2, rows_per_chunk=rows, num_warps=warps, stage_out=stage)
         _same(Fp8Tensor(d, s, ACT), ra)
         _same(Fp8Tensor(td, ts, TOKEN), rt)
 
