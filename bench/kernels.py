@@ -123,18 +123,16 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
                     lambda b=bk, w=warps, t=t_in: tk.requantize_act_to_token(q, s, transpose_input=t, block_k=b,
                                                                             num_warps=w),
                     2 * m * k + 4 * (m * kb + mb * k))
-        try:  # the Gluon 128x1 kernels (tile staged in shared memory): rows per chunk x warps x staged output
+        try:  # the Gluon 128x1 kernels (the tile staged in shared memory, one whole column per thread)
             from jetrl.quant import token_gluon as tg
 
-            for rows, warps, stage in GLUON_TILES:
-                tag = f" [gluon r{rows} w{warps}{' so' if stage else ''}]"
-                kw = dict(rows_per_chunk=rows, num_warps=warps, stage_out=stage)
-                cases["requant 1x128->128x1" + tag] = (lambda kw=kw: tg.requantize_act_to_token(q, s, **kw),
-                                                       2 * m * k + 4 * (m * kb + mb * k))
-                cases["token 128x1" + tag] = (lambda kw=kw: tg.quantize_token_128x1(x, **kw),
-                                              2 * m * k + m * k + 4 * mb * k)
-                cases["act 1x128 + 128x1 [one pass]" + tag] = (lambda kw=kw: tg.quantize_act_and_token(x, **kw),
-                                                               2 * m * k + 2 * m * k + 4 * (m * kb + mb * k))
+            cases.update({
+                "requant 1x128->128x1 [gluon]": (lambda: tg.requantize_act_to_token(q, s),
+                                                 2 * m * k + 4 * (m * kb + mb * k)),
+                "token 128x1 [gluon]": (lambda: tg.quantize_token_128x1(x), 2 * m * k + m * k + 4 * mb * k),
+                "act 1x128 + 128x1 [gluon one pass]": (lambda: tg.quantize_act_and_token(x),
+                                                       2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
+            })
         except ImportError as exc:
             print(f"  (no Gluon kernels: {exc})", flush=True)
         for name, (fn, nbytes) in cases.items():
@@ -146,11 +144,6 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
             ms = _graph_ms(fn) or _bench_ms(fn)
             gbps = nbytes / ms / 1e6
             rep.add("quant", kernel=name, shape=f"{m}x{k}", us=ms * 1e3, gbps=gbps, frac_copy=gbps / rep.copy_gbps)
-
-
-# The Gluon 128x1 kernels' sweep: (rows per chunk, warps, staged output); 128 rows = whole columns in registers.
-GLUON_TILES = ((16, 4, True), (16, 4, False), (32, 4, True), (128, 4, True), (128, 4, False), (16, 2, True),
-               (8, 1, True))
 
 
 # quant-sweep: per kernel, the configurations timed (wrapper keyword arguments; None = the module default).

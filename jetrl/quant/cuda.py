@@ -1,11 +1,11 @@
-"""The ``"cuda"`` FP8 backend: Triton quantization kernels and blockwise GEMMs on Hopper.
+"""The ``"cuda"`` FP8 backend: Triton and Gluon quantization kernels and blockwise GEMMs on Hopper.
 
 Same three operations and the same results as :mod:`jetrl.quant.reference` (quantization bit for bit,
 GEMMs to output rounding), plus fused entry points that :class:`~jetrl.quant.linear.FP8Linear` uses
 when a backend offers them:
 
 * :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
-* :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad), one pass.
+* :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad).
 
 GEMM choice, per shape class: decode-sized M (see :func:`decode_max_m`) goes to the split-K Triton decode
 GEMM (:func:`~jetrl.quant.decode_gemm_triton.fp8_decode_gemm`: bound by the weight's bytes, so it is built to
@@ -45,23 +45,31 @@ GROUPED_DECODE_MAX_M = 64
 # M = 256 for down (1536 x 8960: 14.3 vs 30.4 us at M = 128) and the grouped q/k/v (9.4 vs 23.3 us at M = 256).
 DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256, (1536, 8960): 256,
                                            ("grouped", 2048, 1536): 256}
-# The one-pass 1x128 + 128x1 Triton kernel reached 0.40-0.46 of copy bandwidth (quant sweep), slower than its
-# two halves run apart (0.92-0.96 and 0.69-0.82); it stays selectable (and tested) until one pass is faster.
+# One pass for both blockings of grad_out was slower on the H200 than its halves run apart (act 1x128 at
+# 0.92-0.95 of copy bandwidth, 128x1 at 0.84-0.98): the Triton one-pass kernel reached 0.40-0.46, the Gluon
+# one 0.49-0.55. Both stay selectable (and tested) until one pass is faster.
 FUSED_ACT_AND_TOKEN = False
-FUSED_ACT_AND_TOKEN_KERNEL = "triton"  # with FUSED_ACT_AND_TOKEN: "triton", or "gluon" (jetrl.quant.token_gluon)
-# The 128x1 kernels (grad_out per 128x1, and the 1x128 -> 128x1 re-quantization of the saved input): "triton"
-# (compiler-chosen layout, tile transposed through shared memory) or "gluon" (explicit layout, threads owning
-# whole output columns: jetrl.quant.token_gluon); the same bytes.
-TOKEN_KERNEL = "triton"
-REQUANT_KERNEL = "triton"
+FUSED_ACT_AND_TOKEN_KERNEL = "gluon"  # with FUSED_ACT_AND_TOKEN: "gluon" (jetrl.quant.token_gluon) or "triton"
+# The 128x1 kernels (grad_out per 128x1, and the 1x128 -> 128x1 re-quantization of the saved input): "gluon"
+# (the tile staged in shared memory, one whole column per thread: jetrl.quant.token_gluon; 0.73-0.76 and
+# 0.84-0.98 of copy bandwidth on the H200) or "triton" (compiler-chosen layout: 0.49-0.54 and 0.69-0.82).
+# The same bytes. Where the installed Triton has no Gluon, the Triton kernels run.
+TOKEN_KERNEL = "gluon"
+REQUANT_KERNEL = "gluon"
 TOKEN_KERNELS = ("triton", "gluon")
 GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 
 
 def _kernel_choice(choice: str, name: str) -> str:
-    """``choice`` if it names a kernel family of :data:`TOKEN_KERNELS`, else a clear error naming the setting."""
+    """``choice`` if it names a kernel family of :data:`TOKEN_KERNELS` (a clear error naming the setting if
+    not); "gluon" becomes "triton" where the installed Triton has no Gluon."""
     if choice not in TOKEN_KERNELS:
         raise ValueError(f"jetrl.quant.cuda.{name} must be one of {TOKEN_KERNELS}, got {choice!r}")
+    if choice == "gluon":
+        from jetrl.quant import token_gluon
+
+        if not token_gluon.available():
+            return "triton"
     return choice
 
 
@@ -137,7 +145,7 @@ class CudaBackend:
         """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad).
 
         With ``FUSED_ACT_AND_TOKEN`` from one read of x; by default as two kernels, which measured
-        faster on the H200 (BENCHMARKS.md: 15 + 33 us against 73 us at 4096x4096).
+        faster on the H200 (see :data:`FUSED_ACT_AND_TOKEN`).
         """
         reference._check_input(x)
         _check_cuda(x, "the input")

@@ -136,73 +136,76 @@ def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
             _same(Fp8Tensor(td, ts, TOKEN), rq)
 
 
-# (rows per chunk, warps, staged output): the configurations the benchmark sweeps; 128 rows keep whole
-# columns in registers, fewer rows make two passes over shared memory
-GLUON_CONFIGS = ((16, 4, True), (16, 4, False), (32, 4, True), (128, 4, True), (128, 4, False), (16, 2, True),
-                 (8, 1, True))
-
-
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512), (256, 4096)])
 def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
-    """The Gluon requant kernel (the tile staged in shared memory, threads owning whole columns), at every
-    swept configuration, on partial blocks, a zero row, saturation and signed zeros: the reference's bytes."""
+    """The Gluon requant kernel (the tile staged in shared memory, one whole column per thread) on partial
+    blocks, a zero row, saturation and signed zeros: the reference's bytes."""
     from jetrl.quant import token_gluon as rg
 
     x = _input(*shape, torch.bfloat16, seed=17)
     x[0, : min(5, shape[1])] = -0.0
+    x[-1, :] = 0.0
     qa = R.quantize_tensor(x, ACT, pow2)
-    rq = R.requantize(qa, TOKEN, pow2)
-    for rows, warps, stage in GLUON_CONFIGS:
-        td, ts = rg.requantize_act_to_token(qa.data, qa.scale, pow2, rows_per_chunk=rows, num_warps=warps,
-                                            stage_out=stage)
-        _same(Fp8Tensor(td, ts, TOKEN), rq)
+    td, ts = rg.requantize_act_to_token(qa.data, qa.scale, pow2)
+    _same(Fp8Tensor(td, ts, TOKEN), R.requantize(qa, TOKEN, pow2))
 
 
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
 def test_gluon_token_bitwise(cuda_backend, shape, dtype, pow2):
-    """The Gluon 128x1 kernel on a float input, at every swept configuration: the reference's bytes."""
+    """The Gluon 128x1 kernel on a float input: the reference's bytes."""
     from jetrl.quant import token_gluon as tg
 
     x = _input(*shape, dtype, seed=23)
     x[0, : min(5, shape[1])] = -0.0
-    rt = R.quantize_tensor(x, TOKEN, pow2)
-    for rows, warps, stage in GLUON_CONFIGS:
-        td, ts = tg.quantize_token_128x1(x, pow2, rows_per_chunk=rows, num_warps=warps, stage_out=stage)
-        _same(Fp8Tensor(td, ts, TOKEN), rt)
+    td, ts = tg.quantize_token_128x1(x, pow2)
+    _same(Fp8Tensor(td, ts, TOKEN), R.quantize_tensor(x, TOKEN, pow2))
 
 
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
 def test_gluon_act_and_token_bitwise(cuda_backend, shape, dtype, pow2):
-    """The one-pass Gluon kernel: both quantizations bitwise the reference's, at every swept configuration."""
+    """The one-pass Gluon kernel: both quantizations bitwise the reference's."""
     from jetrl.quant import token_gluon as tg
 
     x = _input(*shape, dtype, seed=29)
     x[0, : min(5, shape[1])] = -0.0
-    ra, rt = R.quantize_tensor(x, ACT, pow2), R.quantize_tensor(x, TOKEN, pow2)
-    for rows, warps, stage in GLUON_CONFIGS:
-        d, s, td, ts = tg.quantize_act_and_token(x, pow2, rows_per_chunk=rows, num_warps=warps, stage_out=stage)
-        _same(Fp8Tensor(d, s, ACT), ra)
-        _same(Fp8Tensor(td, ts, TOKEN), rt)
+    d, s, td, ts = tg.quantize_act_and_token(x, pow2)
+    _same(Fp8Tensor(d, s, ACT), R.quantize_tensor(x, ACT, pow2))
+    _same(Fp8Tensor(td, ts, TOKEN), R.quantize_tensor(x, TOKEN, pow2))
 
 
-def test_gluon_kernels_through_the_backend(cuda_backend, monkeypatch):
+def test_gluon_kernels_reject_strided_rows(cuda_backend):
+    from jetrl.quant import token_gluon as tg
+
+    x = _input(256, 256, torch.bfloat16, seed=3).t()
+    with pytest.raises(ValueError, match="unit stride"):
+        tg.quantize_token_128x1(x)
+    with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
+        tg.quantize_token_128x1(x.contiguous().to(torch.int32))
+
+
+@pytest.mark.parametrize("family", ["triton", "gluon"])
+def test_both_128x1_kernel_families_through_the_backend(cuda_backend, monkeypatch, family):
+    """Either family of 128x1 kernels behind the backend (Gluon is the default), the one-pass grad_out kernel
+    of each, and a strided input (which the Gluon kernels leave to Triton): the reference's bytes."""
     from jetrl.quant import cuda as cuda_mod
 
     x = _input(512, 384, torch.bfloat16, seed=19)
     qa = R.quantize_tensor(x, ACT)
-    monkeypatch.setattr(cuda_mod, "REQUANT_KERNEL", "gluon")
-    monkeypatch.setattr(cuda_mod, "TOKEN_KERNEL", "gluon")
+    monkeypatch.setattr(cuda_mod, "REQUANT_KERNEL", family)
+    monkeypatch.setattr(cuda_mod, "TOKEN_KERNEL", family)
     _same(cuda_backend.requantize(qa, TOKEN), R.requantize(qa, TOKEN))
     _same(cuda_backend.quantize(x, TOKEN), R.quantize_tensor(x, TOKEN))
+    xt = _input(384, 512, torch.bfloat16, seed=20).t()
+    _same(cuda_backend.quantize(xt, TOKEN), R.quantize_tensor(xt, TOKEN))
     act, tok = cuda_backend.quantize_act_and_token(x)
     _same(tok, R.quantize_tensor(x, TOKEN))
     monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN", True)
-    monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN_KERNEL", "gluon")
+    monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN_KERNEL", family)
     act, tok = cuda_backend.quantize_act_and_token(x)
     _same(act, R.quantize_tensor(x, ACT))
     _same(tok, R.quantize_tensor(x, TOKEN))
