@@ -71,20 +71,15 @@ def _kernels():
         return tile, rm, rk, mask
 
     @gluon.jit
-    def tile_to_token(smem, M, K, s_ptr, stride_sm, stride_sk, tok_ptr, tok_scale_ptr, pid_m, pid_k,
-                      POW2: gl.constexpr, HAS_SCALE: gl.constexpr):
+    def tile_to_token(smem, s_smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2: gl.constexpr,
+                      HAS_SCALE: gl.constexpr):
         """Quantize the (128, 128) tile in shared memory per 128x1 (one block per column) and write it
-        transposed. HAS_SCALE: the tile is 1x128 FP8, dequantized with row scales s first."""
+        transposed. HAS_SCALE: the tile is 1x128 FP8, dequantized first with the row scales in s_smem."""
         col_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[128, 1], threads_per_warp=[1, 32],
                                                     warps_per_cta=[1, 4], order=[1, 0])
         rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, col_layout))
         x = smem.load(col_layout).to(gl.float32)
-        if HAS_SCALE:  # the row scales, one load per thread, handed to every thread through shared memory
-            one_each: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
-                                                      order=[0])
-            rm_s = pid_m * 128 + gl.arange(0, 128, layout=one_each)
-            s_smem = gl.allocate_shared_memory(gl.float32, [128], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            s_smem.store(gl.load(s_ptr + rm_s * stride_sm + pid_k * stride_sk, mask=rm_s < M, other=0.0))
+        if HAS_SCALE:
             # Lanes past M hold x = 0 and s = 0; past K a row's scale may be inf and 0 * inf NaN, which the
             # maxima skip (like the Triton kernel's) and which is never stored.
             x = x * s_smem.load(gl.SliceLayout(1, col_layout))[:, None]
@@ -113,8 +108,17 @@ def _kernels():
         pid_k = gl.program_id(1)
         tile, _, _, _ = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
         smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        if HAS_SCALE:  # the row scales, loaded with the tile (one per thread), handed to all through shared memory
+            one_each: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
+                                                      order=[0])
+            rm_s = pid_m * 128 + gl.arange(0, 128, layout=one_each)
+            s = gl.load(s_ptr + rm_s * stride_sm + pid_k * stride_sk, mask=rm_s < M, other=0.0)
+            s_smem = gl.allocate_shared_memory(gl.float32, [128], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            s_smem.store(s)
+        else:
+            s_smem = smem  # unused
         smem.store(tile)
-        tile_to_token(smem, M, K, s_ptr, stride_sm, stride_sk, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, HAS_SCALE)
+        tile_to_token(smem, s_smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, HAS_SCALE)
 
     @gluon.jit
     def act_and_token_kernel(x_ptr, M, K, stride_xm, act_ptr, act_scale_ptr, tok_ptr, tok_scale_ptr,
@@ -133,7 +137,7 @@ def _kernels():
         qa = _to_e4m3_recip(x, row_recip[:, None], row_scale_r[:, None], POW2)
         gl.store(act_ptr + rm[:, None].to(gl.int64) * K + rk[None, :], qa, mask=mask)
         gl.store(act_scale_ptr + pid_k * M + rm, row_scale, mask=rm < M)  # a (Kb, M) buffer
-        tile_to_token(smem, M, K, tok_ptr, 1, 1, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
+        tile_to_token(smem, smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
 
     return token_kernel, act_and_token_kernel
 
