@@ -173,9 +173,11 @@ def test_gluon_act_and_token_bitwise(cuda_backend, shape, dtype, pow2):
 
     x = _input(*shape, dtype, seed=29)
     x[0, : min(5, shape[1])] = -0.0
-    d, s, td, ts = tg.quantize_act_and_token(x, pow2)
-    _same(Fp8Tensor(d, s, ACT), R.quantize_tensor(x, ACT, pow2))
-    _same(Fp8Tensor(td, ts, TOKEN), R.quantize_tensor(x, TOKEN, pow2))
+    ra, rt = R.quantize_tensor(x, ACT, pow2), R.quantize_tensor(x, TOKEN, pow2)
+    for row_chunk, row_vec in ((None, None), (32, None), (32, 32), (32, 16)):  # the benchmark's variants
+        d, s, td, ts = tg.quantize_act_and_token(x, pow2, row_chunk=row_chunk, row_vec=row_vec)
+        _same(Fp8Tensor(d, s, ACT), ra)
+        _same(Fp8Tensor(td, ts, TOKEN), rt)
 
 
 def test_gluon_kernels_reject_strided_rows(cuda_backend):
