@@ -133,10 +133,6 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
                 "act 1x128 + 128x1 [gluon one pass]": (lambda: tg.quantize_act_and_token(x),
                                                        2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
             })
-            for row_chunk, row_vec in ((32, None), (32, 32), (32, 16)):  # rows read back from shared memory
-                cases[f"act 1x128 + 128x1 [gluon one pass, rows {row_chunk} x {row_vec or 'load'}]"] = (
-                    lambda c=row_chunk, v=row_vec: tg.quantize_act_and_token(x, row_chunk=c, row_vec=v),
-                    2 * m * k + 2 * m * k + 4 * (m * kb + mb * k))
         except ImportError as exc:
             print(f"  (no Gluon kernels: {exc})", flush=True)
         for name, (fn, nbytes) in cases.items():

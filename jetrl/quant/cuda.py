@@ -5,7 +5,7 @@ GEMMs to output rounding), plus fused entry points that :class:`~jetrl.quant.lin
 when a backend offers them:
 
 * :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
-* :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad).
+* :meth:`CudaBackend.quantize_act_and_token`: grad_out per 1x128 (DGrad) and 128x1 (WGrad), one pass.
 
 GEMM choice, per shape class: decode-sized M (see :func:`decode_max_m`) goes to the split-K Triton decode
 GEMM (:func:`~jetrl.quant.decode_gemm_triton.fp8_decode_gemm`: bound by the weight's bytes, so it is built to
@@ -45,10 +45,11 @@ GROUPED_DECODE_MAX_M = 64
 # M = 256 for down (1536 x 8960: 14.3 vs 30.4 us at M = 128) and the grouped q/k/v (9.4 vs 23.3 us at M = 256).
 DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256, (1536, 8960): 256,
                                            ("grouped", 2048, 1536): 256}
-# One pass for both blockings of grad_out was slower on the H200 than its halves run apart (act 1x128 at
-# 0.92-0.95 of copy bandwidth, 128x1 at 0.84-0.98): the Triton one-pass kernel reached 0.40-0.46, the Gluon
-# one 0.49-0.55. Both stay selectable (and tested) until one pass is faster.
-FUSED_ACT_AND_TOKEN = False
+# Both blockings of grad_out from one read: the Gluon one-pass kernel reached 0.74-0.86 of copy bandwidth on
+# the H200 (4 bytes per element), 19-28% faster than its halves run apart (act 1x128 at 0.92-0.95 of copy, then
+# 128x1 at 0.84-0.95, 6 bytes per element). The Triton one-pass kernel (0.42-0.46) stays selectable, and the
+# two kernels run where the Gluon kernels cannot (no Gluon in this Triton, or strided rows).
+FUSED_ACT_AND_TOKEN = True
 FUSED_ACT_AND_TOKEN_KERNEL = "gluon"  # with FUSED_ACT_AND_TOKEN: "gluon" (jetrl.quant.token_gluon) or "triton"
 # The 128x1 kernels (grad_out per 128x1, and the 1x128 -> 128x1 re-quantization of the saved input): "gluon"
 # (the tile staged in shared memory, one whole column per thread: jetrl.quant.token_gluon; 0.73-0.76 and
@@ -144,17 +145,19 @@ class CudaBackend:
     def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
         """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad).
 
-        With ``FUSED_ACT_AND_TOKEN`` from one read of x; by default as two kernels, which measured
-        faster on the H200 (see :data:`FUSED_ACT_AND_TOKEN`).
+        With ``FUSED_ACT_AND_TOKEN`` (the default) from one read of x by the kernel
+        ``FUSED_ACT_AND_TOKEN_KERNEL`` names; as two kernels otherwise, and where the Gluon kernel cannot
+        run (see :data:`FUSED_ACT_AND_TOKEN`).
         """
         reference._check_input(x)
         _check_cuda(x, "the input")
-        if FUSED_ACT_AND_TOKEN and _kernel_choice(FUSED_ACT_AND_TOKEN_KERNEL, "FUSED_ACT_AND_TOKEN_KERNEL") == "gluon" \
-                and _gluon_takes(x):
+        one_pass = _kernel_choice(FUSED_ACT_AND_TOKEN_KERNEL, "FUSED_ACT_AND_TOKEN_KERNEL") if FUSED_ACT_AND_TOKEN \
+            else None
+        if one_pass == "gluon" and _gluon_takes(x):
             from jetrl.quant import token_gluon
 
             data, scale, tok, tok_scale = token_gluon.quantize_act_and_token(x, pow2_scale)
-        elif FUSED_ACT_AND_TOKEN:
+        elif one_pass == "triton":
             data, scale, tok, tok_scale = tk.quantize_act_1x128(x, pow2_scale, emit_token=True)
         else:
             data, scale = tk.quantize_act_1x128(x, pow2_scale)

@@ -18,11 +18,16 @@ Here one program of 4 warps owns a 128 x 128 tile (one 1x128 source block per ro
 3. stages the transposed E4M3 tile in shared memory (16-byte chunks swizzled so that neither side of the
    transposition hits one bank group) and writes it in whole 128-byte lines.
 
-Measured on the H200 (BENCHMARKS.md, the Gluon sweep), against the same tile read in chunks of 16 or 32
-rows twice (fewer registers, more programs per SM) and against each thread storing its column chunk
-straight to memory: whole columns with the staged output won at every shape (re-quantization 0.73-0.76 of
-copy, 0.43-0.67 for the others; the 128x1 grad_out 0.84-0.98). The arithmetic is the reference's, through
-the same device helpers as the Triton kernels: the same bytes.
+The one-pass grad_out kernel then reads the tile's rows back from shared memory, 32 at a time, for the
+1x128 quantization: 4 bytes of memory traffic per element against 6 for the two kernels apart.
+
+Measured on the H200 (BENCHMARKS.md, run L), against the same tile read in chunks of 16 or 32 rows twice
+(fewer registers, more programs per SM) and against each thread storing its column chunk straight to
+memory: whole columns with the staged output won at every shape (re-quantization 0.73-0.77 of copy, 0.43-0.67
+for the others; the 128x1 grad_out 0.84-0.98). The one-pass kernel reached 0.74-0.86 of copy with its rows
+read back from shared memory, against 0.49-0.55 quantizing them in the registers of the load (about 237
+registers per thread). The arithmetic is the reference's, through the same device helpers as the Triton
+kernels: the same bytes.
 
 Gluon is experimental in Triton; this module imports it lazily (at the first launch), and
 :func:`available` says whether this Triton has it.
@@ -100,17 +105,6 @@ def _kernels():
                  mask=(rk_o[:, None] < K) & (rm_o[None, :] < M))
 
     @gluon.jit
-    def quantize_rows(x, rm, rk, mask, M, K, act_ptr, act_scale_ptr, pid_k, POW2: gl.constexpr):
-        """Rows rm of one 1x128 block column (x: the rows' 128 values, in any layout) quantized per row and
-        stored: data (M, K) row-major, scales into a (Kb, M) buffer."""
-        x = x.to(gl.float32)
-        row_scale = _block_scale(gl.max(gl.abs(x), axis=1), POW2, True)
-        row_recip, row_scale_r = _recip_scale(row_scale)
-        qa = _to_e4m3_recip(x, row_recip[:, None], row_scale_r[:, None], POW2)
-        gl.store(act_ptr + rm[:, None].to(gl.int64) * K + rk[None, :], qa, mask=mask)
-        gl.store(act_scale_ptr + pid_k * M + rm, row_scale, mask=rm < M)
-
-    @gluon.jit
     def token_kernel(x_ptr, M, K, stride_xm, s_ptr, stride_sm, stride_sk, tok_ptr, tok_scale_ptr,
                      POW2: gl.constexpr, HAS_SCALE: gl.constexpr, VEC: gl.constexpr):
         """x (M, K) per 128x1, one (128, 128) tile per program. HAS_SCALE: x is 1x128 FP8 with row scales s
@@ -133,31 +127,27 @@ def _kernels():
 
     @gluon.jit
     def act_and_token_kernel(x_ptr, M, K, stride_xm, act_ptr, act_scale_ptr, tok_ptr, tok_scale_ptr,
-                             POW2: gl.constexpr, VEC: gl.constexpr, ROW_CHUNK: gl.constexpr, ROW_VEC: gl.constexpr):
-        """x (M, K) per 1x128 and per 128x1 from one read. ROW_CHUNK == 128: each row's 1x128 block is
-        quantized in the registers of the coalesced load (a reduction over 128 / VEC lanes) before the tile
-        goes through shared memory to the column quantization; else the column quantization comes first and
-        the rows are read back from shared memory ROW_CHUNK at a time (fewer live registers), ROW_VEC values
-        of a row per thread (fewer lanes per row: fewer shuffles and fewer copies of each row's scale)."""
+                             POW2: gl.constexpr, VEC: gl.constexpr):
+        """x (M, K) per 128x1 and per 1x128 from one read: the tile goes through shared memory to the column
+        quantization, then its rows are read back 32 at a time, 32 values of a row per thread (4 lanes per
+        row: two shuffles per row maximum, and each row's scale computed in 4 lanes, not 128 / VEC)."""
         pid_m = gl.program_id(0)
         pid_k = gl.program_id(1)
-        tile, rm, rk, mask = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
+        tile, _, _, _ = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
         smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         smem.store(tile)
-        if ROW_CHUNK == 128:
-            quantize_rows(tile, rm, rk, mask, M, K, act_ptr, act_scale_ptr, pid_k, POW2)
-            tile_to_token(smem, smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
-        else:
-            tile_to_token(smem, smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
-            row_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, ROW_VEC],
-                                                        threads_per_warp=[32 * ROW_VEC // 128, 128 // ROW_VEC],
-                                                        warps_per_cta=[4, 1], order=[1, 0])
-            for c in gl.static_range(0, 128, ROW_CHUNK):
-                part = smem.slice(c, ROW_CHUNK, dim=0).load(row_layout)
-                rm_c = pid_m * 128 + c + gl.arange(0, ROW_CHUNK, layout=gl.SliceLayout(1, row_layout))
-                rk_c = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, row_layout))
-                quantize_rows(part, rm_c, rk_c, (rm_c[:, None] < M) & (rk_c[None, :] < K), M, K, act_ptr,
-                              act_scale_ptr, pid_k, POW2)
+        tile_to_token(smem, smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
+        row_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 32], threads_per_warp=[8, 4],
+                                                    warps_per_cta=[4, 1], order=[1, 0])
+        rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, row_layout))
+        for c in gl.static_range(0, 128, 32):
+            x = smem.slice(c, 32, dim=0).load(row_layout).to(gl.float32)
+            rm = pid_m * 128 + c + gl.arange(0, 32, layout=gl.SliceLayout(1, row_layout))
+            row_scale = _block_scale(gl.max(gl.abs(x), axis=1), POW2, True)
+            row_recip, row_scale_r = _recip_scale(row_scale)
+            qa = _to_e4m3_recip(x, row_recip[:, None], row_scale_r[:, None], POW2)
+            gl.store(act_ptr + rm[:, None].to(gl.int64) * K + rk[None, :], qa, mask=(rm[:, None] < M) & (rk[None, :] < K))
+            gl.store(act_scale_ptr + pid_k * M + rm, row_scale, mask=rm < M)  # a (Kb, M) buffer
 
     return token_kernel, act_and_token_kernel
 
@@ -200,14 +190,7 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
     return _token(x, None, pow2_scale)
 
 
-# the one-pass kernel: 128 = rows quantized in the load's registers, else from shared memory, ROW_CHUNK rows
-# at a time and ROW_VEC values of a row per thread (0: the load's 16 bytes)
-ACT_ROW_CHUNK = 128
-ACT_ROW_VEC = 0
-
-
-def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False, row_chunk: int | None = None,
-                           row_vec: int | None = None):
+def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False):
     """x (M, K) per 1x128 and per 128x1 from one kernel, with the contract and bytes of
     ``jetrl.quant.triton_kernels.quantize_act_1x128(x, emit_token=True)``: returns ``(data, scale, tok_data,
     tok_scale)``, data (M, K) row-major, scale the (M, Kb) view of a (Kb, M) buffer, tok_data the (M, K) view
@@ -221,6 +204,5 @@ def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False, row_chunk:
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
     if m and k:
         _kernels()[1][(_cdiv(m, BLOCK), kb)](x, m, k, x.stride(0), data, scale_buf, tok, tok_scale, POW2=pow2_scale,
-                                            VEC=_vec(x.dtype), ROW_CHUNK=row_chunk or ACT_ROW_CHUNK,
-                                            ROW_VEC=row_vec or ACT_ROW_VEC or _vec(x.dtype), num_warps=NUM_WARPS)
+                                            VEC=_vec(x.dtype), num_warps=NUM_WARPS)
     return data, scale_buf.t(), tok.t(), tok_scale

@@ -173,11 +173,9 @@ def test_gluon_act_and_token_bitwise(cuda_backend, shape, dtype, pow2):
 
     x = _input(*shape, dtype, seed=29)
     x[0, : min(5, shape[1])] = -0.0
-    ra, rt = R.quantize_tensor(x, ACT, pow2), R.quantize_tensor(x, TOKEN, pow2)
-    for row_chunk, row_vec in ((None, None), (32, None), (32, 32), (32, 16)):  # the benchmark's variants
-        d, s, td, ts = tg.quantize_act_and_token(x, pow2, row_chunk=row_chunk, row_vec=row_vec)
-        _same(Fp8Tensor(d, s, ACT), ra)
-        _same(Fp8Tensor(td, ts, TOKEN), rt)
+    d, s, td, ts = tg.quantize_act_and_token(x, pow2)
+    _same(Fp8Tensor(d, s, ACT), R.quantize_tensor(x, ACT, pow2))
+    _same(Fp8Tensor(td, ts, TOKEN), R.quantize_tensor(x, TOKEN, pow2))
 
 
 def test_gluon_kernels_reject_strided_rows(cuda_backend):
@@ -204,13 +202,16 @@ def test_both_128x1_kernel_families_through_the_backend(cuda_backend, monkeypatc
     _same(cuda_backend.quantize(x, TOKEN), R.quantize_tensor(x, TOKEN))
     xt = _input(384, 512, torch.bfloat16, seed=20).t()
     _same(cuda_backend.quantize(xt, TOKEN), R.quantize_tensor(xt, TOKEN))
-    act, tok = cuda_backend.quantize_act_and_token(x)
-    _same(tok, R.quantize_tensor(x, TOKEN))
-    monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN", True)
-    monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN_KERNEL", family)
-    act, tok = cuda_backend.quantize_act_and_token(x)
-    _same(act, R.quantize_tensor(x, ACT))
-    _same(tok, R.quantize_tensor(x, TOKEN))
+    for fused in (False, True):  # two kernels, or one pass (the default)
+        monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN", fused)
+        monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN_KERNEL", family)
+        for inp in (x, xt):  # strided rows: the Gluon one-pass kernel leaves them to the two kernels
+            act, tok = cuda_backend.quantize_act_and_token(inp)
+            _same(act, R.quantize_tensor(inp, ACT))
+            _same(tok, R.quantize_tensor(inp, TOKEN))
+    monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="FUSED_ACT_AND_TOKEN_KERNEL"):
+        cuda_backend.quantize_act_and_token(x)
     monkeypatch.setattr(cuda_mod, "TOKEN_KERNEL", "cutlass")
     with pytest.raises(ValueError, match="TOKEN_KERNEL"):
         cuda_backend.quantize(x, TOKEN)
