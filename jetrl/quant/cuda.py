@@ -45,14 +45,14 @@ GROUPED_DECODE_MAX_M = 64
 # M = 256 for down (1536 x 8960: 14.3 vs 30.4 us at M = 128) and the grouped q/k/v (9.4 vs 23.3 us at M = 256).
 DECODE_MAX_M_BY_SHAPE: dict[tuple, int] = {("grouped", 6144, 4096): 256, (1536, 8960): 256,
                                            ("grouped", 2048, 1536): 256}
-# Both blockings of grad_out from one read: the Gluon one-pass kernel reached 0.74-0.86 of copy bandwidth on
+# Both blockings of grad_out from one read: the Gluon one-pass kernel reached 0.74-0.87 of copy bandwidth on
 # the H200 (4 bytes per element), 19-28% faster than its halves run apart (act 1x128 at 0.92-0.95 of copy, then
 # 128x1 at 0.84-0.95, 6 bytes per element). The Triton one-pass kernel (0.42-0.46) stays selectable, and the
 # two kernels run where the Gluon kernels cannot (no Gluon in this Triton, or strided rows).
 FUSED_ACT_AND_TOKEN = True
 FUSED_ACT_AND_TOKEN_KERNEL = "gluon"  # with FUSED_ACT_AND_TOKEN: "gluon" (jetrl.quant.token_gluon) or "triton"
 # The 128x1 kernels (grad_out per 128x1, and the 1x128 -> 128x1 re-quantization of the saved input): "gluon"
-# (the tile staged in shared memory, one whole column per thread: jetrl.quant.token_gluon; 0.73-0.76 and
+# (the tile staged in shared memory, one whole column per thread: jetrl.quant.token_gluon; 0.73-0.77 and
 # 0.84-0.98 of copy bandwidth on the H200) or "triton" (compiler-chosen layout: 0.49-0.54 and 0.69-0.82).
 # The same bytes. Where the installed Triton has no Gluon, the Triton kernels run.
 TOKEN_KERNEL = "gluon"

@@ -153,10 +153,11 @@ def _kernels():
 
 
 def _vec(dtype: torch.dtype) -> int:
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    """Elements of ``dtype`` per 16-byte load."""
+    return 16 // dtype.itemsize
 
 
-def _check_float_rows(x: torch.Tensor, what: str, floats_only: bool = True) -> None:
+def _check_input(x: torch.Tensor, what: str, floats_only: bool = True) -> None:
     if floats_only and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Gluon {what} kernel takes bf16, fp16 or fp32 input, got {x.dtype}")
     if x.numel() and x.stride(1) != 1:
@@ -179,14 +180,14 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
     """Same contract and bytes as :func:`jetrl.quant.triton_kernels.requantize_act_to_token`: 1x128 FP8
     (data (M, K) with unit column stride, scale (M, Kb)) to 128x1. Returns the (M, K) view of a row-major
     (K, M) data buffer and (Mb, K) row-major scales."""
-    _check_float_rows(data, "re-quantization", floats_only=False)
+    _check_input(data, "re-quantization", floats_only=False)
     return _token(data, scale, pow2_scale)
 
 
 def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
     """Same contract and bytes as :func:`jetrl.quant.triton_kernels.quantize_token_128x1` for a bf16, fp16 or
     fp32 x (M, K) with unit column stride."""
-    _check_float_rows(x, "128x1")
+    _check_input(x, "128x1")
     return _token(x, None, pow2_scale)
 
 
@@ -195,7 +196,7 @@ def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False):
     ``jetrl.quant.triton_kernels.quantize_act_1x128(x, emit_token=True)``: returns ``(data, scale, tok_data,
     tok_scale)``, data (M, K) row-major, scale the (M, Kb) view of a (Kb, M) buffer, tok_data the (M, K) view
     of a row-major (K, M) buffer, tok_scale (Mb, K) row-major. bf16, fp16 or fp32 x with unit column stride."""
-    _check_float_rows(x, "1x128 + 128x1")
+    _check_input(x, "1x128 + 128x1")
     m, k = x.shape
     kb = _cdiv(k, BLOCK)
     data = torch.empty((m, k), dtype=E4M3, device=x.device)

@@ -47,6 +47,11 @@ def test_available_is_a_bool():
     assert isinstance(token_gluon.available(), bool)
 
 
+def test_sixteen_byte_loads_per_dtype():
+    assert [token_gluon._vec(d) for d in (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32)] == \
+        [16, 8, 8, 4]
+
+
 def test_gluon_wrappers_reject_bad_inputs_before_launching():
     x = torch.randn(256, 384, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bf16, fp16 or fp32"):
