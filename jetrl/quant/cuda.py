@@ -27,6 +27,7 @@ import torch
 
 from jetrl.quant import reference, scaled_mm
 from jetrl.quant import decode_gemm_triton as dk
+from jetrl.quant import token_gluon
 from jetrl.quant import triton_kernels as tk
 from jetrl.quant.backend import register_backend
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
@@ -66,11 +67,8 @@ def _kernel_choice(choice: str, name: str) -> str:
     not); "gluon" becomes "triton" where the installed Triton has no Gluon."""
     if choice not in TOKEN_KERNELS:
         raise ValueError(f"jetrl.quant.cuda.{name} must be one of {TOKEN_KERNELS}, got {choice!r}")
-    if choice == "gluon":
-        from jetrl.quant import token_gluon
-
-        if not token_gluon.available():
-            return "triton"
+    if choice == "gluon" and not token_gluon.available():
+        return "triton"
     return choice
 
 
@@ -81,8 +79,6 @@ def _gluon_takes(x: torch.Tensor) -> bool:
 
 def _quantize_token(x: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if _kernel_choice(TOKEN_KERNEL, "TOKEN_KERNEL") == "gluon" and _gluon_takes(x):
-        from jetrl.quant import token_gluon
-
         return token_gluon.quantize_token_128x1(x, pow2_scale)
     return tk.quantize_token_128x1(x, pow2_scale)
 
@@ -154,8 +150,6 @@ class CudaBackend:
         one_pass = _kernel_choice(FUSED_ACT_AND_TOKEN_KERNEL, "FUSED_ACT_AND_TOKEN_KERNEL") if FUSED_ACT_AND_TOKEN \
             else None
         if one_pass == "gluon" and _gluon_takes(x):
-            from jetrl.quant import token_gluon
-
             data, scale, tok, tok_scale = token_gluon.quantize_act_and_token(x, pow2_scale)
         elif one_pass == "triton":
             data, scale, tok, tok_scale = tk.quantize_act_1x128(x, pow2_scale, emit_token=True)
@@ -169,8 +163,6 @@ class CudaBackend:
         _check_cuda(t.data, "the FP8 tensor")
         if t.block == ACT and block == TOKEN:
             if _kernel_choice(REQUANT_KERNEL, "REQUANT_KERNEL") == "gluon" and t.data.stride(1) == 1:
-                from jetrl.quant import token_gluon
-
                 data, scale = token_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale)
             else:
                 data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale)

@@ -154,28 +154,18 @@ def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
-def test_gluon_token_bitwise(cuda_backend, shape, dtype, pow2):
-    """The Gluon 128x1 kernel on a float input: the reference's bytes."""
+def test_gluon_token_and_one_pass_bitwise(cuda_backend, shape, dtype, pow2):
+    """The Gluon 128x1 kernel and the one-pass 1x128 + 128x1 kernel on a float input: the reference's bytes."""
     from jetrl.quant import token_gluon as tg
 
     x = _input(*shape, dtype, seed=23)
     x[0, : min(5, shape[1])] = -0.0
+    ra, rt = R.quantize_tensor(x, ACT, pow2), R.quantize_tensor(x, TOKEN, pow2)
     td, ts = tg.quantize_token_128x1(x, pow2)
-    _same(Fp8Tensor(td, ts, TOKEN), R.quantize_tensor(x, TOKEN, pow2))
-
-
-@pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
-def test_gluon_act_and_token_bitwise(cuda_backend, shape, dtype, pow2):
-    """The one-pass Gluon kernel: both quantizations bitwise the reference's."""
-    from jetrl.quant import token_gluon as tg
-
-    x = _input(*shape, dtype, seed=29)
-    x[0, : min(5, shape[1])] = -0.0
+    _same(Fp8Tensor(td, ts, TOKEN), rt)
     d, s, td, ts = tg.quantize_act_and_token(x, pow2)
-    _same(Fp8Tensor(d, s, ACT), R.quantize_tensor(x, ACT, pow2))
-    _same(Fp8Tensor(td, ts, TOKEN), R.quantize_tensor(x, TOKEN, pow2))
+    _same(Fp8Tensor(d, s, ACT), ra)
+    _same(Fp8Tensor(td, ts, TOKEN), rt)
 
 
 def test_gluon_kernels_reject_strided_rows(cuda_backend):
