@@ -53,7 +53,7 @@ def test_cuda_graph_decoding_equals_eager(recipe):
     for batch in (prompts, prompts[:11]):
         a = eager.generate(batch, params)
         b = graphs.generate(batch, params)
-        assert graphs._graphs is not None, "decode graphs were not captured"
+        assert graphs.runner.graphs is not None, "decode graphs were not captured"
         same = 0
         for x, y in zip(a, b):
             assert x.token_ids[0] == y.token_ids[0]

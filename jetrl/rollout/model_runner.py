@@ -1,0 +1,408 @@
+"""``ModelRunner``: runs the policy model for the rollout engine, one scheduled step at a time.
+
+The engine (:mod:`jetrl.rollout.engine`) decides *what* to compute: it validates requests, asks the
+:class:`~jetrl.rollout.scheduler.Scheduler` for each step, applies the sampled tokens and collects stats. The
+runner decides *how* it is computed on the device, and holds everything that lives there: the paged KV
+cache (sized from a memory budget), the CUDA graphs of the decode step, the per-step input tensors, the
+block copies of copy-on-write, and the sampling of the logits. The engine never touches a tensor.
+
+**The interface** (what a runner provides; a distributed rank's runner and an exact-mode runner with other
+kernels plug in here, behind the same calls):
+
+- ``allocate_kv_cache() -> int`` -- make the KV cache if there is none; returns the number of usable blocks
+  (the engine's :class:`~jetrl.rollout.block_manager.BlockManager` hands out block ids ``0 .. n-1``).
+- ``begin(seqs)`` -- a ``generate`` call starts with these sequences: (re)capture the CUDA graphs if the
+  weights moved to new storage, and start a host mirror of the sequences' block tables.
+- ``launch(out, prev) -> LaunchedStep`` -- queue one :class:`~jetrl.rollout.scheduler.SchedulerOutput`
+  (block copies, inputs, forward, sampling, the copy of the sampled tokens to the host) without waiting for
+  the device. Decode inputs that are still placeholders (sampled by ``prev``, the step launched before and
+  not yet collected) are read from ``prev``'s sampled tokens on the device.
+- ``collect(step) -> (tokens, logprobs)`` -- wait for a launched step; its sampled tokens and
+  log-probabilities on the host, one per sampled row in chunk order (empty when it sampled nothing).
+  ``step.wait_seconds`` then holds how long the host waited for the device.
+- ``free_cache()`` -- release the KV cache and the graphs; the next ``allocate_kv_cache`` makes them again.
+
+**Inputs.** A step is packed into one ``model.forward_paged`` call: the chunks' tokens concatenated, their
+positions, the KV slots they write, and :class:`~jetrl.models.attention.PagedAttentionMetadata`. All the
+step's integer metadata goes to the device in one (pinned, asynchronous) host-to-device copy. A prefill
+step computes logits only at the rows that sample (the last row of a chunk that completes its prompt).
+
+**CUDA graphs.** On CUDA the decode step (one token per sequence) is captured for a set of batch sizes; a
+batch is padded to the next captured size with rows that write into a scratch block no sequence owns (the
+pool's last block). The graphs are recaptured only when a parameter or a cached FP8 weight moves to new
+storage: a new weight version is re-quantized into the same FP8 buffers, so graphs survive optimizer steps
+in ``jet``.
+
+**Precision.** Every forward runs under ``torch.no_grad`` and ``precision_side("rollout")``, so in ``jet``
+each linear layer reads its cached FP8 weight of the current weight version, the same bytes the training
+forward uses. Not ``torch.inference_mode``: the FP8 weights quantized here are cached on the layers and
+reused by the training forward of the same version, and inference-mode tensors cannot be saved for backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from typing import Sequence as Seq
+
+import numpy as np
+import torch
+
+from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache
+from jetrl.quant import fp8_linears, precision_side
+from jetrl.rollout.block_manager import BlockTableMirror
+from jetrl.rollout.sampling import SamplingBatch, sample
+from jetrl.rollout.scheduler import PLACEHOLDER, SchedulerOutput
+from jetrl.rollout.sequence import Sequence
+
+DEFAULT_CPU_BUDGET_BYTES = 256 * 2 ** 20
+DEFAULT_GPU_FRACTION = 0.5
+
+
+def config_value(config, *names, default=None):
+    """The first of ``names`` that ``config`` sets (not None): reads jetrl and Hugging Face configs alike."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+class LaunchedStep:
+    """A step queued on the device: its sampled tokens there and, on their way, on the host.
+
+    ``sampled`` lists the sequence of each sampled row (chunk order): the next step finds its placeholder
+    inputs among them."""
+
+    def __init__(self) -> None:
+        self.sampled: list[Sequence] = []
+        self.tokens: torch.Tensor | None = None  # (rows,) on the device
+        self.host: torch.Tensor | None = None  # (2, rows) float64: tokens and log-probs, pinned on CUDA
+        self.done: torch.cuda.Event | None = None
+        self.wait_seconds = 0.0
+
+
+class _DecodeGraphs:
+    """CUDA graphs of ``forward_paged`` for decode batches of the captured sizes, over static buffers."""
+
+    def __init__(self, runner: "ModelRunner", sizes: list[int]) -> None:
+        self.sizes = sorted(sizes)
+        max_b, width, dev = self.sizes[-1], runner.max_blocks_per_seq, runner.device
+        self.input_ids = torch.zeros(max_b, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_b, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.arange(max_b + 1, dtype=torch.int32, device=dev)
+        self.context_lens = torch.ones(max_b, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((max_b, width), -1, dtype=torch.int32, device=dev)
+        self.block_tables[:, 0] = runner.scratch_block
+        self.slot_mapping = torch.full((max_b,), runner.scratch_block * runner.block_size, dtype=torch.long,
+                                       device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.max_context_len = runner.max_model_len
+        self.scratch_block, self.block_size = runner.scratch_block, runner.block_size
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):
+            meta = self._meta(b)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                runner._forward(self.input_ids[:b], self.positions[:b], meta, None)  # warm-up (autotune, caches)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = runner._forward(self.input_ids[:b], self.positions[:b], meta, None)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def _meta(self, b: int) -> PagedAttentionMetadata:
+        return PagedAttentionMetadata(self.query_start_loc[:b + 1], self.context_lens[:b], self.block_tables[:b],
+                                      self.slot_mapping[:b], max_query_len=1, max_context_len=self.max_context_len)
+
+    def padded_size(self, b: int) -> int | None:
+        for size in self.sizes:
+            if size >= b:
+                return size
+        return None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+            slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        b = input_ids.shape[0]
+        size = self.padded_size(b)
+        width = block_tables.shape[1]
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(positions)
+        self.context_lens[:b].copy_(context_lens)
+        self.slot_mapping[:b].copy_(slot_mapping)
+        self.block_tables[:b, :width].copy_(block_tables)
+        if size > b:  # padding rows: one token written into the scratch block, attending to it alone
+            self.input_ids[b:size].zero_()
+            self.positions[b:size].zero_()
+            self.context_lens[b:size].fill_(1)
+            self.slot_mapping[b:size].fill_(self.scratch_block * self.block_size)
+            self.block_tables[b:size, 0].fill_(self.scratch_block)
+        self.graphs[size].replay()
+        return self.outputs[size][:b]
+
+
+class ModelRunner:
+    """Runs ``model`` for the rollout engine over a paged KV cache (see the module doc for the interface).
+
+    Args:
+        model: a jetrl decoder with ``forward_paged`` and ``config``, already in its precision recipe.
+        max_model_len: context limit in tokens (sizes the block tables and the graphs' attention).
+        block_size: tokens per KV block.
+        max_num_seqs: most sequences in one decode step (the largest captured graph; caps the pool size).
+        memory_budget: KV-cache size: a fraction (0, 1] of the free GPU memory, or bytes (> 1). On CPU,
+            bytes (default 256 MiB). The pool never exceeds what ``max_num_seqs`` full-length sequences need.
+        num_blocks: exact pool size in blocks (overrides ``memory_budget``).
+        cuda_graphs: capture the decode step on CUDA; ``graph_batch_sizes`` overrides the captured sizes.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_model_len: int, block_size: int, max_num_seqs: int,
+                 memory_budget: float | int | None = None, num_blocks: int | None = None, cuda_graphs: bool = True,
+                 graph_batch_sizes: Seq[int] | None = None) -> None:
+        self.model = model
+        config = model.config
+        self.num_layers = int(config_value(config, "num_hidden_layers"))
+        num_heads = int(config_value(config, "num_attention_heads"))
+        self.num_kv_heads = int(config_value(config, "num_key_value_heads", default=num_heads))
+        self.head_dim = int(config_value(config, "head_dim",
+                                         default=config_value(config, "hidden_size", default=0) // num_heads))
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        first = next(p for p in model.parameters() if p.is_floating_point())
+        self.device = first.device
+        self.dtype = first.dtype
+        self.memory_budget = memory_budget
+        self.requested_num_blocks = num_blocks
+        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graph_batch_sizes = self._graph_sizes(graph_batch_sizes)
+        self.kv_cache: PagedKVCache | None = None
+        self.num_blocks = 0  # usable blocks (the pool has one more: the scratch block)
+        self.graphs: _DecodeGraphs | None = None
+        self._graph_key: tuple | None = None
+        self._tables: BlockTableMirror | None = None  # the current generate call's block tables, on the host
+        self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
+
+    # ------------------------------------------------------------------ KV cache
+
+    def _graph_sizes(self, sizes: Seq[int] | None) -> list[int]:
+        if sizes is None:
+            sizes = [1, 2, 4, 8] + list(range(16, self.max_num_seqs + 1, 16))
+        sizes = sorted({int(s) for s in sizes if 1 <= int(s) <= self.max_num_seqs})
+        if not sizes or sizes[-1] < self.max_num_seqs:
+            sizes.append(self.max_num_seqs)
+        return sizes
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of ``block_size`` tokens in every layer, in the model's dtype."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def scratch_block(self) -> int:
+        """The pool's extra block: CUDA-graph padding rows write there; no sequence owns it."""
+        return self.num_blocks
+
+    def _pool_blocks(self) -> int:
+        if self.requested_num_blocks is not None:
+            if self.requested_num_blocks < 1:
+                raise ValueError(f"num_blocks must be >= 1, got {self.requested_num_blocks}")
+            return int(self.requested_num_blocks)
+        budget = self.memory_budget
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = DEFAULT_GPU_FRACTION if budget is None else budget
+            nbytes = budget * free if budget <= 1 else budget
+        else:
+            budget = DEFAULT_CPU_BUDGET_BYTES if budget is None else budget
+            if budget <= 1:
+                raise ValueError("on CPU give memory_budget in bytes (a fraction refers to free GPU memory)")
+            nbytes = budget
+        if budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {budget}")
+        blocks = int(nbytes // self.bytes_per_block)
+        blocks = min(blocks, self.max_num_seqs * self.max_blocks_per_seq)
+        if blocks < 1:
+            raise ValueError(f"memory_budget of {nbytes:.0f} bytes holds no KV block of {self.bytes_per_block} "
+                             f"bytes; raise it")
+        return blocks
+
+    def allocate_kv_cache(self) -> int:
+        """Make the KV cache if there is none (sized once, then kept); returns the usable block count."""
+        if self.kv_cache is None:
+            self.num_blocks = self._pool_blocks()
+            self.kv_cache = PagedKVCache.allocate(self.num_layers, self.num_blocks + 1, self.block_size,
+                                                  self.num_kv_heads, self.head_dim, self.dtype, self.device)
+            self.graphs = None
+        return self.num_blocks
+
+    def free_cache(self) -> None:
+        """Release the KV cache and CUDA graphs (e.g. to give memory to the trainer); re-made on demand."""
+        self.kv_cache = None
+        self.graphs = None
+        self._graph_key = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _weights_key(self) -> tuple:
+        """Storage of every parameter and cached FP8 weight: CUDA graphs stay valid while it is unchanged."""
+        ptrs = [p.data_ptr() for p in self.model.parameters()]
+        with precision_side("rollout"):
+            for layer in fp8_linears(self.model):
+                ptrs.append(id(layer))  # a recipe swap replaces the modules the graphs captured
+                if layer.uses_fp8():
+                    qw = layer.quantized_weight()  # re-quantizes here if the weight version moved
+                    ptrs += [qw.data.data_ptr(), qw.scale.data_ptr()]
+        return tuple(ptrs)
+
+    def _ensure_graphs(self) -> None:
+        if not self.use_cuda_graphs:
+            return
+        key = self._weights_key()
+        if self.graphs is not None and key == self._graph_key:
+            return
+        self.graphs = None
+        try:
+            with torch.no_grad(), precision_side("rollout"):
+                graphs = _DecodeGraphs(self, self.graph_batch_sizes)
+            self.graphs = graphs
+            self._graph_key = key
+        except Exception as exc:  # a model path that cannot be captured still runs, eagerly
+            warnings.warn(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc}); "
+                          f"decoding eagerly", RuntimeWarning, stacklevel=4)
+            self.use_cuda_graphs = False
+
+    # ------------------------------------------------------------------ steps
+
+    def begin(self, seqs: list[Sequence]) -> None:
+        """A ``generate`` call over ``seqs`` starts (after :meth:`allocate_kv_cache`)."""
+        self._ensure_graphs()
+        self._tables = BlockTableMirror(seqs, self.max_blocks_per_seq)
+
+    def _forward(self, input_ids, positions, meta, logits_indices):
+        return self.model.forward_paged(input_ids, positions, meta, self.kv_cache, logits_indices)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        host = torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long)
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the steps already queued
+            host = host.pin_memory()
+        src, dst = host.to(self.device, non_blocking=True)
+        for k, v in zip(self.kv_cache.k, self.kv_cache.v):
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        """Queue one step (block copies, inputs, forward, sampling, the copy of its tokens to the host)
+        without waiting for the device.
+
+        Decode rows whose input token is still a placeholder (sampled by ``prev``, not yet on the host)
+        read it from ``prev``'s sampled tokens on the device."""
+        with torch.no_grad(), precision_side("rollout"):
+            return self._launch(out, prev)
+
+    def _launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
+        step = LaunchedStep()
+        if out.copies:
+            self._copy_blocks(out.copies)
+        ids, pos, slots, qsl, ctx, sample_rows = [], [], [], [0], [], []
+        sampled = step.sampled
+        out_pos: list[int] = []
+        bs = self.block_size
+        from_prev: list[tuple[int, int]] = []  # (row of this step, sampled row of prev)
+        prev_rows = {} if prev is None else {id(q): r for r, q in enumerate(prev.sampled)}
+        for chunk in out.chunks:
+            seq = chunk.seqs[0]
+            table = seq.block_table
+            if chunk.num_tokens == 1:  # a decode step (or a one-token chunk): no list building per token
+                token = seq.token_ids[chunk.start]
+                if token == PLACEHOLDER:
+                    from_prev.append((len(ids), prev_rows[id(seq)]))
+                ids.append(token)
+                pos.append(chunk.start)
+                slots.append(table[chunk.start // bs] * bs + chunk.start % bs)
+            else:
+                ids += seq.token_ids[chunk.start:chunk.end]
+                pos += range(chunk.start, chunk.end)
+                slots += [table[p // bs] * bs + p % bs for p in range(chunk.start, chunk.end)]
+            qsl.append(qsl[-1] + chunk.num_tokens)
+            ctx.append(chunk.end)
+            if chunk.samples:
+                for s in chunk.seqs:
+                    sample_rows.append(qsl[-1] - 1)
+                    sampled.append(s)
+                    out_pos.append(s.num_output_tokens)
+        tables = self._tables.rows([chunk.seqs[0] for chunk in out.chunks])  # (S, width), one gather
+        dev = self.device
+        n_rows, n_seqs, width = len(ids), tables.shape[0], tables.shape[1]
+        if from_prev and (prev is None or prev.tokens is None):
+            raise RuntimeError("a placeholder token without the step that samples it (model runner bug)")
+        fill = [r for r, _ in from_prev] + [q for _, q in from_prev]  # rows to fill, prev's sampled rows
+        head = np.array(ids + pos + slots + qsl + ctx + sample_rows + fill + out_pos, dtype=np.int64)
+        host = torch.from_numpy(np.concatenate([head, tables.reshape(-1)]))
+        if dev.type == "cuda":  # one host-to-device transfer for the whole step's metadata (pinned, so
+            host = host.pin_memory()  # it does not wait for the steps already queued)
+        packed = host.to(dev, non_blocking=True)
+        ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, fill_t, out_pos_t, table_t = packed.split(
+            [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), len(fill), len(out_pos), n_seqs * width])
+        if from_prev:  # placeholder inputs: the previous step's sampled tokens, still on the device
+            k = len(from_prev)
+            ids_t = ids_t.index_put((fill_t[:k],), prev.tokens[fill_t[k:]].to(ids_t.dtype))
+        ctx_t = ctx_t.to(torch.int32)
+        table_t = table_t.to(torch.int32).view(n_seqs, width)
+        # the sampling settings go to the device before the forward is queued, so the sampler follows the
+        # forward on the GPU without the host waiting in between
+        batch = self._sampling_batch(sampled, out_pos, out_pos_t) if sample_rows else None
+        graphs = self.graphs
+        if out.is_decode and graphs is not None and graphs.padded_size(n_rows) is not None:
+            logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
+        else:
+            meta = PagedAttentionMetadata(
+                query_start_loc=qsl_t.to(torch.int32), context_lens=ctx_t, block_tables=table_t, slot_mapping=slots_t,
+                max_query_len=max(c.num_tokens for c in out.chunks), max_context_len=max(ctx))
+            rows = None if out.is_decode else rows_t
+            logits = self._forward(ids_t, pos_t, meta, rows)
+            if batch is None:  # prefill chunks that end mid-prompt: nothing to sample this step
+                return step
+        tokens, logprobs = sample(logits, batch)
+        step.tokens = tokens
+        packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        if dev.type == "cuda":  # one D2H copy into pinned memory, waited for in collect
+            step.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            step.host.copy_(packed, non_blocking=True)
+            step.done = torch.cuda.Event()
+            step.done.record()
+        else:
+            step.host = packed
+        return step
+
+    def _sampling_batch(self, seqs: list[Sequence], out_pos: list[int], out_pos_t: torch.Tensor) -> SamplingBatch:
+        """The rows' sampling settings on the device. Between decode steps of the same sequences only the
+        output positions change (they came with the step's metadata): the rest is built once and reused."""
+        key = tuple(s.seq_id for s in seqs)
+        cached = self._sampling_cache
+        if cached is None or cached[0] != key:
+            batch = SamplingBatch.build([s.params for s in seqs], [s.sample_index for s in seqs], out_pos, self.device)
+            self._sampling_cache = (key, batch)
+            return batch
+        return dataclasses.replace(cached[1], position=out_pos_t)
+
+    def collect(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
+        """The step's sampled tokens and log-probabilities on the host (waits for the step)."""
+        if step.host is None:
+            return [], []
+        wait_start = time.perf_counter()
+        if step.done is not None:
+            step.done.synchronize()
+        step.wait_seconds = time.perf_counter() - wait_start
+        return [int(t) for t in step.host[0].tolist()], step.host[1].tolist()
+
+
+__all__ = ["ModelRunner", "LaunchedStep", "config_value"]
