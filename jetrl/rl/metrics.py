@@ -1,4 +1,11 @@
-"""Where the per-step metrics go: a JSONL file (always), TensorBoard (optional), and phase timers.
+"""The per-step metrics: what one RL step reports, and where it goes (a JSONL file, TensorBoard, timers).
+
+**What a step reports.** :func:`step_metrics` assembles :meth:`jetrl.rl.trainer.Trainer.step`'s flat
+``group/name`` dict from what the step produced, as pure functions of their inputs: ``reward/*``,
+``response/*`` and ``advantage/*`` from the rollout batch (:func:`batch_metrics`); ``mismatch/*`` (rollout
+vs training log-probs, :mod:`jetrl.rl.mismatch`) and ``kl_ref/k3`` (:func:`logprob_metrics`); the update's
+``actor/*``; ``time/*`` and ``throughput/*`` per phase (:func:`timing_metrics`); and the engine's own
+rollout stats named in :data:`ENGINE_STATS`.
 
 **JSONL.** One JSON object per line, one line per logged step, written with a single ``write`` of the
 whole line on a file opened for appending and flushed at once, so a crash leaves at most one partial
@@ -24,9 +31,99 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
+
+from jetrl.rl.advantages import num_zero_variance_groups
+from jetrl.rl.losses import aggregate, kl_penalty
+from jetrl.rl.mismatch import mismatch_metrics
+
+if TYPE_CHECKING:
+    from jetrl.rl.trainer import RolloutBatch
+
+# the engine's stats a step reports, and their names: KV-cache pressure, decode speed, and the host time
+# (part of time/rollout, not a phase of its own)
+ENGINE_STATS = (("preemptions", "rollout/preemptions"),
+                ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s"),
+                ("host_seconds", "time/rollout_host"))
+
+
+def batch_metrics(batch: "RolloutBatch") -> dict[str, float]:
+    """Rewards (``(P, n)``), response lengths and truncation, and advantages of one rollout batch.
+
+    ``reward/accuracy`` counts rewards >= 1; ``reward/zero_variance_*`` the prompts whose samples all got
+    the same reward (no signal under a group baseline)."""
+    rewards = batch.rewards
+    lengths = torch.tensor(batch.response_lens, dtype=torch.float32)
+    num_flat = num_zero_variance_groups(rewards)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "reward/zero_variance_groups": float(num_flat),
+        "reward/zero_variance_frac": num_flat / rewards.shape[0],
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncation_rate": sum(batch.truncated) / len(batch.truncated),
+        "advantage/mean": float(batch.advantages.mean()),
+        "advantage/abs_mean": float(batch.advantages.abs().mean()),
+    }
+
+
+def logprob_metrics(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor,
+                    ref_logprobs: torch.Tensor | None = None, tis_cap: float | None = None) -> dict[str, float]:
+    """``mismatch/*``: the rollout's against the training side's log-probs of the same ``(S, R)`` tokens
+    (see :func:`jetrl.rl.mismatch.mismatch_metrics`); with ``ref_logprobs``, ``kl_ref/k3``: the k3
+    estimate of KL(policy || reference) averaged over the valid tokens."""
+    mm = mismatch_metrics(rollout_logprobs, train_logprobs, mask, tis_cap=tis_cap)
+    out = {f"mismatch/{k}": v for k, v in mm.items() if k != "num_tokens"}
+    if ref_logprobs is not None:
+        out["kl_ref/k3"] = float(aggregate(kl_penalty(train_logprobs, ref_logprobs, mask, "k3"), mask))
+    return out
+
+
+def timing_metrics(seconds: Mapping[str, float], tokens_per_phase: Mapping[str, float]) -> dict[str, float]:
+    """``time/<phase>`` and ``time/step`` (their sum), and ``throughput/<phase>_tokens_per_s`` for the
+    phases that ran and have a token count."""
+    out = {f"time/{k}": v for k, v in seconds.items()}
+    out["time/step"] = sum(seconds.values())
+    for phase, count in tokens_per_phase.items():
+        if phase in seconds:
+            out[f"throughput/{phase}_tokens_per_s"] = count / max(seconds[phase], 1e-9)
+    return out
+
+
+def step_metrics(batch: "RolloutBatch", train_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+                 actor: Mapping[str, float], seconds: Mapping[str, float], *, generated_tokens: float,
+                 ppo_epochs: int, tis_cap: float | None = None,
+                 engine_stats: Mapping[str, float] | None = None) -> dict[str, float]:
+    """One RL step's metrics (flat ``group/name`` keys), assembled from what its phases produced.
+
+    Args:
+        batch: the step's rollout batch (rewards, lengths, advantages, mask, rollout log-probs, tokens).
+        train_logprobs: the training side's ``(S, R)`` log-probs of the same tokens (the old-logprob pass,
+            or the update's own first forwards).
+        ref_logprobs: the reference policy's, when there is a KL penalty.
+        actor: the update's ``actor/*`` metrics.
+        seconds: wall time per phase (``PhaseTimer.seconds``).
+        generated_tokens: tokens the rollout generated; the scoring phases process every token of every
+            sequence, the update ``ppo_epochs`` times.
+        tis_cap: the truncated-IS cap, for the ``mismatch/tis_*`` statistics.
+        engine_stats: the rollout engine's ``last_stats``.
+    """
+    scored_tokens = float(sum(t.numel() for t in batch.tokens))
+    metrics = batch_metrics(batch)
+    metrics.update(logprob_metrics(batch.rollout_logprobs, train_logprobs, batch.mask, ref_logprobs, tis_cap))
+    metrics.update(actor)
+    metrics.update(timing_metrics(seconds, {"rollout": generated_tokens, "old_logprob": scored_tokens,
+                                            "reference": scored_tokens, "update": scored_tokens * ppo_epochs}))
+    metrics["response/num_tokens"] = float(batch.mask.sum())
+    engine_stats = engine_stats or {}
+    for key, name in ENGINE_STATS:
+        if key in engine_stats:
+            metrics[name] = float(engine_stats[key])
+    return metrics
 
 
 def _jsonable(value: Any) -> Any:
@@ -174,4 +271,5 @@ class PhaseTimer:
         self.seconds.clear()
 
 
-__all__ = ["JsonlWriter", "read_jsonl", "TensorBoardWriter", "MetricsLogger", "PhaseTimer"]
+__all__ = ["step_metrics", "batch_metrics", "logprob_metrics", "timing_metrics", "ENGINE_STATS", "JsonlWriter",
+           "read_jsonl", "TensorBoardWriter", "MetricsLogger", "PhaseTimer"]

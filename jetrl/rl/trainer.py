@@ -41,10 +41,9 @@ import torch.nn as nn
 
 from jetrl.config import RunConfig
 from jetrl.quant import refresh_fp8_weights
-from jetrl.rl.advantages import compute_advantages, num_zero_variance_groups
+from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
-from jetrl.rl.metrics import PhaseTimer
-from jetrl.rl.mismatch import mismatch_metrics
+from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler
 
 
@@ -325,7 +324,8 @@ class Trainer:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> dict[str, float]:
-        """One RL step; returns its metrics (flat ``group/name`` keys)."""
+        """One RL step: the six phases of the module doc, each timed; returns its metrics (flat ``group/name``
+        keys, see :func:`jetrl.rl.metrics.step_metrics`)."""
         alg = self.config.algorithm
         timer = PhaseTimer(self.device)
         items = self.prompts.next_batch()
@@ -336,8 +336,6 @@ class Trainer:
             completions, generated = self.rollout(items)
         with timer.phase("reward"):
             batch = self.build_batch(items, completions)
-        num_tokens = float(batch.mask.sum())
-        scored_tokens = float(sum(t.numel() for t in batch.tokens))
         train_lp = old_lp = None
         if not alg.old_logprobs_from_update:
             with timer.phase("old_logprob"):
@@ -357,42 +355,9 @@ class Trainer:
         with timer.phase("weight_refresh"):
             refresh_fp8_weights(self.model, eager=True)
         self.step_count += 1
-
-        rewards = batch.rewards
-        lengths = torch.tensor(batch.response_lens, dtype=torch.float32)
-        metrics: dict[str, float] = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "reward/accuracy": float((rewards >= 1.0).float().mean()),
-            "reward/zero_variance_groups": float(num_zero_variance_groups(rewards)),
-            "reward/zero_variance_frac": num_zero_variance_groups(rewards) / rewards.shape[0],
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/truncation_rate": sum(batch.truncated) / len(batch.truncated),
-            "advantage/mean": float(batch.advantages.mean()),
-            "advantage/abs_mean": float(batch.advantages.abs().mean()),
-        }
-        mm = mismatch_metrics(batch.rollout_logprobs, train_lp, batch.mask, tis_cap=alg.tis_cap)
-        metrics.update({f"mismatch/{k}": v for k, v in mm.items() if k != "num_tokens"})
-        if ref_lp is not None:
-            metrics["kl_ref/k3"] = float(aggregate(kl_penalty(train_lp, ref_lp, batch.mask, "k3"), batch.mask))
-        metrics.update(actor)
-        seconds = dict(timer.seconds)
-        metrics.update({f"time/{k}": v for k, v in seconds.items()})
-        metrics["time/step"] = sum(seconds.values())
-        tokens_per_phase = {"rollout": generated, "old_logprob": scored_tokens, "reference": scored_tokens,
-                            "update": scored_tokens * alg.ppo_epochs}
-        for phase, count in tokens_per_phase.items():
-            if phase in seconds:
-                metrics[f"throughput/{phase}_tokens_per_s"] = count / max(seconds[phase], 1e-9)
-        metrics["response/num_tokens"] = num_tokens
-        engine_stats = getattr(self.engine, "last_stats", None) or {}
-        for key, name in (("preemptions", "rollout/preemptions"),
-                          ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s"),
-                          ("host_seconds", "time/rollout_host")):  # part of time/rollout, not a phase of its own
-            if key in engine_stats:  # the engine's own view: KV-cache pressure, decode speed, host time
-                metrics[name] = float(engine_stats[key])
-        return metrics
+        return step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
+                            ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
+                            engine_stats=getattr(self.engine, "last_stats", None))
 
 
 __all__ = ["Trainer", "PromptItem", "PromptSource", "RolloutBatch", "RewardFn"]
