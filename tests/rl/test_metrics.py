@@ -1,11 +1,84 @@
-"""Metrics log: JSONL appends, resume truncation to the cursor, TensorBoard fallback, timers."""
+"""Step metrics from hand-computed inputs; the metrics log: JSONL appends, resume truncation to the cursor,
+TensorBoard fallback, timers."""
 
+import math
 import time
 
 import pytest
 import torch
 
-from jetrl.rl.metrics import JsonlWriter, MetricsLogger, PhaseTimer, read_jsonl
+from jetrl.rl.metrics import (
+    JsonlWriter, MetricsLogger, PhaseTimer, batch_metrics, logprob_metrics, read_jsonl, step_metrics, timing_metrics,
+)
+from jetrl.rl.mismatch import mismatch_metrics
+from jetrl.rl.trainer import RolloutBatch
+
+LOG_HALF, LOG_QUARTER = math.log(0.5), math.log(0.25)
+
+
+def _batch() -> RolloutBatch:
+    """Two prompts x two samples: responses of 3, 1, 2 and 0 tokens after prompts of 2 tokens."""
+    lens = [3, 1, 2, 0]
+    mask = torch.tensor([[j < k for j in range(3)] for k in lens])
+    rollout_lp = torch.where(mask, torch.tensor(LOG_HALF), torch.tensor(0.0))
+    return RolloutBatch(tokens=[torch.arange(2 + k) for k in lens], prompt_lens=[2] * 4, response_lens=lens,
+                        mask=mask, rollout_logprobs=rollout_lp, rewards=torch.tensor([[1.0, 0.0], [1.0, 1.0]]),
+                        advantages=torch.tensor([1.0, -1.0, 0.0, 0.0]), truncated=[True, False, False, False])
+
+
+def test_batch_metrics_hand_computed():
+    m = batch_metrics(_batch())
+    assert m == {"reward/mean": 0.75, "reward/std": 0.5,  # unbiased: sqrt((3 * 0.25^2 + 0.75^2) / 3)
+                 "reward/accuracy": 0.75, "reward/zero_variance_groups": 1.0, "reward/zero_variance_frac": 0.5,
+                 "response/length_mean": 1.5, "response/length_max": 3.0, "response/truncation_rate": 0.25,
+                 "advantage/mean": 0.0, "advantage/abs_mean": 0.5}
+    one = _batch()
+    one.rewards = torch.tensor([[0.5]])
+    assert batch_metrics(one)["reward/std"] == 0.0  # one sample: no spread rather than NaN
+
+
+def test_logprob_metrics_hand_computed():
+    batch = _batch()
+    train = batch.rollout_logprobs.clone()
+    train[0, 0] = LOG_QUARTER  # one of the six tokens: the training side gives it half the probability
+    ref = train.clone()
+    ref[0, 1] = LOG_QUARTER  # the reference: half of the policy's probability on another token
+    m = logprob_metrics(batch.rollout_logprobs, train, batch.mask, ref, tis_cap=2.0)
+    expected = mismatch_metrics(batch.rollout_logprobs, train, batch.mask, tis_cap=2.0)
+    assert {k: v for k, v in m.items() if k.startswith("mismatch/")} == \
+        {f"mismatch/{k}": v for k, v in expected.items() if k != "num_tokens"}
+    assert m["mismatch/logp_abs_diff_max"] == pytest.approx(math.log(2))
+    # k3 = (r - 1) - log r with r = p_ref / p = 1/2 on one token, 0 on the other five: mean over six tokens
+    assert m["kl_ref/k3"] == pytest.approx((0.5 - 1 + math.log(2)) / 6)
+    assert "kl_ref/k3" not in logprob_metrics(batch.rollout_logprobs, train, batch.mask)
+    assert "mismatch/tis_weight_mean" not in logprob_metrics(batch.rollout_logprobs, train, batch.mask)
+
+
+def test_timing_metrics_only_for_phases_that_ran():
+    m = timing_metrics({"rollout": 2.0, "reward": 0.5, "update": 4.0},
+                       {"rollout": 100.0, "old_logprob": 50.0, "update": 80.0})
+    assert m == {"time/rollout": 2.0, "time/reward": 0.5, "time/update": 4.0, "time/step": 6.5,
+                 "throughput/rollout_tokens_per_s": 50.0, "throughput/update_tokens_per_s": 20.0}
+
+
+def test_step_metrics_assembles_every_group():
+    batch = _batch()
+    seconds = {"rollout": 2.0, "reward": 0.5, "old_logprob": 1.0, "update": 4.0, "weight_refresh": 0.5}
+    actor = {"actor/pg_loss": -0.25, "actor/num_updates": 2.0}
+    stats = {"preemptions": 3, "decode_tokens_per_s": 123.0, "host_seconds": 0.75, "steps": 9}
+    m = step_metrics(batch, batch.rollout_logprobs, None, actor, seconds, generated_tokens=6.0, ppo_epochs=2,
+                     engine_stats=stats)
+    expected = {**batch_metrics(batch), **logprob_metrics(batch.rollout_logprobs, batch.rollout_logprobs, batch.mask),
+                **actor, **timing_metrics(seconds, {"rollout": 6.0, "old_logprob": 14.0, "reference": 14.0,
+                                                    "update": 28.0}),
+                "response/num_tokens": 6.0, "rollout/preemptions": 3.0,
+                "throughput/rollout_decode_tokens_per_s": 123.0, "time/rollout_host": 0.75}
+    assert m == expected
+    assert m["throughput/update_tokens_per_s"] == 7.0  # 14 prompt + response tokens, two epochs, 4 s
+    assert m["mismatch/kl_k3"] == 0.0 and "kl_ref/k3" not in m
+    bare = step_metrics(batch, batch.rollout_logprobs, None, actor, seconds, generated_tokens=6.0, ppo_epochs=2)
+    assert set(m) - set(bare) == {"rollout/preemptions", "throughput/rollout_decode_tokens_per_s",
+                                  "time/rollout_host"}
 
 
 def test_jsonl_resume_truncates_to_cursor(tmp_path):
