@@ -1,0 +1,83 @@
+"""ModelRunner on its own (CPU): KV-cache sizing, and its interface driven by hand as the engine drives it,
+with a decode step launched before the previous step's tokens reach the host."""
+
+import pytest
+import torch
+
+from jetrl.models import DecoderConfig, build_model
+from jetrl.rollout import BlockManager, SamplingBatch, SamplingParams, Scheduler, Sequence, sample
+from jetrl.rollout.model_runner import ModelRunner
+
+CONFIG = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96, eos_token_id=1)
+# K and V, 2 layers, 4 tokens, 2 KV heads of 128 / 4 = 32 dims, fp32
+BYTES_PER_BLOCK = 2 * 2 * 4 * 2 * 32 * 4
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(DecoderConfig(**CONFIG), dtype=torch.float32, recipe="bf16", seed=0)
+
+
+def _runner(model, **kw):
+    return ModelRunner(model, **{"max_model_len": 96, "block_size": 4, "max_num_seqs": 2, **kw})
+
+
+def test_kv_cache_sizing_from_the_memory_budget(model):
+    runner = _runner(model, memory_budget=10 * BYTES_PER_BLOCK + 100)
+    assert runner.bytes_per_block == BYTES_PER_BLOCK
+    assert runner.allocate_kv_cache() == 10
+    assert runner.kv_cache.num_blocks == 11 and runner.scratch_block == 10  # one more: the graphs' scratch block
+    cache = runner.kv_cache
+    assert runner.allocate_kv_cache() == 10 and runner.kv_cache is cache  # made once, then kept
+    runner.free_cache()
+    assert runner.kv_cache is None and runner.allocate_kv_cache() == 10 and runner.kv_cache is not cache
+    # never more than max_num_seqs full-length sequences need: 2 x ceil(96 / 4)
+    assert _runner(model, memory_budget=2 ** 30).allocate_kv_cache() == 48
+    assert _runner(model, num_blocks=5, memory_budget=2 ** 30).allocate_kv_cache() == 5
+    with pytest.raises(ValueError, match="in bytes"):
+        _runner(model, memory_budget=0.5).allocate_kv_cache()
+    with pytest.raises(ValueError, match="holds no KV block"):
+        _runner(model, memory_budget=BYTES_PER_BLOCK - 1).allocate_kv_cache()
+
+
+@torch.no_grad()
+def _naive(model, prompt, params, sample_index, steps):
+    """Recompute the whole sequence every step with the training forward and sample its last row."""
+    ids, tokens, lps = list(prompt), [], []
+    for pos in range(steps):
+        logits = model(torch.tensor([ids]))[0, -1:].float()
+        tok, lp = sample(logits, SamplingBatch.build([params], [sample_index], [pos], "cpu"))
+        ids.append(int(tok)), tokens.append(int(tok)), lps.append(float(lp))
+    return tokens, lps
+
+
+def test_steps_launched_ahead_of_collection_match_full_recompute(model):
+    """The engine's asynchronous loop by hand: each step is launched before the previous one is collected,
+    so every decode input is a placeholder the runner reads from the previous step's tokens on the device."""
+    prompt, steps = [5, 6, 7, 8, 9, 10], 4
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=steps, ignore_eos=True)
+    runner = _runner(model, num_blocks=16)
+    scheduler = Scheduler(BlockManager(runner.allocate_kv_cache(), 4), max_num_seqs=2, max_num_batched_tokens=64,
+                          max_model_len=96)
+    seqs = [Sequence(j, 0, j, prompt, params, frozenset()) for j in range(params.n)]
+    scheduler.add(seqs)
+    runner.begin(seqs)
+    prev = None  # (launched step, its rows)
+    num_placeholder_steps = 0
+    while scheduler.has_unfinished:
+        out = scheduler.schedule()
+        num_placeholder_steps += out.is_decode and all(c.seqs[0].token_ids[c.start] < 0 for c in out.chunks)
+        launched = runner.launch(out, None if prev is None else prev[0])
+        if prev is not None:
+            tokens, logprobs = runner.collect(prev[0])
+            scheduler.resolve(prev[1], tokens, logprobs)
+        rows, _ = scheduler.advance(out)
+        prev = (launched, rows)
+    scheduler.resolve(prev[1], *runner.collect(prev[0]))
+    assert num_placeholder_steps == steps - 1  # every decode step read its inputs on the device
+    for j, seq in enumerate(seqs):
+        tokens, lps = _naive(model, prompt, params, j, steps)
+        assert seq.output_ids == tokens
+        assert seq.logprobs == pytest.approx(lps, abs=1e-4)  # fp32: paged vs full attention, summation order only
+    assert seqs[0].output_ids != seqs[1].output_ids  # two samples of one prompt, drawn independently
