@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from jetrl.models import DecoderConfig, build_model
-from jetrl.rollout import BlockManager, SamplingBatch, SamplingParams, Scheduler, Sequence, sample
-from jetrl.rollout.model_runner import ModelRunner
+from jetrl.rollout import BlockManager, ModelRunner, SamplingBatch, SamplingParams, Scheduler, Sequence, sample
 
 CONFIG = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96, eos_token_id=1)
