@@ -4,7 +4,14 @@
 before the model is loaded. With ``trainer.resume`` the run continues from the latest complete
 checkpoint in ``trainer.output_dir``: model, optimizer, scheduler, RNG states, data position and the
 metrics log (truncated to the checkpoint's cursor) are restored, so a run killed at any moment loses
-only the steps since its last checkpoint and then reproduces them.
+only the steps since its last checkpoint and then reproduces them. Resume verifies every file of the
+checkpoint against the SHA-256 its marker recorded; a damaged checkpoint is skipped with a warning and
+the previous complete one is used.
+
+A sample whose reward fails (raises, hangs, returns a non-number or a non-finite value) scores 0.0 and is
+counted per step in ``reward/errors`` and ``reward/timeouts``; the first failure's message is printed once,
+and the run stops with :class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a step
+failed (see :class:`~jetrl.data.reward_pool.RewardFailureGuard`).
 """
 
 from __future__ import annotations
@@ -56,10 +63,12 @@ def save_trainer_checkpoint(trainer: Trainer, root: str | Path, metrics_cursor: 
                            trainer_state=state, keep_last=keep_last)
 
 
-def resume_trainer(trainer: Trainer, root: str | Path) -> dict[str, Any] | None:
-    """Restore ``trainer`` from the latest complete checkpoint under ``root``; returns its trainer state
-    (with ``metrics_cursor``), or None when there is no checkpoint."""
-    path = latest_checkpoint(root)
+def resume_trainer(trainer: Trainer, root: str | Path, allow_pickle: bool = False) -> dict[str, Any] | None:
+    """Restore ``trainer`` from the latest complete checkpoint under ``root`` whose files match their
+    recorded SHA-256 (newer damaged ones are skipped with a warning); returns its trainer state (with
+    ``metrics_cursor``), or None when there is no checkpoint. ``allow_pickle``: see
+    :func:`jetrl.rl.checkpoint.load_checkpoint` (only for trusted checkpoints of older jetrl versions)."""
+    path = latest_checkpoint(root, checksums=True)
     if path is None:
         return None
     load_model = None
@@ -69,7 +78,9 @@ def resume_trainer(trainer: Trainer, root: str | Path) -> dict[str, Any] | None:
         def load_model(folder: Path) -> None:
             load_weights(trainer.model, str(folder / MODEL_SUBDIR))
     loaded = load_checkpoint(path, model=None if load_model else trainer.model, load_model=load_model,
-                             optimizer=trainer.optimizer, scheduler=trainer.scheduler)
+                             optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                             checksums=False,  # just verified by latest_checkpoint: one read of the files
+                             allow_pickle=allow_pickle)
     trainer.load_state_dict(loaded.trainer_state)
     from jetrl.quant import refresh_fp8_weights
     refresh_fp8_weights(trainer.model)
@@ -159,7 +170,7 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     except ImportError:
         save_config(config, out / "config.json")
 
-    from jetrl.data.reward_pool import RewardPool
+    from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardResult
     from jetrl.data.rewards import RewardConfig, build_reward_fn
     from jetrl.models import load_model, load_tokenizer
     from jetrl.rollout import RolloutEngine
@@ -181,9 +192,12 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget)
     pool = RewardPool(reward)
+    guard = RewardFailureGuard()
 
-    def reward_fn(texts: list[str], refs: list[str]) -> list[float]:
-        return list(pool.score(texts, refs).rewards)
+    def reward_fn(texts: list[str], refs: list[str]) -> RewardResult:
+        result = pool.score(texts, refs)
+        guard.check(result)  # prints the first failure once; stops the run when every sample failed
+        return result
 
     trainer = Trainer(config, model, engine, prompts, reward_fn, prompts.decode)
     cursor = None
