@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from jetrl.config import ConfigError, RunConfig, load_config, save_config
+from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardResult
 from jetrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl.rl.metrics import MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
@@ -85,6 +86,19 @@ def resume_trainer(trainer: Trainer, root: str | Path, allow_pickle: bool = Fals
     from jetrl.quant import refresh_fp8_weights
     refresh_fp8_weights(trainer.model)
     return loaded.trainer_state
+
+
+def guarded_rewards(pool: RewardPool, guard: RewardFailureGuard) -> Callable[[list[str], list[str]], RewardResult]:
+    """The trainer's reward function: ``pool`` scores the completions, ``guard`` reports the first failure
+    once and stops the run when too many of the step's samples failed; the
+    :class:`~jetrl.data.reward_pool.RewardResult` carries the failure counts into the step's metrics."""
+
+    def reward_fn(texts: list[str], refs: list[str]) -> RewardResult:
+        result = pool.score(texts, refs)
+        guard.check(result)
+        return result
+
+    return reward_fn
 
 
 class DatasetPrompts:
@@ -170,7 +184,6 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     except ImportError:
         save_config(config, out / "config.json")
 
-    from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardResult
     from jetrl.data.rewards import RewardConfig, build_reward_fn
     from jetrl.models import load_model, load_tokenizer
     from jetrl.rollout import RolloutEngine
@@ -192,14 +205,7 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget)
     pool = RewardPool(reward)
-    guard = RewardFailureGuard()
-
-    def reward_fn(texts: list[str], refs: list[str]) -> RewardResult:
-        result = pool.score(texts, refs)
-        guard.check(result)  # prints the first failure once; stops the run when every sample failed
-        return result
-
-    trainer = Trainer(config, model, engine, prompts, reward_fn, prompts.decode)
+    trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, RewardFailureGuard()), prompts.decode)
     cursor = None
     if config.trainer.resume:
         state = resume_trainer(trainer, ckpt_root)
@@ -226,4 +232,4 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     return metrics
 
 
-__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything"]
+__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards"]
