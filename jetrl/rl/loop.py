@@ -8,10 +8,11 @@ only the steps since its last checkpoint and then reproduces them. Resume verifi
 checkpoint against the SHA-256 its marker recorded; a damaged checkpoint is skipped with a warning and
 the previous complete one is used.
 
-A sample whose reward fails (raises, hangs, returns a non-number or a non-finite value) scores 0.0 and is
-counted per step in ``reward/errors`` and ``reward/timeouts``; the first failure's message is printed once,
-and the run stops with :class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a step
-failed (see :class:`~jetrl.data.reward_pool.RewardFailureGuard`).
+A sample whose reward fails (raises, hangs, returns a non-number, a non-finite value or one beyond the
+reward pool's ``max_abs_reward``) scores 0.0 and is counted per step in ``reward/errors`` and
+``reward/timeouts``; the first failure's message is printed once, and the run stops with
+:class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a step failed (see
+:class:`~jetrl.data.reward_pool.RewardFailureGuard`).
 """
 
 from __future__ import annotations

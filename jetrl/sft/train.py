@@ -294,4 +294,5 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
 
 
-__all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "lr_at", "format_duration"]
+__all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "lr_at",
+           "format_duration"]
