@@ -58,7 +58,7 @@ def test_train_resume_through_the_cli_loses_no_step(tmp_path, monkeypatch):
     assert records[:2] == first
 
 
-def _run_while_it_progresses(argv: list[str], cwd: Path, progress_file: Path, floor_s: float = 600.0,
+def _run_while_it_progresses(argv: list[str], cwd: Path, progress_file: Path, floor_s: float = 1200.0,
                              factor: float = 5.0) -> subprocess.CompletedProcess:
     """Run ``python -m jetrl *argv`` to completion, failing only when it stalls: each new line of
     ``progress_file`` (one per RL step) must come within ``max(floor_s, factor * longest gap so far)`` of
