@@ -4,6 +4,11 @@ Order of evidence, most explicit first: the text after the last ``####``; the la
 last "the answer is ..." / "answer: ..."; else the last number anywhere. Numbers are normalised to exact
 fractions: thousands separators (``1,000``), currency and unit words around them (``$``, ``kg``, ``%``),
 trailing zeros (``18.00``), Unicode minus signs and LaTeX fractions all compare equal when their values do.
+
+A final answer is short: a number token longer than :data:`MAX_NUMBER_CHARS` is not an answer (it is never
+converted, so a completion ending in ``#### `` plus a million digits costs a regex scan, not minutes of
+big-number arithmetic), and a ``\\boxed{`` whose closing brace is more than :data:`MAX_BOXED_CHARS`
+characters away is treated as unclosed.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
+
+MAX_NUMBER_CHARS = 100  # longest number token converted (digits, separators, sign, point)
+MAX_BOXED_CHARS = 1000  # longest \\boxed{...} content searched for its closing brace
 
 # A number not glued to a preceding word or number: "-5" in "x = -5", but "5" (not "-5") in "3-5".
 _NUMBER = re.compile(r"(?<![\w.])(?:-\s?)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])-?\.\d+")
@@ -20,7 +28,10 @@ _MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\u20
 
 
 def parse_number(token: str) -> Fraction | None:
-    """Exact value of a number token (``"-1,234.50"`` -> ``Fraction(-2469, 2)``), or None."""
+    """Exact value of a number token (``"-1,234.50"`` -> ``Fraction(-2469, 2)``), or None (also for a
+    token longer than :data:`MAX_NUMBER_CHARS`: no final answer is that long)."""
+    if len(token) > MAX_NUMBER_CHARS:
+        return None
     cleaned = token.translate(_MINUS_SIGNS).replace(",", "").replace(" ", "")
     try:
         return Fraction(Decimal(cleaned))
@@ -39,7 +50,8 @@ def _first_number(text: str) -> Fraction | None:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if absent."""
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if absent or
+    longer than :data:`MAX_BOXED_CHARS`."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
@@ -47,7 +59,7 @@ def last_boxed(text: str) -> str | None:
     if brace < 0:
         return None
     depth = 0
-    for i in range(brace, len(text)):
+    for i in range(brace, min(len(text), brace + 2 + MAX_BOXED_CHARS)):
         if text[i] == "{":
             depth += 1
         elif text[i] == "}":

@@ -10,7 +10,13 @@ dies takes only its current sample with it.
 
 Fast path: samples travel in chunks (one message per chunk of up to ``chunk_size`` samples), results come
 back one message per sample, so the parent always knows which sample a worker is on and when it started.
-Worst case for one call: about ``ceil(n / num_workers) * timeout_s`` plus restarts.
+Worst case for one call: about ``ceil(n / num_workers) * timeout_s`` plus restarts. A finite reward beyond
+``max_abs_reward`` (when set) is an error too: a reward of 1e30 is a bug, not a very good answer.
+
+A failed sample is never silent: :class:`RewardResult` carries each sample's status, and
+:class:`RewardFailureGuard` (what the RL loop runs after every call) prints the first failure's message
+once and stops the run with :class:`RewardFailureError` when too large a fraction of one call's samples
+failed.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
@@ -31,6 +38,7 @@ from typing import Any, Literal
 from jetrl.data.rewards import RewardFn, resolve_reward, warm_up
 
 MAX_ERROR_MESSAGES = 10
+MAX_MESSAGE_CHARS = 500  # an error message is kept (and printed) as an excerpt of at most this many characters
 MAX_STARTUP_DEATHS = 3  # consecutive worker deaths before start-up before the pool gives up
 
 
@@ -39,15 +47,21 @@ class RewardPoolConfig:
     """``num_workers`` processes (0: compute inline in the caller, no timeout enforcement -- for
     debugging only); ``timeout_s`` per sample; ``chunk_size`` samples per message; ``start_method``
     ``"forkserver"`` (fast restarts) or ``"spawn"``; ``startup_timeout_s`` for a worker to import the
-    reward function and warm up."""
+    reward function and warm up; ``max_abs_reward``: a reward whose magnitude exceeds it scores 0.0 and
+    counts as an error (None: only non-finite rewards do)."""
 
     num_workers: int = 2
     timeout_s: float = 10.0
     chunk_size: int = 16
     start_method: Literal["forkserver", "spawn"] = "forkserver"
     startup_timeout_s: float = 120.0
+    max_abs_reward: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_abs_reward is not None and (
+                isinstance(self.max_abs_reward, bool) or not isinstance(self.max_abs_reward, (int, float))
+                or not self.max_abs_reward > 0 or not math.isfinite(self.max_abs_reward)):
+            raise ValueError(f"max_abs_reward must be a positive finite number or None, got {self.max_abs_reward!r}")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
@@ -77,12 +91,21 @@ class RewardResult:
         return self.num_timeouts + self.num_errors
 
 
+def excerpt(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` if it is at most ``limit`` characters, else its start and end around a ``[... N chars ...]``
+    mark (an error message may quote a whole pathological completion)."""
+    if len(text) <= limit:
+        return text
+    head, tail = (limit - 40) * 2 // 3, (limit - 40) // 3
+    return f"{text[:head]} [... {len(text) - head - tail} chars ...] {text[len(text) - tail:]}"
+
+
 def _call_reward(fn: RewardFn, completion: str, reference: str) -> tuple[float, str | None]:
     """(reward, None) or (0.0, error message): never raises for a bad sample."""
     try:
         value = float(fn(completion, reference))
     except Exception as e:  # a reward function's bug or a pathological input: score 0, report
-        return 0.0, f"{type(e).__name__}: {e}"[:500]
+        return 0.0, excerpt(f"{type(e).__name__}: {e}")
     if not math.isfinite(value):
         return 0.0, f"non-finite reward {value}"
     return value, None
@@ -220,6 +243,9 @@ class RewardPool:
         return result
 
     def _record(self, result: RewardResult, index: int, value: float, error: str | None, kind: str = "error") -> None:
+        bound = self.config.max_abs_reward
+        if error is None and bound is not None and abs(value) > bound:
+            value, error = 0.0, f"reward {value:g} is beyond max_abs_reward={bound:g}"
         result.rewards[index] = value
         if error is None:
             return
@@ -328,3 +354,43 @@ class RewardPool:
                 elif not worker.ready and now - worker.started_at > cfg.startup_timeout_s:
                     self.close()
                     raise RuntimeError(f"reward worker did not start within {cfg.startup_timeout_s:g} s")
+
+
+class RewardFailureError(RuntimeError):
+    """Too many of one call's samples failed to be scored (see :class:`RewardFailureGuard`)."""
+
+
+class RewardFailureGuard:
+    """Makes failed rewards visible: :meth:`check` prints the first failure's message (an excerpt) once
+    per guard, and raises :class:`RewardFailureError` when at least ``stop_fraction`` of a result's
+    samples failed (errors and timeouts together).
+
+    The default ``stop_fraction=1.0`` stops only when *every* sample failed: then the reward function
+    itself is broken (wrong signature, a reference format it cannot read, a crash on import) and every
+    advantage would be zero, so the run could never learn. A lower value also stops on partial failure,
+    e.g. ``0.5`` when half of a step's samples failed."""
+
+    def __init__(self, stop_fraction: float = 1.0, log: Callable[[str], None] | None = None) -> None:
+        if isinstance(stop_fraction, bool) or not isinstance(stop_fraction, (int, float)) \
+                or not 0 < stop_fraction <= 1:
+            raise ValueError(f"stop_fraction must be in (0, 1], got {stop_fraction!r}")
+        self.stop_fraction = float(stop_fraction)
+        self.log = log if log is not None else (lambda message: print(message, file=sys.stderr, flush=True))
+        self.has_reported = False
+
+    def check(self, result: RewardResult) -> None:
+        n = len(result.rewards)
+        if not n or not result.num_failed:
+            return
+        first = result.errors[0] if result.errors else "(no message)"
+        counts = f"{result.num_errors} errors, {result.num_timeouts} timeouts"
+        if result.num_failed >= self.stop_fraction * n:
+            raise RewardFailureError(
+                f"the reward failed for {result.num_failed} of {n} samples ({counts}), at least "
+                f"{self.stop_fraction:g} of them; stopping the run. First failure: {excerpt(first)}"
+            )
+        if not self.has_reported:
+            self.has_reported = True
+            self.log(f"warning: the reward failed for {result.num_failed} of {n} samples ({counts}); they score "
+                     f"0.0 and are counted in reward/errors and reward/timeouts. First failure: {excerpt(first)} "
+                     "(reported once)")

@@ -7,7 +7,9 @@ Built in:
   thousands separators, ``$``, units, trailing ``.0`` and minus signs (see :mod:`jetrl.data.answers`).
 * :func:`math_reward` -- 1.0 when ``math-verify`` finds the completion's answer (``\\boxed{}`` first, else
   the last expression) mathematically equal to the reference (MATH's ``answer`` field): fractions,
-  radicals, intervals, sets, LaTeX spellings (``\\dfrac12`` = ``\\frac{1}{2}`` = ``0.5``).
+  radicals, intervals, sets, LaTeX spellings (``\\dfrac12`` = ``\\frac{1}{2}`` = ``0.5``). It parses at most
+  :data:`MATH_ANSWER_CHARS` characters of the completion (:func:`answer_excerpt`), so a pathological
+  completion costs bounded time and math-verify's own timeout warnings (which quote their input) stay short.
 * the built-in tasks' checkers, by task name (``"arithmetic"``, ``"countdown"``).
 
 Any other callable with the same signature plugs in by name: :func:`resolve_reward` accepts a built-in
@@ -54,6 +56,18 @@ def gsm8k_reward(completion_text: str, reference_answer: str) -> float:
     return 1.0 if got is not None and got == expected else 0.0
 
 
+MATH_ANSWER_CHARS = 1000  # what math_reward hands to math-verify: a final answer is short
+
+
+def answer_excerpt(text: str, limit: int = MATH_ANSWER_CHARS) -> str:
+    """The part of a completion that holds its final answer, at most ``limit`` characters: from the last
+    ``\\boxed`` (or ``\\fbox``) on when there is one, else the end of the text."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start >= 0:
+        return text[start : start + limit]
+    return text[-limit:]
+
+
 def _math_timeout() -> int | None:
     """math-verify enforces its timeouts with SIGALRM, which only the main thread may use; elsewhere run
     without (the reward pool's per-sample timeout still bounds the time)."""
@@ -81,7 +95,7 @@ def math_reward(completion_text: str, reference_answer: str) -> float:
         raise ImportError("math_reward needs the math-verify package: pip install math-verify") from None
     gold = list(_parse_reference(reference_answer))
     timeout = _math_timeout()
-    predicted = parse(completion_text, parsing_timeout=timeout)
+    predicted = parse(answer_excerpt(completion_text), parsing_timeout=timeout)
     if not predicted:
         return 0.0
     return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0

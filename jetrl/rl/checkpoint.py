@@ -6,8 +6,8 @@ Layout of ``<root>/step_00000042/``::
     model.safetensors   (or whatever ``save_model`` writes, e.g. a HuggingFace folder's files)
     optimizer.pt        optimizer state dict (fp32 master weights and moments)
     scheduler.pt        LR scheduler state dict
-    rng.pt              python / numpy / torch (and CUDA) RNG states
-    extra.pt            any other torch-serialisable state the caller passes (optional)
+    rng.pt              python / numpy / torch (and CUDA) RNG states, as tensors and numbers
+    extra.pt            any other state the caller passes: tensors, numbers, strings, lists, dicts (optional)
     trainer_state.json  step, data position, metrics cursor, ... (JSON, human-readable)
     COMPLETE.json       the marker: format version, step, and size + SHA-256 of every other file
 
@@ -17,8 +17,15 @@ fsync'ed. The rename is atomic, so a ``step_*`` folder only ever appears complet
 checksums additionally catch folders damaged later (a truncated or overwritten file). Old checkpoints
 beyond ``keep_last`` are deleted marker-first, so a half-deleted one is never mistaken for valid.
 
-``.pt`` files are read with ``weights_only=False`` (they hold numpy RNG states): load only checkpoints
-you wrote.
+Integrity: resume (:func:`latest_checkpoint`) verifies every file against the SHA-256 in the marker
+(one read of the files) and falls back to the previous complete checkpoint, with a warning, when a file
+was truncated, overwritten or flipped a bit.
+
+Safety: every ``.pt`` file holds only tensors and plain containers (dicts, lists, tuples, numbers,
+strings, None) and is read with ``torch.load(weights_only=True)``, which refuses to run code: a crafted
+file in a folder you resume from is an error, not an exploit. Checkpoints of format version 1 (older
+jetrl) pickled their RNG states; they load only with ``allow_pickle=True`` on :func:`load_checkpoint`,
+which runs whatever the files contain -- pass it only for checkpoints you wrote yourself.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -39,7 +47,7 @@ import torch
 import torch.nn as nn
 
 MARKER = "COMPLETE.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every .pt file loads with weights_only=True (1: pickled RNG states)
 MODEL_FILE = "model.safetensors"
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -75,17 +83,29 @@ def _sha256(path: Path, chunk: int = 1 << 24) -> str:
 # ------------------------------------------------------------------------------------------------ RNG
 
 def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from: python, numpy's global, torch CPU and CUDA."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG a training step may draw from: python, numpy's global, torch CPU and CUDA, as tensors
+    and numbers only (so ``torch.load(weights_only=True)`` reads them back)."""
+    version, words, gauss = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": {"version": version, "state": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss},
+             "numpy": {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore the RNG states :func:`rng_state` captured (CUDA only where a GPU is present)."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Restore the RNG states :func:`rng_state` captured (CUDA only where a GPU is present). Also takes
+    the pickled form of format version 1 (the tuples of ``random.getstate`` / ``np.random.get_state``)."""
+    py, npy = state["python"], state["numpy"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(py["state"].tolist()), py["gauss_next"])
+    if isinstance(npy, dict):
+        npy = (npy["kind"], npy["key"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    random.setstate(py)
+    np.random.set_state(npy)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -108,7 +128,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
         save_model: ``save_model(folder)`` writes the model itself (e.g. a HuggingFace checkpoint).
         optimizer, scheduler: objects with ``state_dict()`` (or state dicts).
         trainer_state: JSON-serialisable run state (data position, metrics cursor, counters...).
-        extra: other torch-serialisable state.
+        extra: other state: tensors, numbers, strings, None, and lists / tuples / dicts of them (what
+            ``torch.load(weights_only=True)`` reads; anything else is refused here, before writing).
         keep_last: delete older complete checkpoints beyond the newest ``keep_last``.
         checksums: record SHA-256 of every file in the marker (costs one read of the files).
     """
@@ -141,6 +162,11 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
         torch.save(rng_state(), tmp / "rng.pt")
         if extra:
             torch.save(extra, tmp / "extra.pt")
+            try:
+                torch.load(tmp / "extra.pt", weights_only=True)
+            except Exception as e:
+                raise TypeError("extra must hold only tensors, numbers, strings, None and lists / tuples / dicts of "
+                                f"them (it is loaded with weights_only=True): {e}") from None
         (tmp / "trainer_state.json").write_text(state_text)
 
         files = {}
@@ -240,9 +266,10 @@ def verify_checkpoint(path: str | Path, checksums: bool = False) -> str | None:
     return None
 
 
-def latest_checkpoint(root: str | Path, checksums: bool = False) -> Path | None:
+def latest_checkpoint(root: str | Path, checksums: bool = True) -> Path | None:
     """The newest complete checkpoint under ``root`` (None if there is none). Incomplete or corrupt
-    folders are skipped with a warning saying why."""
+    folders (a missing marker or file, a wrong size, and with ``checksums`` a SHA-256 that differs from
+    the recorded one) are skipped with a warning saying why."""
     for step, path in reversed(list_checkpoints(root)):
         reason = verify_checkpoint(path, checksums=checksums)
         if reason is None:
@@ -263,17 +290,46 @@ class LoadedCheckpoint:
 
 def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
                     load_model: Callable[[Path], None] | None = None, optimizer: Any = None, scheduler: Any = None,
-                    restore_rng: bool = True, checksums: bool = False,
-                    map_location: str | torch.device | None = "cpu") -> LoadedCheckpoint:
+                    restore_rng: bool = True, checksums: bool = True,
+                    map_location: str | torch.device | None = "cpu", allow_pickle: bool = False) -> LoadedCheckpoint:
     """Restore a checkpoint written by :func:`save_checkpoint` into the given objects.
 
     The model is loaded from ``model.safetensors`` (strict: every key must match) or by
     ``load_model(folder)``; optimizer and scheduler through ``load_state_dict``; the RNG states are
-    restored last, so that nothing after this call has drawn from them."""
+    restored last, so that nothing after this call has drawn from them. ``checksums``: verify the
+    files' SHA-256 first (pass False only for a folder just verified, e.g. by :func:`latest_checkpoint`).
+    ``.pt`` files are read with ``weights_only=True``; ``allow_pickle=True`` reads those of older jetrl
+    (format version 1) with full unpickling, which executes whatever they contain: only for checkpoints
+    you trust."""
     path = Path(path)
     reason = verify_checkpoint(path, checksums=checksums)
     if reason is not None:
         raise ValueError(f"cannot load checkpoint {path}: {reason}")
+
+    def load_pt(fname: str, location: Any = map_location) -> Any:
+        try:
+            return torch.load(path / fname, map_location=location, weights_only=True)
+        except pickle.UnpicklingError as e:
+            if not allow_pickle:
+                raise ValueError(
+                    f"refusing to unpickle {path / fname}: it holds more than tensors and plain containers, so "
+                    "loading it could run arbitrary code. A checkpoint written by an older jetrl (format version "
+                    "1) that you trust loads with allow_pickle=True; otherwise the file was tampered with. "
+                    f"({str(e).splitlines()[0][:200]})") from None
+            return torch.load(path / fname, map_location=location, weights_only=False)
+
+    # every .pt file is read (and refused, if need be) before anything is modified
+    states = {}
+    for obj, fname in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt")):
+        if obj is None:
+            continue
+        if not (path / fname).is_file():
+            raise FileNotFoundError(f"{path} has no {fname}")
+        states[fname] = load_pt(fname)
+    extra = load_pt("extra.pt") if (path / "extra.pt").is_file() else {}
+    rng = load_pt("rng.pt", None) if restore_rng else None
+    state = json.loads((path / "trainer_state.json").read_text())
+
     if load_model is not None:
         load_model(path)
     elif model is not None:
@@ -286,16 +342,10 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
             raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
     for obj, fname in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt")):
-        if obj is None:
-            continue
-        if not (path / fname).is_file():
-            raise FileNotFoundError(f"{path} has no {fname}")
-        obj.load_state_dict(torch.load(path / fname, map_location=map_location, weights_only=False))
-    state = json.loads((path / "trainer_state.json").read_text())
-    extra = torch.load(path / "extra.pt", map_location=map_location, weights_only=False) \
-        if (path / "extra.pt").is_file() else {}
-    if restore_rng:
-        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        if obj is not None:
+            obj.load_state_dict(states[fname])
+    if rng is not None:
+        set_rng_state(rng)
     return LoadedCheckpoint(path, int(state["step"]), state, extra)
 
 

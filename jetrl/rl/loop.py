@@ -4,7 +4,15 @@
 before the model is loaded. With ``trainer.resume`` the run continues from the latest complete
 checkpoint in ``trainer.output_dir``: model, optimizer, scheduler, RNG states, data position and the
 metrics log (truncated to the checkpoint's cursor) are restored, so a run killed at any moment loses
-only the steps since its last checkpoint and then reproduces them.
+only the steps since its last checkpoint and then reproduces them. Resume verifies every file of the
+checkpoint against the SHA-256 its marker recorded; a damaged checkpoint is skipped with a warning and
+the previous complete one is used.
+
+A sample whose reward fails (raises, hangs, returns a non-number, a non-finite value or one beyond the
+reward pool's ``max_abs_reward``) scores 0.0 and is counted per step in ``reward/errors`` and
+``reward/timeouts``; the first failure's message is printed once, and the run stops with
+:class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a step failed (see
+:class:`~jetrl.data.reward_pool.RewardFailureGuard`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import numpy as np
 import torch
 
 from jetrl.config import ConfigError, RunConfig, load_config, save_config
+from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardResult
 from jetrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl.rl.metrics import MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
@@ -56,10 +65,12 @@ def save_trainer_checkpoint(trainer: Trainer, root: str | Path, metrics_cursor: 
                            trainer_state=state, keep_last=keep_last)
 
 
-def resume_trainer(trainer: Trainer, root: str | Path) -> dict[str, Any] | None:
-    """Restore ``trainer`` from the latest complete checkpoint under ``root``; returns its trainer state
-    (with ``metrics_cursor``), or None when there is no checkpoint."""
-    path = latest_checkpoint(root)
+def resume_trainer(trainer: Trainer, root: str | Path, allow_pickle: bool = False) -> dict[str, Any] | None:
+    """Restore ``trainer`` from the latest complete checkpoint under ``root`` whose files match their
+    recorded SHA-256 (newer damaged ones are skipped with a warning); returns its trainer state (with
+    ``metrics_cursor``), or None when there is no checkpoint. ``allow_pickle``: see
+    :func:`jetrl.rl.checkpoint.load_checkpoint` (only for trusted checkpoints of older jetrl versions)."""
+    path = latest_checkpoint(root, checksums=True)
     if path is None:
         return None
     load_model = None
@@ -69,11 +80,26 @@ def resume_trainer(trainer: Trainer, root: str | Path) -> dict[str, Any] | None:
         def load_model(folder: Path) -> None:
             load_weights(trainer.model, str(folder / MODEL_SUBDIR))
     loaded = load_checkpoint(path, model=None if load_model else trainer.model, load_model=load_model,
-                             optimizer=trainer.optimizer, scheduler=trainer.scheduler)
+                             optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                             checksums=False,  # just verified by latest_checkpoint: one read of the files
+                             allow_pickle=allow_pickle)
     trainer.load_state_dict(loaded.trainer_state)
     from jetrl.quant import refresh_fp8_weights
     refresh_fp8_weights(trainer.model)
     return loaded.trainer_state
+
+
+def guarded_rewards(pool: RewardPool, guard: RewardFailureGuard) -> Callable[[list[str], list[str]], RewardResult]:
+    """The trainer's reward function: ``pool`` scores the completions, ``guard`` reports the first failure
+    once and stops the run when too many of the step's samples failed; the
+    :class:`~jetrl.data.reward_pool.RewardResult` carries the failure counts into the step's metrics."""
+
+    def reward_fn(texts: list[str], refs: list[str]) -> RewardResult:
+        result = pool.score(texts, refs)
+        guard.check(result)
+        return result
+
+    return reward_fn
 
 
 class DatasetPrompts:
@@ -159,7 +185,6 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     except ImportError:
         save_config(config, out / "config.json")
 
-    from jetrl.data.reward_pool import RewardPool
     from jetrl.data.rewards import RewardConfig, build_reward_fn
     from jetrl.models import load_model, load_tokenizer
     from jetrl.rollout import RolloutEngine
@@ -181,11 +206,7 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget)
     pool = RewardPool(reward)
-
-    def reward_fn(texts: list[str], refs: list[str]) -> list[float]:
-        return list(pool.score(texts, refs).rewards)
-
-    trainer = Trainer(config, model, engine, prompts, reward_fn, prompts.decode)
+    trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, RewardFailureGuard()), prompts.decode)
     cursor = None
     if config.trainer.resume:
         state = resume_trainer(trainer, ckpt_root)
@@ -212,4 +233,4 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     return metrics
 
 
-__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything"]
+__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards"]

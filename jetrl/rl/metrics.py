@@ -53,7 +53,8 @@ def batch_metrics(batch: "RolloutBatch") -> dict[str, float]:
     """Rewards (``(P, n)``), response lengths and truncation, and advantages of one rollout batch.
 
     ``reward/accuracy`` counts rewards >= 1; ``reward/zero_variance_*`` the prompts whose samples all got
-    the same reward (no signal under a group baseline)."""
+    the same reward (no signal under a group baseline); ``reward/errors`` and ``reward/timeouts`` the samples
+    whose reward failed (scored 0)."""
     rewards = batch.rewards
     lengths = torch.tensor(batch.response_lens, dtype=torch.float32)
     num_flat = num_zero_variance_groups(rewards)
@@ -63,6 +64,8 @@ def batch_metrics(batch: "RolloutBatch") -> dict[str, float]:
         "reward/accuracy": float((rewards >= 1.0).float().mean()),
         "reward/zero_variance_groups": float(num_flat),
         "reward/zero_variance_frac": num_flat / rewards.shape[0],
+        "reward/errors": float(batch.num_reward_errors),
+        "reward/timeouts": float(batch.num_reward_timeouts),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncation_rate": sum(batch.truncated) / len(batch.truncated),

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from jetrl.config import RunConfig
+from jetrl.data.reward_pool import RewardResult
 from jetrl.quant import refresh_fp8_weights
 from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
@@ -63,7 +64,8 @@ class PromptSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]  # (completion texts, references) -> rewards
+# (completion texts, references) -> rewards, or a RewardResult (the reward pool's: rewards + per-sample status)
+RewardFn = Callable[[list[str], list[str]], "Sequence[float] | RewardResult"]
 
 
 @dataclass
@@ -80,6 +82,8 @@ class RolloutBatch:
     rewards: torch.Tensor             # (P, n) fp32
     advantages: torch.Tensor          # (S,) fp32
     truncated: list[bool]             # finish_reason == "length"
+    num_reward_errors: int = 0        # samples whose reward raised, was non-finite or out of bounds (scored 0)
+    num_reward_timeouts: int = 0      # samples whose reward ran past the pool's timeout (scored 0)
 
     @property
     def num_sequences(self) -> int:
@@ -103,7 +107,9 @@ class Trainer:
         model: the policy (a jetrl decoder with ``forward_packed``), already in its precision recipe.
         engine: a :class:`jetrl.rollout.RolloutEngine` over the same ``model``.
         prompts: a :class:`PromptSource` giving ``config.data.prompts_per_step`` prompts per call.
-        reward_fn: ``(texts, references) -> rewards``.
+        reward_fn: ``(texts, references) -> rewards``; returning a
+            :class:`~jetrl.data.reward_pool.RewardResult` also reports failed samples (``reward/errors``,
+            ``reward/timeouts`` in the step's metrics).
         decode: token ids -> text, for the reward function.
         ref_model: the frozen reference policy; made as a copy of ``model`` when ``kl_coef > 0`` and none
             is given.
@@ -165,11 +171,18 @@ class Trainer:
 
     def build_batch(self, items: list[PromptItem], completions: list[Any]) -> RolloutBatch:
         """Score the decoded completions, compute advantages and lay the sequences out as a
-        :class:`RolloutBatch` (response mask and rollout log-probs on the trainer's device)."""
+        :class:`RolloutBatch` (response mask and rollout log-probs on the trainer's device). A
+        :class:`~jetrl.data.reward_pool.RewardResult` from the reward function carries its failure counts
+        into the batch."""
         n = self.config.rollout.n
         texts = [self.decode(list(c.token_ids)) for c in completions]
         refs = [items[i // n].reference for i in range(len(completions))]
-        rewards = torch.tensor([float(x) for x in self.reward_fn(texts, refs)], dtype=torch.float32)
+        scored = self.reward_fn(texts, refs)
+        num_errors = num_timeouts = 0
+        if isinstance(scored, RewardResult):
+            num_errors, num_timeouts = scored.num_errors, scored.num_timeouts
+            scored = scored.rewards
+        rewards = torch.tensor([float(x) for x in scored], dtype=torch.float32)
         if rewards.numel() != len(completions):
             raise RuntimeError(f"the reward function returned {rewards.numel()} rewards for {len(completions)} "
                                f"completions")
@@ -192,7 +205,8 @@ class Trainer:
             mask[s, :k] = True
             rollout_lp[s, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
         return RolloutBatch(tokens, prompt_lens, response_lens, mask.to(self.device), rollout_lp.to(self.device),
-                            rewards, advantages.to(self.device), [c.finish_reason == "length" for c in completions])
+                            rewards, advantages.to(self.device), [c.finish_reason == "length" for c in completions],
+                            num_reward_errors=num_errors, num_reward_timeouts=num_timeouts)
 
     def sequence_logprobs(self, model: nn.Module, batch: RolloutBatch, rows: Sequence[int]
                           ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,14 @@ another seed.
 The result is a HuggingFace-format folder (config.json, model.safetensors, tokenizer files) that
 :func:`jetrl.models.load_model` and ``transformers`` load. The step budget is the early stop: it is
 chosen so the model is weak but not hopeless on its task, which leaves RL room to improve it.
+
+Interruptions: every ``checkpoint_every`` steps (and after the last) the fp32 weights, the optimizer
+state and the run state (step -- which is also the data position, since examples are drawn by index --
+loss average, history) go into ``<output_dir>/checkpoints/`` through :mod:`jetrl.rl.checkpoint`'s atomic,
+checksummed, pickle-free checkpoints. ``run_sft(..., resume=True)`` continues from the newest complete
+one and ends with exactly the weights an uninterrupted run would have; the folder is removed once the
+final model is written (unless ``keep_checkpoints``). A fresh run into an ``output_dir`` that holds an
+interrupted run's checkpoints refuses to start, rather than silently discard them.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -61,6 +70,8 @@ class SFTConfig:
     log_every: int = 50
     device: str = "cpu"
     eval_every: int = 0                # > 0: greedy accuracy on the eval set every N steps (for tuning the budget)
+    checkpoint_every: int = 100        # > 0: a resumable checkpoint every N steps and after the last; 0: none
+    keep_checkpoints: bool = False     # keep <output_dir>/checkpoints after the final model is written
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -68,6 +79,9 @@ class SFTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"sft: {name} must be a positive int, got {value!r}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ValueError(f"sft: checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
         if not self.lr > 0:
             raise ValueError(f"sft: lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -137,13 +151,49 @@ def lr_at(step: int, config: SFTConfig) -> float:
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None] = print) -> SFTResult:
-    """Train as configured and write the checkpoint, tokenizer and ``sft_metrics.json`` to ``output_dir``."""
+CHECKPOINT_SUBDIR = "checkpoints"
+# fields that may change between an interrupted run and its resume (they do not change the trained weights)
+RESUMABLE_CHANGES = frozenset({"output_dir", "log_every", "eval_every", "eval_examples", "checkpoint_every",
+                               "keep_checkpoints", "device"})
+
+
+def format_duration(seconds: float) -> str:
+    """``"42s"``, ``"3m05s"``, ``"1h02m"``: a compact duration for progress lines."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _check_same_run(saved: dict[str, Any], config: SFTConfig, path: str) -> None:
+    current = asdict(config)
+    changed = sorted(k for k in set(saved) | set(current)
+                     if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k))
+    if changed:
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
+        raise ValueError(f"sft: cannot resume from {path}: it was trained with other settings ({detail}); resume "
+                         "with the same settings, or start a new run in another output_dir")
+
+
+def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None] = print,
+            resume: bool = False) -> SFTResult:
+    """Train as configured and write the checkpoint, tokenizer and ``sft_metrics.json`` to ``output_dir``.
+
+    ``resume``: continue from the newest complete checkpoint in ``<output_dir>/checkpoints`` (see the
+    module doc); the settings that shape the weights must be unchanged. With nothing to resume, say so
+    and start from step 0. Without ``resume``, an ``output_dir`` holding checkpoints is an error."""
     from jetrl.evaluate import evaluate
     from jetrl.models import build_model, save_model
+    from jetrl.rl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 
     start = time.perf_counter()
     out = os.fspath(config.output_dir)
+    ckpt_root = os.path.join(out, CHECKPOINT_SUBDIR)
+    if not resume and list_checkpoints(ckpt_root):
+        raise FileExistsError(f"sft: {ckpt_root} holds the checkpoints of an interrupted run; continue it with "
+                              "resume (jetrl sft --resume), or delete that folder / choose another output_dir")
     os.makedirs(out, exist_ok=True)
     tokenizer = save_char_tokenizer(out)
     train_task = config.build_task(config.train_seed)
@@ -155,12 +205,25 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+    history, loss_ema, first_step = [], None, 0
+    if resume:
+        path = latest_checkpoint(ckpt_root)  # verifies checksums; skips damaged ones with a warning
+        if path is None:
+            log(f"sft: nothing to resume in {ckpt_root}; starting from step 0")
+        else:
+            loaded = load_checkpoint(path, model=model, optimizer=optimizer, checksums=False)
+            _check_same_run(loaded.trainer_state["config"], config, str(path))
+            first_step, loss_ema = loaded.step, loaded.trainer_state["loss_ema"]
+            history = loaded.trainer_state["history"]
+            log(f"sft: resuming from {path} (step {first_step} of {config.steps})")
     eval_set = config.build_task(config.eval_seed).dataset(config.eval_examples)
     max_tokens = _max_new_tokens(config)
     bar = _progress_bar(config.steps, progress)
-    history, loss_ema = [], None
+    if bar is not None and first_step:
+        bar.update(first_step)
+    loop_start = time.perf_counter()
     model.train()
-    for step in range(config.steps):
+    for step in range(first_step, config.steps):
         examples = [encode_example(tokenizer, ex.prompt, ex.solution)
                     for ex in train_task.examples(config.batch_size, start=step * config.batch_size)]
         ids, targets = (t.to(config.device) for t in pad_batch(examples, tokenizer.pad_token_id))
@@ -181,13 +244,20 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
             history.append({"step": step + 1, "loss": value, "loss_ema": loss_ema, "lr": lr_at(step, config)})
             if bar is None:
-                log(f"sft step {step + 1}/{config.steps}  loss {loss_ema:.4f}")
+                elapsed = time.perf_counter() - loop_start
+                left = elapsed / (step + 1 - first_step) * (config.steps - step - 1)
+                log(f"sft step {step + 1}/{config.steps}  loss {loss_ema:.4f}  {format_duration(elapsed)} elapsed, "
+                    f"about {format_duration(left)} left")
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             accuracy = evaluate(model, tokenizer, eval_set, max_tokens=max_tokens, reward_workers=0).accuracy
             history.append({"step": step + 1, "eval_greedy_accuracy": accuracy, "loss_ema": loss_ema})
             log(f"sft step {step + 1}: greedy accuracy {accuracy:.3f} on {config.eval_examples} unseen problems, "
                 f"loss {loss_ema:.4f}")
             model.train()
+        every = config.checkpoint_every
+        if every and ((step + 1) % every == 0 or step + 1 == config.steps):
+            save_checkpoint(ckpt_root, step + 1, model=model, optimizer=optimizer, keep_last=1,
+                            trainer_state={"config": asdict(config), "loss_ema": loss_ema, "history": history})
     if bar is not None:
         bar.close()
 
@@ -202,6 +272,8 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
                         result.accuracy}, "seconds": seconds}
     with open(os.path.join(out, "sft_metrics.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    if not config.keep_checkpoints:
+        shutil.rmtree(ckpt_root, ignore_errors=True)  # the final model is written: nothing left to resume
     return SFTResult(out, config.steps, float(loss_ema), result.accuracy, num_params, seconds)
 
 
@@ -222,4 +294,5 @@ def _progress_bar(total: int, enabled: bool):
     return tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
 
 
-__all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "lr_at"]
+__all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "lr_at",
+           "format_duration"]

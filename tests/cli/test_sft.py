@@ -55,3 +55,71 @@ def test_short_run_lowers_loss_and_writes_a_loadable_checkpoint(tmp_path):
     model = load_model(tmp_path / "m", dtype=torch.float32)
     assert model.config.tie_word_embeddings and model.config.vocab_size == 26
     assert AutoTokenizer.from_pretrained(tmp_path / "m").eos_token_id == model.config.eos_token_id
+
+
+# ------------------------------------------------------------------------------ interrupted runs resume
+
+TINY = dict(difficulty=1, steps=12, batch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, intermediate_size=64, eval_examples=4, warmup_steps=3, log_every=4, lr=1e-2,
+            checkpoint_every=5)
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_an_interrupted_run_resumes_to_the_weights_of_an_uninterrupted_one(tmp_path, monkeypatch):
+    import jetrl.sft.train as sft
+
+    straight = run_sft(SFTConfig(output_dir=str(tmp_path / "straight"), **TINY), progress=False, log=lambda m: None)
+    assert not (tmp_path / "straight" / "checkpoints").exists()  # removed once the final model is written
+
+    config = SFTConfig(output_dir=str(tmp_path / "cut"), **TINY)
+    real_loss, calls = sft.answer_loss, []
+
+    def killed_at_step_8(*args):
+        calls.append(1)
+        if len(calls) == 9:
+            raise KeyboardInterrupt  # Ctrl-C during step 8, after the checkpoint of step 5
+        return real_loss(*args)
+
+    monkeypatch.setattr(sft, "answer_loss", killed_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(config, progress=False, log=lambda m: None)
+    monkeypatch.setattr(sft, "answer_loss", real_loss)
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step_00000005"]
+
+    with pytest.raises(FileExistsError, match="interrupted run.*--resume"):
+        run_sft(config, progress=False, log=lambda m: None)  # a fresh run would discard them: refused
+    with pytest.raises(ValueError, match=r"other settings \(lr: 0.01 -> 0.02\)"):
+        run_sft(SFTConfig(output_dir=str(tmp_path / "cut"), **{**TINY, "lr": 2e-2}), progress=False,
+                log=lambda m: None, resume=True)
+
+    lines = []
+    resumed = run_sft(config, progress=False, log=lines.append, resume=True)
+    assert any("resuming from" in line and "step 5 of 12" in line for line in lines), lines
+    assert any(line.startswith("sft step 8/12") and "left" in line for line in lines), lines  # a time estimate
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "cut")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.final_loss == straight.final_loss
+    history = [json.loads((tmp_path / d / "sft_metrics.json").read_text())["history"] for d in ("straight", "cut")]
+    assert history[0] == history[1]
+
+
+def test_resume_with_nothing_to_resume_says_so_and_keep_checkpoints(tmp_path):
+    lines = []
+    run_sft(SFTConfig(output_dir=str(tmp_path / "m"), keep_checkpoints=True, **{**TINY, "steps": 6}),
+            progress=False, log=lines.append, resume=True)
+    assert "nothing to resume" in lines[0]
+    # kept: the last checkpoint (step 6); resuming from it only re-writes the final model
+    assert sorted(p.name for p in (tmp_path / "m" / "checkpoints").iterdir()) == ["step_00000006"]
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        SFTConfig(checkpoint_every=-1)
+
+
+def test_format_duration():
+    from jetrl.sft.train import format_duration
+
+    assert [format_duration(s) for s in (0.4, 42, 185, 3725)] == ["0s", "42s", "3m05s", "1h02m"]

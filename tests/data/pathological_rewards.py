@@ -31,3 +31,8 @@ class BrokenWarmup:
 
     def __call__(self, completion_text: str, reference_answer: str) -> float:
         return 0.0
+
+
+def scaled(completion_text: str, reference_answer: str) -> float:
+    """The completion read as a number (a reward of any magnitude); float() of a non-number raises."""
+    return float(completion_text)

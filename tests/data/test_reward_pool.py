@@ -105,3 +105,47 @@ def test_interrupted_call_leaves_no_stale_work():
         assert pool._workers[0] is not worker and not worker.process.is_alive()
         result = pool.score(["b", "a"], ["b", "x"])
         assert result.rewards == [1.0, 0.0] and result.num_failed == 0
+
+
+def test_out_of_bound_rewards_are_errors():
+    with RewardPool("pathological_rewards:scaled", RewardPoolConfig(num_workers=0, max_abs_reward=10)) as pool:
+        result = pool.score(["1", "-10", "11", "-1e30", "inf"], [""] * 5)
+    assert result.rewards == [1.0, -10.0, 0.0, 0.0, 0.0]
+    assert result.status == ["ok", "ok", "error", "error", "error"] and result.num_errors == 3
+    assert "reward 11 is beyond max_abs_reward=10" in result.errors[0]
+    with pytest.raises(ValueError, match="max_abs_reward"):
+        RewardPoolConfig(max_abs_reward=0)
+
+
+def test_error_messages_are_bounded_excerpts():
+    from jetrl.data.reward_pool import MAX_MESSAGE_CHARS
+
+    with RewardPool("pathological_rewards:scaled", RewardPoolConfig(num_workers=0)) as pool:
+        result = pool.score(["x" * 1_000_000], [""])  # float("xxx...") quotes the whole input
+    assert result.status == ["error"] and len(result.errors[0]) <= MAX_MESSAGE_CHARS + 20
+    assert "chars ...]" in result.errors[0]
+
+
+def test_failure_guard_reports_once_and_stops_when_every_sample_failed():
+    from jetrl.data.reward_pool import RewardFailureError, RewardFailureGuard
+
+    lines: list[str] = []
+    guard = RewardFailureGuard(log=lines.append)
+    with RewardPool(BAD, RewardPoolConfig(num_workers=0)) as pool:
+        guard.check(pool.score(["a", "b"], ["a", "c"]))  # no failure: silent
+        assert lines == []
+        guard.check(pool.score(["raise", "a", "nan"], ["a", "a", "a"]))
+        guard.check(pool.score(["raise", "a"], ["a", "a"]))
+        assert len(lines) == 1 and "2 of 3 samples (2 errors, 0 timeouts)" in lines[0]
+        assert "RuntimeError: reward function exploded" in lines[0]
+        with pytest.raises(RewardFailureError, match=r"failed for 2 of 2 samples \(2 errors, 0 timeouts\), at "
+                                                     r"least 1 of them; stopping the run\. First failure: sample 0: "
+                                                     "RuntimeError: reward function exploded"):
+            guard.check(pool.score(["raise", "raise"], ["a", "a"]))
+        half = RewardFailureGuard(stop_fraction=0.5, log=lines.append)
+        half.check(pool.score(["raise", "a", "a"], ["a"] * 3))
+        with pytest.raises(RewardFailureError, match="2 of 4 samples"):
+            half.check(pool.score(["raise", "a", "nan", "a"], ["a"] * 4))
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="stop_fraction"):
+            RewardFailureGuard(stop_fraction=bad)

@@ -178,3 +178,57 @@ def test_resolve_reward_names_and_errors():
         resolve_reward("jetrl.data.rewards:gsm8k_rewrd")
     with pytest.raises(TypeError, match="not callable"):
         resolve_reward("jetrl.data.rewards:BUILTIN_REWARDS")
+
+
+# ---------------------------------------------------------------- pathological completions: bounded work
+
+HUGE = "#### " + "9" * 1_000_000  # 143 s in the GSM8K reward before the cap (number conversion in C)
+
+
+@pytest.fixture
+def converted(monkeypatch):
+    """Records the length of every string the answer parser converts to a number."""
+    import jetrl.data.answers as answers
+
+    seen: list[int] = []
+    real = answers.Decimal
+
+    def recording(text):
+        seen.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(answers, "Decimal", recording)
+    return seen
+
+
+def test_a_million_digit_answer_is_not_converted(converted):
+    from jetrl.data.answers import MAX_NUMBER_CHARS
+    from jetrl.data.tasks.arithmetic import arithmetic_reward
+    from jetrl.data.tasks.countdown import countdown_reward
+
+    assert gsm8k_reward(HUGE, "#### 9") == 0.0
+    assert arithmetic_reward(HUGE, "9") == 0.0
+    assert countdown_reward(HUGE, "3,5,7,2>24") == 0.0
+    assert extract_final_number("x " * 100_000 + "\\boxed{" + "1" * 1_000_000 + "}") is None
+    assert converted and max(converted) <= MAX_NUMBER_CHARS
+    # a long but sane answer still counts
+    assert gsm8k_reward("#### 1,234,567,890,123.50", "#### 1234567890123.5") == 1.0
+
+
+def test_math_reward_hands_math_verify_a_bounded_excerpt(monkeypatch):
+    pytest.importorskip("math_verify")
+    import math_verify
+
+    from jetrl.data.rewards import MATH_ANSWER_CHARS
+
+    seen: list[int] = []
+    real = math_verify.parse
+
+    def recording(text, *args, **kwargs):
+        seen.append(len(text))
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(math_verify, "parse", recording)
+    assert math_reward("blah " * 200_000 + "so \\boxed{\\frac{1}{2}} and " + "x" * 1_000_000, "0.5") == 1.0
+    assert math_reward("9" * 1_000_000, "5") == 0.0
+    assert seen and max(seen) <= MATH_ANSWER_CHARS

@@ -1,4 +1,5 @@
-"""Checkpoints: full-state round trip (RNG bitwise), atomicity, corrupt folders ignored, pruning."""
+"""Checkpoints: full-state round trip (RNG bitwise), atomicity, corrupt folders ignored, pruning, no
+unpickling of what a checkpoint folder holds."""
 
 import json
 import os
@@ -119,17 +120,89 @@ def test_latest_skips_damaged_folders_with_a_warning(tmp_path, damage, reason):
         load_checkpoint(bad, model=model)
 
 
-def test_same_size_corruption_needs_checksums(tmp_path):
+def flip_a_bit(f):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fname", ["optimizer.pt", "model.safetensors"])
+def test_same_size_corruption_falls_back_to_the_previous_checkpoint(tmp_path, fname):
+    """One flipped bit keeps every size: resume (latest_checkpoint, checksums on by default) catches it by
+    the recorded SHA-256 and takes the previous complete checkpoint, with a warning."""
     model, opt, sched = make_run()
     good = save(tmp_path, 1, model, opt, sched)
     bad = save(tmp_path, 2, model, opt, sched)
-    f = bad / "optimizer.pt"
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    f.write_bytes(bytes(data))
-    assert latest_checkpoint(tmp_path) == bad  # sizes match: only the checksum tells
-    with pytest.warns(RuntimeWarning, match="does not match its recorded SHA-256"):
-        assert latest_checkpoint(tmp_path, checksums=True) == good
+    flip_a_bit(bad / fname)
+    assert latest_checkpoint(tmp_path, checksums=False) == bad  # sizes match: only the checksum tells
+    with pytest.warns(RuntimeWarning, match=f"ignoring checkpoint .*step_00000002: {fname} does not match its "
+                                            "recorded SHA-256"):
+        assert latest_checkpoint(tmp_path) == good
+    with pytest.raises(ValueError, match="does not match its recorded SHA-256"):
+        load_checkpoint(bad, model=model)  # loading a named folder verifies it too
+
+
+def test_every_pt_file_loads_with_weights_only(tmp_path):
+    model, opt, sched = make_run()
+    train_steps(model, opt, sched, 2)
+    path = save(tmp_path, 2, model, opt, sched)
+    names = sorted(p.name for p in path.glob("*.pt"))
+    assert names == ["extra.pt", "optimizer.pt", "rng.pt", "scheduler.pt"]
+    for name in names:
+        torch.load(path / name, weights_only=True)  # raises on anything but tensors and plain containers
+    assert json.loads((path / MARKER).read_text())["format_version"] == 2
+    with pytest.raises(TypeError, match="weights_only"):
+        save_checkpoint(tmp_path, 3, model=model, extra={"obj": TiedLM()})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2]
+
+
+class _CreatesAFile:
+    """A pickle payload: unpickling it creates ``self.target`` (stands for arbitrary code)."""
+
+    def __init__(self, target):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return (open, (self.target, "w"))
+
+
+def _replace_file(path, fname, obj):
+    """Overwrite ``fname`` with ``obj`` and re-record it in the marker, as a crafted folder would."""
+    import hashlib
+
+    torch.save(obj, path / fname)
+    marker = json.loads((path / MARKER).read_text())
+    data = (path / fname).read_bytes()
+    marker["files"][fname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / MARKER).write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("fname", ["rng.pt", "extra.pt", "optimizer.pt"])
+def test_a_crafted_pickle_is_refused_and_never_runs(tmp_path, fname):
+    model, opt, sched = make_run()
+    path = save(tmp_path, 1, model, opt, sched)
+    target = tmp_path / "pwned"
+    _replace_file(path, fname, {"torch": _CreatesAFile(target)})
+    before = [p.detach().clone() for p in model.parameters()]
+    assert latest_checkpoint(tmp_path) == path  # consistent marker: integrity is not the defence here
+    with pytest.raises(ValueError, match=f"refusing to unpickle .*{fname}.*allow_pickle=True"):
+        load_checkpoint(path, model=model, optimizer=opt, scheduler=sched)
+    assert not target.exists()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing loaded before refusing
+
+
+def test_an_old_pickled_checkpoint_loads_only_with_allow_pickle(tmp_path):
+    """Format version 1 stored python's and numpy's RNG states as pickled tuples (numpy arrays)."""
+    model, opt, sched = make_run()
+    path = save(tmp_path, 1, model, opt, sched)
+    random.seed(3), np.random.seed(3), torch.manual_seed(3)
+    old_rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    draws = (random.random(), np.random.rand(2).tolist(), torch.rand(2))
+    _replace_file(path, "rng.pt", old_rng)
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        load_checkpoint(path, model=model)
+    load_checkpoint(path, model=model, allow_pickle=True)
+    assert (random.random(), np.random.rand(2).tolist()) == draws[:2] and torch.equal(torch.rand(2), draws[2])
 
 
 def test_a_save_that_fails_midway_leaves_nothing(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """The RL loop's prompt adapter: what the policy is fed and what the reward function reads."""
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -39,3 +40,64 @@ def test_decoded_completion_drops_the_final_eos_so_anchored_checkers_pass():
     text = prompts.decode(ids)
     assert text == "#### 1+2"
     assert countdown_reward(text, "1,2>3") == 1.0
+
+
+# ------------------------------------------------------------------ reward failures reach the step's metrics
+
+def _ids_reward(text: str, reference: str) -> float:
+    """Fails on purpose: raises when the completion's first token id is odd, else returns it as a number
+    (or 1e9 when the reference asks for an absurd reward)."""
+    first = int(text.split(",")[0]) if text else 0
+    if first % 2:
+        raise ValueError(f"odd first token {first} " + "x" * 5000)
+    return 1e9 if reference == "absurd" else float(first % 4)
+
+
+def _toy_trainer(reward_fn, reference=""):
+    from jetrl.config import load_config
+    from jetrl.models import DecoderConfig, build_model
+    from jetrl.rl.trainer import PromptItem, Trainer
+    from jetrl.rollout import RolloutEngine
+
+    class Prompts:
+        def next_batch(self):
+            return [PromptItem([2 + i, 3, 4], reference) for i in range(4)]
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    cfg = load_config(None, ["--recipe=bf16", "--data.prompts_per_step=4", "--rollout.n=4", "--rollout.max_tokens=4",
+                             "--algorithm.mini_batch_size=16", "--algorithm.micro_batch_size=16", "--trainer.steps=2"])
+    model = build_model(DecoderConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=32, eos_token_id=1), dtype=torch.float32, seed=0)
+    engine = RolloutEngine(model, max_num_seqs=16, num_blocks=64, block_size=4, progress=False)
+    return Trainer(cfg, model, engine, Prompts(), reward_fn, lambda ids: ",".join(map(str, ids)))
+
+
+def test_failed_rewards_are_counted_reported_once_and_stop_the_run_when_all_fail():
+    from jetrl.data.reward_pool import RewardFailureError, RewardFailureGuard, RewardPool, RewardPoolConfig
+    from jetrl.rl.loop import guarded_rewards
+
+    lines, seen = [], []
+    pool = RewardPool(_ids_reward, RewardPoolConfig(num_workers=0, max_abs_reward=100.0))
+    guarded = guarded_rewards(pool, RewardFailureGuard(log=lines.append))
+
+    def recording(texts, refs):
+        seen.append(texts)
+        return guarded(texts, refs)
+
+    trainer = _toy_trainer(recording)
+    m = trainer.step()
+    num_odd = sum(int(t.split(",")[0]) % 2 for t in seen[0] if t)
+    assert 0 < num_odd < 16 and m["reward/errors"] == num_odd and m["reward/timeouts"] == 0.0
+    assert len(lines) == 1 and "ValueError: odd first token" in lines[0] and len(lines[0]) < 1200
+    m = trainer.step()
+    assert len(lines) == 1  # reported once per run
+
+    absurd = _toy_trainer(guarded_rewards(pool, RewardFailureGuard(log=lines.append)), reference="absurd")
+    with pytest.raises(RewardFailureError, match="failed for 16 of 16 samples"):
+        absurd.step()  # every reward is either an error or beyond max_abs_reward

@@ -23,14 +23,15 @@ def _batch() -> RolloutBatch:
     rollout_lp = torch.where(mask, torch.tensor(LOG_HALF), torch.tensor(0.0))
     return RolloutBatch(tokens=[torch.arange(2 + k) for k in lens], prompt_lens=[2] * 4, response_lens=lens,
                         mask=mask, rollout_logprobs=rollout_lp, rewards=torch.tensor([[1.0, 0.0], [1.0, 1.0]]),
-                        advantages=torch.tensor([1.0, -1.0, 0.0, 0.0]), truncated=[True, False, False, False])
+                        advantages=torch.tensor([1.0, -1.0, 0.0, 0.0]), truncated=[True, False, False, False],
+                        num_reward_errors=2, num_reward_timeouts=1)
 
 
 def test_batch_metrics_hand_computed():
     m = batch_metrics(_batch())
     assert m == {"reward/mean": 0.75, "reward/std": 0.5,  # unbiased: sqrt((3 * 0.25^2 + 0.75^2) / 3)
                  "reward/accuracy": 0.75, "reward/zero_variance_groups": 1.0, "reward/zero_variance_frac": 0.5,
-                 "response/length_mean": 1.5, "response/length_max": 3.0, "response/truncation_rate": 0.25,
+                 "reward/errors": 2.0, "reward/timeouts": 1.0, "response/length_mean": 1.5, "response/length_max": 3.0, "response/truncation_rate": 0.25,
                  "advantage/mean": 0.0, "advantage/abs_mean": 0.5}
     one = _batch()
     one.rewards = torch.tensor([[0.5]])
