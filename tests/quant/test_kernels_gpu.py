@@ -23,7 +23,7 @@ DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 def cuda_backend():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the FP8 kernels need a Hopper (sm_90+) GPU")
-    from jetrl.quant.cuda import CudaBackend
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
 
     return CudaBackend()
 
@@ -67,7 +67,7 @@ def test_quantize_bitwise(cuda_backend, block, shape, dtype, pow2):
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, monkeypatch, shape, pow2):
-    from jetrl.quant import cuda as cuda_mod
+    from jetrl.quant.kernels import cuda_backend as cuda_mod
 
     x = _input(*shape, torch.bfloat16, seed=11)
     for fused in (True, False):
@@ -87,7 +87,7 @@ def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, monkeypat
 @pytest.mark.parametrize("shape", [(130, 300), (4096, 512), (256, 1000)])
 def test_transpose_output_variant_bitwise(cuda_backend, shape):
     """The kernels' other transposition strategy (E4M3 result transposed) gives the same bytes."""
-    from jetrl.quant import triton_kernels as tk
+    from jetrl.quant.kernels import quantize_triton as tk
 
     x = _input(*shape, torch.bfloat16, seed=3)
     rt = R.quantize_tensor(x, TOKEN)
@@ -108,7 +108,7 @@ def test_transpose_output_variant_bitwise(cuda_backend, shape):
 def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
     """The reciprocal division (recip=True) in every kernel, tile and transposition strategy the benchmark
     sweeps, on inputs with partial blocks, a zero row, saturation and signed zeros: the reference's bytes."""
-    from jetrl.quant import triton_kernels as tk
+    from jetrl.quant.kernels import quantize_triton as tk
 
     x = _input(*shape, dtype, seed=5)
     x[0, : min(5, shape[1])] = -0.0
@@ -141,7 +141,7 @@ def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
 def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
     """The Gluon requant kernel (the tile staged in shared memory, one whole column per thread) on partial
     blocks, a zero row, saturation and signed zeros: the reference's bytes."""
-    from jetrl.quant import token_gluon as rg
+    from jetrl.quant.kernels import quantize_gluon as rg
 
     x = _input(*shape, torch.bfloat16, seed=17)
     x[0, : min(5, shape[1])] = -0.0
@@ -156,7 +156,7 @@ def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
 def test_gluon_token_and_one_pass_bitwise(cuda_backend, shape, dtype, pow2):
     """The Gluon 128x1 kernel and the one-pass 1x128 + 128x1 kernel on a float input: the reference's bytes."""
-    from jetrl.quant import token_gluon as tg
+    from jetrl.quant.kernels import quantize_gluon as tg
 
     x = _input(*shape, dtype, seed=23)
     x[0, : min(5, shape[1])] = -0.0
@@ -169,7 +169,7 @@ def test_gluon_token_and_one_pass_bitwise(cuda_backend, shape, dtype, pow2):
 
 
 def test_gluon_kernels_reject_strided_rows(cuda_backend):
-    from jetrl.quant import token_gluon as tg
+    from jetrl.quant.kernels import quantize_gluon as tg
 
     x = _input(256, 256, torch.bfloat16, seed=3).t()
     with pytest.raises(ValueError, match="unit stride"):
@@ -182,7 +182,7 @@ def test_gluon_kernels_reject_strided_rows(cuda_backend):
 def test_both_128x1_kernel_families_through_the_backend(cuda_backend, monkeypatch, family):
     """Either family of 128x1 kernels behind the backend (Gluon is the default), the one-pass grad_out kernel
     of each, and a strided input (which the Gluon kernels leave to Triton): the reference's bytes."""
-    from jetrl.quant import cuda as cuda_mod
+    from jetrl.quant.kernels import cuda_backend as cuda_mod
 
     x = _input(512, 384, torch.bfloat16, seed=19)
     qa = R.quantize_tensor(x, ACT)
@@ -210,7 +210,7 @@ def test_both_128x1_kernel_families_through_the_backend(cuda_backend, monkeypatc
 @pytest.mark.parametrize("pow2", [False, True])
 def test_recip_division_inf_blocks_equal_division(cuda_backend, pow2):
     """A block holding an inf has scale inf: x / inf is +-0 and inf / inf NaN, with or without recip."""
-    from jetrl.quant import triton_kernels as tk
+    from jetrl.quant.kernels import quantize_triton as tk
 
     x = torch.randn(260, 300, device="cuda")
     x[5, 7], x[9, 200], x[5, 8] = float("inf"), -float("inf"), -0.0
@@ -243,7 +243,7 @@ def _gemm_tolerance(a: Fp8Tensor, b: Fp8Tensor, ref: torch.Tensor, out_dtype: to
                                  (30, 200, 300), (1000, 272, 640)])
 @pytest.mark.parametrize("b_block", [WEIGHT, ACT])
 def test_gemm_to_output_rounding(cuda_backend, monkeypatch, b_block, mnk, out_dtype, path):
-    from jetrl.quant import cuda as cuda_mod
+    from jetrl.quant.kernels import cuda_backend as cuda_mod
 
     m, n, k = mnk
     monkeypatch.setenv("JETRL_FP8_GEMM", path)
@@ -264,7 +264,7 @@ def test_gemm_to_output_rounding(cuda_backend, monkeypatch, b_block, mnk, out_dt
 def test_decode_gemm_deterministic_split_k(cuda_backend, mnk):
     """The split-K decode GEMM: within output rounding of the exact product, bitwise equal across calls,
     across split counts' own repeated runs, and inside a CUDA graph (the counters reset themselves)."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     m, n, k = mnk
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
@@ -294,7 +294,7 @@ def test_grouped_decode_gemm_equals_one_by_one(cuda_backend, m, bias):
     """q/k/v-like weights sharing an input: one launch, each slice bitwise the single GEMM (+ bias) run with
     the grouped launch's split (the default split depends on the total width, so it can differ from a lone
     call's: then the two sum K in different orders)."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     g = torch.Generator(device="cuda").manual_seed(m + 11 * bias)
     a = cuda_backend.quantize(torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
@@ -332,7 +332,7 @@ def test_decode_gemm_variants(cuda_backend, mnk, variant):
     """Every tuning variant of the decode GEMM (1 and 3 K splits): within output rounding of the exact
     product, bitwise equal across calls and inside a CUDA graph; K = 1104 (a partial K block) and 1100 (no
     TMA: K % 16 != 0, pointer loads instead) cover the edges."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     m, n, k = mnk
     g = torch.Generator(device="cuda").manual_seed(m * 5 + n + variant)
@@ -356,7 +356,7 @@ def test_decode_gemm_variants(cuda_backend, mnk, variant):
 
 
 def _shape_config_cases():
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     lower = {32: 1, 64: 33, 128: 65, 256: 129}
     return [(key, m) for key in dk.DECODE_SHAPE_CONFIGS for m in (lower[key[0]], key[0])]
@@ -370,7 +370,7 @@ GROUPED_SPLITS = {6144: (4096, 1024, 1024), 2048: (1536, 256, 256), 17920: (8960
 def test_measured_shape_configs_compute_their_shapes(cuda_backend, key, m):
     """Every per-shape decode config, at both ends of its row bucket, on the shape it was measured for: within
     output rounding of the exact product; grouped entries bitwise equal to their one-by-one calls."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     _, n, k, grouped = key
     cfg = dk.DECODE_SHAPE_CONFIGS[key]
@@ -394,7 +394,7 @@ def test_measured_shape_configs_compute_their_shapes(cuda_backend, key, m):
 def test_grouped_decode_gemm_variants_equal_one_by_one(cuda_backend, m, variant):
     """Grouped q/k/v (with biases) through each variant, TMA descriptors per weight included: bitwise the
     one-by-one calls with the same config."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     g = torch.Generator(device="cuda").manual_seed(m + variant)
     a = cuda_backend.quantize(torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
@@ -411,7 +411,7 @@ def test_grouped_decode_gemm_variants_equal_one_by_one(cuda_backend, m, variant)
 def test_decode_routing_bounds(cuda_backend, monkeypatch):
     """Single GEMMs up to DECODE_MAX_M, grouped launches up to GROUPED_DECODE_MAX_M and per-shape entries
     go to the decode kernel; M > 256 never does; a grouped launch past its bound returns None."""
-    from jetrl.quant import cuda as cuda_mod
+    from jetrl.quant.kernels import cuda_backend as cuda_mod
 
     monkeypatch.delenv("JETRL_FP8_GEMM", raising=False)
     monkeypatch.setattr(cuda_mod, "DECODE_MAX_M", 64)

@@ -19,7 +19,7 @@ _CHILD = r'''
 import json, sys
 import torch
 from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample
-from jetrl.rollout import sampling_triton as ST
+from jetrl.quant.kernels import sampling_triton as ST
 
 g = torch.Generator().manual_seed(11)
 out = {}
