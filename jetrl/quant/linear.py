@@ -52,8 +52,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         y = backend.gemm(qx, qw, out_dtype=x.dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        # wt_data: an optional row-major copy of W^T's FP8 data (same values as w_data.t()), cached with
-        # the weight by backends whose DGrad GEMM wants it row-major
+        # wt_data: a row-major copy of W^T's FP8 data (same values as w_data.t()), cached with the weight
+        # when a grad-enabled forward made it (the backend's quantize_weight_pair); DGrad reads it
         ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data)
         ctx.pow2_scale = pow2_scale
         ctx.x_dtype = x.dtype
