@@ -209,7 +209,7 @@ def fused_impl(impl: str | None) -> Iterator[None]:
         _FORCED.reset(token)
 
 
-def choose_impl(x: torch.Tensor, impl: str | None, eligible: bool = True, op: str = "rms_norm") -> str:
+def choose_impl(x: torch.Tensor, impl: str | None, *, op: str, eligible: bool = True) -> str:
     """``"triton"`` or ``"reference"`` for the fused op ``op`` (one of :data:`FUSED_OPS`) on tensors like ``x``.
 
     ``impl`` given (or forced by :func:`fused_impl`) wins, after a check that the kernels can run on ``x``
