@@ -30,7 +30,7 @@ import torch.nn as nn
 LLAMA8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 TRAIN_M = [64, 256, 4096, 16384]
 DECODE_M = [1, 16, 32, 64]
-TOKEN_TILES = [(64, 4), (32, 2), (32, 1)]  # (block_k, num_warps) tried for the 128x1 kernels (runs J, K: the rest lose)
+TOKEN_TILES = [(64, 4), (32, 2), (32, 1)]  # (block_k, num_warps) tried for the Triton 128x1 kernels
 
 
 @dataclass
@@ -89,42 +89,40 @@ def _copy_bandwidth() -> float:
     return 2 * src.numel() / ms / 1e6  # GB/s, bytes read + written
 
 
+def _tuned(settings: dict, fn, *args):
+    """``fn(*args)`` with the tuning object's ``settings`` in force."""
+    from jetrl.quant.kernels import tuning
+
+    with tuning.override(**settings):
+        return fn(*args)
+
+
 def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
-    from jetrl.quant import triton_kernels as tk
+    from jetrl.quant.kernels import quantize_triton as tk
 
     for m, k in shapes:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         q, s = tk.quantize_act_1x128(x)
         kb, mb = -(-k // 128), -(-m // 128)
         cases = {
-            # name: (fn, bytes moved)
+            # name: (fn, bytes moved); tiles and warps are the tuning object's defaults
             "act 1x128": (lambda: tk.quantize_act_1x128(x), 2 * m * k + m * k + 4 * m * kb),
+            "token 128x1": (lambda: tk.quantize_token_128x1(x), 2 * m * k + m * k + 4 * mb * k),
+            "requant 1x128->128x1": (lambda: tk.requantize_act_to_token(q, s), 2 * m * k + 4 * (m * kb + mb * k)),
+            "weight 128x128 + W^T": (lambda: tk.quantize_weight_128x128(x, emit_t=True), 2 * m * k + 2 * m * k),
+            # grad_out without Gluon: the 1x128 kernel, then the 128x1 kernel (the backend's fallback)
+            "act 1x128 + 128x1 [two kernels]": (lambda: (tk.quantize_act_1x128(x), tk.quantize_token_128x1(x)),
+                                                2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
         }
-        for t_in in (True, False):
-            tag = " [transpose in]" if t_in else " [transpose E4M3 out]"
-            cases.update({
-                "act 1x128 + 128x1" + tag: (lambda t=t_in: tk.quantize_act_1x128(x, emit_token=True, transpose_input=t),
-                                            2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
-                "token 128x1" + tag: (lambda t=t_in: tk.quantize_token_128x1(x, transpose_input=t),
-                                      2 * m * k + m * k + 4 * mb * k),
-                "requant 1x128->128x1" + tag: (lambda t=t_in: tk.requantize_act_to_token(q, s, transpose_input=t),
-                                               2 * m * k + 4 * (m * kb + mb * k)),
-                "weight 128x128 + W^T" + tag: (lambda t=t_in: tk.quantize_weight_128x128(x, emit_t=True,
-                                                                                       transpose_input=t),
-                                               2 * m * k + 2 * m * k),
-            })
-        for bk, warps in TOKEN_TILES:  # the 128x1 kernels' tile sweep (both transposition strategies)
-            for t_in in (True, False):
-                tag = f" [bk{bk} w{warps} {'T_in' if t_in else 'T_out'}]"
-                cases["token 128x1" + tag] = (
-                    lambda b=bk, w=warps, t=t_in: tk.quantize_token_128x1(x, transpose_input=t, block_k=b, num_warps=w),
-                    2 * m * k + m * k + 4 * mb * k)
-                cases["requant 1x128->128x1" + tag] = (
-                    lambda b=bk, w=warps, t=t_in: tk.requantize_act_to_token(q, s, transpose_input=t, block_k=b,
-                                                                            num_warps=w),
-                    2 * m * k + 4 * (m * kb + mb * k))
+        for bk, warps in TOKEN_TILES:  # the Triton 128x1 kernels' tile sweep, through the tuning object
+            tag = f" [bk{bk} w{warps}]"
+            tiles = dict(token_block_k=bk, token_num_warps=warps, requant_block_k=bk, requant_num_warps=warps)
+            cases["token 128x1" + tag] = (lambda t=tiles: _tuned(t, tk.quantize_token_128x1, x),
+                                          2 * m * k + m * k + 4 * mb * k)
+            cases["requant 1x128->128x1" + tag] = (lambda t=tiles: _tuned(t, tk.requantize_act_to_token, q, s),
+                                                   2 * m * k + 4 * (m * kb + mb * k))
         try:  # the Gluon 128x1 kernels (the tile staged in shared memory, one whole column per thread)
-            from jetrl.quant import token_gluon as tg
+            from jetrl.quant.kernels import quantize_gluon as tg
 
             cases.update({
                 "requant 1x128->128x1 [gluon]": (lambda: tg.requantize_act_to_token(q, s),
@@ -146,26 +144,22 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
             rep.add("quant", kernel=name, shape=f"{m}x{k}", us=ms * 1e3, gbps=gbps, frac_copy=gbps / rep.copy_gbps)
 
 
-# quant-sweep: per kernel, the configurations timed (wrapper keyword arguments; None = the module default).
+# quant-sweep: per kernel, the configurations timed (settings of the tuning object, jetrl.quant.kernels.tuning).
 # Every configuration gives the same bits (tests/quant/test_triton_interpret.py, tests/quant/test_kernels_gpu.py).
 def _quant_sweep_configs() -> dict[str, list[dict]]:
-    both = (False, True)
     return {
-        "act 1x128": [dict(recip=r, block_m=bm, num_warps=w) for r in both for bm, w in ((32, 4), (64, 8))],
-        "act 1x128 + 128x1": [dict(recip=r, num_warps=w) for r in both for w in (8, 4)],
-        "token 128x1": [dict(recip=r, transpose_input=t, block_k=bk, num_warps=w) for r in both for t in both
-                        for bk, w in ((64, 4), (32, 2), (64, 2), (128, 4))],
-        "requant 1x128->128x1": [dict(recip=r, transpose_input=t, block_k=bk, num_warps=w) for r in both
-                                 for t in both for bk, w in ((32, 4), (32, 2), (64, 2), (128, 4))]
-                                + [dict(recip=True, transpose_input=False, block_k=32, num_warps=1)],
-        "weight 128x128 + W^T": [dict(recip=r, transpose_input=t, num_warps=w) for r in both for t in both
-                                 for w in (8, 4)],
+        "act 1x128": [dict(act_block_m=bm, act_num_warps=w) for bm, w in ((32, 4), (64, 8), (16, 4))],
+        "token 128x1": [dict(token_block_k=bk, token_num_warps=w) for bk, w in ((32, 1), (64, 4), (32, 2), (64, 2),
+                                                                                 (128, 4))],
+        "requant 1x128->128x1": [dict(requant_block_k=bk, requant_num_warps=w) for bk, w in ((32, 1), (32, 4), (32, 2),
+                                                                                           (64, 2), (128, 4))],
+        "weight 128x128 + W^T": [dict(weight_num_warps=w) for w in (8, 4)],
     }
 
 
 def _config_name(cfg: dict) -> str:
-    short = {"recip": "recip", "transpose_input": "t_in", "block_k": "bk", "block_m": "bm", "num_warps": "w"}
-    return " ".join(f"{short[k]}={int(v) if isinstance(v, bool) else v}" for k, v in cfg.items())
+    short = {"block_m": "bm", "block_k": "bk", "num_warps": "w"}
+    return " ".join(f"{short[k.split('_', 1)[1]]}={v}" for k, v in cfg.items())
 
 
 def bench_quant_sweep(rep: Report, shapes: list[tuple[int, int]]) -> None:
@@ -176,7 +170,7 @@ def bench_quant_sweep(rep: Report, shapes: list[tuple[int, int]]) -> None:
 
     import triton.testing
 
-    from jetrl.quant import triton_kernels as tk
+    from jetrl.quant.kernels import quantize_triton as tk
 
     def graph_ms(fn) -> float:
         try:
@@ -191,13 +185,12 @@ def bench_quant_sweep(rep: Report, shapes: list[tuple[int, int]]) -> None:
         q, s = tk.quantize_act_1x128(x)
         kb, mb = -(-k // 128), -(-m // 128)
         calls = {  # kernel: (call with a configuration, bytes moved)
-            "act 1x128": (lambda c: tk.quantize_act_1x128(x, **c), 2 * m * k + m * k + 4 * m * kb),
-            "act 1x128 + 128x1": (lambda c: tk.quantize_act_1x128(x, emit_token=True, **c),
-                                  2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
-            "token 128x1": (lambda c: tk.quantize_token_128x1(x, **c), 2 * m * k + m * k + 4 * mb * k),
-            "requant 1x128->128x1": (lambda c: tk.requantize_act_to_token(q, s, **c),
+            "act 1x128": (lambda c: _tuned(c, tk.quantize_act_1x128, x), 2 * m * k + m * k + 4 * m * kb),
+            "token 128x1": (lambda c: _tuned(c, tk.quantize_token_128x1, x), 2 * m * k + m * k + 4 * mb * k),
+            "requant 1x128->128x1": (lambda c: _tuned(c, tk.requantize_act_to_token, q, s),
                                      2 * m * k + 4 * (m * kb + mb * k)),
-            "weight 128x128 + W^T": (lambda c: tk.quantize_weight_128x128(x, emit_t=True, **c), 2 * m * k + 2 * m * k),
+            "weight 128x128 + W^T": (lambda c: _tuned(c, lambda w: tk.quantize_weight_128x128(w, emit_t=True), x),
+                                     2 * m * k + 2 * m * k),
         }
         for kernel, (call, nbytes) in calls.items():
             best = None
@@ -219,7 +212,7 @@ def bench_quant_sweep(rep: Report, shapes: list[tuple[int, int]]) -> None:
 
 
 def _gemm_operands(m: int, n: int, k: int):
-    from jetrl.quant.cuda import CudaBackend
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
 
     be = CudaBackend()
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -263,11 +256,11 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
                  ms: list[int] | None = None) -> None:
     """Decode GEMMs timed as CUDA-graph replays (the rollout engine replays graphs) over rotating weight
     copies (HBM reads, as in a real step): GPU time per GEMM."""
-    from jetrl.quant import cuda as cuda_mod
-    from jetrl.quant import scaled_mm
-    from jetrl.quant import decode_gemm_triton as dk
-    from jetrl.quant import triton_kernels as tk
-    from jetrl.quant.cuda import CudaBackend
+    from jetrl.quant.kernels import cuda_backend as cuda_mod
+    from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
+    from jetrl.quant.kernels import gemm_decode_triton as dk
+    from jetrl.quant.kernels import gemm_triton
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
 
     be = CudaBackend()
     for n, k in nk_list:
@@ -285,8 +278,8 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
             row = {"m": m, "n": n, "k": k, "copies": copies}
             row["bf16_us"] = per_gemm(lambda i: torch.matmul(x, ws[i].t()))
             row["cublas_us"] = per_gemm(lambda i: scaled_mm.blockwise_scaled_mm(qx, qws[i]))
-            row["triton_us"] = per_gemm(lambda i: tk.blockwise_fp8_gemm(qx.data, qx.scale, qws[i].data,
-                                                                         qws[i].scale, 128))
+            row["triton_us"] = per_gemm(lambda i: gemm_triton.blockwise_fp8_gemm(qx.data, qx.scale, qws[i].data,
+                                                                                  qws[i].scale, 128))
             row["decode_us"] = per_gemm(lambda i: dk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale,
                                                                       128)) if m <= 64 else None
             if sweep and m == 64:
@@ -334,7 +327,7 @@ def decode_sweep_policies(m: int) -> list:
     budget runs out, after the same variants for every shape)."""
     from dataclasses import replace
 
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     base = dk.decode_policy(m)
     if m <= 64:
@@ -386,7 +379,7 @@ def _decode_precompile_worker(specs_json: str) -> None:
     """Compile the decode-kernel variants of ``specs_json`` (run in a child process: many at once fill the
     Triton cache that the timing process then reads). Operands are uninitialized tensors with the measured
     runs' shapes and strides, which is all the compiled kernel is specialized on."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     def empty(layout, dtype):
         return torch.empty_strided(layout[0], layout[1], dtype=dtype, device="cuda")
@@ -450,7 +443,8 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
     """Tuning variants of the split-K decode kernel per shape and row count against BF16 ``torch.matmul``
     and cuBLAS blockwise FP8 in the same run (CUDA-graph replays over rotating weight copies, as
     :func:`bench_decode`), then per row count the policy that is best across shapes (to paste into
-    ``DECODE_POLICIES``) and where the decode kernel beats cuBLAS (the routing bounds in ``jetrl.quant.cuda``).
+    ``DECODE_POLICIES`` of ``jetrl.quant.kernels.tuning``) and where the decode kernel beats cuBLAS (the
+    tuning object's routing bounds).
 
     Variants are compiled ahead by child processes, then timed variant by variant across all shapes until
     ``budget_s`` (counted from the start of this function) runs out."""
@@ -459,10 +453,11 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
     import time
     from dataclasses import replace
 
-    from jetrl.quant import cuda as cuda_mod
-    from jetrl.quant import decode_gemm_triton as dk
-    from jetrl.quant import scaled_mm
-    from jetrl.quant.cuda import CudaBackend
+    from jetrl.quant.kernels import cuda_backend as cuda_mod
+    from jetrl.quant.kernels import gemm_decode_triton as dk
+    from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
 
     t0 = time.perf_counter()
     be = CudaBackend()
@@ -612,8 +607,8 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
             bound = m
         key = ("grouped", sum(ns), k) if len(ns) > 1 else (sum(ns), k)
         detail = ", ".join(f"M={m}: {_fmt(t)} vs {_fmt(c)} us" for m, _, t, c in wins)
-        general = max(cuda_mod.DECODE_MAX_M, cuda_mod.GROUPED_DECODE_MAX_M if len(ns) > 1 else 0)
-        hint = f"; set DECODE_MAX_M_BY_SHAPE[{key!r}] = {bound}" if bound > general else ""
+        general = max(tuning.current().decode_max_m, tuning.current().grouped_decode_max_m if len(ns) > 1 else 0)
+        hint = f"; set DECODE_MAX_M_BY_SHAPE[{key!r}] = {bound} in tuning.py" if bound > general else ""
         print(f"{label:>16}: the decode kernel beats cuBLAS through M={bound}{hint}   ({detail})")
     rep.sections.setdefault("decode-sweep-policy", []).extend(
         {"m": m, "policy": replace(policies[m][pi], max_m=m).literal()} for m, pi in chosen.items())
@@ -655,8 +650,9 @@ def bench_fp8_linear(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
 
 def bench_host_overhead(rep: Report) -> None:
     """Host time to enqueue single operations (what an eager step pays per launch)."""
-    from jetrl.quant import triton_kernels as tk
-    from jetrl.quant.cuda import CudaBackend
+    from jetrl.quant.kernels import gemm_triton
+    from jetrl.quant.kernels import quantize_triton as tk
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
 
     be = CudaBackend()
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
@@ -668,7 +664,8 @@ def bench_host_overhead(rep: Report) -> None:
         "triton quantize_act_1x128": lambda: tk.quantize_act_1x128(x),
         "backend.quantize ACT": lambda: be.quantize(x, (1, 128)),
         "backend.gemm (cuBLAS path)": lambda: be.gemm(qx, qw),
-        "triton blockwise_fp8_gemm": lambda: tk.blockwise_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128),
+        "triton blockwise_fp8_gemm": lambda: gemm_triton.blockwise_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale,
+                                                                             128),
     }
     for name, fn in cases.items():
         rep.add("host", op=name, us=_cpu_us(fn, iters=200))

@@ -9,8 +9,9 @@ Two paths read the same projections of the same weights:
 * **Paged** (rollout): K/V of every generated token live in fixed-size blocks of a pool owned by the
   rollout engine (:class:`PagedKVCache`); :class:`PagedAttentionMetadata` says, for one engine step,
   where each sequence's blocks are and where the new tokens' K/V go. :func:`paged_attention_reference`
-  is the pure-PyTorch specification; :func:`paged_attention` dispatches decode steps on CUDA to a Triton
-  kernel (``jetrl.models.paged_decode_triton.paged_decode``) when that imports.
+  is the pure-PyTorch specification; :func:`paged_attention` runs decode steps in a Triton kernel
+  (:func:`jetrl.quant.kernels.paged_attention_triton.paged_decode`) where the seam
+  (:func:`jetrl.quant.backend.choose_impl`) picks the kernels: CUDA tensors under the CUDA backend.
 
 Softmax always runs in fp32 inside SDPA (for BF16 inputs the kernels accumulate in fp32).
 
@@ -23,10 +24,11 @@ the first slot of its first block instead of producing NaN.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from jetrl.quant.backend import choose_impl
 
 
 @dataclass
@@ -152,29 +154,14 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     return out[seq_of_row, index_in_seq]
 
 
-_decode_kernel: Callable | None = None
-_decode_kernel_loaded = False
-
-
-def _load_decode_kernel() -> Callable | None:
-    global _decode_kernel, _decode_kernel_loaded
-    if not _decode_kernel_loaded:
-        _decode_kernel_loaded = True
-        try:
-            from jetrl.models.paged_decode_triton import paged_decode
-        except Exception:  # module absent or Triton unavailable: the reference serves
-            paged_decode = None
-        _decode_kernel = paged_decode
-    return _decode_kernel
-
-
 def paged_attention(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
-                    meta: PagedAttentionMetadata, softmax_scale: float) -> torch.Tensor:
-    """Paged attention dispatcher: the Triton decode kernel on CUDA decode steps, the reference otherwise."""
-    if q.is_cuda and meta.is_decode:
-        kernel = _load_decode_kernel()
-        if kernel is not None:
-            return kernel(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
+                    meta: PagedAttentionMetadata, softmax_scale: float, impl: str | None = None) -> torch.Tensor:
+    """Paged attention: decode steps in the Triton kernel where the seam picks the kernels (``impl``: ``None``
+    for the automatic choice, or ``"reference"`` / ``"triton"``), everything else in the reference."""
+    if meta.is_decode and choose_impl(q, impl, op="paged_decode") == "triton":
+        from jetrl.quant.kernels.paged_attention_triton import paged_decode
+
+        return paged_decode(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
     return paged_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
 
 

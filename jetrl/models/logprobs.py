@@ -12,8 +12,8 @@ for the backward (``keep_logits_bytes``: the default on CUDA when they fit in ``
 saves recomputing them: one of the head's four GEMMs.
 
 The per-chunk statistics and logit gradients have two implementations with one dispatch rule
-(:mod:`jetrl.quant.fused_dispatch`): on CUDA one Triton kernel each way
-(:mod:`jetrl.models.logprobs_triton`: the chunk's logits in the model dtype are read once, ~2 bytes of
+(the seam, :func:`jetrl.quant.backend.choose_impl`): with the CUDA backend one Triton kernel each way
+(:mod:`jetrl.quant.kernels.logprobs_triton`: the chunk's logits in the model dtype are read once, ~2 bytes of
 extra memory per logit), elsewhere the PyTorch formulas below (fp32 copies: ~14 bytes per logit, e.g.
 512 x 152k vocab: ~1.1 GB). Heads that are not a plain bias-free ``nn.Linear`` take the generic path
 (``model.compute_logits`` under activation checkpointing, per chunk).
@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from jetrl.quant.fused_dispatch import choose_impl
+from jetrl.quant.backend import choose_impl
 
 DEFAULT_CHUNK_SIZE = 512  # the PyTorch path's rows per chunk (its fp32 temporaries: ~14 bytes per logit)
 FUSED_CHUNK_SIZE = 2048  # the kernels' (the logits in the model dtype only: ~2 bytes per logit)
@@ -73,7 +73,7 @@ def chunk_grad_reference(logits: torch.Tensor, targets: torch.Tensor, lse: torch
 
 def _stats(logits, targets, temperature, impl):
     if impl == "triton":
-        from jetrl.models.logprobs_triton import logprob_stats
+        from jetrl.quant.kernels.logprobs_triton import logprob_stats
 
         return logprob_stats(logits, targets, temperature)
     return chunk_stats_reference(logits, targets, temperature)
@@ -81,7 +81,7 @@ def _stats(logits, targets, temperature, impl):
 
 def _grad(logits, targets, lse, entropy, g_lp, g_ent, temperature, impl):
     if impl == "triton":
-        from jetrl.models.logprobs_triton import logprob_grad_
+        from jetrl.quant.kernels.logprobs_triton import logprob_grad_
 
         return logprob_grad_(logits, targets, lse, entropy, g_lp, g_ent, temperature)
     return chunk_grad_reference(logits, targets, lse, entropy, g_lp, g_ent, temperature)
@@ -179,7 +179,7 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
             raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) must match the LM head "
                              f"({weight.dtype}, {weight.device})")
         chosen = choose_impl(hidden, impl, eligible=hidden.dtype in (torch.bfloat16, torch.float16, torch.float32),
-                             op="logprobs_from_hidden")
+                             op="logprobs")
         if chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:  # the kernels
             raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")  # would read past a row
         size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))

@@ -11,8 +11,9 @@ so the Triton forward is bitwise equal to it for bf16, fp16 and fp32. RoPE is li
 ``g * cos + rot^T(g * sin)`` with ``rot^T(v) = cat(v[..., half:], -v[..., :half])``, rounded where autograd
 of the unfused code rounds (each product, then the sum), so it is bitwise equal to that too.
 
-Dispatch: CUDA tensors go to the Triton kernel when Triton imports and the FP8 backend for the device is
-``"cuda"``; everything else runs the reference. ``impl="reference" | "triton"`` forces one (the Triton
+Dispatch (the seam, :func:`jetrl.quant.backend.choose_impl`): CUDA tensors go to the Triton kernel
+(:mod:`jetrl.quant.kernels.rope_triton`) when the FP8 backend for the device is ``"cuda"``; everything else
+runs the reference. ``impl="reference" | "triton"`` forces one (the Triton
 kernel runs on CPU tensors under ``TRITON_INTERPRET=1``).
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl.quant.fused_dispatch import choose_impl
+from jetrl.quant.backend import choose_impl
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -33,8 +34,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def use_triton(x: torch.Tensor, impl: str | None) -> bool:
-    """Whether ``impl`` (``None`` = automatic, see :mod:`jetrl.quant.fused_dispatch`) selects the kernel."""
-    return choose_impl(x, impl, op="apply_rope_qk") == "triton"
+    """Whether ``impl`` (``None`` = automatic, see :func:`jetrl.quant.backend.choose_impl`) selects the kernel."""
+    return choose_impl(x, impl, op="rope") == "triton"
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -69,14 +70,14 @@ class _RopeQK(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        from jetrl.models import rope_triton
+        from jetrl.quant.kernels import rope_triton
 
         ctx.save_for_backward(cos, sin)
         return rope_triton.rope_qk(q, k, cos, sin, backward=False)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        from jetrl.models import rope_triton
+        from jetrl.quant.kernels import rope_triton
 
         cos, sin = ctx.saved_tensors
         grad_q, grad_k = rope_triton.rope_qk(grad_q, grad_k, cos, sin, backward=True)

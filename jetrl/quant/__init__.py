@@ -1,15 +1,16 @@
 """FP8 numerics of jetrl: blockwise E4M3 quantization, FP8 GEMMs, FP8Linear and precision recipes.
 
-Imports nothing else from jetrl. The backend seam (:mod:`jetrl.quant.backend`) picks the PyTorch
-reference or the Hopper kernels; everything else is backend-agnostic.
+Imports nothing else from jetrl. The layout: the specification (:mod:`~jetrl.quant.formats`,
+:mod:`~jetrl.quant.reference`), the layer (:mod:`~jetrl.quant.linear`, :mod:`~jetrl.quant.side`, the fused
+:mod:`~jetrl.quant.norm` and :mod:`~jetrl.quant.swiglu`), the recipes (:mod:`~jetrl.quant.recipe`), and the seam
+(:mod:`jetrl.quant.backend`), which picks the PyTorch reference or the kernels for every op. The kernels and
+their tuning live one folder down, in :mod:`jetrl.quant.kernels`, imported only through the seam.
 """
 
-from jetrl.quant.backend import get_backend, set_backend, use_backend
+from jetrl.quant.backend import dequantize, fused_impl, gemm, get_backend, quantize, set_backend, use_backend
 from jetrl.quant.formats import ACT, E4M3, E4M3_MAX, TOKEN, WEIGHT, Fp8Tensor
-from jetrl.quant.fused_dispatch import fused_impl
 from jetrl.quant.linear import FP8Linear, call_linear, fp8_input_scaling, fp8_linear, linears_shared_input
 from jetrl.quant.recipe import RECIPES, PrecisionRecipe, apply_recipe, fp8_linears, get_recipe, refresh_fp8_weights
-from jetrl.quant.ops import dequantize, gemm, quantize
 from jetrl.quant.reference import quantize_tensor
 from jetrl.quant.side import current_side, precision_side
 

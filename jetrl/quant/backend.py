@@ -1,28 +1,49 @@
-"""The one seam that picks who computes FP8: the PyTorch reference or the Hopper kernels.
+"""The one seam that answers "which implementation runs this op on these tensors": the reference or the kernels.
 
-Everything above this module (``FP8Linear``, models, the rollout engine, the trainer) calls
-:func:`get_backend` and the three operations of :class:`Fp8Backend`; nothing else in jetrl knows which
-backend ran. Selection, in order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_BACKEND``
-environment variable, then ``"auto"`` (the CUDA kernels on a Hopper-or-newer GPU when Triton imports,
-the reference everywhere else).
+Everything above this module (``FP8Linear``, the fused norm and SwiGLU, the models' RoPE, attention and
+log-probabilities, the rollout sampler, the trainer) asks here; nothing else in jetrl tests ``x.is_cuda`` to
+pick a kernel, or probes a backend for an operation.
+
+**The FP8 backend** (:class:`Fp8Backend`) computes every FP8 operation: ``quantize``, ``requantize`` and ``gemm``,
+and the fused entry points ``quantize_weight_pair``, ``quantize_act_and_token`` and ``grouped_gemm``, which the
+reference backend builds from its basic operations (so callers never check whether a backend has them). Two
+backends exist: ``"reference"`` (:class:`ReferenceBackend`, pure PyTorch, any device: the specification) and
+``"cuda"`` (:mod:`jetrl.quant.kernels.cuda_backend`: Triton and Gluon kernels and cuBLAS on Hopper).
+Selection, in order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_BACKEND`` environment variable,
+then ``"auto"`` (the CUDA kernels on a Hopper-or-newer GPU when Triton imports, the reference everywhere else).
+
+**The fused kernels** (:data:`FUSED_OPS`: RMSNorm(+residual)(+quantize), SwiGLU(+quantize), RoPE, the LM-head
+log-probabilities, paged decode attention, the seeded sampler) follow the backend: :func:`choose_impl` says
+``"triton"`` (the kernels of :mod:`jetrl.quant.kernels`) where the device's backend has ``fused_kernels`` (the
+CUDA backend), ``"reference"`` (the PyTorch formulas, the specification of each kernel) elsewhere. So
+``JETRL_FP8_BACKEND=reference`` turns every custom kernel off at once. :func:`fused_impl` forces one
+implementation for a block of code; the tests run a whole model through the interpreted kernels on CPU with
+``fused_impl("triton")`` under ``TRITON_INTERPRET=1``.
+
+**Public FP8 operations**: :func:`quantize`, :func:`dequantize` and :func:`gemm` dispatch through the backend.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import importlib
+import importlib.util
 import os
 from typing import Callable, Iterator, Protocol
 
 import torch
 
 from jetrl.quant import reference
-from jetrl.quant.formats import Block, Fp8Tensor
+from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
 
 
 class Fp8Backend(Protocol):
     """Operations a backend provides; each must equal the reference (see ``jetrl.quant.reference``)."""
 
     name: str
+    fused_kernels: bool  # whether the ops of FUSED_OPS run their kernels on this backend's devices
 
     def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor: ...
 
@@ -30,11 +51,26 @@ class Fp8Backend(Protocol):
 
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor: ...
 
+    def quantize_weight_pair(self, w: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """W per 128x128 tile and W^T's quantized form with row-major data (the values of the first's ``t()``)."""
+        ...
+
+    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad)."""
+        ...
+
+    def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+        """``cat([a @ w.T (+ bias)], dim=1)`` for weights sharing the input ``a``, or ``None`` where the backend
+        does not group these operands (the caller then runs the layers one by one)."""
+        ...
+
 
 class ReferenceBackend:
-    """Pure PyTorch, any device."""
+    """Pure PyTorch, any device; the fused entry points are compositions of the basic operations."""
 
     name = "reference"
+    fused_kernels = False
 
     def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
         return reference.quantize_tensor(x, block, pow2_scale)
@@ -45,23 +81,40 @@ class ReferenceBackend:
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return reference.gemm(a, b, out_dtype)
 
+    def quantize_weight_pair(self, w: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        q = self.quantize(w, WEIGHT, pow2_scale)
+        return q, Fp8Tensor(q.data.t().contiguous(), q.scale.t(), WEIGHT)
 
-_FACTORIES: dict[str, Callable[[], Fp8Backend]] = {"reference": ReferenceBackend}
+    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        return self.quantize(x, ACT, pow2_scale), self.quantize(x, TOKEN, pow2_scale)
+
+    def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+        outs = []
+        for w, b in zip(weights, biases, strict=True):
+            y = self.gemm(a, w, out_dtype)
+            outs.append(y + b.to(y.dtype) if b is not None else y)  # as FP8Linear adds its bias
+        return torch.cat(outs, dim=1)
+
+
+def _cuda_backend() -> Fp8Backend:
+    return importlib.import_module("jetrl.quant.kernels.cuda_backend").CudaBackend()  # imports Triton
+
+
+CHOICES = ("auto", "reference", "cuda")
+_FACTORIES: dict[str, Callable[[], Fp8Backend]] = {"reference": ReferenceBackend, "cuda": _cuda_backend}
 _INSTANCES: dict[str, Fp8Backend] = {}
 _override: str | None = None
-CHOICES = ("auto", "reference", "cuda")
 
 
 def register_backend(name: str, factory: Callable[[], Fp8Backend]) -> None:
-    """Make a backend selectable by name (the CUDA kernels register themselves lazily)."""
+    """Make another backend selectable by name (it must implement the whole :class:`Fp8Backend`)."""
     _FACTORIES[name] = factory
     _INSTANCES.pop(name, None)
 
 
 def _instance(name: str) -> Fp8Backend:
     if name not in _INSTANCES:
-        if name == "cuda" and "cuda" not in _FACTORIES:
-            import jetrl.quant.cuda  # noqa: F401  (registers "cuda"; imports Triton)
         if name not in _FACTORIES:
             raise ValueError(f"unknown FP8 backend {name!r}; choose one of {sorted(set(CHOICES) | set(_FACTORIES))}")
         _INSTANCES[name] = _FACTORIES[name]()
@@ -125,3 +178,80 @@ def use_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _override = previous
+
+
+# --------------------------------------------------------------------------------------------------
+# the fused kernels
+
+FUSED_OPS = ("rms_norm", "swiglu", "rope", "logprobs", "paged_decode", "seeded_sample")
+IMPLS = ("reference", "triton")
+_FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("jetrl_fused_impl", default=None)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@contextlib.contextmanager
+def fused_impl(impl: str | None) -> Iterator[None]:
+    """Run the fused ops of this block with ``impl`` (``None``: the automatic choice)."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"fused_impl: impl must be one of {IMPLS} or None, got {impl!r}")
+    token = _FORCED.set(impl)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def choose_impl(x: torch.Tensor, impl: str | None, *, op: str, eligible: bool = True) -> str:
+    """``"triton"`` or ``"reference"`` for the fused op ``op`` (one of :data:`FUSED_OPS`) on tensors like ``x``.
+
+    ``impl`` given (or forced by :func:`fused_impl`) wins, after a check that the kernels can run on ``x``
+    (CUDA tensors, or any under ``TRITON_INTERPRET=1``). Otherwise the kernels run where ``x`` is a CUDA tensor
+    whose FP8 backend has ``fused_kernels`` and ``eligible`` holds (e.g. a dtype the kernels take).
+    """
+    if op not in FUSED_OPS:
+        raise ValueError(f"choose_impl: op must be one of {FUSED_OPS}, got {op!r}")
+    if impl is None:
+        impl = _FORCED.get()
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS} or None (automatic), got {impl!r}")
+    if impl == "triton" and not x.is_cuda and not _interpreting():
+        raise ValueError(f"{op}: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}")
+    if impl is not None:
+        return impl
+    if not (eligible and x.is_cuda and triton_installed()):
+        return "reference"
+    return "triton" if get_backend(x.device).fused_kernels else "reference"
+
+
+# --------------------------------------------------------------------------------------------------
+# public FP8 operations
+
+
+def quantize(x: torch.Tensor, block: Block = ACT, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor to E4M3 with fp32 scales per ``block`` ((1,128), (128,128) or (128,1)).
+
+    Returns ``(data, scale)`` with ``x ~= data * scale`` broadcast over each block; the exact arithmetic
+    is in :mod:`jetrl.quant.formats`. Every backend returns the same bytes.
+    """
+    reference._check_input(x)
+    t = get_backend(x.device).quantize(x, check_block(block), pow2_scale)
+    return t.data, t.scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, block: Block) -> torch.Tensor:
+    """fp32 ``data * scale`` with each scale broadcast over its block."""
+    return reference.dequantize(data, scale, block)
+
+
+def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Blockwise FP8 ``a @ b.T`` (see :func:`jetrl.quant.reference.gemm` for the operand rules)."""
+    reference.check_gemm_operands(a, b)
+    return get_backend(a.data.device).gemm(a, b, out_dtype)

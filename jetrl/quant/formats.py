@@ -58,6 +58,26 @@ def scale_shape(shape: tuple[int, int], block: Block) -> tuple[int, int]:
     return (-(-m // bm), -(-k // bk))
 
 
+def expand_scale(scale: torch.Tensor, block: Block, shape: tuple[int, int]) -> torch.Tensor:
+    """Broadcast a (Mb, Kb) scale over its blocks and crop to ``shape``."""
+    bm, bk = block
+    return scale.repeat_interleave(bm, dim=0).repeat_interleave(bk, dim=1)[: shape[0], : shape[1]]
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, block: Block) -> torch.Tensor:
+    """fp32 values ``data * scale`` with each scale broadcast over its block."""
+    block = check_block(block)
+    if data.dim() != 2:
+        raise ValueError(f"FP8 data must be 2-D, got shape {tuple(data.shape)}")
+    expected = scale_shape(tuple(data.shape), block)
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not fit data {tuple(data.shape)} with block {block}; "
+            f"expected {expected}"
+        )
+    return data.float() * expand_scale(scale.float(), block, tuple(data.shape))
+
+
 def transpose_block(block: Block) -> Block:
     """Block shape of the transposed tensor: (1,128) <-> (128,1); (128,128) stays."""
     return (block[1], block[0])
@@ -84,8 +104,6 @@ class Fp8Tensor:
         return Fp8Tensor(self.data.t(), self.scale.t(), transpose_block(self.block))
 
     def dequantize(self) -> torch.Tensor:
-        from jetrl.quant.reference import dequantize
-
         return dequantize(self.data, self.scale, self.block)
 
     def nbytes(self) -> int:

@@ -52,8 +52,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         y = backend.gemm(qx, qw, out_dtype=x.dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        # wt_data: an optional row-major copy of W^T's FP8 data (same values as w_data.t()), cached with
-        # the weight by backends whose DGrad GEMM wants it row-major
+        # wt_data: a row-major copy of W^T's FP8 data (same values as w_data.t()), cached with the weight
+        # when a grad-enabled forward made it (the backend's quantize_weight_pair); DGrad reads it
         ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data)
         ctx.pow2_scale = pow2_scale
         ctx.x_dtype = x.dtype
@@ -68,7 +68,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = grad_w = grad_b = None
         qg = qg_tok = None
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and hasattr(backend, "quantize_act_and_token"):
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             qg, qg_tok = backend.quantize_act_and_token(grad_out, ctx.pow2_scale)  # one read of grad_out
         if ctx.needs_input_grad[0]:  # DGrad: dy (1x128) @ W  ==  dy @ (W^T as 128x128 tiles)^T
             if qg is None:
@@ -171,7 +171,7 @@ class FP8Linear(nn.Linear):
         return self._cached_weights(with_transpose=False)[0]
 
     def quantized_weight_t(self) -> Fp8Tensor | None:
-        """W^T's quantized form with row-major data, for backends that offer it (``None`` otherwise).
+        """W^T's quantized form with row-major data (DGrad reads it instead of the transposed view).
 
         Same values as ``quantized_weight().t()``; made once per weight version, only when a
         grad-enabled forward needs it (rollout never pays its memory).
@@ -189,7 +189,7 @@ class FP8Linear(nn.Linear):
             self._qweight_key = key
         backend = get_backend(w.device)
         with torch.no_grad():
-            if with_transpose and hasattr(backend, "quantize_weight_pair") and self._qweight_t is None:
+            if with_transpose and self._qweight_t is None:
                 if self._qweight is None:  # W and W^T from one read of the weight
                     self._qweight, self._qweight_t = backend.quantize_weight_pair(w.detach(), self.pow2_scale)
                 else:
@@ -252,18 +252,17 @@ def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: to
                          x_fp8: Fp8Tensor | None = None) -> list[torch.Tensor]:
     """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up).
 
-    In a no-grad decode step (few rows, FP8 on this side, ``x_fp8`` given) a backend that offers
-    ``grouped_gemm`` computes them in one launch, each output a column slice of one buffer (the same FP8
-    operands; the K-split of the sum may differ from a lone call's, so values agree to output rounding);
-    otherwise each layer runs as usual.
+    In a no-grad step with FP8 on this side and ``x_fp8`` given, the backend's ``grouped_gemm`` computes them
+    together, each output a column slice of one buffer: the CUDA backend in one launch for decode-sized inputs
+    (the same FP8 operands; the K-split of the sum may differ from a lone call's, so values agree to output
+    rounding), the reference as the layers' own GEMMs. Where the backend does not group (``None``), each layer
+    runs as usual.
     """
     if x_fp8 is not None and not torch.is_grad_enabled() and 2 <= len(modules) <= 3 and x.dim() == 2:
-        backend = get_backend(x.device)
-        grouped = getattr(backend, "grouped_gemm", None)
-        if grouped is not None and fp8_input_scaling(*modules) is not None and tuple(x_fp8.shape) == tuple(x.shape):
+        if fp8_input_scaling(*modules) is not None and tuple(x_fp8.shape) == tuple(x.shape):
             weights = [m._cached_weights(with_transpose=False)[0] for m in modules]
             biases = [m.bias for m in modules]
-            out = grouped(x_fp8, weights, biases, out_dtype=x.dtype)
+            out = get_backend(x.device).grouped_gemm(x_fp8, weights, biases, out_dtype=x.dtype)
             if out is not None:
                 return list(out.split([m.out_features for m in modules], dim=1))
     return [call_linear(m, x, x_fp8) for m in modules]

@@ -2,7 +2,7 @@
 
 A decoder layer normalises ``h = x + residual`` twice; unfused that is a residual add, six small
 reduction/elementwise kernels and, in the ``jet`` recipe, one activation-quantization kernel for the next
-linear. :func:`rms_norm` does all of it in one kernel on CUDA (:mod:`jetrl.quant.norm_triton`) and in
+linear. :func:`rms_norm` does all of it in one kernel on CUDA (:mod:`jetrl.quant.kernels.norm_triton`) and in
 plain PyTorch elsewhere (:func:`rms_norm_reference`, the specification). Both round where the model's
 unfused code rounds: the add in the activation dtype, the normalised value cast back to that dtype before
 the weight multiplies it. The FP8 output is bitwise ``reference.quantize(out, (1, 128), pow2_scale)`` of
@@ -17,7 +17,7 @@ import torch
 
 from jetrl.quant import reference
 from jetrl.quant.formats import ACT, Fp8Tensor
-from jetrl.quant.fused_dispatch import choose_impl
+from jetrl.quant.backend import choose_impl
 
 # dtypes the kernels handle (activations and weight); anything else takes the reference path
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,7 +93,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, quantize, pow2_scale):
-        from jetrl.quant import norm_triton
+        from jetrl.quant.kernels import norm_triton
 
         out, h, rstd, fp8 = norm_triton.rms_norm_forward(x, residual, weight, eps, quantize, pow2_scale)
         ctx.set_materialize_grads(False)
@@ -106,7 +106,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_h, _grad_q, _grad_scale):
-        from jetrl.quant import norm_triton
+        from jetrl.quant.kernels import norm_triton
 
         h, weight, rstd = ctx.saved_tensors
         need_x, need_res, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -155,7 +155,7 @@ def rms_norm(
         out, h, q_data, q_scale = _FusedRMSNorm.apply(x2, r2, weight, float(eps), bool(quantize), bool(pow2_scale))
         fp8 = Fp8Tensor(q_data, q_scale, ACT) if quantize else None
     else:
-        from jetrl.quant import norm_triton
+        from jetrl.quant.kernels import norm_triton
 
         out, h, _, fp8 = norm_triton.rms_norm_forward(x2, r2, weight, float(eps), bool(quantize), bool(pow2_scale))
     return NormOutput(out.view(shape), h.view(shape) if h is not None else None, fp8)

@@ -1,6 +1,7 @@
 """Pure-PyTorch reference of jetrl's FP8 numerics: the specification every kernel is tested against.
 
-Runs on any device. The arithmetic is exactly the convention in :mod:`jetrl.quant.formats`; GPU
+Runs on any device. :func:`dequantize` and :func:`expand_scale` live with the format
+(:mod:`jetrl.quant.formats`, which :class:`Fp8Tensor` needs) and are re-exported here. The arithmetic is exactly the convention in :mod:`jetrl.quant.formats`; GPU
 kernels reproduce the quantization bit for bit and the GEMMs to output rounding.
 """
 
@@ -18,8 +19,13 @@ from jetrl.quant.formats import (
     Block,
     Fp8Tensor,
     check_block,
+    dequantize,
+    expand_scale,
     scale_shape,
 )
+
+__all__ = ["quantize", "quantize_tensor", "dequantize", "expand_scale", "requantize", "gemm",
+           "check_gemm_operands", "compute_scale", "round_scale_to_pow2"]
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -78,26 +84,6 @@ def quantize(x: torch.Tensor, block: Block = ACT, pow2_scale: bool = False) -> t
     q = (xb / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     data = q.view(xb.shape[0] * block[0], xb.shape[2] * block[1])[:m, :k].contiguous()
     return data, scale
-
-
-def expand_scale(scale: torch.Tensor, block: Block, shape: tuple[int, int]) -> torch.Tensor:
-    """Broadcast a (Mb, Kb) scale over its blocks and crop to ``shape``."""
-    bm, bk = block
-    return scale.repeat_interleave(bm, dim=0).repeat_interleave(bk, dim=1)[: shape[0], : shape[1]]
-
-
-def dequantize(data: torch.Tensor, scale: torch.Tensor, block: Block) -> torch.Tensor:
-    """fp32 values ``data * scale`` with each scale broadcast over its block."""
-    block = check_block(block)
-    if data.dim() != 2:
-        raise ValueError(f"FP8 data must be 2-D, got shape {tuple(data.shape)}")
-    expected = scale_shape(tuple(data.shape), block)
-    if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not fit data {tuple(data.shape)} with block {block}; "
-            f"expected {expected}"
-        )
-    return data.float() * expand_scale(scale.float(), block, tuple(data.shape))
 
 
 def quantize_tensor(x: torch.Tensor, block: Block = ACT, pow2_scale: bool = False) -> Fp8Tensor:

@@ -6,12 +6,12 @@ down projection. The fused op reads ``gate`` and ``up`` once and writes the BF16
 its FP8 (data, scale) pair, which ``down``'s FP8 GEMM consumes directly.
 
 Numerics: the PyTorch reference (:func:`swiglu_reference`) *is* the unfused model code, and the Triton
-kernels reproduce its roundings op for op (see :mod:`jetrl.quant.swiglu_triton`): silu in fp32 rounded to
+kernels reproduce its roundings op for op (see :mod:`jetrl.quant.kernels.swiglu_triton`): silu in fp32 rounded to
 the dtype, the product rounded to the dtype, the FP8 taken of that rounded product. The backward rounds
 where autograd of the unfused code rounds, so training sees the same gradients with or without fusion.
 
-Dispatch: CUDA tensors go to the Triton kernels when Triton imports and the FP8 backend for the device is
-``"cuda"``; everything else runs the reference. ``impl="reference" | "triton"`` forces one (the Triton
+Dispatch (:func:`jetrl.quant.backend.choose_impl`): CUDA tensors go to the Triton kernels when the FP8 backend
+for the device is ``"cuda"``; everything else runs the reference. ``impl="reference" | "triton"`` forces one (the Triton
 kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
 """
 
@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.quant import reference
-from jetrl.quant.fused_dispatch import choose_impl
+from jetrl.quant.backend import choose_impl
 from jetrl.quant.formats import ACT, Fp8Tensor
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def use_triton(x: torch.Tensor, impl: str | None) -> bool:
-    """Whether ``impl`` (``None`` = automatic, see :mod:`jetrl.quant.fused_dispatch`) selects the kernels."""
+    """Whether ``impl`` (``None`` = automatic, see :func:`jetrl.quant.backend.choose_impl`) selects the kernels."""
     return choose_impl(x, impl, op="swiglu") == "triton"
 
 
@@ -64,7 +64,7 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, quantize: bool, pow2_scale: bool):
-        from jetrl.quant import swiglu_triton
+        from jetrl.quant.kernels import swiglu_triton
 
         out, data, scale = swiglu_triton.swiglu_fwd(gate, up, quantize, pow2_scale)
         ctx.save_for_backward(gate, up)
@@ -74,7 +74,7 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_data, _grad_scale):
-        from jetrl.quant import swiglu_triton
+        from jetrl.quant.kernels import swiglu_triton
 
         gate, up = ctx.saved_tensors
         d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -88,7 +88,7 @@ class _SwiGLUPacked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate_up, quantize: bool, pow2_scale: bool):
-        from jetrl.quant import swiglu_triton
+        from jetrl.quant.kernels import swiglu_triton
 
         k = gate_up.shape[1] // 2
         out, data, scale = swiglu_triton.swiglu_fwd(gate_up[:, :k], gate_up[:, k:], quantize, pow2_scale)
@@ -99,7 +99,7 @@ class _SwiGLUPacked(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_data, _grad_scale):
-        from jetrl.quant import swiglu_triton
+        from jetrl.quant.kernels import swiglu_triton
 
         (gate_up,) = ctx.saved_tensors
         k = gate_up.shape[1] // 2

@@ -21,18 +21,13 @@ generator of the logits' device (cheaper; not reproducible across batch composit
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 
+from jetrl.quant.backend import choose_impl
+
 _MASK32 = 0xFFFFFFFF
-# seeded rows without truncation sample in one Triton kernel on CUDA (False: always the tensor ops)
-FUSED_SEEDED_SAMPLING = True
-
-
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -194,17 +189,20 @@ def _truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.zeros_like(removed_sorted).scatter_(-1, order, removed_sorted)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` (B, V) -> (tokens (B,) int64, logprobs (B,) fp32).
 
     See the module docstring for the log-probability definition and the truncation order. Runs entirely
-    on the logits' device with no host synchronisation. On CUDA, a batch of seeded (and greedy) rows without
-    truncation runs as one Triton kernel (:mod:`jetrl.rollout.sampling_triton`: the same tokens, the
-    log-probabilities up to fp32 summation order) instead of some fifty tensor ops over (B, V).
+    on the logits' device with no host synchronisation. Where the seam picks the kernels
+    (:func:`jetrl.quant.backend.choose_impl`: CUDA tensors under the CUDA backend; ``impl`` forces
+    ``"reference"`` or ``"triton"``), a batch of seeded (and greedy) rows without truncation runs as one Triton
+    kernel (:mod:`jetrl.quant.kernels.sampling_triton`: the same tokens, the log-probabilities up to fp32
+    summation order) instead of some fifty tensor ops over (B, V).
     """
-    if (FUSED_SEEDED_SAMPLING and logits.is_cuda and logits.dim() == 2 and not batch.all_greedy
-            and not batch.any_truncation and not batch.any_unseeded_random and _triton_available()):
-        from jetrl.rollout.sampling_triton import seeded_sample
+    kernel_batch = (logits.dim() == 2 and not batch.all_greedy and not batch.any_truncation
+                    and not batch.any_unseeded_random)
+    if kernel_batch and choose_impl(logits, impl, op="seeded_sample") == "triton":
+        from jetrl.quant.kernels.sampling_triton import seeded_sample
 
         return seeded_sample(logits, batch.temperature, batch.seed_lo, batch.seed_hi, batch.sample_index,
                              batch.position)

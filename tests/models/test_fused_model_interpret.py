@@ -19,7 +19,7 @@ _CHILD = r'''
 import json, sys
 import torch
 from jetrl.models import build_model, token_logprobs
-from jetrl.quant.fused_dispatch import fused_impl
+from jetrl.quant import fused_impl
 
 base = dict(model_type="qwen3", vocab_size=300, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=512,

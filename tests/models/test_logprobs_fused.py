@@ -89,7 +89,7 @@ _CHILD = r'''
 import json, sys
 import torch
 import jetrl.models as jm
-from jetrl.models import logprobs_triton as K
+from jetrl.quant.kernels import logprobs_triton as K
 from jetrl.models.logprobs import chunk_grad_reference, chunk_stats_reference
 
 g = torch.Generator().manual_seed(0)

@@ -84,7 +84,7 @@ def test_packed_matches_plain_batch_bf16():
 def test_fused_kernels_match_reference_paths_in_a_training_step(recipe):
     """The decoder with its fused Triton ops (norm, SwiGLU, RoPE) against the same decoder on their PyTorch
     reference paths, same FP8 backend: forward and a backward through token log-probabilities."""
-    from jetrl.quant.fused_dispatch import fused_impl
+    from jetrl.quant import fused_impl
 
     shape = dict(CFG, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=2,
                  head_dim=128)

@@ -1,4 +1,5 @@
-"""Which 128x1 kernel family the CUDA backend picks, and the Gluon wrappers' input checks.
+"""Which quantization kernels the CUDA backend picks (Gluon, or the Triton fallback), and the Gluon wrappers'
+input checks.
 
 Pure host logic (no kernel runs): the kernels themselves are checked bitwise on the GPU
 (tests/quant/test_kernels_gpu.py); the Triton interpreter does not run Gluon.
@@ -14,33 +15,32 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (pip install triton)", allow_module_level=True)
 
-from jetrl.quant import cuda as cuda_mod  # noqa: E402
-from jetrl.quant import token_gluon  # noqa: E402
-
-
-def test_defaults_name_known_families():
-    for name in ("TOKEN_KERNEL", "REQUANT_KERNEL", "FUSED_ACT_AND_TOKEN_KERNEL"):
-        assert getattr(cuda_mod, name) in cuda_mod.TOKEN_KERNELS
+from jetrl.quant.kernels import cuda_backend as cuda_mod  # noqa: E402
+from jetrl.quant.kernels import quantize_gluon as token_gluon  # noqa: E402
+from jetrl.quant.kernels import tuning  # noqa: E402
 
 
 @pytest.mark.parametrize("has_gluon", [True, False])
-def test_gluon_falls_back_to_triton_without_gluon(monkeypatch, has_gluon):
+def test_gluon_falls_back_to_the_fastest_triton_path(monkeypatch, has_gluon):
+    """Without Gluon (or with ``tuning.gluon`` off) grad_out takes the two Triton kernels (1x128, then 128x1),
+    which beat the deleted Triton one-pass kernel; with Gluon the one-pass Gluon kernel."""
     monkeypatch.setattr(token_gluon, "available", lambda: has_gluon)
-    assert cuda_mod._kernel_choice("gluon", "TOKEN_KERNEL") == ("gluon" if has_gluon else "triton")
-    assert cuda_mod._kernel_choice("triton", "TOKEN_KERNEL") == "triton"
-
-
-def test_unknown_family_names_the_setting():
-    with pytest.raises(ValueError, match="REQUANT_KERNEL must be one of"):
-        cuda_mod._kernel_choice("cutlass", "REQUANT_KERNEL")
-
-
-def test_gluon_takes_unit_stride_float_rows_only():
     x = torch.randn(256, 384, dtype=torch.bfloat16)
-    assert cuda_mod._gluon_takes(x)
-    assert cuda_mod._gluon_takes(x.float())
-    assert not cuda_mod._gluon_takes(x.t())  # the two-kernel Triton route takes strided rows
-    assert not cuda_mod._gluon_takes(x.to(torch.float64))
+    assert cuda_mod.uses_gluon(x) == has_gluon
+    assert cuda_mod.act_and_token_path(x) == ("gluon-one-pass" if has_gluon else "triton-two-kernels")
+    with tuning.override(gluon=False):
+        assert not cuda_mod.uses_gluon(x)
+        assert cuda_mod.act_and_token_path(x) == "triton-two-kernels"
+
+
+def test_gluon_takes_unit_stride_float_rows_only(monkeypatch):
+    monkeypatch.setattr(token_gluon, "available", lambda: True)
+    x = torch.randn(256, 384, dtype=torch.bfloat16)
+    assert cuda_mod.act_and_token_path(x) == "gluon-one-pass"
+    assert cuda_mod.act_and_token_path(x.float()) == "gluon-one-pass"
+    assert cuda_mod.act_and_token_path(x.t()) == "triton-two-kernels"  # strided rows
+    assert cuda_mod.act_and_token_path(x.to(torch.float64)) == "triton-two-kernels"
+    assert not cuda_mod.uses_gluon(x.t().to(torch.float8_e4m3fn))  # the re-quantization's strided input
 
 
 def test_available_is_a_bool():

@@ -12,6 +12,7 @@ import torch
 
 from jetrl.quant import ACT, TOKEN, WEIGHT, FP8Linear, Fp8Tensor, use_backend
 from jetrl.quant import reference as R
+from jetrl.quant.kernels import tuning
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +24,7 @@ DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 def cuda_backend():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the FP8 kernels need a Hopper (sm_90+) GPU")
-    from jetrl.quant.cuda import CudaBackend
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
 
     return CudaBackend()
 
@@ -66,13 +67,11 @@ def test_quantize_bitwise(cuda_backend, block, shape, dtype, pow2):
 
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, monkeypatch, shape, pow2):
-    from jetrl.quant import cuda as cuda_mod
-
+def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, shape, pow2):
     x = _input(*shape, torch.bfloat16, seed=11)
-    for fused in (True, False):
-        monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN", fused)
-        q_act, q_tok = cuda_backend.quantize_act_and_token(x, pow2)
+    for gluon in (True, False):  # the Gluon one-pass kernel, or the Triton fallback (two kernels)
+        with tuning.override(gluon=gluon):
+            q_act, q_tok = cuda_backend.quantize_act_and_token(x, pow2)
         _same(q_act, R.quantize_tensor(x, ACT, pow2))
         _same(q_tok, R.quantize_tensor(x, TOKEN, pow2))
     ref_act = R.quantize_tensor(x, ACT, pow2)
@@ -84,55 +83,32 @@ def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, monkeypat
     _same(qw_t, ref_w.t())
 
 
-@pytest.mark.parametrize("shape", [(130, 300), (4096, 512), (256, 1000)])
-def test_transpose_output_variant_bitwise(cuda_backend, shape):
-    """The kernels' other transposition strategy (E4M3 result transposed) gives the same bytes."""
-    from jetrl.quant import triton_kernels as tk
-
-    x = _input(*shape, torch.bfloat16, seed=3)
-    rt = R.quantize_tensor(x, TOKEN)
-    _, _, td, ts = tk.quantize_act_1x128(x, emit_token=True, transpose_input=False)
-    _same(Fp8Tensor(td, ts, TOKEN), rt)
-    td, ts = tk.quantize_token_128x1(x, transpose_input=False)
-    _same(Fp8Tensor(td, ts, TOKEN), rt)
-    _, _, dt = tk.quantize_weight_128x128(x, emit_t=True, transpose_input=False)
-    assert _bitwise(dt, R.quantize_tensor(x, WEIGHT).data.t())
-    qa = R.quantize_tensor(x, ACT)
-    td, ts = tk.requantize_act_to_token(qa.data, qa.scale, transpose_input=False)
-    _same(Fp8Tensor(td, ts, TOKEN), R.requantize(qa, TOKEN))
-
-
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
-def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
-    """The reciprocal division (recip=True) in every kernel, tile and transposition strategy the benchmark
-    sweeps, on inputs with partial blocks, a zero row, saturation and signed zeros: the reference's bytes."""
-    from jetrl.quant import triton_kernels as tk
+def test_quantize_kernels_bitwise_at_tuned_tiles(cuda_backend, shape, dtype, pow2):
+    """Every Triton quantization kernel at the default tiles and warps and at the others the benchmark sweeps
+    (through the tuning object), on inputs with partial blocks, a zero row, saturation and signed zeros: the
+    reference's bytes."""
+    from jetrl.quant.kernels import quantize_triton as tk
 
     x = _input(*shape, dtype, seed=5)
     x[0, : min(5, shape[1])] = -0.0
     ra, rt, rw = (R.quantize_tensor(x, b, pow2) for b in (ACT, TOKEN, WEIGHT))
     qa = R.quantize_tensor(x, ACT, pow2)
     rq = R.requantize(qa, TOKEN, pow2)
-    for bm, warps in ((32, 4),):
-        d, s = tk.quantize_act_1x128(x, pow2, recip=True, block_m=bm, num_warps=warps)
-        _same(Fp8Tensor(d, s, ACT), ra)
-    for t_in in (True, False):
-        for warps in (4,):
-            d, s, td, ts = tk.quantize_act_1x128(x, pow2, emit_token=True, transpose_input=t_in, recip=True,
-                                                 num_warps=warps)
+    for settings in ({}, dict(act_block_m=64, act_num_warps=8, weight_num_warps=8, token_num_warps=2,
+                              requant_num_warps=2), dict(token_block_k=64, requant_block_k=64, token_num_warps=4,
+                                                         requant_num_warps=4)):
+        with tuning.override(**settings):
+            d, s = tk.quantize_act_1x128(x, pow2)
             _same(Fp8Tensor(d, s, ACT), ra)
-            _same(Fp8Tensor(td, ts, TOKEN), rt)
-            d, s, dt = tk.quantize_weight_128x128(x, pow2, emit_t=True, transpose_input=t_in, recip=True,
-                                                  num_warps=warps)
+            d, s, dt = tk.quantize_weight_128x128(x, pow2, emit_t=True)
             _same(Fp8Tensor(d, s, WEIGHT), rw)
             assert _bitwise(dt, rw.data.t())
-        for bk, warps in ((32, 1), (32, 2)):  # the defaults (more tiles: the interpreter test and the sweep)
-            td, ts = tk.quantize_token_128x1(x, pow2, transpose_input=t_in, block_k=bk, num_warps=warps, recip=True)
+            td, ts = tk.quantize_token_128x1(x, pow2)
             _same(Fp8Tensor(td, ts, TOKEN), rt)
-            td, ts = tk.requantize_act_to_token(qa.data, qa.scale, pow2, transpose_input=t_in, block_k=bk,
-                                                num_warps=warps, recip=True)
+            td, ts = tk.requantize_act_to_token(qa.data, qa.scale, pow2)
             _same(Fp8Tensor(td, ts, TOKEN), rq)
 
 
@@ -141,7 +117,7 @@ def test_recip_division_and_tiles_bitwise(cuda_backend, shape, dtype, pow2):
 def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
     """The Gluon requant kernel (the tile staged in shared memory, one whole column per thread) on partial
     blocks, a zero row, saturation and signed zeros: the reference's bytes."""
-    from jetrl.quant import token_gluon as rg
+    from jetrl.quant.kernels import quantize_gluon as rg
 
     x = _input(*shape, torch.bfloat16, seed=17)
     x[0, : min(5, shape[1])] = -0.0
@@ -156,7 +132,7 @@ def test_gluon_requant_bitwise(cuda_backend, shape, pow2):
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
 def test_gluon_token_and_one_pass_bitwise(cuda_backend, shape, dtype, pow2):
     """The Gluon 128x1 kernel and the one-pass 1x128 + 128x1 kernel on a float input: the reference's bytes."""
-    from jetrl.quant import token_gluon as tg
+    from jetrl.quant.kernels import quantize_gluon as tg
 
     x = _input(*shape, dtype, seed=23)
     x[0, : min(5, shape[1])] = -0.0
@@ -169,7 +145,7 @@ def test_gluon_token_and_one_pass_bitwise(cuda_backend, shape, dtype, pow2):
 
 
 def test_gluon_kernels_reject_strided_rows(cuda_backend):
-    from jetrl.quant import token_gluon as tg
+    from jetrl.quant.kernels import quantize_gluon as tg
 
     x = _input(256, 256, torch.bfloat16, seed=3).t()
     with pytest.raises(ValueError, match="unit stride"):
@@ -178,46 +154,35 @@ def test_gluon_kernels_reject_strided_rows(cuda_backend):
         tg.quantize_token_128x1(x.contiguous().to(torch.int32))
 
 
-@pytest.mark.parametrize("family", ["triton", "gluon"])
-def test_both_128x1_kernel_families_through_the_backend(cuda_backend, monkeypatch, family):
-    """Either family of 128x1 kernels behind the backend (Gluon is the default), the one-pass grad_out kernel
-    of each, and a strided input (which the Gluon kernels leave to Triton): the reference's bytes."""
-    from jetrl.quant import cuda as cuda_mod
-
+@pytest.mark.parametrize("gluon", [False, True])
+def test_both_128x1_kernel_families_through_the_backend(cuda_backend, gluon):
+    """Either family of 128x1 kernels behind the backend (Gluon is the default; ``tuning.gluon=False`` the
+    Triton fallback), grad_out's two blockings, and a strided input (which the Gluon kernels leave to Triton):
+    the reference's bytes."""
     x = _input(512, 384, torch.bfloat16, seed=19)
     qa = R.quantize_tensor(x, ACT)
-    monkeypatch.setattr(cuda_mod, "REQUANT_KERNEL", family)
-    monkeypatch.setattr(cuda_mod, "TOKEN_KERNEL", family)
-    _same(cuda_backend.requantize(qa, TOKEN), R.requantize(qa, TOKEN))
-    _same(cuda_backend.quantize(x, TOKEN), R.quantize_tensor(x, TOKEN))
     xt = _input(384, 512, torch.bfloat16, seed=20).t()
-    _same(cuda_backend.quantize(xt, TOKEN), R.quantize_tensor(xt, TOKEN))
-    for fused in (False, True):  # two kernels, or one pass (the default)
-        monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN", fused)
-        monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN_KERNEL", family)
-        for inp in (x, xt):  # strided rows: the Gluon one-pass kernel leaves them to the two kernels
+    with tuning.override(gluon=gluon):
+        _same(cuda_backend.requantize(qa, TOKEN), R.requantize(qa, TOKEN))
+        _same(cuda_backend.quantize(x, TOKEN), R.quantize_tensor(x, TOKEN))
+        _same(cuda_backend.quantize(xt, TOKEN), R.quantize_tensor(xt, TOKEN))
+        for inp in (x, xt):  # strided rows: the Gluon one-pass kernel leaves them to the two Triton kernels
             act, tok = cuda_backend.quantize_act_and_token(inp)
             _same(act, R.quantize_tensor(inp, ACT))
             _same(tok, R.quantize_tensor(inp, TOKEN))
-    monkeypatch.setattr(cuda_mod, "FUSED_ACT_AND_TOKEN_KERNEL", "cutlass")
-    with pytest.raises(ValueError, match="FUSED_ACT_AND_TOKEN_KERNEL"):
-        cuda_backend.quantize_act_and_token(x)
-    monkeypatch.setattr(cuda_mod, "TOKEN_KERNEL", "cutlass")
-    with pytest.raises(ValueError, match="TOKEN_KERNEL"):
-        cuda_backend.quantize(x, TOKEN)
 
 
 @pytest.mark.parametrize("pow2", [False, True])
-def test_recip_division_inf_blocks_equal_division(cuda_backend, pow2):
-    """A block holding an inf has scale inf: x / inf is +-0 and inf / inf NaN, with or without recip."""
-    from jetrl.quant import triton_kernels as tk
+def test_inf_blocks_like_the_reference(cuda_backend, pow2):
+    """A block holding an inf has scale inf: x / inf is +-0 and inf / inf NaN, as the reference divides."""
+    from jetrl.quant.kernels import quantize_triton as tk
 
     x = torch.randn(260, 300, device="cuda")
     x[5, 7], x[9, 200], x[5, 8] = float("inf"), -float("inf"), -0.0
-    for fn in (lambda r: tk.quantize_act_1x128(x, pow2, emit_token=True, recip=r),
-               lambda r: tk.quantize_weight_128x128(x, pow2, emit_t=True, recip=r)):
-        for a, b in zip(fn(False), fn(True)):
-            assert _bitwise(a, b)
+    for block, got in ((ACT, tk.quantize_act_1x128(x, pow2)), (TOKEN, tk.quantize_token_128x1(x, pow2)),
+                       (WEIGHT, tk.quantize_weight_128x128(x, pow2, emit_t=True)[:2])):
+        ref = R.quantize_tensor(x, block, pow2)
+        assert _bitwise(got[0], ref.data) and _bitwise(got[1], ref.scale)
 
 
 def test_quantize_noncontiguous_and_float64(cuda_backend):
@@ -242,21 +207,21 @@ def _gemm_tolerance(a: Fp8Tensor, b: Fp8Tensor, ref: torch.Tensor, out_dtype: to
 @pytest.mark.parametrize("mnk", [(1, 256, 384), (64, 4096, 4096), (130, 256, 512), (512, 384, 1024),
                                  (30, 200, 300), (1000, 272, 640)])
 @pytest.mark.parametrize("b_block", [WEIGHT, ACT])
-def test_gemm_to_output_rounding(cuda_backend, monkeypatch, b_block, mnk, out_dtype, path):
-    from jetrl.quant import cuda as cuda_mod
+def test_gemm_to_output_rounding(cuda_backend, b_block, mnk, out_dtype, path):
+    from jetrl.quant.kernels import cuda_backend as cuda_mod
 
     m, n, k = mnk
-    monkeypatch.setenv("JETRL_FP8_GEMM", path)
-    g = torch.Generator(device="cuda").manual_seed(m + n + k)
-    a = R.quantize_tensor(torch.randn(m, k, generator=g, device="cuda"), ACT)
-    b = R.quantize_tensor(torch.randn(n, k, generator=g, device="cuda"), b_block)
-    out = cuda_backend.gemm(a, b, out_dtype)
-    assert out.dtype == out_dtype and out.shape == (m, n)
-    ref = a.dequantize().double() @ b.dequantize().double().t()
-    err = (out.double() - ref).abs()
-    tol = _gemm_tolerance(a, b, ref, out_dtype)
-    assert torch.isfinite(out).all()
-    assert bool((err <= tol).all()), f"{cuda_mod.gemm_path(a, b)} GEMM: max excess {(err - tol).max().item()}"
+    with tuning.override(gemm=path):
+        g = torch.Generator(device="cuda").manual_seed(m + n + k)
+        a = R.quantize_tensor(torch.randn(m, k, generator=g, device="cuda"), ACT)
+        b = R.quantize_tensor(torch.randn(n, k, generator=g, device="cuda"), b_block)
+        out = cuda_backend.gemm(a, b, out_dtype)
+        assert out.dtype == out_dtype and out.shape == (m, n)
+        ref = a.dequantize().double() @ b.dequantize().double().t()
+        err = (out.double() - ref).abs()
+        tol = _gemm_tolerance(a, b, ref, out_dtype)
+        assert torch.isfinite(out).all()
+        assert bool((err <= tol).all()), f"{cuda_mod.gemm_path(a, b)} GEMM: max excess {(err - tol).max().item()}"
 
 
 @pytest.mark.parametrize("mnk", [(1, 6144, 4096), (16, 4096, 4096), (64, 28672, 4096), (64, 4096, 14336),
@@ -264,7 +229,7 @@ def test_gemm_to_output_rounding(cuda_backend, monkeypatch, b_block, mnk, out_dt
 def test_decode_gemm_deterministic_split_k(cuda_backend, mnk):
     """The split-K decode GEMM: within output rounding of the exact product, bitwise equal across calls,
     across split counts' own repeated runs, and inside a CUDA graph (the counters reset themselves)."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     m, n, k = mnk
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
@@ -294,7 +259,7 @@ def test_grouped_decode_gemm_equals_one_by_one(cuda_backend, m, bias):
     """q/k/v-like weights sharing an input: one launch, each slice bitwise the single GEMM (+ bias) run with
     the grouped launch's split (the default split depends on the total width, so it can differ from a lone
     call's: then the two sum K in different orders)."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     g = torch.Generator(device="cuda").manual_seed(m + 11 * bias)
     a = cuda_backend.quantize(torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
@@ -332,7 +297,7 @@ def test_decode_gemm_variants(cuda_backend, mnk, variant):
     """Every tuning variant of the decode GEMM (1 and 3 K splits): within output rounding of the exact
     product, bitwise equal across calls and inside a CUDA graph; K = 1104 (a partial K block) and 1100 (no
     TMA: K % 16 != 0, pointer loads instead) cover the edges."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     m, n, k = mnk
     g = torch.Generator(device="cuda").manual_seed(m * 5 + n + variant)
@@ -356,10 +321,10 @@ def test_decode_gemm_variants(cuda_backend, mnk, variant):
 
 
 def _shape_config_cases():
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     lower = {32: 1, 64: 33, 128: 65, 256: 129}
-    return [(key, m) for key in dk.DECODE_SHAPE_CONFIGS for m in (lower[key[0]], key[0])]
+    return [(key, m) for key in tuning.current().decode_shape_configs for m in (lower[key[0]], key[0])]
 
 
 # how the grouped entries' total widths split into weights (q/k/v or gate/up of the measured models)
@@ -370,10 +335,10 @@ GROUPED_SPLITS = {6144: (4096, 1024, 1024), 2048: (1536, 256, 256), 17920: (8960
 def test_measured_shape_configs_compute_their_shapes(cuda_backend, key, m):
     """Every per-shape decode config, at both ends of its row bucket, on the shape it was measured for: within
     output rounding of the exact product; grouped entries bitwise equal to their one-by-one calls."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     _, n, k, grouped = key
-    cfg = dk.DECODE_SHAPE_CONFIGS[key]
+    cfg = tuning.current().decode_shape_configs[key]
     assert dk.default_decode_config(m, n, k, torch.device("cuda"), grouped=grouped) == cfg
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     a = cuda_backend.quantize(torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
@@ -394,7 +359,7 @@ def test_measured_shape_configs_compute_their_shapes(cuda_backend, key, m):
 def test_grouped_decode_gemm_variants_equal_one_by_one(cuda_backend, m, variant):
     """Grouped q/k/v (with biases) through each variant, TMA descriptors per weight included: bitwise the
     one-by-one calls with the same config."""
-    from jetrl.quant import decode_gemm_triton as dk
+    from jetrl.quant.kernels import gemm_decode_triton as dk
 
     g = torch.Generator(device="cuda").manual_seed(m + variant)
     a = cuda_backend.quantize(torch.randn(m, 4096, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
@@ -408,15 +373,13 @@ def test_grouped_decode_gemm_variants_equal_one_by_one(cuda_backend, m, variant)
     assert torch.isfinite(out.float()).all() and torch.equal(out, torch.cat(one, dim=1))
 
 
-def test_decode_routing_bounds(cuda_backend, monkeypatch):
-    """Single GEMMs up to DECODE_MAX_M, grouped launches up to GROUPED_DECODE_MAX_M and per-shape entries
+@tuning.override(gemm="auto", decode_max_m=64, grouped_decode_max_m=256,
+                 decode_max_m_by_shape={(1024, 4096): 128, ("grouped", 6144, 4096): 128})
+def test_decode_routing_bounds(cuda_backend):
+    """Single GEMMs up to decode_max_m, grouped launches up to grouped_decode_max_m and per-shape entries
     go to the decode kernel; M > 256 never does; a grouped launch past its bound returns None."""
-    from jetrl.quant import cuda as cuda_mod
+    from jetrl.quant.kernels import cuda_backend as cuda_mod
 
-    monkeypatch.delenv("JETRL_FP8_GEMM", raising=False)
-    monkeypatch.setattr(cuda_mod, "DECODE_MAX_M", 64)
-    monkeypatch.setattr(cuda_mod, "GROUPED_DECODE_MAX_M", 256)
-    monkeypatch.setattr(cuda_mod, "DECODE_MAX_M_BY_SHAPE", {(1024, 4096): 128, ("grouped", 6144, 4096): 128})
     g = torch.Generator(device="cuda").manual_seed(9)
     ws = [cuda_backend.quantize(torch.randn(n, 4096, generator=g, device="cuda", dtype=torch.bfloat16), WEIGHT)
           for n in (4096, 1024, 1024)]

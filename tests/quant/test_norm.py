@@ -152,7 +152,7 @@ _CHILD = r'''
 import json, sys
 import torch
 from jetrl.quant import reference as R
-from jetrl.quant import norm_triton as NT
+from jetrl.quant.kernels import norm_triton as NT
 from jetrl.quant.norm import rms_norm
 
 EPS = 1e-6

@@ -21,8 +21,10 @@ _CHILD = r'''
 import json, sys
 import torch
 from jetrl.quant import reference as R
-from jetrl.quant import decode_gemm_triton as D
-from jetrl.quant import triton_kernels as T
+from jetrl.quant.kernels import gemm_decode_triton as D
+from jetrl.quant.kernels import gemm_triton as G
+from jetrl.quant.kernels import quantize_triton as T
+from jetrl.quant.kernels import tuning
 
 def same(a, b):
     if a.dtype == torch.float8_e4m3fn:
@@ -50,26 +52,29 @@ def inputs():
 
 NARROW_CASES = {"130x300-bfloat16", "3x129-float32", "256x256-float16", "300x200-float64", "noncontig-200x300",
                 "zeros-256x256"}
-# the reciprocal division (recip=True): every kernel, both transposition strategies, on inputs that also hold
-# signed zeros (the correction must keep -0) and, separately, a block with an inf (x / inf, inf / inf)
-RECIP_CASES = {"130x300-bfloat16", "3x129-float32", "256x256-float16", "noncontig-200x300", "zeros-256x256"}
+# signed zeros next to ordinary values (the reciprocal division's correction must keep -0)
+ZERO_CASES = {"130x300-bfloat16", "3x129-float32", "256x256-float16", "noncontig-200x300", "zeros-256x256"}
 
-def recip_inf_blocks_match():
-    # the interpreter's NaN bits are not the GPU's: compare every element but the infs themselves
+def inf_blocks_match():
+    # a block holding an inf has scale inf: x / inf is +-0 and inf / inf NaN, as in the reference; the
+    # interpreter's NaN bits are not the GPU's, so every element but the infs themselves is compared
     x = torch.randn(130, 260, generator=torch.Generator().manual_seed(11))
     x[5, 7], x[9, 200], x[5, 8] = float("inf"), -float("inf"), -0.0
     keep = ~torch.isinf(x)
     ok = True
     for pow2 in (False, True):
-        a = T.quantize_act_1x128(x, pow2, emit_token=True, recip=False)
-        b = T.quantize_act_1x128(x, pow2, emit_token=True, recip=True)
-        ok = ok and same(a[0][keep], b[0][keep]) and same(a[1], b[1]) and same(a[2][keep], b[2][keep]) and same(a[3], b[3])
-        a = T.quantize_weight_128x128(x, pow2, emit_t=True, recip=False)
-        b = T.quantize_weight_128x128(x, pow2, emit_t=True, recip=True)
-        ok = ok and same(a[0][keep], b[0][keep]) and same(a[1], b[1]) and same(a[2][keep.t()], b[2][keep.t()])
+        ra, rsa = R.quantize(x, (1, 128), pow2)
+        rt, rst = R.quantize(x, (128, 1), pow2)
+        rw, rsw = R.quantize(x, (128, 128), pow2)
+        d, s = T.quantize_act_1x128(x, pow2)
+        ok = ok and same(d[keep], ra[keep]) and same(s, rsa)
+        d, s = T.quantize_token_128x1(x, pow2)
+        ok = ok and same(d[keep], rt[keep]) and same(s, rst)
+        d, s, dt = T.quantize_weight_128x128(x, pow2, emit_t=True)
+        ok = ok and same(d[keep], rw[keep]) and same(s, rsw) and same(dt[keep.t()], rw.t()[keep.t()])
     return ok
 
-RECIP_INF_OK = recip_inf_blocks_match()
+INF_OK = inf_blocks_match()
 results = {}
 for name, x in inputs():
     for pow2 in (False, True):
@@ -80,8 +85,6 @@ for name, x in inputs():
         rw, rsw = R.quantize(x, (128, 128), pow2)
         d, s = T.quantize_act_1x128(x, pow2)
         r["act"] = same(d, ra) and same(s, rsa)
-        d, s, td, ts = T.quantize_act_1x128(x, pow2, emit_token=True)
-        r["act+token"] = same(d, ra) and same(s, rsa) and same(td, rt) and same(ts, rst)
         td, ts = T.quantize_token_128x1(x, pow2)
         r["token"] = same(td, rt) and same(ts, rst)
         d, s, dt = T.quantize_weight_128x128(x, pow2, emit_t=True)
@@ -91,28 +94,22 @@ for name, x in inputs():
         d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2)
         r["requant"] = same(d, rq.data) and same(s, rq.scale)
         r["nan_free"] = not bool(torch.isnan(T.quantize_act_1x128(x, pow2)[0].float()).any())
-        # the other transposition strategy of each kernel that writes a transposed copy (a subset of the cases)
+        # other tiles and warps from the tuning object (the benchmark sweep's): a subset of the cases keeps this fast
         ok = True
-        if name in NARROW_CASES:
-            d, s, td, ts = T.quantize_act_1x128(x, pow2, emit_token=True, transpose_input=not T.TRANSPOSE_INPUT)
-            ok = same(d, ra) and same(s, rsa) and same(td, rt) and same(ts, rst)
-            td, ts = T.quantize_token_128x1(x, pow2, transpose_input=not T.TOKEN_TRANSPOSE_INPUT)
-            ok = ok and same(td, rt) and same(ts, rst)
-            d, s, dt = T.quantize_weight_128x128(x, pow2, emit_t=True, transpose_input=not T.TRANSPOSE_INPUT)
-            ok = ok and same(dt, rw.t().contiguous())
-            d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, transpose_input=not T.REQUANT_TRANSPOSE_INPUT)
-            ok = ok and same(d, rq.data) and same(s, rq.scale)
-        r["transpose_output_variant"] = ok
-        # narrower 128x1 tiles (the defaults and the benchmark sweep): a subset of the cases keeps this fast
-        ok = True
-        for bk in ((32, 64) if name in NARROW_CASES else ()):
-            td, ts = T.quantize_token_128x1(x, pow2, block_k=bk, num_warps=4)
-            ok = ok and same(td, rt) and same(ts, rst)
-            d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2, block_k=bk, num_warps=4)
-            ok = ok and same(d, rq.data) and same(s, rq.scale)
-        r["narrow_token_tiles"] = ok
-        ok = RECIP_INF_OK
-        if name in RECIP_CASES:
+        for bk in ((64, 128) if name in NARROW_CASES else ()):
+            with tuning.override(token_block_k=bk, token_num_warps=4, requant_block_k=bk, requant_num_warps=4,
+                                 act_block_m=64, act_num_warps=8, weight_num_warps=8):
+                td, ts = T.quantize_token_128x1(x, pow2)
+                ok = ok and same(td, rt) and same(ts, rst)
+                d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2)
+                ok = ok and same(d, rq.data) and same(s, rq.scale)
+                d, s = T.quantize_act_1x128(x, pow2)
+                ok = ok and same(d, ra) and same(s, rsa)
+                d, s, dt = T.quantize_weight_128x128(x, pow2, emit_t=True)
+                ok = ok and same(d, rw) and same(s, rsw) and same(dt, rw.t().contiguous())
+        r["tuned_tiles"] = ok
+        ok = INF_OK
+        if name in ZERO_CASES:
             xz = x.clone()
             xz[0, : min(5, xz.shape[1])] = -0.0  # signed zeros next to ordinary values
             za, zsa = R.quantize(xz, (1, 128), pow2)
@@ -120,27 +117,15 @@ for name, x in inputs():
             zw, zsw = R.quantize(xz, (128, 128), pow2)
             zq = R.quantize_tensor(xz, (1, 128), pow2)
             zr = R.requantize(zq, (128, 1), pow2)
-            d, s = T.quantize_act_1x128(xz, pow2, recip=True)
+            d, s = T.quantize_act_1x128(xz, pow2)
             ok = ok and same(d, za) and same(s, zsa)
-            for t_in in (True, False):
-                d, s, td, ts = T.quantize_act_1x128(xz, pow2, emit_token=True, transpose_input=t_in, recip=True)
-                ok = ok and same(d, za) and same(s, zsa) and same(td, zt) and same(ts, zst)
-                td, ts = T.quantize_token_128x1(xz, pow2, transpose_input=t_in, block_k=32, recip=True)
-                ok = ok and same(td, zt) and same(ts, zst)
-                d, s, dt = T.quantize_weight_128x128(xz, pow2, emit_t=True, transpose_input=t_in, recip=True)
-                ok = ok and same(d, zw) and same(s, zsw) and same(dt, zw.t().contiguous())
-                d, s = T.requantize_act_to_token(zq.data, zq.scale, pow2, transpose_input=t_in, block_k=64, recip=True)
-                ok = ok and same(d, zr.data) and same(s, zr.scale)
-            # the per-element division (recip=False; the defaults divide through a reciprocal)
-            d, s, td, ts = T.quantize_act_1x128(xz, pow2, emit_token=True, recip=False)
-            ok = ok and same(d, za) and same(s, zsa) and same(td, zt) and same(ts, zst)
-            td, ts = T.quantize_token_128x1(xz, pow2, recip=False)
+            td, ts = T.quantize_token_128x1(xz, pow2)
             ok = ok and same(td, zt) and same(ts, zst)
-            d, s, dt = T.quantize_weight_128x128(xz, pow2, emit_t=True, recip=False)
+            d, s, dt = T.quantize_weight_128x128(xz, pow2, emit_t=True)
             ok = ok and same(d, zw) and same(s, zsw) and same(dt, zw.t().contiguous())
-            d, s = T.requantize_act_to_token(zq.data, zq.scale, pow2, recip=False)
+            d, s = T.requantize_act_to_token(zq.data, zq.scale, pow2)
             ok = ok and same(d, zr.data) and same(s, zr.scale)
-        r["recip_division"] = ok
+        r["signed_zeros_and_inf_blocks"] = ok
         results[key] = r
 
 # GEMM: the Triton blockwise GEMM against dequantize-then-fp32-matmul
@@ -151,8 +136,8 @@ for (m, n, k) in [(20, 200, 300), (33, 128, 256)]:
     for name, b in (("tile", R.quantize_tensor(torch.randn(n, k, generator=g), (128, 128))),
                     ("act", R.quantize_tensor(torch.randn(n, k, generator=g), (1, 128)))):
         ref = R.gemm(a, b, torch.float32).double()
-        out = T.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, 128 if name == "tile" else 1,
-                                   torch.float32, T.GemmConfig(16, 32, 1, 4, 2)).double()
+        out = G.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, 128 if name == "tile" else 1,
+                                   torch.float32, G.GemmConfig(16, 32, 1, 4, 2)).double()
         bound = (a.dequantize().double().abs() @ b.dequantize().double().abs().t()) * (k + 2) * 2.0 ** -24
         gemm[f"{m}x{n}x{k}-{name}"] = bool(((out - ref).abs() <= bound).all())
 # the split-K decode GEMM: several splits (incl. a last split shorter than the others), both b layouts
@@ -219,8 +204,7 @@ def interpreted():
     return run_interpreted(_CHILD, "kernels")
 
 
-KERNELS = ("act", "act+token", "token", "weight", "requant", "nan_free", "transpose_output_variant",
-           "narrow_token_tiles", "recip_division")
+KERNELS = ("act", "token", "weight", "requant", "nan_free", "tuned_tiles", "signed_zeros_and_inf_blocks")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

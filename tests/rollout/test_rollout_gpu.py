@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("num_seqs,num_heads,num_kv_heads,head_dim,page,splits", [
     (5, 32, 8, 128, 16, None), (3, 16, 2, 64, 16, 4), (64, 28, 4, 128, 16, None), (2, 8, 8, 96, 8, 3)])
 def test_paged_decode_bf16_matches_reference(num_seqs, num_heads, num_kv_heads, head_dim, page, splits):
-    from jetrl.models.paged_decode_triton import paged_decode
+    from jetrl.quant.kernels.paged_attention_triton import paged_decode
 
     gen = torch.Generator(device="cuda").manual_seed(num_seqs)
     contexts = torch.randint(1, 700, (num_seqs,), generator=gen, device="cuda").tolist()

@@ -2,24 +2,25 @@
 
 At decode sizes the GEMM is bound by the weight's bytes: the kernel streams the weight once, split along K
 over enough programs to keep every SM busy, and reduces the partials deterministically in the kernel.
-Operands and scales are laid out as for :func:`jetrl.quant.triton_kernels.blockwise_fp8_gemm`.
+Operands and scales are laid out as for :func:`jetrl.quant.kernels.gemm_triton.blockwise_fp8_gemm`.
 Imported lazily by the CUDA backend, like every Triton module of jetrl.
 
-Tuning knobs (:class:`DecodeGemmConfig`): weight rows per program, K splits, warps, pipeline stages, K blocks
-per loop iteration, TMA (tensor-descriptor) loads, and row tiles for M > 64. :data:`DECODE_POLICIES` turns
-them into the default config per row count, :data:`DECODE_SHAPE_CONFIGS` overrides it for measured shapes;
-``bench/kernels.py --sections decode-sweep`` measures them.
+Tuning knobs (:class:`~jetrl.quant.kernels.tuning.DecodeGemmConfig`): weight rows per program, K splits,
+warps, pipeline stages, K blocks per loop iteration, TMA (tensor-descriptor) loads, and row tiles for M > 64.
+The tuning object (:mod:`jetrl.quant.kernels.tuning`) holds the per-row-count policies that turn them into the
+default config and the per-shape configs that override it; ``bench/kernels.py --sections decode-sweep``
+measures them.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-from jetrl.quant.triton_kernels import BLOCK, _cdiv, cast_rne
+from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv, cast_rne
+from jetrl.quant.kernels.tuning import DECODE_GEMM_MAX_M, DecodeGemmConfig, DecodePolicy  # noqa: F401 (re-exported)
 
 
 @triton.jit
@@ -174,102 +175,6 @@ def _store_decode_tile(c_ptrs, acc, c_mask, bias_ptr, rn, n_ok, HAS_BIAS: tl.con
     tl.store(c_ptrs, c, mask=c_mask)
 
 
-@dataclass(frozen=True)
-class DecodeGemmConfig:
-    """Tiles of the split-K decode GEMM.
-
-    ``block_n`` weight rows per program (16-256, a power of two); the K range split in ``split_k`` parts
-    (rounded so that every split holds whole loop iterations; none is empty); ``k_unroll`` 128-wide K blocks
-    (scale blocks) per loop iteration (1, 2 or 4: 2 loads 256 K at once); ``tma`` loads weight and input tiles
-    through TMA descriptors where the layouts allow it (K a multiple of 16, rows contiguous, 16-byte aligned;
-    pointer loads otherwise); ``block_m`` tokens per row tile (0: one tile covers M, the next power of two of
-    at least 16; smaller tiles give M > 64 more programs, each re-reading its weight block from L2).
-    """
-
-    block_n: int = 64
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    block_m: int = 0
-    k_unroll: int = 1
-    tma: bool = False
-
-    def __post_init__(self) -> None:
-        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-        if not (pow2(self.block_n) and 16 <= self.block_n <= 256):
-            raise ValueError(f"DecodeGemmConfig.block_n must be a power of two in 16..256, got {self.block_n}")
-        if self.block_m and not (pow2(self.block_m) and 16 <= self.block_m <= DECODE_GEMM_MAX_M):
-            raise ValueError(f"DecodeGemmConfig.block_m must be 0 or a power of two in 16..256, got {self.block_m}")
-        if self.k_unroll not in (1, 2, 4):
-            raise ValueError(f"DecodeGemmConfig.k_unroll must be 1, 2 or 4, got {self.k_unroll}")
-        if self.split_k < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(f"DecodeGemmConfig: split_k >= 1, num_warps in 1..16 (a power of two) and "
-                             f"num_stages >= 1 needed, got {self}")
-
-    @property
-    def name(self) -> str:
-        """Short label, e.g. ``n64k4s3w4`` (+ ``m128`` row tiles, ``u2`` unroll, ``tma``)."""
-        tag = f"n{self.block_n}k{self.split_k}s{self.num_stages}w{self.num_warps}"
-        return (tag + (f"m{self.block_m}" if self.block_m else "") + (f"u{self.k_unroll}" if self.k_unroll > 1 else "")
-                + ("tma" if self.tma else ""))
-
-
-DECODE_GEMM_MAX_M = 256  # one kernel launch handles up to this many rows; the backend decides which M come here
-
-
-@dataclass(frozen=True)
-class DecodePolicy:
-    """How the default :class:`DecodeGemmConfig` is derived for row counts up to ``max_m``.
-
-    The K split is the power of two that brings the program count nearest ``programs_per_sm`` per SM from
-    below (``round_up=False``) or above (``round_up=True``), at most ``max_split`` and at least
-    ``min_kb_per_split`` 128-wide K blocks per split; the other fields are copied into the config.
-    """
-
-    max_m: int
-    programs_per_sm: float = 1.5
-    round_up: bool = True
-    max_split: int = 16
-    min_kb_per_split: int = 4
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    block_m: int = 0
-    k_unroll: int = 1
-    tma: bool = False
-
-    def config(self, m: int, n: int, k: int, sm_count: int) -> DecodeGemmConfig:
-        """The config for an (m, n, k) GEMM (n: total width of a grouped launch) on ``sm_count`` SMs."""
-        tiles = _cdiv(n, self.block_n) * (_cdiv(m, self.block_m) if 0 < self.block_m < m else 1)
-        programs = int(self.programs_per_sm * sm_count)
-        if self.round_up:
-            split = 1 << (max(1, -(-programs // tiles)) - 1).bit_length()
-        else:
-            split = 1 << max(0, (programs // tiles).bit_length() - 1)
-        split = max(1, min(split, self.max_split, max(1, _cdiv(k, BLOCK) // self.min_kb_per_split)))
-        return DecodeGemmConfig(block_n=self.block_n, split_k=split, num_warps=self.num_warps,
-                                num_stages=self.num_stages, block_m=self.block_m, k_unroll=self.k_unroll,
-                                tma=self.tma)
-
-    def literal(self) -> str:
-        """Python source of this policy, differences from the defaults only (to paste into DECODE_POLICIES)."""
-        default = DecodePolicy(max_m=self.max_m)
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                 if f.name == "max_m" or getattr(self, f.name) != getattr(default, f.name)]
-        return f"DecodePolicy({', '.join(parts)})"
-
-
-# Default configs by row count, first match wins, from the decode sweep on the H200 at Llama-8B shapes
-# (BENCHMARKS.md, "Decode GEMM sweep"): M <= 32 about three programs per SM, M <= 64 about 1.5 (more MMA
-# work per weight byte); M <= 128 about one program per SM, rounded down, 8 warps; M <= 256 128 x 128 tiles
-# of weight rows x tokens with TMA loads. (TMA and K unrolling won single shapes at M <= 64, not the set.)
-DECODE_POLICIES: tuple[DecodePolicy, ...] = (
-    DecodePolicy(max_m=32, programs_per_sm=3.0),
-    DecodePolicy(max_m=64, programs_per_sm=1.5),
-    DecodePolicy(max_m=128, programs_per_sm=1.0, round_up=False, num_warps=8),
-    DecodePolicy(max_m=DECODE_GEMM_MAX_M, programs_per_sm=1.0, round_up=False, block_n=128, num_warps=8,
-                 block_m=128, tma=True),
-)
 _LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
 _LOCK_SLOTS = 1 << 14
 
@@ -281,48 +186,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_policy(m: int) -> DecodePolicy:
-    """The :data:`DECODE_POLICIES` entry for ``m`` rows."""
-    for policy in DECODE_POLICIES:
-        if m <= policy.max_m:
-            return policy
-    raise ValueError(f"no decode policy for {m} rows (the decode GEMM handles at most {DECODE_GEMM_MAX_M})")
-
-
-# Shapes whose best config in the decode sweep beat the per-M policy by more than 3%: (largest M, total N, K,
-# grouped launch) -> config. Bucket "32" covers M = 1-32 (the same config won at 16 and 32), "64" M = 33-64,
-# "128" M = 65-128, "256" M = 129-256. Llama-8B linears: run G (M = 16, 32, 64); the rollout benchmark's 1.5B
-# model (Qwen2-1.5B: hidden 1536, MLP 8960, q/k/v 1536 + 256 + 256): `bench/kernels.py --sections decode-sweep
-# --sweep-shape 1.5b` (M = 32, 64, 128, 256), both on the H200.
-DECODE_SHAPE_CONFIGS: dict[tuple[int, int, int, bool], DecodeGemmConfig] = {
-    (32, 6144, 4096, True): DecodeGemmConfig(block_n=64, split_k=4, tma=True),  # q/k/v: 10.9 vs 12.4 us
-    (32, 6144, 4096, False): DecodeGemmConfig(block_n=64, split_k=4, tma=True),
-    (32, 4096, 4096, False): DecodeGemmConfig(block_n=64, split_k=4, tma=True),  # o: 9.3 vs 9.9 us
-    (32, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, num_stages=4, tma=True),
-    (32, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=8, num_stages=4, tma=True),  # 20.5 vs 22.1
-    (64, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, tma=True),  # gate_up: 36.2 vs 38.5 us
-    (64, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=4, k_unroll=2, tma=True),  # 26.1 vs 28.3
-    # 1.5B shape
-    (32, 1536, 1536, False): DecodeGemmConfig(block_n=64, split_k=3, num_stages=4, tma=True),  # o: 5.4 vs 6.1
-    (32, 1536, 8960, False): DecodeGemmConfig(block_n=64, split_k=16, num_warps=8, tma=True),  # down: 10.1 vs 11.2
-    (128, 1536, 8960, False): DecodeGemmConfig(block_n=64, split_k=4, num_warps=8, k_unroll=2, tma=True),  # 14.3/17.6
-    (256, 1536, 8960, False): DecodeGemmConfig(block_n=128, split_k=4, num_warps=8, block_m=128, k_unroll=2,
-                                               tma=True),  # down: 21.4 vs 22.9 us
-    (32, 2048, 1536, True): DecodeGemmConfig(block_n=64, split_k=3, k_unroll=2),  # q/k/v: 5.7 vs 6.3 us
-    (128, 2048, 1536, True): DecodeGemmConfig(block_n=64, split_k=2, block_m=64, tma=True),  # 7.5 vs 9.6 us
-    (256, 2048, 1536, True): DecodeGemmConfig(block_n=128, split_k=2, block_m=64, tma=True),  # 9.4 vs 11.4 us
-    (32, 17920, 1536, True): DecodeGemmConfig(block_n=64, split_k=1, tma=True),  # gate/up: 10.9 vs 13.5 us
-}
+    """The policy of the tuning object in force for ``m`` rows."""
+    return tuning.current().decode_policy(m)
 
 
 def default_decode_config(m: int, n: int, k: int, device: torch.device, grouped: bool = False) -> DecodeGemmConfig:
     """The default config for an (m, n, k) decode GEMM (``n``: total width of a grouped launch, ``grouped``:
-    whether it is one): the measured per-shape entry of :data:`DECODE_SHAPE_CONFIGS` where there is one,
-    else the per-M policy of :data:`DECODE_POLICIES`."""
-    bucket = 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
-    tuned = DECODE_SHAPE_CONFIGS.get((bucket, n, k, bool(grouped)))
-    if tuned is not None:
-        return tuned
-    return decode_policy(m).config(m, n, k, _sm_count(device))
+    whether it is one) on ``device``, from the tuning object (:meth:`KernelTuning.decode_config`)."""
+    return tuning.current().decode_config(m, n, k, _sm_count(device), grouped)
 
 
 def _locks(device: torch.device) -> torch.Tensor:

@@ -8,7 +8,7 @@ the same bits:
   ``tl.div_rn`` (Triton's ``/`` on fp32 is approximate).
 * the product: ``silu`` (already rounded) times ``up`` in fp32, rounded to the dtype.
 * FP8 (``QUANTIZE``): the 1x128 quantization of the rounded output, with the jitted helpers of
-  :mod:`jetrl.quant.triton_kernels` (bitwise the reference's quantization of the returned tensor).
+  :mod:`jetrl.quant.kernels.quantize_triton` (bitwise the reference's quantization of the returned tensor).
 * backward: autograd of the unfused code rounds ``g * up`` and ``g * silu`` to the dtype, then ATen's
   ``silu_backward`` computes ``dy * s * (1 + x * (1 - s))`` with ``s = 1 / (1 + exp(-x))`` in fp32, which
   nvcc contracts to ``(dy * s) * fma(x, 1 - s, 1)``; the kernel does exactly that.
@@ -31,17 +31,15 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from jetrl.quant.formats import E4M3
-from jetrl.quant.triton_kernels import _block_scale, _quantize_e4m3
-from jetrl.quant.triton_kernels import round_to_bf16_grid as _round_to_bf16_grid
+from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3
+from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
 
-# FP8 output: divide through one reciprocal per 1x128 group (bitwise the per-element IEEE division, about
-# half the instructions; see jetrl.quant.triton_kernels._to_e4m3_recip)
-_RECIP = tl.constexpr(True)
 
 BLOCK_K = 128  # one 1x128 scale block per program along the columns
 # ATen's silu_backward ``dy * s * (1 + x * (1 - s))`` is compiled by nvcc with multiply-add contraction on
-# (its default), i.e. ``(dy * s) * fma(x, 1 - s, 1)``; False computes the product and the sum apart.
-SILU_BWD_FMA = True
+# (its default), i.e. ``(dy * s) * fma(x, 1 - s, 1)``: the tuning object's ``silu_bwd_fma`` (True) says so;
+# False computes the product and the sum apart.
 _BLOCK_K = tl.constexpr(BLOCK_K)
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -84,8 +82,8 @@ def _swiglu_fwd_kernel(
     tl.store(out_ptr + rows * K + rk[None, :], out, mask=mask)
     if QUANTIZE:
         x = out.to(tl.float32)  # masked lanes are silu(0) * 0 = 0, like the reference's zero padding
-        scale = _block_scale(tl.max(tl.abs(x), axis=1), POW2, _RECIP)  # (BLOCK_M,)
-        tl.store(q_ptr + rows * K + rk[None, :], _quantize_e4m3(x, scale[:, None], _RECIP, POW2), mask=mask)
+        scale = _block_scale(tl.max(tl.abs(x), axis=1), POW2)  # (BLOCK_M,)
+        tl.store(q_ptr + rows * K + rk[None, :], _quantize_e4m3(x, scale[:, None], POW2), mask=mask)
         tl.store(scale_ptr + pid_k * M + rm, scale, mask=rm < M)
 
 
@@ -132,7 +130,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
 
     Returns ``(out, data, scale)``: ``out`` (M, K) contiguous in gate's dtype; with ``quantize`` the 1x128
     E4M3 ``data`` (M, K) and fp32 ``scale`` as the (M, Kb) view of a (Kb, M) buffer (the layout of
-    :func:`jetrl.quant.triton_kernels.quantize_act_1x128`), else ``None, None``.
+    :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128`), else ``None, None``.
     """
     m, k = gate.shape
     out = torch.empty((m, k), dtype=gate.dtype, device=gate.device)
@@ -165,6 +163,6 @@ def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate:
         _swiglu_bwd_kernel[grid](
             grad, gate, up, d_gate, d_up,
             m, k, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
-            IS_BF16=gate.dtype == torch.bfloat16, FMA=SILU_BWD_FMA, BLOCK_M=block_m, num_warps=4,
+            IS_BF16=gate.dtype == torch.bfloat16, FMA=tuning.current().silu_bwd_fma, BLOCK_M=block_m, num_warps=4,
             enable_fp_fusion=False,
         )

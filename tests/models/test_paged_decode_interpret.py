@@ -17,7 +17,7 @@ def _check(seed: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim
     import torch
 
     from jetrl.models.attention import PagedAttentionMetadata, paged_attention_reference
-    from jetrl.models.paged_decode_triton import paged_decode
+    from jetrl.quant.kernels.paged_attention_triton import paged_decode
 
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-c // page) for c in contexts) + 3

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.quant.triton_kernels import round_to_bf16_grid as _round_to_bf16_grid
+from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
 
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 MAX_TILE = 2048  # elements per half-tile (BLOCK_H * BLOCK_HALF): registers for four fp32 tiles at 4 warps

@@ -4,10 +4,9 @@ Three entry points with the Triton kernels' contracts and bytes: :func:`requanti
 -> 128x1, WGrad's saved activation), :func:`quantize_token_128x1` (a float tensor -> 128x1, WGrad's
 grad_out) and :func:`quantize_act_and_token` (both blockings of grad_out from one read).
 
-The Triton kernels (:func:`jetrl.quant.triton_kernels.requantize_act_to_token`) let the compiler choose the
-layout of a 128 x 32 tile: threads and warps then share each 128-row column, so every column's reduction
-needs shuffles and each thread keeps about 220 registers, so few warps per SM hide memory latency. On the
-H200 the re-quantization reached about half of copy bandwidth.
+The Triton kernels (:func:`jetrl.quant.kernels.quantize_triton.requantize_act_to_token`) let the compiler choose
+the layout of a 128 x 32 tile: threads and warps then share each 128-row column, so every column's reduction
+needs shuffles and each thread keeps many registers live, so few warps per SM hide memory latency.
 
 Here one program of 4 warps owns a 128 x 128 tile (one 1x128 source block per row) and:
 
@@ -21,16 +20,13 @@ Here one program of 4 warps owns a 128 x 128 tile (one 1x128 source block per ro
 The one-pass grad_out kernel then reads the tile's rows back from shared memory, 32 at a time, for the
 1x128 quantization: 4 bytes of memory traffic per element against 6 for the two kernels apart.
 
-Measured on the H200 (BENCHMARKS.md, run L), against the same tile read in chunks of 16 or 32 rows twice
-(fewer registers, more programs per SM) and against each thread storing its column chunk straight to
-memory: whole columns with the staged output won at every shape (re-quantization 0.73-0.77 of copy, 0.43-0.67
-for the others; the 128x1 grad_out 0.84-0.98). The one-pass kernel reached 0.74-0.86 of copy with its rows
-read back from shared memory, against 0.49-0.55 quantizing them in the registers of the load (about 237
-registers per thread). The arithmetic is the reference's, through the same device helpers as the Triton
-kernels: the same bytes.
+Whole columns with the staged output beat reading the tile twice in chunks of 16 or 32 rows and each thread
+storing its column chunk straight to memory, and the one-pass kernel's rows read back from shared memory beat
+quantizing them in the registers of the load (BENCHMARKS.md has the measurements). The arithmetic is the
+reference's, through the same device helpers as the Triton kernels: the same bytes.
 
 Gluon is experimental in Triton; this module imports it lazily (at the first launch), and
-:func:`available` says whether this Triton has it.
+:func:`available` says whether this Triton has it (the CUDA backend runs the Triton kernels where not).
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ import functools
 import torch
 
 from jetrl.quant.formats import E4M3
-from jetrl.quant.triton_kernels import BLOCK, _cdiv
+from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
 
 NUM_WARPS = 4  # one column of the 128-wide tile per thread
 
@@ -61,7 +57,7 @@ def _kernels():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    from jetrl.quant.triton_kernels import _block_scale, _recip_scale, _to_e4m3_recip
+    from jetrl.quant.kernels.quantize_triton import _block_scale, _recip_scale, _to_e4m3_recip
 
     @gluon.jit
     def load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC: gl.constexpr):
@@ -88,7 +84,7 @@ def _kernels():
             # Lanes past M hold x = 0 and s = 0; past K a row's scale may be inf and 0 * inf NaN, which the
             # maxima skip (like the Triton kernel's) and which is never stored.
             x = x * s_smem.load(gl.SliceLayout(1, col_layout))[:, None]
-        scale = _block_scale(gl.max(gl.abs(x), axis=0), POW2, True)  # computed once, by the column's owner
+        scale = _block_scale(gl.max(gl.abs(x), axis=0), POW2)  # computed once, by the column's owner
         recip, scale_r = _recip_scale(scale)
         gl.store(tok_scale_ptr + pid_m * K + rk, scale, mask=rk < K)
         y = _to_e4m3_recip(x, recip[None, :], scale_r[None, :], POW2)
@@ -143,7 +139,7 @@ def _kernels():
         for c in gl.static_range(0, 128, 32):
             x = smem.slice(c, 32, dim=0).load(row_layout).to(gl.float32)
             rm = pid_m * 128 + c + gl.arange(0, 32, layout=gl.SliceLayout(1, row_layout))
-            row_scale = _block_scale(gl.max(gl.abs(x), axis=1), POW2, True)
+            row_scale = _block_scale(gl.max(gl.abs(x), axis=1), POW2)
             row_recip, row_scale_r = _recip_scale(row_scale)
             qa = _to_e4m3_recip(x, row_recip[:, None], row_scale_r[:, None], POW2)
             gl.store(act_ptr + rm[:, None].to(gl.int64) * K + rk[None, :], qa, mask=(rm[:, None] < M) & (rk[None, :] < K))
@@ -177,7 +173,7 @@ def _token(src: torch.Tensor, scale: torch.Tensor | None, pow2_scale: bool):
 
 
 def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False):
-    """Same contract and bytes as :func:`jetrl.quant.triton_kernels.requantize_act_to_token`: 1x128 FP8
+    """Same contract and bytes as :func:`jetrl.quant.kernels.quantize_triton.requantize_act_to_token`: 1x128 FP8
     (data (M, K) with unit column stride, scale (M, Kb)) to 128x1. Returns the (M, K) view of a row-major
     (K, M) data buffer and (Mb, K) row-major scales."""
     _check_input(data, "re-quantization", floats_only=False)
@@ -185,7 +181,7 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
 
 
 def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
-    """Same contract and bytes as :func:`jetrl.quant.triton_kernels.quantize_token_128x1` for a bf16, fp16 or
+    """Same contract and bytes as :func:`jetrl.quant.kernels.quantize_triton.quantize_token_128x1` for a bf16, fp16 or
     fp32 x (M, K) with unit column stride."""
     _check_input(x, "128x1")
     return _token(x, None, pow2_scale)
@@ -193,7 +189,7 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
 
 def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False):
     """x (M, K) per 1x128 and per 128x1 from one kernel, with the contract and bytes of
-    ``jetrl.quant.triton_kernels.quantize_act_1x128(x, emit_token=True)``: returns ``(data, scale, tok_data,
+    ``jetrl.quant.kernels.quantize_triton.quantize_act_1x128(x, emit_token=True)``: returns ``(data, scale, tok_data,
     tok_scale)``, data (M, K) row-major, scale the (M, Kb) view of a (Kb, M) buffer, tok_data the (M, K) view
     of a row-major (K, M) buffer, tok_scale (Mb, K) row-major. bf16, fp16 or fp32 x with unit column stride."""
     _check_input(x, "1x128 + 128x1")

@@ -2,8 +2,8 @@
 
 Unfused, a chunk of logits costs about ten full-width PyTorch kernels forward (an fp32 copy, the
 temperature division, logsumexp's max and exp-sum, exp, product, sum) and as many again backward, each
-reading and writing a (rows x vocab) fp32 tensor: on the H200 that was ~40% of a training step's
-non-GEMM time. Here:
+reading and writing a (rows x vocab) fp32 tensor: a large share of a training step's non-GEMM time.
+Here:
 
 * :func:`logprob_stats` reads the chunk's logits (model dtype) once and returns, per row, the
   log-probability of the target, the entropy and the log-sum-exp, all in fp32 (an online log-sum-exp
@@ -11,13 +11,14 @@ non-GEMM time. Here:
 * :func:`logprob_grad_` reads them once more and overwrites them with d(loss)/d(logits), given the
   upstream gradients of the log-probabilities and entropies and the saved log-sum-exp and entropy.
 
-Arithmetic (the reference is :func:`jetrl.models.logprobs.chunk_stats_reference` /
+Arithmetic (the reference is ``jetrl.models.logprobs.chunk_stats_reference`` /
 ``chunk_grad_reference``): ``z = float(logit) / T`` (IEEE division, as the reference's), ``p = exp(z - lse)``,
 ``logprob = z[target] - lse`` (0 where target < 0), ``entropy = lse - sum(p * z)``;
 backward ``dz = g_lp * (onehot(target) - p) - g_ent * p * (z - lse + entropy)``, ``dlogit = dz / T``.
 Only the summation order differs from the reference, so results agree to fp32 rounding.
 
-Imported lazily (Triton is optional); runs on CPU tensors under ``TRITON_INTERPRET=1``.
+Imported lazily (Triton is optional); runs on CPU tensors under ``TRITON_INTERPRET=1``. Warps per program
+come from the tuning object (:mod:`jetrl.quant.kernels.tuning`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.quant.triton_kernels import cast_rne
+from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.quantize_triton import cast_rne
 
 STATS_BLOCK_V = 4096
-STATS_NUM_WARPS = 8
 GRAD_BLOCK_V = 2048
-GRAD_NUM_WARPS = 8
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
         _logprob_stats_kernel[(rows,)](logits, targets, out[0], out[1], out[2], vocab, logits.stride(0),
                                        float(temperature), SCALE=float(temperature) != 1.0,
                                        NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V), BLOCK_V=STATS_BLOCK_V,
-                                       num_warps=STATS_NUM_WARPS)
+                                       num_warps=tuning.current().logprob_stats_num_warps)
     return out[0], out[1], out[2]
 
 
@@ -129,7 +129,7 @@ def logprob_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
             dummy if grad_entropy is None else grad_entropy.float().contiguous(),
             vocab, logits.stride(0), float(temperature), SCALE=float(temperature) != 1.0,
             HAS_GLP=grad_logprob is not None, HAS_GENT=grad_entropy is not None, BLOCK_V=GRAD_BLOCK_V,
-            num_warps=GRAD_NUM_WARPS,
+            num_warps=tuning.current().logprob_grad_num_warps,
         )
     return logits
 

@@ -8,9 +8,9 @@ per-head q/k norm over ``head_dim``), in fp32 as :func:`jetrl.quant.norm.rms_nor
 * ``rstd = rsqrt(sum(h^2) / D + eps)``: the only step whose order differs from torch's (the sum of
   squares), so ``out`` may differ from the reference by one ulp where a value sits on a rounding edge;
 * ``normed = dtype(h * rstd)``, ``out = out_dtype(weight * normed)``;
-* optionally ``out``'s 1x128 E4M3 quantization with the helpers of :mod:`jetrl.quant.triton_kernels`,
+* optionally ``out``'s 1x128 E4M3 quantization with the helpers of :mod:`jetrl.quant.kernels.quantize_triton`,
   bitwise ``reference.quantize`` of the stored ``out``. Scales are a (Kb, M) buffer returned as its
-  (M, Kb) view, the layout :func:`jetrl.quant.triton_kernels.quantize_act_1x128` gives the GEMMs.
+  (M, Kb) view, the layout :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128` gives the GEMMs.
 
 Rows up to ``MAX_FWD_TILE`` (``MAX_BWD_TILE`` in the backward) elements stay in registers; longer rows are
 walked in chunks of that size (a first pass for the sum of squares, a second one recomputing ``h``).
@@ -30,12 +30,9 @@ import triton
 import triton.language as tl
 
 from jetrl.quant.formats import ACT, BLOCK_SIZE, E4M3, Fp8Tensor
-from jetrl.quant.triton_kernels import _block_scale, _quantize_e4m3
-from jetrl.quant.triton_kernels import cast_rne as _cast  # RNE to bf16 under the interpreter too
+from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3
+from jetrl.quant.kernels.quantize_triton import cast_rne as _cast  # RNE to bf16 under the interpreter too
 
-# FP8 output: divide through one reciprocal per 1x128 group (bitwise the per-element IEEE division, about
-# half the instructions; see jetrl.quant.triton_kernels._to_e4m3_recip)
-_RECIP = tl.constexpr(True)
 
 # Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register at
 # about 8 elements per thread (16 warps). The backward holds more live tensors per element.
@@ -87,8 +84,8 @@ def _normalize_store(
     if QUANT:
         # masked lanes hold 0 (x and weight load 0), like the reference's zero padding of a partial block
         o = tl.reshape(out.to(tl.float32), (BLOCK_M, BLOCK_D // QG, QG))
-        scale = _block_scale(tl.max(tl.abs(o), axis=2), POW2, _RECIP)  # (BLOCK_M, BLOCK_D // QG)
-        q = tl.reshape(_quantize_e4m3(o, scale[:, :, None], _RECIP, POW2), (BLOCK_M, BLOCK_D))
+        scale = _block_scale(tl.max(tl.abs(o), axis=2), POW2)  # (BLOCK_M, BLOCK_D // QG)
+        q = tl.reshape(_quantize_e4m3(o, scale[:, :, None], POW2), (BLOCK_M, BLOCK_D))
         tl.store(q_ptr + offs, q, mask=mask)
         grp = chunk * (BLOCK_D // QG) + tl.arange(0, BLOCK_D // QG)
         tl.store(qs_ptr + grp[None, :].to(tl.int64) * M + rows[:, None], scale,

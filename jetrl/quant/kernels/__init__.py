@@ -1,0 +1,28 @@
+"""The kernels behind the ``"cuda"`` FP8 backend, named by role and layout, and their one tuning object.
+
+Nothing outside this folder imports these modules at import time: the seam (:mod:`jetrl.quant.backend`) loads
+:mod:`~jetrl.quant.kernels.cuda_backend` when the CUDA backend is first chosen, and the fused ops import their
+kernel module when the seam picks it. Every module here but :mod:`~jetrl.quant.kernels.tuning` imports Triton.
+
+=============================  ==============================================================================
+module                         what it holds
+=============================  ==============================================================================
+``cuda_backend``               the CUDA backend: which kernel runs each FP8 operation and GEMM shape
+``tuning``                     the frozen tuning object (paths, tiles, warps, decode configs) and ``override``
+``quantize_triton``            1x128, 128x1, 128x128 (+ W^T) and 1x128 -> 128x1 quantization; shared helpers
+``quantize_gluon``             the 128x1 kernels and grad_out's one-pass 1x128 + 128x1 in Gluon
+``gemm_scaled_mm``             cuBLAS blockwise FP8 GEMM (``torch._scaled_mm``) and its layout rules
+``gemm_triton``                the Triton blockwise FP8 GEMM (shapes cuBLAS rejects)
+``gemm_decode_triton``         the split-K decode GEMM (and grouped q/k/v, gate/up launches)
+``norm_triton``                residual add + RMSNorm (+ 1x128 FP8 of the output), forward and backward
+``swiglu_triton``              SwiGLU (+ 1x128 FP8 of the output), forward and backward
+``rope_triton``                RoPE of q and k in one launch, forward and backward
+``logprobs_triton``            the LM head's per-token log-probabilities and entropies, and their gradient
+``paged_attention_triton``     paged decode attention (flash-decoding splits)
+``sampling_triton``            the seeded Gumbel-max sampler for rows without truncation
+=============================  ==============================================================================
+
+Each kernel's specification is a plain PyTorch function outside this folder (``jetrl.quant.reference``,
+``jetrl.quant.norm``, ``jetrl.quant.swiglu``, ``jetrl.models.rope``, ``jetrl.models.logprobs``,
+``jetrl.models.attention``, ``jetrl.rollout.sampling``), and the tests hold each kernel to it.
+"""

@@ -1,0 +1,156 @@
+"""The ``"cuda"`` FP8 backend: Triton and Gluon quantization kernels, blockwise GEMMs and the fused kernels.
+
+Implements every operation of :class:`jetrl.quant.backend.Fp8Backend` with the same results as the reference
+backend (quantization bit for bit, GEMMs to output rounding):
+
+* quantization: 1x128 and 128x128 by the Triton kernels (:mod:`~jetrl.quant.kernels.quantize_triton`); 128x1,
+  the 1x128 -> 128x1 re-quantization and grad_out's two blockings in one pass by the Gluon kernels
+  (:mod:`~jetrl.quant.kernels.quantize_gluon`) where they run (a Triton with Gluon, rows with unit stride, a
+  16- or 32-bit float input), else by the Triton kernels, grad_out then as two kernels (1x128, then 128x1);
+* :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
+* GEMMs, per shape class (:func:`gemm_path`): decode-sized M goes to the split-K decode GEMM
+  (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
+  FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
+  grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; everything else goes to
+  cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
+  the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
+* ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention and the
+  seeded sampler run their kernels of this folder (the seam's :func:`~jetrl.quant.backend.choose_impl`).
+
+Every choice reads :func:`jetrl.quant.kernels.tuning.current` (``gemm`` forces one GEMM path; the bounds of the
+decode routing; ``gluon``). Importing this module imports Triton; the seam imports it lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jetrl.quant import reference
+from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
+from jetrl.quant.kernels import gemm_decode_triton as dk
+from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
+from jetrl.quant.kernels import gemm_triton
+from jetrl.quant.kernels import quantize_gluon
+from jetrl.quant.kernels import quantize_triton as tk
+from jetrl.quant.kernels import tuning
+
+
+def uses_gluon(x: torch.Tensor) -> bool:
+    """Whether the Gluon kernels quantize ``x``: ``tuning.gluon`` on, Gluon in the installed Triton, rows with
+    unit stride. Otherwise the Triton kernels run (the 128x1 kernel; grad_out as 1x128 then 128x1)."""
+    return tuning.current().gluon and quantize_gluon.available() and (x.numel() == 0 or x.stride(1) == 1)
+
+
+def act_and_token_path(x: torch.Tensor) -> str:
+    """How grad_out's 1x128 and 128x1 blockings are made: ``"gluon-one-pass"`` (one read of x) or
+    ``"triton-two-kernels"`` (the fastest path without Gluon: the 1x128 kernel, then the 128x1 kernel)."""
+    if uses_gluon(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return "gluon-one-pass"
+    return "triton-two-kernels"
+
+
+def _quantize_token(x: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if uses_gluon(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return quantize_gluon.quantize_token_128x1(x, pow2_scale)
+    return tk.quantize_token_128x1(x, pow2_scale)
+
+
+def _check_cuda(x: torch.Tensor, what: str) -> None:
+    if x.device.type != "cuda":
+        raise ValueError(f"the 'cuda' FP8 backend needs CUDA tensors; {what} is on {x.device}")
+
+
+def decode_max_m(n: int, k: int, grouped: bool = False) -> int:
+    """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
+    launch), by the tuning object's bounds (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.decode_rows`)."""
+    return tuning.current().decode_rows(n, k, grouped)
+
+
+def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None) -> str:
+    """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"cublas"`` or ``"triton"`` (see the module docstring);
+    ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``."""
+    choice = tuning.current().gemm
+    m, k = a.shape[0], a.shape[1]
+    if choice == "decode":
+        return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
+    grouped = grouped_n is not None
+    if choice == "auto" and m <= decode_max_m(grouped_n if grouped else b.shape[0], k, grouped):
+        return "decode"
+    cublas_ok = scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)
+    if choice == "triton" or not cublas_ok:
+        return "triton"
+    return "cublas"
+
+
+class CudaBackend:
+    """Triton/Gluon quantization, cuBLAS/Triton blockwise GEMMs, the fused kernels; see the module docstring."""
+
+    name = "cuda"
+    fused_kernels = True
+
+    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
+        reference._check_input(x)
+        _check_cuda(x, "the input")
+        block = check_block(block)
+        if block == ACT:
+            data, scale = tk.quantize_act_1x128(x, pow2_scale)
+        elif block == TOKEN:
+            data, scale = _quantize_token(x, pow2_scale)
+        else:
+            data, scale, _ = tk.quantize_weight_128x128(x, pow2_scale)
+        return Fp8Tensor(data, scale, block)
+
+    def quantize_weight_pair(self, w: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """W (N, K) per 128x128 tile and W^T's quantized form with its data row-major (K, N), one pass."""
+        reference._check_input(w, "the weight")
+        _check_cuda(w, "the weight")
+        data, scale, data_t = tk.quantize_weight_128x128(w, pow2_scale, emit_t=True)
+        return Fp8Tensor(data, scale, WEIGHT), Fp8Tensor(data_t, scale.t(), WEIGHT)
+
+    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad), by :func:`act_and_token_path`."""
+        reference._check_input(x)
+        _check_cuda(x, "the input")
+        if act_and_token_path(x) == "gluon-one-pass":
+            data, scale, tok, tok_scale = quantize_gluon.quantize_act_and_token(x, pow2_scale)
+        else:
+            data, scale = tk.quantize_act_1x128(x, pow2_scale)
+            tok, tok_scale = tk.quantize_token_128x1(x, pow2_scale)
+        return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)
+
+    def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
+        block = check_block(block)
+        _check_cuda(t.data, "the FP8 tensor")
+        if t.block == ACT and block == TOKEN:
+            if uses_gluon(t.data):
+                data, scale = quantize_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale)
+            else:
+                data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale)
+            return Fp8Tensor(data, scale, TOKEN)
+        return self.quantize(t.dequantize(), block, pow2_scale)  # rare pairs: same arithmetic, unfused
+
+    def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+        """``cat([a @ w.T (+ bias)])`` in one launch for decode-sized ``a`` and 128x128-block weights that
+        share it; ``None`` where this does not apply (the caller then runs the GEMMs one by one)."""
+        if (a.block != ACT or not 1 <= len(weights) <= 3 or any(w.block != WEIGHT for w in weights)
+                or gemm_path(a, weights[0], grouped_n=sum(w.shape[0] for w in weights)) != "decode"
+                or (any(b is not None for b in biases) and any(b is None for b in biases))):
+            return None
+        for w in weights:
+            reference.check_gemm_operands(a, w)
+        _check_cuda(a.data, "the left operand")
+        bias_list = [b.to(out_dtype) if b is not None else None for b in biases]
+        return dk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, b) for w, b in zip(weights, bias_list)],
+                                          out_dtype)
+
+    def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        reference.check_gemm_operands(a, b)
+        _check_cuda(a.data, "the left operand")
+        path = gemm_path(a, b)
+        rows = 128 if b.block == WEIGHT else 1
+        if path == "cublas":
+            return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)
+        if path == "decode":
+            return dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
+        return gemm_triton.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)

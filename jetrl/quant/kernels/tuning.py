@@ -1,0 +1,278 @@
+"""Every tunable of the kernels in one frozen object: which path runs, tile sizes, warps and per-shape configs.
+
+Nothing here changes a result's bits except the GEMM path (``gemm``, and the decode-routing bounds, which pick
+between GEMMs that agree to output rounding): the tiles and warps of the quantization kernels, the Gluon/Triton
+choice of the 128x1 kernels and the decode GEMM's configs all give the same bytes. The measured reasons for each
+default are in BENCHMARKS.md (the quantization-kernel tile sweep and the decode GEMM sweep); this file keeps the
+values only.
+
+:func:`current` is what the kernels and the CUDA backend read at every launch; :func:`override` replaces fields
+for a block of code (tests and ``bench/kernels.py`` sweep with it)::
+
+    with tuning.override(gemm="triton", token_block_k=64):
+        ...
+
+``JETRL_FP8_GEMM`` (``auto`` | ``cublas`` | ``triton`` | ``decode``) is read once, when this module is imported,
+into the default object's ``gemm``. This module imports neither Triton nor any other module of jetrl besides
+:mod:`jetrl.quant.formats`, so the CPU tests and the benchmarks' ``--help`` read it without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Iterator, Mapping
+
+from jetrl.quant.formats import BLOCK_SIZE
+
+GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
+DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (the routing bounds pick which M go)
+
+
+@dataclass(frozen=True)
+class DecodeGemmConfig:
+    """Tiles of the split-K decode GEMM.
+
+    ``block_n`` weight rows per program (16-256, a power of two); the K range split in ``split_k`` parts
+    (rounded so that every split holds whole loop iterations; none is empty); ``k_unroll`` 128-wide K blocks
+    (scale blocks) per loop iteration (1, 2 or 4: 2 loads 256 K at once); ``tma`` loads weight and input tiles
+    through TMA descriptors where the layouts allow it (K a multiple of 16, rows contiguous, 16-byte aligned;
+    pointer loads otherwise); ``block_m`` tokens per row tile (0: one tile covers M, the next power of two of
+    at least 16; smaller tiles give M > 64 more programs, each re-reading its weight block from L2).
+    """
+
+    block_n: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m: int = 0
+    k_unroll: int = 1
+    tma: bool = False
+
+    def __post_init__(self) -> None:
+        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
+        if not (pow2(self.block_n) and 16 <= self.block_n <= 256):
+            raise ValueError(f"DecodeGemmConfig.block_n must be a power of two in 16..256, got {self.block_n}")
+        if self.block_m and not (pow2(self.block_m) and 16 <= self.block_m <= DECODE_GEMM_MAX_M):
+            raise ValueError(f"DecodeGemmConfig.block_m must be 0 or a power of two in 16..256, got {self.block_m}")
+        if self.k_unroll not in (1, 2, 4):
+            raise ValueError(f"DecodeGemmConfig.k_unroll must be 1, 2 or 4, got {self.k_unroll}")
+        if self.split_k < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"DecodeGemmConfig: split_k >= 1, num_warps in 1..16 (a power of two) and "
+                             f"num_stages >= 1 needed, got {self}")
+
+    @property
+    def name(self) -> str:
+        """Short label, e.g. ``n64k4s3w4`` (+ ``m128`` row tiles, ``u2`` unroll, ``tma``)."""
+        tag = f"n{self.block_n}k{self.split_k}s{self.num_stages}w{self.num_warps}"
+        return (tag + (f"m{self.block_m}" if self.block_m else "") + (f"u{self.k_unroll}" if self.k_unroll > 1 else "")
+                + ("tma" if self.tma else ""))
+
+
+@dataclass(frozen=True)
+class DecodePolicy:
+    """How the default :class:`DecodeGemmConfig` is derived for row counts up to ``max_m``.
+
+    The K split is the power of two that brings the program count nearest ``programs_per_sm`` per SM from
+    below (``round_up=False``) or above (``round_up=True``), at most ``max_split`` and at least
+    ``min_kb_per_split`` 128-wide K blocks per split; the other fields are copied into the config.
+    """
+
+    max_m: int
+    programs_per_sm: float = 1.5
+    round_up: bool = True
+    max_split: int = 16
+    min_kb_per_split: int = 4
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m: int = 0
+    k_unroll: int = 1
+    tma: bool = False
+
+    def config(self, m: int, n: int, k: int, sm_count: int) -> DecodeGemmConfig:
+        """The config for an (m, n, k) GEMM (n: total width of a grouped launch) on ``sm_count`` SMs."""
+        tiles = -(-n // self.block_n) * (-(-m // self.block_m) if 0 < self.block_m < m else 1)
+        programs = int(self.programs_per_sm * sm_count)
+        if self.round_up:
+            split = 1 << (max(1, -(-programs // tiles)) - 1).bit_length()
+        else:
+            split = 1 << max(0, (programs // tiles).bit_length() - 1)
+        split = max(1, min(split, self.max_split, max(1, -(-k // BLOCK_SIZE) // self.min_kb_per_split)))
+        return DecodeGemmConfig(block_n=self.block_n, split_k=split, num_warps=self.num_warps,
+                                num_stages=self.num_stages, block_m=self.block_m, k_unroll=self.k_unroll,
+                                tma=self.tma)
+
+    def literal(self) -> str:
+        """Python source of this policy, differences from the defaults only (to paste into DECODE_POLICIES)."""
+        default = DecodePolicy(max_m=self.max_m)
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if f.name == "max_m" or getattr(self, f.name) != getattr(default, f.name)]
+        return f"DecodePolicy({', '.join(parts)})"
+
+
+# The decode GEMM's default config per row count (first match wins): M <= 32 about three programs per SM,
+# M <= 64 about 1.5 (more MMA work per weight byte); M <= 128 about one program per SM, rounded down, 8 warps;
+# M <= 256 128 x 128 tiles of weight rows x tokens with TMA loads.
+DECODE_POLICIES: tuple[DecodePolicy, ...] = (
+    DecodePolicy(max_m=32, programs_per_sm=3.0),
+    DecodePolicy(max_m=64, programs_per_sm=1.5),
+    DecodePolicy(max_m=128, programs_per_sm=1.0, round_up=False, num_warps=8),
+    DecodePolicy(max_m=DECODE_GEMM_MAX_M, programs_per_sm=1.0, round_up=False, block_n=128, num_warps=8,
+                 block_m=128, tma=True),
+)
+
+# Shapes whose best config in the decode sweep beat the per-M policy: (largest M of the bucket, total N, K,
+# grouped launch) -> config. Buckets: 32 covers M = 1-32, 64 M = 33-64, 128 M = 65-128, 256 M = 129-256.
+# Llama-8B linears (hidden 4096, MLP 14336, q/k/v 4096 + 1024 + 1024) and the rollout benchmark's 1.5B model
+# (Qwen2-1.5B: hidden 1536, MLP 8960, q/k/v 1536 + 256 + 256); `bench/kernels.py --sections decode-sweep`.
+DECODE_SHAPE_CONFIGS: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = MappingProxyType({
+    # Llama-8B: q/k/v (grouped and not), o, gate_up, down
+    (32, 6144, 4096, True): DecodeGemmConfig(block_n=64, split_k=4, tma=True),
+    (32, 6144, 4096, False): DecodeGemmConfig(block_n=64, split_k=4, tma=True),
+    (32, 4096, 4096, False): DecodeGemmConfig(block_n=64, split_k=4, tma=True),
+    (32, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, num_stages=4, tma=True),
+    (32, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=8, num_stages=4, tma=True),
+    (64, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, tma=True),
+    (64, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=4, k_unroll=2, tma=True),
+    # Qwen2-1.5B: o, down, grouped q/k/v, grouped gate/up
+    (32, 1536, 1536, False): DecodeGemmConfig(block_n=64, split_k=3, num_stages=4, tma=True),
+    (32, 1536, 8960, False): DecodeGemmConfig(block_n=64, split_k=16, num_warps=8, tma=True),
+    (128, 1536, 8960, False): DecodeGemmConfig(block_n=64, split_k=4, num_warps=8, k_unroll=2, tma=True),
+    (256, 1536, 8960, False): DecodeGemmConfig(block_n=128, split_k=4, num_warps=8, block_m=128, k_unroll=2,
+                                               tma=True),
+    (32, 2048, 1536, True): DecodeGemmConfig(block_n=64, split_k=3, k_unroll=2),
+    (128, 2048, 1536, True): DecodeGemmConfig(block_n=64, split_k=2, block_m=64, tma=True),
+    (256, 2048, 1536, True): DecodeGemmConfig(block_n=128, split_k=2, block_m=64, tma=True),
+    (32, 17920, 1536, True): DecodeGemmConfig(block_n=64, split_k=1, tma=True),
+})
+
+# Where the decode GEMM beats cuBLAS beyond the general bounds: {(N, K): max M} for single GEMMs and
+# {("grouped", sum of N, K): max M} for grouped launches (Llama-8B's q/k/v; the 1.5B model's down and q/k/v).
+DECODE_MAX_M_BY_SHAPE: Mapping[tuple, int] = MappingProxyType({
+    ("grouped", 6144, 4096): 256, (1536, 8960): 256, ("grouped", 2048, 1536): 256,
+})
+
+
+def _pow2(v: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """The kernels' settings; read with :func:`current`, changed for a block with :func:`override`.
+
+    GEMM routing (the CUDA backend, :func:`jetrl.quant.kernels.cuda_backend.gemm_path`):
+
+    * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
+      rules hold, else the Triton GEMM), or one path forced: ``"cublas"``, ``"triton"``, ``"decode"`` (M <= 256
+      only); the default comes from ``JETRL_FP8_GEMM``;
+    * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
+      to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
+    * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`).
+
+    Quantization kernels (same bytes for every value):
+
+    * ``gluon``: the 128x1 kernels and grad_out's one-pass 1x128 + 128x1 in Gluon where the installed Triton has
+      it and the rows have unit stride; ``False`` (or no Gluon) runs the Triton 128x1 kernels, and grad_out as two
+      Triton kernels (1x128, then 128x1);
+    * ``act_block_m`` rows per program and ``act_num_warps`` of the 1x128 kernel; ``token_block_k`` columns per
+      program (a power of two <= 128) and ``token_num_warps`` of the Triton 128x1 kernel; ``requant_block_k``
+      (divides 128) and ``requant_num_warps`` of the Triton 1x128 -> 128x1 kernel; ``weight_num_warps`` of the
+      128x128 kernel.
+
+    Other kernels: ``silu_bwd_fma`` (SwiGLU's backward contracts ``x * (1 - s) + 1`` into one fma, as nvcc
+    compiles ATen's ``silu_backward``; flip it only if the bitwise SwiGLU test says the compiler changed),
+    ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
+    """
+
+    gemm: str = "auto"
+    decode_max_m: int = 64
+    grouped_decode_max_m: int = 64
+    decode_max_m_by_shape: Mapping[tuple, int] = field(default_factory=lambda: DECODE_MAX_M_BY_SHAPE)
+    decode_policies: tuple[DecodePolicy, ...] = DECODE_POLICIES
+    decode_shape_configs: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = field(
+        default_factory=lambda: DECODE_SHAPE_CONFIGS)
+    gluon: bool = True
+    act_block_m: int = 32
+    act_num_warps: int = 4
+    token_block_k: int = 32
+    token_num_warps: int = 1
+    requant_block_k: int = 32
+    requant_num_warps: int = 1
+    weight_num_warps: int = 4
+    silu_bwd_fma: bool = True
+    logprob_stats_num_warps: int = 8
+    logprob_grad_num_warps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.gemm not in GEMM_CHOICES:
+            raise ValueError(f"the FP8 GEMM path (JETRL_FP8_GEMM or tuning gemm=) must be one of {GEMM_CHOICES}, "
+                             f"got {self.gemm!r}")
+        for name in ("decode_max_m", "grouped_decode_max_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"KernelTuning.{name} must be a non-negative int, got {value!r}")
+        for name in ("act_block_m", "act_num_warps", "token_block_k", "token_num_warps", "requant_block_k",
+                     "requant_num_warps", "weight_num_warps", "logprob_stats_num_warps", "logprob_grad_num_warps"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"KernelTuning.{name} must be a power of two, got {getattr(self, name)!r}")
+        for name in ("token_block_k", "requant_block_k"):
+            if getattr(self, name) > BLOCK_SIZE:
+                raise ValueError(f"KernelTuning.{name} must be at most {BLOCK_SIZE}, got {getattr(self, name)}")
+        bounds = [p.max_m for p in self.decode_policies]
+        if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
+            raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
+        # tables given as plain dicts are frozen too
+        object.__setattr__(self, "decode_max_m_by_shape", MappingProxyType(dict(self.decode_max_m_by_shape)))
+        object.__setattr__(self, "decode_shape_configs", MappingProxyType(dict(self.decode_shape_configs)))
+
+    def decode_policy(self, m: int) -> DecodePolicy:
+        """The :attr:`decode_policies` entry for ``m`` rows."""
+        for policy in self.decode_policies:
+            if m <= policy.max_m:
+                return policy
+        raise ValueError(f"no decode policy for {m} rows (the decode GEMM handles at most {DECODE_GEMM_MAX_M})")
+
+    def decode_config(self, m: int, n: int, k: int, sm_count: int, grouped: bool = False) -> DecodeGemmConfig:
+        """The decode GEMM's config for (m, n, k) (``n``: total width of a grouped launch) on ``sm_count`` SMs:
+        the :attr:`decode_shape_configs` entry where there is one, else the per-M policy."""
+        bucket = 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
+        tuned = self.decode_shape_configs.get((bucket, n, k, bool(grouped)))
+        if tuned is not None:
+            return tuned
+        return self.decode_policy(m).config(m, n, k, sm_count)
+
+    def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
+        """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
+        launch): the general bound, or its :attr:`decode_max_m_by_shape` exception."""
+        bound = max(self.decode_max_m, self.grouped_decode_max_m) if grouped else self.decode_max_m
+        bound = self.decode_max_m_by_shape.get(("grouped", n, k) if grouped else (n, k), bound)
+        return min(bound, DECODE_GEMM_MAX_M)
+
+
+_DEFAULT = KernelTuning(gemm=os.environ.get("JETRL_FP8_GEMM", "auto"))
+_CURRENT: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("jetrl_kernel_tuning", default=_DEFAULT)
+
+
+def current() -> KernelTuning:
+    """The settings in force (the innermost :func:`override`, else the defaults)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[KernelTuning]:
+    """Replace the named fields of :func:`current` for the enclosed block (an unknown name is an error)."""
+    known = {f.name for f in fields(KernelTuning)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"tuning.override: unknown setting(s) {unknown}; choose from {sorted(known)}")
+    token = _CURRENT.set(dataclasses.replace(current(), **changes))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
