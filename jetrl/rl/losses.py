@@ -28,10 +28,11 @@ Metrics are returned as detached 0-dim tensors (no host sync); the caller reduce
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-AGGREGATIONS = ("token", "sequence", "sequence-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+AGGREGATIONS = ("token", "sequence", "sequence-sum-norm")  # the agg names :func:`aggregate` implements
 # exp() of a log-ratio beyond this is clamped: keeps k3 and importance ratios finite for tokens whose
 # probabilities differ by more than e^20 (such tokens are clipped anyway)
 MAX_LOG_RATIO = 20.0
@@ -110,6 +111,24 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     return torch.exp(log_w).clamp(max=cap)
 
 
+def _kl_k1(log_r: torch.Tensor) -> torch.Tensor:
+    return -log_r
+
+
+def _kl_k2(log_r: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_r.square()
+
+
+def _kl_k3(log_r: torch.Tensor) -> torch.Tensor:
+    log_r = log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+# name -> per-token estimate from log r = logp_ref - logp (see :func:`kl_penalty`); the one list of KL
+# estimator names (the config checks algorithm.kl_estimator against it)
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
                estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi; (B, T), 0 on masked tokens.
@@ -120,15 +139,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.T
     """
     _check_same_shape(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {tuple(KL_ESTIMATORS)}")
     mask = _as_bool_mask(mask)
-    log_r = masked_log_ratio(ref_logprobs.detach(), logprobs, mask)
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r.square()
-    log_r = log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(log_r) - 1.0 - log_r
+    return KL_ESTIMATORS[estimator](masked_log_ratio(ref_logprobs.detach(), logprobs, mask))
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
