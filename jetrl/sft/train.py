@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from jetrl.progress import Progress
 from jetrl.sft.tokenizer import save_char_tokenizer
 
 
@@ -157,7 +158,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
                                    {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
     eval_set = config.build_task(config.eval_seed).dataset(config.eval_examples)
     max_tokens = _max_new_tokens(config)
-    bar = _progress_bar(config.steps, progress)
+    bar = Progress(config.steps, "sft", unit="step", enabled=progress)
     history, loss_ema = [], None
     model.train()
     for step in range(config.steps):
@@ -175,12 +176,11 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
         optimizer.step()
         value = float(loss.detach())
         loss_ema = value if loss_ema is None else 0.95 * loss_ema + 0.05 * value
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_ema:.3f}")
+        bar.update()
+        bar.set_postfix(loss=f"{loss_ema:.3f}")
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
             history.append({"step": step + 1, "loss": value, "loss_ema": loss_ema, "lr": lr_at(step, config)})
-            if bar is None:
+            if not progress:
                 log(f"sft step {step + 1}/{config.steps}  loss {loss_ema:.4f}")
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             accuracy = evaluate(model, tokenizer, eval_set, max_tokens=max_tokens, reward_workers=0).accuracy
@@ -188,8 +188,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
             log(f"sft step {step + 1}: greedy accuracy {accuracy:.3f} on {config.eval_examples} unseen problems, "
                 f"loss {loss_ema:.4f}")
             model.train()
-    if bar is not None:
-        bar.close()
+    bar.close()
 
     model.eval()
     dtype = getattr(torch, config.save_dtype)
@@ -210,16 +209,6 @@ def _max_new_tokens(config: SFTConfig) -> int:
     task = config.build_task(config.eval_seed)
     longest = max(len(ex.solution) for ex in task.examples(256))
     return int(longest * 1.5) + 8
-
-
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
 
 
 __all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "lr_at"]
