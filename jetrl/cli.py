@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from rich.console import Console
@@ -30,7 +30,7 @@ from rich.table import Table
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset
 from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, held_out_accuracy
-from jetrl.models import export_model, load_model, load_tokenizer, resolve_device
+from jetrl.models import check_eos, export_model, load_model, load_tokenizer, resolve_device
 from jetrl.plotting import plot_runs, summarize_run
 from jetrl.progress import Progress
 from jetrl.quant.recipe import RECIPES
@@ -76,25 +76,6 @@ def _existing(path: str, what: str, hint: str) -> str:
     return path
 
 
-def check_tokenizer(tokenizer: Any, where: str, model_eos: Sequence[int] = ()) -> None:
-    """Generation needs an end-of-sequence token (from the tokenizer or the model's config.json)."""
-    if getattr(tokenizer, "eos_token_id", None) is None and not list(model_eos):
-        raise UsageError(f"the tokenizer at {where} has no end-of-sequence token and its config.json names no "
-                         f"eos_token_id, so generation could never stop: set \"eos_token\" in its "
-                         f"tokenizer_config.json (or \"eos_token_id\" in config.json)")
-
-
-def _model_eos(path: str) -> list[int]:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            eos = json.load(f).get("eos_token_id")
-    except (OSError, json.JSONDecodeError):
-        return []
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [eos]
-
-
 def _table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
     """A two-column text table (names left, values right), rendered by rich without colour codes."""
     table = Table(show_header=False)
@@ -120,7 +101,7 @@ def _load_policy(path: str, recipe: str, device: str | None, dtype: str):
         raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder (holding "
                                 f"config.json and *.safetensors) or {EMBEDDED_MODEL}")
     tokenizer = load_tokenizer(path)
-    check_tokenizer(tokenizer, path, _model_eos(path) if os.path.isdir(path) else ())
+    check_eos(tokenizer, path, path)
     model = load_model(path, dtype=getattr(torch, dtype), device=resolve_device(device), recipe=recipe)
     return model, tokenizer
 
@@ -174,7 +155,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = _train_config(args)
     where = config.model.tokenizer or config.model.path
     if config.model.path and os.path.isdir(config.model.path):
-        check_tokenizer(load_tokenizer(where), where, _model_eos(config.model.path))
+        check_eos(load_tokenizer(where), where, config.model.path)
     num_eval = args.eval_examples if args.eval_examples is not None else (200 if config.data.task else 0)
     if num_eval and not config.data.task:
         raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task); for a dataset "

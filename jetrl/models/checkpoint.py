@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -191,6 +191,30 @@ def load_tokenizer(path: str | os.PathLike):
         raise ValueError(f"cannot load a tokenizer from {folder}: {type(e).__name__}: {e}") from None
 
 
+def check_eos(tokenizer: Any, where: str, model_folder: str | os.PathLike | None = None) -> None:
+    """Generation needs an end-of-sequence token: the tokenizer's, or the ``eos_token_id`` of the config.json
+    in ``model_folder``. Raises a ValueError saying where to set one."""
+    if getattr(tokenizer, "eos_token_id", None) is not None or _config_eos(model_folder):
+        return
+    raise ValueError(f"the tokenizer at {where} has no end-of-sequence token and its config.json names no "
+                     f"eos_token_id, so generation could never stop: set \"eos_token\" in its "
+                     f"tokenizer_config.json (or \"eos_token_id\" in config.json)")
+
+
+def _config_eos(folder: str | os.PathLike | None) -> list[int]:
+    """The ``eos_token_id`` (one or several) in ``folder``/config.json; none when it is absent or unreadable."""
+    if folder is None or not os.path.isdir(folder):
+        return []
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return []
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]
+
+
 def _fp8_linears_to_export(model: nn.Module) -> dict[str, nn.Linear]:
     """The linears whose weights the export stores in FP8: the model's FP8Linears, or (under ``bf16``)
     every block linear the default recipe would swap."""
@@ -301,4 +325,4 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
 
 
 __all__ = ["load_model", "load_tokenizer", "save_model", "load_weights", "resolve_checkpoint", "export_model",
-           "resolve_device"]
+           "resolve_device", "check_eos"]
