@@ -137,6 +137,16 @@ def test_config_errors_need_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_valid_config_reads_the_registries_without_the_trainer():
+    """Checking choice fields imports the registries (recipes, estimators, schedules) in a fresh interpreter,
+    without an import loop and without the trainer, model or rollout stack."""
+    code = ("import sys, jetrl.config as c\n"
+            "c.load_config(None, ['--recipe=bf16'])\n"
+            "heavy = [m for m in ('jetrl.rl.trainer', 'jetrl.rl.loop', 'jetrl.models', 'jetrl.rollout') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_choice_fields_follow_the_registries_that_own_them(monkeypatch):
     """One list per choice: the config accepts what the owning registry holds, in its order, and nothing else."""
     from jetrl.config import registered_names
