@@ -32,7 +32,6 @@ from typing import Callable
 
 import torch
 
-AGGREGATIONS = ("token", "sequence", "sequence-sum-norm")  # the agg names :func:`aggregate` implements
 # exp() of a log-ratio beyond this is clamped: keeps k3 and importance ratios finite for tokens whose
 # probabilities differ by more than e^20 (such tokens are clipped anyway)
 MAX_LOG_RATIO = 20.0
@@ -60,6 +59,38 @@ def masked_log_ratio(logprobs: torch.Tensor, other_logprobs: torch.Tensor, mask:
     return torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
 
 
+def _token_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None, num_seqs: int | float | None,
+                max_len: int | None) -> torch.Tensor:
+    if num_tokens is None:
+        return v.sum() / mask.sum().clamp(min=1)
+    return v.sum() / max(num_tokens, 1)
+
+
+def _sequence_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None,
+                   num_seqs: int | float | None, max_len: int | None) -> torch.Tensor:
+    counts = mask.sum(dim=1)
+    seq_mean = v.sum(dim=1) / counts.clamp(min=1)
+    if num_seqs is None:  # empty rows (no response token) are not sequences of the mean
+        return seq_mean.sum() / (counts > 0).sum().clamp(min=1)
+    return seq_mean.sum() / max(num_seqs, 1)
+
+
+def _sequence_sum_norm(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None,
+                       num_seqs: int | float | None, max_len: int | None) -> torch.Tensor:
+    seqs = mask.shape[0] if num_seqs is None else num_seqs
+    length = mask.shape[1] if max_len is None else max_len
+    if length < 1:
+        raise ValueError(f"max_len must be >= 1, got {length}")
+    return v.sum() / max(seqs * length, 1)
+
+
+# agg name -> reduction of the masked values (B, T) given the batch's denominators (see the module doc); the one
+# list of aggregation names (the config checks algorithm.agg against it)
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "token": _token_mean, "sequence": _sequence_mean, "sequence-sum-norm": _sequence_sum_norm,
+}
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, num_tokens: int | float | None = None,
               num_seqs: int | float | None = None, max_len: int | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` (B, T) over the valid tokens of ``mask`` to a scalar (see module doc).
@@ -70,24 +101,10 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, n
     _check_same_shape(mask, values=values)
     mask = _as_bool_mask(mask)
     if agg not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
+        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {tuple(AGGREGATIONS)}")
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     v = torch.where(mask, values, zero)  # masked slots may hold NaN/inf: never multiply them
-    if agg == "token":
-        if num_tokens is None:
-            return v.sum() / mask.sum().clamp(min=1)
-        return v.sum() / max(num_tokens, 1)
-    if agg == "sequence":
-        counts = mask.sum(dim=1)
-        seq_mean = v.sum(dim=1) / counts.clamp(min=1)
-        if num_seqs is None:  # empty rows (no response token) are not sequences of the mean
-            return seq_mean.sum() / (counts > 0).sum().clamp(min=1)
-        return seq_mean.sum() / max(num_seqs, 1)
-    seqs = mask.shape[0] if num_seqs is None else num_seqs
-    length = mask.shape[1] if max_len is None else max_len
-    if length < 1:
-        raise ValueError(f"max_len must be >= 1, got {length}")
-    return v.sum() / max(seqs * length, 1)
+    return AGGREGATIONS[agg](v, mask, num_tokens, num_seqs, max_len)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
