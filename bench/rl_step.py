@@ -353,10 +353,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    from jetrl.config import RECIPE_NAMES
-    unknown = [r for r in recipes if r not in RECIPE_NAMES]
+    from jetrl.quant.recipe import RECIPES
+    unknown = [r for r in recipes if r not in RECIPES]
     if not recipes or unknown:
-        parser.error(f"--recipes must name some of {list(RECIPE_NAMES)}, got {args.recipes!r}")
+        parser.error(f"--recipes must name some of {list(RECIPES)}, got {args.recipes!r}")
     args.recipes = recipes
     return args
 

@@ -1,9 +1,11 @@
-"""The ``jetrl`` command line: thin parsing over importable functions.
+"""The ``jetrl`` command line: argument parsing and printing over importable functions.
 
 ``jetrl`` alone runs ``jetrl train`` on the embedded default: RL of the packaged tiny model on its
-arithmetic task, a few minutes on a CPU. Every command's work lives in a library function
-(:func:`jetrl.rl.run`, :func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`,
-:func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.save_model`), so scripts and tests call those.
+arithmetic task, a few minutes on a CPU. Every command's work lives in a library function of the stage
+that owns it (:func:`jetrl.rl.run`, :func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`,
+:func:`jetrl.evaluate.generate_texts`, :func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`),
+so scripts and tests call those; this module only turns arguments into their inputs and their results
+into text. Choice lists (recipes, tasks, dataset formats, dtypes) come from the registries that own them.
 
 User errors (a missing file, a bad config key, an unknown dataset column, a tokenizer that lacks a
 needed special token) print one ``jetrl: error: ...`` line and exit with status 2; set
@@ -13,18 +15,34 @@ needed special token) print one ``jetrl: error: ...`` line and exit with status 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
+from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset
+from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, held_out_accuracy
+from jetrl.models import check_eos, export_model, load_model, load_tokenizer, resolve_device
+from jetrl.plotting import plot_runs, summarize_run
+from jetrl.progress import Progress
+from jetrl.quant.recipe import RECIPES
+from jetrl.quant.selfcheck import check_fp8_linear
+from jetrl.rl.checkpoint import latest_checkpoint
+from jetrl.rl.loop import run
+from jetrl.sft.train import SFTConfig, run_sft
 
 ASSET_PREFIX = "jetrl:"
 EMBEDDED_MODEL = "jetrl:tiny-arith"
 DEFAULT_CONFIG = "jetrl:tiny_default.yaml"
 USAGE_ERROR = 2
-EVAL_SEED = 12345  # task seed of held-out problems (the embedded model's README reports accuracy on it)
 
 
 class UsageError(ValueError):
@@ -58,84 +76,40 @@ def _existing(path: str, what: str, hint: str) -> str:
     return path
 
 
-def check_tokenizer(tokenizer: Any, where: str, model_eos: Sequence[int] = ()) -> None:
-    """Generation needs an end-of-sequence token (from the tokenizer or the model's config.json)."""
-    if getattr(tokenizer, "eos_token_id", None) is None and not list(model_eos):
-        raise UsageError(f"the tokenizer at {where} has no end-of-sequence token and its config.json names no "
-                         f"eos_token_id, so generation could never stop: set \"eos_token\" in its "
-                         f"tokenizer_config.json (or \"eos_token_id\" in config.json)")
-
-
-def _model_eos(path: str) -> list[int]:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            eos = json.load(f).get("eos_token_id")
-    except (OSError, json.JSONDecodeError):
-        return []
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [eos]
-
-
 def _table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
-    """A two-column text table (rich renders it when installed; plain text otherwise)."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(show_header=False)
-        table.add_column(style="bold")
-        table.add_column(justify="right")
-        for name, value in rows:
-            table.add_row(name, value)
-        console = Console(file=None, width=100, force_terminal=False, color_system=None)
-        with console.capture() as capture:
-            console.print(table)
-        return ((title + "\n") if title else "") + capture.get().rstrip("\n")
-    except ImportError:
-        width = max(len(n) for n, _ in rows)
-        lines = [title] if title else []
-        lines += [f"  {n:<{width}}  {v}" for n, v in rows]
-        return "\n".join(lines)
-
-
-def _device(name: str | None) -> str:
-    if name in (None, "auto"):
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
+    """A two-column text table (names left, values right), rendered by rich without colour codes."""
+    table = Table(show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console(file=None, width=100, force_terminal=False, color_system=None)
+    with console.capture() as capture:
+        console.print(table)
+    return ((title + "\n") if title else "") + capture.get().rstrip("\n")
 
 
 def _set_threads(threads: int | None) -> None:
     if threads:
-        import torch
-
         torch.set_num_threads(threads)
 
 
 def _load_policy(path: str, recipe: str, device: str | None, dtype: str):
     """Model and tokenizer from a checkpoint folder (or ``jetrl:tiny-arith``), checked for an EOS token."""
-    import torch
-
-    from jetrl.models import load_model, load_tokenizer
-
     path = resolve_asset(path)
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
         raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder (holding "
                                 f"config.json and *.safetensors) or {EMBEDDED_MODEL}")
     tokenizer = load_tokenizer(path)
-    check_tokenizer(tokenizer, path, _model_eos(path) if os.path.isdir(path) else ())
-    model = load_model(path, dtype=getattr(torch, dtype), device=_device(device), recipe=recipe)
+    check_eos(tokenizer, path, path)
+    model = load_model(path, dtype=getattr(torch, dtype), device=resolve_device(device), recipe=recipe)
     return model, tokenizer
 
 
 # ------------------------------------------------------------------------------------------ train
 
-def _train_config(args: argparse.Namespace):
+def _train_config(args: argparse.Namespace) -> RunConfig:
     """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
-    from jetrl.config import load_config
-
     path = _existing(args.config or DEFAULT_CONFIG, "config file", "give a YAML/JSON/TOML config, e.g. "
                      "examples/tiny_default.yaml")
     overrides = list(args.overrides)
@@ -160,95 +134,20 @@ def _train_config(args: argparse.Namespace):
     return config
 
 
-class _TrainProgress:
-    """A progress bar over RL steps with ETA and the latest reward (tqdm; a line per step without it)."""
+def _step_reporter(total: int, bar: Progress, log: bool):
+    """``on_step`` for :func:`jetrl.rl.run`: the latest reward and length on the bar, or a log line per step."""
+    t0, shown = time.perf_counter(), 0
 
-    def __init__(self, total: int, start: int, enabled: bool) -> None:
-        self.bar = None
-        self.total = total
-        self.t0 = time.perf_counter()
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
-            except ImportError:
-                pass
-
-    def __call__(self, step: int, metrics: dict[str, float]) -> None:
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        nonlocal shown
         reward, length = metrics.get("reward/mean", float("nan")), metrics.get("response/length_mean", float("nan"))
-        if self.bar is not None:
-            self.bar.set_postfix(reward=f"{reward:.3f}", len=f"{length:.0f}", refresh=False)
-            self.bar.update(step - self.bar.n)
-        else:
-            elapsed = time.perf_counter() - self.t0
-            print(f"step {step}/{self.total}  reward {reward:.3f}  length {length:.0f}  {elapsed:.0f}s",
+        bar.set_postfix(reward=f"{reward:.3f}", len=f"{length:.0f}")
+        bar.update(step - shown)  # a resumed run starts past 0
+        shown = step
+        if log:
+            print(f"step {step}/{total}  reward {reward:.3f}  length {length:.0f}  {time.perf_counter() - t0:.0f}s",
                   file=sys.stderr)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def summarize_run(output_dir: str | Path) -> list[tuple[str, str]]:
-    """Summary rows of a finished run from its metrics log: reward and accuracy at the start and the end
-    (means over the first and last few steps), response length, mismatch and time."""
-    from jetrl.plotting import load_run
-
-    records = load_run(output_dir).records
-    k = max(1, min(5, len(records) // 4))
-    first, last = records[:k], records[-k:]
-
-    def mean(rows: list[dict], key: str) -> float:
-        vals = [float(r[key]) for r in rows if key in r]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-    rows = [("steps", str(records[-1].get("step", len(records))))]
-    for key, name in (("reward/mean", "reward"), ("reward/accuracy", "accuracy"),
-                      ("response/length_mean", "response length")):
-        rows.append((f"{name} (first {k} -> last {k} steps)", f"{mean(first, key):.3f} -> {mean(last, key):.3f}"))
-    rows.append(("mismatch |Δ logp| mean (last)", f"{mean(last, 'mismatch/logp_abs_diff_mean'):.2e}"))
-    rows.append(("mismatch |Δ p| max (last)", f"{mean(last, 'mismatch/prob_abs_diff_max'):.2e}"))
-    total = sum(float(r.get("time/step_wall", r.get("time/step", 0.0))) for r in records)
-    rows.append(("time in steps", f"{total:.0f} s"))
-    return rows
-
-
-def train(config, progress: bool = True, plot: bool = True) -> dict[str, Any]:
-    """Run RL with a progress bar, then write plots and return ``{"metrics", "summary", "plot"}``."""
-    from jetrl.rl.loop import run
-
-    bar = _TrainProgress(config.trainer.steps, 0, progress)
-    try:
-        metrics = run(config, on_step=bar)
-    finally:
-        bar.close()
-    out = Path(config.trainer.output_dir)
-    result: dict[str, Any] = {"metrics": metrics, "summary": summarize_run(out), "plot": None}
-    if plot:
-        from jetrl.plotting import plot_runs
-
-        result["plot"] = plot_runs([out], out / "curves.png")
-    return result
-
-
-def held_out_accuracy(model_path: str, config, num_examples: int, seed: int = EVAL_SEED) -> float:
-    """Greedy accuracy of the checkpoint at ``model_path`` on ``num_examples`` problems of the run's
-    built-in task drawn with another seed than the training prompts (in the run's recipe and dtype)."""
-    import torch
-
-    from jetrl.data.tasks import get_task
-    from jetrl.evaluate import evaluate
-    from jetrl.models import load_model, load_tokenizer
-
-    if seed == config.trainer.seed:
-        raise UsageError(f"the held-out seed {seed} equals trainer.seed: the evaluation problems would be training "
-                         f"problems")
-    dataset = get_task(config.data.task, difficulty=config.data.difficulty, seed=seed).dataset(num_examples)
-    model = load_model(model_path, dtype=getattr(torch, config.model.dtype), device=_device(config.model.device),
-                       recipe=config.recipe)
-    tokenizer = load_tokenizer(config.model.tokenizer or model_path)
-    return evaluate(model, tokenizer, dataset, max_tokens=config.rollout.max_tokens).accuracy
+    return on_step
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -256,9 +155,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = _train_config(args)
     where = config.model.tokenizer or config.model.path
     if config.model.path and os.path.isdir(config.model.path):
-        from jetrl.models import load_tokenizer
-
-        check_tokenizer(load_tokenizer(where), where, _model_eos(config.model.path))
+        check_eos(load_tokenizer(where), where, config.model.path)
     num_eval = args.eval_examples if args.eval_examples is not None else (200 if config.data.task else 0)
     if num_eval and not config.data.task:
         raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task); for a dataset "
@@ -267,20 +164,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
           f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
           file=sys.stderr)
     before = held_out_accuracy(config.model.path, config, num_eval) if num_eval and not config.trainer.resume else None
-    result = train(config, progress=not args.no_progress)
+    with Progress(config.trainer.steps, "train", unit="step", enabled=not args.no_progress) as bar:
+        run(config, on_step=_step_reporter(config.trainer.steps, bar, log=args.no_progress))
     out = Path(config.trainer.output_dir)
-    rows = list(result["summary"])
+    plot = plot_runs([out], out / "curves.png")
+    rows = summarize_run(out)
     if num_eval:
-        from jetrl.rl.checkpoint import latest_checkpoint
-
         final = latest_checkpoint(out / "checkpoints")
         after = held_out_accuracy(str(final / "model"), config, num_eval)
         (out / "eval.json").write_text(json.dumps({"seed": EVAL_SEED, "num_examples": num_eval, "greedy_accuracy_before":
                                                    before, "greedy_accuracy_after": after, "checkpoint": str(final)}))
         shown = f"{before:.3f} -> {after:.3f}" if before is not None else f"{after:.3f}"
         rows.insert(1, (f"greedy accuracy, {num_eval} held-out problems", shown))
-    rows += [("metrics", str(out / "metrics.jsonl")), ("checkpoints", str(out / "checkpoints")),
-             ("plot", str(result["plot"]))]
+    rows += [("metrics", str(out / "metrics.jsonl")), ("checkpoints", str(out / "checkpoints")), ("plot", str(plot))]
     print(_table(rows, title="jetrl train: summary"))
     return 0
 
@@ -288,8 +184,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ sft
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from jetrl.sft.train import SFTConfig, run_sft
-
     _set_threads(args.threads)
     config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
@@ -304,32 +198,18 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ eval
 
-def _eval_dataset(args: argparse.Namespace):
-    """The prompts to evaluate on: a file (``--data``) or a built-in task (default: the embedded one's)."""
+def _eval_data(args: argparse.Namespace) -> DataConfig:
+    """The prompts to evaluate on, as a data section: a file (``--data``) or a built-in task."""
     if args.data:
-        from jetrl.data import ColumnMap, DatasetConfig, load_prompt_dataset
-        from jetrl.data.datasets import DATASET_FORMATS
-
         path = _existing(args.data, "data file", "give a JSONL or Parquet file")
-        fmt = DATASET_FORMATS.get(args.format)
-        if fmt is None:
-            raise UsageError(f"unknown --format {args.format!r}; choose one of {sorted(DATASET_FORMATS)}")
-        columns = None
-        if args.prompt_column or args.answer_column:
-            columns = ColumnMap(prompt=args.prompt_column or fmt.columns.prompt,
-                                answer=args.answer_column or fmt.columns.answer)
-        return load_prompt_dataset(DatasetConfig(path=path, format=args.format, columns=columns, reward=args.reward,
-                                                 max_examples=args.num_examples))
-    from jetrl.data.tasks import get_task
-
-    return get_task(args.task, difficulty=args.difficulty, seed=args.seed).dataset(args.num_examples or 200)
+        return DataConfig(path=path, format=args.format, prompt_column=args.prompt_column,
+                          answer_column=args.answer_column, reward=args.reward, max_examples=args.num_examples)
+    return DataConfig(task=args.task, difficulty=args.difficulty, num_examples=args.num_examples or 200)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from jetrl.evaluate import evaluate
-
     _set_threads(args.threads)
-    dataset = _eval_dataset(args)  # data errors before the model is loaded
+    dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
     model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype)
     ks = sorted(set(args.k or [1]))
     result = evaluate(model, tokenizer, dataset, reward=args.reward, n=args.n, temperature=args.temperature,
@@ -370,31 +250,6 @@ def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
     return out
 
 
-def generate_texts(model: Any, tokenizer: Any, prompts: Sequence[str], *, n: int = 1, temperature: float = 0.0,
-                   top_p: float = 1.0, max_tokens: int = 128, seed: int = 0, raw: bool = False) -> list[list[str]]:
-    """Completions (``n`` per prompt) of plain-text prompts. Without a chat template a prompt gets a
-    trailing newline unless ``raw`` (the compact task format ends every prompt with one); with one, the
-    prompt becomes a user turn."""
-    from jetrl.data import Prompt
-    from jetrl.data.templates import render_prompt
-    from jetrl.data import decode_completion, encode_prompt
-    from jetrl.rollout import RolloutEngine, SamplingParams
-
-    texts = []
-    for i, p in enumerate(prompts):
-        if raw:
-            texts.append(p)
-        else:
-            text = render_prompt(Prompt(index=i, answer="", text=p), tokenizer)
-            texts.append(text if text != p or p.endswith("\n") else p + "\n")
-    engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, len(texts) * n)))
-    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i)
-              for i in range(len(texts))]
-    completions = engine.generate([encode_prompt(tokenizer, t) for t in texts], params)
-    outs = [decode_completion(tokenizer, c.token_ids) for c in completions]
-    return [outs[i * n:(i + 1) * n] for i in range(len(texts))]
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     prompts = read_prompts(args.prompts, args.file)
@@ -419,32 +274,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ plot, export
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from jetrl.plotting import plot_runs
-
     output = args.output or str(Path(args.runs[0]) / "curves.png")
     path = plot_runs(args.runs, output, labels=args.labels, smooth=args.smooth)
     print(path)
     return 0
 
 
-def export_model(source: str, output: str, fp8: bool = False) -> str:
-    """Write the checkpoint at ``source`` as a HuggingFace BF16 folder, or block-FP8 with ``fp8``."""
-    import torch
-
-    from jetrl.models import load_model, save_model
-
-    path = resolve_asset(source)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder")
-    if os.path.abspath(path) == os.path.abspath(output):
-        raise UsageError("the export folder must differ from the source checkpoint")
-    model = load_model(path, dtype=torch.bfloat16, device="cpu", recipe="bf16")
-    save_model(model, output, fp8=fp8)
-    return output
-
-
 def _cmd_export(args: argparse.Namespace) -> int:
-    out = export_model(args.model, args.output, fp8=args.fp8)
+    out = export_model(resolve_asset(args.model), args.output, fp8=args.fp8)
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     print(f"exported {'block-FP8' if args.fp8 else 'BF16'} checkpoint to {out} ({size / 2 ** 20:.1f} MiB)")
     return 0
@@ -474,8 +311,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(available_benches())} "
                          f"(bench scripts live in the source checkout's bench/ folder)")
-    import importlib.util
-
     sys.path.insert(0, str(path.parent))
     try:
         spec = importlib.util.spec_from_file_location(f"jetrl_bench_{args.name}", path)
@@ -488,8 +323,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_fp8(args: argparse.Namespace) -> int:
-    from jetrl.quant.selfcheck import check_fp8_linear
-
     result = check_fp8_linear(args.m, args.n, args.k, device=args.device)
     width = max(len(name) for name, _ in result.rows())
     print("FP8Linear (jet: FP8 Fprop/DGrad/WGrad) vs BF16 nn.Linear, random data")
@@ -502,10 +335,10 @@ def _cmd_check_fp8(args: argparse.Namespace) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=EMBEDDED_MODEL, help=f"checkpoint folder (default: {EMBEDDED_MODEL})")
-    p.add_argument("--recipe", default="bf16", choices=["bf16", "fp8-rollout", "jet"],
-                   help="precision recipe of the rollout (default bf16)")
+    p.add_argument("--recipe", default="bf16", choices=list(RECIPES), help="precision recipe of the rollout "
+                   "(default bf16)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per completion")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -526,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", default=None, help="YAML/JSON/TOML config (default: the embedded one)")
     p.add_argument("--max-steps", type=int, default=None, help="run at most N RL steps (sets trainer.steps)")
     p.add_argument("--output-dir", default=None, help="where metrics, checkpoints and plots go")
-    p.add_argument("--recipe", default=None, choices=["bf16", "fp8-rollout", "jet"], help="precision recipe")
+    p.add_argument("--recipe", default=None, choices=list(RECIPES), help="precision recipe")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
     p.add_argument("--eval-examples", type=int, default=None, help="greedy accuracy on N held-out problems before "
                    "and after the run (built-in tasks; default 200, 0 = off)")
@@ -536,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sft", help="supervised warm-start of a tiny model on a built-in task (makes the embedded one)")
     p.add_argument("--output-dir", default="tiny-arith", help="checkpoint folder to write")
-    p.add_argument("--task", default="arithmetic", help="built-in task")
+    p.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="built-in task")
     p.add_argument("--difficulty", type=int, default=3, help="reasoning steps per problem")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the early-stopping budget)")
     p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
@@ -544,19 +377,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
     p.add_argument("--eval-examples", type=int, default=200, help="unseen problems for the final greedy accuracy")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (to tune --steps)")
-    p.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--save-dtype", default="float32", help="dtype of the saved weights (float32 or bfloat16)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_sft)
 
     p = sub.add_parser("eval", help="accuracy of a checkpoint on a task or dataset (greedy or sampled, pass@k)")
     _add_model_args(p)
-    p.add_argument("--task", default="arithmetic", help="built-in task (when no --data)")
+    p.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="built-in task (when no --data)")
     p.add_argument("--difficulty", type=int, default=3)
-    p.add_argument("--seed", type=int, default=12345, help="task seed of the evaluation problems")
+    p.add_argument("--seed", type=int, default=EVAL_SEED, help="task seed of the evaluation problems")
     p.add_argument("--num-examples", type=int, default=None, help="problems (task default 200; file: all rows)")
     p.add_argument("--data", default=None, help="JSONL/Parquet prompt file instead of a task")
-    p.add_argument("--format", default="custom", help="gsm8k, math or custom (with --data)")
+    p.add_argument("--format", default="custom", choices=sorted(DATASET_FORMATS), help="layout of the --data file")
     p.add_argument("--prompt-column", default=None)
     p.add_argument("--answer-column", default=None)
     p.add_argument("--reward", default=None, help="reward name or package.module:function (default: the data's)")

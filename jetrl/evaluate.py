@@ -1,4 +1,5 @@
-"""Accuracy of a policy on a prompt dataset or built-in task: greedy or sampled, with pass@k.
+"""Accuracy of a policy on a prompt dataset or built-in task (greedy or sampled, with pass@k), and plain
+completions of text prompts.
 
 Generation goes through :class:`jetrl.rollout.RolloutEngine` (the same engine, precision recipe and
 log-probability definition as RL rollouts); rewards through the dataset's reward function in a
@@ -8,6 +9,9 @@ correct when its reward is at least 1.
 pass@k uses the unbiased estimator of Chen et al. (2021): with ``n`` samples of which ``c`` are correct,
 ``pass@k = 1 - C(n - c, k) / C(n, k)``, averaged over prompts. Greedy decoding (``temperature=0``)
 draws one sample per prompt, so its accuracy is pass@1.
+
+:func:`held_out_accuracy` is the before/after check of an RL run on a built-in task (problems drawn with
+another seed than the training prompts); :func:`generate_texts` is what ``jetrl generate`` prints.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ from typing import Any, Sequence
 
 import torch
 
+from jetrl.config import RunConfig
+from jetrl.data import Prompt, RewardPool, RewardPoolConfig, get_task, render_prompt
 # the RL loop's own prompt encoding (a single BOS under chat templates) and reward text (no special tokens)
 from jetrl.data.templates import decode_completion, encode_prompt
+from jetrl.models import load_model, load_tokenizer, resolve_device
+from jetrl.progress import Progress
+from jetrl.rollout import RolloutEngine, SamplingParams
+
+EVAL_SEED = 12345  # task seed of held-out problems (the embedded model's README reports accuracy on it)
 
 
 @dataclass
@@ -63,9 +74,6 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
     given). ``temperature=0`` is greedy and needs ``n=1``. ``ks`` lists the k of pass@k (each <= n).
     ``reward_workers=0`` scores in this process (no timeout).
     """
-    from jetrl.data import RewardPool, RewardPoolConfig
-    from jetrl.rollout import RolloutEngine, SamplingParams
-
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if temperature == 0 and n > 1:
@@ -78,7 +86,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
     if reward_name is None:
         raise ValueError("the dataset names no reward function; pass one (e.g. --reward gsm8k)")
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, batch_size * n)))
-    bar = _bar(len(dataset), progress)
+    bar = Progress(len(dataset), "eval", unit="prompt", enabled=progress)
     correct_per_prompt: list[int] = []
     rewards_all: list[float] = []
     lengths: list[int] = []
@@ -108,12 +116,10 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
                 rewards_all += list(scored)
                 lengths += [len(c.token_ids) for c in completions]
                 truncated += sum(c.finish_reason == "length" for c in completions)
-                if bar is not None:
-                    bar.update(len(prompts))
-                    bar.set_postfix(acc=f"{sum(correct_per_prompt) / (len(correct_per_prompt) * n):.3f}")
+                bar.update(len(prompts))
+                bar.set_postfix(acc=f"{sum(correct_per_prompt) / (len(correct_per_prompt) * n):.3f}")
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
         engine.free_cache()
         model.train(was_training)
     num = len(correct_per_prompt)
@@ -123,14 +129,41 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
         mean_length=sum(lengths) / len(lengths), truncation_rate=truncated / len(lengths), samples=samples)
 
 
-def _bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="eval", unit="prompt", dynamic_ncols=True)
+def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, seed: int = EVAL_SEED) -> float:
+    """Greedy accuracy of the checkpoint at ``model_path`` on ``num_examples`` problems of the run's
+    built-in task drawn with another seed than the training prompts (in the run's recipe and dtype)."""
+    if config.data.task is None:
+        raise ValueError("held-out accuracy needs a built-in task (data.task); for a dataset file evaluate the "
+                         "checkpoints on a held-out file instead")
+    if seed == config.trainer.seed:
+        raise ValueError(f"the held-out seed {seed} equals trainer.seed: the evaluation problems would be training "
+                         f"problems")
+    dataset = get_task(config.data.task, difficulty=config.data.difficulty, seed=seed).dataset(num_examples)
+    model = load_model(model_path, dtype=getattr(torch, config.model.dtype),
+                       device=resolve_device(config.model.device), recipe=config.recipe)
+    tokenizer = load_tokenizer(config.model.tokenizer or model_path)
+    return evaluate(model, tokenizer, dataset, max_tokens=config.rollout.max_tokens).accuracy
 
 
-__all__ = ["EvalResult", "evaluate", "pass_at_k"]
+def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str], *, n: int = 1,
+                   temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 128, seed: int = 0,
+                   raw: bool = False) -> list[list[str]]:
+    """Completions (``n`` per prompt) of plain-text prompts. Without a chat template a prompt gets a
+    trailing newline unless ``raw`` (the compact task format ends every prompt with one); with one, the
+    prompt becomes a user turn."""
+    texts = []
+    for i, p in enumerate(prompts):
+        if raw:
+            texts.append(p)
+        else:
+            text = render_prompt(Prompt(index=i, answer="", text=p), tokenizer)
+            texts.append(text if text != p or p.endswith("\n") else p + "\n")
+    engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, len(texts) * n)))
+    params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i)
+              for i in range(len(texts))]
+    completions = engine.generate([encode_prompt(tokenizer, t) for t in texts], params)
+    outs = [decode_completion(tokenizer, c.token_ids) for c in completions]
+    return [outs[i * n:(i + 1) * n] for i in range(len(texts))]
+
+
+__all__ = ["EVAL_SEED", "EvalResult", "evaluate", "pass_at_k", "held_out_accuracy", "generate_texts"]

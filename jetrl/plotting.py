@@ -5,7 +5,8 @@ Four panels: reward, accuracy, mean response length and the rollout-vs-training 
 labelled by its folder name and precision recipe (read from the run's saved config), so runs of the
 three recipes on the same task sit side by side: ``jet`` should track ``bf16`` in reward while its
 mismatch stays near rounding level; ``fp8-rollout`` shows the larger mismatch. Noisy curves get a
-moving average drawn over the raw points.
+moving average drawn over the raw points. :func:`summarize_run` condenses the same log into the rows of
+a run's summary table (start and end of reward, accuracy and length, the final mismatch, the time).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+import yaml
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -63,8 +66,6 @@ def _recipe_of(run_dir: Path) -> str | None:
         try:
             if name.endswith(".json"):
                 return json.loads(path.read_text()).get("recipe")
-            import yaml
-
             return (yaml.safe_load(path.read_text()) or {}).get("recipe")
         except Exception:
             return None
@@ -98,6 +99,28 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
         chunk = [v for v in values[max(0, i - window + 1):i + 1] if not math.isnan(v)]
         out.append(sum(chunk) / len(chunk) if chunk else float("nan"))
     return out
+
+
+def summarize_run(run: str | Path) -> list[tuple[str, str]]:
+    """Summary rows (name, value) of a run from its metrics log: reward, accuracy and response length at the
+    start and the end (means over the first and last few steps), the last steps' mismatch, and the time."""
+    records = load_run(run).records
+    k = max(1, min(5, len(records) // 4))
+    first, last = records[:k], records[-k:]
+
+    def mean(rows: list[dict], key: str) -> float:
+        vals = [float(r[key]) for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    rows = [("steps", str(records[-1].get("step", len(records))))]
+    for key, name in (("reward/mean", "reward"), ("reward/accuracy", "accuracy"),
+                      ("response/length_mean", "response length")):
+        rows.append((f"{name} (first {k} -> last {k} steps)", f"{mean(first, key):.3f} -> {mean(last, key):.3f}"))
+    rows.append(("mismatch |Δ logp| mean (last)", f"{mean(last, 'mismatch/logp_abs_diff_mean'):.2e}"))
+    rows.append(("mismatch |Δ p| max (last)", f"{mean(last, 'mismatch/prob_abs_diff_max'):.2e}"))
+    total = sum(float(r.get("time/step_wall", r.get("time/step", 0.0))) for r in records)
+    rows.append(("time in steps", f"{total:.0f} s"))
+    return rows
 
 
 def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[str] | None = None,
@@ -153,4 +176,4 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[s
     return output
 
 
-__all__ = ["plot_runs", "load_run", "RunCurves", "moving_average", "PANELS", "METRICS_FILE"]
+__all__ = ["plot_runs", "load_run", "summarize_run", "RunCurves", "moving_average", "PANELS", "METRICS_FILE"]

@@ -3,6 +3,7 @@
 Feeds the RL loop (``data <- rl``); imports nothing else from jetrl.
 """
 
+from jetrl.data.build import DataSpec, build_prompt_dataset
 from jetrl.data.datasets import (
     DATASET_FORMATS,
     ColumnMap,
@@ -40,7 +41,9 @@ __all__ = [
     "Task",
     "TaskConfig",
     "TaskExample",
+    "build_prompt_dataset",
     "build_reward_fn",
+    "DataSpec",
     "decode_completion",
     "encode_prompt",
     "get_task",

@@ -61,10 +61,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError("reading Parquet needs pyarrow: pip install pyarrow") from None
+    import pyarrow.parquet as pq  # heavy: imported only when a Parquet file is read
+
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises its own ArrowInvalid etc.

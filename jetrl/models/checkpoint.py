@@ -24,13 +24,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from jetrl.models.config import DecoderConfig
 from jetrl.models.transformer import DecoderLM, build_model
+from jetrl.quant import WEIGHT, FP8Linear, apply_recipe, get_backend, get_recipe
+from jetrl.quant.reference import dequantize
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -52,11 +57,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
         raise ValueError(f"{path} is a file; give the checkpoint folder (holding config.json and *.safetensors)")
     if path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise FileNotFoundError(f"checkpoint folder {path} does not exist (and it is not a hub id 'org/name')")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise FileNotFoundError(f"{path!r} is not a local folder, and huggingface_hub is not installed to fetch it "
-                                f"from the hub") from None
     try:
         return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # offline, unknown repo, gated, ...
@@ -92,8 +92,6 @@ class _open:
     """``safe_open`` that turns a corrupt file into a ValueError naming it."""
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
         self.path = path
         try:
             self.handle = safe_open(path, framework="pt", device="cpu")
@@ -111,9 +109,6 @@ class _open:
 
 
 def _dequantize_block_fp8(data: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
-    from jetrl.quant import WEIGHT
-    from jetrl.quant.reference import dequantize
-
     if data.dim() != 2:
         raise ValueError(f"FP8 tensor {name!r} must be 2-D, got shape {tuple(data.shape)}")
     try:
@@ -176,8 +171,6 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, dev
     rejects unknown config fields. The returned model remembers ``source_path`` (tokenizer files are
     copied from there on save).
     """
-    from jetrl.quant import apply_recipe
-
     folder = resolve_checkpoint(path)
     config = DecoderConfig.from_file(folder, strict=strict)
     model = build_model(config, dtype=dtype, device=device, recipe="bf16", init=False)
@@ -188,30 +181,43 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, dev
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The checkpoint's tokenizer: ``transformers.AutoTokenizer`` if installed, else a ``tokenizers.Tokenizer``."""
+    """The checkpoint's tokenizer, through ``transformers.AutoTokenizer``."""
+    from transformers import AutoTokenizer  # heavy (seconds): imported when a tokenizer is first loaded
+
     folder = resolve_checkpoint(path)
     try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        AutoTokenizer = None
-    if AutoTokenizer is not None:
-        try:
-            return AutoTokenizer.from_pretrained(folder)
-        except Exception as e:
-            raise ValueError(f"cannot load a tokenizer from {folder}: {type(e).__name__}: {e}") from None
-    tokenizer_json = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(tokenizer_json):
-        raise FileNotFoundError(f"no tokenizer.json in {folder} (and transformers is not installed)")
-    from tokenizers import Tokenizer
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {folder}: {type(e).__name__}: {e}") from None
 
-    return Tokenizer.from_file(tokenizer_json)
+
+def check_eos(tokenizer: Any, where: str, model_folder: str | os.PathLike | None = None) -> None:
+    """Generation needs an end-of-sequence token: the tokenizer's, or the ``eos_token_id`` of the config.json
+    in ``model_folder``. Raises a ValueError saying where to set one."""
+    if getattr(tokenizer, "eos_token_id", None) is not None or _config_eos(model_folder):
+        return
+    raise ValueError(f"the tokenizer at {where} has no end-of-sequence token and its config.json names no "
+                     f"eos_token_id, so generation could never stop: set \"eos_token\" in its "
+                     f"tokenizer_config.json (or \"eos_token_id\" in config.json)")
+
+
+def _config_eos(folder: str | os.PathLike | None) -> list[int]:
+    """The ``eos_token_id`` (one or several) in ``folder``/config.json; none when it is absent or unreadable."""
+    if folder is None or not os.path.isdir(folder):
+        return []
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return []
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [eos]
 
 
 def _fp8_linears_to_export(model: nn.Module) -> dict[str, nn.Linear]:
     """The linears whose weights the export stores in FP8: the model's FP8Linears, or (under ``bf16``)
     every block linear the default recipe would swap."""
-    from jetrl.quant import FP8Linear, get_recipe
-
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     fp8 = {n: m for n, m in linears.items() if isinstance(m, FP8Linear)}
     if fp8:
@@ -221,8 +227,6 @@ def _fp8_linears_to_export(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def _export_tensors(model: DecoderLM, fp8: bool) -> Iterable[tuple[str, torch.Tensor]]:
-    from jetrl.quant import WEIGHT, FP8Linear, get_backend
-
     quantized = _fp8_linears_to_export(model) if fp8 else {}
     for name, param in model.named_parameters():
         if model.config.tie_word_embeddings and name == "lm_head.weight":
@@ -247,8 +251,6 @@ def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,
     ``fp8=True`` writes the block-FP8 layout (see the module docstring). Tokenizer and generation files
     of the checkpoint the model was loaded from are copied along.
     """
-    from safetensors.torch import save_file
-
     if not isinstance(model, DecoderLM):
         raise TypeError(f"save_model needs a jetrl DecoderLM, got {type(model).__name__}")
     if int(max_shard_size) <= 0:
@@ -302,4 +304,25 @@ def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,
                 shutil.copyfile(os.path.join(source, file), os.path.join(path, file))
 
 
-__all__ = ["load_model", "load_tokenizer", "save_model", "load_weights", "resolve_checkpoint"]
+def export_model(source: str | os.PathLike, output: str | os.PathLike, fp8: bool = False) -> str:
+    """Write the checkpoint folder ``source`` to ``output`` as a HuggingFace BF16 folder, or block-FP8 with
+    ``fp8`` (the layout vLLM and SGLang serve); returns ``output``."""
+    source, output = os.fspath(source), os.fspath(output)
+    if not os.path.isdir(source):
+        raise FileNotFoundError(f"checkpoint folder {source} does not exist; give a HuggingFace model folder")
+    if os.path.abspath(source) == os.path.abspath(output):
+        raise ValueError("the export folder must differ from the source checkpoint")
+    model = load_model(source, dtype=torch.bfloat16, device="cpu", recipe="bf16")
+    save_model(model, output, fp8=fp8)
+    return output
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """The device a config or command line names; ``"auto"`` (or None) is CUDA when present, else the CPU."""
+    if name is None or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+__all__ = ["load_model", "load_tokenizer", "save_model", "load_weights", "resolve_checkpoint", "export_model",
+           "resolve_device", "check_eos"]

@@ -18,9 +18,9 @@ groups for the metrics (DAPO's dynamic sampling would drop them).
 
 from __future__ import annotations
 
-import torch
+from typing import Callable
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce")
+import torch
 
 
 def _check_rewards(rewards: torch.Tensor) -> None:
@@ -87,16 +87,21 @@ def batch_baseline_advantages(rewards: torch.Tensor, std_normalize: bool = False
     return adv
 
 
+# name -> estimator(rewards, std_normalize, eps): the one list of estimator names (the config checks
+# algorithm.advantage_estimator against it). RLOO's leave-one-out baseline takes no std normalisation.
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor, bool, float], torch.Tensor]] = {
+    "grpo": group_advantages,
+    "rloo": lambda rewards, std_normalize, eps: rloo_advantages(rewards),
+    "reinforce": batch_baseline_advantages,
+}
+
+
 def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_normalize: bool = True,
                        eps: float = 1e-6) -> torch.Tensor:
-    """Dispatch on the configured estimator name (one of :data:`ADVANTAGE_ESTIMATORS`)."""
-    if estimator == "grpo":
-        return group_advantages(rewards, std_normalize=std_normalize, eps=eps)
-    if estimator == "rloo":
-        return rloo_advantages(rewards)
-    if estimator == "reinforce":
-        return batch_baseline_advantages(rewards, std_normalize=std_normalize, eps=eps)
-    raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ADVANTAGE_ESTIMATORS}")
+    """Dispatch on the configured estimator name (a key of :data:`ADVANTAGE_ESTIMATORS`)."""
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {tuple(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[estimator](rewards, std_normalize, eps)
 
 
 __all__ = [

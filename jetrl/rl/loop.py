@@ -26,6 +26,8 @@ import numpy as np
 import torch
 
 from jetrl.config import ConfigError, RunConfig, load_config, save_config
+from jetrl.data import build_prompt_dataset
+from jetrl.models import resolve_device
 from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardResult
 from jetrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl.rl.metrics import MetricsLogger
@@ -141,30 +143,6 @@ class DatasetPrompts:
         self.loader.load_state_dict(state)
 
 
-def _load_dataset(config: RunConfig) -> Any:
-    d = config.data
-    if d.task is not None:
-        from jetrl.data.tasks import get_task
-        return get_task(d.task, difficulty=d.difficulty, seed=config.trainer.seed).dataset(d.num_examples)
-    from jetrl.data import ColumnMap, DatasetConfig, TemplateConfig, load_prompt_dataset
-    from jetrl.data.datasets import DATASET_FORMATS
-    fmt = DATASET_FORMATS[d.format]
-    columns = None
-    if d.prompt_column or d.answer_column:
-        columns = ColumnMap(prompt=d.prompt_column or fmt.columns.prompt, answer=d.answer_column or fmt.columns.answer)
-    template = None
-    if d.instruction or d.system_prompt:
-        template = TemplateConfig(instruction=d.instruction or fmt.instruction, system_prompt=d.system_prompt)
-    return load_prompt_dataset(DatasetConfig(path=d.path, format=d.format, columns=columns, template=template,
-                                             reward=d.reward, max_examples=d.max_examples))
-
-
-def _device(config: RunConfig) -> torch.device:
-    if config.model.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.model.device)
-
-
 def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
     """Run RL as configured; returns the last step's metrics. ``config`` may be a file path.
@@ -180,21 +158,18 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     out = Path(config.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_root = out / CHECKPOINT_SUBDIR
-    try:
-        save_config(config, out / "config.yaml")
-    except ImportError:
-        save_config(config, out / "config.json")
+    save_config(config, out / "config.yaml")
 
     from jetrl.data.rewards import RewardConfig, build_reward_fn
     from jetrl.models import load_model, load_tokenizer
     from jetrl.rollout import RolloutEngine
 
     seed_everything(config.trainer.seed)
-    dataset = _load_dataset(config)  # data errors before the model is loaded
+    dataset = build_prompt_dataset(config.data, seed=config.trainer.seed)  # data errors before the model is loaded
     reward = build_reward_fn(RewardConfig(name=config.data.reward), default=getattr(dataset, "reward", None))
     dtype = getattr(torch, config.model.dtype)
-    device = _device(config)
-    model = load_model(config.model.path, dtype=dtype, device=device, recipe=config.recipe)
+    model = load_model(config.model.path, dtype=dtype, device=resolve_device(config.model.device),
+                       recipe=config.recipe)
     if config.model.gradient_checkpointing:
         model.set_activation_checkpointing(True)
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)

@@ -28,10 +28,10 @@ Metrics are returned as detached 0-dim tensors (no host sync); the caller reduce
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-AGGREGATIONS = ("token", "sequence", "sequence-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 # exp() of a log-ratio beyond this is clamped: keeps k3 and importance ratios finite for tokens whose
 # probabilities differ by more than e^20 (such tokens are clipped anyway)
 MAX_LOG_RATIO = 20.0
@@ -59,6 +59,38 @@ def masked_log_ratio(logprobs: torch.Tensor, other_logprobs: torch.Tensor, mask:
     return torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
 
 
+def _token_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None, num_seqs: int | float | None,
+                max_len: int | None) -> torch.Tensor:
+    if num_tokens is None:
+        return v.sum() / mask.sum().clamp(min=1)
+    return v.sum() / max(num_tokens, 1)
+
+
+def _sequence_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None,
+                   num_seqs: int | float | None, max_len: int | None) -> torch.Tensor:
+    counts = mask.sum(dim=1)
+    seq_mean = v.sum(dim=1) / counts.clamp(min=1)
+    if num_seqs is None:  # empty rows (no response token) are not sequences of the mean
+        return seq_mean.sum() / (counts > 0).sum().clamp(min=1)
+    return seq_mean.sum() / max(num_seqs, 1)
+
+
+def _sequence_sum_norm(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None,
+                       num_seqs: int | float | None, max_len: int | None) -> torch.Tensor:
+    seqs = mask.shape[0] if num_seqs is None else num_seqs
+    length = mask.shape[1] if max_len is None else max_len
+    if length < 1:
+        raise ValueError(f"max_len must be >= 1, got {length}")
+    return v.sum() / max(seqs * length, 1)
+
+
+# agg name -> reduction of the masked values (B, T) given the batch's denominators (see the module doc); the one
+# list of aggregation names (the config checks algorithm.agg against it)
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "token": _token_mean, "sequence": _sequence_mean, "sequence-sum-norm": _sequence_sum_norm,
+}
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, num_tokens: int | float | None = None,
               num_seqs: int | float | None = None, max_len: int | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` (B, T) over the valid tokens of ``mask`` to a scalar (see module doc).
@@ -69,24 +101,10 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, n
     _check_same_shape(mask, values=values)
     mask = _as_bool_mask(mask)
     if agg not in AGGREGATIONS:
-        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {AGGREGATIONS}")
+        raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {tuple(AGGREGATIONS)}")
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     v = torch.where(mask, values, zero)  # masked slots may hold NaN/inf: never multiply them
-    if agg == "token":
-        if num_tokens is None:
-            return v.sum() / mask.sum().clamp(min=1)
-        return v.sum() / max(num_tokens, 1)
-    if agg == "sequence":
-        counts = mask.sum(dim=1)
-        seq_mean = v.sum(dim=1) / counts.clamp(min=1)
-        if num_seqs is None:  # empty rows (no response token) are not sequences of the mean
-            return seq_mean.sum() / (counts > 0).sum().clamp(min=1)
-        return seq_mean.sum() / max(num_seqs, 1)
-    seqs = mask.shape[0] if num_seqs is None else num_seqs
-    length = mask.shape[1] if max_len is None else max_len
-    if length < 1:
-        raise ValueError(f"max_len must be >= 1, got {length}")
-    return v.sum() / max(seqs * length, 1)
+    return AGGREGATIONS[agg](v, mask, num_tokens, num_seqs, max_len)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -110,6 +128,24 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     return torch.exp(log_w).clamp(max=cap)
 
 
+def _kl_k1(log_r: torch.Tensor) -> torch.Tensor:
+    return -log_r
+
+
+def _kl_k2(log_r: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_r.square()
+
+
+def _kl_k3(log_r: torch.Tensor) -> torch.Tensor:
+    log_r = log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.exp(log_r) - 1.0 - log_r
+
+
+# name -> per-token estimate from log r = logp_ref - logp (see :func:`kl_penalty`); the one list of KL
+# estimator names (the config checks algorithm.kl_estimator against it)
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
                estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi; (B, T), 0 on masked tokens.
@@ -120,15 +156,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.T
     """
     _check_same_shape(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {tuple(KL_ESTIMATORS)}")
     mask = _as_bool_mask(mask)
-    log_r = masked_log_ratio(ref_logprobs.detach(), logprobs, mask)
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r.square()
-    log_r = log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.exp(log_r) - 1.0 - log_r
+    return KL_ESTIMATORS[estimator](masked_log_ratio(ref_logprobs.detach(), logprobs, mask))
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

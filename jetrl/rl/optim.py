@@ -103,6 +103,9 @@ class MasterWeightAdamW:
             self.params[i].copy_(saved)
 
 
+LR_SCHEDULES = ("constant", "cosine", "linear")  # the decay after warm-up (config: optim.schedule)
+
+
 class LRSchedule:
     """LR multiplier per applied optimizer step: linear warm-up, then constant / cosine / linear decay.
 
@@ -111,8 +114,8 @@ class LRSchedule:
     ``min_lr_ratio``. A picklable object (not a lambda) so that ``LambdaLR.state_dict`` carries it."""
 
     def __init__(self, warmup_steps: int, total_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0):
-        if schedule not in ("constant", "cosine", "linear"):
-            raise ValueError(f"unknown LR schedule {schedule!r}; choose 'constant', 'cosine' or 'linear'")
+        if schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown LR schedule {schedule!r}; choose one of {LR_SCHEDULES}")
         if warmup_steps < 0 or total_steps < 1:
             raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
         self.warmup_steps, self.total_steps = warmup_steps, total_steps

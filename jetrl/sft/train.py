@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from jetrl.progress import Progress
 from jetrl.sft.tokenizer import save_char_tokenizer
 
 
@@ -218,8 +219,8 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
             log(f"sft: resuming from {path} (step {first_step} of {config.steps})")
     eval_set = config.build_task(config.eval_seed).dataset(config.eval_examples)
     max_tokens = _max_new_tokens(config)
-    bar = _progress_bar(config.steps, progress)
-    if bar is not None and first_step:
+    bar = Progress(config.steps, "sft", unit="step", enabled=progress)
+    if first_step:
         bar.update(first_step)
     loop_start = time.perf_counter()
     model.train()
@@ -238,12 +239,11 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
         optimizer.step()
         value = float(loss.detach())
         loss_ema = value if loss_ema is None else 0.95 * loss_ema + 0.05 * value
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_ema:.3f}")
+        bar.update()
+        bar.set_postfix(loss=f"{loss_ema:.3f}")
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
             history.append({"step": step + 1, "loss": value, "loss_ema": loss_ema, "lr": lr_at(step, config)})
-            if bar is None:
+            if not progress:
                 elapsed = time.perf_counter() - loop_start
                 left = elapsed / (step + 1 - first_step) * (config.steps - step - 1)
                 log(f"sft step {step + 1}/{config.steps}  loss {loss_ema:.4f}  {format_duration(elapsed)} elapsed, "
@@ -258,8 +258,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
         if every and ((step + 1) % every == 0 or step + 1 == config.steps):
             save_checkpoint(ckpt_root, step + 1, model=model, optimizer=optimizer, keep_last=1,
                             trainer_state={"config": asdict(config), "loss_ema": loss_ema, "history": history})
-    if bar is not None:
-        bar.close()
+    bar.close()
 
     model.eval()
     dtype = getattr(torch, config.save_dtype)
@@ -282,16 +281,6 @@ def _max_new_tokens(config: SFTConfig) -> int:
     task = config.build_task(config.eval_seed)
     longest = max(len(ex.solution) for ex in task.examples(256))
     return int(longest * 1.5) + 8
-
-
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
 
 
 __all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "lr_at",

@@ -58,3 +58,23 @@ def test_greedy_with_several_samples_is_an_error(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="greedy"):
         evaluate(model, tok, get_task("arithmetic", seed=1).dataset(2), n=4, temperature=0.0)
+
+
+def test_held_out_accuracy_refuses_training_problems_and_files():
+    from jetrl.config import RunConfig, load_config
+    from jetrl.evaluate import EVAL_SEED, held_out_accuracy
+
+    config = load_config(None, ["--data.task=arithmetic", f"--trainer.seed={EVAL_SEED}"])
+    with pytest.raises(ValueError, match="equals trainer.seed"):
+        held_out_accuracy("unused", config, 8)
+    with pytest.raises(ValueError, match="needs a built-in task"):
+        held_out_accuracy("unused", RunConfig(), 8)
+
+
+def test_generate_texts_greedy_completions(tiny):
+    from jetrl.evaluate import generate_texts
+
+    model, tok = tiny
+    outs = generate_texts(model, tok, ["12+7-3*2", "3+4*2\n"], max_tokens=48)
+    assert [len(o) for o in outs] == [1, 1] and all("####" in o[0] for o in outs)
+    assert generate_texts(model, tok, ["12+7-3*2"], max_tokens=48) == outs[:1]  # greedy: deterministic

@@ -164,3 +164,20 @@ def test_token_ids_outside_the_vocabulary_are_rejected_clearly():
     with pytest.raises(ValueError, match=r"outside the vocabulary"):
         model.forward_packed(torch.tensor([3, -1]), torch.tensor([0, 1]), torch.tensor([0, 2]))
     assert model(torch.tensor([[0, 9]])).shape == (1, 2, 10)
+
+
+def test_export_model_checks_its_folders(ckpt, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        jm.export_model(tmp_path / "missing", tmp_path / "out")
+    with pytest.raises(ValueError, match="must differ from the source"):
+        jm.export_model(ckpt, str(ckpt) + "/")
+    out = jm.export_model(ckpt, tmp_path / "bf16")
+    assert out == str(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_resolve_device():
+    assert jm.resolve_device("cpu") == torch.device("cpu")
+    assert jm.resolve_device("cuda:1") == torch.device("cuda", 1)
+    expected = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert jm.resolve_device("auto") == expected and jm.resolve_device(None) == expected

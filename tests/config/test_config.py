@@ -135,3 +135,32 @@ def test_config_errors_need_no_torch():
             "try:\n    c.load_config(None, ['--rollout.n=0'])\nexcept c.ConfigError: pass\n"
             "assert 'torch' not in sys.modules, 'config imported torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_valid_config_reads_the_registries_without_the_trainer():
+    """Checking choice fields imports the registries (recipes, estimators, schedules) in a fresh interpreter,
+    without an import loop and without the trainer, model or rollout stack."""
+    code = ("import sys, jetrl.config as c\n"
+            "c.load_config(None, ['--recipe=bf16'])\n"
+            "heavy = [m for m in ('jetrl.rl.trainer', 'jetrl.rl.loop', 'jetrl.models', 'jetrl.rollout') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_choice_fields_follow_the_registries_that_own_them(monkeypatch):
+    """One list per choice: the config accepts what the owning registry holds, in its order, and nothing else."""
+    from jetrl.config import registered_names
+    from jetrl.quant.recipe import RECIPES
+    from jetrl.rl import advantages, losses, optim
+
+    registries = {"recipe": RECIPES, "advantage_estimator": advantages.ADVANTAGE_ESTIMATORS,
+                  "kl_estimator": losses.KL_ESTIMATORS, "loss_aggregation": losses.AGGREGATIONS,
+                  "lr_schedule": optim.LR_SCHEDULES}
+    for kind, registry in registries.items():
+        assert registered_names(kind) == list(registry)
+    with pytest.raises(ValueError, match="no registry"):
+        registered_names("optimizer")
+    with pytest.raises(ConfigError, match="algorithm.kl_estimator must be one of"):
+        load_config(None, ["--algorithm.kl_estimator=k4"])
+    monkeypatch.setitem(losses.KL_ESTIMATORS, "k4", losses.KL_ESTIMATORS["k3"])
+    assert load_config(None, ["--algorithm.kl_estimator=k4"]).algorithm.kl_estimator == "k4"

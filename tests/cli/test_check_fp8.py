@@ -1,4 +1,4 @@
-"""The command line runs its default job and prints the FP8-vs-BF16 report."""
+"""`jetrl check-fp8` prints the FP8-vs-BF16 report."""
 
 from jetrl.cli import main
 

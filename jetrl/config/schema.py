@@ -1,11 +1,16 @@
 """The configuration of a whole run: a tree of dataclasses, validated before anything heavy happens.
 
-Sources, later ones winning: the defaults below, a YAML / JSON / TOML file, then ``--section.key=value``
-command-line overrides (typed by the dataclass field types). Every problem found is reported before a
-model is loaded: an unknown key names the closest valid one, a wrong type names the expected type, and
-range or cross-field constraints (``clip_low < 0``, ``n < 1``, batch sizes that do not divide) say which
-fields disagree. :func:`save_config` writes the resolved config next to the run's outputs so a run can be
-reproduced from its own folder.
+Every section type-checks its fields on construction (coercing where a file or the command line gives a
+string) and then runs its own range and cross-field checks, so an invalid run is reported before a model
+is loaded: a wrong type names the expected type, and range or cross-field constraints (``clip_low < 0``,
+``n < 1``, batch sizes that do not divide) say which fields disagree. Reading files and ``--a.b=value``
+overrides, and writing a resolved config, is :mod:`jetrl.config.loader`'s job.
+
+Fields that name one of several implementations (the precision recipe, the advantage and KL estimators,
+the loss aggregation, the LR schedule) are checked against the registry of the stage that owns the
+implementations, so adding one there makes it valid here. Those registries sit beside torch code, so they
+are imported on first use: unknown keys, wrong types and out-of-range values are reported without
+importing torch.
 
 Batch sizes, in sequences (a sequence is one prompt plus one sampled completion)::
 
@@ -19,12 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 
@@ -36,12 +39,29 @@ class ConfigTypeError(ConfigError, TypeError):
     """A configuration value has the wrong type."""
 
 
-RECIPE_NAMES = ("bf16", "fp8-rollout", "jet")
-DTYPES = ("bfloat16", "float32", "float16")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce")
-LOSS_AGGREGATIONS = ("token", "sequence", "sequence-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LR_SCHEDULES = ("constant", "cosine", "linear")
+DTYPES = ("bfloat16", "float32", "float16")  # parameter dtypes of the policy (torch attribute names)
+
+
+def registered_names(kind: str) -> list[str]:
+    """The names a stage's registry holds, in its order: ``kind`` is ``"recipe"``, ``"advantage_estimator"``,
+    ``"kl_estimator"``, ``"loss_aggregation"`` or ``"lr_schedule"``.
+
+    The registries live with the functions they name (and so import torch): they are imported here, on first
+    use, rather than at the top of this module.
+    """
+    if kind == "recipe":
+        from jetrl.quant.recipe import RECIPES as names
+    elif kind == "advantage_estimator":
+        from jetrl.rl.advantages import ADVANTAGE_ESTIMATORS as names
+    elif kind == "kl_estimator":
+        from jetrl.rl.losses import KL_ESTIMATORS as names
+    elif kind == "loss_aggregation":
+        from jetrl.rl.losses import AGGREGATIONS as names
+    elif kind == "lr_schedule":
+        from jetrl.rl.optim import LR_SCHEDULES as names
+    else:
+        raise ValueError(f"no registry of {kind!r}")
+    return list(names)
 
 
 def _choice(section: str, name: str, value: str, choices: Sequence[str]) -> None:
@@ -64,7 +84,7 @@ class _Section:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = _coerce(getattr(self, f.name), hints[f.name], f"{self._name}.{f.name}".lstrip("."))
+            value = coerce(getattr(self, f.name), hints[f.name], f"{self._name}.{f.name}".lstrip("."))
             object.__setattr__(self, f.name, value)
         self.validate()
 
@@ -159,13 +179,13 @@ class AlgorithmConfig(_Section):
     """Advantages, the clipped policy loss and its regularisers, and how a batch is split for updates."""
 
     _name = "algorithm"
-    advantage_estimator: str = "grpo"     # "grpo" | "rloo" | "reinforce"
+    advantage_estimator: str = "grpo"     # a name in jetrl.rl.advantages.ADVANTAGE_ESTIMATORS
     std_normalize: bool = True            # False = Dr. GRPO
     clip_low: float = 0.2
     clip_high: float = 0.2                # DAPO's clip-higher uses e.g. 0.28
-    agg: str = "token"                    # "token" | "sequence" | "sequence-sum-norm"
+    agg: str = "token"                    # a name in jetrl.rl.losses.AGGREGATIONS
     kl_coef: float = 0.0                  # > 0 loads a frozen reference model in the same recipe
-    kl_estimator: str = "k3"
+    kl_estimator: str = "k3"              # a name in jetrl.rl.losses.KL_ESTIMATORS
     entropy_coef: float = 0.0
     tis_cap: float | None = None          # truncated importance sampling cap C (>= 1); None disables
     use_rollout_logprobs: bool = False    # verl's "bypass": the engine's logprobs are the old logprobs
@@ -178,9 +198,10 @@ class AlgorithmConfig(_Section):
     max_tokens_per_micro_batch: int | None = None  # pack micro-batches by token count instead
 
     def validate(self) -> None:
-        _choice("algorithm", "advantage_estimator", self.advantage_estimator, ADVANTAGE_ESTIMATORS)
-        _choice("algorithm", "agg", self.agg, LOSS_AGGREGATIONS)
-        _choice("algorithm", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("algorithm", "advantage_estimator", self.advantage_estimator,
+                registered_names("advantage_estimator"))
+        _choice("algorithm", "agg", self.agg, registered_names("loss_aggregation"))
+        _choice("algorithm", "kl_estimator", self.kl_estimator, registered_names("kl_estimator"))
         _at_least("algorithm", "clip_low", self.clip_low, 0.0)
         _at_least("algorithm", "clip_high", self.clip_high, 0.0)
         if self.clip_low >= 1:
@@ -211,7 +232,7 @@ class OptimConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    schedule: str = "constant"            # "constant" | "cosine" | "linear" (after warm-up)
+    schedule: str = "constant"            # after warm-up; a name in jetrl.rl.optim.LR_SCHEDULES
     min_lr_ratio: float = 0.0             # floor of cosine/linear decay, as a fraction of lr
     grad_clip: float | None = 1.0         # max global grad norm; None disables clipping
     max_consecutive_nonfinite: int = 3    # non-finite steps skipped in a row before the run stops
@@ -226,7 +247,7 @@ class OptimConfig(_Section):
             raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
         _at_least("optim", "weight_decay", self.weight_decay, 0.0)
         _at_least("optim", "warmup_steps", self.warmup_steps, 0)
-        _choice("optim", "schedule", self.schedule, LR_SCHEDULES)
+        _choice("optim", "schedule", self.schedule, registered_names("lr_schedule"))
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip is not None and not self.grad_clip > 0:
@@ -263,7 +284,7 @@ class TrainerConfig(_Section):
 class RunConfig(_Section):
     """A whole RL run."""
 
-    recipe: str = "jet"                   # "bf16" | "fp8-rollout" | "jet"
+    recipe: str = "jet"                   # a name in jetrl.quant.recipe.RECIPES
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -282,7 +303,7 @@ class RunConfig(_Section):
         return self.algorithm.mini_batch_size or self.rollout_batch_size
 
     def validate(self) -> None:
-        _choice("", "recipe", self.recipe, RECIPE_NAMES)
+        _choice("", "recipe", self.recipe, registered_names("recipe"))
         alg = self.algorithm
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(
@@ -315,7 +336,7 @@ class RunConfig(_Section):
 
 # ------------------------------------------------------------------------------------------------ typing
 
-def _is_dataclass_type(tp: Any) -> bool:
+def is_section_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
@@ -323,7 +344,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
+def coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
     """Check ``value`` against the annotation ``tp`` (parsing it from a string when ``from_string``)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -336,8 +357,8 @@ def _coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
             if type(None) in args:
                 return None
             raise ConfigTypeError(f"{key} must not be null")
-        return _coerce(value, inner[0], key, from_string)
-    if _is_dataclass_type(tp):
+        return coerce(value, inner[0], key, from_string)
+    if is_section_type(tp):
         if isinstance(value, tp):
             return value
         if isinstance(value, dict):
@@ -350,10 +371,10 @@ def _coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigTypeError(f"{key} must be a list, got {type(value).__name__} ({value!r})")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{key}[{i}]", from_string) for i, v in enumerate(value))
+            return tuple(coerce(v, args[0], f"{key}[{i}]", from_string) for i, v in enumerate(value))
         if len(value) != len(args):
             raise ConfigTypeError(f"{key} must have {len(args)} elements, got {len(value)} ({value!r})")
-        return tuple(_coerce(v, a, f"{key}[{i}]", from_string) for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(coerce(v, a, f"{key}[{i}]", from_string) for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -393,12 +414,12 @@ def _coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
     raise ConfigTypeError(f"{key}: unsupported config field type {_type_name(tp)}")
 
 
-def _fields(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
 
-def _unknown_key(key: str, valid: Sequence[str], prefix: str) -> ConfigError:
+def unknown_key_error(key: str, valid: Sequence[str], prefix: str) -> ConfigError:
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     full = f"{prefix}.{key}" if prefix else key
     hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
@@ -409,11 +430,11 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build the dataclass ``cls`` from a nested mapping, rejecting unknown keys and wrong types."""
     if not isinstance(data, dict):
         raise ConfigTypeError(f"{prefix or 'the config'} must be a mapping, got {type(data).__name__}")
-    known = _fields(cls)
+    known = field_types(cls)
     for key in data:
         if key not in known:
-            raise _unknown_key(str(key), list(known), prefix)
-    kwargs = {k: _coerce(v, known[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
+            raise unknown_key_error(str(key), list(known), prefix)
+    kwargs = {k: coerce(v, known[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
     return cls(**kwargs)
 
 
@@ -428,137 +449,7 @@ def to_dict(config: Any) -> dict[str, Any]:
     return plain(config)
 
 
-# ------------------------------------------------------------------------------------- files and overrides
-
-def _read_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    suffix = path.suffix.lower()
-    text = path.read_text()
-    if suffix == ".json":
-        data = json.loads(text)
-    elif suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError as e:
-            raise ImportError("reading YAML configs needs PyYAML: pip install pyyaml (or use .json/.toml)") from e
-        data = yaml.safe_load(text) or {}
-    elif suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            try:
-                import tomli as tomllib  # type: ignore[no-redef]
-            except ImportError as e:
-                raise ImportError("reading TOML configs on Python 3.10 needs tomli: pip install tomli") from e
-        data = tomllib.loads(text)
-    else:
-        raise ConfigError(f"config file {path} must end in .yaml, .yml, .json or .toml")
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
-def parse_override(item: str) -> tuple[list[str], str]:
-    """``"--optim.lr=1e-6"`` -> (["optim", "lr"], "1e-6")."""
-    body = item[2:] if item.startswith("--") else item
-    if "=" not in body:
-        raise ConfigError(f"override {item!r} must look like --section.key=value")
-    key, value = body.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {item!r} has an empty key")
-    return key.split("."), value
-
-
-def apply_override(data: dict[str, Any], item: str, cls: type = None) -> None:
-    """Set one ``--a.b=value`` override into the nested mapping ``data``, parsed by the field type."""
-    cls = cls or RunConfig
-    path, text = parse_override(item)
-    node, node_cls, prefix = data, cls, ""
-    for i, part in enumerate(path):
-        known = _fields(node_cls)
-        if part not in known:
-            raise _unknown_key(part, list(known), prefix)
-        key = f"{prefix}.{part}" if prefix else part
-        tp = known[part]
-        if i == len(path) - 1:
-            if _is_dataclass_type(tp):
-                raise ConfigError(f"override {item!r}: '{key}' is a section; set one of its keys, e.g. "
-                                  f"--{key}.{next(iter(_fields(tp)))}=...")
-            node[part] = _coerce(text, tp, key, from_string=True)
-            return
-        if not _is_dataclass_type(tp):
-            raise ConfigError(f"override {item!r}: '{key}' is a value, not a section")
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigTypeError(f"{key} must be a section (a mapping of keys), got {type(child).__name__}")
-        node, node_cls, prefix = child, tp, key
-
-
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Defaults <- the file at ``path`` (YAML/JSON/TOML, optional) <- ``--a.b=value`` overrides."""
-    data = _read_file(Path(path)) if path is not None else {}
-    for item in overrides:
-        apply_override(data, item)
-    return from_dict(RunConfig, data)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _to_toml(config: Any, prefix: str = "") -> str:
-    """TOML text of a config dataclass. TOML has no null: a None number/bool/list field is written as
-    "none" (read back as None); a None string field is left out, which reads back as its default, None."""
-    hints = typing.get_type_hints(type(config))
-    scalars, sections = [], []
-    for f in dataclasses.fields(config):
-        v = getattr(config, f.name)
-        if dataclasses.is_dataclass(v):
-            sections.append(_to_toml(v, f"{prefix}.{f.name}" if prefix else f.name))
-            continue
-        if v is None:
-            if str in typing.get_args(hints[f.name]):
-                if f.default is not None:
-                    raise ConfigError(f"cannot write {prefix}.{f.name}=None to TOML (its default is not None)")
-                continue
-            v = "none"
-        scalars.append(f"{f.name} = {_toml_value(to_dict(v) if isinstance(v, tuple) else v)}")
-    head = ((f"[{prefix}]\n" if prefix else "") + "\n".join(scalars) + "\n") if scalars else ""
-    return "\n".join([head] + sections) if head else "\n".join(sections)
-
-
-def save_config(config: RunConfig, path: str | Path) -> Path:
-    """Write ``config`` to ``path`` in the format its suffix names (.json, .yaml/.yml, .toml).
-
-    TOML has no null: None is written as the string "none", which reads back as None."""
-    path = Path(path)
-    data = to_dict(config)
-    suffix = path.suffix.lower()
-    if suffix == ".json":
-        text = json.dumps(data, indent=2) + "\n"
-    elif suffix in (".yaml", ".yml"):
-        import yaml
-        text = yaml.safe_dump(data, sort_keys=False)
-    elif suffix == ".toml":
-        text = _to_toml(config)
-    else:
-        raise ConfigError(f"config file {path} must end in .yaml, .yml, .json or .toml")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return path
-
-
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RolloutConfig", "AlgorithmConfig",
-    "OptimConfig", "TrainerConfig", "load_config", "save_config", "from_dict", "to_dict", "apply_override",
-    "parse_override", "RECIPE_NAMES",
+    "OptimConfig", "TrainerConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
 ]

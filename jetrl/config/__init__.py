@@ -1,0 +1,29 @@
+"""The run configuration: the schema (a validated tree of dataclasses) and its loader (files, overrides, writer).
+
+``from jetrl.config import RunConfig, load_config`` is the usual entry; :mod:`jetrl.config.schema` holds the
+sections and their checks, :mod:`jetrl.config.loader` the YAML / JSON / TOML files and ``--a.b=value``
+overrides.
+"""
+
+from jetrl.config.loader import apply_override, load_config, parse_override, save_config
+from jetrl.config.schema import (
+    DTYPES,
+    AlgorithmConfig,
+    ConfigError,
+    ConfigTypeError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+    from_dict,
+    registered_names,
+    to_dict,
+)
+
+__all__ = [
+    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RolloutConfig", "AlgorithmConfig",
+    "OptimConfig", "TrainerConfig", "load_config", "save_config", "from_dict", "to_dict", "apply_override",
+    "parse_override", "registered_names", "DTYPES",
+]

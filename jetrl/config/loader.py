@@ -1,0 +1,147 @@
+"""Reading and writing run configs: YAML / JSON / TOML files and ``--section.key=value`` overrides.
+
+Sources, later ones winning: the defaults of :mod:`jetrl.config.schema`, a file, then command-line
+overrides, each parsed by the type of the field it sets (``--optim.betas=0.9,0.95`` is a tuple of two
+floats, ``--optim.grad_clip=none`` is None). An unknown key names the closest valid one. The resolved tree
+is then built and validated by the schema. :func:`save_config` writes it next to the run's outputs so a run
+can be reproduced from its own folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from jetrl.config.schema import (
+    ConfigError, ConfigTypeError, RunConfig, coerce, field_types, from_dict, is_section_type, to_dict,
+    unknown_key_error,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser as the tomli package (a dependency there)
+    import tomli as tomllib
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    suffix = path.suffix.lower()
+    text = path.read_text()
+    if suffix == ".json":
+        data = json.loads(text)
+    elif suffix in (".yaml", ".yml"):
+        data = yaml.safe_load(text) or {}
+    elif suffix == ".toml":
+        data = tomllib.loads(text)
+    else:
+        raise ConfigError(f"config file {path} must end in .yaml, .yml, .json or .toml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse_override(item: str) -> tuple[list[str], str]:
+    """``"--optim.lr=1e-6"`` -> (["optim", "lr"], "1e-6")."""
+    body = item[2:] if item.startswith("--") else item
+    if "=" not in body:
+        raise ConfigError(f"override {item!r} must look like --section.key=value")
+    key, value = body.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key")
+    return key.split("."), value
+
+
+def apply_override(data: dict[str, Any], item: str, cls: type = None) -> None:
+    """Set one ``--a.b=value`` override into the nested mapping ``data``, parsed by the field type."""
+    cls = cls or RunConfig
+    path, text = parse_override(item)
+    node, node_cls, prefix = data, cls, ""
+    for i, part in enumerate(path):
+        known = field_types(node_cls)
+        if part not in known:
+            raise unknown_key_error(part, list(known), prefix)
+        key = f"{prefix}.{part}" if prefix else part
+        tp = known[part]
+        if i == len(path) - 1:
+            if is_section_type(tp):
+                raise ConfigError(f"override {item!r}: '{key}' is a section; set one of its keys, e.g. "
+                                  f"--{key}.{next(iter(field_types(tp)))}=...")
+            node[part] = coerce(text, tp, key, from_string=True)
+            return
+        if not is_section_type(tp):
+            raise ConfigError(f"override {item!r}: '{key}' is a value, not a section")
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigTypeError(f"{key} must be a section (a mapping of keys), got {type(child).__name__}")
+        node, node_cls, prefix = child, tp, key
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Defaults <- the file at ``path`` (YAML/JSON/TOML, optional) <- ``--a.b=value`` overrides."""
+    data = _read_file(Path(path)) if path is not None else {}
+    for item in overrides:
+        apply_override(data, item)
+    return from_dict(RunConfig, data)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _to_toml(config: Any, prefix: str = "") -> str:
+    """TOML text of a config dataclass. TOML has no null: a None number/bool/list field is written as
+    "none" (read back as None); a None string field is left out, which reads back as its default, None."""
+    hints = typing.get_type_hints(type(config))
+    scalars, sections = [], []
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if dataclasses.is_dataclass(v):
+            sections.append(_to_toml(v, f"{prefix}.{f.name}" if prefix else f.name))
+            continue
+        if v is None:
+            if str in typing.get_args(hints[f.name]):
+                if f.default is not None:
+                    raise ConfigError(f"cannot write {prefix}.{f.name}=None to TOML (its default is not None)")
+                continue
+            v = "none"
+        scalars.append(f"{f.name} = {_toml_value(to_dict(v) if isinstance(v, tuple) else v)}")
+    head = ((f"[{prefix}]\n" if prefix else "") + "\n".join(scalars) + "\n") if scalars else ""
+    return "\n".join([head] + sections) if head else "\n".join(sections)
+
+
+def save_config(config: RunConfig, path: str | Path) -> Path:
+    """Write ``config`` to ``path`` in the format its suffix names (.json, .yaml/.yml, .toml).
+
+    TOML has no null: None is written as the string "none", which reads back as None."""
+    path = Path(path)
+    data = to_dict(config)
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    elif suffix in (".yaml", ".yml"):
+        text = yaml.safe_dump(data, sort_keys=False)
+    elif suffix == ".toml":
+        text = _to_toml(config)
+    else:
+        raise ConfigError(f"config file {path} must end in .yaml, .yml, .json or .toml")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+__all__ = ["load_config", "save_config", "apply_override", "parse_override"]
