@@ -20,12 +20,12 @@ device.
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Sequence as Seq
 
 import torch
 
+from jetrl.progress import Progress
 from jetrl.rollout.block_manager import BlockManager
 from jetrl.rollout.model_runner import LaunchedStep, ModelRunner, config_value
 from jetrl.rollout.sampling import SamplingParams
@@ -33,40 +33,26 @@ from jetrl.rollout.scheduler import Scheduler, SchedulerOutput
 from jetrl.rollout.sequence import Completion, Sequence
 
 
-class _Progress:
-    """Requests done and output tokens/s on stderr: tqdm when installed, else a line every few seconds."""
+class _RolloutProgress:
+    """Requests done, with the output tokens/s since the start (refreshed at most twice a second)."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled, self.done, self.tokens = total, enabled, 0, 0
+        self.bar = Progress(total, "rollout", unit="req", enabled=enabled)
+        self.enabled, self.tokens = enabled, 0
         self.start = self.last = time.perf_counter()
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-                self.bar = tqdm(total=total, desc="rollout", unit="req", dynamic_ncols=True)
-            except ImportError:
-                pass
 
     def update(self, finished: int, new_tokens: int) -> None:
         if not self.enabled:
             return
-        self.done += finished
         self.tokens += new_tokens
+        self.bar.update(finished)
         now = time.perf_counter()
-        rate = self.tokens / max(now - self.start, 1e-9)
-        if self.bar is not None:
-            if finished:
-                self.bar.update(finished)
-            if now - self.last > 0.5:
-                self.bar.set_postfix_str(f"{rate:,.0f} tok/s", refresh=False)
-                self.last = now
-        elif now - self.last > 5.0 or self.done == self.total:
-            print(f"rollout: {self.done}/{self.total} requests, {rate:,.0f} tok/s", file=sys.stderr)
+        if now - self.last > 0.5:
+            self.bar.set_postfix(speed=f"{self.tokens / max(now - self.start, 1e-9):,.0f} tok/s")
             self.last = now
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
 
 
 class RolloutEngine:
@@ -158,7 +144,7 @@ class RolloutEngine:
             all_seqs += group
             scheduler.add(group)
         runner.begin(all_seqs)
-        progress = _Progress(len(all_seqs), self.progress)
+        progress = _RolloutProgress(len(all_seqs), self.progress)
         num_steps = num_decode_steps = num_generated = decode_tokens = 0
         step_seconds = [0.0, 0.0]  # prefill, decode
         wait_seconds = 0.0  # the host waiting for the device
