@@ -25,6 +25,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from jetrl.quant import refresh_fp8_weights
 
@@ -199,11 +200,14 @@ class OptimizerStepper:
 
 @torch.no_grad()
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None) -> float:
-    """Global L2 norm of ``grads`` (fp32 accumulation); scales them in place to ``max_norm`` if above it
-    and finite. Returns the norm before clipping (a host sync: the step needs the decision anyway)."""
+    """Global L2 norm of ``grads`` (fp32 accumulation; over all ranks for sharded DTensor gradients);
+    scales them in place to ``max_norm`` if above it and finite. Returns the norm before clipping (a host sync: the step needs the decision anyway)."""
     if not grads:
         return 0.0
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if isinstance(total, DTensor):  # FSDP-sharded gradients: the norm over every rank's slices
+        total = total.full_tensor()
+    norm = float(total)
     if max_norm is not None and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
