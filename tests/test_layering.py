@@ -14,6 +14,10 @@ ALLOWED = {
     "data": {"data"},
     "rl": {"quant", "models", "rollout", "data", "rl", "config"},
 }
+# several GPUs: parallel sits between models and rollout (quant <- models <- parallel <- rollout <- rl)
+ALLOWED["parallel"] = {"quant", "models", "parallel"}
+for _stage in ("rollout", "rl"):
+    ALLOWED[_stage] = ALLOWED[_stage] | {"parallel"}
 
 
 def _jetrl_imports(path: Path) -> set[str]:

@@ -89,6 +89,34 @@ class MasterWeightAdamW:
             if m is not p:
                 p.copy_(m)  # rounds to the parameter dtype; bumps the version FP8Linear's cache is keyed on
 
+    def state_by_name(self, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's tensors per parameter name: ``{name: {"exp_avg", "exp_avg_sq", "step"[,
+        "master"]}}``, the live tensors (sharded DTensors stay sharded), for
+        :func:`jetrl.parallel.save_sharded` / ``load_sharded`` (which loads into them in place; call
+        :meth:`sync_params_from_masters` after a load). ``names`` maps ``id(parameter)`` to its name
+        (``{id(p): n for n, p in model.named_parameters()}``). The AdamW state is created first if no
+        step has run yet (zero moments at step 0: the same as a fresh optimizer)."""
+        out = {}
+        for p, m in zip(self.params, self.masters):
+            if id(p) not in names:
+                raise KeyError(f"an optimized parameter of shape {tuple(p.shape)} has no name in the model")
+            state = self.inner.state[m]
+            if not state:
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(m),
+                             exp_avg_sq=torch.zeros_like(m))
+            entry = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "step": state["step"]}
+            if m is not p:
+                entry["master"] = m
+            out[names[id(p)]] = entry
+        return out
+
+    @torch.no_grad()
+    def sync_params_from_masters(self) -> None:
+        """Round the fp32 masters into the parameters (after the masters were loaded in place)."""
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+
     def state_dict(self) -> dict[str, Any]:
         masters = {i: m.detach().clone() for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p}
         return {"adamw": self.inner.state_dict(), "masters": masters}
