@@ -19,8 +19,10 @@ when complete) is the caller's: :mod:`jetrl.rl.checkpoint` writes into a tempora
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -36,7 +38,8 @@ def save_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     state = {"model": get_model_state_dict(model)}
     if optimizer_state is not None:
         state["optim"] = optimizer_state
-    dcp.save(state, checkpoint_id=str(folder), no_dist=not _distributed())
+    with _one_process_is_intended():
+        dcp.save(state, checkpoint_id=str(folder), no_dist=not _distributed())
 
 
 def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str, Any] | None = None) -> None:
@@ -53,7 +56,8 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     state = {"model": get_model_state_dict(model)}
     if optimizer_state is not None:
         state["optim"] = optimizer_state
-    dcp.load(state, checkpoint_id=str(folder), no_dist=not _distributed())
+    with _one_process_is_intended():
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not _distributed())
     set_model_state_dict(model, state["model"])
     if optimizer_state is not None:
         _copy_into(optimizer_state, state["optim"])
@@ -64,6 +68,14 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _one_process_is_intended() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group: one process is a supported case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized, assuming the intent")
+        yield
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
     result = fn(rank, *args)
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
     import torch.distributed as dist
-    if dist.is_initialized():
+    if dist.is_initialized():  # (a rank that aborted the group has none left)
         dist.destroy_process_group()
 
 
@@ -40,6 +40,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out, args), nprocs=world_size,
                                  join=False, start_method="fork")
-        while not ctx.join(timeout=timeout_s):
-            pass
+        if not ctx.join(timeout=timeout_s) and not ctx.join(timeout=timeout_s):
+            for process in ctx.processes:
+                process.kill()
+            raise TimeoutError(f"the {world_size} ranks did not finish within {2 * timeout_s:.0f} s")
         return [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
