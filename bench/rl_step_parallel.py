@@ -171,7 +171,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipes", default="bf16,jet", help="comma list of bf16, fp8-rollout, jet")
     parser.add_argument("--layers", type=int, default=None, help="decoder blocks (8B default: 32)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step, all ranks (16; tiny: 2)")
-    parser.add_argument("--n", type=int, default=None, help="samples per prompt (4; tiny: 2)")
+    # not "--n": torchrun would take it for an abbreviation of its own options
+    parser.add_argument("--samples", type=int, default=None, help="samples per prompt, n (4; tiny: 2)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per sample (1024; tiny: 8)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (256; tiny: 8)")
     parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (8)")
@@ -187,7 +188,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     from jetrl.config import RECIPE_NAMES
     if not args.recipes or any(r not in RECIPE_NAMES for r in args.recipes):
         parser.error(f"--recipes must name some of {list(RECIPE_NAMES)}")
-    for name in ("layers", "prompts", "n", "new_tokens", "prompt_len", "micro_batch"):
+    for name in ("layers", "prompts", "samples", "new_tokens", "prompt_len", "micro_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0 or args.steps < 1:
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _main(args: argparse.Namespace, parallel: Any) -> dict[str, Any]:
     base = TINY_LLAMA if args.tiny else LLAMA31_8B
     shape = with_layers(base, args.layers or base["num_hidden_layers"])
-    prompts, n = args.prompts or (2 * parallel.world_size if args.tiny else 16), args.n or (2 if args.tiny else 4)
+    prompts = args.prompts or (2 * parallel.world_size if args.tiny else 16)
+    n = args.samples or (2 if args.tiny else 4)
     setting = Setting(
         shape="tiny" if args.tiny else "llama-3.1-8b", num_layers=shape["num_hidden_layers"],
         num_params=parameter_counts(shape)[0], prompts=prompts, n=n,
