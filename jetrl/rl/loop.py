@@ -229,7 +229,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     prompts = DatasetPrompts(dataset, tokenizer, config.data.prompts_per_step, config.trainer.seed,
                              config.data.shuffle, config.data.max_prompt_tokens)
     # the KV pool is sized for the longest sequence a rollout can make, not the model's full context
-    engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress,
+    engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress and parallel.is_main,
                            max_num_seqs=min(256, config.rollout_batch_size),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget)

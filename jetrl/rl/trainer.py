@@ -387,8 +387,6 @@ class Trainer:
             completions, generated = self.rollout(items, first)
         with timer.phase("reward"):
             batch = self.build_batch(items, completions)
-        num_tokens = float(batch.mask.sum())
-        scored_tokens = float(sum(t.numel() for t in batch.tokens))
         train_lp = old_lp = None
         if not alg.old_logprobs_from_update:
             with timer.phase("old_logprob"):
