@@ -10,6 +10,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +33,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
     """``[fn(rank, *args) for each rank]``, run in ``world_size`` forked processes; ``fn`` sets up its own
     process group (e.g. :func:`jetrl.parallel.init_parallel`) from the variables set here."""
     import torch.multiprocessing as mp
@@ -40,8 +41,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out, args), nprocs=world_size,
                                  join=False, start_method="fork")
-        if not ctx.join(timeout=timeout_s) and not ctx.join(timeout=timeout_s):
-            for process in ctx.processes:
-                process.kill()
-            raise TimeoutError(f"the {world_size} ranks did not finish within {2 * timeout_s:.0f} s")
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # returns when any rank ends
+            if time.monotonic() >= deadline:
+                for process in ctx.processes:
+                    process.kill()
+                raise TimeoutError(f"the {world_size} ranks did not finish within {timeout_s:.0f} s")
         return [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
