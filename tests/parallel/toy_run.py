@@ -10,7 +10,7 @@ MODEL = dict(model_type="llama", vocab_size=64, hidden_size=128, intermediate_si
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1)
 LOW_TOKENS = 32  # the toy reward: fraction of generated tokens below this id
 # lr 0.1 moves the weights by several percent per step; eps 1.0 keeps AdamW close to linear in the
-# gradient, so summation-order differences (~1e-7) stay ~1e-7 in the weights instead of being amplified
+# gradient, so summation-order differences stay at fp32 rounding in the weights instead of being amplified
 # by g / (|g| + eps) on near-zero gradient entries
 BASE = ["--data.prompts_per_step=2", "--rollout.n=4", "--rollout.max_tokens=6", "--optim.lr=0.1",
         "--optim.eps=1.0", "--trainer.steps=4"]
