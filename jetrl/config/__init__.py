@@ -12,6 +12,7 @@ from jetrl.config.schema import (
     ConfigError,
     ConfigTypeError,
     DataConfig,
+    DistributedConfig,
     ModelConfig,
     OptimConfig,
     RolloutConfig,
@@ -24,6 +25,6 @@ from jetrl.config.schema import (
 
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RolloutConfig", "AlgorithmConfig",
-    "OptimConfig", "TrainerConfig", "load_config", "save_config", "from_dict", "to_dict", "apply_override",
+    "OptimConfig", "TrainerConfig", "DistributedConfig", "load_config", "save_config", "from_dict", "to_dict", "apply_override",
     "parse_override", "registered_names", "DTYPES",
 ]

@@ -281,6 +281,28 @@ class TrainerConfig(_Section):
 
 
 @dataclass
+class DistributedConfig(_Section):
+    """Several GPUs: launched with ``torchrun`` (one process without it is the one-rank case).
+
+    The world size comes from torchrun; these settings shape the device mesh and the failure timeout.
+    Each rank takes ``data.prompts_per_step / world_size`` whole prompt groups and ``mini_batch_size /
+    world_size`` sequences of every mini-batch, so both must divide by the number of ranks (checked at
+    launch, when the world size is known)."""
+
+    _name = "distributed"
+    shard_size: int | None = None         # ranks sharing one copy of the weights (FSDP); None = all ranks.
+    #                                       Fewer = HSDP: shard within groups of shard_size (a node),
+    #                                       replicate across the world_size / shard_size groups
+    timeout_s: float = 600.0              # a collective waiting longer (a dead or stuck rank) fails the job
+
+    def validate(self) -> None:
+        if self.shard_size is not None:
+            _at_least("distributed", "shard_size", self.shard_size, 1)
+        if not self.timeout_s > 0:
+            raise ConfigError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
 class RunConfig(_Section):
     """A whole RL run."""
 
@@ -291,6 +313,7 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     @property
     def rollout_batch_size(self) -> int:
@@ -451,5 +474,5 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RolloutConfig", "AlgorithmConfig",
-    "OptimConfig", "TrainerConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
+    "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
 ]

@@ -13,6 +13,14 @@ reward pool's ``max_abs_reward``) scores 0.0 and is counted per step in ``reward
 ``reward/timeouts``; the first failure's message is printed once, and the run stops with
 :class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a step failed (see
 :class:`~jetrl.data.reward_pool.RewardFailureGuard`).
+
+**Several GPUs.** ``torchrun --nproc-per-node N -m jetrl train CONFIG`` starts N copies of this run;
+:func:`jetrl.parallel.init_parallel` makes each a rank (one process without torchrun is the one-rank
+case). Every rank builds the model and data the same way; the trainer shards the model and splits each
+step's prompts. Rank 0 alone saves the config, prints progress and writes metrics (which are global);
+checkpoints are written by all ranks together (model and optimizer sharded through DCP, see
+:func:`save_trainer_checkpoint`) and resume at any number of ranks. A rank that fails logs its error
+with its rank and aborts the process group, so the whole job exits instead of hanging.
 """
 
 from __future__ import annotations
@@ -27,9 +35,9 @@ import torch
 
 from jetrl.config import ConfigError, RunConfig, load_config, save_config
 from jetrl.data import build_prompt_dataset
-from jetrl.models import resolve_device
 from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardResult
-from jetrl.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from jetrl.parallel import SHARDED_SUBDIR, full_weights, init_parallel, is_sharded, load_sharded, save_sharded
+from jetrl.rl.checkpoint import checkpoint_dir_name, latest_checkpoint, load_checkpoint, save_checkpoint
 from jetrl.rl.metrics import MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
 
@@ -45,46 +53,84 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def save_trainer_checkpoint(trainer: Trainer, root: str | Path, metrics_cursor: int | None,
-                            keep_last: int | None = None, hf_format: bool = True, export_fp8: bool = False) -> Path:
-    """Checkpoint everything a resume needs (see :mod:`jetrl.rl.checkpoint`). ``hf_format`` writes the
-    model as a HuggingFace folder through ``jetrl.models.save_model``; otherwise a plain safetensors file.
-    ``export_fp8`` also writes the policy as a block-FP8 HuggingFace folder (``model_fp8/``, the layout
-    vLLM and SGLang load) holding exactly the FP8 weights the rollout engine used; it is part of the
-    atomic checkpoint."""
-    state = {**trainer.state_dict(), "metrics_cursor": metrics_cursor}
-    save_model = None
+def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _write_model_state(trainer: Trainer, folder: Path, hf_format: bool, export_fp8: bool) -> None:
+    """Every rank, together: the sharded model + optimizer state (DCP), then the HuggingFace exports,
+    written by rank 0 from the gathered full weights."""
+    save_sharded(folder / SHARDED_SUBDIR, trainer.model,
+                 trainer.optimizer.state_by_name(_parameter_names(trainer.model)))
     if hf_format or export_fp8:
         from jetrl.models import save_model as save_hf
 
-        def save_model(folder: Path) -> None:
-            if hf_format:
-                save_hf(trainer.model, folder / MODEL_SUBDIR)
-            if export_fp8:
-                save_hf(trainer.model, folder / FP8_MODEL_SUBDIR, fp8=True)
-    return save_checkpoint(root, trainer.step_count, model=None if hf_format else trainer.model,
-                           save_model=save_model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+        with full_weights(trainer.model):
+            if trainer.parallel.is_main:
+                if hf_format:
+                    save_hf(trainer.model, folder / MODEL_SUBDIR)
+                if export_fp8:
+                    save_hf(trainer.model, folder / FP8_MODEL_SUBDIR, fp8=True)
+
+
+def save_trainer_checkpoint(trainer: Trainer, root: str | Path, metrics_cursor: int | None,
+                            keep_last: int | None = None, hf_format: bool = True, export_fp8: bool = False) -> Path:
+    """Checkpoint everything a resume needs (see :mod:`jetrl.rl.checkpoint`); called by every rank.
+
+    The model and optimizer tensors go through ``torch.distributed.checkpoint`` into ``sharded/`` (each
+    rank writes its slices; any number of ranks can load them). ``hf_format`` also writes the model as a
+    HuggingFace folder (``model/``) and ``export_fp8`` as a block-FP8 one (``model_fp8/``, the layout vLLM
+    and SGLang load, holding exactly the FP8 weights the rollout engine used), from rank 0. Rank 0 runs
+    the atomic protocol (temporary folder, marker, rename) and tells the other ranks the folder to write
+    into; nobody returns before the checkpoint is complete."""
+    par = trainer.parallel
+    if not par.is_main:
+        folder = Path(par.broadcast_object(None))
+        _write_model_state(trainer, folder, hf_format, export_fp8)
+        par.barrier()  # rank 0 finishes the marker and the rename
+        return Path(root) / checkpoint_dir_name(trainer.step_count)
+    state = {**trainer.state_dict(), "metrics_cursor": metrics_cursor}
+
+    def save_model(folder: Path) -> None:
+        par.broadcast_object(str(folder))
+        _write_model_state(trainer, folder, hf_format, export_fp8)
+
+    path = save_checkpoint(root, trainer.step_count, save_model=save_model, scheduler=trainer.scheduler,
                            trainer_state=state, keep_last=keep_last)
+    par.barrier()
+    return path
 
 
 def resume_trainer(trainer: Trainer, root: str | Path, allow_pickle: bool = False) -> dict[str, Any] | None:
     """Restore ``trainer`` from the latest complete checkpoint under ``root`` whose files match their
     recorded SHA-256 (newer damaged ones are skipped with a warning); returns its trainer state (with
-    ``metrics_cursor``), or None when there is no checkpoint. ``allow_pickle``: see
-    :func:`jetrl.rl.checkpoint.load_checkpoint` (only for trusted checkpoints of older jetrl versions)."""
+    ``metrics_cursor``), or None when there is no checkpoint. Called by every rank; the checkpoint may come
+    from any number of ranks. ``allow_pickle``: see :func:`jetrl.rl.checkpoint.load_checkpoint` (only for
+    trusted checkpoints of older jetrl versions)."""
     path = latest_checkpoint(root, checksums=True)
     if path is None:
         return None
-    load_model = None
-    if (path / MODEL_SUBDIR).is_dir():
-        from jetrl.models.checkpoint import load_weights
+    if (path / SHARDED_SUBDIR).is_dir():
+        load_sharded(path / SHARDED_SUBDIR, trainer.model,
+                     trainer.optimizer.state_by_name(_parameter_names(trainer.model)))
+        trainer.optimizer.sync_params_from_masters()
+        loaded = load_checkpoint(path, scheduler=trainer.scheduler, checksums=False, allow_pickle=allow_pickle)
+        for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr()):
+            group["lr"] = lr  # the scheduler's state holds the last LR; the groups are not in the checkpoint
+    else:  # written before sharded checkpoints: a HuggingFace model or model.safetensors + optimizer.pt
+        if is_sharded(trainer.model):
+            raise ValueError(f"{path} predates sharded checkpoints; resume it with one process (then it is "
+                             f"saved in the sharded format that any number of ranks can load)")
+        load_model = None
+        if (path / MODEL_SUBDIR).is_dir():
+            from jetrl.models.checkpoint import load_weights
 
-        def load_model(folder: Path) -> None:
-            load_weights(trainer.model, str(folder / MODEL_SUBDIR))
-    loaded = load_checkpoint(path, model=None if load_model else trainer.model, load_model=load_model,
-                             optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                             checksums=False,  # just verified by latest_checkpoint: one read of the files
-                             allow_pickle=allow_pickle)
+            def load_model(folder: Path) -> None:
+                load_weights(trainer.model, str(folder / MODEL_SUBDIR))
+        loaded = load_checkpoint(path, model=None if load_model else trainer.model, load_model=load_model,
+                                 optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+                                 checksums=False,  # just verified by latest_checkpoint: one read of the files
+                                 allow_pickle=allow_pickle)
     trainer.load_state_dict(loaded.trainer_state)
     from jetrl.quant import refresh_fp8_weights
     refresh_fp8_weights(trainer.model)
@@ -146,7 +192,8 @@ class DatasetPrompts:
 def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
     """Run RL as configured; returns the last step's metrics. ``config`` may be a file path.
-    ``on_step(step, metrics)`` is called after every step (the command line's progress bar)."""
+    ``on_step(step, metrics)`` is called after every step on rank 0 (the command line's progress bar).
+    Under torchrun every rank calls this (see the module doc)."""
     if not isinstance(config, RunConfig):
         config = load_config(config, overrides)
     elif overrides:
@@ -155,10 +202,21 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         raise ConfigError("no prompts: set data.path (a JSONL/Parquet file) or data.task (a built-in task)")
     if not config.model.path:
         raise ConfigError("model.path is empty: point it at a HuggingFace checkpoint folder")
+    parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
+    try:
+        with parallel.guard():
+            return _run(config, parallel, on_step)
+    finally:
+        parallel.close()
+
+
+def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, float]], None] | None
+         ) -> dict[str, float]:
     out = Path(config.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt_root = out / CHECKPOINT_SUBDIR
-    save_config(config, out / "config.yaml")
+    if parallel.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(config, out / "config.yaml")
 
     from jetrl.data.rewards import RewardConfig, build_reward_fn
     from jetrl.models import load_model, load_tokenizer
@@ -168,25 +226,28 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     dataset = build_prompt_dataset(config.data, seed=config.trainer.seed)  # data errors before the model is loaded
     reward = build_reward_fn(RewardConfig(name=config.data.reward), default=getattr(dataset, "reward", None))
     dtype = getattr(torch, config.model.dtype)
-    model = load_model(config.model.path, dtype=dtype, device=resolve_device(config.model.device),
-                       recipe=config.recipe)
+    device = parallel.device
+    model = load_model(config.model.path, dtype=dtype, device=device, recipe=config.recipe)
     if config.model.gradient_checkpointing:
         model.set_activation_checkpointing(True)
     tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     prompts = DatasetPrompts(dataset, tokenizer, config.data.prompts_per_step, config.trainer.seed,
                              config.data.shuffle, config.data.max_prompt_tokens)
     # the KV pool is sized for the longest sequence a rollout can make, not the model's full context
-    engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress,
+    engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress and parallel.is_main,
                            max_num_seqs=min(256, config.rollout_batch_size),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget)
     pool = RewardPool(reward)
-    trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, RewardFailureGuard()), prompts.decode)
+    trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, RewardFailureGuard()), prompts.decode,
+                      parallel=parallel)
     cursor = None
     if config.trainer.resume:
         state = resume_trainer(trainer, ckpt_root)
         cursor = state.get("metrics_cursor") if state else None
-    logger = MetricsLogger(out, tensorboard=config.trainer.tensorboard, resume_cursor=cursor)
+    # rank 0 writes the (global) metrics; the others only take part in the collectives
+    logger = MetricsLogger(out, tensorboard=config.trainer.tensorboard, resume_cursor=cursor) \
+        if parallel.is_main else None
     metrics: dict[str, float] = {}
     try:
         while trainer.step_count < config.trainer.steps:
@@ -194,16 +255,17 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
             metrics = trainer.step()
             metrics["time/step_wall"] = time.perf_counter() - start
             step = trainer.step_count
-            if step % config.trainer.log_every == 0 or step == config.trainer.steps:
+            if logger is not None and (step % config.trainer.log_every == 0 or step == config.trainer.steps):
                 logger.log(step, metrics)
-            if on_step is not None:
+            if on_step is not None and parallel.is_main:
                 on_step(step, metrics)
             every = config.trainer.checkpoint_every
             if (every and step % every == 0) or step == config.trainer.steps:
-                save_trainer_checkpoint(trainer, ckpt_root, logger.cursor(), keep_last=config.trainer.keep_last,
-                                        export_fp8=config.trainer.export_fp8)
+                save_trainer_checkpoint(trainer, ckpt_root, logger.cursor() if logger is not None else None,
+                                        keep_last=config.trainer.keep_last, export_fp8=config.trainer.export_fp8)
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
         pool.close()
     return metrics
 

@@ -25,6 +25,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from jetrl.quant import refresh_fp8_weights
 
@@ -87,6 +88,34 @@ class MasterWeightAdamW:
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 p.copy_(m)  # rounds to the parameter dtype; bumps the version FP8Linear's cache is keyed on
+
+    def state_by_name(self, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's tensors per parameter name: ``{name: {"exp_avg", "exp_avg_sq", "step"[,
+        "master"]}}``, the live tensors (sharded DTensors stay sharded), for
+        :func:`jetrl.parallel.save_sharded` / ``load_sharded`` (which loads into them in place; call
+        :meth:`sync_params_from_masters` after a load). ``names`` maps ``id(parameter)`` to its name
+        (``{id(p): n for n, p in model.named_parameters()}``). The AdamW state is created first if no
+        step has run yet (zero moments at step 0: the same as a fresh optimizer)."""
+        out = {}
+        for p, m in zip(self.params, self.masters):
+            if id(p) not in names:
+                raise KeyError(f"an optimized parameter of shape {tuple(p.shape)} has no name in the model")
+            state = self.inner.state[m]
+            if not state:
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(m),
+                             exp_avg_sq=torch.zeros_like(m))
+            entry = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"], "step": state["step"]}
+            if m is not p:
+                entry["master"] = m
+            out[names[id(p)]] = entry
+        return out
+
+    @torch.no_grad()
+    def sync_params_from_masters(self) -> None:
+        """Round the fp32 masters into the parameters (after the masters were loaded in place)."""
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
 
     def state_dict(self) -> dict[str, Any]:
         masters = {i: m.detach().clone() for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p}
@@ -202,11 +231,14 @@ class OptimizerStepper:
 
 @torch.no_grad()
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None) -> float:
-    """Global L2 norm of ``grads`` (fp32 accumulation); scales them in place to ``max_norm`` if above it
-    and finite. Returns the norm before clipping (a host sync: the step needs the decision anyway)."""
+    """Global L2 norm of ``grads`` (fp32 accumulation; over all ranks for sharded DTensor gradients);
+    scales them in place to ``max_norm`` if above it and finite. Returns the norm before clipping (a host sync: the step needs the decision anyway)."""
     if not grads:
         return 0.0
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if isinstance(total, DTensor):  # FSDP-sharded gradients: the norm over every rank's slices
+        total = total.full_tensor()
+    norm = float(total)
     if max_norm is not None and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:

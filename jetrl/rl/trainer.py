@@ -24,9 +24,17 @@ One :meth:`Trainer.step`, in order (each phase timed):
 6. **weight_refresh** -- the FP8 linears re-quantize the updated BF16 weights (eagerly, so the cost is
    measured here rather than hidden in the next rollout).
 
-Distributed later: the batch is a list of sequences, mini- and micro-batches are index lists, and the
-loss normalisers are explicit numbers; splitting prompts across ranks and wrapping the model in FSDP2
-changes only how those numbers are all-reduced.
+**Several GPUs** (:mod:`jetrl.parallel`). Every rank reads the same prompt batch and keeps its own
+contiguous share of whole prompt groups; sampling seeds use the *global* prompt index, so the tokens do
+not depend on the number of ranks. The policy (and reference) are sharded with FSDP2; rollout runs
+inside :func:`jetrl.parallel.full_weights`. Advantages come from the gathered ``(P, n)`` rewards (exact
+for batch-level baselines too). Each rank takes ``mini_batch_size / world_size`` of its sequences per
+mini-batch; the loss normalisers (tokens and sequences of the mini-batch) are summed over ranks, and
+FSDP2 sums the gradients, so N ranks make the one-process update of the same global mini-batch. Ranks
+run the same number of forwards (FSDP2 gathers inside each): a rank with fewer micro-batches repeats its
+first one with a zero loss. The step's metrics are computed on the gathered batch (every rank's
+sequences) with the slowest rank's phase times, so they read like a one-process run's. One process is
+the same code with one rank: every collective returns its input.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import torch.nn as nn
 
 from jetrl.config import RunConfig
 from jetrl.data.reward_pool import RewardResult
-from jetrl.quant import refresh_fp8_weights
+from jetrl.parallel import ParallelContext, full_weights, refresh_rollout_weights, shard_model
 from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
 from jetrl.rl.metrics import PhaseTimer, step_metrics
@@ -113,10 +121,14 @@ class Trainer:
         decode: token ids -> text, for the reward function.
         ref_model: the frozen reference policy; made as a copy of ``model`` when ``kl_coef > 0`` and none
             is given.
+        parallel: this process's rank in the job (:func:`jetrl.parallel.init_parallel`); None = one
+            process. With several ranks the model and reference are sharded here with FSDP2 (the engine
+            keeps working on the same, now sharded, module).
     """
 
     def __init__(self, config: RunConfig, model: nn.Module, engine: Any, prompts: PromptSource, reward_fn: RewardFn,
-                 decode: Callable[[list[int]], str], ref_model: nn.Module | None = None) -> None:
+                 decode: Callable[[list[int]], str], ref_model: nn.Module | None = None,
+                 parallel: ParallelContext | None = None) -> None:
         self.config = config
         self.model = model
         self.engine = engine
@@ -124,12 +136,19 @@ class Trainer:
         self.reward_fn = reward_fn
         self.decode = decode
         self.device = next(model.parameters()).device
+        self.parallel = parallel if parallel is not None else ParallelContext(device=self.device)
         self.update_logprobs: torch.Tensor | None = None  # set by update() when it makes the old log-probs
         alg, opt = config.algorithm, config.optim
+        world = self.parallel.world_size
+        if config.data.prompts_per_step % world or config.mini_batch_size % world:
+            raise ValueError(f"data.prompts_per_step ({config.data.prompts_per_step}) and the mini-batch "
+                             f"({config.mini_batch_size} sequences) must be multiples of the number of ranks ({world})")
         self.ref_model = None
         if alg.kl_coef > 0:
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
             self.ref_model.requires_grad_(False).eval()
+            shard_model(self.ref_model, self.parallel)
+        shard_model(model, self.parallel)
         self.optimizer = MasterWeightAdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay)
         num_updates = config.trainer.steps * alg.ppo_epochs * (config.rollout_batch_size // config.mini_batch_size)
@@ -152,18 +171,20 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
 
-    def rollout(self, items: list[PromptItem]) -> tuple[list[Any], float]:
-        """``rollout.n`` completions per prompt (prompt-major), seeded per ``(trainer.seed, step, prompt)``;
-        returns them and the number of generated tokens."""
+    def rollout(self, items: list[PromptItem], first_index: int = 0) -> tuple[list[Any], float]:
+        """``rollout.n`` completions per prompt (prompt-major), seeded per ``(trainer.seed, step, prompt)``
+        where prompt ``i`` of ``items`` is prompt ``first_index + i`` of the step; runs on the full weights.
+        Returns the completions and the number of generated tokens."""
         from jetrl.rollout import SamplingParams
 
         r = self.config.rollout
         params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                  max_tokens=r.max_tokens, stop_token_ids=tuple(r.stop_token_ids),
                                  ignore_eos=r.ignore_eos,
-                                 seed=_seed_for(self.config.trainer.seed, self.step_count, i))
+                                 seed=_seed_for(self.config.trainer.seed, self.step_count, first_index + i))
                   for i in range(len(items))]
-        completions = self.engine.generate([it.ids for it in items], params)
+        with full_weights(self.model):
+            completions = self.engine.generate([it.ids for it in items], params)
         if len(completions) != len(items) * r.n:
             raise RuntimeError(f"the engine returned {len(completions)} completions for {len(items)} prompts x "
                                f"n={r.n}")
@@ -188,7 +209,11 @@ class Trainer:
                                f"completions")
         rewards = rewards.view(len(items), n)
         alg = self.config.algorithm
-        advantages = compute_advantages(rewards, alg.advantage_estimator, alg.std_normalize).flatten()
+        # advantages over every rank's groups (a batch-level baseline sees the whole batch); keep ours
+        first = self.parallel.rank * len(items)
+        all_rewards = torch.cat(self.parallel.gather_objects(rewards))
+        advantages = compute_advantages(all_rewards, alg.advantage_estimator, alg.std_normalize)
+        advantages = advantages[first:first + len(items)].flatten()
         R = max(1, max(len(c.token_ids) for c in completions))
         S = len(completions)
         mask = torch.zeros(S, R, dtype=torch.bool)
@@ -239,9 +264,10 @@ class Trainer:
     def score(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """Training-side log-probs (S, R) of every response token, in micro-batches, no grad."""
         out = torch.zeros_like(batch.rollout_logprobs)
-        for rows in self.micro_batches(batch, list(range(batch.num_sequences))):
-            lp, _ = self.sequence_logprobs(model, batch, rows)
-            out[rows] = lp.float()
+        for rows in self._same_count_on_every_rank(self.micro_batches(batch, list(range(batch.num_sequences)))):
+            lp, _ = self.sequence_logprobs(model, batch, rows or [0])
+            if rows is not None:
+                out[rows] = lp.float()
         return torch.where(batch.mask, out, torch.zeros((), device=out.device))
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
@@ -262,6 +288,13 @@ class Trainer:
             out.append(current)
         return out
 
+    def _same_count_on_every_rank(self, micros: list[list[int]]) -> list[list[int] | None]:
+        """``micros`` padded with ``None`` to the largest count over ranks: a sharded forward gathers
+        parameters collectively, so every rank must run as many. ``None`` = repeat a micro-batch for the
+        collectives only (its result is discarded)."""
+        most = int(self.parallel.max([len(micros)])[0])
+        return micros + [None] * (most - len(micros))
+
     def update(self, batch: RolloutBatch, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None,
                is_weights: torch.Tensor | None) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; one guarded optimizer step per mini-batch.
@@ -271,7 +304,7 @@ class Trainer:
         the (S, R) training-side log-probs are left in :attr:`update_logprobs` for the step's metrics."""
         alg = self.config.algorithm
         own_lp = torch.zeros_like(batch.rollout_logprobs) if old_lp is None else None
-        S, mini = batch.num_sequences, self.config.mini_batch_size
+        S, mini = batch.num_sequences, self.config.mini_batch_size // self.parallel.world_size  # this rank's share
         gen = torch.Generator().manual_seed(_seed_for(self.config.trainer.seed, self.step_count, 0xB17C4))
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
@@ -281,6 +314,7 @@ class Trainer:
         def add(key: str, value: float, weight: float) -> None:
             sums[key] = sums.get(key, 0.0) + value * weight
             weights[key] = weights.get(key, 0.0) + weight
+        same_on_every_rank = ("actor/pg_loss", "actor/lr")  # the others are per-rank token-weighted sums
 
         self.model.train()
         for _ in range(alg.ppo_epochs):
@@ -290,11 +324,19 @@ class Trainer:
                 m = batch.mask[rows]
                 num_tokens = int(m.sum())
                 num_seqs = int((m.sum(1) > 0).sum()) if alg.agg == "sequence" else len(rows)
+                # the normalisers of the whole (global) mini-batch: the ranks' losses then add up to its loss
+                num_tokens, num_seqs = (int(v) for v in self.parallel.sum([num_tokens, num_seqs]))
                 norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.config.rollout.max_tokens)
                 loss_finite, mini_pg_loss = True, 0.0
-                for micro in self.micro_batches(batch, rows):
+                micros = self.micro_batches(batch, rows)
+                for micro in self._same_count_on_every_rank(micros):
+                    is_padding = micro is None
+                    micro = micros[0] if is_padding else micro
                     mask = batch.mask[micro]
                     lp, ent = self.sequence_logprobs(self.model, batch, micro)
+                    if is_padding:  # the collectives of a forward/backward, no gradient
+                        (lp.sum() * 0.0).backward()
+                        continue
                     if own_lp is not None:  # the policy has not moved yet: these are the old log-probs
                         old = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))
                         own_lp[micro] = old
@@ -321,11 +363,18 @@ class Trainer:
                         extremes["actor/ratio_max"] = max(extremes["actor/ratio_max"], float(metrics["ratio_max"]))
                         extremes["actor/ratio_min"] = min(extremes["actor/ratio_min"], float(metrics["ratio_min"]))
                     add("actor/entropy", float(masked_mean(ent, mask)), ntok)
+                mini_pg_loss, num_nonfinite = self.parallel.sum([mini_pg_loss, 0.0 if loss_finite else 1.0])
                 add("actor/pg_loss", mini_pg_loss, 1.0)
-                result = self.stepper.step(loss_is_finite=loss_finite)
+                result = self.stepper.step(loss_is_finite=num_nonfinite == 0)
                 grad_norms.append(result.grad_norm)
                 num_applied += result.applied
                 add("actor/lr", result.lr, 1.0)
+        summed = sorted(k for k in sums if k not in same_on_every_rank)
+        totals = self.parallel.sum([sums[k] for k in summed] + [weights[k] for k in summed])
+        sums.update(zip(summed, totals[:len(summed)]))
+        weights.update(zip(summed, totals[len(summed):]))
+        extremes["actor/ratio_max"] = self.parallel.max([extremes["actor/ratio_max"]])[0]
+        extremes["actor/ratio_min"] = self.parallel.min([extremes["actor/ratio_min"]])[0]
         out = {k: sums[k] / weights[k] if weights[k] else 0.0 for k in sums}
         out.update({k: (v if math.isfinite(v) else 1.0) for k, v in extremes.items()})
         finite = [g for g in grad_norms if math.isfinite(g)]
@@ -345,9 +394,11 @@ class Trainer:
         items = self.prompts.next_batch()
         if not items:
             raise RuntimeError("the prompt source returned an empty batch")
+        first, last = self.parallel.shard_bounds(len(items), "prompts per step")
+        items = items[first:last]  # this rank's whole prompt groups
         self.model.eval()
         with timer.phase("rollout"):
-            completions, generated = self.rollout(items)
+            completions, generated = self.rollout(items, first)
         with timer.phase("reward"):
             batch = self.build_batch(items, completions)
         train_lp = old_lp = None
@@ -367,11 +418,42 @@ class Trainer:
         if train_lp is None:
             train_lp = self.update_logprobs
         with timer.phase("weight_refresh"):
-            refresh_fp8_weights(self.model, eager=True)
+            refresh_rollout_weights(self.model)
         self.step_count += 1
+        batch, train_lp, ref_lp, generated = self._global_view(batch, train_lp, ref_lp, generated)
+        timer.seconds = dict(zip(timer.seconds, self.parallel.max(list(timer.seconds.values()))))
         return step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
                             ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
                             engine_stats=getattr(self.engine, "last_stats", None))
+
+    def _global_view(self, batch: RolloutBatch, train_lp: torch.Tensor, ref_lp: torch.Tensor | None,
+                     generated: float) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor | None, float]:
+        """The step's batch, log-probs and generated-token count over every rank (rank order, on the CPU),
+        for the metrics; unchanged on one rank."""
+        if not self.parallel.is_distributed:
+            return batch, train_lp, ref_lp, generated
+        mine = dict(tokens=batch.tokens, prompt_lens=batch.prompt_lens, response_lens=batch.response_lens,
+                    truncated=batch.truncated, rewards=batch.rewards.cpu(), advantages=batch.advantages.cpu(),
+                    mask=batch.mask.cpu(), rollout_lp=batch.rollout_logprobs.cpu(), train_lp=train_lp.cpu(),
+                    ref_lp=None if ref_lp is None else ref_lp.cpu(), generated=generated,
+                    num_reward_errors=batch.num_reward_errors, num_reward_timeouts=batch.num_reward_timeouts)
+        parts = self.parallel.gather_objects(mine)
+        R = max(p["mask"].shape[1] for p in parts)
+
+        def cat(key: str) -> torch.Tensor:  # (S, R_rank) each -> (S_total, R), zero-padded like a short row
+            return torch.cat([torch.nn.functional.pad(p[key], (0, R - p[key].shape[1])) for p in parts])
+
+        merged = RolloutBatch(tokens=[t for p in parts for t in p["tokens"]],
+                              prompt_lens=[x for p in parts for x in p["prompt_lens"]],
+                              response_lens=[x for p in parts for x in p["response_lens"]],
+                              mask=cat("mask"), rollout_logprobs=cat("rollout_lp"),
+                              rewards=torch.cat([p["rewards"] for p in parts]),
+                              advantages=torch.cat([p["advantages"] for p in parts]),
+                              truncated=[x for p in parts for x in p["truncated"]],
+                              num_reward_errors=sum(p["num_reward_errors"] for p in parts),
+                              num_reward_timeouts=sum(p["num_reward_timeouts"] for p in parts))
+        return (merged, cat("train_lp"), None if ref_lp is None else cat("ref_lp"),
+                float(sum(p["generated"] for p in parts)))
 
 
 __all__ = ["Trainer", "PromptItem", "PromptSource", "RolloutBatch", "RewardFn"]

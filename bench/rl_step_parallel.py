@@ -1,0 +1,259 @@
+"""One RL step on several GPUs (FSDP2 + data-parallel rollout), ``bf16`` vs ``jet``: phases, memory, comms.
+
+The distributed sibling of ``bench/rl_step.py`` (same step, same setting, same trainer): launch it with
+``torchrun --nproc-per-node N``; every rank builds the policy, :class:`jetrl.rl.Trainer` shards it (and the
+reference) with FSDP2 over the N GPUs and each rank rolls out and trains on 1/N of the prompt groups.
+Without torchrun it is the one-GPU run (no sharding) of the same step: the scaling baseline.
+
+Reported per recipe (rank 0 prints, ``$OUT/rl_step_parallel.json`` gets everything):
+
+* per-phase seconds (the slowest rank's, as the trainer's metrics report them), jet/bf16 ratios;
+* tokens/s per GPU for rollout and the training phases, and *block-tokens*/s per GPU (tokens x decoder
+  blocks / s / GPU), which compares a 32-block model on 2 GPUs with a 16-block one on 1 GPU;
+* peak memory of every GPU;
+* with ``--profile`` one more (untimed) step under ``torch.profiler``: the device time of the
+  collectives per step -- all-gather, reduce-scatter, all-reduce (NCCL kernels on GPU, gloo ops on CPU)
+  -- and their share of the timed step. Collectives overlap compute, so the share is an upper bound.
+
+Commands (2 x H200, the full 32-block Llama-3.1-8B shape, reference model on; each recipe separately to
+stay within a 10-minute call)::
+
+    torchrun --nproc-per-node 2 bench/rl_step_parallel.py --recipes bf16 --layers 32
+    torchrun --nproc-per-node 2 bench/rl_step_parallel.py --recipes jet --layers 32 --profile
+    python bench/rl_step_parallel.py --recipes bf16,jet --layers 16        # 1 GPU: the scaling baseline
+
+CPU smoke run: ``--tiny`` (optionally under ``torchrun --nproc-per-node 2``, gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # python bench/rl_step_parallel.py / torchrun: make ``bench.`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import LLAMA31_8B, TINY_LLAMA, device_description, with_layers  # noqa: E402
+from bench.rl_step import (PHASES, RandomPrompts, Setting, _check_step, build_run_config, decode_ids,  # noqa: E402
+                           even_token_reward, parameter_counts, speedups)
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def collective_seconds(prof: Any, device: torch.device) -> dict[str, float]:
+    """Seconds per collective kind in a ``torch.profiler`` run: NCCL kernels' device time on GPU, the
+    gloo ops' host time on CPU."""
+    out = {kind: 0.0 for kind in COLLECTIVES}
+    for event in prof.key_averages():
+        name = event.key.lower()
+        if device.type == "cuda":
+            if "nccl" not in name:
+                continue
+            seconds = getattr(event, "device_time_total", 0.0) / 1e6
+        else:
+            if not name.startswith("gloo:"):
+                continue
+            seconds = event.cpu_time_total / 1e6
+        squashed = name.replace("_", "").replace(" ", "")
+        for kind in COLLECTIVES:
+            if kind.replace("_", "") in squashed:
+                out[kind] += seconds
+                break
+    return out
+
+
+def run_recipe(recipe: str, shape: dict, setting: Setting, parallel: Any, warmup: int, steps: int,
+               memory_budget: float, profile: bool) -> dict[str, Any]:
+    """Build, shard and run ``warmup + steps`` RL steps (+ one profiled step); the timed steps' medians."""
+    from jetrl.models import build_model
+    from jetrl.rl.trainer import Trainer
+    from jetrl.rollout import RolloutEngine
+
+    device = parallel.device
+    config = build_run_config(recipe, setting, warmup + steps + int(profile))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(shape, dtype=getattr(torch, setting.dtype), device=device, recipe=recipe, seed=0)
+    model.set_activation_checkpointing(setting.checkpointing)
+    local_sequences = setting.num_sequences // parallel.world_size
+    engine = RolloutEngine(model, memory_budget=memory_budget if device.type == "cuda" else 2 ** 30,
+                           max_num_seqs=local_sequences, max_model_len=setting.prompt_len + setting.new_tokens,
+                           progress=False)
+    prompts = RandomPrompts(setting.prompts, setting.prompt_len, shape["vocab_size"])
+    trainer = Trainer(config, model, engine, prompts, even_token_reward, decode_ids, parallel=parallel)
+    timed: list[dict[str, float]] = []
+    comm = None
+    try:
+        for i in range(warmup + steps):
+            metrics = trainer.step()
+            _check_step(recipe, metrics, setting)
+            if i >= warmup:
+                timed.append(metrics)
+            if parallel.is_main:
+                print(f"  {recipe} step {i + 1}/{warmup + steps} ({'timed' if i >= warmup else 'warm-up'}): "
+                      f"{metrics['time/step']:.2f} s", flush=True)
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with torch_profile(activities=activities) as prof:
+                trainer.step()
+            comm = parallel.max(list(collective_seconds(prof, device).values()))
+            comm = dict(zip(COLLECTIVES, comm))
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+        peaks = parallel.gather_objects(peak)
+    finally:
+        engine.free_cache()
+        del trainer, engine, model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    seconds = {}
+    for phase in PHASES + ("step",):
+        values = [m[f"time/{phase}"] for m in timed if f"time/{phase}" in m]
+        if values:
+            seconds["total" if phase == "step" else phase] = statistics.median(values)
+    world, layers = parallel.world_size, shape["num_hidden_layers"]
+    tokens = {"rollout": setting.generated_tokens, "old_logprob": setting.scored_tokens,
+              "reference": setting.scored_tokens, "update": setting.scored_tokens, "total": setting.generated_tokens}
+    per_gpu = {p: tokens[p] / seconds[p] / world for p in tokens if p in seconds}
+    result = {"seconds": seconds, "tokens_per_s_per_gpu": per_gpu,
+              "block_tokens_per_s_per_gpu": {p: v * layers for p, v in per_gpu.items()},
+              "peak_gib_per_gpu": peaks, "step_metrics": timed[-1]}
+    if comm is not None:
+        result["collective_seconds"] = comm
+        result["collective_share_of_step"] = sum(comm.values()) / seconds["total"]
+    return result
+
+
+def format_report(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]], world: int) -> str:
+    lines = [f"{'phase':<15}" + "".join(f"{name + ' s':>12}{name + ' tok/s/GPU':>20}" for name in results)
+             + "".join(f"{name + '/bf16':>12}" for name in ratios)]
+    for phase in PHASES + ("total",):
+        if not any(phase in r["seconds"] for r in results.values()):
+            continue
+        row = f"{phase:<15}"
+        for r in results.values():
+            s, t = r["seconds"].get(phase), r["tokens_per_s_per_gpu"].get(phase)
+            row += f"{s:>12.3f}" if s is not None else f"{'-':>12}"
+            row += f"{t:>20,.0f}" if t is not None else f"{'-':>20}"
+        for name in ratios:
+            v = ratios[name].get(phase)
+            row += f"{v:>11.2f}x" if v is not None else f"{'-':>12}"
+        lines.append(row)
+    for name, r in results.items():
+        peaks = ", ".join("n/a" if p is None else f"{p:.1f}" for p in r["peak_gib_per_gpu"])
+        line = f"{name}: peak GiB per GPU [{peaks}]"
+        if "collective_seconds" in r:
+            c = r["collective_seconds"]
+            line += (f"; collectives per step: all-gather {c['all_gather']:.3f} s, reduce-scatter "
+                     f"{c['reduce_scatter']:.3f} s, all-reduce {c['all_reduce']:.3f} s "
+                     f"({100 * r['collective_share_of_step']:.1f}% of the step, overlapped or not)")
+        lines.append(line)
+    lines.append(f"{world} GPU(s); block-tokens/s per GPU (update): " + ", ".join(
+        f"{n} {r['block_tokens_per_s_per_gpu'].get('update', float('nan')):,.0f}" for n, r in results.items()))
+    return "\n".join(lines)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2-layer model, 2 prompts x 2, 8 tokens")
+    parser.add_argument("--recipes", default="bf16,jet", help="comma list of bf16, fp8-rollout, jet")
+    parser.add_argument("--layers", type=int, default=None, help="decoder blocks (8B default: 32)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step, all ranks (16; tiny: 2)")
+    # not "--n": torchrun would take it for an abbreviation of its own options
+    parser.add_argument("--samples", type=int, default=None, help="samples per prompt, n (4; tiny: 2)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per sample (1024; tiny: 8)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (256; tiny: 8)")
+    parser.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (8)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="one more step under torch.profiler: collectives")
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--memory-budget", type=float, default=0.5,
+                        help="KV cache: fraction of the free GPU memory after the weights are gathered")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    from jetrl.quant.recipe import RECIPES
+    if not args.recipes or any(r not in RECIPES for r in args.recipes):
+        parser.error(f"--recipes must name some of {list(RECIPES)}")
+    for name in ("layers", "prompts", "samples", "new_tokens", "prompt_len", "micro_batch"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0 or args.steps < 1:
+        parser.error("need --warmup >= 0 and --steps >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark on this rank; returns the report (the same on every rank)."""
+    from jetrl.parallel import init_parallel
+
+    args = _parse(argv)
+    device = "cpu" if args.tiny else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/rl_step_parallel.py needs CUDA GPUs for the 8B shape (use --tiny on CPU)")
+    parallel = init_parallel(device)
+    try:
+        with parallel.guard():
+            return _main(args, parallel)
+    finally:
+        parallel.close()
+
+
+def _main(args: argparse.Namespace, parallel: Any) -> dict[str, Any]:
+    base = TINY_LLAMA if args.tiny else LLAMA31_8B
+    shape = with_layers(base, args.layers or base["num_hidden_layers"])
+    prompts = args.prompts or (2 * parallel.world_size if args.tiny else 16)
+    n = args.samples or (2 if args.tiny else 4)
+    setting = Setting(
+        shape="tiny" if args.tiny else "llama-3.1-8b", num_layers=shape["num_hidden_layers"],
+        num_params=parameter_counts(shape)[0], prompts=prompts, n=n,
+        prompt_len=args.prompt_len or (8 if args.tiny else 256), new_tokens=args.new_tokens or (8 if args.tiny else 1024),
+        micro_batch=args.micro_batch or min(8, prompts * n // parallel.world_size), reference=not args.no_reference,
+        checkpointing=True, dtype="float32" if args.tiny else "bfloat16", device=str(parallel.device))
+    if parallel.is_main:
+        print(f"model: {setting.shape}-shaped, {setting.num_layers} blocks, {setting.num_params / 1e9:.2f}B "
+              f"parameters, {setting.dtype}; {parallel.world_size} x {device_description(parallel.device)}; torch "
+              f"{torch.__version__}\nstep: {prompts} prompts x n={n} = {setting.num_sequences} sequences "
+              f"({setting.num_sequences // parallel.world_size} per GPU), {setting.prompt_len} prompt + "
+              f"{setting.new_tokens} new tokens, micro-batch {setting.micro_batch}, reference "
+              f"{'on' if setting.reference else 'off'}", flush=True)
+    results = {recipe: run_recipe(recipe, shape, setting, parallel, args.warmup, args.steps, args.memory_budget,
+                                  args.profile)
+               for recipe in args.recipes}
+    ratios = speedups({name: _Seconds(r["seconds"]) for name, r in results.items()})
+    report = {"setting": {**setting.__dict__, "world_size": parallel.world_size}, "results": results,
+              "speedups_over_bf16": ratios, "torch": torch.__version__}
+    if parallel.is_main:
+        paths = [args.json] if args.json else []
+        if os.environ.get("OUT"):
+            paths.append(os.path.join(os.environ["OUT"], "rl_step_parallel.json"))
+        for path in paths:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(report, f, indent=2)
+        print(format_report(results, ratios, parallel.world_size), flush=True)
+    return report
+
+
+class _Seconds:
+    """Adapts a result to :func:`bench.rl_step.speedups` (which reads ``.seconds``)."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+
+
+if __name__ == "__main__":
+    main()
