@@ -12,6 +12,12 @@ keyed by parameter name (jetrl's optimizer keeps fp32 master copies that are not
 so it names its own state; see ``MasterWeightAdamW.state_by_name``); DCP loads into those tensors in
 place.
 
+Loading runs no code from the folder. DCP reads its ``.metadata`` with plain ``pickle`` and non-tensor
+entries with ``torch.load(weights_only=False)``, either of which would run whatever a crafted file asks
+for. So :func:`save_sharded` accepts tensors only (no pickled entries are ever written), and
+:func:`load_sharded` first unpickles ``.metadata`` with an allow-list of the metadata classes DCP writes
+(:func:`check_metadata`), refusing any other global and any non-tensor entry, before DCP reads it.
+
 Both functions are collective: every rank calls them with the same folder (on a file system every rank
 sees). One process without a process group is the one-rank case. Atomicity (a checkpoint counts only
 when complete) is the caller's: :mod:`jetrl.rl.checkpoint` writes into a temporary folder and renames it.
@@ -20,6 +26,8 @@ when complete) is the caller's: :mod:`jetrl.rl.checkpoint` writes into a tempora
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,6 +46,7 @@ def save_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     state = {"model": get_model_state_dict(model)}
     if optimizer_state is not None:
         state["optim"] = optimizer_state
+    _check_tensors_only(state)
     with _one_process_is_intended():
         dcp.save(state, checkpoint_id=str(folder), no_dist=not _distributed())
 
@@ -53,6 +62,7 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     folder = Path(folder)
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(f"{folder} is not a torch.distributed.checkpoint folder (no .metadata)")
+    check_metadata(folder / ".metadata")
     state = {"model": get_model_state_dict(model)}
     if optimizer_state is not None:
         state["optim"] = optimizer_state
@@ -61,6 +71,57 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     set_model_state_dict(model, state["model"])
     if optimizer_state is not None:
         _copy_into(optimizer_state, state["optim"])
+
+
+class UnsafeCheckpointError(ValueError):
+    """A sharded checkpoint holds something that loading it would have to unpickle as code."""
+
+
+def _allowed_global(module: str, name: str) -> bool:
+    """The globals DCP's metadata refers to: its own dataclasses and enums, dtypes, sizes, layouts, paths."""
+    if module == "torch.distributed.checkpoint.metadata":
+        return True
+    if module == "torch":
+        return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+    return (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _allowed_global(module, name):
+            raise UnsafeCheckpointError(f"refusing to load {module}.{name}: a DCP checkpoint's metadata holds only "
+                                        f"DCP's own metadata classes (a crafted or foreign file?)")
+        return super().find_class(module, name)
+
+
+def check_metadata(path: str | Path) -> Any:
+    """Unpickle a DCP ``.metadata`` file with an allow-list of globals and return it; raise
+    :class:`UnsafeCheckpointError` for any other global or for a non-tensor entry (DCP would read those
+    with ``torch.load(weights_only=False)``)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    path = Path(path)
+    metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        raise UnsafeCheckpointError(f"{path} is not DCP metadata")
+    pickled = sorted(k for k, v in entries.items() if isinstance(v, BytesStorageMetadata))
+    if pickled:
+        raise UnsafeCheckpointError(f"{path} lists non-tensor entries {pickled[:5]} that DCP would unpickle; jetrl "
+                                    f"writes tensors only")
+    return metadata
+
+
+def _check_tensors_only(state: Any, prefix: str = "") -> None:
+    if isinstance(state, dict):
+        for key, value in state.items():
+            _check_tensors_only(value, f"{prefix}{key}.")
+    elif not isinstance(state, torch.Tensor):
+        raise TypeError(f"sharded checkpoints hold tensors only; {prefix.rstrip('.')} is a {type(state).__name__} "
+                        f"(store it as a tensor, or in the trainer state)")
 
 
 def _distributed() -> bool:
@@ -89,4 +150,4 @@ def _copy_into(target: dict[str, Any], loaded: dict[str, Any]) -> None:
             target[key].copy_(value)
 
 
-__all__ = ["save_sharded", "load_sharded", "SHARDED_SUBDIR"]
+__all__ = ["save_sharded", "load_sharded", "check_metadata", "UnsafeCheckpointError", "SHARDED_SUBDIR"]

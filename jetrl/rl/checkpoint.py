@@ -3,8 +3,10 @@ would pick up half-written.
 
 Layout of ``<root>/step_00000042/``::
 
-    model.safetensors   (or whatever ``save_model`` writes, e.g. a HuggingFace folder's files)
-    optimizer.pt        optimizer state dict (fp32 master weights and moments)
+    model.safetensors   (or whatever ``save_model`` writes: the RL loop writes ``sharded/``, the model and
+                        optimizer tensors through torch.distributed.checkpoint, loadable at any number of
+                        ranks, plus HuggingFace folders ``model/`` and optionally ``model_fp8/``)
+    optimizer.pt        optimizer state dict (fp32 master weights and moments), when the optimizer is passed
     scheduler.pt        LR scheduler state dict
     rng.pt              python / numpy / torch (and CUDA) RNG states, as tensors and numbers
     extra.pt            any other state the caller passes: tensors, numbers, strings, lists, dicts (optional)
