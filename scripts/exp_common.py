@@ -199,6 +199,15 @@ def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def log_scale_with_zero(ax, values: Sequence[float]) -> None:
+    """A symmetric-log y axis whose linear part ends at the smallest positive value (so exact zeros,
+    rounding-level values and large ones all show), cut at 0; left linear when nothing is positive."""
+    positive = [v for v in values if isinstance(v, (int, float)) and v > 0 and v == v]
+    if positive:
+        ax.set_yscale("symlog", linthresh=min(positive))
+        ax.set_ylim(bottom=0)
+
+
 class Clock:
     """Seconds since creation, for time budgets."""
 

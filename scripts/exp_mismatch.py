@@ -179,8 +179,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
             ys = [per_length[L][key] for L in per_length]
             ax.plot(xs, ys, marker="o", label=arm)
         ax.set_xscale("log", base=2)
-        if any(v > 0 for per_length in arms.values() for m in per_length.values() for v in [m[key]]):
-            ax.set_yscale("symlog", linthresh=1e-6)
+        common.log_scale_with_zero(ax, [m[key] for per_length in arms.values() for m in per_length.values()])
         ax.set_title(title)
         ax.set_xlabel("rollout length (target tokens)")
         ax.grid(alpha=0.3)
@@ -192,11 +191,13 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    drawn = []
     for arm, per_length in arms.items():
         longest = per_length[max(per_length, key=int)]
         bins = longest["logp_abs_diff_by_position"]
-        ax.plot([i * longest["position_bin_size"] for i in range(len(bins))], bins, label=arm)
-    ax.set_yscale("symlog", linthresh=1e-6)
+        ax.plot([i * longest["position_bin_size"] for i in range(len(bins))], bins, marker=".", label=arm)
+        drawn += bins
+    common.log_scale_with_zero(ax, drawn)
     ax.set_xlabel("response position (tokens)")
     ax.set_title(f"mean |Δ logp| along the rollout (length {max(next(iter(arms.values())), key=int)})")
     ax.grid(alpha=0.3)
