@@ -148,6 +148,7 @@ def measure_arm(model_path: str, config, lengths: Sequence[int], num_prompts: in
         metrics.update({
             "difficulty": difficulty, "max_tokens": max_tokens, "num_sequences": len(completions),
             "accuracy": sum(correct) / len(correct), "response_length_mean": sum(lengths_generated) / len(completions),
+            "response_length_max": max(lengths_generated),
             "truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
             "entropy_mean": float(torch.cat(entropy).mean()) if sum(lengths_generated) else 0.0,
             "position_bin_size": bin_size, "logp_abs_diff_by_position": position_profile(rollout, train, mask, bin_size),
