@@ -103,63 +103,60 @@ def position_profile(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Ten
     return out
 
 
-def measure_arm(model_path: str, config, lengths: Sequence[int], num_prompts: int, n: int, seed: int,
-                eval_seed: int, bin_size: int, max_tokens_per_forward: int, log=print) -> dict[str, Any]:
-    """Experiment 1 for one arm (its RunConfig gives the recipe, dtype and device): per length, the
-    mismatch statistics, the ratio spread, rollout accuracy and length, and the position profile."""
-    from jetrl.data import decode_completion, encode_prompt
-    from jetrl.data.tasks import ChainTask, check_chain, difficulty_for_tokens
-    from jetrl.models import load_model, load_tokenizer, resolve_device
-    from jetrl.rl.mismatch import mismatch_metrics
-    from jetrl.rollout import RolloutEngine, SamplingParams
+def load_arm(model_path: str, config):
+    """The checkpoint in an arm's recipe, dtype and device (its RunConfig), in eval mode."""
+    from jetrl.models import load_model, resolve_device
 
     model = load_model(model_path, dtype=getattr(torch, config.model.dtype), device=resolve_device(config.model.device),
                        recipe=config.recipe)
-    model.eval()
-    tokenizer = load_tokenizer(model_path)
-    results: dict[str, Any] = {}
-    for length in lengths:
-        clock = common.Clock()
-        difficulty = difficulty_for_tokens(length)
-        problems = ChainTask(difficulty, seed=eval_seed).examples(num_prompts)
-        prompts = [encode_prompt(tokenizer, ex.prompt) for ex in problems]
-        max_tokens = int(length * MAX_TOKENS_SLACK) + 16
-        engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=min(256, num_prompts * n),
-                               max_model_len=max(len(p) for p in prompts) + max_tokens)
-        params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed * 1_000_003 + i)
-                  for i in range(len(prompts))]
-        completions = engine.generate(prompts, params)
-        engine.free_cache()
-        sequences = [(prompts[k // n], list(c.token_ids)) for k, c in enumerate(completions)]
-        train_lp, entropy = training_logprobs(model, sequences, max_tokens_per_forward)
-        width = max(1, max(len(c.token_ids) for c in completions))
-        mask = torch.zeros(len(completions), width, dtype=torch.bool)
-        rollout = torch.zeros(len(completions), width)
-        train = torch.zeros(len(completions), width)
-        for k, c in enumerate(completions):
-            mask[k, :len(c.token_ids)] = True
-            rollout[k, :len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
-            train[k, :len(c.token_ids)] = train_lp[k]
-        texts = [decode_completion(tokenizer, c.token_ids) for c in completions]
-        correct = [check_chain(t, problems[k // n].answer) for k, t in enumerate(texts)]
-        metrics = mismatch_metrics(rollout, train, mask)
-        metrics.update(ratio_spread(rollout, train, mask))
-        lengths_generated = [len(c.token_ids) for c in completions]
-        metrics.update({
-            "difficulty": difficulty, "max_tokens": max_tokens, "num_sequences": len(completions),
-            "accuracy": sum(correct) / len(correct), "response_length_mean": sum(lengths_generated) / len(completions),
-            "response_length_max": max(lengths_generated),
-            "truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "entropy_mean": float(torch.cat(entropy).mean()) if sum(lengths_generated) else 0.0,
-            "position_bin_size": bin_size, "logp_abs_diff_by_position": position_profile(rollout, train, mask, bin_size),
-            "seconds": clock.elapsed(),
-        })
-        results[str(length)] = metrics
-        log(f"{config.recipe} L={length}: |dlogp| mean {metrics['logp_abs_diff_mean']:.2e} max "
-            f"{metrics['logp_abs_diff_max']:.2e}, k3 {metrics['kl_k3']:.2e}, accuracy {metrics['accuracy']:.3f}, "
-            f"{metrics['seconds']:.0f} s")
-    del model
-    return results
+    return model.eval()
+
+
+def measure(model: torch.nn.Module, tokenizer, length: int, num_prompts: int, n: int, seed: int, eval_seed: int,
+            bin_size: int, max_tokens_per_forward: int) -> dict[str, Any]:
+    """Experiment 1 for one arm's model at one rollout length: the mismatch statistics, the ratio spread,
+    rollout accuracy and length, and the position profile."""
+    from jetrl.data import decode_completion, encode_prompt
+    from jetrl.data.tasks import ChainTask, check_chain, difficulty_for_tokens
+    from jetrl.rl.mismatch import mismatch_metrics
+    from jetrl.rollout import RolloutEngine, SamplingParams
+
+    clock = common.Clock()
+    difficulty = difficulty_for_tokens(length)
+    problems = ChainTask(difficulty, seed=eval_seed).examples(num_prompts)
+    prompts = [encode_prompt(tokenizer, ex.prompt) for ex in problems]
+    max_tokens = int(length * MAX_TOKENS_SLACK) + 16
+    engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=min(256, num_prompts * n),
+                           max_model_len=max(len(p) for p in prompts) + max_tokens)
+    params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed * 1_000_003 + i)
+              for i in range(len(prompts))]
+    completions = engine.generate(prompts, params)
+    engine.free_cache()
+    sequences = [(prompts[k // n], list(c.token_ids)) for k, c in enumerate(completions)]
+    train_lp, entropy = training_logprobs(model, sequences, max_tokens_per_forward)
+    width = max(1, max(len(c.token_ids) for c in completions))
+    mask = torch.zeros(len(completions), width, dtype=torch.bool)
+    rollout = torch.zeros(len(completions), width)
+    train = torch.zeros(len(completions), width)
+    for k, c in enumerate(completions):
+        mask[k, :len(c.token_ids)] = True
+        rollout[k, :len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        train[k, :len(c.token_ids)] = train_lp[k]
+    texts = [decode_completion(tokenizer, c.token_ids) for c in completions]
+    correct = [check_chain(t, problems[k // n].answer) for k, t in enumerate(texts)]
+    metrics = mismatch_metrics(rollout, train, mask)
+    metrics.update(ratio_spread(rollout, train, mask))
+    lengths_generated = [len(c.token_ids) for c in completions]
+    metrics.update({
+        "difficulty": difficulty, "max_tokens": max_tokens, "num_sequences": len(completions),
+        "accuracy": sum(correct) / len(correct), "response_length_mean": sum(lengths_generated) / len(completions),
+        "response_length_max": max(lengths_generated),
+        "truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "entropy_mean": float(torch.cat(entropy).mean()) if sum(lengths_generated) else 0.0,
+        "position_bin_size": bin_size, "logp_abs_diff_by_position": position_profile(rollout, train, mask, bin_size),
+        "seconds": clock.elapsed(),
+    })
+    return metrics
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
@@ -218,8 +215,10 @@ def summary_table(results: dict[str, Any]) -> str:
                          f"{m['kl_k3']:.2e}", f"{m['frac_prob_diff_gt_thr']:.4f}",
                          f"[{m['is_ratio_p01']:.4f}, {m['is_ratio_p99']:.4f}]", f"{m['is_ratio_std']:.2e}",
                          f"{m['accuracy']:.3f}", f"{m['response_length_mean']:.0f}"))
-    return common.table(rows, ("arm", "length", "|dlogp| mean", "|dlogp| max", "k3 KL", "frac dp>1e-3",
+    text = common.table(rows, ("arm", "length", "|dlogp| mean", "|dlogp| max", "k3 KL", "frac dp>1e-3",
                                "ratio p01-p99", "ratio std", "acc", "mean len"))
+    skipped = [f"{s['arm']} L={s['length']}" for s in results.get("skipped", [])]
+    return text + (f"\nnot run (deadline): {', '.join(skipped)}" if skipped else "")
 
 
 def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
@@ -231,17 +230,34 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
     lengths = common.parse_list(args.lengths, int) if args.lengths else list(SMOKE_LENGTHS if args.smoke else GPU_LENGTHS)
     base = ["model.dtype=float32", "model.device=cpu"] if args.smoke else ["model.dtype=bfloat16", "model.device=cuda"]
     configs = {name: common.arm_config(base, overrides) for name, overrides in arms.items()}  # errors before the SFT
+    clock = common.Clock()
     model_path, warm = common.warm_start(args, work, log=log)
+    from jetrl.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    models = {name: load_arm(model_path, config) for name, config in configs.items()}  # the same weights, each recipe
     results: dict[str, Any] = {
         "experiment": "mismatch_vs_length", "smoke": args.smoke, "warm_start": warm, "lengths": lengths,
         "arm_overrides": arms, "num_prompts": args.prompts, "n": args.n, "seed": args.seed, "eval_seed": args.eval_seed,
-        "arms": {}}
+        "deadline": args.deadline, "skipped": [], "arms": {name: {} for name in configs}}
     json_path = out / "exp_mismatch.json"
-    for name, config in configs.items():
-        results["arms"][name] = measure_arm(model_path, config, lengths, args.prompts, args.n, args.seed,
-                                            args.eval_seed, args.bin_size, args.max_tokens_per_forward, log=log)
-        common.write_json(json_path, results)  # after every arm: a call cut short still brings the finished ones
-    plot(results, out)
+    # shortest lengths first, every arm at each: a call that runs out of time has whole rows of the table
+    for length in lengths:
+        for name, config in configs.items():
+            if args.deadline is not None and clock.elapsed() > args.deadline:
+                results["skipped"].append({"arm": name, "length": length, "reason": "deadline"})
+                log(f"{name} L={length}: skipped, past the {args.deadline:.0f} s deadline")
+                continue
+            m = measure(models[name], tokenizer, length, args.prompts, args.n, args.seed, args.eval_seed,
+                        args.bin_size, args.max_tokens_per_forward)
+            results["arms"][name][str(length)] = m
+            log(f"{name} L={length}: |dlogp| mean {m['logp_abs_diff_mean']:.2e} max {m['logp_abs_diff_max']:.2e}, "
+                f"k3 {m['kl_k3']:.2e}, accuracy {m['accuracy']:.3f}, {m['seconds']:.0f} s")
+            common.write_json(json_path, results)  # after every cell: a call cut short still brings the finished ones
+    results["arms"] = {name: cells for name, cells in results["arms"].items() if cells}
+    common.write_json(json_path, results)
+    if results["arms"]:
+        plot(results, out)
     return results
 
 
@@ -256,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-seed", type=int, default=12345, help="task seed of the prompts (unseen by the SFT)")
     p.add_argument("--bin-size", type=int, default=None, help="tokens per position bin (default 256; smoke 8)")
     p.add_argument("--max-tokens-per-forward", type=int, default=65536, help="training-side scoring budget")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after the start past which no new (length, arm) cell starts (default 540 on the GPU, "
+                        "none in smoke): the JSON and plots of what finished still get written")
     return p
 
 
@@ -264,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.prompts = args.prompts or (2 if args.smoke else 64)
     args.n = args.n or (2 if args.smoke else 4)
     args.bin_size = args.bin_size or (8 if args.smoke else 256)
+    if args.deadline is None and not args.smoke:
+        args.deadline = 540.0
     results = run_experiment(args, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(summary_table(results))
     return 0

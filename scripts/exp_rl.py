@@ -154,8 +154,10 @@ def summary_tables(results: dict[str, Any]) -> str:
         rewards = [_ends(r["records"], "reward/mean") for r in runs]
         reward_gains = [b - a for a, b in rewards]
         spread_rows.append((arm, len(runs), _with_spread(gains), _with_spread(reward_gains)))
-    return text + "\n\n" + common.table(spread_rows, ("arm", "seeds", "held-out acc change (mean ± half range)",
-                                                      "reward change (mean ± half range)"))
+    skipped = [f"{s['arm']} seed {s['seed']}" for s in results.get("skipped", [])]
+    return (text + (f"\nnot run (deadline): {', '.join(skipped)}" if skipped else "") + "\n\n"
+            + common.table(spread_rows, ("arm", "seeds", "held-out acc change (mean ± half range)",
+                                         "reward change (mean ± half range)")))
 
 
 def _with_spread(values: Sequence[float]) -> str:
@@ -177,18 +179,30 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
     base = [*(SMOKE_RL if args.smoke else GPU_RL), *args.override]
     for overrides in arms.values():  # every arm's config is valid before the SFT starts
         common.arm_config([*base, "model.path=unused"], overrides)
+    clock = common.Clock()
     model_path, warm = common.warm_start(args, work, log=log)
     results: dict[str, Any] = {"experiment": "rl_arms", "smoke": args.smoke, "warm_start": warm, "base_overrides": base,
                                "arm_overrides": arms, "seeds": seeds, "steps": args.steps,
-                               "time_budget_per_arm": args.time_budget, "runs": []}
+                               "time_budget_per_arm": args.time_budget, "deadline": args.deadline, "runs": [],
+                               "skipped": []}
     json_path = out / "exp_rl.json"
-    for seed in seeds:
-        for name, overrides in arms.items():
-            result = run_arm(name, overrides, base, model_path, work / "rl" / f"{name}-s{seed}", seed, args.steps,
-                             args.time_budget, args.eval_examples, log=log)
-            results["runs"].append(result)
-            common.write_json(json_path, results)  # a call cut short still brings the finished runs
-    plot(results, out)
+    todo = [(seed, name) for seed in seeds for name in arms]
+    for i, (seed, name) in enumerate(todo):
+        budget = args.time_budget
+        if args.deadline is not None:  # share what is left fairly among the runs still to come
+            share = (args.deadline - clock.elapsed()) / (len(todo) - i) - args.reserve
+            budget = min(budget, share)
+        if args.deadline is not None and share <= 0:
+            results["skipped"].append({"arm": name, "seed": seed, "reason": "deadline"})
+            log(f"{name} seed {seed}: skipped, no time left before the {args.deadline:.0f} s deadline")
+            continue
+        result = run_arm(name, arms[name], base, model_path, work / "rl" / f"{name}-s{seed}", seed, args.steps,
+                         budget, args.eval_examples, log=log)
+        results["runs"].append(result)
+        common.write_json(json_path, results)  # a call cut short still brings the finished runs
+    common.write_json(json_path, results)
+    if results["runs"]:
+        plot(results, out)
     return results
 
 
@@ -200,6 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of RL per arm; the run ends after the step that crosses it (default 150; smoke 600)")
     p.add_argument("--eval-examples", type=int, default=None, help="held-out problems (default 128; smoke 2; 0 = off)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after the start by which every run should be done (default 540 on the GPU, none in "
+                        "smoke): each run's budget is at most its share of the time left, less --reserve")
+    p.add_argument("--reserve", type=float, default=None,
+                   help="seconds per run kept for loading, held-out evaluation and the checkpoint (default 45; smoke 0)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a RunConfig override for every arm (e.g. rollout.max_tokens=3000); repeatable")
     return p
@@ -210,6 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 40)
     args.time_budget = args.time_budget if args.time_budget is not None else (600.0 if args.smoke else 150.0)
     args.eval_examples = args.eval_examples if args.eval_examples is not None else (2 if args.smoke else 128)
+    args.reserve = args.reserve if args.reserve is not None else (0.0 if args.smoke else 45.0)
+    if args.deadline is None and not args.smoke:
+        args.deadline = 540.0
     results = run_experiment(args, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(summary_tables(results))
     return 0

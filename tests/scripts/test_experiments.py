@@ -121,3 +121,20 @@ def test_exp_rl_smoke_with_a_time_budget_and_two_seeds(common, warm_model, tmp_p
     assert tis["mismatch/logp_abs_diff_mean"] > 0
     text = capsys.readouterr().out
     assert "±" in text.strip().splitlines()[-1]  # the seed spread, last
+
+
+def test_runs_past_the_deadline_are_skipped_and_reported(common, warm_model, tmp_path, capsys):
+    import exp_mismatch
+    import exp_rl
+
+    out = tmp_path / "out"
+    assert exp_rl.main(["--smoke", "--model", warm_model, "--out", str(out), "--arms", "bf16,jet",
+                        "--deadline", "0"]) == 0
+    results = json.loads((out / "exp_rl.json").read_text())
+    assert results["runs"] == [] and [(s["arm"], s["seed"]) for s in results["skipped"]] == [("bf16", 0), ("jet", 0)]
+    assert "not run (deadline): bf16 seed 0, jet seed 0" in capsys.readouterr().out
+    assert exp_mismatch.main(["--smoke", "--model", warm_model, "--out", str(out), "--lengths", "8,16",
+                              "--deadline", "0"]) == 0
+    results = json.loads((out / "exp_mismatch.json").read_text())
+    assert results["arms"] == {} and len(results["skipped"]) == 6
+    assert "not run (deadline): bf16 L=8" in capsys.readouterr().out
