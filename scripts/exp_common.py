@@ -68,7 +68,8 @@ def resolve_arms(names: Sequence[str], extra: Sequence[str] = ()) -> dict[str, t
         defined[name.strip()] = overrides
     unknown = [n for n in names if n not in defined]
     if unknown:
-        raise ValueError(f"unknown arms {unknown}; defined: {', '.join(defined)} (define more with --arm NAME:overrides)")
+        raise ValueError(f"unknown arms {unknown}; defined: {', '.join(defined)} "
+                         f"(define more with --arm NAME:overrides)")
     if len(set(names)) != len(names):
         raise ValueError(f"an arm is named twice in {list(names)}")
     return {n: defined[n] for n in names}

@@ -227,7 +227,8 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     work = common.work_dir(args)
     arms = common.resolve_arms(common.parse_list(args.arms), args.arm)
-    lengths = common.parse_list(args.lengths, int) if args.lengths else list(SMOKE_LENGTHS if args.smoke else GPU_LENGTHS)
+    default_lengths = SMOKE_LENGTHS if args.smoke else GPU_LENGTHS
+    lengths = common.parse_list(args.lengths, int) if args.lengths else list(default_lengths)
     base = ["model.dtype=float32", "model.device=cpu"] if args.smoke else ["model.dtype=bfloat16", "model.device=cuda"]
     configs = {name: common.arm_config(base, overrides) for name, overrides in arms.items()}  # errors before the SFT
     clock = common.Clock()
@@ -264,8 +265,9 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_arguments(p, default_out="runs/exp_mismatch", default_arms="bf16,fp8-rollout,jet")
-    p.add_argument("--lengths", default=None, help=f"rollout lengths in tokens (default {','.join(map(str, GPU_LENGTHS))}"
-                                                   f"; smoke {','.join(map(str, SMOKE_LENGTHS))})")
+    p.add_argument("--lengths", default=None,
+                   help=f"rollout lengths in tokens (default {','.join(map(str, GPU_LENGTHS))}; smoke "
+                        f"{','.join(map(str, SMOKE_LENGTHS))})")
     p.add_argument("--prompts", type=int, default=None, help="prompts per length (default 64; smoke 2)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default 4; smoke 2)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every arm)")

@@ -143,7 +143,8 @@ def summary_tables(results: dict[str, Any]) -> str:
         acc = (f"{r['held_out_before']:.3f} -> {r['held_out_after']:.3f}" if r["held_out_before"] is not None else "-")
         rows.append((r["arm"], r["seed"], r["steps"], acc, f"{reward[0]:.3f} -> {reward[1]:.3f}",
                      f"{dlogp[0]:.1e} -> {dlogp[1]:.1e}", f"{k3[1]:.1e}",
-                     f"{_ends(recs, 'actor/entropy')[1]:.3f}", f"{_mean([x.get('actor/clip_frac', math.nan) for x in recs]):.4f}",
+                     f"{_ends(recs, 'actor/entropy')[1]:.3f}",
+                     f"{_mean([x.get('actor/clip_frac', math.nan) for x in recs]):.4f}",
                      f"{_ends(recs, 'response/length_mean')[1]:.0f}", f"{r['train_seconds']:.0f}"))
     text = common.table(rows, ("arm", "seed", "steps", "held-out acc", "reward (first3 -> last3)",
                                "|dlogp| first -> last", "k3 last", "entropy", "clip frac", "len", "s"))
@@ -218,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after the start by which every run should be done (default 540 on the GPU, none in "
                         "smoke): each run's budget is at most its share of the time left, less --reserve")
     p.add_argument("--reserve", type=float, default=None,
-                   help="seconds per run kept for loading, held-out evaluation and the checkpoint (default 45; smoke 0)")
+                   help="seconds per run kept for loading, held-out evaluation and the checkpoint "
+                        "(default 45; smoke 0)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a RunConfig override for every arm (e.g. rollout.max_tokens=3000); repeatable")
     return p
