@@ -27,9 +27,14 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
+
+from jetrl.config import load_config
+from jetrl.sft import SFTConfig, run_sft
 
 # The experiment model and its SFT: every field of jetrl.sft.train.SFTConfig that differs from its default.
 GPU_SFT = dict(task="chain", difficulty=(8, 320), hidden_size=1024, num_hidden_layers=8, num_attention_heads=8,
@@ -77,15 +82,11 @@ def resolve_arms(names: Sequence[str], extra: Sequence[str] = ()) -> dict[str, t
 
 def arm_config(base: Sequence[str], overrides: Sequence[str]):
     """The :class:`jetrl.config.RunConfig` of an arm: defaults <- ``base`` <- the arm's ``overrides`` (validated)."""
-    from jetrl.config import load_config
-
     return load_config(None, [*base, *overrides])
 
 
 def sft_config(smoke: bool, output_dir: str | Path, steps: int | None = None, seed: int = 0):
     """The experiment model's :class:`jetrl.sft.SFTConfig` (``smoke``: the tiny CPU one)."""
-    from jetrl.sft import SFTConfig
-
     fields = dict(SMOKE_SFT if smoke else GPU_SFT)
     if steps is not None:
         fields["steps"] = steps
@@ -123,9 +124,6 @@ def warm_start(args, work: Path, log=print) -> tuple[str, dict[str, Any]]:
     ``work/sft``; returns its path and a summary (SFT settings, accuracy, seconds)."""
     if args.model:
         return args.model, {"model": args.model, "sft": None}
-    from dataclasses import asdict
-
-    from jetrl.sft import run_sft
 
     config = sft_config(args.smoke, work / "sft", steps=args.sft_steps, seed=args.sft_seed)
     if not args.smoke:
@@ -164,7 +162,6 @@ def work_dir(args) -> Path:
         path = Path(args.work)
         path.mkdir(parents=True, exist_ok=True)
         return path
-    import tempfile
 
     return Path(tempfile.mkdtemp(prefix="jetrl-exp-"))
 
@@ -211,7 +208,6 @@ def log_scale_with_zero(ax, values: Sequence[float]) -> None:
 
 class Clock:
     """Seconds since creation, for time budgets."""
-
     def __init__(self) -> None:
         self.start = time.perf_counter()
 

@@ -30,6 +30,13 @@ from typing import Any, Sequence
 import torch
 
 import exp_common as common
+from jetrl.data import decode_completion, encode_prompt
+from jetrl.data.tasks import ChainTask, check_chain, difficulty_for_tokens
+from jetrl.models import load_model, load_tokenizer, logprobs_from_hidden, resolve_device
+from jetrl.quant import precision_side
+from jetrl.rl.losses import MAX_LOG_RATIO
+from jetrl.rl.mismatch import mismatch_metrics
+from jetrl.rollout import RolloutEngine, SamplingParams
 
 GPU_LENGTHS = (256, 1024, 4096)
 SMOKE_LENGTHS = (16, 48)
@@ -41,9 +48,6 @@ def training_logprobs(model: torch.nn.Module, sequences: Sequence[tuple[list[int
     """Training-side log-probs and entropies (fp32, on the CPU) of each ``(prompt ids, response ids)``'s
     response tokens: packed forwards of at most ``max_tokens_per_forward`` tokens (one sequence at least),
     no grad, in the recipe's training precision."""
-    from jetrl.models import logprobs_from_hidden
-    from jetrl.quant import precision_side
-
     device = next(model.parameters()).device
     logprobs: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
@@ -81,8 +85,6 @@ def training_logprobs(model: torch.nn.Module, sequences: Sequence[tuple[list[int
 def ratio_spread(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Spread of the token-level importance ratio ``exp(logp_train - logp_rollout)`` over valid tokens:
     standard deviation and 1st / 99th percentiles (min, max and mean come from ``mismatch_metrics``)."""
-    from jetrl.rl.losses import MAX_LOG_RATIO
-
     log_r = (train[mask].double() - rollout[mask].double()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if log_r.numel() == 0:
         return {"is_ratio_std": 0.0, "is_ratio_p01": 1.0, "is_ratio_p99": 1.0}
@@ -105,8 +107,6 @@ def position_profile(rollout: torch.Tensor, train: torch.Tensor, mask: torch.Ten
 
 def load_arm(model_path: str, config):
     """The checkpoint in an arm's recipe, dtype and device (its RunConfig), in eval mode."""
-    from jetrl.models import load_model, resolve_device
-
     model = load_model(model_path, dtype=getattr(torch, config.model.dtype), device=resolve_device(config.model.device),
                        recipe=config.recipe)
     return model.eval()
@@ -116,11 +116,6 @@ def measure(model: torch.nn.Module, tokenizer, length: int, num_prompts: int, n:
             bin_size: int, max_tokens_per_forward: int) -> dict[str, Any]:
     """Experiment 1 for one arm's model at one rollout length: the mismatch statistics, the ratio spread,
     rollout accuracy and length, and the position profile."""
-    from jetrl.data import decode_completion, encode_prompt
-    from jetrl.data.tasks import ChainTask, check_chain, difficulty_for_tokens
-    from jetrl.rl.mismatch import mismatch_metrics
-    from jetrl.rollout import RolloutEngine, SamplingParams
-
     clock = common.Clock()
     difficulty = difficulty_for_tokens(length)
     problems = ChainTask(difficulty, seed=eval_seed).examples(num_prompts)
@@ -233,8 +228,6 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
     configs = {name: common.arm_config(base, overrides) for name, overrides in arms.items()}  # errors before the SFT
     clock = common.Clock()
     model_path, warm = common.warm_start(args, work, log=log)
-    from jetrl.models import load_tokenizer
-
     tokenizer = load_tokenizer(model_path)
     models = {name: load_arm(model_path, config) for name, config in configs.items()}  # the same weights, each recipe
     results: dict[str, Any] = {

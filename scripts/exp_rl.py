@@ -29,6 +29,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import exp_common as common
+from jetrl.evaluate import held_out_accuracy
+from jetrl.plotting import plot_runs
+from jetrl.rl.checkpoint import latest_checkpoint
+from jetrl.rl.loop import run
+from jetrl.rl.metrics import read_jsonl
 
 # The RL settings every arm shares (GPU). Chains of ~1K tokens (difficulty_for_tokens(1024) = 89 steps);
 # 32 prompts x 8 samples = 256 sequences per step, two optimizer steps of 128 per RL step.
@@ -58,11 +63,6 @@ def run_arm(name: str, overrides: Sequence[str], base: Sequence[str], model_path
             steps: int, time_budget: float, num_eval: int, log=print) -> dict[str, Any]:
     """One arm and seed: held-out accuracy, RL for ``steps`` steps or ``time_budget`` seconds, held-out
     accuracy of the final checkpoint; returns the summary and every logged step."""
-    from jetrl.evaluate import held_out_accuracy
-    from jetrl.rl.checkpoint import latest_checkpoint
-    from jetrl.rl.loop import run
-    from jetrl.rl.metrics import read_jsonl
-
     config = common.arm_config([*base, f"model.path={model_path}", f"trainer.output_dir={run_dir}",
                                 f"trainer.seed={seed}", f"trainer.steps={steps}"], overrides)
     clock = common.Clock()
@@ -100,8 +100,6 @@ def _ends(records: list[dict], key: str, window: int = 3) -> tuple[float, float]
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
     """``exp_rl_curves.png`` (reward, accuracy, length, mismatch per step, every run) and
     ``exp_rl_health.png`` (k3 KL, |Δp| > 1e-3 fraction, entropy, clip fraction)."""
-    from jetrl.plotting import plot_runs
-
     runs = results["runs"]
     labels = [f"{r['arm']} s{r['seed']}" for r in runs]
     paths = [plot_runs([r["run_dir"] for r in runs], out / "exp_rl_curves.png", labels=labels,
