@@ -331,13 +331,15 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
             group["lr"] = lr_at(step, config)
         optimizer.zero_grad()
         value = _backward_step_loss(model, examples, config, tokenizer.pad_token_id, packing, step)
-        torch.nn.utils.clip_grad_norm_(optimizer.gather_grads(), config.grad_clip)
+        optimizer.gather_grads()  # into the fp32 masters (the parameters themselves when fp32)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(optimizer.masters, config.grad_clip))
         optimizer.step()
         loss_ema = value if loss_ema is None else 0.95 * loss_ema + 0.05 * value
         bar.update()
         bar.set_postfix(loss=f"{loss_ema:.3f}")
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-            history.append({"step": step + 1, "loss": value, "loss_ema": loss_ema, "lr": lr_at(step, config)})
+            history.append({"step": step + 1, "loss": value, "loss_ema": loss_ema, "lr": lr_at(step, config),
+                            "grad_norm": grad_norm})
             if not progress:
                 elapsed = time.perf_counter() - loop_start
                 left = elapsed / (step + 1 - first_step) * (config.steps - step - 1)

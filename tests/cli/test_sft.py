@@ -193,6 +193,7 @@ def test_packed_bf16_sft_learns_and_saves_fp32_masters(tmp_path):
     history = json.loads((tmp_path / "m" / "sft_metrics.json").read_text())["history"]
     losses = [h["loss"] for h in history if "loss" in h]
     assert losses[-1] < 0.8 * losses[0] and 0.0 <= result.accuracy <= 1.0
+    assert all(h["grad_norm"] > 0 for h in history if "loss" in h)  # clipping sees the masters' gradients
     weights = _weights(tmp_path / "m")
     assert all(w.dtype == torch.float32 for w in weights.values())
     # the fp32 masters, not BF16 values: some weight has more mantissa bits than BF16 holds
