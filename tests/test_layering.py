@@ -22,8 +22,9 @@ ALLOWED = {
     "config": {"jetrl.quant.recipe", "jetrl.rl.advantages", "jetrl.rl.losses", "jetrl.rl.optim"},
     "rl": {"quant", "models", "parallel", "rollout", "data", "config"},
     "evaluate": {"quant", "models", "rollout", "data", "config"},
-    # sft checkpoints through the RL loop's atomic, checksummed checkpoint files
-    "sft": {"quant", "models", "data", "evaluate", "jetrl.rl.checkpoint"},
+    # sft checkpoints through the RL loop's atomic, checksummed checkpoint files and trains BF16 with its
+    # master-weight AdamW
+    "sft": {"quant", "models", "data", "evaluate", "jetrl.rl.checkpoint", "jetrl.rl.optim"},
     "plotting": set(),
     "cli": {"quant", "models", "parallel", "rollout", "data", "config", "rl", "evaluate", "sft", "plotting"},
     "__main__": {"cli"},

@@ -10,7 +10,7 @@ Built in:
   radicals, intervals, sets, LaTeX spellings (``\\dfrac12`` = ``\\frac{1}{2}`` = ``0.5``). It parses at most
   :data:`MATH_ANSWER_CHARS` characters of the completion (:func:`answer_excerpt`), so a pathological
   completion costs bounded time and math-verify's own timeout warnings (which quote their input) stay short.
-* the built-in tasks' checkers, by task name (``"arithmetic"``, ``"countdown"``).
+* the built-in tasks' checkers, by task name (``"arithmetic"``, ``"countdown"``, ``"chain"``).
 
 Any other callable with the same signature plugs in by name: :func:`resolve_reward` accepts a built-in
 name or a dotted path ``"package.module:function"``. :class:`RewardConfig` adds an optional format bonus
@@ -37,6 +37,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "math": "jetrl.data.rewards:math_reward",
     "arithmetic": "jetrl.data.tasks.arithmetic:arithmetic_reward",
     "countdown": "jetrl.data.tasks.countdown:countdown_reward",
+    "chain": "jetrl.data.tasks.chain:chain_reward",
 }
 
 # What a well-formed final answer looks like, per built-in reward (used by the format bonus).
@@ -45,6 +46,7 @@ FORMAT_PATTERNS: dict[str, str] = {
     "math": r"\\boxed\s*\{",
     "arithmetic": r"####\s*-?\d+\s*$",
     "countdown": r"####\s*[\d+\-*/() ]+\s*$",
+    "chain": r"####\s*-?\d+\s*$",
 }
 
 

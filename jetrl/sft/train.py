@@ -1,21 +1,38 @@
-"""Supervised warm-start: train a small decoder from scratch on a built-in task's worked solutions.
+"""Supervised warm-start: train a decoder from scratch on a built-in task's worked solutions.
 
 Each training sequence is ``<bos> prompt solution <eos>`` in the task's compact format; the loss is the
 mean negative log-likelihood of the solution and ``<eos>`` tokens only (the prompt is given, not
-learned). A step's sequences are right-padded to the longest one and run as one ``(B, T)`` causal batch:
-causal attention never lets a real token see the padding after it, and the padded batch runs a single
-attention call per layer, which on CPU is about 2.5x faster than the per-sequence varlen path of
-``forward_packed`` for these ~45-token sequences. Examples are drawn by index from the task's seeded
-generator, so a run never repeats a problem and never needs a stored data set; the evaluation set takes
-another seed.
+learned), over all of a step's ``batch_size`` sequences. Examples are drawn by index from the task's
+seeded generator, so a run never repeats a problem and never needs a stored data set; the evaluation
+set takes another seed.
+
+Two layouts of a step's sequences, the same loss (to fp32 rounding; a test checks it):
+
+* **packed** (``packing=True``, the default on CUDA): the sequences are concatenated, in order, into
+  packs of at most ``micro_batch_tokens`` tokens (:func:`pack_examples`); each pack is one
+  ``model.forward_packed`` call with document-boundary (block-diagonal causal) attention, so no compute
+  goes to padding, and the LM head runs on the target rows only (:func:`packed_answer_loss`). The packs
+  are micro-batches: each adds ``sum of its NLL / step's target count`` to the gradients, so the
+  accumulated gradient is that of the whole step. Long chains of very different lengths (the ``chain``
+  task) waste most of a padded batch; packing wastes nothing.
+* **padded** (``packing=False``, the default elsewhere): right-padded to the longest sequence, one
+  ``(B, T)`` causal batch (:func:`answer_loss`). Causal attention never lets a real token see the
+  padding after it; for the short (~45-token) arithmetic sequences on CPU one batched attention call per
+  layer is about 2.5x faster than the per-sequence varlen path.
+
+Precision: ``dtype="float32"`` trains fp32 parameters; ``dtype="bfloat16"`` trains BF16 parameters with
+fp32 master weights and moments (:class:`jetrl.rl.optim.MasterWeightAdamW`, the RL trainer's optimizer),
+which on CUDA runs the fused kernels of the backend seam (RMSNorm, SwiGLU, the chunked log-probabilities)
+and BF16 tensor-core GEMMs. The model stays in the ``bf16`` recipe: SFT makes the warm start every
+precision recipe of the experiments starts from.
 
 The result is a HuggingFace-format folder (config.json, model.safetensors, tokenizer files) that
 :func:`jetrl.models.load_model` and ``transformers`` load. The step budget is the early stop: it is
 chosen so the model is weak but not hopeless on its task, which leaves RL room to improve it.
 
-Interruptions: every ``checkpoint_every`` steps (and after the last) the fp32 weights, the optimizer
-state and the run state (step -- which is also the data position, since examples are drawn by index --
-loss average, history) go into ``<output_dir>/checkpoints/`` through :mod:`jetrl.rl.checkpoint`'s atomic,
+Interruptions: every ``checkpoint_every`` steps (and after the last) the weights, the optimizer state
+and the run state (step -- which is also the data position, since examples are drawn by index -- loss
+average, history) go into ``<output_dir>/checkpoints/`` through :mod:`jetrl.rl.checkpoint`'s atomic,
 checksummed, pickle-free checkpoints. ``run_sft(..., resume=True)`` continues from the newest complete
 one and ends with exactly the weights an uninterrupted run would have; the folder is removed once the
 final model is written (unless ``keep_checkpoints``). A fresh run into an ``output_dir`` that holds an
@@ -43,12 +60,15 @@ class SFTConfig:
     """What to train on, the model's shape, the optimizer and the step budget.
 
     Linear sizes are multiples of 16 so the FP8 GPU path (which needs 16-aligned GEMM dimensions) runs
-    the model too. ``train_seed`` and ``eval_seed`` pick disjoint problem streams of the task.
+    the model too. ``train_seed`` and ``eval_seed`` pick disjoint problem streams of the task;
+    ``difficulty`` is an int or a ``(low, high)`` range drawn per example. ``packing`` None packs on CUDA
+    and pads elsewhere (see the module doc); ``micro_batch_tokens`` bounds a pack (the activation memory
+    of one forward); ``dtype`` is the parameter dtype during training.
     """
 
     output_dir: str = "tiny-arith"
     task: str = "arithmetic"
-    difficulty: int = 3
+    difficulty: int | tuple[int, int] = 3
     task_options: dict[str, Any] = field(default_factory=dict)
     train_seed: int = 1
     eval_seed: int = 12345
@@ -73,10 +93,16 @@ class SFTConfig:
     eval_every: int = 0                # > 0: greedy accuracy on the eval set every N steps (for tuning the budget)
     checkpoint_every: int = 100        # > 0: a resumable checkpoint every N steps and after the last; 0: none
     keep_checkpoints: bool = False     # keep <output_dir>/checkpoints after the final model is written
+    packing: bool | None = None        # True: packed forwards; False: padded batches; None: packed on CUDA only
+    micro_batch_tokens: int = 65536    # packing: at most this many tokens per forward (one micro-batch)
+    dtype: str = "float32"             # training parameter dtype: "float32" | "bfloat16" (fp32 master weights)
 
     def __post_init__(self) -> None:
+        if isinstance(self.difficulty, list):
+            self.difficulty = tuple(self.difficulty)
         for name in ("steps", "batch_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "intermediate_size", "eval_examples", "log_every"):
+                     "num_key_value_heads", "intermediate_size", "eval_examples", "log_every",
+                     "micro_batch_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"sft: {name} must be a positive int, got {value!r}")
@@ -87,10 +113,17 @@ class SFTConfig:
             raise ValueError(f"sft: lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("sft: warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
-        if self.save_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"sft: save_dtype must be 'float32' or 'bfloat16', got {self.save_dtype!r}")
+        for name in ("save_dtype", "dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"sft: {name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+        if self.packing not in (None, True, False):
+            raise ValueError(f"sft: packing must be True, False or None (auto), got {self.packing!r}")
         if self.train_seed == self.eval_seed:
             raise ValueError("sft: train_seed and eval_seed must differ (the evaluation problems must be unseen)")
+
+    def uses_packing(self) -> bool:
+        """Whether steps run packed (``packing``, or by default: on a CUDA device)."""
+        return self.packing if self.packing is not None else torch.device(self.device).type == "cuda"
 
     def build_task(self, seed: int):
         from jetrl.data.tasks import get_task
@@ -144,6 +177,71 @@ def answer_loss(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor
     return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1), ignore_index=-1)
 
 
+@dataclass
+class Pack:
+    """Sequences concatenated into one row of tokens: ``input_ids``, ``positions`` and ``targets`` (N,)
+    (``targets[i]`` is the next token when it is a solution token or ``<eos>``, else -1), and the
+    sequence boundaries ``cu_seqlens`` (S+1 offsets, a host list)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    cu_seqlens: list[int]
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.targets >= 0).sum())
+
+    def to(self, device: torch.device | str) -> "Pack":
+        return Pack(self.input_ids.to(device), self.positions.to(device), self.targets.to(device), self.cu_seqlens)
+
+
+def pack_examples(examples: list[tuple[list[int], int]], max_tokens: int) -> list[Pack]:
+    """The ``(ids, prompt length)`` sequences, in order, greedily concatenated into packs of at most
+    ``max_tokens`` tokens (a new pack starts when the next sequence does not fit). Same targets as
+    :func:`pad_batch`, without the padding. A sequence longer than ``max_tokens`` is an error."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    groups: list[list[tuple[list[int], int]]] = []
+    used = 0
+    for seq, prompt_len in examples:
+        if len(seq) > max_tokens:
+            raise ValueError(f"a sequence of {len(seq)} tokens does not fit a pack of {max_tokens} tokens; raise "
+                             f"micro_batch_tokens")
+        if not 1 <= prompt_len <= len(seq):
+            raise ValueError(f"prompt length {prompt_len} outside [1, {len(seq)}]")
+        if not groups or used + len(seq) > max_tokens:
+            groups.append([])
+            used = 0
+        groups[-1].append((seq, prompt_len))
+        used += len(seq)
+    packs = []
+    for group in groups:
+        ids, positions, targets, cu = [], [], [], [0]
+        for seq, prompt_len in group:
+            ids += seq
+            positions += range(len(seq))
+            # position i predicts token i + 1: targets on rows prompt_len - 1 .. len - 2
+            targets += [-1] * (prompt_len - 1) + seq[prompt_len:] + [-1]
+            cu.append(cu[-1] + len(seq))
+        packs.append(Pack(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                          torch.tensor(targets, dtype=torch.long), cu))
+    return packs
+
+
+def packed_answer_loss(model: torch.nn.Module, pack: Pack) -> torch.Tensor:
+    """Summed next-token negative log-likelihood (fp32) of a pack's target rows: one packed forward with
+    block-diagonal causal attention, the LM head on the target rows only (chunked fp32 log-probabilities,
+    :func:`jetrl.models.logprobs_from_hidden`)."""
+    from jetrl.models import logprobs_from_hidden
+
+    hidden = model.forward_packed(pack.input_ids, pack.positions, pack.cu_seqlens,
+                                  max(b - a for a, b in zip(pack.cu_seqlens, pack.cu_seqlens[1:])))
+    rows = (pack.targets >= 0).nonzero().squeeze(1)
+    logprobs, _ = logprobs_from_hidden(model, hidden[rows], pack.targets[rows])
+    return -logprobs.sum()
+
+
 def lr_at(step: int, config: SFTConfig) -> float:
     """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
     if step < config.warmup_steps:
@@ -169,7 +267,7 @@ def format_duration(seconds: float) -> str:
 
 
 def _check_same_run(saved: dict[str, Any], config: SFTConfig, path: str) -> None:
-    current = asdict(config)
+    current = json.loads(json.dumps(asdict(config)))  # as saved: tuples become lists
     changed = sorted(k for k in set(saved) | set(current)
                      if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k))
     if changed:
@@ -188,6 +286,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     from jetrl.evaluate import evaluate
     from jetrl.models import build_model, save_model
     from jetrl.rl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+    from jetrl.rl.optim import MasterWeightAdamW
 
     start = time.perf_counter()
     out = os.fspath(config.output_dir)
@@ -199,13 +298,14 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     tokenizer = save_char_tokenizer(out)
     train_task = config.build_task(config.train_seed)
     torch.manual_seed(config.seed)
-    model = build_model(config.model_config(tokenizer), dtype=torch.float32, device=config.device, seed=config.seed)
+    model = build_model(config.model_config(tokenizer), dtype=getattr(torch, config.dtype), device=config.device,
+                        seed=config.seed)
     model.source_path = out  # save_model copies the tokenizer files from here (they are already in place)
     num_params = sum(p.numel() for p in model.parameters())
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=config.lr, betas=(0.9, 0.95))
+    # AdamW (decay on matrices only) on fp32 masters; fp32 parameters are their own masters
+    optimizer = MasterWeightAdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
+                                  weight_decay=config.weight_decay)
+    packing = config.uses_packing()
     history, loss_ema, first_step = [], None, 0
     if resume:
         path = latest_checkpoint(ckpt_root)  # verifies checksums; skips damaged ones with a warning
@@ -227,22 +327,19 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     for step in range(first_step, config.steps):
         examples = [encode_example(tokenizer, ex.prompt, ex.solution)
                     for ex in train_task.examples(config.batch_size, start=step * config.batch_size)]
-        ids, targets = (t.to(config.device) for t in pad_batch(examples, tokenizer.pad_token_id))
-        loss = answer_loss(model, ids, targets)
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"sft: non-finite loss at step {step}; lower the learning rate")
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.zero_grad()
+        value = _backward_step_loss(model, examples, config, tokenizer.pad_token_id, packing, step)
+        optimizer.gather_grads()  # into the fp32 masters (the parameters themselves when fp32)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(optimizer.masters, config.grad_clip))
         optimizer.step()
-        value = float(loss.detach())
         loss_ema = value if loss_ema is None else 0.95 * loss_ema + 0.05 * value
         bar.update()
         bar.set_postfix(loss=f"{loss_ema:.3f}")
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-            history.append({"step": step + 1, "loss": value, "loss_ema": loss_ema, "lr": lr_at(step, config)})
+            history.append({"step": step + 1, "loss": value, "loss_ema": loss_ema, "lr": lr_at(step, config),
+                            "grad_norm": grad_norm})
             if not progress:
                 elapsed = time.perf_counter() - loop_start
                 left = elapsed / (step + 1 - first_step) * (config.steps - step - 1)
@@ -262,7 +359,12 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
 
     model.eval()
     dtype = getattr(torch, config.save_dtype)
-    model.to(dtype)
+    model.to(dtype)  # keeps the Parameter objects: the optimizer's references stay valid
+    if dtype == torch.float32:  # a BF16 run saved in fp32 keeps its fp32 master weights, not their rounding
+        with torch.no_grad():
+            for param, master in zip(optimizer.params, optimizer.masters):
+                if master is not param:
+                    param.copy_(master)
     save_model(model, out)
     result = evaluate(model, tokenizer, eval_set, max_tokens=max_tokens, progress=progress)
     seconds = time.perf_counter() - start
@@ -276,6 +378,31 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     return SFTResult(out, config.steps, float(loss_ema), result.accuracy, num_params, seconds)
 
 
+def _backward_step_loss(model: torch.nn.Module, examples: list[tuple[list[int], int]], config: SFTConfig,
+                        pad_id: int, packing: bool, step: int) -> float:
+    """Back-propagate the step's mean answer NLL (packed micro-batches or one padded batch); its value."""
+    if not packing:
+        ids, targets = (t.to(config.device) for t in pad_batch(examples, pad_id))
+        loss = answer_loss(model, ids, targets)
+        _check_finite(loss, step)
+        loss.backward()
+        return float(loss.detach())
+    packs = pack_examples(examples, config.micro_batch_tokens)
+    num_targets = sum(pack.num_targets for pack in packs)
+    total = 0.0
+    for pack in packs:
+        loss = packed_answer_loss(model, pack.to(config.device)) / num_targets
+        _check_finite(loss, step)
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def _check_finite(loss: torch.Tensor, step: int) -> None:
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"sft: non-finite loss at step {step}; lower the learning rate")
+
+
 def _max_new_tokens(config: SFTConfig) -> int:
     """A generation budget comfortably above the longest worked solution of the task's difficulty."""
     task = config.build_task(config.eval_seed)
@@ -283,5 +410,5 @@ def _max_new_tokens(config: SFTConfig) -> int:
     return int(longest * 1.5) + 8
 
 
-__all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "lr_at",
-           "format_duration"]
+__all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack", "pack_examples",
+           "packed_answer_loss", "lr_at", "format_duration"]

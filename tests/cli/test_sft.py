@@ -123,3 +123,83 @@ def test_format_duration():
     from jetrl.sft.train import format_duration
 
     assert [format_duration(s) for s in (0.4, 42, 185, 3725)] == ["0s", "42s", "3m05s", "1h02m"]
+
+
+# ------------------------------------------------------------------------------ packing and BF16
+
+def _chain_examples(tok, num, difficulty=(1, 12), seed=0):
+    from jetrl.data.tasks import ChainTask
+
+    return [encode_example(tok, ex.prompt, ex.solution) for ex in ChainTask(difficulty, seed=seed).examples(num)]
+
+
+def test_packs_hold_the_padded_targets_without_padding():
+    from jetrl.sft.train import pack_examples
+
+    tok = build_char_tokenizer()
+    examples = _chain_examples(tok, 9)
+    ids, targets = pad_batch(examples, tok.pad_token_id)
+    lengths = [len(seq) for seq, _ in examples]
+    packs = pack_examples(examples, max_tokens=max(lengths) * 3)
+    assert 1 < len(packs) < len(examples)
+    assert all(p.cu_seqlens[-1] == p.input_ids.numel() <= max(lengths) * 3 for p in packs)
+    flat_ids = torch.cat([p.input_ids for p in packs])
+    flat_targets = torch.cat([p.targets for p in packs])
+    assert flat_ids.tolist() == [t for b, L in enumerate(lengths) for t in ids[b, :L].tolist()]
+    assert flat_targets.tolist() == [t for b, L in enumerate(lengths) for t in targets[b, :L].tolist()]
+    assert torch.cat([p.positions for p in packs]).tolist() == [i for L in lengths for i in range(L)]
+    assert sum(p.num_targets for p in packs) == int((targets >= 0).sum())
+    assert len(pack_examples(examples, max_tokens=sum(lengths))) == 1
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        pack_examples(examples, max_tokens=max(lengths) - 1)
+
+
+def test_packed_and_padded_give_the_same_loss_and_gradients():
+    from jetrl.models import build_model
+    from jetrl.sft.train import answer_loss, pack_examples, packed_answer_loss
+
+    tok = build_char_tokenizer()
+    config = SFTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=64)
+    model = build_model(config.model_config(tok), dtype=torch.float32, seed=3)
+    examples = _chain_examples(tok, 8, seed=1)
+    ids, targets = pad_batch(examples, tok.pad_token_id)
+    padded = answer_loss(model, ids, targets)
+    padded.backward()
+    padded_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    packs = pack_examples(examples, max_tokens=200)
+    assert len(packs) > 1  # accumulation over micro-batches, normalised by the step's target count
+    num_targets = sum(p.num_targets for p in packs)
+    packed = 0.0
+    for pack in packs:
+        loss = packed_answer_loss(model, pack) / num_targets
+        loss.backward()
+        packed += float(loss.detach())
+    assert packed == pytest.approx(float(padded.detach()), rel=1e-5)  # fp32 rounding of different reduction orders
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, padded_grads[n], rtol=1e-4, atol=1e-6)
+
+
+def test_packed_bf16_sft_learns_and_saves_fp32_masters(tmp_path):
+    from jetrl.models import load_model
+
+    config = SFTConfig(output_dir=str(tmp_path / "m"), task="chain", difficulty=(1, 2), steps=20, batch_size=16,
+                       hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=64, eval_examples=2, warmup_steps=4, log_every=4, lr=1e-2,
+                       packing=True, micro_batch_tokens=256, dtype="bfloat16", checkpoint_every=0)
+    assert config.uses_packing() and not SFTConfig().uses_packing()  # auto: packed on CUDA only
+    result = run_sft(config, progress=False, log=lambda m: None)
+    history = json.loads((tmp_path / "m" / "sft_metrics.json").read_text())["history"]
+    losses = [h["loss"] for h in history if "loss" in h]
+    assert losses[-1] < 0.8 * losses[0] and 0.0 <= result.accuracy <= 1.0
+    assert all(h["grad_norm"] > 0 for h in history if "loss" in h)  # clipping sees the masters' gradients
+    weights = _weights(tmp_path / "m")
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    # the fp32 masters, not BF16 values: some weight has more mantissa bits than BF16 holds
+    assert any(not torch.equal(w, w.bfloat16().float()) for w in weights.values())
+    assert load_model(tmp_path / "m", dtype=torch.float32).config.hidden_size == 32
+    with pytest.raises(ValueError, match="dtype"):
+        SFTConfig(dtype="float16")
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        SFTConfig(micro_batch_tokens=0)

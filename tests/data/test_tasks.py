@@ -13,8 +13,11 @@ from jetrl.data.tasks import (
     COMPACT_ALPHABET,
     TASKS,
     ArithmeticTask,
+    ChainTask,
     CountdownTask,
+    check_chain,
     check_countdown,
+    difficulty_for_tokens,
     evaluate_expression,
     get_task,
 )
@@ -36,8 +39,8 @@ def test_checker_accepts_own_solutions(name, difficulty):
         assert resolve_reward(name)(ex.solution, ex.answer) == 1.0
         lines, _ = body_and_answer(ex.solution)
         assert len(lines) == difficulty == ex.difficulty  # one worked step per line
-        for line in lines:  # every step is a true equation
-            a, op, b, c = re.fullmatch(r"(-?\d+)([-+*/])(\d+)=(-?\d+)", line).groups()
+        for line in lines:  # every step is a true equation (the chain task prefixes its step counter, "n>")
+            a, op, b, c = re.fullmatch(r"(?:\d+>)?(-?\d+)([-+*/])(\d+)=(-?\d+)", line).groups()
             a, b = Fraction(a), Fraction(b)
             assert {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op] == int(c), line
 
@@ -155,7 +158,7 @@ def test_dataset_and_registry():
     assert ds[0].index == 10 and ds[0].metadata == {"task": "countdown", "difficulty": 2}
     assert ds.render(ds[0]) == ds[0].text
     assert resolve_reward(ds.reward)(ds[0].solution, ds[0].answer) == 1.0
-    with pytest.raises(ValueError, match="unknown task 'sudoku'; built-in tasks: arithmetic, countdown"):
+    with pytest.raises(ValueError, match="unknown task 'sudoku'; built-in tasks: arithmetic, chain, countdown"):
         get_task("sudoku")
     with pytest.raises(TypeError, match="task 'arithmetic'"):
         get_task("arithmetic", difficulty=2, max_number=3)
@@ -176,3 +179,69 @@ def test_task_config_builds_a_dataset():
     assert [p.text for p in ds] == [ex.prompt for ex in ArithmeticTask((2, 4), seed=7, max_operand=9).examples(30)]
     with pytest.raises(ValueError, match="num_examples"):
         TaskConfig(num_examples=0)
+
+
+# ------------------------------------------------------------------------------ chain (long traces)
+
+def test_chain_trace_follows_the_rule_from_the_prompt():
+    task = ChainTask(difficulty=(1, 40), seed=2)
+    for ex in task.examples(100):
+        start, steps = (int(x) for x in ex.prompt.strip().split(","))
+        lines, final = body_and_answer(ex.solution)
+        assert steps == ex.difficulty == len(lines)
+        value = start
+        for counter, line in zip(range(steps, 0, -1), lines, strict=True):
+            new = value // 2 if value % 2 == 0 else value + counter  # the rule, written out independently
+            assert line == f"{counter}>{value}{'/2' if value % 2 == 0 else f'+{counter}'}={new}"
+            value = new
+            assert 0 < value < task.max_start + 4 * steps
+        assert final == ex.answer == str(value)
+
+
+def test_chain_length_scales_with_difficulty():
+    lengths = {d: sum(len(ex.solution) for ex in ChainTask(d, seed=0).examples(20)) / 20 for d in (10, 100, 1000)}
+    assert 8 * 10 < lengths[10] < 20 * 10 and 8 * 100 < lengths[100] < 20 * 100
+    assert 8 * 1000 < lengths[1000] < 20 * 1000
+    for tokens in (256, 1024, 4096):
+        d = difficulty_for_tokens(tokens)
+        mean = sum(len(ex.solution) + 1 for ex in ChainTask(d, seed=0).examples(16)) / 16
+        assert tokens <= mean < tokens * 1.1, (tokens, d, mean)
+    with pytest.raises(ValueError, match="num_tokens"):
+        difficulty_for_tokens(0)
+    with pytest.raises(ValueError, match="shorter than"):
+        difficulty_for_tokens(10**6)
+
+
+def test_chain_reward_parses_only_the_final_answer_line():
+    ex = ChainTask(difficulty=30, seed=1).example(0)
+    lines, final = body_and_answer(ex.solution)
+    assert check_chain(ex.solution, ex.answer) and check_chain(ex.solution + "\n", ex.answer)
+    assert check_chain("junk\n#### 5\n#### " + final, ex.answer)  # the last answer line counts
+    for wrong in (int(final) + 1, int(final) - 1, int(final) * 10):
+        assert not check_chain("\n".join(lines) + f"\n#### {wrong}", ex.answer)
+    assert not check_chain("\n".join(lines), ex.answer)  # a trace without its answer line scores 0
+    assert not check_chain("\n".join(lines[:-1]) + f"\n{lines[-1]}", ex.answer)
+    assert not check_chain(f"#### {final} and more", ex.answer)
+    assert not check_chain(f"#### {final}.0", ex.answer)
+    with pytest.raises(ValueError, match="chain reference"):
+        check_chain("#### 3", "three")
+
+
+def test_chain_reward_time_is_bounded_on_pathological_completions():
+    import time
+
+    ref = "12345"
+    huge = ["#### " + "9" * 1_000_000, "1>2/2=1\n" * 200_000 + "#### " + "1" * 100_000, "#" * 2_000_000,
+            "#### 12345" + " " * 1_000_000 + "x"]
+    start = time.perf_counter()
+    assert not any(check_chain(text, ref) for text in huge)
+    assert check_chain("1>2/2=1\n" * 200_000 + "#### 12345", ref)
+    assert time.perf_counter() - start < 1.0  # linear scans only: no big-int parsing, no backtracking
+
+
+def test_chain_options_are_checked():
+    with pytest.raises(ValueError, match="max_start"):
+        ChainTask(max_start=1)
+    with pytest.raises(ValueError, match="difficulty must lie in"):
+        ChainTask(difficulty=ChainTask.max_difficulty + 1)
+    assert len(ChainTask(difficulty=2048, seed=0).example(3).solution) > 20_000  # several thousand tokens

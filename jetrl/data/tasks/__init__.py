@@ -1,6 +1,7 @@
 """Built-in synthetic reasoning tasks, generated deterministically from a seed, with checkers.
 
-``get_task("arithmetic", difficulty=4, seed=0)`` / ``get_task("countdown", difficulty=3)``; each task's
+``get_task("arithmetic", difficulty=4, seed=0)`` / ``get_task("countdown", difficulty=3)`` /
+``get_task("chain", difficulty=300)`` (long traces: about 4,000 tokens); each task's
 reward is also registered under its name in :data:`jetrl.data.rewards.BUILTIN_REWARDS`.
 """
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from jetrl.data.datasets import PromptDataset
 from jetrl.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward, check_arithmetic
+from jetrl.data.tasks.chain import ChainTask, chain_reward, check_chain, difficulty_for_tokens
 from jetrl.data.tasks.base import COMPACT_ALPHABET, Task, TaskExample, final_answer_line
 from jetrl.data.tasks.countdown import CountdownTask, check_countdown, countdown_reward, evaluate_expression
 
@@ -27,6 +29,7 @@ def register_task(cls: type[Task]) -> type[Task]:
 
 register_task(ArithmeticTask)
 register_task(CountdownTask)
+register_task(ChainTask)
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
@@ -76,6 +79,10 @@ __all__ = [
     "COMPACT_ALPHABET",
     "TASKS",
     "ArithmeticTask",
+    "ChainTask",
+    "chain_reward",
+    "check_chain",
+    "difficulty_for_tokens",
     "CountdownTask",
     "Task",
     "TaskExample",

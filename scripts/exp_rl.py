@@ -1,0 +1,241 @@
+"""Experiment 2: RL from one warm start in several arms -- the same seed, data and hyper-parameters.
+
+Arms (``exp_common.ARMS``; more by name with ``--arm NAME:overrides``): ``bf16`` (the reference),
+``fp8-rollout`` (BF16 training on FP8 rollouts: off-policy), ``fp8-rollout-tis`` (the same with
+truncated importance sampling, cap 2) and ``jet`` (FP8 on both sides). Each arm is one ``jetrl train``
+run (:func:`jetrl.rl.loop.run`, unchanged) on the ``chain`` task from the same checkpoint, for
+``--steps`` steps or until its ``--time-budget`` is spent, whichever comes first (the budget ends a run
+by lowering ``trainer.steps`` to the step just finished, inside the loop's ``on_step`` callback: the loop
+then writes its final checkpoint and stops as if that had been the step count). Greedy accuracy on
+held-out problems (another task seed) is measured before and after, in the arm's recipe.
+
+Per arm and seed the JSON keeps every logged step (reward, accuracy, the rollout-vs-training mismatch,
+entropy, clip fraction, response length, timings); ``exp_rl_curves.png`` draws reward, accuracy,
+length and mismatch per step (:func:`jetrl.plotting.plot_runs`), ``exp_rl_health.png`` the k3 KL, the
+fraction of tokens with ``|Δp| > 1e-3``, entropy and clip fraction. With several ``--seeds`` the last
+table gives the seed spread next to each arm's change. Everything the call needs to bring back is
+``exp_rl.json`` and the two PNGs in ``--out``; the runs themselves stay in the work folder.
+
+    python scripts/exp_rl.py --arms bf16,fp8-rollout --out $OUT           # SFT + two arms, one device call
+    python scripts/exp_rl.py --smoke                                      # the whole path on CPU in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import exp_common as common
+from jetrl.evaluate import held_out_accuracy
+from jetrl.plotting import plot_runs
+from jetrl.rl.checkpoint import latest_checkpoint
+from jetrl.rl.loop import run
+from jetrl.rl.metrics import read_jsonl
+
+# The RL settings every arm shares (GPU). Chains of ~1K tokens (difficulty_for_tokens(1024) = 89 steps);
+# 32 prompts x 8 samples = 256 sequences per step, two optimizer steps of 128 per RL step.
+GPU_RL = (
+    "data.task=chain", "data.difficulty=89", "data.num_examples=20000", "data.prompts_per_step=32",
+    "data.max_prompt_tokens=32", "rollout.n=8", "rollout.temperature=1.0", "rollout.max_tokens=1552",
+    "algorithm.advantage_estimator=grpo", "algorithm.clip_low=0.2", "algorithm.clip_high=0.28",
+    "algorithm.mini_batch_size=128", "algorithm.max_tokens_per_micro_batch=65536",
+    "optim.lr=1e-5", "optim.warmup_steps=2", "optim.grad_clip=1.0",
+    "model.dtype=bfloat16", "model.device=cuda",
+    "trainer.checkpoint_every=0", "trainer.keep_last=1", "trainer.log_every=1",
+)
+SMOKE_RL = (
+    "data.task=chain", "data.difficulty=2", "data.num_examples=16", "data.prompts_per_step=2",
+    "data.max_prompt_tokens=16", "rollout.n=2", "rollout.temperature=1.0", "rollout.max_tokens=40",
+    "algorithm.mini_batch_size=4", "algorithm.micro_batch_size=4", "optim.lr=1e-4",
+    "model.dtype=float32", "model.device=cpu",
+    "trainer.checkpoint_every=0", "trainer.keep_last=1", "trainer.log_every=1",
+)
+HEALTH_PANELS = (("mismatch/kl_k3", "k3 KL(rollout || train)", True),
+                 ("mismatch/frac_prob_diff_gt_thr", "fraction of tokens |Δp| > 1e-3", False),
+                 ("actor/entropy", "entropy (nats / token)", False),
+                 ("actor/clip_frac", "clip fraction", False))
+
+
+def run_arm(name: str, overrides: Sequence[str], base: Sequence[str], model_path: str, run_dir: Path, seed: int,
+            steps: int, time_budget: float, num_eval: int, log=print) -> dict[str, Any]:
+    """One arm and seed: held-out accuracy, RL for ``steps`` steps or ``time_budget`` seconds, held-out
+    accuracy of the final checkpoint; returns the summary and every logged step."""
+    config = common.arm_config([*base, f"model.path={model_path}", f"trainer.output_dir={run_dir}",
+                                f"trainer.seed={seed}", f"trainer.steps={steps}"], overrides)
+    clock = common.Clock()
+    before = held_out_accuracy(model_path, config, num_eval) if num_eval else None
+    train_clock = common.Clock()
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        log(f"{name} seed {seed} step {step}: reward {metrics.get('reward/mean', math.nan):.3f}, |dlogp| "
+            f"{metrics.get('mismatch/logp_abs_diff_mean', math.nan):.2e}, {train_clock.elapsed():.0f} s")
+        if train_clock.elapsed() >= time_budget and step < config.trainer.steps:
+            config.trainer.steps = step  # the loop checkpoints this step as its last and stops
+
+    run(config, on_step=on_step)
+    train_seconds = train_clock.elapsed()
+    final = latest_checkpoint(run_dir / "checkpoints")
+    after = held_out_accuracy(str(final / "model"), config, num_eval) if num_eval else None
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    return {"arm": name, "seed": seed, "overrides": list(overrides), "recipe": config.recipe,
+            "steps": len(records), "steps_requested": steps, "train_seconds": train_seconds,
+            "seconds": clock.elapsed(), "held_out_examples": num_eval, "held_out_before": before,
+            "held_out_after": after, "run_dir": str(run_dir), "records": records}
+
+
+def _mean(values: Sequence[float]) -> float:
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def _ends(records: list[dict], key: str, window: int = 3) -> tuple[float, float]:
+    """Mean of ``key`` over the first and the last ``window`` logged steps."""
+    values = [float(r[key]) for r in records if key in r]
+    return _mean(values[:window]), _mean(values[-window:])
+
+
+def plot(results: dict[str, Any], out: Path) -> list[Path]:
+    """``exp_rl_curves.png`` (reward, accuracy, length, mismatch per step, every run) and
+    ``exp_rl_health.png`` (k3 KL, |Δp| > 1e-3 fraction, entropy, clip fraction)."""
+    runs = results["runs"]
+    labels = [f"{r['arm']} s{r['seed']}" for r in runs]
+    paths = [plot_runs([r["run_dir"] for r in runs], out / "exp_rl_curves.png", labels=labels,
+                       title="Experiment 2: RL from one warm start, per arm")]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, title, log_scale) in zip(axes.flat, HEALTH_PANELS):
+        for label, r in zip(labels, runs):
+            points = [(rec["step"], float(rec[key])) for rec in r["records"] if key in rec]
+            if points:
+                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=label)
+        if log_scale:
+            common.log_scale_with_zero(ax, [float(rec[key]) for r in runs for rec in r["records"] if key in rec])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("Experiment 2: mismatch and policy health per step")
+    fig.tight_layout()
+    paths.append(out / "exp_rl_health.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def summary_tables(results: dict[str, Any]) -> str:
+    """Per run: steps, held-out accuracy before -> after, reward and mismatch at the start and the end;
+    then per arm over seeds: the mean change of held-out accuracy and reward with the seed spread."""
+    rows = []
+    for r in results["runs"]:
+        recs = r["records"]
+        reward = _ends(recs, "reward/mean")
+        dlogp = _ends(recs, "mismatch/logp_abs_diff_mean")
+        k3 = _ends(recs, "mismatch/kl_k3")
+        acc = (f"{r['held_out_before']:.3f} -> {r['held_out_after']:.3f}" if r["held_out_before"] is not None else "-")
+        rows.append((r["arm"], r["seed"], r["steps"], acc, f"{reward[0]:.3f} -> {reward[1]:.3f}",
+                     f"{dlogp[0]:.1e} -> {dlogp[1]:.1e}", f"{k3[1]:.1e}",
+                     f"{_ends(recs, 'actor/entropy')[1]:.3f}",
+                     f"{_mean([x.get('actor/clip_frac', math.nan) for x in recs]):.4f}",
+                     f"{_ends(recs, 'response/length_mean')[1]:.0f}", f"{r['train_seconds']:.0f}"))
+    text = common.table(rows, ("arm", "seed", "steps", "held-out acc", "reward (first3 -> last3)",
+                               "|dlogp| first -> last", "k3 last", "entropy", "clip frac", "len", "s"))
+    spread_rows = []
+    for arm in dict.fromkeys(r["arm"] for r in results["runs"]):
+        runs = [r for r in results["runs"] if r["arm"] == arm]
+        gains = [r["held_out_after"] - r["held_out_before"] for r in runs if r["held_out_before"] is not None]
+        rewards = [_ends(r["records"], "reward/mean") for r in runs]
+        reward_gains = [b - a for a, b in rewards]
+        spread_rows.append((arm, len(runs), _with_spread(gains), _with_spread(reward_gains)))
+    skipped = [f"{s['arm']} seed {s['seed']}" for s in results.get("skipped", [])]
+    return (text + (f"\nnot run (deadline): {', '.join(skipped)}" if skipped else "") + "\n\n"
+            + common.table(spread_rows, ("arm", "seeds", "held-out acc change (mean ± half range)",
+                                         "reward change (mean ± half range)")))
+
+
+def _with_spread(values: Sequence[float]) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:+.3f} (one seed: no spread)"
+    return f"{_mean(values):+.3f} ± {(max(values) - min(values)) / 2:.3f}"
+
+
+def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
+    """SFT (or ``--model``), then every arm for every seed; writes the JSON after each run and the PNGs."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = common.work_dir(args)
+    arms = common.resolve_arms(common.parse_list(args.arms), args.arm)
+    seeds = common.parse_list(args.seeds, int)
+    base = [*(SMOKE_RL if args.smoke else GPU_RL), *args.override]
+    for overrides in arms.values():  # every arm's config is valid before the SFT starts
+        common.arm_config([*base, "model.path=unused"], overrides)
+    clock = common.Clock()
+    model_path, warm = common.warm_start(args, work, log=log)
+    results: dict[str, Any] = {"experiment": "rl_arms", "smoke": args.smoke, "warm_start": warm, "base_overrides": base,
+                               "arm_overrides": arms, "seeds": seeds, "steps": args.steps,
+                               "time_budget_per_arm": args.time_budget, "deadline": args.deadline, "runs": [],
+                               "skipped": []}
+    json_path = out / "exp_rl.json"
+    todo = [(seed, name) for seed in seeds for name in arms]
+    for i, (seed, name) in enumerate(todo):
+        budget = args.time_budget
+        if args.deadline is not None:  # share what is left fairly among the runs still to come
+            share = (args.deadline - clock.elapsed()) / (len(todo) - i) - args.reserve
+            budget = min(budget, share)
+        if args.deadline is not None and share <= 0:
+            results["skipped"].append({"arm": name, "seed": seed, "reason": "deadline"})
+            log(f"{name} seed {seed}: skipped, no time left before the {args.deadline:.0f} s deadline")
+            continue
+        result = run_arm(name, arms[name], base, model_path, work / "rl" / f"{name}-s{seed}", seed, args.steps,
+                         budget, args.eval_examples, log=log)
+        results["runs"].append(result)
+        common.write_json(json_path, results)  # a call cut short still brings the finished runs
+    common.write_json(json_path, results)
+    if results["runs"]:
+        plot(results, out)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_common_arguments(p, default_out="runs/exp_rl", default_arms="bf16,fp8-rollout,fp8-rollout-tis,jet")
+    p.add_argument("--seeds", default="0", help="comma-separated trainer seeds (each arm runs once per seed)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps per arm (default 40; smoke 2)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of RL per arm; the run ends after the step that crosses it (default 150; smoke 600)")
+    p.add_argument("--eval-examples", type=int, default=None, help="held-out problems (default 128; smoke 2; 0 = off)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds after the start by which every run should be done (default 540 on the GPU, none in "
+                        "smoke): each run's budget is at most its share of the time left, less --reserve")
+    p.add_argument("--reserve", type=float, default=None,
+                   help="seconds per run kept for loading, held-out evaluation and the checkpoint "
+                        "(default 45; smoke 0)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a RunConfig override for every arm (e.g. rollout.max_tokens=3000); repeatable")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (2 if args.smoke else 40)
+    args.time_budget = args.time_budget if args.time_budget is not None else (600.0 if args.smoke else 150.0)
+    args.eval_examples = args.eval_examples if args.eval_examples is not None else (2 if args.smoke else 128)
+    args.reserve = args.reserve if args.reserve is not None else (0.0 if args.smoke else 45.0)
+    if args.deadline is None and not args.smoke:
+        args.deadline = 540.0
+    results = run_experiment(args, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(summary_tables(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The experiment scripts end to end in their CPU smoke mode, and the pieces they are sized and extended by."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The smoke models are tiny: one thread runs them fastest (and does not fight the other tests' threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def common(scripts_path):
+    import exp_common
+
+    return exp_common
+
+
+@pytest.fixture(scope="module")
+def warm_model(common, tmp_path_factory):
+    """The smoke warm start: a fresh SFT of the tiny model through the scripts' own path (no --model)."""
+    work = tmp_path_factory.mktemp("work")
+    args = SimpleNamespace(model=None, smoke=True, sft_steps=2, sft_seed=0)
+    path, summary = common.warm_start(args, work, log=lambda m: None)
+    assert summary["sft"]["config"]["task"] == "chain" and summary["sft"]["config"]["steps"] == 2
+    return path
+
+
+def test_the_experiment_model_is_sized_as_documented(common):
+    from jetrl.models import build_model
+    from jetrl.sft.tokenizer import build_char_tokenizer
+
+    config = common.sft_config(smoke=False, output_dir="unused")
+    assert config.hidden_size >= 1024 and config.hidden_size % 128 == 0 and config.intermediate_size % 128 == 0
+    assert config.uses_packing() and config.dtype == "bfloat16"
+    model = build_model(config.model_config(build_char_tokenizer()), dtype=torch.bfloat16, device="meta", init=False)
+    assert common.num_parameters(config) == sum(p.numel() for p in model.parameters())
+    # 6 x matrix parameters + attention; the attention term grows linearly with the sequence length
+    short, long = common.train_flops_per_token(config, 1000), common.train_flops_per_token(config, 2000)
+    assert 6 * 90e6 < short < long and long - short == pytest.approx(3 * 8 * 2 * 2 * 500 * 1024)
+    seconds = common.sft_seconds_estimate(config, 2048, utilization=0.35)
+    assert 60 < seconds < 300  # the warm start fits a 10-minute device call with room for an experiment
+
+
+def test_arms_resolve_by_name_and_from_the_command_line(common):
+    arms = common.resolve_arms(["jet", "exact"], ["exact:recipe=jet; rollout.n=2"])
+    assert arms == {"jet": ("recipe=jet",), "exact": ("recipe=jet", "rollout.n=2")}
+    assert common.arm_config(["rollout.n=4"], arms["exact"]).rollout.n == 2  # the arm's overrides come last
+    assert common.arm_config([], common.ARMS["fp8-rollout-tis"]).algorithm.tis_cap == 2.0
+    with pytest.raises(ValueError, match="unknown arms.*kv-fp8"):
+        common.resolve_arms(["kv-fp8"])
+    with pytest.raises(ValueError, match="NAME:key=value"):
+        common.resolve_arms(["x"], ["x=recipe=jet"])
+    with pytest.raises(ValueError, match="twice"):
+        common.resolve_arms(["jet", "jet"])
+
+
+def test_exp_mismatch_smoke(common, warm_model, tmp_path, capsys):
+    import exp_mismatch
+
+    out = tmp_path / "out"
+    assert exp_mismatch.main(["--smoke", "--model", warm_model, "--out", str(out), "--work", str(tmp_path / "w"),
+                              "--lengths", "16", "--prompts", "1", "--n", "2"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["exp_mismatch.json", "exp_mismatch_length.png",
+                                                    "exp_mismatch_position.png"]
+    results = json.loads((out / "exp_mismatch.json").read_text())
+    arms = results["arms"]
+    assert list(arms) == ["bf16", "fp8-rollout", "jet"] and results["lengths"] == [16]
+    for arm in arms.values():
+        m = arm["16"]
+        assert m["num_sequences"] == 2 and m["num_tokens"] > 0 and 0 <= m["accuracy"] <= 1
+        assert m["is_ratio_min"] <= m["is_ratio_p01"] <= m["is_ratio_p99"] <= m["is_ratio_max"]
+        assert len(m["logp_abs_diff_by_position"]) == math.ceil(m["response_length_max"] / 8)  # bins of 8 tokens
+    # the same weights and sampling seeds: BF16 and the unified FP8 flow agree to summation order, while
+    # sampling in FP8 and scoring in BF16 differs by the FP8 rounding of every linear layer
+    unified = max(arms["bf16"]["16"]["logp_abs_diff_mean"], arms["jet"]["16"]["logp_abs_diff_mean"])
+    assert unified < 1e-5 and arms["fp8-rollout"]["16"]["logp_abs_diff_mean"] > 100 * unified
+    last = capsys.readouterr().out.strip().splitlines()
+    assert last[0].split()[:2] == ["arm", "length"] and [line.split()[0] for line in last[2:]] == list(arms)
+
+
+def test_position_profile_and_ratio_spread(scripts_path):
+    from exp_mismatch import position_profile, ratio_spread
+
+    rollout = torch.zeros(2, 5)
+    train = torch.tensor([[0.1, 0.2, 0.0, 0.0, 0.0], [0.3, 0.0, 0.4, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False, False, False], [True, True, True, False, False]])
+    assert position_profile(rollout, train, mask, 2) == pytest.approx([0.15, 0.4, math.nan], nan_ok=True)
+    spread = ratio_spread(rollout, train, mask)
+    ratios = torch.tensor([0.1, 0.2, 0.3, 0.0, 0.4], dtype=torch.float64).exp()
+    assert spread["is_ratio_std"] == pytest.approx(float(ratios.std()))
+    assert spread["is_ratio_p01"] >= 1.0 and spread["is_ratio_p99"] <= float(ratios.max())
+
+
+def test_exp_rl_smoke_with_a_time_budget_and_two_seeds(common, warm_model, tmp_path, capsys):
+    import exp_rl
+
+    out = tmp_path / "out"
+    assert exp_rl.main(["--smoke", "--model", warm_model, "--out", str(out), "--work", str(tmp_path / "w"),
+                        "--arms", "bf16,tis3", "--arm", "tis3:recipe=fp8-rollout;algorithm.tis_cap=3.0",
+                        "--seeds", "0,1", "--steps", "3", "--time-budget", "0", "--eval-examples", "1"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["exp_rl.json", "exp_rl_curves.png", "exp_rl_health.png"]
+    results = json.loads((out / "exp_rl.json").read_text())
+    runs = results["runs"]
+    assert [(r["arm"], r["seed"]) for r in runs] == [("bf16", 0), ("tis3", 0), ("bf16", 1), ("tis3", 1)]
+    for r in runs:
+        # a zero budget ends each run after its first step, which the loop checkpointed as its last
+        assert r["steps"] == 1 and r["steps_requested"] == 3 and [rec["step"] for rec in r["records"]] == [1]
+        assert r["held_out_before"] is not None and r["held_out_after"] is not None
+        assert "mismatch/kl_k3" in r["records"][0] and "actor/clip_frac" in r["records"][0]
+    assert {r["recipe"] for r in runs} == {"bf16", "fp8-rollout"}
+    tis = [r for r in runs if r["arm"] == "tis3"][0]["records"][0]
+    assert tis["mismatch/logp_abs_diff_mean"] > 0
+    text = capsys.readouterr().out
+    assert "±" in text.strip().splitlines()[-1]  # the seed spread, last
+
+
+def test_runs_past_the_deadline_are_skipped_and_reported(common, warm_model, tmp_path, capsys):
+    import exp_mismatch
+    import exp_rl
+
+    out = tmp_path / "out"
+    assert exp_rl.main(["--smoke", "--model", warm_model, "--out", str(out), "--arms", "bf16,jet",
+                        "--deadline", "0"]) == 0
+    results = json.loads((out / "exp_rl.json").read_text())
+    assert results["runs"] == [] and [(s["arm"], s["seed"]) for s in results["skipped"]] == [("bf16", 0), ("jet", 0)]
+    assert "not run (deadline): bf16 seed 0, jet seed 0" in capsys.readouterr().out
+    assert exp_mismatch.main(["--smoke", "--model", warm_model, "--out", str(out), "--lengths", "8,16",
+                              "--deadline", "0"]) == 0
+    results = json.loads((out / "exp_mismatch.json").read_text())
+    assert results["arms"] == {} and len(results["skipped"]) == 6
+    assert "not run (deadline): bf16 L=8" in capsys.readouterr().out
