@@ -29,6 +29,15 @@ CONFIG = dict(model_type="qwen3", vocab_size=256, hidden_size=128, intermediate_
 CASES = [("bf16", torch.float32), ("bf16", torch.bfloat16), ("jet", torch.bfloat16)]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny matrices: threads only add OpenMP contention on a busy 2-core machine (the bench tests do the same)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _prompts(count: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 71, (count,), generator=g).tolist()
