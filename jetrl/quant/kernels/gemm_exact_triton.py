@@ -12,7 +12,8 @@ not depend on M, so everything that decides a row's arithmetic is fixed per weig
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
 reduce along K per row), so a row's bits are independent of its tile neighbours. The cost against the
-fast path: no split-K for decode-sized M, and no cuBLAS for large M (measured in BENCHMARKS.md).
+fast path: no split-K for decode-sized M, and no cuBLAS for large M (measured in BENCHMARKS.md). The tiles come
+from the tuning object (:mod:`~jetrl.quant.kernels.tuning`, ``exact_*``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
 
 
@@ -75,17 +77,19 @@ def _exact_gemm_kernel(
 class ExactGemmConfig:
     """The one tile configuration of an exact GEMM for a weight shape (never chosen by M)."""
 
-    block_m: int = 64
-    block_n: int = 128
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
     group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
 
 
-def exact_config(n: int, k: int, fp8: bool) -> ExactGemmConfig:
-    """The tile configuration for an (N, K) weight: 64 x 128 tiles (64-row tiles keep decode's padding
-    waste bounded; 128-wide N tiles stream the weight in full rows), narrower N tiles for narrow weights."""
-    return ExactGemmConfig(block_n=64 if n <= 1024 else 128, num_stages=3 if fp8 else 4)
+def exact_config(n: int, k: int) -> ExactGemmConfig:
+    """The tile configuration for an (N, K) weight, from the tuning object's ``exact_*`` fields: 64-row tiles
+    (they bound decode's padding waste), 128-wide N tiles, narrower ones for narrow weights (more programs)."""
+    t = tuning.current()
+    block_n = t.exact_narrow_block_n if n <= t.exact_narrow_n else t.exact_block_n
+    return ExactGemmConfig(t.exact_block_m, block_n, t.exact_num_warps, t.exact_num_stages)
 
 
 def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.Tensor:
@@ -95,7 +99,7 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
         return out
     if k == 0:
         return out.zero_()
-    cfg = exact_config(n, k, fp8)
+    cfg = exact_config(n, k)
     block_k = BLOCK if fp8 else 64
     scales = (a_scale, b_scale) if fp8 else (out, out)  # unused without FP8
     strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0, 0)
