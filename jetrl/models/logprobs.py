@@ -176,7 +176,8 @@ def _chunk_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor,
 
 def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          chunk_size: int | None = None, impl: str | None = None,
-                         keep_logits_bytes: int | None = None, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         keep_logits_bytes: int | None = None, exact: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked fp32 log-probabilities and entropies of ``targets`` (N,) from final hidden states (N, hidden).
 
     A negative target marks a row without a target (its logprob is 0; its entropy is still computed).

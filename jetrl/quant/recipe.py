@@ -127,4 +127,5 @@ def check_exact(model: nn.Module) -> None:
                          f"the rollout's log-probabilities cannot equal the trainer's")
 
 
-__all__ = ["check_exact", "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears", "refresh_fp8_weights"]
+__all__ = ["check_exact", "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears",
+           "refresh_fp8_weights"]

@@ -6,8 +6,9 @@ runner decides *how* it is computed on the device, and holds everything that liv
 cache (sized from a memory budget), the CUDA graphs of the decode step, the per-step input tensors, the
 block copies of copy-on-write, and the sampling of the logits. The engine never touches a tensor.
 
-**The interface** (what a runner provides; a distributed rank's runner and an exact-mode runner with other
-kernels plug in here, behind the same calls):
+**The interface** (what a runner provides; a distributed rank's runner plugs in here, behind the same calls;
+exact on-policy mode is this runner's ``exact`` flag: every forward, captured or eager, runs the model's exact
+path and the sampler reports the trainer's exact log-probabilities, see :mod:`jetrl.quant.exact`):
 
 - ``allocate_kv_cache() -> int`` -- make the KV cache if there is none; returns the number of usable blocks
   (the engine's :class:`~jetrl.rollout.block_manager.BlockManager` hands out block ids ``0 .. n-1``).

@@ -288,8 +288,9 @@ def _trainer(recipe: str, dtype, extra=()):
     return Trainer(cfg, model, engine, _Prompts(3), _reward, _decode)
 
 
-@pytest.mark.parametrize("recipe,dtype,extra", [("bf16", torch.float32, ()), ("jet", torch.bfloat16, ()),
-                                                ("jet", torch.bfloat16, ("--algorithm.old_logprobs_from_update=true",))],
+@pytest.mark.parametrize("recipe,dtype,extra", [
+    ("bf16", torch.float32, ()), ("jet", torch.bfloat16, ()),
+    ("jet", torch.bfloat16, ("--algorithm.old_logprobs_from_update=true",))],
                          ids=["bf16-fp32", "jet-bf16", "jet-bf16-old-from-update"])
 def test_rl_step_mismatch_is_zero(recipe, dtype, extra):
     trainer = _trainer(recipe, dtype, extra)

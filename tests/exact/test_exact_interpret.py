@@ -46,8 +46,9 @@ for dtype in (torch.float32, torch.float16):
     w = torch.randn(80, 200, generator=g).to(dtype)
     full = E.exact_matmul(x, w)
     ref = x.double() @ w.double().t()
-    out[f"matmul-{dtype}-close"] = bool(torch.allclose(full.double(), ref, rtol=1e-3 if dtype == torch.float16 else 1e-5,
-                                                       atol=1e-2 if dtype == torch.float16 else 1e-4))
+    half = dtype == torch.float16
+    out[f"matmul-{dtype}-close"] = bool(torch.allclose(full.double(), ref, rtol=1e-3 if half else 1e-5,
+                                                       atol=1e-2 if half else 1e-4))
 
 # attention. Under the interpreter a tl.dot row's bits depend on its position in the tile (numpy's sgemm), so
 # the bitwise checks keep each compared row at the same tile position and vary what the kernel may not depend

@@ -46,7 +46,6 @@ def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qsl_ptr, ctx_ptr, t
     if seq < 0:  # past the last tile (the grid is an upper bound, fixed without a host sync)
         return
     first = tl.load(tile_start_ptr + tile)
-    seq_start = tl.load(qsl_ptr + seq)
     seq_end = tl.load(qsl_ptr + seq + 1)
     ctx = tl.load(ctx_ptr + seq)
     j = tl.arange(0, BLOCK_Q * GROUP_P2)
