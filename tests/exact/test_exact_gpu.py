@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-from bench.common import LLAMA31_8B, with_layers
 from jetrl.models import DecoderConfig, build_model, token_logprobs
 from jetrl.quant import ACT, WEIGHT, quantize_tensor
 from jetrl.quant.exact import exact_fp8_gemm, exact_linear
@@ -22,6 +21,11 @@ from jetrl.rollout import RolloutEngine, SamplingParams
 pytestmark = pytest.mark.gpu
 
 ROWS = (1, 3, 17, 64, 255, 1000, 8192)
+# Llama-3.1-8B's block and head shapes (bench/common.py's LLAMA31_8B) with 2 of its 32 blocks
+LLAMA8B_2_BLOCKS = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+                        max_position_embeddings=1024, rope_theta=500000.0, tie_word_embeddings=False,
+                        eos_token_id=128001)
 
 
 def _rows_of(full: torch.Tensor, fn, x: torch.Tensor) -> None:
@@ -88,7 +92,7 @@ def test_row_wise_kernels_are_batch_invariant():
 
 @pytest.fixture(scope="module")
 def models_8b():
-    config = DecoderConfig.from_hf({**with_layers(LLAMA31_8B, 2), "max_position_embeddings": 1024})
+    config = DecoderConfig.from_hf(LLAMA8B_2_BLOCKS)
     return {recipe: build_model(config, dtype=torch.bfloat16, device="cuda", recipe=recipe, seed=0)
             for recipe in ("bf16", "jet")}
 
