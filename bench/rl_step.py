@@ -23,6 +23,11 @@ recipe) weigh more, so the jet/bf16 speed-ups are somewhat below what the full d
 
 Reported next to the measured jet/bf16 speed-ups: Jet-RL's published 8B numbers and jetrl's targets.
 
+**Exact mode** (``--exact``): a third arm, ``jet-exact`` (the ``jet`` recipe with ``exact: true``: the engine's
+log-probabilities equal the trainer's bitwise, see :mod:`jetrl.quant.exact`), runs after the fast arms; the table
+then also gives each phase's cost of exact ``jet`` over fast ``jet`` (``jet-exact/jet``, seconds over seconds),
+and the mismatch line shows every arm's rollout/training |dlogp| side by side (``jet-exact``: 0 by construction).
+
 GPU: ``python bench/rl_step.py`` (about 2-3 minutes per recipe on an H200); ``--prompts``, ``--n``,
 ``--new-tokens``, ``--prompt-len``, ``--layers``, ``--no-reference`` change the setting. The results go to
 ``$OUT/rl_step.json`` when ``OUT`` is set (and to ``--json PATH``). CPU smoke run: ``--tiny``.
@@ -183,12 +188,23 @@ def even_token_reward(texts: list[str], references: list[str]) -> list[float]:
     return out
 
 
-def build_run_config(recipe: str, setting: Setting, steps: int) -> Any:
+EXACT_SUFFIX = "-exact"  # an arm name ``<recipe>-exact`` runs that recipe in exact mode
+
+
+def arm_recipe(arm: str) -> tuple[str, bool]:
+    """``"jet-exact"`` -> ``("jet", True)``; a plain recipe name -> ``(name, False)``."""
+    if arm.endswith(EXACT_SUFFIX):
+        return arm[:-len(EXACT_SUFFIX)], True
+    return arm, False
+
+
+def build_run_config(recipe: str, setting: Setting, steps: int, exact: bool = False) -> Any:
     from jetrl.config import (AlgorithmConfig, DataConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig,
                               TrainerConfig)
 
     return RunConfig(
         recipe=recipe,
+        exact=exact,
         model=ModelConfig(dtype=setting.dtype, device=setting.device, gradient_checkpointing=setting.checkpointing),
         data=DataConfig(prompts_per_step=setting.prompts, max_prompt_tokens=setting.prompt_len),
         rollout=RolloutConfig(n=setting.n, temperature=1.0, max_tokens=setting.new_tokens, ignore_eos=True),
@@ -201,22 +217,24 @@ def build_run_config(recipe: str, setting: Setting, steps: int) -> Any:
 
 # ------------------------------------------------------------------------------------------------- a recipe
 
-def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: int, memory_budget: float,
+def run_recipe(arm: str, shape: dict, setting: Setting, warmup: int, steps: int, memory_budget: float,
                cuda_graphs: bool, progress: bool) -> RecipeResult:
-    """Build the policy (and its engine and trainer) under ``recipe``, run ``warmup + steps`` RL steps,
-    and return the timed steps' median phase times; everything is freed before returning."""
+    """Build the policy (and its engine and trainer) for ``arm`` (a recipe, or ``<recipe>-exact``), run
+    ``warmup + steps`` RL steps, and return the timed steps' median phase times; everything is freed before
+    returning."""
     from jetrl.models import build_model
     from jetrl.rl.trainer import Trainer
     from jetrl.rollout import RolloutEngine
 
+    recipe, exact = arm_recipe(arm)
     device = torch.device(setting.device)
-    config = build_run_config(recipe, setting, warmup + steps)  # config errors before the model is built
+    config = build_run_config(recipe, setting, warmup + steps, exact)  # config errors before the model is built
     reset_peak_memory(device)
     model = build_model(shape, dtype=getattr(torch, setting.dtype), device=device, recipe=recipe, seed=0)
     model.set_activation_checkpointing(setting.checkpointing)
     engine = RolloutEngine(model, memory_budget=memory_budget if device.type == "cuda" else 2 ** 30,
                            max_num_seqs=setting.num_sequences, max_model_len=setting.prompt_len + setting.new_tokens,
-                           progress=progress, cuda_graphs=cuda_graphs)
+                           progress=progress, cuda_graphs=cuda_graphs, exact=exact)
     prompts = RandomPrompts(setting.prompts, setting.prompt_len, shape["vocab_size"])
     trainer = Trainer(config, model, engine, prompts, even_token_reward, decode_ids)
     timed: list[dict[str, float]] = []
@@ -225,12 +243,12 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: i
     try:
         for i in range(warmup + steps):
             metrics = trainer.step()
-            _check_step(recipe, metrics, setting)
+            _check_step(arm, metrics, setting)
             if i >= warmup:
                 timed.append(metrics)
                 loop_seconds.append(float(engine.last_stats.get("seconds", 0.0)))
                 host_seconds.append(float(engine.last_stats.get("host_seconds", 0.0)))
-            print(f"  {recipe} step {i + 1}/{warmup + steps} ({'timed' if i >= warmup else 'warm-up'}): "
+            print(f"  {arm} step {i + 1}/{warmup + steps} ({'timed' if i >= warmup else 'warm-up'}): "
                   f"{metrics['time/step']:.2f} s", flush=True)
         peak = peak_memory_gib(device)
     finally:
@@ -239,7 +257,7 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, warmup: int, steps: i
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result = RecipeResult(recipe, peak_gib=peak, step_metrics=timed[-1],
+    result = RecipeResult(arm, peak_gib=peak, step_metrics=timed[-1],
                           rollout_loop_seconds=statistics.median(loop_seconds),
                           rollout_host_seconds=statistics.median(host_seconds))
     for phase in PHASES + ("step",):
@@ -290,6 +308,12 @@ def format_table(results: dict[str, RecipeResult], ratios: dict[str, dict[str, f
                                                       if p in results[n].tokens_per_s else None)))
     for n in ratios:
         columns.append((f"{n}/bf16", lambda p, n=n: f"{ratios[n][p]:.2f}x" if p in ratios[n] else None))
+    for n in names:  # exact mode's cost: its seconds over the same recipe's fast seconds
+        base, exact = arm_recipe(n)
+        if exact and base in results:
+            columns.append((f"{n}/{base}", lambda p, n=n, base=base: (
+                f"{results[n].seconds[p] / results[base].seconds[p]:.2f}x"
+                if p in results[n].seconds and results[base].seconds.get(p, 0) > 0 else None)))
     if "jet" in ratios:
         columns.append(("Jet-RL", lambda p: JET_RL_REPORTED.get(p)))
         columns.append(("target", lambda p: f"{JETRL_TARGETS[p]:.1f}x" if p in JETRL_TARGETS else None))
@@ -305,6 +329,13 @@ def format_table(results: dict[str, RecipeResult], ratios: dict[str, dict[str, f
                       else f"{n} n/a" for n, r in results.items())
     lines.append(f"peak memory: {peaks}")
     return "\n".join(lines)
+
+
+def mismatch_line(results: dict[str, RecipeResult]) -> str:
+    """Every arm's rollout/training mismatch (|dlogp| mean and max of the last timed step), side by side."""
+    parts = [f"{n} {r.step_metrics.get('mismatch/logp_abs_diff_mean', float('nan')):.2e} / "
+             f"{r.step_metrics.get('mismatch/logp_abs_diff_max', float('nan')):.2e}" for n, r in results.items()]
+    return "rollout/training mismatch |dlogp| mean / max: " + ", ".join(parts)
 
 
 def _results_json(setting: Setting, results: dict[str, RecipeResult], ratios: dict[str, dict[str, float]]
@@ -330,6 +361,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2-layer model, 2 prompts x 2, 8 tokens")
     parser.add_argument("--device", default=None, help="default: cuda when available (required unless --tiny)")
     parser.add_argument("--recipes", default="bf16,jet", help="comma list of bf16, fp8-rollout, jet")
+    parser.add_argument("--exact", action="store_true",
+                        help="also run jet in exact mode (the arm jet-exact), after the recipes")
     parser.add_argument("--prompts", type=_positive, default=None, help="prompts per step (16; tiny: 2)")
     parser.add_argument("--n", type=_positive, default=None, help="samples per prompt (4; tiny: 2)")
     parser.add_argument("--new-tokens", type=_positive, default=None, help="tokens per sample (1024; tiny: 8)")
@@ -354,9 +387,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     from jetrl.quant.recipe import RECIPES
-    unknown = [r for r in recipes if r not in RECIPES]
+    unknown = [r for r in recipes if arm_recipe(r)[0] not in RECIPES]
     if not recipes or unknown:
-        parser.error(f"--recipes must name some of {list(RECIPES)}, got {args.recipes!r}")
+        parser.error(f"--recipes must name some of {list(RECIPES)} (each may end in {EXACT_SUFFIX!r}), got "
+                     f"{args.recipes!r}")
+    if args.exact and "jet-exact" not in recipes:
+        recipes.append("jet-exact")
     args.recipes = recipes
     return args
 
@@ -395,8 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           flush=True)
 
     results: dict[str, RecipeResult] = {}
-    for recipe in args.recipes:
-        estimate = estimate_memory_bytes(shape, recipe, setting.reference, setting.num_sequences,
+    for recipe in args.recipes:  # an arm: a recipe, or <recipe>-exact
+        estimate = estimate_memory_bytes(shape, arm_recipe(recipe)[0], setting.reference, setting.num_sequences,
                                          setting.prompt_len + setting.new_tokens, micro_batch, counts) / 2 ** 30
         line = f"{recipe}: estimated peak memory {estimate:.1f} GiB"
         if device.type == "cuda":
@@ -428,6 +464,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nRL step, {setting.shape} ({setting.num_layers} blocks), {setting.num_sequences} x "
           f"({setting.prompt_len} + {setting.new_tokens}) tokens; Jet-RL = its reported 8B speed-ups, "
           f"target = jetrl's")
+    print(mismatch_line(results))
     print(format_table(results, ratios), flush=True)
     return report
 

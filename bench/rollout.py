@@ -13,6 +13,12 @@ not the BF16 KV cache), and the fraction of the roofline: the decode time if eve
 weight and KV bytes at the copy bandwidth (``--bandwidth``, default the 4.3 TB/s measured on the H200),
 or ran its FLOPs at the measured BF16 matmul rate (FP8: twice that), whichever is slower.
 
+**Exact mode** (``--exact``): a third arm, ``jet-exact`` (``RolloutEngine(exact=True)`` on the ``jet`` recipe,
+see :mod:`jetrl.quant.exact`), runs after the others on the same prompts; each arm's prefill and decode times, the
+cost of exact over fast ``jet`` and the speed against fast ``bf16`` are printed, and every arm's completions are
+scored by the training forward (``exact`` where the arm is) to print the rollout/training mismatch |dlogp| mean
+and max side by side (``jet-exact``: 0 by construction).
+
 GPU: ``python bench/rollout.py --shape 8b`` (and ``--shape 1.5b``); ``--settings b64,b256`` picks settings,
 ``--no-hf`` skips transformers, ``--hf-new-tokens 256`` shortens its run, ``--json PATH`` saves results.
 CPU smoke run: ``python bench/rollout.py --tiny``.
@@ -62,6 +68,23 @@ class Result:
     hf_tokens_per_s: float = 0.0
     engine_over_hf: float = 0.0
     preemptions: dict[str, int] = field(default_factory=dict)
+    prefill_seconds: dict[str, float] = field(default_factory=dict)
+    decode_seconds: dict[str, float] = field(default_factory=dict)
+    # with --exact: rollout/training |dlogp| per arm, and exact jet's time over fast jet's / over fast bf16's
+    mismatch_mean: dict[str, float] = field(default_factory=dict)
+    mismatch_max: dict[str, float] = field(default_factory=dict)
+    exact_over_jet: float = 0.0
+    exact_over_bf16: float = 0.0
+
+
+EXACT_SUFFIX = "-exact"  # an arm ``<recipe>-exact`` runs that recipe with RolloutEngine(exact=True)
+
+
+def arm_recipe(arm: str) -> tuple[str, bool]:
+    """``"jet-exact"`` -> ``("jet", True)``; a plain recipe name -> ``(name, False)``."""
+    if arm.endswith(EXACT_SUFFIX):
+        return arm[:-len(EXACT_SUFFIX)], True
+    return arm, False
 
 
 def _linear_params(model) -> tuple[int, int]:
@@ -124,13 +147,13 @@ def _measure_device(device: torch.device) -> tuple[float, float]:
     return bw, flops  # the buffers are freed on return
 
 
-def _run_engine(model, prompts, n, new_tokens, args, device) -> tuple[float, dict]:
+def _run_engine(model, prompts, n, new_tokens, args, device, exact: bool = False) -> tuple[float, dict, list]:
     from jetrl.rollout import RolloutEngine, SamplingParams
 
     engine = RolloutEngine(model, memory_budget=args.memory_budget if device.type == "cuda" else 2 ** 30,
                            max_num_seqs=len(prompts) * n, max_num_batched_tokens=args.max_num_batched_tokens,
                            max_model_len=len(prompts[0]) + new_tokens, progress=args.progress,
-                           cuda_graphs=not args.no_cuda_graphs)
+                           cuda_graphs=not args.no_cuda_graphs, exact=exact)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=None)
     engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=min(8, new_tokens),
                                             ignore_eos=True))  # warm-up: graph capture, kernel autotune
@@ -146,7 +169,38 @@ def _run_engine(model, prompts, n, new_tokens, args, device) -> tuple[float, dic
     engine.free_cache()
     del engine
     seconds = sorted(times)[len(times) // 2]
-    return len(prompts) * n * new_tokens / seconds, stats
+    return len(prompts) * n * new_tokens / seconds, stats, outs
+
+
+def mismatch(model, prompts, outs, exact: bool, device, max_tokens: int = 16384) -> tuple[float, float]:
+    """Mean and max |engine log-prob - training-forward log-prob| over every generated token; the training
+    forward (packed, ``exact`` as the arm) runs in micro-batches of at most ``max_tokens`` tokens."""
+    from jetrl.models import token_logprobs
+
+    total, count, worst = 0.0, 0, 0.0
+    start = 0
+    while start < len(outs):
+        group, used = [], 0
+        while start < len(outs) and (not group or used + len(prompts[outs[start].prompt_index]) +
+                                     len(outs[start].token_ids) <= max_tokens):
+            used += len(prompts[outs[start].prompt_index]) + len(outs[start].token_ids)
+            group.append(outs[start])
+            start += 1
+        ids, pos, cu, tg = [], [], [0], []
+        for c in group:
+            seq = list(prompts[c.prompt_index]) + list(c.token_ids)
+            ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
+            cu.append(cu[-1] + len(seq))
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, torch.tensor(ids, device=device), torch.tensor(pos, device=device),
+                                   torch.tensor(cu, device=device), None, torch.tensor(tg, device=device), 1.0,
+                                   exact=exact)
+        lp = lp.cpu()
+        for i, c in enumerate(group):
+            first = cu[i] + len(prompts[c.prompt_index]) - 1
+            diff = (lp[first:first + len(c.token_ids)] - torch.tensor(c.logprobs, dtype=torch.float32)).abs()
+            total, count, worst = total + float(diff.sum()), count + diff.numel(), max(worst, float(diff.max()))
+    return total / max(count, 1), worst
 
 
 def _run_hf(model, prompts, n, new_tokens, device) -> float:
@@ -191,7 +245,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--hf-new-tokens", type=int, default=None, help="new tokens for transformers (default: same)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
-    parser.add_argument("--recipes", default="bf16,jet")
+    parser.add_argument("--recipes", default="bf16,jet", help="comma list of recipes (each may end in -exact)")
+    parser.add_argument("--exact", action="store_true",
+                        help="also run jet in exact mode (the arm jet-exact) and print every arm's mismatch")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--memory-budget", type=float, default=0.85, help="fraction of free GPU memory for KV")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -219,6 +275,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
             raise SystemExit(f"unknown settings {unknown}; choose from {sorted(SETTINGS)}")
         settings = {s: SETTINGS[s] for s in names}
     recipes = [r for r in args.recipes.split(",") if r]
+    if args.exact and "jet-exact" not in recipes:
+        recipes.append("jet-exact")
     bandwidth_measured, matmul_flops = _measure_device(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -235,10 +293,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
         prompts = random_prompts(num_prompts, args.prompt_len, model.config.vocab_size, seed=len(results))
         res = Result(shape, setting, num_prompts, n, args.prompt_len, args.new_tokens)
         step_bytes = {}
-        for recipe in recipes:
-            apply_recipe(model, recipe)  # swaps linear layers in place, sharing the parameters
-            tps, stats = _run_engine(model, prompts, n, args.new_tokens, args, device)
-            fp8 = recipe != "bf16"
+        for recipe in recipes:  # an arm: a recipe, or <recipe>-exact
+            base, exact = arm_recipe(recipe)
+            apply_recipe(model, base)  # swaps linear layers in place, sharing the parameters
+            tps, stats, outs = _run_engine(model, prompts, n, args.new_tokens, args, device, exact)
+            if args.exact:
+                res.mismatch_mean[recipe], res.mismatch_max[recipe] = mismatch(model, prompts, outs, exact, device)
+            del outs
+            res.prefill_seconds[recipe], res.decode_seconds[recipe] = stats["prefill_seconds"], stats["decode_seconds"]
+            fp8 = base != "bf16"
             roof, bound, step_bytes[recipe] = roofline(model, num_prompts * n, args.prompt_len, args.new_tokens, fp8,
                                                        bandwidth, matmul_flops)
             res.tokens_per_s[recipe] = tps
@@ -255,6 +318,16 @@ def main(argv: list[str] | None = None) -> list[Result]:
                   f"{stats['seconds']:.2f} s; {stats.get('preemptions', 0)} preemptions, "
                   f"{stats.get('num_blocks', 0)} KV blocks", flush=True)
         apply_recipe(model, "bf16")
+        if args.exact and "jet-exact" in res.tokens_per_s:
+            tps = res.tokens_per_s
+            res.exact_over_jet = tps["jet"] / tps["jet-exact"] if "jet" in tps else 0.0
+            res.exact_over_bf16 = tps["bf16"] / tps["jet-exact"] if "bf16" in tps else 0.0
+            times = ", ".join(f"{a} prefill {res.prefill_seconds[a]:.2f} s decode {res.decode_seconds[a]:.2f} s"
+                              for a in tps)
+            gaps = ", ".join(f"{a} {res.mismatch_mean[a]:.2e} / {res.mismatch_max[a]:.2e}" for a in tps)
+            print(f"[{shape} {setting}] exact jet takes {res.exact_over_jet:.2f}x fast jet's time and "
+                  f"{res.exact_over_bf16:.2f}x fast bf16's (end to end); {times}", flush=True)
+            print(f"[{shape} {setting}] rollout/training mismatch |dlogp| mean / max: {gaps}", flush=True)
         if "bf16" in res.tokens_per_s and "jet" in res.tokens_per_s:
             res.jet_over_bf16 = res.tokens_per_s["jet"] / res.tokens_per_s["bf16"]
             res.jet_ceiling = step_bytes["bf16"] / step_bytes["jet"]

@@ -307,6 +307,7 @@ class RunConfig(_Section):
     """A whole RL run."""
 
     recipe: str = "jet"                   # a name in jetrl.quant.recipe.RECIPES
+    exact: bool = False                   # exact on-policy mode: rollout log-probs == trainer's, bitwise (bf16, jet)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -327,6 +328,14 @@ class RunConfig(_Section):
 
     def validate(self) -> None:
         _choice("", "recipe", self.recipe, registered_names("recipe"))
+        if self.exact:
+            from jetrl.quant.recipe import get_recipe
+
+            recipe = get_recipe(self.recipe)
+            if recipe.rollout_fp8 != recipe.train_fp8:
+                raise ConfigError(f"exact: true needs one precision on the rollout and training sides (recipe bf16 or "
+                                  f"jet); recipe {self.recipe!r} rolls out in FP8 and trains in BF16, so the "
+                                  f"rollout's log-probabilities cannot equal the trainer's")
         alg = self.algorithm
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(

@@ -15,6 +15,14 @@ Two paths read the same projections of the same weights:
 
 Softmax always runs in fp32 inside SDPA (for BF16 inputs the kernels accumulate in fp32).
 
+**Exact mode** (:mod:`jetrl.quant.exact`) replaces all three (prefill, paged decode, the packed training forward)
+by ONE function, :func:`exact_attention`: each query row walks the keys of its sequence in fixed chunks of
+``EXACT_KV_CHUNK`` logical positions from position 0, with an online softmax in fp32, through a block table.
+The packed forward reads its K/V through the same function, as a "cache" of one-token blocks
+(:func:`exact_varlen_attention`), so a token's attention output is the same bits whether it was computed in a
+decode step, a prefill chunk, after a preemption, or in the trainer's packed batch. Only the forward values
+must agree: the packed path's backward is the fast one (SDPA's, recomputed).
+
 Padding rows (e.g. a CUDA-graph batch padded to a captured size) must still carry a valid slot in
 ``slot_mapping`` (point them at a scratch block the engine never hands out): :func:`write_kv` runs
 without host syncs, so it cannot check. A query row that sees no key (context length 0) attends to
@@ -29,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.quant.backend import choose_impl
+from jetrl.quant.exact import EXACT_KV_CHUNK
 
 
 @dataclass
@@ -194,7 +203,119 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         outs.append(out[0].transpose(0, 1))  # (L, Hq, D)
     return torch.cat(outs, dim=0)
 
+def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
+                              meta: PagedAttentionMetadata, softmax_scale: float) -> torch.Tensor:
+    """Exact mode's attention (the specification of its kernel): q (N, Hq, D) over a paged cache -> (N, Hq, D).
+
+    Same visibility rule as :func:`paged_attention_reference`. Each row walks its sequence's logical key
+    positions ``0, 1, ...`` in chunks of ``EXACT_KV_CHUNK`` (the last chunk padded, every chunk the same
+    shape), with an online softmax in fp32: per chunk, scores ``sum_d(q * k) * scale`` (masked ones
+    ``-inf``), ``m' = max(m, max(s))``, ``l = l * exp(m - m') + sum(exp(s - m'))``, ``acc = acc * exp(m - m') +
+    sum(exp(s - m') * v)``; the output is ``acc / l`` in q's dtype. A masked position contributes exact zeros
+    and a chunk past a row's last key leaves its state unchanged (``exp(0) = 1``), so the result depends on the
+    row's own keys only: not on the batch, the other rows, the table width or the block size. No host syncs.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache_layer.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    device = q.device
+    seq_of_row, index_in_seq, qsl = _row_coordinates(meta, num_rows, device)
+    q_len = qsl[1:] - qsl[:-1]  # (S,)
+    ctx = meta.context_lens.to(device=device, dtype=torch.long)
+    limit = ctx[seq_of_row] - (q_len[seq_of_row] - 1 - index_in_seq)  # (N,): visible key positions < limit
+    tables = meta.block_tables.to(device=device, dtype=torch.long).clamp(min=0)[seq_of_row]  # (N, width)
+    num_keys = tables.shape[1] * block_size
+    k_flat = k_cache_layer.reshape(-1, num_kv_heads, head_dim)
+    v_flat = v_cache_layer.reshape(-1, num_kv_heads, head_dim)
+    group = num_heads // num_kv_heads
+    q32 = q.float()[:, :, None, :]  # (N, Hq, 1, D)
+    m = torch.full((num_rows, num_heads), float("-inf"), device=device)
+    l = torch.zeros((num_rows, num_heads), device=device)
+    acc = torch.zeros((num_rows, num_heads, head_dim), device=device)
+    chunk = EXACT_KV_CHUNK
+    for start in range(0, num_keys, chunk):
+        pos = torch.arange(start, start + chunk, device=device)  # (C,) logical positions
+        in_table = pos < num_keys
+        pos_c = pos.clamp(max=num_keys - 1)
+        slots = tables[:, pos_c // block_size] * block_size + pos_c % block_size  # (N, C)
+        visible = (pos[None, :] < limit[:, None]) & in_table[None, :]
+        visible = visible | ((pos == 0)[None, :] & (limit <= 0)[:, None])  # keep empty rows finite
+        k = k_flat[slots].float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (N, Hq, C, D)
+        v = v_flat[slots].float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)
+        s = (q32 * k).sum(-1) * softmax_scale  # (N, Hq, C)
+        s = s.masked_fill(~visible[:, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])  # masked positions: exactly 0
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + (p[..., None] * v).sum(-2)
+        m = m_new
+    return (acc / l[..., None]).to(q.dtype)
+
+
+def exact_attention(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
+                    meta: PagedAttentionMetadata, softmax_scale: float, impl: str | None = None) -> torch.Tensor:
+    """Exact mode's attention for prefill and decode steps alike (see :func:`exact_attention_reference`): the
+    Triton kernel (:mod:`jetrl.quant.kernels.exact_attention_triton`) where the seam picks the kernels, else
+    the reference. Each implementation is batch-invariant on its own; the two agree to fp32 rounding."""
+    if choose_impl(q, impl, op="exact_attention") == "triton":
+        from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
+
+        return exact_attention_fwd(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
+    return exact_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
+
+
+def packed_as_paged(cu_seqlens: list[int], device: torch.device | str) -> PagedAttentionMetadata:
+    """Packed sequences (``cu_seqlens``: S+1 host offsets) as paged metadata over a cache of one-token blocks:
+    the packed K (N, Hkv, D) viewed as (N, 1, Hkv, D), sequence s's position j in block ``cu[s] + j``."""
+    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    width = max(1, max(lengths))
+    starts = torch.tensor(cu_seqlens[:-1], dtype=torch.int64)
+    cols = torch.arange(width, dtype=torch.int64)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    tables = torch.where(cols[None, :] < lens[:, None], starts[:, None] + cols[None, :], -1).to(torch.int32)
+    return PagedAttentionMetadata(
+        query_start_loc=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+        context_lens=lens.to(device=device, dtype=torch.int32), block_tables=tables.to(device),
+        slot_mapping=torch.arange(cu_seqlens[-1], dtype=torch.int64, device=device), max_query_len=width,
+        max_context_len=width)
+
+
+class _ExactVarlenAttention(torch.autograd.Function):
+    """Forward: :func:`exact_attention` over the packed K/V; backward: SDPA's (only forward values must match
+    the rollout's), through a recomputation of :func:`varlen_attention`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, softmax_scale):
+        meta = packed_as_paged(cu_seqlens, q.device)
+        out = exact_attention(q, k[:, None], v[:, None], meta, softmax_scale)
+        ctx.save_for_backward(q, k, v)
+        ctx.cu_seqlens, ctx.softmax_scale = cu_seqlens, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            out = varlen_attention(*inputs, ctx.cu_seqlens, ctx.softmax_scale)
+            grads = torch.autograd.grad(out, inputs, grad_out)
+        return (*grads, None, None)
+
+
+def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+                           softmax_scale: float) -> torch.Tensor:
+    """:func:`varlen_attention`'s inputs and result, computed by :func:`exact_attention` (the rollout's function
+    and order) over the packed rows; differentiable, with SDPA's backward."""
+    if cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0] or any(b < a for a, b in zip(cu_seqlens, cu_seqlens[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({q.shape[0]}), got {cu_seqlens}")
+    if q.shape[0] == 0:
+        return q.new_zeros(q.shape)
+    return _ExactVarlenAttention.apply(q, k, v, list(cu_seqlens), softmax_scale)
+
+
 __all__ = [
     "PagedAttentionMetadata", "PagedKVCache", "write_kv", "paged_attention_reference", "paged_attention",
-    "varlen_attention",
+    "varlen_attention", "exact_attention", "exact_attention_reference", "exact_varlen_attention", "packed_as_paged",
 ]

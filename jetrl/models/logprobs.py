@@ -17,6 +17,12 @@ The per-chunk statistics and logit gradients have two implementations with one d
 extra memory per logit), elsewhere the PyTorch formulas below (fp32 copies: ~14 bytes per logit, e.g.
 512 x 152k vocab: ~1.1 GB). Heads that are not a plain bias-free ``nn.Linear`` take the generic path
 (``model.compute_logits`` under activation checkpointing, per chunk).
+
+**Exact mode** (``exact=True``, :mod:`jetrl.quant.exact`): the rollout sampler and the trainer compute the
+log-probability with ONE function, :func:`exact_logprobs_from_logits` (``log_softmax`` of ``logits / T`` per
+row, ``T`` an fp32 tensor on both sides), from logits of the batch-invariant LM head
+(``model.compute_logits(..., exact=True)``), so the two are bitwise equal. Chunks of rows run under activation
+checkpointing; the backward is autograd's.
 """
 
 from __future__ import annotations
@@ -69,6 +75,24 @@ def chunk_grad_reference(logits: torch.Tensor, targets: torch.Tensor, lse: torch
     if temperature != 1.0:
         dz = dz / temperature
     return dz.to(logits.dtype)
+
+
+def exact_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact mode's ``(logprob, log_softmax)`` of fp32 ``logits`` (B, V) at ``targets`` (B,) (0 where negative),
+    temperature ``temperature`` (B,) fp32: ``log_softmax(logits / T)`` row by row, one function for the
+    rollout's sampler and the trainer, so equal logits give equal bits on both sides."""
+    z = logits.float() / temperature.to(torch.float32)[:, None]
+    logsm = z.log_softmax(dim=-1)  # a per-row kernel (max, sum of exp, log): batch-invariant
+    picked = logsm.gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+    return torch.where(targets >= 0, picked, torch.zeros_like(picked)), logsm
+
+
+def _exact_chunk(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = model.compute_logits(hidden, exact=True)
+    t = torch.full((hidden.shape[0],), temperature, dtype=torch.float32, device=hidden.device)
+    lp, logsm = exact_logprobs_from_logits(logits, targets, t)
+    return lp, -(logsm.exp() * logsm).sum(-1)
 
 
 def _stats(logits, targets, temperature, impl):
@@ -152,7 +176,8 @@ def _chunk_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor,
 
 def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          chunk_size: int | None = None, impl: str | None = None,
-                         keep_logits_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         keep_logits_bytes: int | None = None, exact: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked fp32 log-probabilities and entropies of ``targets`` (N,) from final hidden states (N, hidden).
 
     A negative target marks a row without a target (its logprob is 0; its entropy is still computed).
@@ -161,6 +186,8 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     ``keep_logits_bytes``: with autograd, keep the (N, vocab) logits in the model dtype for the backward
     when they take at most this many bytes, instead of recomputing them there (default:
     ``KEEP_LOGITS_BYTES`` on the kernels' path, 0 on the PyTorch path).
+    ``exact``: exact mode (see the module docstring): bitwise the rollout sampler's log-probabilities of the
+    same rows; ``model`` must have ``compute_logits(hidden, exact=True)`` (a jetrl decoder).
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be (N, hidden) and targets (N,), got {tuple(hidden.shape)} and "
@@ -173,6 +200,8 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     targets = targets.long()
     temperature = float(temperature)
+    if exact:
+        return _exact_logprobs(model, hidden, targets, temperature, int(chunk_size or DEFAULT_CHUNK_SIZE))
     weight = _plain_head_weight(model)
     if weight is not None:
         if weight.dtype != hidden.dtype or weight.device != hidden.device:
@@ -207,6 +236,23 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     return torch.cat(lps), torch.cat(ents)
 
 
+def _exact_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, size: int):
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    lps, ents = [], []
+    for start in range(0, hidden.shape[0], size):
+        h, t = hidden[start:start + size], targets[start:start + size]
+        if recompute:
+            lp, ent = checkpoint(_exact_chunk, model, h, t, temperature, use_reentrant=False)
+        else:
+            lp, ent = _exact_chunk(model, h, t, temperature)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty.clone()
+    return torch.cat(lps), torch.cat(ents)
+
+
 class _NoCtx:
     """Stands in for autograd's context when the function runs without autograd (nothing is saved)."""
 
@@ -216,16 +262,19 @@ class _NoCtx:
 
 def token_logprobs(model, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                    max_seqlen: int | None, targets: torch.Tensor, temperature: float = 1.0,
-                   chunk_size: int | None = None, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_size: int | None = None, impl: str | None = None, exact: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward then chunked fp32 ``(logprobs (N,), entropy (N,))`` of ``targets`` (N,).
 
     Row ``i``'s logprob is that of ``targets[i]`` under the distribution predicted at row ``i`` (the
     caller shifts: ``targets[i] = input_ids[i + 1]`` inside a sequence, and a negative value where there
-    is no next token). Differentiable; see the module docstring for the memory bound.
+    is no next token). Differentiable; see the module docstring for the memory bound. ``exact``: exact mode
+    (bitwise the rollout engine's log-probabilities with ``exact=True``).
     """
-    hidden = model.forward_packed(input_ids, positions, cu_seqlens, max_seqlen)
-    return logprobs_from_hidden(model, hidden, targets, temperature, chunk_size, impl)
+    hidden = model.forward_packed(input_ids, positions, cu_seqlens, max_seqlen, exact=exact)
+    return logprobs_from_hidden(model, hidden, targets, temperature, chunk_size, impl, exact=exact)
 
 
-__all__ = ["token_logprobs", "logprobs_from_hidden", "chunk_stats_reference", "chunk_grad_reference",
+__all__ = ["token_logprobs", "logprobs_from_hidden", "exact_logprobs_from_logits", "chunk_stats_reference",
+           "chunk_grad_reference",
            "DEFAULT_CHUNK_SIZE", "FUSED_CHUNK_SIZE", "KEEP_LOGITS_BYTES"]

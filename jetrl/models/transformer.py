@@ -34,7 +34,15 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache, paged_attention, varlen_attention, write_kv
+from jetrl.models.attention import (
+    PagedAttentionMetadata,
+    PagedKVCache,
+    exact_attention,
+    exact_varlen_attention,
+    paged_attention,
+    varlen_attention,
+    write_kv,
+)
 from jetrl.models.config import DecoderConfig
 from jetrl.models.rope import apply_rope, apply_rope_qk
 from jetrl.quant import call_linear, fp8_input_scaling, linears_shared_input
@@ -119,9 +127,10 @@ class Attention(nn.Module):
         return self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
-                x_fp8=None) -> torch.Tensor:
+                x_fp8=None, exact: bool = False) -> torch.Tensor:
         n = x.shape[0]  # x: (N, hidden); x_fp8: its 1x128 FP8 made by the norm, shared by q, k and v
-        q, k, v = linears_shared_input(self.input_projections(), x, x_fp8)  # one launch when decoding in FP8
+        # one launch when decoding in FP8 (exact mode: each layer's batch-invariant GEMM)
+        q, k, v = linears_shared_input(self.input_projections(), x, x_fp8, exact=exact)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -129,7 +138,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope_qk(q, k, cos, sin)
         out = attend(self.layer_idx, q, k, v, self.softmax_scale)  # (N, Hq, D)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return call_linear(self.o_proj, out.reshape(n, self.num_heads * self.head_dim), exact=exact)
 
 
 class MLP(nn.Module):
@@ -145,12 +154,12 @@ class MLP(nn.Module):
     def input_projections(self) -> tuple[nn.Module, ...]:
         return self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor, x_fp8=None) -> torch.Tensor:
-        gate, up = linears_shared_input(self.input_projections(), x, x_fp8)
+    def forward(self, x: torch.Tensor, x_fp8=None, exact: bool = False) -> torch.Tensor:
+        gate, up = linears_shared_input(self.input_projections(), x, x_fp8, exact=exact)
         # silu(gate) * up in one kernel, which also quantizes it for an FP8 down projection
         scaling = fp8_input_scaling(self.down_proj)
         act, act_fp8 = swiglu(gate, up, quantize=scaling is not None, pow2_scale=bool(scaling))
-        return call_linear(self.down_proj, act, act_fp8)
+        return call_linear(self.down_proj, act, act_fp8, exact=exact)
 
 
 class DecoderLayer(nn.Module):
@@ -171,14 +180,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend) -> tuple[torch.Tensor, torch.Tensor]:
+                attend: Attend, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, residual)`` -> ``(mlp_out, h)`` with the block's input stream ``x + residual`` (``residual``
-        None: the stream is ``x``)."""
+        None: the stream is ``x``). ``exact``: batch-invariant linears (exact mode)."""
         normed = self.input_layernorm.fused(x, residual, fp8_input_scaling(*self.self_attn.input_projections()))
         stream = normed.residual if normed.residual is not None else x
-        attn = self.self_attn(normed.out, cos, sin, attend, normed.out_fp8)
+        attn = self.self_attn(normed.out, cos, sin, attend, normed.out_fp8, exact)
         normed = self.post_attention_layernorm.fused(attn, stream, fp8_input_scaling(*self.mlp.input_projections()))
-        return self.mlp(normed.out, normed.out_fp8), normed.residual
+        return self.mlp(normed.out, normed.out_fp8, exact), normed.residual
 
 
 class DecoderModel(nn.Module):
@@ -198,17 +207,19 @@ class DecoderModel(nn.Module):
             self.inv_freq = self.inv_freq.to(device)
         return self.inv_freq
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Rows (N,) of token ids at ``positions`` -> final hidden states (N, hidden)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+                exact: bool = False) -> torch.Tensor:
+        """Rows (N,) of token ids at ``positions`` -> final hidden states (N, hidden). ``exact``: the blocks'
+        linears batch-invariant (exact mode; ``attend`` then must be exact mode's attention too)."""
         h = self.embed_tokens(input_ids)  # (N, hidden)
         cos, sin = rope_cos_sin(self._inv_freq_on(h.device), positions, h.dtype)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
         residual = None
         for layer in self.layers:
             if recompute:
-                h, residual = checkpoint(layer, h, residual, cos, sin, attend, use_reentrant=False)
+                h, residual = checkpoint(layer, h, residual, cos, sin, attend, exact, use_reentrant=False)
             else:
-                h, residual = layer(h, residual, cos, sin, attend)
+                h, residual = layer(h, residual, cos, sin, attend, exact)
         return self.norm.fused(h, residual, None).out
 
 
@@ -261,12 +272,14 @@ class DecoderLM(nn.Module):
         return self.lm_head(hidden).view(batch, seq_len, -1)
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                       max_seqlen: int | None = None) -> torch.Tensor:
+                       max_seqlen: int | None = None, *, exact: bool = False) -> torch.Tensor:
         """Packed sequences: ids and positions (N,), ``cu_seqlens`` (S+1,) -> final hidden states (N, hidden).
 
         Attention is block-diagonal causal (a row sees its own sequence's earlier rows only). Positions
         are given explicitly so a packed row can continue a prompt at any offset. ``cu_seqlens`` is read
         on the host once per call; ``max_seqlen`` is accepted for interface compatibility and checked.
+        ``exact``: exact on-policy mode (:mod:`jetrl.quant.exact`): batch-invariant linears and exact mode's
+        attention, so each row's hidden state is bitwise what :meth:`forward_paged` with ``exact`` computes.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"forward_packed expects input_ids and positions of shape (N,), got "
@@ -278,15 +291,18 @@ class DecoderLM(nn.Module):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if max_seqlen is not None and longest > max_seqlen:
             raise ValueError(f"a packed sequence has {longest} tokens, more than max_seqlen={max_seqlen}")
-        return self.model(input_ids, positions, _packed_attend(cu))
+        return self.model(input_ids, positions, _packed_attend(cu, exact), exact)
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
-                      kv_cache: PagedKVCache, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_cache: PagedKVCache, logits_indices: torch.Tensor | None = None, *,
+                      exact: bool = False) -> torch.Tensor:
         """One rollout step over a paged KV cache -> fp32 logits (L, vocab) of the rows in ``logits_indices``.
 
         Writes K/V of the N new tokens at ``meta.slot_mapping``, then attends through
         :func:`jetrl.models.attention.paged_attention`. Only tensor ops on the given tensors run inside
         (no host syncs, no data-dependent shapes), so a decode step can be captured in a CUDA graph.
+        ``exact``: exact mode's batch-invariant linears, attention (:func:`~jetrl.models.attention.exact_attention`)
+        and LM head.
         """
         if kv_cache.num_layers != self.config.num_hidden_layers:
             raise ValueError(f"kv_cache has {kv_cache.num_layers} layers, the model {self.config.num_hidden_layers}")
@@ -294,20 +310,24 @@ class DecoderLM(nn.Module):
         def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
             k_layer, v_layer = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
             write_kv(k_layer, v_layer, k, v, meta.slot_mapping)
+            if exact:
+                return exact_attention(q, k_layer, v_layer, meta, softmax_scale)
             return paged_attention(q, k_layer, v_layer, meta, softmax_scale)
 
-        hidden = self.model(input_ids, positions, attend)
+        hidden = self.model(input_ids, positions, attend, exact)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return self.compute_logits(hidden)
+        return self.compute_logits(hidden, exact=exact)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on hidden rows (..., hidden) -> fp32 logits (..., vocab)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
+        """LM head on hidden rows (..., hidden) -> fp32 logits (..., vocab); ``exact``: batch-invariant."""
+        return call_linear(self.lm_head, hidden, exact=exact).float()
 
 
-def _packed_attend(cu_seqlens: list[int]) -> Attend:
+def _packed_attend(cu_seqlens: list[int], exact: bool = False) -> Attend:
     def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
+        if exact:
+            return exact_varlen_attention(q, k, v, cu_seqlens, softmax_scale)
         return varlen_attention(q, k, v, cu_seqlens, softmax_scale)
     return attend
 

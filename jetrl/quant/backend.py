@@ -13,10 +13,10 @@ Selection, in order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_
 then ``"auto"`` (the CUDA kernels on a Hopper-or-newer GPU when Triton imports, the reference everywhere else).
 
 **The fused kernels** (:data:`FUSED_OPS`: RMSNorm(+residual)(+quantize), SwiGLU(+quantize), RoPE, the LM-head
-log-probabilities, paged decode attention, the seeded sampler) follow the backend: :func:`choose_impl` says
-``"triton"`` (the kernels of :mod:`jetrl.quant.kernels`) where the device's backend has ``fused_kernels`` (the
-CUDA backend), ``"reference"`` (the PyTorch formulas, the specification of each kernel) elsewhere. So
-``JETRL_FP8_BACKEND=reference`` turns every custom kernel off at once. :func:`fused_impl` forces one
+log-probabilities, paged decode attention, the seeded sampler, exact mode's attention) follow the backend:
+:func:`choose_impl` says ``"triton"`` (the kernels of :mod:`jetrl.quant.kernels`) where the device's backend has
+``fused_kernels`` (the CUDA backend), ``"reference"`` (the PyTorch formulas, the specification of each kernel)
+elsewhere. So ``JETRL_FP8_BACKEND=reference`` turns every custom kernel off at once. :func:`fused_impl` forces one
 implementation for a block of code; the tests run a whole model through the interpreted kernels on CPU with
 ``fused_impl("triton")`` under ``TRITON_INTERPRET=1``.
 
@@ -65,6 +65,14 @@ class Fp8Backend(Protocol):
         does not group these operands (the caller then runs the layers one by one)."""
         ...
 
+    def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """:meth:`gemm` computing each row of ``a`` identically whatever M is (exact mode, :mod:`jetrl.quant.exact`)."""
+        ...
+
+    def matmul_exact(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant ``x @ w.T`` in x's dtype, x (M, K) and w (N, K) 16/32-bit floats (exact mode)."""
+        ...
+
 
 class ReferenceBackend:
     """Pure PyTorch, any device; the fused entry points are compositions of the basic operations."""
@@ -95,6 +103,12 @@ class ReferenceBackend:
             y = self.gemm(a, w, out_dtype)
             outs.append(y + b.to(y.dtype) if b is not None else y)  # as FP8Linear adds its bias
         return torch.cat(outs, dim=1)
+
+    def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return reference.gemm_exact(a, b, out_dtype)
+
+    def matmul_exact(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return reference.matmul_exact(x, w)
 
 
 def _cuda_backend() -> Fp8Backend:
@@ -183,7 +197,7 @@ def use_backend(name: str) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------
 # the fused kernels
 
-FUSED_OPS = ("rms_norm", "swiglu", "rope", "logprobs", "paged_decode", "seeded_sample")
+FUSED_OPS = ("rms_norm", "swiglu", "rope", "logprobs", "paged_decode", "seeded_sample", "exact_attention")
 IMPLS = ("reference", "triton")
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("jetrl_fused_impl", default=None)
 

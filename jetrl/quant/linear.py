@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from jetrl.quant.backend import get_backend, selected_backend_name
+from jetrl.quant.exact import exact_linear
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Fp8Tensor
 from jetrl.quant.side import current_side
 
@@ -42,14 +43,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_data, w_scale, pow2_scale: bool, wt_data=None, xq_data=None,
-                xq_scale=None):  # x: (M, K)
+                xq_scale=None, exact: bool = False):  # x: (M, K)
         backend = get_backend(x.device)
         if xq_data is not None:  # x's 1x128 quantization, made by the op that produced x (a fused kernel)
             qx = Fp8Tensor(xq_data, xq_scale, ACT)
         else:
             qx = backend.quantize(x, ACT, pow2_scale)
         qw = Fp8Tensor(w_data, w_scale, WEIGHT)
-        y = backend.gemm(qx, qw, out_dtype=x.dtype)  # (M, N)
+        # exact mode: each row's sum in the same order whatever M is (the backward stays the fast one)
+        y = (backend.gemm_exact if exact else backend.gemm)(qx, qw, out_dtype=x.dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(y.dtype)
         # wt_data: a row-major copy of W^T's FP8 data (same values as w_data.t()), cached with the weight
@@ -86,22 +88,23 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = grad_out.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
                pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None,
-               x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
+               x_fp8: Fp8Tensor | None = None, exact: bool = False) -> torch.Tensor:
     """``F.linear`` in FP8 for a 2-D ``x`` (M, K) given the (128, 128)-quantized ``weight``.
 
     ``qweight_t`` optionally gives W^T's quantized form with row-major data (values equal to
     ``qweight.t()``), which DGrad then reads instead of the transposed view. ``x_fp8`` optionally gives
     x's 1x128 quantization (bitwise what the backend would compute from x), so x is not read again.
+    ``exact``: Fprop through the backend's batch-invariant ``gemm_exact`` (see :mod:`jetrl.quant.exact`).
     """
     wt_data = qweight_t.data if qweight_t is not None else None
     xq_data, xq_scale = (x_fp8.data, x_fp8.scale) if x_fp8 is not None else (None, None)
     return _Fp8LinearFunction.apply(x, weight, bias, qweight.data, qweight.scale, pow2_scale, wt_data, xq_data,
-                                    xq_scale)
+                                    xq_scale, bool(exact))
 
 
 def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | None:
@@ -201,11 +204,12 @@ class FP8Linear(nn.Linear):
             self._qweight_t = _write_into(stale_t, self._qweight_t)
         return self._qweight, self._qweight_t
 
-    def forward(self, x: torch.Tensor, x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
         """``x`` (..., in_features). ``x_fp8``: x flattened to 2-D and quantized per 1x128 with this layer's
-        ``pow2_scale`` by a fused producer (see :func:`fp8_input_scaling`); ignored when not in FP8."""
+        ``pow2_scale`` by a fused producer (see :func:`fp8_input_scaling`); ignored when not in FP8.
+        ``exact``: batch-invariant forward (exact on-policy mode, :mod:`jetrl.quant.exact`), in FP8 or not."""
         if not self.uses_fp8():
-            return F.linear(x, self.weight, self.bias)
+            return exact_linear(x, self.weight, self.bias) if exact else F.linear(x, self.weight, self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear expects inputs with {self.in_features} features in the last dim, "
                              f"got shape {tuple(x.shape)}")
@@ -220,7 +224,7 @@ class FP8Linear(nn.Linear):
         if x_fp8 is not None and (x_fp8.block != ACT or tuple(x_fp8.shape) != tuple(x2d.shape)):
             raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x2d.shape)}, got "
                              f"block {x_fp8.block} and shape {tuple(x_fp8.shape)}")
-        y = fp8_linear(x2d, self.weight, self.bias, qweight, self.pow2_scale, qweight_t, x_fp8)
+        y = fp8_linear(x2d, self.weight, self.bias, qweight, self.pow2_scale, qweight_t, x_fp8, exact)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -241,23 +245,36 @@ def fp8_input_scaling(*modules: nn.Module) -> bool | None:
     return scalings.pop() if len(scalings) == 1 else None
 
 
-def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = None) -> torch.Tensor:
-    """``module(x)``, passing ``x_fp8`` along to an :class:`FP8Linear` when there is one."""
+def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = None, *,
+                exact: bool = False) -> torch.Tensor:
+    """``module(x)``, passing ``x_fp8`` along to an :class:`FP8Linear` when there is one.
+
+    ``exact``: the batch-invariant forward (:mod:`jetrl.quant.exact`): an :class:`FP8Linear` is asked for it,
+    a plain ``nn.Linear`` runs :func:`~jetrl.quant.exact.exact_linear` on its parameters.
+    """
+    if exact:
+        if isinstance(module, FP8Linear):
+            return module(x, x_fp8=x_fp8, exact=True)
+        if type(module) is not nn.Linear:
+            raise TypeError(f"exact mode needs nn.Linear or FP8Linear layers, got {type(module).__name__}")
+        return exact_linear(x, module.weight, module.bias)
     if x_fp8 is None:
         return module(x)
     return module(x, x_fp8=x_fp8)
 
 
 def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
-                         x_fp8: Fp8Tensor | None = None) -> list[torch.Tensor]:
+                         x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> list[torch.Tensor]:
     """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up).
 
     In a no-grad step with FP8 on this side and ``x_fp8`` given, the backend's ``grouped_gemm`` computes them
     together, each output a column slice of one buffer: the CUDA backend in one launch for decode-sized inputs
     (the same FP8 operands; the K-split of the sum may differ from a lone call's, so values agree to output
     rounding), the reference as the layers' own GEMMs. Where the backend does not group (``None``), each layer
-    runs as usual.
+    runs as usual. ``exact`` never groups: each layer runs its batch-invariant forward.
     """
+    if exact:
+        return [call_linear(m, x, x_fp8, exact=True) for m in modules]
     if x_fp8 is not None and not torch.is_grad_enabled() and 2 <= len(modules) <= 3 and x.dim() == 2:
         if fp8_input_scaling(*modules) is not None and tuple(x_fp8.shape) == tuple(x.shape):
             weights = [m._cached_weights(with_transpose=False)[0] for m in modules]

@@ -9,6 +9,10 @@ recipe            rollout       training        meaning
 ``jet``           FP8           FP8 (+FP8 bwd)  the unified FP8 flow: identical quantization on both
                                                 sides, FP8 DGrad/WGrad, BF16 master weights
 ================  ============  ==============  ==========================================================
+
+**Exact on-policy mode** is not a recipe but a choice of the callers (``RolloutEngine(exact=True)``, the run
+config's ``exact``, ``forward_packed(..., exact=True)``), valid with ``bf16`` and ``jet`` (:func:`check_exact`):
+see :mod:`jetrl.quant.exact`.
 """
 
 from __future__ import annotations
@@ -112,4 +116,16 @@ def refresh_fp8_weights(model: nn.Module, eager: bool = False) -> int:
     return len(layers)
 
 
-__all__ = ["PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears", "refresh_fp8_weights"]
+def check_exact(model: nn.Module) -> None:
+    """Raise unless exact on-policy mode makes sense for ``model``'s recipe: both sides in the same precision
+    (``bf16``, ``jet``). Under ``fp8-rollout`` the rollout runs FP8 and the training BF16, two different
+    policies whose log-probabilities no summation order can make equal."""
+    mixed = [name for name, m in model.named_modules() if isinstance(m, FP8Linear) and m.fp8_rollout != m.fp8_train]
+    if mixed:
+        raise ValueError(f"exact mode needs the same precision on the rollout and training sides (recipes bf16 and "
+                         f"jet); layer {mixed[0]!r} rolls out and trains in different precisions (fp8-rollout), so "
+                         f"the rollout's log-probabilities cannot equal the trainer's")
+
+
+__all__ = ["check_exact", "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears",
+           "refresh_fp8_weights"]

@@ -25,7 +25,13 @@ from jetrl.quant.formats import (
 )
 
 __all__ = ["quantize", "quantize_tensor", "dequantize", "expand_scale", "requantize", "gemm",
-           "check_gemm_operands", "compute_scale", "round_scale_to_pow2"]
+           "check_gemm_operands", "compute_scale", "round_scale_to_pow2", "gemm_exact", "matmul_exact",
+           "row_invariant_matmul", "EXACT_ROW_CHUNK", "EXACT_KV_CHUNK"]
+
+# exact mode (see jetrl.quant.exact): rows of one fixed-shape product in the batch-invariant GEMMs, and key
+# positions per step of exact attention's online softmax (the reference and the kernel)
+EXACT_ROW_CHUNK = 64
+EXACT_KV_CHUNK = 64
 
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -120,3 +126,38 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) ->
     """
     check_gemm_operands(a, b)
     return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+
+
+def row_invariant_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``a @ b.T`` for a (M, K) and b (N, K), each output row computed identically whatever M is.
+
+    The rows are padded with zeros to whole chunks of :data:`EXACT_ROW_CHUNK` and each chunk is one product
+    of the same shape, in ``a``'s dtype; the result is cast to ``out_dtype`` (default: ``a``'s). The
+    reference backend's exact GEMMs; runs on any device.
+    """
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"row_invariant_matmul: a (M, K) and b (N, K) needed, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    m, n = a.shape[0], b.shape[0]
+    chunk = EXACT_ROW_CHUNK
+    out = torch.empty((m, n), dtype=out_dtype or a.dtype, device=a.device)
+    if m == 0:
+        return out
+    padded = a.new_zeros((-(-m // chunk)) * chunk, a.shape[1])
+    padded[:m] = a
+    for start in range(0, m, chunk):
+        end = min(m, start + chunk)
+        out[start:end] = F.linear(padded[start:start + chunk], b)[:end - start]
+    return out
+
+
+def matmul_exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Batch-invariant ``x @ w.T`` in x's dtype (exact mode's non-FP8 linears and LM head)."""
+    return row_invariant_matmul(x, w)
+
+
+def gemm_exact(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """:func:`gemm` with each row of ``a`` computed identically whatever M is: both operands dequantized
+    blockwise (row-wise for ``a``), then :func:`row_invariant_matmul` in fp32."""
+    check_gemm_operands(a, b)
+    return row_invariant_matmul(a.dequantize(), b.dequantize(), out_dtype)

@@ -237,7 +237,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress and parallel.is_main,
                            max_num_seqs=min(256, config.rollout_batch_size),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
-                           memory_budget=config.rollout.memory_budget)
+                           memory_budget=config.rollout.memory_budget, exact=config.exact)
     pool = RewardPool(reward)
     trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, RewardFailureGuard()), prompts.decode,
                       parallel=parallel)

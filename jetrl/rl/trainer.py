@@ -254,10 +254,12 @@ class Trainer:
         offsets = torch.arange(R)
         index = torch.stack([(starts[b] + batch.prompt_lens[s] - 1 + offsets).clamp(max=starts[b + 1] - 1)
                              for b, s in enumerate(rows)]).to(self.device)  # (b, R); masked slots clamped
-        hidden = model.forward_packed(ids, positions, cu, max(lens))
+        exact = self.config.exact  # exact mode: bitwise the engine's log-probs (the engine runs it too)
+        hidden = model.forward_packed(ids, positions, cu, max(lens), exact=exact)
         # the LM head runs on the response rows only (prompt rows predict no scored token)
         flat = index.flatten()
-        lp, ent = logprobs_from_hidden(model, hidden[flat], targets[flat], temperature=self.config.rollout.temperature)
+        lp, ent = logprobs_from_hidden(model, hidden[flat], targets[flat], temperature=self.config.rollout.temperature,
+                                       exact=exact)
         return lp.view_as(index), ent.view_as(index)
 
     @torch.no_grad()

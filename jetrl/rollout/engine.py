@@ -75,6 +75,10 @@ class RolloutEngine:
             on the device), so scheduling and input packing overlap the GPU's work instead of idling it.
             A sequence that stops at step t is computed once more at t+1 and that result dropped; the
             completions are the same as without (up to the batch-size dependence of the GEMMs' rounding).
+        exact: exact on-policy mode (:mod:`jetrl.quant.exact`): each reported log-probability equals, bitwise,
+            the trainer's ``forward_packed(..., exact=True)`` log-probability of that token, whatever the batch
+            composition, prefix sharing, preemption or CUDA graphs. Valid with the ``bf16`` and ``jet`` recipes
+            (a ``ValueError`` under ``fp8-rollout``). With it, completions no longer depend on the batch either.
 
     The KV-cache and CUDA-graph arguments configure :attr:`runner`, the
     :class:`~jetrl.rollout.model_runner.ModelRunner` that runs the model; ``last_stats`` holds the stats of
@@ -85,7 +89,7 @@ class RolloutEngine:
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, num_blocks: int | None = None, progress: bool = True,
                  cuda_graphs: bool = True, graph_batch_sizes: Seq[int] | None = None,
-                 async_scheduling: bool = True) -> None:
+                 async_scheduling: bool = True, exact: bool = False) -> None:
         if not hasattr(model, "forward_paged") or not hasattr(model, "config"):
             raise TypeError(f"RolloutEngine needs a jetrl decoder with forward_paged and config, "
                             f"got {type(model).__name__}")
@@ -113,7 +117,8 @@ class RolloutEngine:
         self.async_scheduling = bool(async_scheduling)
         self.runner = ModelRunner(model, max_model_len=self.max_model_len, block_size=block_size,
                                   max_num_seqs=max_num_seqs, memory_budget=memory_budget, num_blocks=num_blocks,
-                                  cuda_graphs=cuda_graphs, graph_batch_sizes=graph_batch_sizes)
+                                  cuda_graphs=cuda_graphs, graph_batch_sizes=graph_batch_sizes, exact=exact)
+        self.exact = self.runner.exact
         self._seq_counter = 0
         self.last_stats: dict[str, float] = {}
 

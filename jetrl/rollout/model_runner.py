@@ -6,8 +6,9 @@ runner decides *how* it is computed on the device, and holds everything that liv
 cache (sized from a memory budget), the CUDA graphs of the decode step, the per-step input tensors, the
 block copies of copy-on-write, and the sampling of the logits. The engine never touches a tensor.
 
-**The interface** (what a runner provides; a distributed rank's runner and an exact-mode runner with other
-kernels plug in here, behind the same calls):
+**The interface** (what a runner provides; a distributed rank's runner plugs in here, behind the same calls;
+exact on-policy mode is this runner's ``exact`` flag: every forward, captured or eager, runs the model's exact
+path and the sampler reports the trainer's exact log-probabilities, see :mod:`jetrl.quant.exact`):
 
 - ``allocate_kv_cache() -> int`` -- make the KV cache if there is none; returns the number of usable blocks
   (the engine's :class:`~jetrl.rollout.block_manager.BlockManager` hands out block ids ``0 .. n-1``).
@@ -52,6 +53,7 @@ import torch
 
 from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache
 from jetrl.quant import fp8_linears, precision_side
+from jetrl.quant.recipe import check_exact
 from jetrl.rollout.block_manager import BlockTableMirror
 from jetrl.rollout.sampling import SamplingBatch, sample
 from jetrl.rollout.scheduler import PLACEHOLDER, SchedulerOutput
@@ -158,12 +160,18 @@ class ModelRunner:
             bytes (default 256 MiB). The pool never exceeds what ``max_num_seqs`` full-length sequences need.
         num_blocks: exact pool size in blocks (overrides ``memory_budget``).
         cuda_graphs: capture the decode step on CUDA; ``graph_batch_sizes`` overrides the captured sizes.
+        exact: exact on-policy mode (:mod:`jetrl.quant.exact`): every forward (prefill, decode, the captured
+            graphs) runs ``forward_paged(..., exact=True)`` and the sampler reports the trainer's exact
+            log-probabilities; requires a recipe with one precision on both sides.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, block_size: int, max_num_seqs: int,
                  memory_budget: float | int | None = None, num_blocks: int | None = None, cuda_graphs: bool = True,
-                 graph_batch_sizes: Seq[int] | None = None) -> None:
+                 graph_batch_sizes: Seq[int] | None = None, exact: bool = False) -> None:
+        if exact:
+            check_exact(model)
         self.model = model
+        self.exact = bool(exact)
         config = model.config
         self.num_layers = int(config_value(config, "num_hidden_layers"))
         num_heads = int(config_value(config, "num_attention_heads"))
@@ -288,7 +296,7 @@ class ModelRunner:
         self._tables = BlockTableMirror(seqs, self.max_blocks_per_seq)
 
     def _forward(self, input_ids, positions, meta, logits_indices):
-        return self.model.forward_paged(input_ids, positions, meta, self.kv_cache, logits_indices)
+        return self.model.forward_paged(input_ids, positions, meta, self.kv_cache, logits_indices, exact=self.exact)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         host = torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long)
@@ -371,7 +379,7 @@ class ModelRunner:
             logits = self._forward(ids_t, pos_t, meta, rows)
             if batch is None:  # prefill chunks that end mid-prompt: nothing to sample this step
                 return step
-        tokens, logprobs = sample(logits, batch)
+        tokens, logprobs = sample(logits, batch, exact=self.exact)
         step.tokens = tokens
         packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
         if dev.type == "cuda":  # one D2H copy into pinned memory, waited for in collect

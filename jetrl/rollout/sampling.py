@@ -189,7 +189,8 @@ def _truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
     return torch.zeros_like(removed_sorted).scatter_(-1, order, removed_sorted)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None, exact: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` (B, V) -> (tokens (B,) int64, logprobs (B,) fp32).
 
     See the module docstring for the log-probability definition and the truncation order. Runs entirely
@@ -198,7 +199,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None) 
     ``"reference"`` or ``"triton"``), a batch of seeded (and greedy) rows without truncation runs as one Triton
     kernel (:mod:`jetrl.quant.kernels.sampling_triton`: the same tokens, the log-probabilities up to fp32
     summation order) instead of some fifty tensor ops over (B, V).
+
+    ``exact`` (exact on-policy mode): the log-probabilities come from
+    :func:`jetrl.models.logprobs.exact_logprobs_from_logits`, the trainer's function in exact mode, on these
+    very logits (the tokens are drawn as usual, from the same logits).
     """
+    if exact:
+        from jetrl.models.logprobs import exact_logprobs_from_logits
+
+        tokens, _ = sample(logits, batch, impl)
+        temperature = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
+        return tokens, exact_logprobs_from_logits(logits, tokens, temperature)[0]
     kernel_batch = (logits.dim() == 2 and not batch.all_greedy and not batch.any_truncation
                     and not batch.any_unseeded_random)
     if kernel_batch and choose_impl(logits, impl, op="seeded_sample") == "triton":

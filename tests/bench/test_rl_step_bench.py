@@ -75,6 +75,31 @@ def test_tiny_run_without_the_old_logprob_pass(bench, one_thread, tmp_path, monk
     assert "old log-probs from the update" in capsys.readouterr().out
 
 
+def test_tiny_run_with_the_exact_arm(bench, one_thread, tmp_path, monkeypatch, capsys):
+    """--exact adds jet-exact after the recipes: its mismatch is 0.0, the table gives its cost over fast jet,
+    and the mismatch line shows every arm."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    report = bench.main(["--tiny", "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--new-tokens", "4",
+                         "--recipes", "jet", "--exact", "--no-reference"])
+    results = report["results"]
+    assert list(results) == ["jet", "jet-exact"]
+    assert results["jet-exact"]["step_metrics"]["mismatch/logp_abs_diff_max"] == 0.0
+    assert results["jet"]["step_metrics"]["response/num_tokens"] == 16  # 2 prompts x 2 samples x 4 tokens
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("phase"))
+    assert "jet-exact/jet" in header
+    ratio_row = next(line for line in out.splitlines() if line.startswith("update"))
+    expected = results["jet-exact"]["seconds"]["update"] / results["jet"]["seconds"]["update"]
+    assert f"{expected:.2f}x" in ratio_row
+    mismatch = next(line for line in out.splitlines() if line.startswith("rollout/training mismatch"))
+    assert "jet-exact 0.00e+00 / 0.00e+00" in mismatch and "jet " in mismatch
+
+
+def test_exact_arm_of_an_unknown_recipe_is_refused(bench):
+    with pytest.raises(SystemExit):
+        bench._parse(["--tiny", "--recipes", "fp9-exact"])
+
+
 def test_8b_shape_and_default_depth_fit_one_h200(bench):
     from bench.common import LLAMA31_8B, with_layers
 

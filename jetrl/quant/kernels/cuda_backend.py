@@ -14,6 +14,8 @@ backend (quantization bit for bit, GEMMs to output rounding):
   grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
+* exact mode's ``gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs of
+  :mod:`~jetrl.quant.kernels.gemm_exact_triton` (one tile configuration per weight shape, no split-K);
 * ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention and the
   seeded sampler run their kernels of this folder (the seam's :func:`~jetrl.quant.backend.choose_impl`).
 
@@ -29,7 +31,7 @@ from jetrl.quant import reference
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
 from jetrl.quant.kernels import gemm_decode_triton as dk
 from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
-from jetrl.quant.kernels import gemm_triton
+from jetrl.quant.kernels import gemm_exact_triton, gemm_triton
 from jetrl.quant.kernels import quantize_gluon
 from jetrl.quant.kernels import quantize_triton as tk
 from jetrl.quant.kernels import tuning
@@ -154,3 +156,13 @@ class CudaBackend:
         if path == "decode":
             return dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
         return gemm_triton.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
+
+    def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        reference.check_gemm_operands(a, b)
+        _check_cuda(a.data, "the left operand")
+        rows = 128 if b.block == WEIGHT else 1
+        return gemm_exact_triton.exact_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
+
+    def matmul_exact(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        _check_cuda(x, "the input")
+        return gemm_exact_triton.exact_matmul(x, w)

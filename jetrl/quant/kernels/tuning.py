@@ -188,6 +188,11 @@ class KernelTuning:
     Other kernels: ``silu_bwd_fma`` (SwiGLU's backward contracts ``x * (1 - s) + 1`` into one fma, as nvcc
     compiles ATen's ``silu_backward``; flip it only if the bitwise SwiGLU test says the compiler changed),
     ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
+
+    Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
+    tiles (``exact_narrow_block_n`` for weights of at most ``exact_narrow_n`` rows), ``exact_num_warps``,
+    ``exact_num_stages``. Never chosen by M; the rollout and the trainer must run the same values (any values
+    are batch-invariant, but two different ones are two different reduction orders).
     """
 
     gemm: str = "auto"
@@ -208,6 +213,12 @@ class KernelTuning:
     silu_bwd_fma: bool = True
     logprob_stats_num_warps: int = 8
     logprob_grad_num_warps: int = 8
+    exact_block_m: int = 64
+    exact_block_n: int = 128
+    exact_narrow_block_n: int = 64
+    exact_narrow_n: int = 1024
+    exact_num_warps: int = 4
+    exact_num_stages: int = 3
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:

@@ -1,0 +1,132 @@
+"""Exact mode's batch-invariant GEMMs in Triton: blockwise FP8 ``a @ b.T`` and 16/32-bit ``x @ w.T``.
+
+The CUDA backend's ``gemm_exact`` and ``matmul_exact`` (see :mod:`jetrl.quant.exact`). A row's result must
+not depend on M, so everything that decides a row's arithmetic is fixed per weight shape:
+
+* one tile configuration per (N, K) (:func:`exact_config`, never a function of M), one program per output
+  tile, K walked in order from block 0 to the last (no split-K, no atomics, no stream-K);
+* the FP8 path applies the scales exactly as the blockwise GEMM does (``acc += dot(a_k, b_k) * (sa * sb)``
+  per 128-wide K block); the 16/32-bit path accumulates ``dot(x_k, w_k)`` over 64-wide K blocks in fp32
+  (fp32 inputs with IEEE products, not TF32);
+* M is not specialised on (``do_not_specialize``), so M = 1, 16 or 8192 run the same compiled kernel.
+
+Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
+reduce along K per row), so a row's bits are independent of its tile neighbours. The cost against the
+fast path: no split-K for decode-sized M, and no cuBLAS for large M (measured in BENCHMARKS.md). The tiles come
+from the tuning object (:mod:`~jetrl.quant.kernels.tuning`, ``exact_*``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
+
+
+@triton.jit(do_not_specialize=["M"])
+def _exact_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    NUM_KB: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C = A @ B^T; with ``FP8``, per-128-K-block scales: ``acc += dot(a_k, b_k) * (sa_k * sb_k)``."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_size
+    pid_n = (pid % group) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None] * stride_bk  # (BLOCK_K, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, NUM_KB):
+        k_ok = rk < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            sa = tl.load(as_ptr + rm * stride_asm + kb * stride_ask, mask=m_ok, other=0.0)
+            sb = tl.load(bs_ptr + (rn // B_SCALE_ROWS) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@dataclass(frozen=True)
+class ExactGemmConfig:
+    """The one tile configuration of an exact GEMM for a weight shape (never chosen by M)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def exact_config(n: int, k: int) -> ExactGemmConfig:
+    """The tile configuration for an (N, K) weight, from the tuning object's ``exact_*`` fields: 64-row tiles
+    (they bound decode's padding waste), 128-wide N tiles, narrower ones for narrow weights (more programs)."""
+    t = tuning.current()
+    block_n = t.exact_narrow_block_n if n <= t.exact_narrow_n else t.exact_block_n
+    return ExactGemmConfig(t.exact_block_m, block_n, t.exact_num_warps, t.exact_num_stages)
+
+
+def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = exact_config(n, k)
+    block_k = BLOCK if fp8 else 64
+    scales = (a_scale, b_scale) if fp8 else (out, out)  # unused without FP8
+    strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0, 0)
+    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
+    _exact_gemm_kernel[grid](
+        a, b, out, *scales, m, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), *strides,
+        NUM_KB=_cdiv(k, block_k), BLOCK_K=block_k, FP8=fp8, B_SCALE_ROWS=b_scale_rows,
+        IEEE=a.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def exact_fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+                   b_scale_rows: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ b.T``: a (M, K) with 1x128 scales (M, Kb), b (N, K) with 128x128 scales (``b_scale_rows=128``) or
+    1x128 scales (``b_scale_rows=1``); batch-invariant in M."""
+    out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
+    return _launch(a_data, b_data, a_scale, b_scale, out, True, b_scale_rows)
+
+
+def exact_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in x's dtype (bf16/fp16: fp32 accumulation; fp32: IEEE products); batch-invariant in M."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.dtype != x.dtype:
+        raise TypeError(f"exact_matmul: x and w must share a 16/32-bit float dtype, got {x.dtype} and {w.dtype}")
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch(x, w, None, None, out, False, 1)
+
+
+__all__ = ["exact_fp8_gemm", "exact_matmul", "exact_config", "ExactGemmConfig"]

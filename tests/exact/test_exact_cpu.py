@@ -1,0 +1,312 @@
+"""Exact on-policy mode on CPU (reference backend): the engine's log-probabilities equal the training
+forward's bit for bit, whatever the batch; the batch-invariance of every op it rests on; config and errors."""
+
+import math
+
+import pytest
+import torch
+
+from jetrl.config import ConfigError, load_config
+from jetrl.models import DecoderConfig, build_model, token_logprobs
+from jetrl.models.attention import (
+    PagedAttentionMetadata,
+    exact_attention_reference,
+    exact_varlen_attention,
+    paged_attention_reference,
+    varlen_attention,
+)
+from jetrl.quant import ACT, quantize_tensor
+from jetrl.quant.exact import EXACT_KV_CHUNK, EXACT_ROW_CHUNK, exact_fp8_gemm, exact_linear, row_invariant_matmul
+from jetrl.quant.formats import WEIGHT
+from jetrl.quant.norm import rms_norm
+from jetrl.quant.swiglu import swiglu
+from jetrl.rollout import RolloutEngine, SamplingParams
+
+# Qwen3-shaped (q/k norms, GQA), hidden 128 so the FP8 blocks are whole; prompts up to 70 tokens so that
+# attention crosses its 64-position chunks
+CONFIG = dict(model_type="qwen3", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128, eos_token_id=1)
+CASES = [("bf16", torch.float32), ("bf16", torch.bfloat16), ("jet", torch.bfloat16)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny matrices: threads only add OpenMP contention on a busy 2-core machine (the bench tests do the same)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 71, (count,), generator=g).tolist()
+    return [torch.randint(2, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {(r, d): build_model(DecoderConfig(**CONFIG), dtype=d, recipe=r, seed=0) for r, d in CASES}
+
+
+def _score(model, prompts, completions, micro: int | None = None) -> list[torch.Tensor]:
+    """The trainer's view: packed forward (all sequences at once, or ``micro`` at a time), exact mode."""
+    out = []
+    step = micro or len(completions)
+    for s in range(0, len(completions), step):
+        group = completions[s:s + step]
+        ids, pos, cu, tg = [], [], [0], []
+        for c in group:
+            seq = prompts[c.prompt_index] + c.token_ids
+            ids += seq
+            pos += range(len(seq))
+            cu.append(cu[-1] + len(seq))
+            tg += seq[1:] + [-1]
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, torch.tensor(ids), torch.tensor(pos), torch.tensor(cu), None,
+                                   torch.tensor(tg), 1.0, exact=True)
+        for i, c in enumerate(group):
+            start = cu[i] + len(prompts[c.prompt_index]) - 1
+            out.append(lp[start:start + len(c.token_ids)])
+    return out
+
+
+@pytest.mark.parametrize("recipe,dtype", CASES, ids=[f"{r}-{str(d)[6:]}" for r, d in CASES])
+@pytest.mark.parametrize("num_prompts,n,num_blocks", [(1, 1, 64), (1, 3, 64), (17, 1, 20)],
+                         ids=["1seq", "3seq-prefix-sharing", "17seq-preempted"])
+def test_engine_logprobs_equal_training_forward_bitwise(models, recipe, dtype, num_prompts, n, num_blocks):
+    model = models[(recipe, dtype)]
+    prompts = _prompts(num_prompts, seed=num_prompts)
+    engine = RolloutEngine(model, max_num_seqs=8, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=48,
+                           progress=False, exact=True)
+    max_tokens = 6 if num_prompts > 1 else 12
+    outs = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=7,
+                                                   ignore_eos=True))
+    if num_prompts == 17:
+        assert engine.last_stats["preemptions"] > 0  # the tiny pool forces recomputation
+    for micro in (None, 2):  # one packed batch, and micro-batches of 2 sequences
+        for c, lp in zip(outs, _score(model, prompts, outs, micro)):
+            engine_lp = torch.tensor(c.logprobs, dtype=torch.float32)
+            assert torch.equal(engine_lp, lp), (recipe, dtype, micro, (engine_lp - lp).abs().max())
+
+
+def test_fast_mode_is_not_exact_but_exact_mode_is(models):
+    """The same model and prompts: fast mode's engine/trainer gap is non-zero here (so the exact test above can
+    tell the modes apart), exact mode's is zero."""
+    model = models[("jet", torch.bfloat16)]
+    prompts = _prompts(5, seed=11)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)
+    gaps = {}
+    for exact in (False, True):
+        engine = RolloutEngine(model, max_num_seqs=8, num_blocks=64, block_size=4, progress=False, exact=exact)
+        outs = engine.generate(prompts, params)
+        ids, pos, cu, tg = [], [], [0], []
+        for c in outs:
+            seq = prompts[c.prompt_index] + c.token_ids
+            ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
+            cu.append(cu[-1] + len(seq))
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, torch.tensor(ids), torch.tensor(pos), torch.tensor(cu), None,
+                                   torch.tensor(tg), 1.0, exact=exact)
+        gaps[exact] = max(float((lp[cu[i] + len(prompts[c.prompt_index]) - 1:][:len(c.token_ids)]
+                                 - torch.tensor(c.logprobs)).abs().max()) for i, c in enumerate(outs))
+    assert gaps[True] == 0.0 and gaps[False] > 0.0, gaps
+
+
+# ------------------------------------------------------------------ the ops, one by one
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_invariant_matmul_rows_do_not_depend_on_the_batch(dtype):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 160, generator=g).to(dtype)
+    x = torch.randn(3 * EXACT_ROW_CHUNK + 5, 160, generator=g).to(dtype)
+    full = row_invariant_matmul(x, w)
+    torch.testing.assert_close(full.float(), (x.float() @ w.float().t()), rtol=2e-2, atol=2e-2)
+    for rows in ([0], [7, 3], list(range(100, 117)), list(range(x.shape[0] - 1, -1, -1))):
+        assert torch.equal(row_invariant_matmul(x[rows], w), full[rows]), rows
+    # the autograd wrapper: same forward, ordinary gradients
+    xr, wr = x.float().clone().requires_grad_(), w.float().clone().requires_grad_()
+    y = exact_linear(xr, wr)
+    y.square().sum().backward()
+    xr2, wr2 = x.float().clone().requires_grad_(), w.float().clone().requires_grad_()
+    torch.nn.functional.linear(xr2, wr2).square().sum().backward()
+    torch.testing.assert_close(xr.grad, xr2.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(wr.grad, wr2.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_exact_fp8_gemm_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(1)
+    w = quantize_tensor(torch.randn(256, 384, generator=g), WEIGHT)
+    x = torch.randn(150, 384, generator=g).to(torch.bfloat16)
+    qx = quantize_tensor(x, ACT)
+    full = exact_fp8_gemm(qx, w)
+    for rows in ([5], [149, 0, 77], list(range(64, 131))):
+        sub = quantize_tensor(x[rows], ACT)  # 1x128 quantization is per row: the same bytes
+        assert torch.equal(sub.data.view(torch.uint8), qx.data[rows].view(torch.uint8))
+        assert torch.equal(exact_fp8_gemm(sub, w), full[rows])
+    torch.testing.assert_close(full.float(), qx.dequantize() @ w.dequantize().t(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_wise_ops_are_batch_invariant(dtype):
+    """RMSNorm with the residual add and its FP8 output, SwiGLU with its FP8 output, and the 1x128
+    quantization: a row's bits do not depend on the other rows (reference implementations)."""
+    from jetrl.models.rope import apply_rope_qk
+
+    g = torch.Generator().manual_seed(2)
+    x, r = (torch.randn(200, 256, generator=g).to(dtype) for _ in range(2))
+    w = torch.rand(256, generator=g).to(dtype) + 0.5
+    gate, up = (torch.randn(200, 384, generator=g).to(dtype) for _ in range(2))
+    q, k = torch.randn(200, 4, 32, generator=g).to(dtype), torch.randn(200, 2, 32, generator=g).to(dtype)
+    cos, sin = torch.randn(200, 32, generator=g).to(dtype), torch.randn(200, 32, generator=g).to(dtype)
+    full_norm = rms_norm(x, w, 1e-6, r, quantize=True)
+    full_act, full_fp8 = swiglu(gate, up, quantize=True)
+    full_q, full_k = apply_rope_qk(q, k, cos, sin)
+    for rows in ([0], [199, 3], list(range(50, 67))):
+        norm = rms_norm(x[rows], w, 1e-6, r[rows], quantize=True)
+        assert torch.equal(norm.out, full_norm.out[rows]) and torch.equal(norm.residual, full_norm.residual[rows])
+        assert torch.equal(norm.out_fp8.scale, full_norm.out_fp8.scale[rows])
+        act, fp8 = swiglu(gate[rows], up[rows], quantize=True)
+        assert torch.equal(act, full_act[rows]) and torch.equal(fp8.scale, full_fp8.scale[rows])
+        assert torch.equal(fp8.data.view(torch.uint8), full_fp8.data[rows].view(torch.uint8))
+        rq, rk = apply_rope_qk(q[rows], k[rows], cos[rows], sin[rows])
+        assert torch.equal(rq, full_q[rows]) and torch.equal(rk, full_k[rows])
+
+
+def test_exact_logprobs_are_batch_invariant():
+    from jetrl.models.logprobs import exact_logprobs_from_logits
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, 5000, generator=g) * 4
+    targets = torch.randint(0, 5000, (40,), generator=g)
+    temps = torch.full((40,), 0.7)
+    full, _ = exact_logprobs_from_logits(logits, targets, temps)
+    for rows in ([0], [39, 2], list(range(10, 27))):
+        assert torch.equal(exact_logprobs_from_logits(logits[rows], targets[rows], temps[rows])[0], full[rows])
+    torch.testing.assert_close(full, torch.log_softmax(logits / 0.7, -1).gather(-1, targets[:, None])[:, 0])
+
+
+def _paged(k_all, v_all, seqs, block_size, width, rng):
+    """Scatter each sequence's K/V (L, Hkv, D) into shuffled blocks of a pool; its block table rows."""
+    num_blocks = sum(-(-len(s) // block_size) for s in seqs) + 3
+    perm = torch.randperm(num_blocks, generator=rng).tolist()
+    kc = torch.zeros(num_blocks, block_size, *k_all.shape[1:], dtype=k_all.dtype)
+    vc = torch.zeros_like(kc)
+    tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    for s, rows in enumerate(seqs):
+        for j, row in enumerate(rows):
+            if j % block_size == 0:
+                tables[s, j // block_size] = perm.pop()
+            kc[tables[s, j // block_size], j % block_size] = k_all[row]
+            vc[tables[s, j // block_size], j % block_size] = v_all[row]
+    return kc, vc, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_attention_one_function_for_packed_prefill_and_decode(dtype):
+    """The packed training forward, a chunked prefill and decode steps over paged caches of different block
+    sizes and table widths give the same bits for the same token; and the values are attention's."""
+    rng = torch.Generator().manual_seed(4)
+    lengths = [1, 5, EXACT_KV_CHUNK + 9, 2 * EXACT_KV_CHUNK + 1]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    total = cu[-1]
+    q = torch.randn(total, 4, 16, generator=rng).to(dtype)
+    k = torch.randn(total, 2, 16, generator=rng).to(dtype)
+    v = torch.randn(total, 2, 16, generator=rng).to(dtype)
+    packed = exact_varlen_attention(q, k, v, cu, 0.25)
+    torch.testing.assert_close(packed.float(), varlen_attention(q, k, v, cu, 0.25).float(), rtol=2e-2, atol=2e-2)
+    seqs = [list(range(cu[i], cu[i + 1])) for i in range(len(lengths))]
+    for block_size, extra_width in ((4, 0), (16, 3)):
+        width = -(-max(lengths) // block_size) + extra_width
+        kc, vc, tables = _paged(k, v, seqs, block_size, width, rng)
+        # decode: the last token of each sequence alone
+        meta = PagedAttentionMetadata(torch.arange(len(lengths) + 1, dtype=torch.int32),
+                                      torch.tensor(lengths, dtype=torch.int32), tables,
+                                      torch.zeros(len(lengths), dtype=torch.long), 1, max(lengths))
+        last = torch.tensor([c - 1 for c in cu[1:]])
+        out = exact_attention_reference(q[last], kc, vc, meta, 0.25)
+        assert torch.equal(out, packed[last]), block_size
+        # a prefill chunk: the last 3 tokens of the two longest sequences
+        rows = seqs[2][-3:] + seqs[3][-3:]
+        meta = PagedAttentionMetadata(torch.tensor([0, 3, 6], dtype=torch.int32),
+                                      torch.tensor(lengths[2:], dtype=torch.int32), tables[2:],
+                                      torch.zeros(6, dtype=torch.long), 3, max(lengths))
+        out = exact_attention_reference(q[rows], kc, vc, meta, 0.25)
+        assert torch.equal(out, packed[rows]), block_size
+        ref = paged_attention_reference(q[rows], kc, vc, meta, 0.25)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_exact_varlen_attention_gradient_is_sdpa_s():
+    g = torch.Generator().manual_seed(5)
+    cu = [0, 3, 70]
+    q, k, v = (torch.randn(70, h, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+    exact_varlen_attention(q, k, v, cu, 0.25).square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    varlen_attention(q, k, v, cu, 0.25).square().sum().backward()
+    for a, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(a, t.grad, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ the RL step, config, errors
+
+
+class _Prompts:
+    """Prompts of mixed lengths (2 to 40 tokens) for the RL step."""
+
+    def __init__(self, per_step: int) -> None:
+        self.per_step, self.pos = per_step, 0
+
+    def next_batch(self):
+        from jetrl.rl.trainer import PromptItem
+
+        items = [PromptItem(_prompts(1, seed=self.pos + i)[0][:2 + 19 * i], "") for i in range(self.per_step)]
+        self.pos += self.per_step
+        return items
+
+
+def _decode(ids):
+    return ",".join(map(str, ids))
+
+
+def _reward(texts, references):
+    return [sum(int(t) < 128 for t in x.split(",")) / len(x.split(",")) if x else 0.0 for x in texts]
+
+
+def _trainer(recipe: str, dtype, extra=()):
+    from jetrl.rl.trainer import Trainer
+
+    cfg = load_config(None, [f"--recipe={recipe}", "--exact=true", "--data.prompts_per_step=3", "--rollout.n=3",
+                             "--rollout.max_tokens=8", "--algorithm.micro_batch_size=3", *extra])
+    model = build_model(DecoderConfig(**CONFIG), dtype=dtype, recipe=recipe, seed=0)
+    engine = RolloutEngine(model, max_num_seqs=4, num_blocks=64, block_size=4, progress=False, exact=cfg.exact)
+    return Trainer(cfg, model, engine, _Prompts(3), _reward, _decode)
+
+
+@pytest.mark.parametrize("recipe,dtype,extra", [
+    ("bf16", torch.float32, ()), ("jet", torch.bfloat16, ()),
+    ("jet", torch.bfloat16, ("--algorithm.old_logprobs_from_update=true",))],
+                         ids=["bf16-fp32", "jet-bf16", "jet-bf16-old-from-update"])
+def test_rl_step_mismatch_is_zero(recipe, dtype, extra):
+    trainer = _trainer(recipe, dtype, extra)
+    metrics = trainer.step()
+    assert metrics["mismatch/logp_abs_diff_max"] == 0.0, metrics["mismatch/logp_abs_diff_max"]
+    assert math.isfinite(metrics["actor/pg_loss"])
+
+
+def test_config_exact_field():
+    assert load_config(None, ["--recipe=jet", "--exact=true"]).exact is True
+    assert load_config(None, ["--recipe=bf16"]).exact is False
+    with pytest.raises(ConfigError, match="exact"):
+        load_config(None, ["--recipe=fp8-rollout", "--exact=true"])
+
+
+def test_engine_rejects_exact_under_fp8_rollout():
+    model = build_model(DecoderConfig(**CONFIG), dtype=torch.bfloat16, recipe="fp8-rollout", seed=0)
+    with pytest.raises(ValueError, match="exact mode needs the same precision"):
+        RolloutEngine(model, num_blocks=8, block_size=4, progress=False, exact=True)

@@ -1,0 +1,164 @@
+"""Exact on-policy mode on an H200 (``gpu`` marker): every kernel on, CUDA graphs on.
+
+* the batch-invariant kernels one by one at the 8B shapes: a row's bits for M = 1 .. 8192;
+* the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
+* the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
+  ``bf16`` and ``jet``, over batches of 1 to 256 sequences (prefix sharing, mixed prompt lengths, CUDA graphs,
+  the trainer's micro-batching);
+* a one-step RL run with ``mismatch/logp_abs_diff_max == 0.0``.
+"""
+
+import math
+
+import pytest
+import torch
+
+from jetrl.models import DecoderConfig, build_model, token_logprobs
+from jetrl.quant import ACT, WEIGHT, quantize_tensor
+from jetrl.quant.exact import exact_fp8_gemm, exact_linear
+from jetrl.rollout import RolloutEngine, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+ROWS = (1, 3, 17, 64, 255, 1000, 8192)
+# Llama-3.1-8B's block and head shapes (bench/common.py's LLAMA31_8B) with 2 of its 32 blocks
+LLAMA8B_2_BLOCKS = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+                        max_position_embeddings=1024, rope_theta=500000.0, tie_word_embeddings=False,
+                        eos_token_id=128001)
+
+
+def _rows_of(full: torch.Tensor, fn, x: torch.Tensor) -> None:
+    """``fn`` on the first M rows of x gives the first M rows of ``fn(x)``, bitwise, for every M in ROWS."""
+    for m in ROWS:
+        if m <= x.shape[0]:
+            assert torch.equal(fn(x[:m]), full[:m]), m
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 4096), (28672, 4096), (4096, 14336)])
+def test_exact_fp8_gemm_is_batch_invariant_at_8b_shapes(n, k):
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    w = quantize_tensor(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16), WEIGHT)
+    x = torch.randn(8192, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    full = exact_fp8_gemm(quantize_tensor(x, ACT), w)
+    _rows_of(full, lambda xs: exact_fp8_gemm(quantize_tensor(xs, ACT), w), x)
+    ref = quantize_tensor(x[:256], ACT).dequantize() @ w.dequantize().t()
+    torch.testing.assert_close(full[:256].float(), ref, rtol=1e-2, atol=1e-2)  # BF16 output rounding
+
+
+@pytest.mark.parametrize("n,k,dtype", [(128256, 4096, torch.bfloat16), (4096, 4096, torch.bfloat16),
+                                       (1024, 512, torch.float32)])
+def test_exact_matmul_is_batch_invariant(n, k, dtype):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = torch.randn(n, k, device="cuda", generator=g, dtype=dtype) * 0.02
+    x = torch.randn(8192 if n < 100000 else 2048, k, device="cuda", generator=g, dtype=dtype)
+    full = exact_linear(x, w)
+    _rows_of(full, lambda xs: exact_linear(xs, w), x)
+    torch.testing.assert_close(full[:64].float(), x[:64].float() @ w.float().t(), rtol=2e-2, atol=2e-2)
+
+
+def test_row_wise_kernels_are_batch_invariant():
+    from jetrl.models.logprobs import exact_logprobs_from_logits
+    from jetrl.models.rope import apply_rope_qk
+    from jetrl.quant.norm import rms_norm
+    from jetrl.quant.swiglu import swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device="cuda", generator=g, dtype=torch.bfloat16)
+    x, r = torch.randn(8192, 4096, **bf), torch.randn(8192, 4096, **bf)
+    w = torch.rand(4096, **bf) + 0.5
+    full = rms_norm(x, w, 1e-5, r, quantize=True, impl="triton")
+    for m in ROWS:
+        part = rms_norm(x[:m], w, 1e-5, r[:m], quantize=True, impl="triton")
+        assert torch.equal(part.out, full.out[:m]) and torch.equal(part.out_fp8.scale, full.out_fp8.scale[:m]), m
+    gate, up = torch.randn(8192, 14336, **bf), torch.randn(8192, 14336, **bf)
+    act, fp8 = swiglu(gate, up, quantize=True, impl="triton")
+    for m in ROWS:
+        a, f = swiglu(gate[:m], up[:m], quantize=True, impl="triton")
+        assert torch.equal(a, act[:m]) and torch.equal(f.data.view(torch.uint8), fp8.data[:m].view(torch.uint8)), m
+    q, k = torch.randn(8192, 32, 128, **bf), torch.randn(8192, 8, 128, **bf)
+    cos, sin = torch.randn(8192, 128, **bf), torch.randn(8192, 128, **bf)
+    fq, fk = apply_rope_qk(q, k, cos, sin, impl="triton")
+    for m in ROWS:
+        pq, pk = apply_rope_qk(q[:m], k[:m], cos[:m], sin[:m], impl="triton")
+        assert torch.equal(pq, fq[:m]) and torch.equal(pk, fk[:m]), m
+    logits = torch.randn(1024, 128256, device="cuda", generator=g) * 3
+    targets = torch.randint(0, 128256, (1024,), device="cuda", generator=g)
+    temps = torch.full((1024,), 0.9, device="cuda")
+    lp, _ = exact_logprobs_from_logits(logits, targets, temps)
+    for m in (1, 3, 17, 255):
+        assert torch.equal(exact_logprobs_from_logits(logits[:m], targets[:m], temps[:m])[0], lp[:m]), m
+
+
+@pytest.fixture(scope="module")
+def models_8b():
+    config = DecoderConfig.from_hf(LLAMA8B_2_BLOCKS)
+    return {recipe: build_model(config, dtype=torch.bfloat16, device="cuda", recipe=recipe, seed=0)
+            for recipe in ("bf16", "jet")}
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 300, (count,), generator=g).tolist()
+    return [torch.randint(0, 128000, (n,), generator=g).tolist() for n in lengths]
+
+
+def _score(model, prompts, outs, micro: int) -> list[torch.Tensor]:
+    scored = []
+    for s in range(0, len(outs), micro):
+        group = outs[s:s + micro]
+        ids, pos, cu, tg = [], [], [0], []
+        for c in group:
+            seq = prompts[c.prompt_index] + c.token_ids
+            ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
+            cu.append(cu[-1] + len(seq))
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
+                                   torch.tensor(cu, device="cuda"), None, torch.tensor(tg, device="cuda"), 1.0,
+                                   exact=True)
+        for i, c in enumerate(group):
+            start = cu[i] + len(prompts[c.prompt_index]) - 1
+            scored.append(lp[start:start + len(c.token_ids)].cpu())
+    return scored
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_engine_equals_trainer_bitwise_8b_shape_with_cuda_graphs(models_8b, recipe):
+    model = models_8b[recipe]
+    engine = RolloutEngine(model, max_num_seqs=256, max_model_len=512, memory_budget=0.2, progress=False,
+                           exact=True)
+    for num_prompts, n in ((1, 1), (3, 1), (17, 1), (8, 8), (64, 4)):  # 1, 3, 17, 64 and 256 sequences
+        prompts = _prompts(num_prompts, seed=num_prompts)
+        outs = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=48, seed=5,
+                                                       ignore_eos=True))
+        assert engine.runner.graphs is not None, "the decode step was not captured"
+        for c, lp in zip(outs, _score(model, prompts, outs, micro=16)):
+            engine_lp = torch.tensor(c.logprobs, dtype=torch.float32)
+            assert torch.equal(engine_lp, lp), (recipe, num_prompts * n, (engine_lp - lp).abs().max())
+
+
+class _Prompts:
+    def __init__(self, per_step: int) -> None:
+        self.per_step = per_step
+
+    def next_batch(self):
+        from jetrl.rl.trainer import PromptItem
+
+        return [PromptItem(p, "") for p in _prompts(self.per_step, seed=3)]
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_one_rl_step_has_zero_mismatch(models_8b, recipe):
+    from jetrl.config import load_config
+    from jetrl.rl.trainer import Trainer
+
+    cfg = load_config(None, [f"--recipe={recipe}", "--exact=true", "--data.prompts_per_step=8", "--rollout.n=4",
+                             "--rollout.max_tokens=32", "--algorithm.micro_batch_size=8", "--optim.lr=1e-6"])
+    model = models_8b[recipe]
+    engine = RolloutEngine(model, max_num_seqs=32, max_model_len=512, memory_budget=0.2, progress=False,
+                           exact=True)
+    trainer = Trainer(cfg, model, engine, _Prompts(8), lambda texts, refs: [float(len(t) % 2) for t in texts],
+                      lambda ids: " ".join(map(str, ids)))
+    metrics = trainer.step()
+    assert metrics["mismatch/logp_abs_diff_max"] == 0.0, metrics["mismatch/logp_abs_diff_max"]
+    assert math.isfinite(metrics["actor/pg_loss"])
