@@ -268,6 +268,9 @@ class TrainerConfig(_Section):
     log_every: int = 1
     tensorboard: bool = False
     resume: bool = False                  # continue from the latest complete checkpoint in output_dir
+    # resume may read checkpoints of older jetrl versions, whose .pt files are pickles: unpickling runs code, so
+    # set it only for checkpoints you trust (current checkpoints load with torch.load(weights_only=True))
+    allow_pickle: bool = False
     export_fp8: bool = False              # also write each checkpoint's policy as block-FP8 (model_fp8/)
 
     def validate(self) -> None:
@@ -281,12 +284,33 @@ class TrainerConfig(_Section):
 
 
 @dataclass
+class RewardLimitsConfig(_Section):
+    """When a failed reward stops the run (the reward function itself is ``data.reward``).
+
+    A sample whose reward raises, times out, returns a non-number or a non-finite value, or (with
+    ``max_abs``) a value of magnitude above ``max_abs``, scores 0.0 and is counted in ``reward/errors`` /
+    ``reward/timeouts``; the run stops when at least ``stop_fraction`` of one step's samples failed (the
+    default 1.0: when every sample failed, i.e. the reward function itself is broken)."""
+
+    _name = "reward"
+    max_abs: float | None = None          # None: any finite reward is accepted
+    stop_fraction: float = 1.0            # in (0, 1]
+
+    def validate(self) -> None:
+        if self.max_abs is not None and not self.max_abs > 0:
+            raise ConfigError(f"reward.max_abs must be > 0 or null (off), got {self.max_abs}")
+        if not 0 < self.stop_fraction <= 1:
+            raise ConfigError(f"reward.stop_fraction must be in (0, 1], got {self.stop_fraction}")
+
+
+@dataclass
 class RunConfig(_Section):
     """A whole RL run."""
 
     recipe: str = "jet"                   # a name in jetrl.quant.recipe.RECIPES
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardLimitsConfig = field(default_factory=RewardLimitsConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -450,6 +474,6 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RolloutConfig", "AlgorithmConfig",
-    "OptimConfig", "TrainerConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
+    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
+    "AlgorithmConfig", "OptimConfig", "TrainerConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
 ]
