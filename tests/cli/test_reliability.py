@@ -204,3 +204,15 @@ def test_export_into_a_non_empty_folder(capsys, tmp_path):
     assert (tmp_path / "out" / "config.json").read_text() == "{}"
     assert main(["export", EMBEDDED_MODEL, str(tmp_path / "out"), "--overwrite"]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_sft_resume_checkpoints_and_refusal_at_the_command_line(capsys, tmp_path):
+    out = tmp_path / "tiny"
+    small = ["sft", "--output-dir", str(out), "--steps", "2", "--batch-size", "4", "--eval-examples", "2",
+             "--no-progress"]
+    assert main([*small, "--resume", "--checkpoint-every", "1", "--keep-checkpoints"]) == 0
+    assert f"sft: nothing to resume in {out / 'checkpoints'}; starting from step 0" in capsys.readouterr().err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))[-1] == "step_00000002"
+    msg = _error(capsys, small)  # a fresh run over the kept checkpoints
+    assert msg.startswith(f"jetrl: error: sft: {out / 'checkpoints'} holds the checkpoints of an interrupted run; "
+                          "continue it with resume (jetrl sft --resume)")
