@@ -185,10 +185,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = _train_config(args)
     # everything that can be checked without the weights, before the evaluation that precedes training
     resolve_device(config.model.device)
-    prepare_output_dir(config, overwrite=args.overwrite)
     if config.model.path:
         folder, _, tokenizer = check_model(config)
         check_eos(tokenizer, config.model.tokenizer or folder, folder)
+    prepare_output_dir(config, overwrite=args.overwrite)  # last: --overwrite deletes the old run
     num_eval = args.eval_examples if args.eval_examples is not None else (200 if config.data.task else 0)
     if num_eval and not config.data.task:
         raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task); for a dataset "

@@ -34,8 +34,11 @@ def test_train_short_run_writes_metrics_checkpoint_and_plot(tmp_path, monkeypatc
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
     held_out = json.loads((out / "eval.json").read_text())
     assert held_out["num_examples"] == 8 and 0.0 <= held_out["greedy_accuracy_after"] <= 1.0
-    summary = capsys.readouterr().out
+    captured = capsys.readouterr()
+    summary = captured.out
     assert "reward" in summary and "curves.png" in summary and "held-out" in summary
+    assert "failed rewards (all steps)" in summary
+    assert "greedy accuracy on 8 held-out problems before training" in captured.err  # not silent while it runs
 
 
 def test_train_resume_through_the_cli_loses_no_step(tmp_path, monkeypatch):

@@ -216,3 +216,53 @@ def test_sft_resume_checkpoints_and_refusal_at_the_command_line(capsys, tmp_path
     msg = _error(capsys, small)  # a fresh run over the kept checkpoints
     assert msg.startswith(f"jetrl: error: sft: {out / 'checkpoints'} holds the checkpoints of an interrupted run; "
                           "continue it with resume (jetrl sft --resume)")
+
+
+def test_reward_section_reaches_the_pool_and_the_guard(capsys, tmp_path, monkeypatch):
+    """reward.max_abs bounds the rewards (operator.ne scores 1.0 for every completion that differs from its
+    reference, so a bound of 0.5 fails them all); reward.stop_fraction=0.5 stops a run in which half of a
+    step's samples failed, which the default (1.0) only reports."""
+    monkeypatch.chdir(tmp_path)
+    msg = _error(capsys, ["train", "--data.reward=operator:ne", "--reward.max_abs=0.5", *TINY], status=1)
+    assert "the reward failed for 8 of 8 samples" in msg and "reward 1 is beyond max_abs_reward=0.5" in msg
+    data = tmp_path / "half.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+1\n", "answer": "unknown" if i % 2 else str(i + 1)})
+                              for i in range(4)))
+    half = ["--data.task=none", f"--data.path={data}", "--data.reward=arithmetic", "--data.shuffle=false"]
+    msg = _error(capsys, ["train", *half, "--reward.stop_fraction=0.5", "--output-dir", "half", *TINY], status=1)
+    assert "the reward failed for 4 of 8 samples (4 errors, 0 timeouts), at least 0.5 of them" in msg
+
+
+def test_allow_pickle_reaches_resume(tmp_path, monkeypatch):
+    import jetrl.rl.loop as loop
+    from jetrl.config import load_config
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def record(trainer, root, allow_pickle=False):
+        seen["allow_pickle"] = allow_pickle
+        raise Stop
+
+    monkeypatch.setattr(loop, "resume_trainer", record)
+    for value in (False, True):
+        config = load_config(resolve_asset("jetrl:tiny_default.yaml"),
+                             ["--trainer.resume=true", f"--trainer.allow_pickle={str(value).lower()}",
+                              f"--trainer.output_dir={tmp_path / 'run'}"])
+        config.model.path = resolve_asset(config.model.path)
+        with pytest.raises(Stop):
+            loop.run(config)
+        assert seen["allow_pickle"] is value
+
+
+def test_evaluation_prompts_must_fit_the_context():
+    from jetrl.evaluate import generate_texts
+    from jetrl.models import load_model, load_tokenizer
+
+    folder = resolve_asset(EMBEDDED_MODEL)
+    model, tokenizer = load_model(folder, dtype=torch.float32, device="cpu"), load_tokenizer(folder)
+    with pytest.raises(ValueError, match=r"^prompt 0 has \d+ tokens; with max_tokens=510 that exceeds the model's "
+                                         r"context of 512 positions \(max_position_embeddings\); lower max_tokens$"):
+        generate_texts(model, tokenizer, ["12+7-3*2"], max_tokens=510)
