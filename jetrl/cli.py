@@ -21,6 +21,7 @@ folder holding another run's checkpoints is refused; ``--overwrite`` deletes tha
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -33,7 +34,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from jetrl import __version__
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset
 from jetrl.data.reward_pool import RewardFailureError
@@ -97,6 +97,14 @@ def _table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
     with console.capture() as capture:
         console.print(table)
     return ((title + "\n") if title else "") + capture.get().rstrip("\n")
+
+
+def _version() -> str:
+    """The installed distribution's version (``jetrl --version``)."""
+    try:
+        return importlib.metadata.version("jetrl")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH that was never installed
+        return "unknown (not installed)"
 
 
 def _positive(text: str) -> int:
@@ -398,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jetrl", description="RL of LLMs with a unified FP8 precision flow. With no command: jetrl train "
         "(RL of the embedded tiny model on its arithmetic task, a few minutes on CPU).")
-    parser.add_argument("--version", action="version", version=f"jetrl {__version__}")
+    parser.add_argument("--version", action="version", version=f"jetrl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("train", help="RL run from a config file (default: the embedded tiny model)",
