@@ -111,7 +111,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
     was_training = model.training
     model.eval()
     try:
-        with RewardPool(reward_name, RewardPoolConfig(num_workers=reward_workers, max_abs_reward=max_abs_reward)) as pool:
+        pool_config = RewardPoolConfig(num_workers=reward_workers, max_abs_reward=max_abs_reward)
+        with RewardPool(reward_name, pool_config) as pool:
             for start in range(0, len(dataset), batch_size):
                 prompts = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
                 texts = [dataset.render(p, tokenizer) for p in prompts]

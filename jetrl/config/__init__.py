@@ -24,7 +24,8 @@ from jetrl.config.schema import (
 )
 
 __all__ = [
-    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig", "AlgorithmConfig",
+    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
+    "AlgorithmConfig",
     "OptimConfig", "TrainerConfig", "load_config", "save_config", "from_dict", "to_dict", "apply_override",
     "parse_override", "registered_names", "DTYPES",
 ]

@@ -267,7 +267,7 @@ class TrainerConfig(_Section):
     keep_last: int = 2
     log_every: int = 1
     tensorboard: bool = False
-    resume: bool = False                  # continue from the latest complete checkpoint in output_dir
+    resume: bool = False                  # continue from the newest complete checkpoint (none: warn, start at 0)
     # resume may read checkpoints of older jetrl versions, whose .pt files are pickles: unpickling runs code, so
     # set it only for checkpoints you trust (current checkpoints load with torch.load(weights_only=True))
     allow_pickle: bool = False

@@ -8,8 +8,8 @@ KV-cache interface used by the rollout engine live in :mod:`jetrl.models.attenti
 
 from jetrl.models.attention import (PagedAttentionMetadata, PagedKVCache, paged_attention,
                                     paged_attention_reference, varlen_attention, write_kv)
-from jetrl.models.checkpoint import (check_eos, check_tokenizer, export_model, load_model, load_tokenizer, resolve_checkpoint,
-                                     resolve_device, save_model)
+from jetrl.models.checkpoint import (check_eos, check_tokenizer, export_model, load_model, load_tokenizer,
+                                     resolve_checkpoint, resolve_device, save_model)
 from jetrl.models.config import DecoderConfig
 from jetrl.models.logprobs import logprobs_from_hidden, token_logprobs
 from jetrl.models.transformer import DecoderLM, build_model

@@ -117,7 +117,8 @@ def test_top_k_beyond_the_vocabulary_warns(capsys):
 def test_more_prompts_per_step_than_the_dataset(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     msg = _error(capsys, ["train", "--data.num_examples=4", "--data.prompts_per_step=8", "--eval-examples", "0"])
-    assert msg == "jetrl: error: data.prompts_per_step (8) is larger than the dataset (4 prompts); lower it or use more data"
+    assert msg == ("jetrl: error: data.prompts_per_step (8) is larger than the dataset (4 prompts); lower it or use "
+                   "more data")
 
 
 def test_one_run_per_output_folder(capsys, tmp_path, monkeypatch):
@@ -129,14 +130,16 @@ def test_one_run_per_output_folder(capsys, tmp_path, monkeypatch):
     msg = _error(capsys, ["train", "--resume=must", *TINY])
     assert msg == f"jetrl: error: nothing to resume: {Path('runs/tiny-default/checkpoints')} holds no checkpoint"
     assert main(["train", "--resume", *TINY]) == 0
-    assert "warning: nothing to resume in runs/tiny-default/checkpoints; starting from step 0" in capsys.readouterr().err
+    warning = "warning: nothing to resume in runs/tiny-default/checkpoints; starting from step 0"
+    assert warning in capsys.readouterr().err
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]
     (out / "checkpoints" / "step_00000040").mkdir()  # a longer earlier run's newest checkpoint
     msg = _error(capsys, ["train", *TINY])
     assert msg == ("jetrl: error: runs/tiny-default holds the checkpoints of another run (up to step 40): continue it "
                    "with --resume (trainer.resume=true), write the new run elsewhere with --output-dir "
                    "(trainer.output_dir), or delete the old run first with --overwrite")
-    assert "overwrite deletes the run that resume would continue" in _error(capsys, ["train", "--overwrite", "--resume", *TINY])
+    msg = _error(capsys, ["train", "--overwrite", "--resume", *TINY])  # contradictory
+    assert "overwrite deletes the run that resume would continue" in msg
     (out / "eval.json").write_text("{}")
     assert main(["train", "--overwrite", *TINY]) == 0
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]
