@@ -29,6 +29,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -141,7 +142,8 @@ def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
     """Read the policy's config.json and tokenizer (not its weights) and check the run against them: the
     longest sequence (``data.max_prompt_tokens + rollout.max_tokens``) fits in the model's context, and the
     tokenizer matches the model (:func:`jetrl.models.check_tokenizer`). Returns (checkpoint folder, model
-    config, tokenizer). A ``rollout.top_k`` above the vocabulary size is only a warning (it samples from all)."""
+    config, tokenizer). A ``rollout.top_k`` above the vocabulary size is only a warning (it samples from all),
+    shown once per process however often this is called."""
     from jetrl.models import load_tokenizer
 
     folder = resolve_checkpoint(config.model.path)
@@ -151,9 +153,9 @@ def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
     where = config.model.tokenizer or folder
     tokenizer = load_tokenizer(where)
     check_tokenizer(tokenizer, model_config, where)
-    if config.rollout.top_k > model_config.vocab_size:
-        print(f"warning: rollout.top_k={config.rollout.top_k} is larger than the vocabulary ({model_config.vocab_size} "
-              f"tokens), so it keeps every token", file=sys.stderr)
+    if config.rollout.top_k > model_config.vocab_size:  # a UserWarning: shown once per process
+        warnings.warn(f"rollout.top_k={config.rollout.top_k} is larger than the vocabulary ({model_config.vocab_size} "
+                      f"tokens), so it keeps every token")
     return folder, model_config, tokenizer
 
 

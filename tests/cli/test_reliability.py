@@ -104,14 +104,14 @@ def test_a_tokenizer_of_another_model_is_refused(capsys, tmp_path):
     assert "has BOS id 1 but the model's config.json has bos_token_id=5" in msg
 
 
-def test_top_k_beyond_the_vocabulary_warns(capsys):
+def test_top_k_beyond_the_vocabulary_warns():
     from jetrl.config import load_config
     from jetrl.rl.loop import check_model
 
     config = load_config(resolve_asset("jetrl:tiny_default.yaml"), ["--rollout.top_k=1000"])
     config.model.path = resolve_asset(config.model.path)
-    check_model(config)
-    assert "rollout.top_k=1000 is larger than the vocabulary (26 tokens)" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match=r"rollout.top_k=1000 is larger than the vocabulary \(26 tokens\)"):
+        check_model(config)
 
 
 def test_more_prompts_per_step_than_the_dataset(capsys, tmp_path, monkeypatch):
