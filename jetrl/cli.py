@@ -8,13 +8,20 @@ so scripts and tests call those; this module only turns arguments into their inp
 into text. Choice lists (recipes, tasks, dataset formats, dtypes) come from the registries that own them.
 
 User errors (a missing file, a bad config key, an unknown dataset column, a tokenizer that lacks a
-needed special token) print one ``jetrl: error: ...`` line and exit with status 2; set
+needed special token or belongs to another model, an output folder that holds another run) print one
+``jetrl: error: ...`` line and exit with status 2; a run stopped by failing rewards
+(:class:`~jetrl.data.reward_pool.RewardFailureError`) prints one line and exits with status 1. Set
 ``JETRL_DEBUG=1`` to see the traceback instead.
+
+``jetrl train --resume`` continues from the newest complete checkpoint in the output folder; with none
+there it warns and starts from step 0, while ``--resume=must`` makes that an error. A fresh run into a
+folder holding another run's checkpoints is refused; ``--overwrite`` deletes that run's outputs first.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -29,20 +36,24 @@ from rich.table import Table
 
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset
+from jetrl.data.reward_pool import RewardFailureError
 from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, held_out_accuracy
-from jetrl.models import check_eos, export_model, load_model, load_tokenizer, resolve_device
-from jetrl.plotting import plot_runs, summarize_run
+from jetrl.models import DecoderConfig, check_eos, check_tokenizer, export_model, load_model, load_tokenizer, \
+    resolve_checkpoint, resolve_device
+from jetrl.parallel import launched_rank
+from jetrl.plotting import default_plot_path, plot_runs, summarize_run
 from jetrl.progress import Progress
 from jetrl.quant.recipe import RECIPES
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.rl.checkpoint import latest_checkpoint
-from jetrl.rl.loop import run
+from jetrl.rl.loop import check_model, prepare_output_dir, run
 from jetrl.sft.train import SFTConfig, run_sft
 
 ASSET_PREFIX = "jetrl:"
 EMBEDDED_MODEL = "jetrl:tiny-arith"
 DEFAULT_CONFIG = "jetrl:tiny_default.yaml"
 USAGE_ERROR = 2
+RUN_FAILED = 1
 
 
 class UsageError(ValueError):
@@ -89,20 +100,48 @@ def _table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
     return ((title + "\n") if title else "") + capture.get().rstrip("\n")
 
 
+def _version() -> str:
+    """The installed distribution's version (``jetrl --version``)."""
+    try:
+        return importlib.metadata.version("jetrl")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on PYTHONPATH that was never installed
+        return "unknown (not installed)"
+
+
+def _positive(text: str) -> int:
+    """argparse type of counts that must be at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _set_threads(threads: int | None) -> None:
-    if threads:
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
 
 
-def _load_policy(path: str, recipe: str, device: str | None, dtype: str):
-    """Model and tokenizer from a checkpoint folder (or ``jetrl:tiny-arith``), checked for an EOS token."""
+def _load_policy(path: str, recipe: str, device: str | None, dtype: str, max_tokens: int):
+    """Model and tokenizer from a checkpoint folder (or ``jetrl:tiny-arith``): before the weights are read,
+    the tokenizer is checked against the model (EOS token, vocabulary, special tokens), ``max_tokens`` new
+    tokens against the model's context, and the device against this machine."""
     path = resolve_asset(path)
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
         raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder (holding "
                                 f"config.json and *.safetensors) or {EMBEDDED_MODEL}")
-    tokenizer = load_tokenizer(path)
-    check_eos(tokenizer, path, path)
-    model = load_model(path, dtype=getattr(torch, dtype), device=resolve_device(device), recipe=recipe)
+    device = resolve_device(device)
+    folder = resolve_checkpoint(path)
+    config = DecoderConfig.from_file(folder)
+    config.check_context(max_tokens + 1, "--max-tokens plus one prompt token")
+    tokenizer = load_tokenizer(folder)
+    check_eos(tokenizer, folder, folder)
+    check_tokenizer(tokenizer, config, folder)
+    model = load_model(folder, dtype=getattr(torch, dtype), device=device, recipe=recipe)
     return model, tokenizer
 
 
@@ -123,7 +162,7 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"--trainer.output_dir={args.output_dir}")
     if args.recipe is not None:
         overrides.append(f"--recipe={args.recipe}")
-    if args.resume:
+    if args.resume is not None:
         overrides.append("--trainer.resume=true")
     config = load_config(path, overrides)
     config.model.path = resolve_asset(config.model.path) if config.model.path else config.model.path
@@ -153,25 +192,39 @@ def _step_reporter(total: int, bar: Progress, log: bool):
 def _cmd_train(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     config = _train_config(args)
-    where = config.model.tokenizer or config.model.path
-    if config.model.path and os.path.isdir(config.model.path):
-        check_eos(load_tokenizer(where), where, config.model.path)
+    # everything that can be checked without the weights, before the evaluation that precedes training
+    resolve_device(config.model.device)
+    if config.model.path:
+        folder, _, tokenizer = check_model(config)
+        check_eos(tokenizer, config.model.tokenizer or folder, folder)
+    # under torchrun every rank runs this command; rank 0 alone prepares the folder, evaluates and reports
+    is_main = launched_rank() == 0
+    if is_main:
+        prepare_output_dir(config, overwrite=args.overwrite)  # last: --overwrite deletes the old run
     num_eval = args.eval_examples if args.eval_examples is not None else (200 if config.data.task else 0)
     if num_eval and not config.data.task:
         raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task); for a dataset "
                          "file run jetrl eval on the checkpoints instead")
+    if not is_main:
+        run(config, require_checkpoint=args.resume == "must")
+        return 0
     print(f"jetrl train: {config.recipe} recipe, model {config.model.path}, "
           f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
           file=sys.stderr)
-    before = held_out_accuracy(config.model.path, config, num_eval) if num_eval and not config.trainer.resume else None
+    before = None
+    if num_eval and not config.trainer.resume:
+        print(f"greedy accuracy on {num_eval} held-out problems before training ...", file=sys.stderr)
+        before = held_out_accuracy(config.model.path, config, num_eval, progress=not args.no_progress)
     with Progress(config.trainer.steps, "train", unit="step", enabled=not args.no_progress) as bar:
-        run(config, on_step=_step_reporter(config.trainer.steps, bar, log=args.no_progress))
+        run(config, on_step=_step_reporter(config.trainer.steps, bar, log=args.no_progress),
+            require_checkpoint=args.resume == "must")
     out = Path(config.trainer.output_dir)
     plot = plot_runs([out], out / "curves.png")
     rows = summarize_run(out)
     if num_eval:
         final = latest_checkpoint(out / "checkpoints")
-        after = held_out_accuracy(str(final / "model"), config, num_eval)
+        print(f"greedy accuracy on {num_eval} held-out problems after training ...", file=sys.stderr)
+        after = held_out_accuracy(str(final / "model"), config, num_eval, progress=not args.no_progress)
         (out / "eval.json").write_text(json.dumps({"seed": EVAL_SEED, "num_examples": num_eval, "greedy_accuracy_before":
                                                    before, "greedy_accuracy_after": after, "checkpoint": str(final)}))
         shown = f"{before:.3f} -> {after:.3f}" if before is not None else f"{after:.3f}"
@@ -187,8 +240,10 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
-                       eval_every=args.eval_every, save_dtype=args.save_dtype)
-    result = run_sft(config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+                       eval_every=args.eval_every, save_dtype=args.save_dtype, checkpoint_every=args.checkpoint_every,
+                       keep_checkpoints=args.keep_checkpoints)
+    result = run_sft(config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
+                     resume=args.resume)
     print(_table([("task", f"{config.task} (difficulty {config.difficulty})"), ("steps", str(result.steps)),
                   ("parameters", f"{result.num_parameters:,}"), ("final loss", f"{result.final_loss:.4f}"),
                   (f"greedy accuracy ({config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
@@ -210,7 +265,7 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
 def _cmd_eval(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
-    model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype)
+    model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype, args.max_tokens)
     ks = sorted(set(args.k or [1]))
     result = evaluate(model, tokenizer, dataset, reward=args.reward, n=args.n, temperature=args.temperature,
                       top_p=args.top_p, max_tokens=args.max_tokens, ks=ks, seed=args.sample_seed,
@@ -228,11 +283,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ generate
 
 def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
-    """Prompts from the arguments, then from ``file`` (one per line; JSONL lines take their "prompt")."""
+    """Prompts from the arguments, then from ``file`` (UTF-8; one per line, where the two characters ``\\n``
+    stand for a line break; JSONL lines take their "prompt")."""
     out = list(prompts)
     if file:
         path = _existing(file, "prompt file", "give a text file with one prompt per line, or JSONL with 'prompt'")
-        for i, line in enumerate(Path(path).read_text().splitlines()):
+        raw = Path(path).read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise UsageError(f"{path} line {line} is not UTF-8 text") from None
+        for i, line in enumerate(text.splitlines()):
             if not line.strip():
                 continue
             if path.endswith(".jsonl"):
@@ -244,7 +306,7 @@ def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
                     raise UsageError(f"{path} line {i + 1} has no 'prompt' field")
                 out.append(str(row["prompt"]))
             else:
-                out.append(line.encode().decode("unicode_escape") if "\\n" in line else line)
+                out.append(line.replace("\\n", "\n"))
     if not out:
         raise UsageError("no prompts: pass them as arguments or with --file")
     return out
@@ -256,7 +318,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.temperature == 0 and args.n > 1:
         raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
                          "for --n > 1")
-    model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype)
+    model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype, args.max_tokens)
     results = generate_texts(model, tokenizer, prompts, n=args.n, temperature=args.temperature, top_p=args.top_p,
                              max_tokens=args.max_tokens, seed=args.seed, raw=args.raw)
     for prompt, completions in zip(prompts, results):
@@ -274,14 +336,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ plot, export
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    output = args.output or str(Path(args.runs[0]) / "curves.png")
+    output = args.output or default_plot_path(args.runs)
     path = plot_runs(args.runs, output, labels=args.labels, smooth=args.smooth)
     print(path)
     return 0
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    out = export_model(resolve_asset(args.model), args.output, fp8=args.fp8)
+    out = export_model(resolve_asset(args.model), args.output, fp8=args.fp8, overwrite=args.overwrite)
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     print(f"exported {'block-FP8' if args.fp8 else 'BF16'} checkpoint to {out} ({size / 2 ** 20:.1f} MiB)")
     return 0
@@ -307,10 +369,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.name == "fp8":
         return main(["check-fp8", *args.bench_args])
-    path = bench_dir() / f"{args.name}.py"
-    if not path.is_file():
+    if args.name not in available_benches():  # a name, never a path: only the shipped scripts run
         raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(available_benches())} "
                          f"(bench scripts live in the source checkout's bench/ folder)")
+    path = bench_dir() / f"{args.name}.py"
     sys.path.insert(0, str(path.parent))
     try:
         spec = importlib.util.spec_from_file_location(f"jetrl_bench_{args.name}", path)
@@ -340,10 +402,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per completion")
+    p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per completion")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--n", type=_positive, default=1, help="samples per prompt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -351,16 +413,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jetrl", description="RL of LLMs with a unified FP8 precision flow. With no command: jetrl train "
         "(RL of the embedded tiny model on its arithmetic task, a few minutes on CPU).")
+    parser.add_argument("--version", action="version", version=f"jetrl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("train", help="RL run from a config file (default: the embedded tiny model)",
                        description="RL run: a config file plus --section.key=value overrides. Without a config, "
                        "the embedded default (" + DEFAULT_CONFIG + ").")
     p.add_argument("config", nargs="?", default=None, help="YAML/JSON/TOML config (default: the embedded one)")
-    p.add_argument("--max-steps", type=int, default=None, help="run at most N RL steps (sets trainer.steps)")
+    p.add_argument("--max-steps", type=_positive, default=None, help="run at most N RL steps (sets trainer.steps)")
     p.add_argument("--output-dir", default=None, help="where metrics, checkpoints and plots go")
     p.add_argument("--recipe", default=None, choices=list(RECIPES), help="precision recipe")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
+    p.add_argument("--resume", nargs="?", const="auto", default=None, choices=["auto", "must"],
+                   help="continue from the latest complete checkpoint in the output dir (none there: a warning and "
+                   "a fresh start; --resume=must: an error)")
+    p.add_argument("--overwrite", action="store_true", help="delete the output dir's previous run (checkpoints, "
+                   "metrics, plot) before starting")
     p.add_argument("--eval-examples", type=int, default=None, help="greedy accuracy on N held-out problems before "
                    "and after the run (built-in tasks; default 200, 0 = off)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
@@ -378,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-examples", type=int, default=200, help="unseen problems for the final greedy accuracy")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (to tune --steps)")
     p.add_argument("--save-dtype", default="float32", help="dtype of the saved weights (float32 or bfloat16)")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="a resumable checkpoint every N steps (0: none)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep OUTPUT_DIR/checkpoints after the final model")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from its newest checkpoint "
+                   "(none there: a warning and a fresh start)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_sft)
@@ -387,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="built-in task (when no --data)")
     p.add_argument("--difficulty", type=int, default=3)
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="task seed of the evaluation problems")
-    p.add_argument("--num-examples", type=int, default=None, help="problems (task default 200; file: all rows)")
+    p.add_argument("--num-examples", type=_positive, default=None, help="problems (task default 200; file: all rows)")
     p.add_argument("--data", default=None, help="JSONL/Parquet prompt file instead of a task")
     p.add_argument("--format", default="custom", choices=sorted(DATASET_FORMATS), help="layout of the --data file")
     p.add_argument("--prompt-column", default=None)
@@ -423,12 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=f"checkpoint folder (or {EMBEDDED_MODEL})")
     p.add_argument("output", help="folder to write")
     p.add_argument("--fp8", action="store_true", help="block-FP8 weights (128x128 scales), as vLLM/SGLang serve")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty output folder")
     p.set_defaults(func=_cmd_export)
 
     check = sub.add_parser("check-fp8", help="FP8Linear vs BF16 on random data: error, and speed on a GPU")
-    check.add_argument("--m", type=int, default=512, help="tokens")
-    check.add_argument("--n", type=int, default=768, help="out features")
-    check.add_argument("--k", type=int, default=1024, help="in features")
+    check.add_argument("--m", type=_positive, default=512, help="tokens")
+    check.add_argument("--n", type=_positive, default=768, help="out features")
+    check.add_argument("--k", type=_positive, default=1024, help="in features")
     check.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     check.set_defaults(func=_cmd_check_fp8)
     return parser
@@ -452,14 +524,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jetrl: interrupted", file=sys.stderr)
         return 130
-    except (FileNotFoundError, ValueError, TypeError, ImportError) as e:
+    except (RewardFailureError, OSError, ValueError, TypeError, ImportError) as e:
         if os.environ.get("JETRL_DEBUG"):
             raise
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if isinstance(e, FileNotFoundError) and e.filename and not message.startswith(("no ", "checkpoint")):
+        if isinstance(e, OSError) and e.filename:  # raised by the OS: "[Errno 20] Not a directory: 'x'"
             message = f"{e.filename}: {e.strerror or message}"
         print(f"jetrl: error: {message}", file=sys.stderr)
-        return USAGE_ERROR
+        return RUN_FAILED if isinstance(e, RewardFailureError) else USAGE_ERROR
 
 
 if __name__ == "__main__":

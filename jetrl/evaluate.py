@@ -4,7 +4,12 @@ completions of text prompts.
 Generation goes through :class:`jetrl.rollout.RolloutEngine` (the same engine, precision recipe and
 log-probability definition as RL rollouts); rewards through the dataset's reward function in a
 :class:`jetrl.data.RewardPool` (so a pathological answer cannot hang evaluation). A sample counts as
-correct when its reward is at least 1.
+correct when its reward is at least 1. A failed reward is not a wrong answer: as in training, failed
+samples score 0 and are counted (``reward_errors``, ``reward_timeouts``, shown in the summary), the first
+failure's message is printed once, and evaluation stops with
+:class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a batch failed (a broken reward
+function must not read as 0% accuracy). A prompt whose tokens plus ``max_tokens`` do not fit in the
+model's context (``max_position_embeddings``) is an error, not a silently shortened answer.
 
 pass@k uses the unbiased estimator of Chen et al. (2021): with ``n`` samples of which ``c`` are correct,
 ``pass@k = 1 - C(n - c, k) / C(n, k)``, averaged over prompts. Greedy decoding (``temperature=0``)
@@ -24,6 +29,7 @@ import torch
 
 from jetrl.config import RunConfig
 from jetrl.data import Prompt, RewardPool, RewardPoolConfig, get_task, render_prompt
+from jetrl.data.reward_pool import RewardFailureGuard
 # the RL loop's own prompt encoding (a single BOS under chat templates) and reward text (no special tokens)
 from jetrl.data.templates import decode_completion, encode_prompt
 from jetrl.models import load_model, load_tokenizer, resolve_device
@@ -45,13 +51,16 @@ class EvalResult:
     mean_length: float
     truncation_rate: float
     samples: list[dict[str, Any]] = field(default_factory=list)
+    reward_errors: int = 0
+    reward_timeouts: int = 0
 
     def rows(self) -> list[tuple[str, str]]:
         """(name, value) pairs for a summary table."""
         rows = [("prompts", str(self.num_prompts)), ("samples per prompt", str(self.n)),
                 ("accuracy", f"{self.accuracy:.4f}"), ("mean reward", f"{self.mean_reward:.4f}")]
         rows += [(f"pass@{k}", f"{v:.4f}") for k, v in sorted(self.pass_at_k.items())]
-        rows += [("mean response tokens", f"{self.mean_length:.1f}"), ("truncated", f"{self.truncation_rate:.2%}")]
+        rows += [("mean response tokens", f"{self.mean_length:.1f}"), ("truncated", f"{self.truncation_rate:.2%}"),
+                 ("failed rewards", f"{self.reward_errors} errors, {self.reward_timeouts} timeouts")]
         return rows
 
 
@@ -67,15 +76,21 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: str | None = None, n: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, ks: Sequence[int] = (1,),
              seed: int = 0, batch_size: int = 64, progress: bool = False, keep_samples: bool = False,
-             reward_workers: int = 1) -> EvalResult:
+             reward_workers: int = 1, stop_fraction: float = 1.0,
+             max_abs_reward: float | None = None) -> EvalResult:
     """Generate ``n`` completions for every prompt of ``dataset`` and score them.
 
     ``dataset`` is a :class:`jetrl.data.PromptDataset` (its ``reward`` name is used unless ``reward`` is
     given). ``temperature=0`` is greedy and needs ``n=1``. ``ks`` lists the k of pass@k (each <= n).
-    ``reward_workers=0`` scores in this process (no timeout).
+    ``reward_workers=0`` scores in this process (no timeout). ``stop_fraction``: stop when at least this
+    fraction of a batch's rewards failed (see :class:`~jetrl.data.reward_pool.RewardFailureGuard`);
+    ``max_abs_reward``: a reward of larger magnitude is a failure too.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if len(dataset) == 0:
+        raise ValueError("nothing to evaluate: the dataset has no prompts")
+    guard = RewardFailureGuard(stop_fraction=stop_fraction)
     if temperature == 0 and n > 1:
         raise ValueError(f"greedy decoding (temperature 0) gives one answer per prompt; use n=1 or a temperature "
                          f"> 0 for n={n}")
@@ -91,21 +106,28 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
     rewards_all: list[float] = []
     lengths: list[int] = []
     truncated = 0
+    failures = [0, 0]  # errors, timeouts
     samples: list[dict[str, Any]] = []
     was_training = model.training
     model.eval()
     try:
-        with RewardPool(reward_name, RewardPoolConfig(num_workers=reward_workers)) as pool:
+        pool_config = RewardPoolConfig(num_workers=reward_workers, max_abs_reward=max_abs_reward)
+        with RewardPool(reward_name, pool_config) as pool:
             for start in range(0, len(dataset), batch_size):
                 prompts = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
                 texts = [dataset.render(p, tokenizer) for p in prompts]
                 ids = [encode_prompt(tokenizer, t) for t in texts]
+                _check_context(model, ids, max_tokens, [p.index for p in prompts])
                 params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                          seed=(seed * 1_000_003 + start + i) % 2 ** 63) for i in range(len(ids))]
                 completions = engine.generate(ids, params)
                 outputs = [decode_completion(tokenizer, c.token_ids) for c in completions]
                 refs = [prompts[j // n].answer for j in range(len(completions))]
-                scored = pool.score(outputs, refs).rewards
+                result = pool.score(outputs, refs)
+                guard.check(result)
+                failures[0] += result.num_errors
+                failures[1] += result.num_timeouts
+                scored = result.rewards
                 for i, prompt in enumerate(prompts):
                     group = scored[i * n:(i + 1) * n]
                     correct_per_prompt.append(sum(r >= 1.0 for r in group))
@@ -126,12 +148,25 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
     return EvalResult(
         num_prompts=num, n=n, accuracy=sum(correct_per_prompt) / (num * n), mean_reward=sum(rewards_all) / len(rewards_all),
         pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_per_prompt) / num for k in ks},
-        mean_length=sum(lengths) / len(lengths), truncation_rate=truncated / len(lengths), samples=samples)
+        mean_length=sum(lengths) / len(lengths), truncation_rate=truncated / len(lengths), samples=samples,
+        reward_errors=failures[0], reward_timeouts=failures[1])
 
 
-def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, seed: int = EVAL_SEED) -> float:
+def _check_context(model: torch.nn.Module, ids: Sequence[Sequence[int]], max_tokens: int,
+                   names: Sequence[Any]) -> None:
+    """Every prompt plus ``max_tokens`` new tokens must fit in the model's ``max_position_embeddings``."""
+    context = model.config.max_position_embeddings
+    for name, prompt in zip(names, ids):
+        if len(prompt) + max_tokens > context:
+            raise ValueError(f"prompt {name} has {len(prompt)} tokens; with max_tokens={max_tokens} that exceeds the "
+                             f"model's context of {context} positions (max_position_embeddings); lower max_tokens")
+
+
+def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, seed: int = EVAL_SEED,
+                      progress: bool = False) -> float:
     """Greedy accuracy of the checkpoint at ``model_path`` on ``num_examples`` problems of the run's
-    built-in task drawn with another seed than the training prompts (in the run's recipe and dtype)."""
+    built-in task drawn with another seed than the training prompts (in the run's recipe and dtype);
+    ``progress`` shows a bar over the problems."""
     if config.data.task is None:
         raise ValueError("held-out accuracy needs a built-in task (data.task); for a dataset file evaluate the "
                          "checkpoints on a held-out file instead")
@@ -142,7 +177,8 @@ def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, see
     model = load_model(model_path, dtype=getattr(torch, config.model.dtype),
                        device=resolve_device(config.model.device), recipe=config.recipe)
     tokenizer = load_tokenizer(config.model.tokenizer or model_path)
-    return evaluate(model, tokenizer, dataset, max_tokens=config.rollout.max_tokens).accuracy
+    return evaluate(model, tokenizer, dataset, max_tokens=config.rollout.max_tokens, progress=progress,
+                    stop_fraction=config.reward.stop_fraction, max_abs_reward=config.reward.max_abs).accuracy
 
 
 def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str], *, n: int = 1,
@@ -161,7 +197,9 @@ def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, len(texts) * n)))
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(texts))]
-    completions = engine.generate([encode_prompt(tokenizer, t) for t in texts], params)
+    ids = [encode_prompt(tokenizer, t) for t in texts]
+    _check_context(model, ids, max_tokens, range(len(ids)))
+    completions = engine.generate(ids, params)
     outs = [decode_completion(tokenizer, c.token_ids) for c in completions]
     return [outs[i * n:(i + 1) * n] for i in range(len(texts))]
 

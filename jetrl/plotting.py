@@ -6,7 +6,10 @@ labelled by its folder name and precision recipe (read from the run's saved conf
 three recipes on the same task sit side by side: ``jet`` should track ``bf16`` in reward while its
 mismatch stays near rounding level; ``fp8-rollout`` shows the larger mismatch. Noisy curves get a
 moving average drawn over the raw points. :func:`summarize_run` condenses the same log into the rows of
-a run's summary table (start and end of reward, accuracy and length, the final mismatch, the time).
+a run's summary table (start and end of reward, accuracy and length, the final mismatch, the run's failed
+rewards, the time). :func:`default_plot_path` says where a plot goes when no file is named: a run's own
+``curves.png``, or for a comparison a file in the first run's parent folder named after the runs, so
+comparing never overwrites a run's own plot.
 """
 
 from __future__ import annotations
@@ -113,14 +116,32 @@ def summarize_run(run: str | Path) -> list[tuple[str, str]]:
         return sum(vals) / len(vals) if vals else float("nan")
 
     rows = [("steps", str(records[-1].get("step", len(records))))]
-    for key, name in (("reward/mean", "reward"), ("reward/accuracy", "accuracy"),
-                      ("response/length_mean", "response length")):
+    # with 0/1 rewards the mean reward is the accuracy: one row then
+    same = all(r.get("reward/mean") == r.get("reward/accuracy") for r in records)
+    shown = [("reward/mean", "reward = accuracy" if same else "reward")]
+    shown += [] if same else [("reward/accuracy", "accuracy")]
+    for key, name in (*shown, ("response/length_mean", "response length")):
         rows.append((f"{name} (first {k} -> last {k} steps)", f"{mean(first, key):.3f} -> {mean(last, key):.3f}"))
+    errors = sum(int(float(r.get("reward/errors", 0))) for r in records)
+    timeouts = sum(int(float(r.get("reward/timeouts", 0))) for r in records)
+    rows.append(("failed rewards (all steps)", f"{errors} errors, {timeouts} timeouts"))
     rows.append(("mismatch |Δ logp| mean (last)", f"{mean(last, 'mismatch/logp_abs_diff_mean'):.2e}"))
     rows.append(("mismatch |Δ p| max (last)", f"{mean(last, 'mismatch/prob_abs_diff_max'):.2e}"))
     total = sum(float(r.get("time/step_wall", r.get("time/step", 0.0))) for r in records)
     rows.append(("time in steps", f"{total:.0f} s"))
     return rows
+
+
+def default_plot_path(runs: Sequence[str | Path]) -> Path:
+    """``RUN/curves.png`` for one run; for several, ``curves_A_vs_B.png`` (run folder names) next to the
+    first run, so that a comparison never replaces a run's own plot."""
+    if not runs:
+        raise ValueError("plot needs at least one run folder")
+    folders = [Path(r) if Path(r).is_dir() else Path(r).parent for r in runs]
+    if len(folders) == 1:
+        return folders[0] / "curves.png"
+    names = "_vs_".join(f.resolve().name for f in folders)
+    return folders[0].resolve().parent / f"curves_{names}.png"
 
 
 def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[str] | None = None,
@@ -176,4 +197,5 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[s
     return output
 
 
-__all__ = ["plot_runs", "load_run", "summarize_run", "RunCurves", "moving_average", "PANELS", "METRICS_FILE"]
+__all__ = ["plot_runs", "default_plot_path", "load_run", "summarize_run", "RunCurves", "moving_average", "PANELS",
+           "METRICS_FILE"]

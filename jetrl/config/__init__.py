@@ -15,6 +15,7 @@ from jetrl.config.schema import (
     DistributedConfig,
     ModelConfig,
     OptimConfig,
+    RewardLimitsConfig,
     RolloutConfig,
     RunConfig,
     TrainerConfig,
@@ -24,7 +25,8 @@ from jetrl.config.schema import (
 )
 
 __all__ = [
-    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RolloutConfig", "AlgorithmConfig",
+    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
+    "AlgorithmConfig",
     "OptimConfig", "TrainerConfig", "DistributedConfig", "load_config", "save_config", "from_dict", "to_dict", "apply_override",
     "parse_override", "registered_names", "DTYPES",
 ]

@@ -30,18 +30,42 @@ else:  # Python 3.10: the same parser as the tomli package (a dependency there)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
+    """The mapping in a YAML / JSON / TOML file; a syntax error or a non-UTF-8 file is a ConfigError that
+    names the file and the line (counted from 1)."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; give a .yaml, .json or .toml file")
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     suffix = path.suffix.lower()
-    text = path.read_text()
-    if suffix == ".json":
-        data = json.loads(text)
-    elif suffix in (".yaml", ".yml"):
-        data = yaml.safe_load(text) or {}
-    elif suffix == ".toml":
-        data = tomllib.loads(text)
-    else:
+    if suffix not in (".json", ".yaml", ".yml", ".toml"):
         raise ConfigError(f"config file {path} must end in .yaml, .yml, .json or .toml")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path} line {line} is not UTF-8 text (byte {raw[e.start]:#04x}); save it "
+                          f"as UTF-8") from None
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} line {e.lineno} column {e.colno} is not valid JSON: {e.msg}") \
+                from None
+    elif suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            # the parser's message ends in "(at line L, column C)"
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    else:
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+            where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
     return data

@@ -267,7 +267,10 @@ class TrainerConfig(_Section):
     keep_last: int = 2
     log_every: int = 1
     tensorboard: bool = False
-    resume: bool = False                  # continue from the latest complete checkpoint in output_dir
+    resume: bool = False                  # continue from the newest complete checkpoint (none: warn, start at 0)
+    # resume may read checkpoints of older jetrl versions, whose .pt files are pickles: unpickling runs code, so
+    # set it only for checkpoints you trust (current checkpoints load with torch.load(weights_only=True))
+    allow_pickle: bool = False
     export_fp8: bool = False              # also write each checkpoint's policy as block-FP8 (model_fp8/)
 
     def validate(self) -> None:
@@ -302,6 +305,25 @@ class DistributedConfig(_Section):
             raise ConfigError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
 
 
+class RewardLimitsConfig(_Section):
+    """When a failed reward stops the run (the reward function itself is ``data.reward``).
+
+    A sample whose reward raises, times out, returns a non-number or a non-finite value, or (with
+    ``max_abs``) a value of magnitude above ``max_abs``, scores 0.0 and is counted in ``reward/errors`` /
+    ``reward/timeouts``; the run stops when at least ``stop_fraction`` of one step's samples failed (the
+    default 1.0: when every sample failed, i.e. the reward function itself is broken)."""
+
+    _name = "reward"
+    max_abs: float | None = None          # None: any finite reward is accepted
+    stop_fraction: float = 1.0            # in (0, 1]
+
+    def validate(self) -> None:
+        if self.max_abs is not None and not self.max_abs > 0:
+            raise ConfigError(f"reward.max_abs must be > 0 or null (off), got {self.max_abs}")
+        if not 0 < self.stop_fraction <= 1:
+            raise ConfigError(f"reward.stop_fraction must be in (0, 1], got {self.stop_fraction}")
+
+
 @dataclass
 class RunConfig(_Section):
     """A whole RL run."""
@@ -310,6 +332,7 @@ class RunConfig(_Section):
     exact: bool = False                   # exact on-policy mode: rollout log-probs == trainer's, bitwise (bf16, jet)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardLimitsConfig = field(default_factory=RewardLimitsConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -482,6 +505,6 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RolloutConfig", "AlgorithmConfig",
-    "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
+    "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
+    "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
 ]

@@ -169,7 +169,7 @@ def prompts_from_rows(
     for i, row in enumerate(rows):
         def value(col: str, role: str) -> Any:
             if col not in row or row[col] is None:
-                raise ValueError(f"{source}: row {i} has no value in the {role} column {col!r}")
+                raise ValueError(f"{source}: row {i + 1} has no value in the {role} column {col!r}")
             return row[col]
 
         answer = value(columns.answer, "answer")

@@ -44,19 +44,24 @@ def read_rows(path: str | Path, file_type: FileType = "auto") -> tuple[list[dict
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open("r", encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{line_number}: not valid JSON ({e.msg}); each line must be one object"
-                ) from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_number}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append(row)
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text; save the file as UTF-8") from None
+    for line_number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}:{line_number}: not valid JSON ({e.msg}); each line must be one object"
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line_number}: expected a JSON object per line, got {type(row).__name__}")
+        rows.append(row)
     return rows
 
 

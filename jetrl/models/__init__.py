@@ -8,15 +8,15 @@ KV-cache interface used by the rollout engine live in :mod:`jetrl.models.attenti
 
 from jetrl.models.attention import (PagedAttentionMetadata, PagedKVCache, paged_attention,
                                     paged_attention_reference, varlen_attention, write_kv)
-from jetrl.models.checkpoint import (check_eos, export_model, load_model, load_tokenizer, resolve_checkpoint,
-                                     resolve_device, save_model)
+from jetrl.models.checkpoint import (check_eos, check_tokenizer, export_model, load_model, load_tokenizer,
+                                     resolve_checkpoint, resolve_device, save_model)
 from jetrl.models.config import DecoderConfig
 from jetrl.models.logprobs import logprobs_from_hidden, token_logprobs
 from jetrl.models.transformer import DecoderLM, build_model
 
 __all__ = [
     "DecoderConfig", "DecoderLM", "build_model", "load_model", "load_tokenizer", "save_model", "resolve_checkpoint",
-    "export_model", "resolve_device", "check_eos",
+    "export_model", "resolve_device", "check_eos", "check_tokenizer",
     "token_logprobs", "logprobs_from_hidden",
     "PagedAttentionMetadata", "PagedKVCache", "write_kv", "paged_attention_reference", "paged_attention",
     "varlen_attention",

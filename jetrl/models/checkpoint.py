@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -215,6 +216,33 @@ def _config_eos(folder: str | os.PathLike | None) -> list[int]:
     return list(eos) if isinstance(eos, list) else [eos]
 
 
+def check_tokenizer(tokenizer: Any, config: DecoderConfig, where: str) -> None:
+    """The tokenizer must belong to the model: every token id it can produce is a row of the embedding
+    (``len(tokenizer) <= vocab_size``; checkpoints often pad the matrix, so fewer is fine), and its BOS and
+    EOS ids are the ones ``config.json`` names (when both sides name one). A tokenizer of another model
+    with the same vocabulary size still fails the special-token check. Raises a ValueError naming both."""
+    size = len(tokenizer)
+    if size > config.vocab_size:
+        raise ValueError(f"the tokenizer at {where} has {size} tokens but the model's config.json has vocab_size="
+                         f"{config.vocab_size}: it belongs to another model (set model.tokenizer to the model's "
+                         f"own tokenizer, or leave it unset to use the checkpoint's)")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and config.bos_token_id is not None and bos != config.bos_token_id:
+        raise ValueError(f"the tokenizer at {where} has BOS id {bos} but the model's config.json has bos_token_id="
+                         f"{config.bos_token_id}: the tokenizer belongs to another model")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None and config.eos_token_ids and eos not in config.eos_token_ids:
+        raise ValueError(f"the tokenizer at {where} has EOS id {eos} but the model's config.json has eos_token_id="
+                         f"{config.eos_token_id}: the tokenizer belongs to another model")
+
+
+def fp8_unaligned_layers(model: nn.Module) -> list[str]:
+    """The linears the block-FP8 export stores in FP8 whose weight is not a whole number of 128x128
+    blocks: transformers' FP8 loader cannot read them, and vLLM needs 128-divisible partitions."""
+    return sorted(name for name, layer in _fp8_linears_to_export(model).items()
+                  if layer.weight.shape[0] % FP8_BLOCK[0] or layer.weight.shape[1] % FP8_BLOCK[1])
+
+
 def _fp8_linears_to_export(model: nn.Module) -> dict[str, nn.Linear]:
     """The linears whose weights the export stores in FP8: the model's FP8Linears, or (under ``bf16``)
     every block linear the default recipe would swap."""
@@ -296,6 +324,11 @@ def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,
         hf["quantization_config"] = qc
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    # safetensors writes its files owner-only (0600); give them the mode every other file gets (the umask's)
+    mode = os.stat(os.path.join(path, "config.json")).st_mode & 0o777
+    for file in os.listdir(path):
+        if file.endswith(".safetensors"):
+            os.chmod(os.path.join(path, file), mode)
 
     source = getattr(model, "source_path", None)
     if source and os.path.isdir(source) and os.path.abspath(source) != os.path.abspath(path):
@@ -304,25 +337,52 @@ def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,
                 shutil.copyfile(os.path.join(source, file), os.path.join(path, file))
 
 
-def export_model(source: str | os.PathLike, output: str | os.PathLike, fp8: bool = False) -> str:
+def export_model(source: str | os.PathLike, output: str | os.PathLike, fp8: bool = False,
+                 overwrite: bool = False) -> str:
     """Write the checkpoint folder ``source`` to ``output`` as a HuggingFace BF16 folder, or block-FP8 with
-    ``fp8`` (the layout vLLM and SGLang serve); returns ``output``."""
+    ``fp8`` (the layout vLLM and SGLang serve); returns ``output``.
+
+    ``output`` must be new or empty: a folder that holds files is refused (nothing is deleted) unless
+    ``overwrite``, which replaces its weights and config.json. With ``fp8``, FP8 layers whose weights are not
+    whole 128x128 blocks are named in a warning: the export is exact and jetrl loads it, but transformers'
+    FP8 loader and vLLM accept only 128-divisible shapes."""
     source, output = os.fspath(source), os.fspath(output)
     if not os.path.isdir(source):
         raise FileNotFoundError(f"checkpoint folder {source} does not exist; give a HuggingFace model folder")
     if os.path.abspath(source) == os.path.abspath(output):
         raise ValueError("the export folder must differ from the source checkpoint")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise FileExistsError(f"the export destination {output} is a file; give a folder")
+    if os.path.isdir(output) and os.listdir(output) and not overwrite:
+        raise FileExistsError(f"the export destination {output} is not empty; choose a new folder, or pass "
+                              f"--overwrite to replace its weights and config.json")
     model = load_model(source, dtype=torch.bfloat16, device="cpu", recipe="bf16")
+    if fp8:
+        unaligned = fp8_unaligned_layers(model)
+        if unaligned:
+            shapes = sorted({tuple(model.get_submodule(n).weight.shape) for n in unaligned})
+            warnings.warn(f"{len(unaligned)} FP8 layers have weights that are not whole 128x128 blocks (shapes "
+                          f"{shapes}; e.g. {unaligned[:3]}): jetrl loads this export, but transformers' FP8 loader "
+                          f"and vLLM need every dimension of an FP8 weight divisible by 128", stacklevel=2)
     save_model(model, output, fp8=fp8)
     return output
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:
-    """The device a config or command line names; ``"auto"`` (or None) is CUDA when present, else the CPU."""
+    """The device a config or command line names; ``"auto"`` (or None) is CUDA when present, else the CPU.
+    A CUDA device that this machine or torch build does not have is a ValueError saying so."""
     if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {name!r} was asked for but {why}; use 'cpu' or 'auto'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} was asked for but only {torch.cuda.device_count()} CUDA GPUs are "
+                             f"visible")
+    return device
 
 
 __all__ = ["load_model", "load_tokenizer", "save_model", "load_weights", "resolve_checkpoint", "export_model",
-           "resolve_device", "check_eos"]
+           "resolve_device", "check_eos", "check_tokenizer", "fp8_unaligned_layers"]

@@ -105,6 +105,13 @@ class DecoderConfig:
             return []
         return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
 
+    def check_context(self, tokens: int, what: str) -> None:
+        """Raise a ValueError unless ``tokens`` positions (``what`` says whose) fit in the model's context,
+        ``max_position_embeddings``: positions past it were never trained (and RoPE tables may end there)."""
+        if tokens > self.max_position_embeddings:
+            raise ValueError(f"{what} = {tokens} tokens exceed the model's context of {self.max_position_embeddings} "
+                             f"positions (max_position_embeddings in its config.json); lower them")
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any], strict: bool = True) -> "DecoderConfig":
         """Read a HF ``config.json`` dict; ``strict`` rejects fields jetrl does not know."""

@@ -8,10 +8,10 @@ from jetrl.parallel.checkpoint import SHARDED_SUBDIR, load_sharded, save_sharded
 from jetrl.parallel.fsdp import (
     FORWARD_METHODS, decoder_blocks, fsdp_modules, full_weights, is_sharded, refresh_rollout_weights, shard_model,
 )
-from jetrl.parallel.mesh import ParallelContext, abort_process_group, init_parallel, launched_by_torchrun
+from jetrl.parallel.mesh import ParallelContext, abort_process_group, init_parallel, launched_by_torchrun, launched_rank
 
 __all__ = [
-    "ParallelContext", "init_parallel", "launched_by_torchrun", "abort_process_group", "shard_model",
+    "ParallelContext", "init_parallel", "launched_by_torchrun", "launched_rank", "abort_process_group", "shard_model",
     "full_weights", "fsdp_modules", "is_sharded", "decoder_blocks", "refresh_rollout_weights", "FORWARD_METHODS",
     "save_sharded", "load_sharded", "SHARDED_SUBDIR",
 ]

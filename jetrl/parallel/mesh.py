@@ -152,6 +152,12 @@ def launched_by_torchrun() -> bool:
     return all(v in os.environ for v in TORCHRUN_VARS)
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun set it (0 without torchrun): for the work only rank 0 does before or
+    after the ranks meet, such as the command line's evaluations, plots and summaries."""
+    return int(os.environ["RANK"]) if launched_by_torchrun() else 0
+
+
 def init_parallel(device: str | torch.device = "auto", shard_size: int | None = None,
                   timeout_s: float = 600.0) -> ParallelContext:
     """Set this process up as a rank of the job torchrun launched (see the module doc).

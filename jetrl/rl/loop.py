@@ -11,8 +11,16 @@ the previous complete one is used.
 A sample whose reward fails (raises, hangs, returns a non-number, a non-finite value or one beyond the
 reward pool's ``max_abs_reward``) scores 0.0 and is counted per step in ``reward/errors`` and
 ``reward/timeouts``; the first failure's message is printed once, and the run stops with
-:class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a step failed (see
-:class:`~jetrl.data.reward_pool.RewardFailureGuard`).
+:class:`~jetrl.data.reward_pool.RewardFailureError` when at least ``reward.stop_fraction`` of a step's
+samples failed (default 1.0: every one; see :class:`~jetrl.data.reward_pool.RewardFailureGuard`). The
+bound is ``reward.max_abs``.
+
+The output folder belongs to one run: :func:`prepare_output_dir` refuses a fresh run into a folder that
+holds another run's checkpoints (resume it, choose another folder, or ``overwrite``, which deletes that
+run's checkpoints and logs first). Resume with nothing to resume starts from step 0 with a warning, or
+fails with ``require_checkpoint``. Before the model is loaded, the generation length is checked against
+the model's context (``max_position_embeddings``) and the tokenizer against the model's vocabulary and
+special tokens.
 
 **Several GPUs.** ``torchrun --nproc-per-node N -m jetrl train CONFIG`` starts N copies of this run;
 :func:`jetrl.parallel.init_parallel` makes each a rank (one process without torchrun is the one-rank
@@ -26,7 +34,10 @@ with its rank and aborts the process group, so the whole job exits instead of ha
 from __future__ import annotations
 
 import random
+import shutil
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -35,15 +46,19 @@ import torch
 
 from jetrl.config import ConfigError, RunConfig, load_config, save_config
 from jetrl.data import build_prompt_dataset
-from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardResult
+from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardPoolConfig, RewardResult
+from jetrl.models import check_tokenizer, resolve_checkpoint, resolve_device
+from jetrl.models.config import DecoderConfig
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, init_parallel, is_sharded, load_sharded, save_sharded
-from jetrl.rl.checkpoint import checkpoint_dir_name, latest_checkpoint, load_checkpoint, save_checkpoint
+from jetrl.rl.checkpoint import checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from jetrl.rl.metrics import MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
 FP8_MODEL_SUBDIR = "model_fp8"  # with trainer.export_fp8: the block-FP8 export of the same weights
+# what a run writes into its output folder besides config.yaml (``overwrite`` deletes them)
+RUN_OUTPUTS = (CHECKPOINT_SUBDIR, "metrics.jsonl", "tensorboard", "eval.json", "curves.png")
 
 
 def seed_everything(seed: int) -> None:
@@ -137,6 +152,60 @@ def resume_trainer(trainer: Trainer, root: str | Path, allow_pickle: bool = Fals
     return loaded.trainer_state
 
 
+def prepare_output_dir(config: RunConfig, overwrite: bool = False) -> Path:
+    """Create ``trainer.output_dir`` and make sure this run may write there; returns it.
+
+    A fresh run (no ``trainer.resume``) into a folder holding another run's checkpoints is refused with a
+    FileExistsError: that run's higher-numbered checkpoints would outlive the new run's, pruning would
+    delete the new ones, and the summary would report the old run. ``overwrite`` deletes the old run's
+    outputs (:data:`RUN_OUTPUTS`) first. A path through a file is a ConfigError. Cheap: call it before
+    any slow work so that a bad folder fails first."""
+    out = Path(config.trainer.output_dir)
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConfigError(f"trainer.output_dir {out} cannot be created: {blocker} is a file")
+    if overwrite and config.trainer.resume:
+        raise ConfigError("overwrite deletes the run that resume would continue: choose one")
+    ckpt_root = out / CHECKPOINT_SUBDIR
+    if overwrite:
+        for name in RUN_OUTPUTS:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    elif not config.trainer.resume:
+        found = list_checkpoints(ckpt_root)
+        if found:
+            raise FileExistsError(
+                f"{out} holds the checkpoints of another run (up to step {found[-1][0]}): continue it with --resume "
+                f"(trainer.resume=true), write the new run elsewhere with --output-dir (trainer.output_dir), or "
+                f"delete the old run first with --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
+    """Read the policy's config.json and tokenizer (not its weights) and check the run against them: the
+    longest sequence (``data.max_prompt_tokens + rollout.max_tokens``) fits in the model's context, and the
+    tokenizer matches the model (:func:`jetrl.models.check_tokenizer`). Returns (checkpoint folder, model
+    config, tokenizer). A ``rollout.top_k`` above the vocabulary size is only a warning (it samples from all),
+    shown once per process however often this is called."""
+    from jetrl.models import load_tokenizer
+
+    folder = resolve_checkpoint(config.model.path)
+    model_config = DecoderConfig.from_file(folder)
+    model_config.check_context(config.data.max_prompt_tokens + config.rollout.max_tokens,
+                               "data.max_prompt_tokens + rollout.max_tokens")
+    where = config.model.tokenizer or folder
+    tokenizer = load_tokenizer(where)
+    check_tokenizer(tokenizer, model_config, where)
+    if config.rollout.top_k > model_config.vocab_size:  # a UserWarning: shown once per process
+        warnings.warn(f"rollout.top_k={config.rollout.top_k} is larger than the vocabulary ({model_config.vocab_size} "
+                      f"tokens), so it keeps every token")
+    return folder, model_config, tokenizer
+
+
 def guarded_rewards(pool: RewardPool, guard: RewardFailureGuard) -> Callable[[list[str], list[str]], RewardResult]:
     """The trainer's reward function: ``pool`` scores the completions, ``guard`` reports the first failure
     once and stops the run when too many of the step's samples failed; the
@@ -190,10 +259,13 @@ class DatasetPrompts:
 
 
 def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
-        on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+        on_step: Callable[[int, dict[str, float]], None] | None = None,
+        require_checkpoint: bool = False) -> dict[str, float]:
     """Run RL as configured; returns the last step's metrics. ``config`` may be a file path.
     ``on_step(step, metrics)`` is called after every step on rank 0 (the command line's progress bar).
-    Under torchrun every rank calls this (see the module doc)."""
+    Under torchrun every rank calls this (see the module doc). With ``trainer.resume`` and no checkpoint to
+    resume from, the run warns and starts from step 0, unless ``require_checkpoint``, which makes that a
+    FileNotFoundError."""
     if not isinstance(config, RunConfig):
         config = load_config(config, overrides)
     elif overrides:
@@ -202,35 +274,45 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         raise ConfigError("no prompts: set data.path (a JSONL/Parquet file) or data.task (a built-in task)")
     if not config.model.path:
         raise ConfigError("model.path is empty: point it at a HuggingFace checkpoint folder")
+    resolve_device(config.model.device)  # a clear error for a device this machine lacks, before any rank starts
     parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
     try:
         with parallel.guard():
-            return _run(config, parallel, on_step)
+            return _run(config, parallel, on_step, require_checkpoint)
     finally:
         parallel.close()
 
 
-def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, float]], None] | None
-         ) -> dict[str, float]:
+def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, float]], None] | None,
+         require_checkpoint: bool) -> dict[str, float]:
+    device = parallel.device
     out = Path(config.trainer.output_dir)
-    ckpt_root = out / CHECKPOINT_SUBDIR
     if parallel.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(config, out / "config.yaml")
+        prepare_output_dir(config)
+    parallel.barrier()  # every rank sees the folder checked and created
+    ckpt_root = out / CHECKPOINT_SUBDIR
+    if config.trainer.resume and not list_checkpoints(ckpt_root):
+        if require_checkpoint:
+            raise FileNotFoundError(f"nothing to resume: {ckpt_root} holds no checkpoint")
+        if parallel.is_main:
+            print(f"warning: nothing to resume in {ckpt_root}; starting from step 0", file=sys.stderr)
 
     from jetrl.data.rewards import RewardConfig, build_reward_fn
-    from jetrl.models import load_model, load_tokenizer
+    from jetrl.models import load_model
     from jetrl.rollout import RolloutEngine
 
     seed_everything(config.trainer.seed)
     dataset = build_prompt_dataset(config.data, seed=config.trainer.seed)  # data errors before the model is loaded
+    if len(dataset) < config.data.prompts_per_step:
+        raise ConfigError(f"data.prompts_per_step ({config.data.prompts_per_step}) is larger than the dataset "
+                          f"({len(dataset)} prompts); lower it or use more data")
     reward = build_reward_fn(RewardConfig(name=config.data.reward), default=getattr(dataset, "reward", None))
-    dtype = getattr(torch, config.model.dtype)
-    device = parallel.device
-    model = load_model(config.model.path, dtype=dtype, device=device, recipe=config.recipe)
+    folder, _, tokenizer = check_model(config)
+    if parallel.is_main:
+        save_config(config, out / "config.yaml")
+    model = load_model(folder, dtype=getattr(torch, config.model.dtype), device=device, recipe=config.recipe)
     if config.model.gradient_checkpointing:
         model.set_activation_checkpointing(True)
-    tokenizer = load_tokenizer(config.model.tokenizer or config.model.path)
     prompts = DatasetPrompts(dataset, tokenizer, config.data.prompts_per_step, config.trainer.seed,
                              config.data.shuffle, config.data.max_prompt_tokens)
     # the KV pool is sized for the longest sequence a rollout can make, not the model's full context
@@ -238,12 +320,12 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
                            max_num_seqs=min(256, config.rollout_batch_size),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget, exact=config.exact)
-    pool = RewardPool(reward)
-    trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, RewardFailureGuard()), prompts.decode,
-                      parallel=parallel)
+    pool = RewardPool(reward, RewardPoolConfig(max_abs_reward=config.reward.max_abs))
+    guard = RewardFailureGuard(stop_fraction=config.reward.stop_fraction)
+    trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, guard), prompts.decode, parallel=parallel)
     cursor = None
     if config.trainer.resume:
-        state = resume_trainer(trainer, ckpt_root)
+        state = resume_trainer(trainer, ckpt_root, allow_pickle=config.trainer.allow_pickle)
         cursor = state.get("metrics_cursor") if state else None
     # rank 0 writes the (global) metrics; the others only take part in the collectives
     logger = MetricsLogger(out, tensorboard=config.trainer.tensorboard, resume_cursor=cursor) \
@@ -270,4 +352,5 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     return metrics
 
 
-__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards"]
+__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards",
+           "prepare_output_dir", "check_model", "RUN_OUTPUTS"]

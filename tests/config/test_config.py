@@ -164,3 +164,45 @@ def test_choice_fields_follow_the_registries_that_own_them(monkeypatch):
         load_config(None, ["--algorithm.kl_estimator=k4"])
     monkeypatch.setitem(losses.KL_ESTIMATORS, "k4", losses.KL_ESTIMATORS["k3"])
     assert load_config(None, ["--algorithm.kl_estimator=k4"]).algorithm.kl_estimator == "k4"
+
+
+# ------------------------------------------------------------------------------------------ reliability
+
+def test_malformed_files_name_the_file_and_line(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("trainer:\n  steps: 3\n  seed: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"^config file .*bad.yaml line \d+ column \d+ is not valid YAML: "):
+        load_config(bad_yaml)
+    tabs = tmp_path / "tabs.yaml"
+    tabs.write_text("trainer:\n\tsteps: 3\n")
+    with pytest.raises(ConfigError, match=r"tabs.yaml line 2 column 1 is not valid YAML"):
+        load_config(tabs)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{\n  "trainer": {"steps": 3,}\n}')
+    with pytest.raises(ConfigError, match=r"^config file .*bad.json line 2 column 26 is not valid JSON: "):
+        load_config(bad_json)
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("[trainer]\nsteps = = 3\n")
+    with pytest.raises(ConfigError, match=r"^config file .*bad.toml is not valid TOML: .*\(at line 2, column 9\)"):
+        load_config(bad_toml)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("# config\ndata:\n  system_prompt: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"^config file .*latin1.yaml line 3 is not UTF-8 text \(byte 0xe9\)"):
+        load_config(latin1)
+    (tmp_path / "folder.yaml").mkdir()
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path / "folder.yaml")
+
+
+def test_reward_section_and_allow_pickle():
+    config = RunConfig()
+    assert config.reward.max_abs is None and config.reward.stop_fraction == 1.0
+    assert config.trainer.allow_pickle is False
+    config = load_config(None, ["--reward.max_abs=10", "--reward.stop_fraction=0.5", "--trainer.allow_pickle=true"])
+    assert (config.reward.max_abs, config.reward.stop_fraction, config.trainer.allow_pickle) == (10.0, 0.5, True)
+    with pytest.raises(ConfigError, match=r"reward.stop_fraction must be in \(0, 1\], got 0.0"):
+        load_config(None, ["--reward.stop_fraction=0"])
+    with pytest.raises(ConfigError, match=r"reward.stop_fraction must be in \(0, 1\], got 1.5"):
+        load_config(None, ["--reward.stop_fraction=1.5"])
+    with pytest.raises(ConfigError, match=r"reward.max_abs must be > 0 or null \(off\), got -1.0"):
+        load_config(None, ["--reward.max_abs=-1"])

@@ -79,7 +79,7 @@ def test_empty_and_malformed_files(tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
         load_prompt_dataset(str(tmp_path / "bad.jsonl"))
     (tmp_path / "null.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": null}\n')
-    with pytest.raises(ValueError, match=r"row 1 has no value in the answer column 'answer'"):
+    with pytest.raises(ValueError, match=r"row 2 has no value in the answer column 'answer'"):  # rows count from 1
         load_prompt_dataset(str(tmp_path / "null.jsonl"))
     (tmp_path / "d.csv").write_text("prompt,answer\n")
     with pytest.raises(ValueError, match=r"name it .jsonl or .parquet"):

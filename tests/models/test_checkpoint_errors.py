@@ -178,6 +178,94 @@ def test_export_model_checks_its_folders(ckpt, tmp_path):
 
 def test_resolve_device():
     assert jm.resolve_device("cpu") == torch.device("cpu")
-    assert jm.resolve_device("cuda:1") == torch.device("cuda", 1)
     expected = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert jm.resolve_device("auto") == expected and jm.resolve_device(None) == expected
+    if torch.cuda.is_available():
+        assert jm.resolve_device("cuda:0") == torch.device("cuda", 0)
+        with pytest.raises(ValueError, match="CUDA GPUs are visible"):
+            jm.resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:  # a CPU-only machine: a clear error instead of torch's "Torch not compiled with CUDA enabled" later
+        with pytest.raises(ValueError, match=r"device 'cuda' was asked for but (this torch build has no CUDA "
+                                             r"support|no CUDA GPU is visible); use 'cpu' or 'auto'"):
+            jm.resolve_device("cuda")
+
+
+def test_export_refuses_a_non_empty_folder_unless_overwrite(ckpt, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"someone else's weights")
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match=r"the export destination .*out is not empty; choose a new folder, "
+                                              r"or pass --overwrite"):
+        jm.export_model(ckpt, out)
+    assert (out / "model.safetensors").read_bytes() == b"someone else's weights"  # nothing was touched
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FileExistsError, match="is a file"):
+        jm.export_model(ckpt, tmp_path / "file")
+    jm.export_model(ckpt, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "keep me"
+    jm.load_model(out, dtype=torch.float32)
+    jm.export_model(ckpt, tmp_path / "empty")  # an empty or new folder needs no flag
+    (tmp_path / "empty2").mkdir()
+    jm.export_model(ckpt, tmp_path / "empty2")
+
+
+def test_exported_weights_get_the_mode_of_the_other_files(ckpt, tmp_path):
+    old = os.umask(0o022)
+    try:
+        jm.export_model(ckpt, tmp_path / "out")
+    finally:
+        os.umask(old)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "out").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644, modes
+
+
+def test_fp8_export_warns_about_shapes_external_engines_cannot_read(ckpt, tmp_path):
+    import warnings
+
+    from jetrl.cli import EMBEDDED_MODEL, resolve_asset
+
+    # the embedded tiny model: 128-wide, with a 352-wide MLP
+    with pytest.warns(UserWarning, match=r"FP8 layers have weights that are not whole 128x128 blocks .*"
+                                         r"mlp.*divisible by 128") as record:
+        jm.export_model(resolve_asset(EMBEDDED_MODEL), tmp_path / "tiny", fp8=True)
+    assert "(128, 352)" in str(record[0].message) and "(352, 128)" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 256/512-wide: every FP8 weight is whole blocks, no warning
+        jm.export_model(ckpt, tmp_path / "aligned", fp8=True)
+        jm.export_model(resolve_asset(EMBEDDED_MODEL), tmp_path / "bf16")  # BF16 has no blocks
+
+
+class _Tokenizer:
+    def __init__(self, size, bos, eos):
+        self.size, self.bos_token_id, self.eos_token_id = size, bos, eos
+
+    def __len__(self):
+        return self.size
+
+
+def test_check_tokenizer_against_the_model_config():
+    config = DecoderConfig(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, bos_token_id=1,
+                           eos_token_id=[2, 3])
+    jm.check_tokenizer(_Tokenizer(100, 1, 2), config, "tok")
+    jm.check_tokenizer(_Tokenizer(90, None, 3), config, "tok")  # a padded embedding; any listed EOS
+    with pytest.raises(ValueError, match=r"the tokenizer at tok has 101 tokens but the model's config.json has "
+                                         r"vocab_size=100: it belongs to another model"):
+        jm.check_tokenizer(_Tokenizer(101, 1, 2), config, "tok")
+    with pytest.raises(ValueError, match=r"the tokenizer at tok has BOS id 0 but the model's config.json has "
+                                         r"bos_token_id=1"):
+        jm.check_tokenizer(_Tokenizer(100, 0, 2), config, "tok")
+    with pytest.raises(ValueError, match=r"the tokenizer at tok has EOS id 7 but the model's config.json has "
+                                         r"eos_token_id=\[2, 3\]"):
+        jm.check_tokenizer(_Tokenizer(100, 1, 7), config, "tok")
+
+
+def test_check_context():
+    config = DecoderConfig(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512)
+    config.check_context(512, "x")
+    with pytest.raises(ValueError, match=r"^a \+ b = 513 tokens exceed the model's context of 512 positions "
+                                         r"\(max_position_embeddings in its config.json\); lower them$"):
+        config.check_context(513, "a + b")
