@@ -305,6 +305,7 @@ class DistributedConfig(_Section):
             raise ConfigError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
 
 
+@dataclass
 class RewardLimitsConfig(_Section):
     """When a failed reward stops the run (the reward function itself is ``data.reward``).
 
