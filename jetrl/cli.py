@@ -241,7 +241,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
                        eval_every=args.eval_every, save_dtype=args.save_dtype, checkpoint_every=args.checkpoint_every,
-                       keep_checkpoints=args.keep_checkpoints)
+                       keep_checkpoints=args.keep_checkpoints, device=str(resolve_device(args.device)),
+                       dtype=args.dtype, packing=args.packing, micro_batch_tokens=args.micro_batch_tokens)
     result = run_sft(config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
                      resume=args.resume)
     print(_table([("task", f"{config.task} (difficulty {config.difficulty})"), ("steps", str(result.steps)),
@@ -445,6 +446,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-examples", type=int, default=200, help="unseen problems for the final greedy accuracy")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (to tune --steps)")
     p.add_argument("--save-dtype", default="float32", help="dtype of the saved weights (float32 or bfloat16)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="training parameters (bfloat16 keeps fp32 master weights)")
+    p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
+                   help="packed forwards instead of padded batches (default: packed on CUDA only)")
+    p.add_argument("--micro-batch-tokens", type=int, default=65536, help="with packing: tokens per forward")
     p.add_argument("--checkpoint-every", type=int, default=100, help="a resumable checkpoint every N steps (0: none)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep OUTPUT_DIR/checkpoints after the final model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its newest checkpoint "

@@ -24,6 +24,7 @@ def free_port() -> int:
 def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _forget_parents_forkserver()
     import torch
     torch.set_num_threads(1)
     result = fn(rank, *args)
@@ -31,6 +32,15 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ar
     import torch.distributed as dist
     if dist.is_initialized():  # (a rank that aborted the group has none left)
         dist.destroy_process_group()
+
+
+def _forget_parents_forkserver() -> None:
+    """A forked rank inherits the parent's record of its forkserver (a process that is not the rank's child),
+    so the rank's own forkserver pools (the reward pool) would fail to start; let the rank start its own."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
