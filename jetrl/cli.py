@@ -35,11 +35,10 @@ from rich.console import Console
 from rich.table import Table
 
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
-from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset
+from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset, read_prompts
 from jetrl.data.reward_pool import RewardFailureError
-from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, held_out_accuracy
-from jetrl.models import DecoderConfig, check_eos, check_tokenizer, export_model, load_model, load_tokenizer, \
-    resolve_checkpoint, resolve_device
+from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, held_out_accuracy, load_policy
+from jetrl.models import check_eos, export_model, resolve_device
 from jetrl.parallel import launched_rank
 from jetrl.plotting import default_plot_path, plot_runs, summarize_run
 from jetrl.progress import Progress
@@ -87,6 +86,15 @@ def _existing(path: str, what: str, hint: str) -> str:
     return path
 
 
+def _model_path(path: str) -> str:
+    """A checkpoint folder, or ``jetrl:tiny-arith``, or a hub-style ``owner/name`` (resolved by the loader)."""
+    path = resolve_asset(path)
+    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder (holding "
+                                f"config.json and *.safetensors) or {EMBEDDED_MODEL}")
+    return path
+
+
 def _table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
     """A two-column text table (names left, values right), rendered by rich without colour codes."""
     table = Table(show_header=False)
@@ -124,25 +132,6 @@ def _set_threads(threads: int | None) -> None:
         if threads < 1:
             raise UsageError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-
-
-def _load_policy(path: str, recipe: str, device: str | None, dtype: str, max_tokens: int):
-    """Model and tokenizer from a checkpoint folder (or ``jetrl:tiny-arith``): before the weights are read,
-    the tokenizer is checked against the model (EOS token, vocabulary, special tokens), ``max_tokens`` new
-    tokens against the model's context, and the device against this machine."""
-    path = resolve_asset(path)
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
-        raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder (holding "
-                                f"config.json and *.safetensors) or {EMBEDDED_MODEL}")
-    device = resolve_device(device)
-    folder = resolve_checkpoint(path)
-    config = DecoderConfig.from_file(folder)
-    config.check_context(max_tokens + 1, "--max-tokens plus one prompt token")
-    tokenizer = load_tokenizer(folder)
-    check_eos(tokenizer, folder, folder)
-    check_tokenizer(tokenizer, config, folder)
-    model = load_model(folder, dtype=getattr(torch, dtype), device=device, recipe=recipe)
-    return model, tokenizer
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -266,7 +255,7 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
 def _cmd_eval(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
-    model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype, args.max_tokens)
+    model, tokenizer = load_policy(_model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
     ks = sorted(set(args.k or [1]))
     result = evaluate(model, tokenizer, dataset, reward=args.reward, n=args.n, temperature=args.temperature,
                       top_p=args.top_p, max_tokens=args.max_tokens, ks=ks, seed=args.sample_seed,
@@ -283,43 +272,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ generate
 
-def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
-    """Prompts from the arguments, then from ``file`` (UTF-8; one per line, where the two characters ``\\n``
-    stand for a line break; JSONL lines take their "prompt")."""
-    out = list(prompts)
-    if file:
-        path = _existing(file, "prompt file", "give a text file with one prompt per line, or JSONL with 'prompt'")
-        raw = Path(path).read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw[:e.start].count(b"\n") + 1
-            raise UsageError(f"{path} line {line} is not UTF-8 text") from None
-        for i, line in enumerate(text.splitlines()):
-            if not line.strip():
-                continue
-            if path.endswith(".jsonl"):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UsageError(f"{path} line {i + 1} is not JSON: {e}") from None
-                if not isinstance(row, dict) or "prompt" not in row:
-                    raise UsageError(f"{path} line {i + 1} has no 'prompt' field")
-                out.append(str(row["prompt"]))
-            else:
-                out.append(line.replace("\\n", "\n"))
-    if not out:
-        raise UsageError("no prompts: pass them as arguments or with --file")
-    return out
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
-    prompts = read_prompts(args.prompts, args.file)
+    prompts = read_prompts(args.prompts, resolve_asset(args.file) if args.file else None)
     if args.temperature == 0 and args.n > 1:
         raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
                          "for --n > 1")
-    model, tokenizer = _load_policy(args.model, args.recipe, args.device, args.dtype, args.max_tokens)
+    model, tokenizer = load_policy(_model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
     results = generate_texts(model, tokenizer, prompts, n=args.n, temperature=args.temperature, top_p=args.top_p,
                              max_tokens=args.max_tokens, seed=args.seed, raw=args.raw)
     for prompt, completions in zip(prompts, results):

@@ -32,7 +32,8 @@ from jetrl.data import Prompt, RewardPool, RewardPoolConfig, get_task, render_pr
 from jetrl.data.reward_pool import RewardFailureGuard
 # the RL loop's own prompt encoding (a single BOS under chat templates) and reward text (no special tokens)
 from jetrl.data.templates import decode_completion, encode_prompt
-from jetrl.models import load_model, load_tokenizer, resolve_device
+from jetrl.models import check_eos, check_tokenizer, load_model, load_tokenizer, resolve_checkpoint, resolve_device
+from jetrl.models.config import DecoderConfig
 from jetrl.progress import Progress
 from jetrl.rollout import RolloutEngine, SamplingParams
 
@@ -204,4 +205,19 @@ def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str
     return [outs[i * n:(i + 1) * n] for i in range(len(texts))]
 
 
-__all__ = ["EVAL_SEED", "EvalResult", "evaluate", "pass_at_k", "held_out_accuracy", "generate_texts"]
+
+def load_policy(path: str, recipe: str, device: str | None, dtype: str, max_tokens: int) -> tuple[Any, Any]:
+    """Model and tokenizer from a checkpoint folder, checked before the weights are read: the tokenizer
+    against the model (EOS token, vocabulary, special tokens), ``max_tokens`` new tokens against the model's
+    context, and the device against this machine."""
+    device = resolve_device(device)
+    folder = resolve_checkpoint(path)
+    config = DecoderConfig.from_file(folder)
+    config.check_context(max_tokens + 1, "--max-tokens plus one prompt token")
+    tokenizer = load_tokenizer(folder)
+    check_eos(tokenizer, folder, folder)
+    check_tokenizer(tokenizer, config, folder)
+    model = load_model(folder, dtype=getattr(torch, dtype), device=device, recipe=recipe)
+    return model, tokenizer
+
+__all__ = ["load_policy", "EVAL_SEED", "EvalResult", "evaluate", "pass_at_k", "held_out_accuracy", "generate_texts"]

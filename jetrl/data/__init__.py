@@ -13,6 +13,7 @@ from jetrl.data.datasets import (
     load_prompt_dataset,
 )
 from jetrl.data.prompt import Prompt
+from jetrl.data.prompt_file import read_prompts
 from jetrl.data.reward_pool import RewardPool, RewardPoolConfig, RewardResult
 from jetrl.data.rewards import (
     BUILTIN_REWARDS,
@@ -29,6 +30,7 @@ from jetrl.data.tasks import TASKS, Task, TaskConfig, TaskExample, get_task, tas
 from jetrl.data.templates import TemplateConfig, decode_completion, encode_prompt, has_chat_template, render_prompt
 
 __all__ = [
+    "read_prompts",
     "BUILTIN_REWARDS",
     "DATASET_FORMATS",
     "TASKS",

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetrl.cli import EMBEDDED_MODEL, main, read_prompts, resolve_asset
+from jetrl.cli import EMBEDDED_MODEL, main, resolve_asset
+from jetrl.data import read_prompts
 
 # a short run of the embedded model: one step of 4 prompts x 2 samples
 TINY = ["--no-progress", "--eval-examples", "0", "--max-steps", "1", "--data.prompts_per_step=4", "--rollout.n=2",
