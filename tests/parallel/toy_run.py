@@ -5,43 +5,13 @@ from __future__ import annotations
 import torch
 
 from jetrl.config import load_config
+from toy_rl import MODEL, ToyPrompts, decode, low_token_reward
 
-MODEL = dict(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1)
-LOW_TOKENS = 32  # the toy reward: fraction of generated tokens below this id
 # lr 0.1 moves the weights by several percent per step; eps 1.0 keeps AdamW close to linear in the
 # gradient, so summation-order differences stay at fp32 rounding in the weights instead of being amplified
 # by g / (|g| + eps) on near-zero gradient entries
 BASE = ["--data.prompts_per_step=2", "--rollout.n=4", "--rollout.max_tokens=6", "--optim.lr=0.1",
         "--optim.eps=1.0", "--trainer.steps=4"]
-
-
-class ToyPrompts:
-    """Deterministic prompts of three tokens; position is resumable."""
-
-    def __init__(self, per_step: int) -> None:
-        self.per_step, self.pos = per_step, 0
-
-    def next_batch(self):
-        from jetrl.rl.trainer import PromptItem
-
-        items = [PromptItem([2 + (self.pos + i) % 40, 3 + (self.pos + i) % 7, 4], "") for i in range(self.per_step)]
-        self.pos += self.per_step
-        return items
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.pos = state["pos"]
-
-
-def decode(ids):
-    return ",".join(map(str, ids))
-
-
-def low_token_reward(texts, references):
-    return [sum(int(t) < LOW_TOKENS for t in x.split(",")) / len(x.split(",")) if x else 0.0 for x in texts]
 
 
 def make_trainer(recipe="bf16", overrides=(), parallel=None, reward_fn=low_token_reward):
