@@ -3,8 +3,16 @@ interpreter children of the selected tests start right after collection (they ru
 
 import os
 
-import pytest
-import torch
+# One thread per test process: the Triton-interpreter children and the child runs of `jetrl` share the 2 cores
+# with this process, and torch's OpenMP threads on oversubscribed cores spin instead of working, so a
+# CPU-bound test runs longer with 2 threads than with 1 while another process holds a core. Children inherit
+# the variable; set JETRL_TEST_THREADS to choose another count.
+os.environ["OMP_NUM_THREADS"] = os.environ.get("JETRL_TEST_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -77,7 +77,8 @@ class RewardPoolConfig:
 @dataclass
 class RewardResult:
     """Rewards in input order, and what went wrong. ``status[i]`` is ``"ok"``, ``"timeout"`` or
-    ``"error"``; ``errors`` holds the first few error messages (``"sample i: ..."``)."""
+    ``"error"``; ``errors`` holds the messages of the lowest-numbered failed samples (``"sample i: ..."``, at most
+    :data:`MAX_ERROR_MESSAGES`), so the first one does not depend on which worker finished first."""
 
     rewards: list[float]
     status: list[str]
@@ -85,6 +86,7 @@ class RewardResult:
     num_errors: int = 0
     errors: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    _failures: list[tuple[int, str]] = field(default_factory=list, repr=False)  # every failure, in arrival order
 
     @property
     def num_failed(self) -> int:
@@ -237,6 +239,8 @@ class RewardPool:
                         if worker.pending:
                             self._replace(worker)
                     raise
+        # the messages of the lowest-numbered failed samples, whatever order the workers finished in
+        result.errors = [message for _, message in sorted(result._failures)[:MAX_ERROR_MESSAGES]]
         self.total_timeouts += result.num_timeouts
         self.total_errors += result.num_errors
         result.elapsed_s = time.monotonic() - start
@@ -254,8 +258,7 @@ class RewardPool:
             result.num_timeouts += 1
         else:
             result.num_errors += 1
-        if len(result.errors) < MAX_ERROR_MESSAGES:
-            result.errors.append(f"sample {index}: {error}")
+        result._failures.append((index, f"sample {index}: {error}"))
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()

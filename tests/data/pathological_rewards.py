@@ -36,3 +36,10 @@ class BrokenWarmup:
 def scaled(completion_text: str, reference_answer: str) -> float:
     """The completion read as a number (a reward of any magnitude); float() of a non-number raises."""
     return float(completion_text)
+
+
+def fails_late_first(completion_text: str, reference_answer: str) -> float:
+    """Raises for every sample, after sleeping the number of milliseconds the completion names: samples given
+    shorter sleeps fail first, whatever their position."""
+    time.sleep(int(completion_text) / 1000)
+    raise ValueError(f"no reward for {completion_text}")

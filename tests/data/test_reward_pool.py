@@ -149,3 +149,14 @@ def test_failure_guard_reports_once_and_stops_when_every_sample_failed():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="stop_fraction"):
             RewardFailureGuard(stop_fraction=bad)
+
+
+def test_error_messages_are_the_lowest_numbered_failures_whatever_order_they_finish_in():
+    from jetrl.data.reward_pool import MAX_ERROR_MESSAGES
+
+    n = MAX_ERROR_MESSAGES + 4
+    completions = [str(10 * (n - i)) for i in range(n)]  # sample 0 sleeps longest, so it fails last
+    with RewardPool("pathological_rewards:fails_late_first", RewardPoolConfig(num_workers=2, chunk_size=1)) as pool:
+        result = pool.score(completions, ["x"] * n)
+    assert result.num_errors == n
+    assert [m.split(":")[0] for m in result.errors] == [f"sample {i}" for i in range(MAX_ERROR_MESSAGES)]
