@@ -67,5 +67,19 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2 ** 30
 
 
-__all__ = ["LLAMA31_8B", "TINY_LLAMA", "with_layers", "sync", "random_prompts", "device_description",
+
+def write_report(report: dict, path: str | None, out_name: str) -> None:
+    """Write ``report`` as JSON to ``path`` (``--json``) and to ``$OUT/<out_name>`` when ``OUT`` is set."""
+    import json
+    import os
+
+    paths = [path] if path else []
+    if os.environ.get("OUT"):
+        paths.append(os.path.join(os.environ["OUT"], out_name))
+    for target in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        with open(target, "w") as f:
+            json.dump(report, f, indent=2)
+
+__all__ = ["write_report", "LLAMA31_8B", "TINY_LLAMA", "with_layers", "sync", "random_prompts", "device_description",
            "reset_peak_memory", "peak_memory_gib"]

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -48,10 +46,10 @@ import torch
 
 try:  # repository root on sys.path (python -m bench.rl_step, the tests)
     from bench.common import (LLAMA31_8B, TINY_LLAMA, device_description, peak_memory_gib, random_prompts,
-                              reset_peak_memory, with_layers)
+                              reset_peak_memory, with_layers, write_report)
 except ModuleNotFoundError:  # python bench/rl_step.py: bench/ itself is on sys.path
     from common import (LLAMA31_8B, TINY_LLAMA, device_description, peak_memory_gib,  # type: ignore[no-redef]
-                        random_prompts, reset_peak_memory, with_layers)
+                        random_prompts, reset_peak_memory, with_layers, write_report)
 
 PHASES = ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh")
 # Jet-RL's reported speed-ups of jet over BF16 at 8B, and the targets jetrl sets itself (issue 6).
@@ -454,13 +452,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     ratios = speedups(results)
     report = _results_json(setting, results, ratios)
-    paths = [args.json] if args.json else []
-    if os.environ.get("OUT"):
-        paths.append(os.path.join(os.environ["OUT"], "rl_step.json"))
-    for path in paths:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+    write_report(report, args.json, "rl_step.json")
     print(f"\nRL step, {setting.shape} ({setting.num_layers} blocks), {setting.num_sequences} x "
           f"({setting.prompt_len} + {setting.new_tokens}) tokens; Jet-RL = its reported 8B speed-ups, "
           f"target = jetrl's")

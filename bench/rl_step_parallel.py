@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -41,7 +39,7 @@ import torch
 if __package__ in (None, ""):  # python bench/rl_step_parallel.py / torchrun: make ``bench.`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import LLAMA31_8B, TINY_LLAMA, device_description, with_layers  # noqa: E402
+from bench.common import LLAMA31_8B, TINY_LLAMA, device_description, with_layers, write_report  # noqa: E402
 from bench.rl_step import (PHASES, RandomPrompts, Setting, _check_step, build_run_config, decode_ids,  # noqa: E402
                            even_token_reward, parameter_counts, speedups)
 
@@ -237,13 +235,7 @@ def _main(args: argparse.Namespace, parallel: Any) -> dict[str, Any]:
     report = {"setting": {**setting.__dict__, "world_size": parallel.world_size}, "results": results,
               "speedups_over_bf16": ratios, "torch": torch.__version__}
     if parallel.is_main:
-        paths = [args.json] if args.json else []
-        if os.environ.get("OUT"):
-            paths.append(os.path.join(os.environ["OUT"], "rl_step_parallel.json"))
-        for path in paths:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(report, f, indent=2)
+        write_report(report, args.json, "rl_step_parallel.json")
         print(format_report(results, ratios, parallel.world_size), flush=True)
     return report
 
