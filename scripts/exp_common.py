@@ -51,13 +51,15 @@ SMOKE_SFT = dict(task="chain", difficulty=(1, 6), hidden_size=32, num_hidden_lay
 H200_BF16_DENSE_FLOPS = 700e12
 
 # The arms of the experiments, by name: RunConfig overrides (``section.key=value``) on top of the
-# experiment's own settings. More arms come by name from the command line without touching this list:
-# ``--arm 'exact:recipe=jet;<the exact-mode switch>=true'`` (see :func:`resolve_arms`).
+# experiment's own settings. ``jet-exact`` is ``jet`` in exact on-policy mode (the rollout's log-probs
+# equal the trainer's bitwise). More arms come by name from the command line without touching this list:
+# ``--arm 'NAME:recipe=jet;key=value'`` (see :func:`resolve_arms`).
 ARMS: dict[str, tuple[str, ...]] = {
     "bf16": ("recipe=bf16",),
     "fp8-rollout": ("recipe=fp8-rollout",),
     "fp8-rollout-tis": ("recipe=fp8-rollout", "algorithm.tis_cap=2.0"),
     "jet": ("recipe=jet",),
+    "jet-exact": ("recipe=jet", "exact=true"),
 }
 
 

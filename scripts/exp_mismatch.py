@@ -44,10 +44,11 @@ MAX_TOKENS_SLACK = 1.5  # rollouts may run this much longer than a correct solut
 
 
 def training_logprobs(model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[int]]],
-                      max_tokens_per_forward: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                      max_tokens_per_forward: int, exact: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Training-side log-probs and entropies (fp32, on the CPU) of each ``(prompt ids, response ids)``'s
     response tokens: packed forwards of at most ``max_tokens_per_forward`` tokens (one sequence at least),
-    no grad, in the recipe's training precision."""
+    no grad, in the recipe's training precision (``exact``: exact mode's batch-invariant kernels, as the
+    trainer runs them)."""
     device = next(model.parameters()).device
     logprobs: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
@@ -70,9 +71,9 @@ def training_logprobs(model: torch.nn.Module, sequences: Sequence[tuple[list[int
                 rows += range(cu[-1] + len(p) - 1, cu[-1] + len(p) - 1 + len(r))
                 targets += r
                 cu.append(cu[-1] + len(p) + len(r))
-            hidden = model.forward_packed(ids, positions, cu, max(b - a for a, b in zip(cu, cu[1:])))
+            hidden = model.forward_packed(ids, positions, cu, max(b - a for a, b in zip(cu, cu[1:])), exact=exact)
             index = torch.tensor(rows, dtype=torch.long, device=device)
-            lp, ent = logprobs_from_hidden(model, hidden[index], torch.tensor(targets, device=device))
+            lp, ent = logprobs_from_hidden(model, hidden[index], torch.tensor(targets, device=device), exact=exact)
             lp, ent = lp.float().cpu(), ent.float().cpu()
             at = 0
             for _, r in group:
@@ -113,7 +114,7 @@ def load_arm(model_path: str, config):
 
 
 def measure(model: torch.nn.Module, tokenizer, length: int, num_prompts: int, n: int, seed: int, eval_seed: int,
-            bin_size: int, max_tokens_per_forward: int) -> dict[str, Any]:
+            bin_size: int, max_tokens_per_forward: int, exact: bool = False) -> dict[str, Any]:
     """Experiment 1 for one arm's model at one rollout length: the mismatch statistics, the ratio spread,
     rollout accuracy and length, and the position profile."""
     clock = common.Clock()
@@ -122,13 +123,13 @@ def measure(model: torch.nn.Module, tokenizer, length: int, num_prompts: int, n:
     prompts = [encode_prompt(tokenizer, ex.prompt) for ex in problems]
     max_tokens = int(length * MAX_TOKENS_SLACK) + 16
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=min(256, num_prompts * n),
-                           max_model_len=max(len(p) for p in prompts) + max_tokens)
+                           max_model_len=max(len(p) for p in prompts) + max_tokens, exact=exact)
     params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed * 1_000_003 + i)
               for i in range(len(prompts))]
     completions = engine.generate(prompts, params)
     engine.free_cache()
     sequences = [(prompts[k // n], list(c.token_ids)) for k, c in enumerate(completions)]
-    train_lp, entropy = training_logprobs(model, sequences, max_tokens_per_forward)
+    train_lp, entropy = training_logprobs(model, sequences, max_tokens_per_forward, exact=exact)
     width = max(1, max(len(c.token_ids) for c in completions))
     mask = torch.zeros(len(completions), width, dtype=torch.bool)
     rollout = torch.zeros(len(completions), width)
@@ -243,7 +244,7 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 log(f"{name} L={length}: skipped, past the {args.deadline:.0f} s deadline")
                 continue
             m = measure(models[name], tokenizer, length, args.prompts, args.n, args.seed, args.eval_seed,
-                        args.bin_size, args.max_tokens_per_forward)
+                        args.bin_size, args.max_tokens_per_forward, exact=config.exact)
             results["arms"][name][str(length)] = m
             log(f"{name} L={length}: |dlogp| mean {m['logp_abs_diff_mean']:.2e} max {m['logp_abs_diff_max']:.2e}, "
                 f"k3 {m['kl_k3']:.2e}, accuracy {m['accuracy']:.3f}, {m['seconds']:.0f} s")
