@@ -13,7 +13,11 @@ Two paths read the same projections of the same weights:
   (:func:`jetrl.quant.kernels.paged_attention_triton.paged_decode`) where the seam
   (:func:`jetrl.quant.backend.choose_impl`) picks the kernels: CUDA tensors under the CUDA backend.
 
-Softmax always runs in fp32 inside SDPA (for BF16 inputs the kernels accumulate in fp32).
+Softmax always runs in fp32 inside SDPA (for BF16 inputs the kernels accumulate in fp32). Every SDPA call
+goes through :func:`sdpa`, which leaves out the cuDNN backend: PyTorch may prefer it on Hopper, and it
+builds (and caches) a cuDNN graph for every new sequence length, which is a large cost per new length.
+Packed RL and SFT batches bring new lengths at every step, so that cost never goes away. Flash attention
+(first choice, GQA included) and the other backends need no per-shape setup.
 
 **Exact mode** (:mod:`jetrl.quant.exact`) replaces all three (prefill, paged decode, the packed training forward)
 by ONE function, :func:`exact_attention`: each query row walks the keys of its sequence in fixed chunks of
@@ -36,8 +40,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from jetrl.quant.backend import choose_impl
 from jetrl.quant.exact import EXACT_KV_CHUNK
+
+
+# SDPA backends jetrl allows (in PyTorch's priority order): every one but cuDNN (see the module doc).
+SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` restricted to :data:`SDPA_BACKENDS` (no per-shape cuDNN graphs)."""
+    with sdpa_kernel(list(SDPA_BACKENDS)):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 @dataclass
@@ -155,8 +171,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     limit = ctx[:, None] - (q_len[:, None] - 1 - i[None, :])  # (S, max_q): visible keys are < limit
     mask = key_pos[None, None, :] < limit[:, :, None]  # (S, max_q, L)
     mask = mask | (key_pos == 0)[None, None, :] & (limit <= 0)[:, :, None]  # keep empty rows finite
-    out = F.scaled_dot_product_attention(q_pad, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None],
-                                         scale=softmax_scale)  # (S, Hq, max_q, D)
+    out = sdpa(q_pad, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], scale=softmax_scale)  # (S, Hq, max_q, D)
     out = out.transpose(1, 2)  # (S, max_q, Hq, D)
     if seq_of_row is None:
         return out.reshape(num_rows, num_heads, head_dim)
@@ -192,14 +207,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if len(set(lengths)) == 1:  # equal lengths (the plain (B, T) batch): one batched SDPA
         num_seqs, seq_len = len(lengths), lengths[0]
         qb, kb, vb = (t.reshape(num_seqs, seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
+        out = sdpa(qb, kb, vb, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(q.shape)
     outs = []
     for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
         if end == start:
             continue
         qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # (1, H, L, D)
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
+        out = sdpa(qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
         outs.append(out[0].transpose(0, 1))  # (L, Hq, D)
     return torch.cat(outs, dim=0)
 
@@ -317,5 +332,5 @@ def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 __all__ = [
     "PagedAttentionMetadata", "PagedKVCache", "write_kv", "paged_attention_reference", "paged_attention",
-    "varlen_attention", "exact_attention", "exact_attention_reference", "exact_varlen_attention", "packed_as_paged",
+    "varlen_attention", "sdpa", "SDPA_BACKENDS", "exact_attention", "exact_attention_reference", "exact_varlen_attention", "packed_as_paged",
 ]
