@@ -55,8 +55,12 @@ def test_arms_resolve_by_name_and_from_the_command_line(common):
     assert arms == {"jet": ("recipe=jet",), "exact": ("recipe=jet", "rollout.n=2")}
     assert common.arm_config(["rollout.n=4"], arms["exact"]).rollout.n == 2  # the arm's overrides come last
     assert common.arm_config([], common.ARMS["fp8-rollout-tis"]).algorithm.tis_cap == 2.0
-    with pytest.raises(ValueError, match="unknown arms.*kv-fp8"):
-        common.resolve_arms(["kv-fp8"])
+    with pytest.raises(ValueError, match="unknown arms.*no-such-arm"):
+        common.resolve_arms(["no-such-arm"])
+    kv8 = common.arm_config([], common.ARMS["jet-kv8"])
+    assert kv8.recipe == "jet" and kv8.kv_fp8 and kv8.kv_fp8_train  # FP8 K/V on both sides
+    peers = common.arm_config([], common.ARMS["fp8-rollout-kv8"])
+    assert peers.recipe == "fp8-rollout" and peers.kv_fp8 and not peers.kv_fp8_train  # the rollout's cache only
     with pytest.raises(ValueError, match="NAME:key=value"):
         common.resolve_arms(["x"], ["x=recipe=jet"])
     with pytest.raises(ValueError, match="twice"):
