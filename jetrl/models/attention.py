@@ -206,7 +206,8 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
         return
     for x, data_flat, scale_layer in ((k, k_flat, k_scale_layer), (v, v_flat, v_scale_layer)):
         data, scale = quantize_kv(x)
-        data_flat.index_copy_(0, slot_mapping, data)
+        # the bytes, as uint8: index_copy_ has no float8 kernel on every device
+        data_flat.view(torch.uint8).index_copy_(0, slot_mapping, data.view(torch.uint8))
         scale_layer.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
 
 

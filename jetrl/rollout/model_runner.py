@@ -316,6 +316,8 @@ class ModelRunner:
         cache = self.kv_cache
         pools = [*cache.k, *cache.v] + ([*cache.k_scale, *cache.v_scale] if cache.is_fp8 else [])
         for pool in pools:  # an FP8 block's scales travel with its data
+            if pool.dtype == torch.float8_e4m3fn:  # copy the bytes: index_copy_ has no float8 kernel everywhere
+                pool = pool.view(torch.uint8)
             pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
