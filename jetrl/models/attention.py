@@ -34,8 +34,9 @@ a kernel over the FP8 cache equals, bitwise, the same kernel over the dequantize
 training forward attends over the very same values: ``forward_packed(..., kv_fp8=True)`` passes K and V through
 :func:`fake_quantize_kv` (quantize, dequantize; the gradient goes straight through to the BF16 K and V). If only
 the rollout quantized its K/V, the policy that sampled the tokens and the one that is trained would differ in
-every attention layer (the off-policy gap ``jet`` exists to remove); with both sides on the same values, exact
-mode keeps the rollout's and the trainer's log-probabilities bitwise equal.
+every attention layer (the off-policy gap ``jet`` exists to remove; ``fp8-rollout`` with ``kv_fp8`` is exactly
+that, as a comparison arm); with both sides on the same values, exact mode keeps the rollout's and the trainer's
+log-probabilities bitwise equal.
 
 Padding rows (e.g. a CUDA-graph batch padded to a captured size) must still carry a valid slot in
 ``slot_mapping`` (point them at a scratch block the engine never hands out): :func:`write_kv` runs
@@ -238,7 +239,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     Pure tensor ops on the given tensors (no host syncs, shapes fixed by ``max_query_len`` and the block
     table width), so it runs on CPU and inside a CUDA graph. Returns (N, Hq, D) in ``q``'s dtype.
     ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv): an FP8 cache, whose gathered keys and values are
-    :func:`dequantize_kv` ed to ``q``'s dtype before the same math.
+    dequantized to ``q``'s dtype (:func:`dequantize_kv`) before the same math.
     """
     _check_scales(k_cache_layer, k_scale, v_scale)
     num_rows, num_heads, head_dim = q.shape
@@ -339,8 +340,8 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     sum(exp(s - m') * v)``; the output is ``acc / l`` in q's dtype. A masked position contributes exact zeros
     and a chunk past a row's last key leaves its state unchanged (``exp(0) = 1``), so the result depends on the
     row's own keys only: not on the batch, the other rows, the table width or the block size. No host syncs.
-    An FP8 cache (``k_scale``/``v_scale`` given): each chunk's keys and values are :func:`dequantize_kv` ed to
-    ``q``'s dtype first, so the result is bitwise this function over the dequantized cache.
+    An FP8 cache (``k_scale``/``v_scale`` given): each chunk's keys and values are dequantized to ``q``'s dtype
+    first (:func:`dequantize_kv`), so the result is bitwise this function over the dequantized cache.
     """
     _check_scales(k_cache_layer, k_scale, v_scale)
     num_rows, num_heads, head_dim = q.shape
