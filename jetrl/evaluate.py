@@ -78,14 +78,15 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
              temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, ks: Sequence[int] = (1,),
              seed: int = 0, batch_size: int = 64, progress: bool = False, keep_samples: bool = False,
              reward_workers: int = 1, stop_fraction: float = 1.0,
-             max_abs_reward: float | None = None) -> EvalResult:
+             max_abs_reward: float | None = None, kv_fp8: bool = False) -> EvalResult:
     """Generate ``n`` completions for every prompt of ``dataset`` and score them.
 
     ``dataset`` is a :class:`jetrl.data.PromptDataset` (its ``reward`` name is used unless ``reward`` is
     given). ``temperature=0`` is greedy and needs ``n=1``. ``ks`` lists the k of pass@k (each <= n).
     ``reward_workers=0`` scores in this process (no timeout). ``stop_fraction``: stop when at least this
     fraction of a batch's rewards failed (see :class:`~jetrl.data.reward_pool.RewardFailureGuard`);
-    ``max_abs_reward``: a reward of larger magnitude is a failure too.
+    ``max_abs_reward``: a reward of larger magnitude is a failure too. ``kv_fp8``: generate through an FP8 KV
+    cache (a run's ``kv_fp8``; see :class:`~jetrl.rollout.RolloutEngine`), as the run's rollouts did.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -101,7 +102,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
     reward_name = reward or getattr(dataset, "reward", None)
     if reward_name is None:
         raise ValueError("the dataset names no reward function; pass one (e.g. --reward gsm8k)")
-    engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, batch_size * n)))
+    engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, batch_size * n)),
+                           kv_fp8=kv_fp8)
     bar = Progress(len(dataset), "eval", unit="prompt", enabled=progress)
     correct_per_prompt: list[int] = []
     rewards_all: list[float] = []
@@ -166,7 +168,8 @@ def _check_context(model: torch.nn.Module, ids: Sequence[Sequence[int]], max_tok
 def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, seed: int = EVAL_SEED,
                       progress: bool = False) -> float:
     """Greedy accuracy of the checkpoint at ``model_path`` on ``num_examples`` problems of the run's
-    built-in task drawn with another seed than the training prompts (in the run's recipe and dtype);
+    built-in task drawn with another seed than the training prompts (in the run's recipe, dtype and KV-cache
+    format);
     ``progress`` shows a bar over the problems."""
     if config.data.task is None:
         raise ValueError("held-out accuracy needs a built-in task (data.task); for a dataset file evaluate the "
@@ -179,7 +182,8 @@ def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, see
                        device=resolve_device(config.model.device), recipe=config.recipe)
     tokenizer = load_tokenizer(config.model.tokenizer or model_path)
     return evaluate(model, tokenizer, dataset, max_tokens=config.rollout.max_tokens, progress=progress,
-                    stop_fraction=config.reward.stop_fraction, max_abs_reward=config.reward.max_abs).accuracy
+                    stop_fraction=config.reward.stop_fraction, max_abs_reward=config.reward.max_abs,
+                    kv_fp8=config.kv_fp8).accuracy
 
 
 def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str], *, n: int = 1,

@@ -44,11 +44,13 @@ MAX_TOKENS_SLACK = 1.5  # rollouts may run this much longer than a correct solut
 
 
 def training_logprobs(model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[int]]],
-                      max_tokens_per_forward: int, exact: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                      max_tokens_per_forward: int, exact: bool = False,
+                      kv_fp8: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Training-side log-probs and entropies (fp32, on the CPU) of each ``(prompt ids, response ids)``'s
     response tokens: packed forwards of at most ``max_tokens_per_forward`` tokens (one sequence at least),
     no grad, in the recipe's training precision (``exact``: exact mode's batch-invariant kernels, as the
-    trainer runs them)."""
+    trainer runs them; ``kv_fp8``: attention over FP8-quantized K/V, as the trainer runs ``jet`` with an FP8
+    KV cache)."""
     device = next(model.parameters()).device
     logprobs: list[torch.Tensor] = []
     entropies: list[torch.Tensor] = []
@@ -71,7 +73,8 @@ def training_logprobs(model: torch.nn.Module, sequences: Sequence[tuple[list[int
                 rows += range(cu[-1] + len(p) - 1, cu[-1] + len(p) - 1 + len(r))
                 targets += r
                 cu.append(cu[-1] + len(p) + len(r))
-            hidden = model.forward_packed(ids, positions, cu, max(b - a for a, b in zip(cu, cu[1:])), exact=exact)
+            hidden = model.forward_packed(ids, positions, cu, max(b - a for a, b in zip(cu, cu[1:])), exact=exact,
+                                          kv_fp8=kv_fp8)
             index = torch.tensor(rows, dtype=torch.long, device=device)
             lp, ent = logprobs_from_hidden(model, hidden[index], torch.tensor(targets, device=device), exact=exact)
             lp, ent = lp.float().cpu(), ent.float().cpu()
@@ -114,22 +117,25 @@ def load_arm(model_path: str, config):
 
 
 def measure(model: torch.nn.Module, tokenizer, length: int, num_prompts: int, n: int, seed: int, eval_seed: int,
-            bin_size: int, max_tokens_per_forward: int, exact: bool = False) -> dict[str, Any]:
+            bin_size: int, max_tokens_per_forward: int, exact: bool = False, kv_fp8: bool = False,
+            kv_fp8_train: bool = False) -> dict[str, Any]:
     """Experiment 1 for one arm's model at one rollout length: the mismatch statistics, the ratio spread,
-    rollout accuracy and length, and the position profile."""
+    rollout accuracy and length, and the position profile. ``kv_fp8``: the engine's FP8 KV cache;
+    ``kv_fp8_train``: the training-side forward quantizes K/V the same way (a run config's ``kv_fp8_train``)."""
     clock = common.Clock()
     difficulty = difficulty_for_tokens(length)
     problems = ChainTask(difficulty, seed=eval_seed).examples(num_prompts)
     prompts = [encode_prompt(tokenizer, ex.prompt) for ex in problems]
     max_tokens = int(length * MAX_TOKENS_SLACK) + 16
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=min(256, num_prompts * n),
-                           max_model_len=max(len(p) for p in prompts) + max_tokens, exact=exact)
+                           max_model_len=max(len(p) for p in prompts) + max_tokens, exact=exact,
+                           kv_fp8=kv_fp8)
     params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed * 1_000_003 + i)
               for i in range(len(prompts))]
     completions = engine.generate(prompts, params)
     engine.free_cache()
     sequences = [(prompts[k // n], list(c.token_ids)) for k, c in enumerate(completions)]
-    train_lp, entropy = training_logprobs(model, sequences, max_tokens_per_forward, exact=exact)
+    train_lp, entropy = training_logprobs(model, sequences, max_tokens_per_forward, exact=exact, kv_fp8=kv_fp8_train)
     width = max(1, max(len(c.token_ids) for c in completions))
     mask = torch.zeros(len(completions), width, dtype=torch.bool)
     rollout = torch.zeros(len(completions), width)
@@ -244,7 +250,8 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 log(f"{name} L={length}: skipped, past the {args.deadline:.0f} s deadline")
                 continue
             m = measure(models[name], tokenizer, length, args.prompts, args.n, args.seed, args.eval_seed,
-                        args.bin_size, args.max_tokens_per_forward, exact=config.exact)
+                        args.bin_size, args.max_tokens_per_forward, exact=config.exact, kv_fp8=config.kv_fp8,
+                        kv_fp8_train=config.kv_fp8_train)
             results["arms"][name][str(length)] = m
             log(f"{name} L={length}: |dlogp| mean {m['logp_abs_diff_mean']:.2e} max {m['logp_abs_diff_max']:.2e}, "
                 f"k3 {m['kl_k3']:.2e}, accuracy {m['accuracy']:.3f}, {m['seconds']:.0f} s")

@@ -331,6 +331,10 @@ class RunConfig(_Section):
 
     recipe: str = "jet"                   # a name in jetrl.quant.recipe.RECIPES
     exact: bool = False                   # exact on-policy mode: rollout log-probs == trainer's, bitwise (bf16, jet)
+    # FP8 KV cache: K and V stored as E4M3 (one fp32 scale per token and KV head) in the rollout engine, ~2x the
+    # tokens per byte; under jet the training forward attends over the same quantized K/V (fp8-rollout: the
+    # rollout side only, the comparison arm; bf16: an error)
+    kv_fp8: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardLimitsConfig = field(default_factory=RewardLimitsConfig)
@@ -344,6 +348,16 @@ class RunConfig(_Section):
     def rollout_batch_size(self) -> int:
         """Sequences per RL step: prompts x samples."""
         return self.data.prompts_per_step * self.rollout.n
+
+    @property
+    def kv_fp8_train(self) -> bool:
+        """Whether the training forward quantizes K and V like the FP8 KV cache (``kv_fp8`` under a recipe that
+        trains in FP8, i.e. ``jet``); under ``fp8-rollout`` the FP8 cache is the rollout's alone."""
+        if not self.kv_fp8:
+            return False
+        from jetrl.quant.recipe import get_recipe
+
+        return get_recipe(self.recipe).train_fp8
 
     @property
     def mini_batch_size(self) -> int:
@@ -360,6 +374,13 @@ class RunConfig(_Section):
                 raise ConfigError(f"exact: true needs one precision on the rollout and training sides (recipe bf16 or "
                                   f"jet); recipe {self.recipe!r} rolls out in FP8 and trains in BF16, so the "
                                   f"rollout's log-probabilities cannot equal the trainer's")
+        if self.kv_fp8:
+            from jetrl.quant.recipe import get_recipe
+
+            if not get_recipe(self.recipe).rollout_fp8:
+                raise ConfigError(f"kv_fp8: true stores the rollout's KV cache in FP8, but recipe {self.recipe!r} rolls "
+                                  f"out in BF16; use recipe 'jet' (FP8 K/V in rollout and training alike) or "
+                                  f"'fp8-rollout' (an FP8 cache on the rollout side only), or set kv_fp8: false")
         alg = self.algorithm
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(

@@ -27,6 +27,21 @@ The packed forward reads its K/V through the same function, as a "cache" of one-
 decode step, a prefill chunk, after a preemption, or in the trainer's packed batch. Only the forward values
 must agree: the packed path's backward is the fast one (SDPA's, recomputed).
 
+**FP8 KV cache** (the run config's ``kv_fp8``): the paged cache stores K (after RoPE) and V as E4M3 with one fp32
+scale per token per KV head, i.e. one block of ``1 x head_dim`` values (at head_dim 128 exactly the 1x128
+activation format of the FP8 linears, :func:`jetrl.quant.reference.quantize` with ``ACT``), computed from the
+block's own amax when the token is written (:func:`quantize_kv`): no calibration, no stale scales. A token costs
+``head_dim + 4`` bytes per KV head and K or V instead of ``2 * head_dim``, so the same memory holds about twice the
+tokens. Attention over such a cache forms ``dequantize_kv(data, scale, q.dtype)`` -- the fp32 product rounded
+once to the query dtype -- and then runs the unchanged BF16 math; every kernel does exactly that in registers, so
+a kernel over the FP8 cache equals, bitwise, the same kernel over the dequantized cache. Under ``jet`` the
+training forward attends over the very same values: ``forward_packed(..., kv_fp8=True)`` passes K and V through
+:func:`fake_quantize_kv` (quantize, dequantize; the gradient goes straight through to the BF16 K and V). If only
+the rollout quantized its K/V, the policy that sampled the tokens and the one that is trained would differ in
+every attention layer (the off-policy gap ``jet`` exists to remove; ``fp8-rollout`` with ``kv_fp8`` is exactly
+that, as a comparison arm); with both sides on the same values, exact mode keeps the rollout's and the trainer's
+log-probabilities bitwise equal.
+
 Padding rows (e.g. a CUDA-graph batch padded to a captured size) must still carry a valid slot in
 ``slot_mapping`` (point them at a scratch block the engine never hands out): :func:`write_kv` runs
 without host syncs, so it cannot check. A query row that sees no key (context length 0) attends to
@@ -44,6 +59,47 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jetrl.quant.backend import choose_impl
 from jetrl.quant.exact import EXACT_KV_CHUNK
+from jetrl.quant.formats import E4M3, E4M3_MAX
+from jetrl.quant.reference import compute_scale
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K or V rows (N, Hkv, D) -> E4M3 data (N, Hkv, D) and one fp32 scale per (token, KV head) (N, Hkv).
+
+    ``scale = compute_scale(amax over D)`` (``max(amax, 1e-4) / 448``, an IEEE division) and ``data =
+    (x / scale).clamp(-448, 448)`` rounded to E4M3, all in fp32: at D = 128 bitwise
+    ``jetrl.quant.reference.quantize(x.reshape(-1, 128), ACT)``, the activation format of the linears."""
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_kv needs a floating-point tensor (N, Hkv, D), got {x.dtype} of shape {tuple(x.shape)}")
+    xf = x.float()
+    scale = compute_scale(xf.abs().amax(dim=-1))  # (N, Hkv)
+    data = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return data, scale
+
+
+def dequantize_kv(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values attention reads from an FP8 cache: ``(data * scale)`` in fp32, rounded once to ``dtype``
+    (the query's dtype). Every FP8-cache kernel forms exactly this in registers."""
+    return (data.float() * scale[..., None]).to(dtype)
+
+
+class _FakeQuantizeKV(torch.autograd.Function):
+    """``dequantize_kv(quantize_kv(x))`` forward, identity backward (straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return dequantize_kv(*quantize_kv(x), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out
+
+
+def fake_quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """K or V (N, Hkv, D) as an FP8 cache would give them back (:func:`quantize_kv` then :func:`dequantize_kv`
+    to ``x``'s dtype), with the gradient passed straight through to ``x``: the training forward's side of
+    the FP8 KV cache."""
+    return _FakeQuantizeKV.apply(x)
 
 
 # SDPA backends jetrl allows (in PyTorch's priority order): every one but cuDNN (see the module doc).
@@ -79,24 +135,53 @@ class PagedAttentionMetadata:
 
 @dataclass
 class PagedKVCache:
-    """Per-layer K/V block pools, allocated by the rollout engine."""
+    """Per-layer K/V block pools, allocated by the rollout engine: in the model's dtype, or FP8 with scales."""
 
-    k: list[torch.Tensor]  # per layer: (num_blocks, block_size, num_kv_heads, head_dim), model dtype
+    k: list[torch.Tensor]  # per layer: (num_blocks, block_size, num_kv_heads, head_dim), model dtype or E4M3
     v: list[torch.Tensor]
     block_size: int
+    k_scale: list[torch.Tensor] | None = None  # FP8 only, per layer: (num_blocks, block_size, num_kv_heads) fp32
+    v_scale: list[torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.k_scale is None) != (self.v_scale is None):
+            raise ValueError("PagedKVCache: give both k_scale and v_scale (an FP8 cache) or neither")
+        if self.k_scale is not None:
+            for data, scale in zip((*self.k, *self.v), (*self.k_scale, *self.v_scale)):
+                if data.dtype != E4M3 or scale.dtype != torch.float32 or scale.shape != data.shape[:-1]:
+                    raise ValueError(f"PagedKVCache: an FP8 cache needs float8_e4m3fn pools with fp32 scales of "
+                                     f"their shape without head_dim, got {data.dtype} {tuple(data.shape)} and "
+                                     f"{scale.dtype} {tuple(scale.shape)}")
 
     @staticmethod
     def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | None) -> "PagedKVCache":
-        """Zero-filled pools for ``num_layers`` layers."""
+                 dtype: torch.dtype, device: torch.device | str | None, kv_fp8: bool = False) -> "PagedKVCache":
+        """Zero-filled pools for ``num_layers`` layers; ``kv_fp8``: E4M3 pools and fp32 scale pools (``dtype``,
+        the model's, is then the dtype attention dequantizes to and is not stored)."""
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if int(value) <= 0:
                 raise ValueError(f"PagedKVCache.allocate: {name} must be positive, got {value}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        return PagedKVCache(k=k, v=v, block_size=block_size)
+        pool_dtype = E4M3 if kv_fp8 else dtype
+        k = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
+        v = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
+        if not kv_fp8:
+            return PagedKVCache(k=k, v=v, block_size=block_size)
+        k_scale = [torch.zeros(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
+        v_scale = [torch.zeros(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
+        return PagedKVCache(k=k, v=v, block_size=block_size, k_scale=k_scale, v_scale=v_scale)
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether K/V are stored as E4M3 with per-(token, KV head) scales."""
+        return self.k_scale is not None
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``i``'s ``(k, v, k_scale, v_scale)`` (scales None for a cache in the model's dtype)."""
+        if self.k_scale is None:
+            return self.k[i], self.v[i], None, None
+        return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
 
     @property
     def num_layers(self) -> int:
@@ -107,17 +192,40 @@ class PagedKVCache:
         return self.k[0].shape[0]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        """Bytes of every pool, scales included."""
+        scales = (*self.k_scale, *self.v_scale) if self.k_scale is not None else ()
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *scales))
 
 
 def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V (N, Hkv, D) at their flat slots, in place. No host syncs."""
+             slot_mapping: torch.Tensor, k_scale_layer: torch.Tensor | None = None,
+             v_scale_layer: torch.Tensor | None = None, impl: str | None = None) -> None:
+    """Store the new tokens' K/V (N, Hkv, D) at their flat slots, in place. No host syncs.
+
+    With scale pools (an FP8 cache) each token is quantized (:func:`quantize_kv`) and its data and scales
+    scattered: one Triton kernel (:func:`jetrl.quant.kernels.kv_cache_triton.write_kv_fp8`, bitwise this
+    reference) where the seam picks the kernels (``impl``: ``None``, ``"reference"`` or ``"triton"``)."""
     num_kv_heads, head_dim = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k_flat = k_cache_layer.view(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, Hkv, D)
     v_flat = v_cache_layer.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+    if (k_scale_layer is None) != (v_scale_layer is None):
+        raise ValueError("write_kv: give both k_scale_layer and v_scale_layer (an FP8 cache) or neither")
+    if k_scale_layer is None:
+        k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+        return
+    if k_cache_layer.dtype != E4M3 or v_cache_layer.dtype != E4M3:
+        raise TypeError(f"write_kv: scale pools go with float8_e4m3fn K/V pools, got {k_cache_layer.dtype}")
+    if choose_impl(k, impl, op="kv_write") == "triton":
+        from jetrl.quant.kernels.kv_cache_triton import write_kv_fp8
+
+        write_kv_fp8(k, v, k_cache_layer, v_cache_layer, k_scale_layer, v_scale_layer, slot_mapping)
+        return
+    for x, data_flat, scale_layer in ((k, k_flat, k_scale_layer), (v, v_flat, v_scale_layer)):
+        data, scale = quantize_kv(x)
+        # the bytes, as uint8: index_copy_ has no float8 kernel on every device
+        data_flat.view(torch.uint8).index_copy_(0, slot_mapping, data.view(torch.uint8))
+        scale_layer.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
 
 
 def _row_coordinates(meta: PagedAttentionMetadata, num_rows: int, device: torch.device):
@@ -129,15 +237,27 @@ def _row_coordinates(meta: PagedAttentionMetadata, num_rows: int, device: torch.
     return seq_of_row, index_in_seq, qsl
 
 
+def _check_scales(k_cache_layer: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("attention over an FP8 cache needs both k_scale and v_scale (or neither: a BF16 cache)")
+    if k_scale is not None and k_scale.shape != k_cache_layer.shape[:-1]:
+        raise ValueError(f"k_scale must have the cache's shape without head_dim {tuple(k_cache_layer.shape[:-1])}, "
+                         f"got {tuple(k_scale.shape)}")
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
-                              meta: PagedAttentionMetadata, softmax_scale: float) -> torch.Tensor:
+                              meta: PagedAttentionMetadata, softmax_scale: float,
+                              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of N new query rows (N, Hq, D) over a paged cache that already holds this step's K/V.
 
     New token ``i`` (0-based among the ``q_len`` new tokens) of sequence ``s`` attends to cache positions
     ``< context_lens[s] - (q_len - 1 - i)``. GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``.
     Pure tensor ops on the given tensors (no host syncs, shapes fixed by ``max_query_len`` and the block
     table width), so it runs on CPU and inside a CUDA graph. Returns (N, Hq, D) in ``q``'s dtype.
+    ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv): an FP8 cache, whose gathered keys and values are
+    dequantized to ``q``'s dtype (:func:`dequantize_kv`) before the same math.
     """
+    _check_scales(k_cache_layer, k_scale, v_scale)
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache_layer.shape
     if num_heads % num_kv_heads:
@@ -150,6 +270,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     tables = meta.block_tables.to(device=device, dtype=torch.long).clamp(min=0)  # (S, max_blocks)
     keys = k_cache_layer[tables].reshape(num_seqs, num_keys, num_kv_heads, head_dim)  # (S, L, Hkv, D)
     values = v_cache_layer[tables].reshape(num_seqs, num_keys, num_kv_heads, head_dim)
+    if k_scale is not None:
+        keys = dequantize_kv(keys, k_scale[tables].reshape(num_seqs, num_keys, num_kv_heads), q.dtype)
+        values = dequantize_kv(values, v_scale[tables].reshape(num_seqs, num_keys, num_kv_heads), q.dtype)
     group = num_heads // num_kv_heads
     keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # (S, Hq, L, D)
     values = values.transpose(1, 2).repeat_interleave(group, dim=1)
@@ -179,14 +302,16 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
 
 
 def paged_attention(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
-                    meta: PagedAttentionMetadata, softmax_scale: float, impl: str | None = None) -> torch.Tensor:
+                    meta: PagedAttentionMetadata, softmax_scale: float, impl: str | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention: decode steps in the Triton kernel where the seam picks the kernels (``impl``: ``None``
-    for the automatic choice, or ``"reference"`` / ``"triton"``), everything else in the reference."""
+    for the automatic choice, or ``"reference"`` / ``"triton"``), everything else in the reference.
+    ``k_scale``/``v_scale``: the scale pools of an FP8 cache (None: a cache in the model's dtype)."""
     if meta.is_decode and choose_impl(q, impl, op="paged_decode") == "triton":
         from jetrl.quant.kernels.paged_attention_triton import paged_decode
 
-        return paged_decode(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
-    return paged_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
+        return paged_decode(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale=k_scale, v_scale=v_scale)
+    return paged_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale, v_scale)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
@@ -219,7 +344,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return torch.cat(outs, dim=0)
 
 def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
-                              meta: PagedAttentionMetadata, softmax_scale: float) -> torch.Tensor:
+                              meta: PagedAttentionMetadata, softmax_scale: float,
+                              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Exact mode's attention (the specification of its kernel): q (N, Hq, D) over a paged cache -> (N, Hq, D).
 
     Same visibility rule as :func:`paged_attention_reference`. Each row walks its sequence's logical key
@@ -229,7 +355,10 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     sum(exp(s - m') * v)``; the output is ``acc / l`` in q's dtype. A masked position contributes exact zeros
     and a chunk past a row's last key leaves its state unchanged (``exp(0) = 1``), so the result depends on the
     row's own keys only: not on the batch, the other rows, the table width or the block size. No host syncs.
+    An FP8 cache (``k_scale``/``v_scale`` given): each chunk's keys and values are dequantized to ``q``'s dtype
+    first (:func:`dequantize_kv`), so the result is bitwise this function over the dequantized cache.
     """
+    _check_scales(k_cache_layer, k_scale, v_scale)
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache_layer.shape
     if num_heads % num_kv_heads:
@@ -256,8 +385,12 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
         slots = tables[:, pos_c // block_size] * block_size + pos_c % block_size  # (N, C)
         visible = (pos[None, :] < limit[:, None]) & in_table[None, :]
         visible = visible | ((pos == 0)[None, :] & (limit <= 0)[:, None])  # keep empty rows finite
-        k = k_flat[slots].float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (N, Hq, C, D)
-        v = v_flat[slots].float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)
+        k, v = k_flat[slots], v_flat[slots]  # (N, C, Hkv, D)
+        if k_scale is not None:
+            k = dequantize_kv(k, k_scale.reshape(-1, num_kv_heads)[slots], q.dtype)
+            v = dequantize_kv(v, v_scale.reshape(-1, num_kv_heads)[slots], q.dtype)
+        k = k.float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (N, Hq, C, D)
+        v = v.float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)
         s = (q32 * k).sum(-1) * softmax_scale  # (N, Hq, C)
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
@@ -270,15 +403,18 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
 
 
 def exact_attention(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
-                    meta: PagedAttentionMetadata, softmax_scale: float, impl: str | None = None) -> torch.Tensor:
+                    meta: PagedAttentionMetadata, softmax_scale: float, impl: str | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Exact mode's attention for prefill and decode steps alike (see :func:`exact_attention_reference`): the
     Triton kernel (:mod:`jetrl.quant.kernels.exact_attention_triton`) where the seam picks the kernels, else
-    the reference. Each implementation is batch-invariant on its own; the two agree to fp32 rounding."""
+    the reference. Each implementation is batch-invariant on its own; the two agree to fp32 rounding.
+    ``k_scale``/``v_scale``: the scale pools of an FP8 cache (None: a cache in the model's dtype)."""
     if choose_impl(q, impl, op="exact_attention") == "triton":
         from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
 
-        return exact_attention_fwd(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
-    return exact_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale)
+        return exact_attention_fwd(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale=k_scale,
+                                   v_scale=v_scale)
+    return exact_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale, v_scale)
 
 
 def packed_as_paged(cu_seqlens: list[int], device: torch.device | str) -> PagedAttentionMetadata:
@@ -331,6 +467,7 @@ def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 
 __all__ = [
-    "PagedAttentionMetadata", "PagedKVCache", "write_kv", "paged_attention_reference", "paged_attention",
-    "varlen_attention", "sdpa", "SDPA_BACKENDS", "exact_attention", "exact_attention_reference", "exact_varlen_attention", "packed_as_paged",
+    "quantize_kv", "dequantize_kv", "fake_quantize_kv", "PagedAttentionMetadata", "PagedKVCache", "write_kv",
+    "paged_attention_reference", "paged_attention", "varlen_attention", "sdpa", "SDPA_BACKENDS", "exact_attention",
+    "exact_attention_reference", "exact_varlen_attention", "packed_as_paged",
 ]

@@ -20,9 +20,11 @@ All entry points flatten tokens to rows (N, hidden) and differ only in how atten
 * ``model(input_ids)`` (B, T): the plain causal batch, logits (B, T, vocab) in the LM head's dtype.
 * ``forward_packed(input_ids, positions, cu_seqlens, max_seqlen)``: packed sequences of different
   lengths, block-diagonal causal attention, returns the final hidden states (N, hidden); pair it with
-  :func:`jetrl.models.token_logprobs` for chunked fp32 log-probabilities.
+  :func:`jetrl.models.token_logprobs` for chunked fp32 log-probabilities. ``kv_fp8=True`` makes attention
+  read K and V as an FP8 KV cache would hold them (the training side of the FP8 cache).
 * ``forward_paged(input_ids, positions, meta, kv_cache, logits_indices)``: one rollout step over a
-  paged KV cache (see :mod:`jetrl.models.attention`); returns fp32 logits of the selected rows.
+  paged KV cache (see :mod:`jetrl.models.attention`; BF16 or FP8, as the cache holds); returns fp32 logits
+  of the selected rows.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from jetrl.models.attention import (
     PagedKVCache,
     exact_attention,
     exact_varlen_attention,
+    fake_quantize_kv,
     paged_attention,
     varlen_attention,
     write_kv,
@@ -272,7 +275,7 @@ class DecoderLM(nn.Module):
         return self.lm_head(hidden).view(batch, seq_len, -1)
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                       max_seqlen: int | None = None, *, exact: bool = False) -> torch.Tensor:
+                       max_seqlen: int | None = None, *, exact: bool = False, kv_fp8: bool = False) -> torch.Tensor:
         """Packed sequences: ids and positions (N,), ``cu_seqlens`` (S+1,) -> final hidden states (N, hidden).
 
         Attention is block-diagonal causal (a row sees its own sequence's earlier rows only). Positions
@@ -280,6 +283,10 @@ class DecoderLM(nn.Module):
         on the host once per call; ``max_seqlen`` is accepted for interface compatibility and checked.
         ``exact``: exact on-policy mode (:mod:`jetrl.quant.exact`): batch-invariant linears and exact mode's
         attention, so each row's hidden state is bitwise what :meth:`forward_paged` with ``exact`` computes.
+        ``kv_fp8``: K (after RoPE) and V pass through :func:`~jetrl.models.attention.fake_quantize_kv` before
+        attention, in the SDPA and the exact path alike: the values an FP8 KV cache gives the rollout's attention
+        (with ``exact``, over an FP8 cache, bitwise the same hidden states); the gradient goes straight through
+        to the BF16 K and V.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"forward_packed expects input_ids and positions of shape (N,), got "
@@ -291,7 +298,7 @@ class DecoderLM(nn.Module):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if max_seqlen is not None and longest > max_seqlen:
             raise ValueError(f"a packed sequence has {longest} tokens, more than max_seqlen={max_seqlen}")
-        return self.model(input_ids, positions, _packed_attend(cu, exact), exact)
+        return self.model(input_ids, positions, _packed_attend(cu, exact, kv_fp8), exact)
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
                       kv_cache: PagedKVCache, logits_indices: torch.Tensor | None = None, *,
@@ -302,17 +309,18 @@ class DecoderLM(nn.Module):
         :func:`jetrl.models.attention.paged_attention`. Only tensor ops on the given tensors run inside
         (no host syncs, no data-dependent shapes), so a decode step can be captured in a CUDA graph.
         ``exact``: exact mode's batch-invariant linears, attention (:func:`~jetrl.models.attention.exact_attention`)
-        and LM head.
+        and LM head. An FP8 cache (``kv_cache.is_fp8``) is written quantized and read dequantized by both
+        attentions (see :mod:`jetrl.models.attention`).
         """
         if kv_cache.num_layers != self.config.num_hidden_layers:
             raise ValueError(f"kv_cache has {kv_cache.num_layers} layers, the model {self.config.num_hidden_layers}")
 
         def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
-            k_layer, v_layer = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
-            write_kv(k_layer, v_layer, k, v, meta.slot_mapping)
+            k_layer, v_layer, k_scale, v_scale = kv_cache.layer(layer_idx)
+            write_kv(k_layer, v_layer, k, v, meta.slot_mapping, k_scale, v_scale)
             if exact:
-                return exact_attention(q, k_layer, v_layer, meta, softmax_scale)
-            return paged_attention(q, k_layer, v_layer, meta, softmax_scale)
+                return exact_attention(q, k_layer, v_layer, meta, softmax_scale, k_scale=k_scale, v_scale=v_scale)
+            return paged_attention(q, k_layer, v_layer, meta, softmax_scale, k_scale=k_scale, v_scale=v_scale)
 
         hidden = self.model(input_ids, positions, attend, exact)
         if logits_indices is not None:
@@ -324,8 +332,10 @@ class DecoderLM(nn.Module):
         return call_linear(self.lm_head, hidden, exact=exact).float()
 
 
-def _packed_attend(cu_seqlens: list[int], exact: bool = False) -> Attend:
+def _packed_attend(cu_seqlens: list[int], exact: bool = False, kv_fp8: bool = False) -> Attend:
     def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
+        if kv_fp8:  # the values an FP8 KV cache holds, straight-through gradient
+            k, v = fake_quantize_kv(k), fake_quantize_kv(v)
         if exact:
             return exact_varlen_attention(q, k, v, cu_seqlens, softmax_scale)
         return varlen_attention(q, k, v, cu_seqlens, softmax_scale)

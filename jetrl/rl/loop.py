@@ -319,7 +319,8 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress and parallel.is_main,
                            max_num_seqs=min(256, config.rollout_batch_size),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
-                           memory_budget=config.rollout.memory_budget, exact=config.exact)
+                           memory_budget=config.rollout.memory_budget, exact=config.exact,
+                           kv_fp8=config.kv_fp8)
     pool = RewardPool(reward, RewardPoolConfig(max_abs_reward=config.reward.max_abs))
     guard = RewardFailureGuard(stop_fraction=config.reward.stop_fraction)
     trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, guard), prompts.decode, parallel=parallel)

@@ -42,9 +42,11 @@ from jetrl.rl.mismatch import mismatch_metrics
 if TYPE_CHECKING:
     from jetrl.rl.trainer import RolloutBatch
 
-# the engine's stats a step reports, and their names: KV-cache pressure, decode speed, and the host time
-# (part of time/rollout, not a phase of its own)
+# the engine's stats a step reports, and their names: KV-cache pressure (preemptions, and the pool's capacity in
+# tokens, which an FP8 KV cache about doubles), decode speed, and the host time (part of time/rollout, not a phase
+# of its own)
 ENGINE_STATS = (("preemptions", "rollout/preemptions"),
+                ("kv_capacity_tokens", "rollout/kv_capacity_tokens"),
                 ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s"),
                 ("host_seconds", "time/rollout_host"))
 

@@ -255,7 +255,8 @@ class Trainer:
         index = torch.stack([(starts[b] + batch.prompt_lens[s] - 1 + offsets).clamp(max=starts[b + 1] - 1)
                              for b, s in enumerate(rows)]).to(self.device)  # (b, R); masked slots clamped
         exact = self.config.exact  # exact mode: bitwise the engine's log-probs (the engine runs it too)
-        hidden = model.forward_packed(ids, positions, cu, max(lens), exact=exact)
+        # FP8 KV cache under jet: attend over the K/V values the engine's FP8 cache held
+        hidden = model.forward_packed(ids, positions, cu, max(lens), exact=exact, kv_fp8=self.config.kv_fp8_train)
         # the LM head runs on the response rows only (prompt rows predict no scored token)
         flat = index.flatten()
         lp, ent = logprobs_from_hidden(model, hidden[flat], targets[flat], temperature=self.config.rollout.temperature,

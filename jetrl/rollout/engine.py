@@ -14,8 +14,9 @@ that is still a placeholder is read on the device from step t's sampled tokens, 
 packing on the host overlap the device's work. See :meth:`RolloutEngine.generate`.
 
 **Stats.** After each ``generate``, ``last_stats`` holds its wall time, steps, generated tokens and
-throughput, preemptions, the KV pool size, prefill/decode time and the host time not spent waiting for the
-device.
+throughput, preemptions, the KV pool (``num_blocks``, ``kv_capacity_tokens``, ``kv_bytes_per_block``, ``kv_fp8``:
+an FP8 cache holds about twice the tokens of a BF16 one in the same memory, so it preempts less),
+prefill/decode time and the host time not spent waiting for the device.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ class RolloutEngine:
             the trainer's ``forward_packed(..., exact=True)`` log-probability of that token, whatever the batch
             composition, prefix sharing, preemption or CUDA graphs. Valid with the ``bf16`` and ``jet`` recipes
             (a ``ValueError`` under ``fp8-rollout``). With it, completions no longer depend on the batch either.
+        kv_fp8: an FP8 KV cache (K after RoPE and V as E4M3, one fp32 scale per token and KV head, see
+            :mod:`jetrl.models.attention`): about twice the tokens in the same memory. The trainer's forward
+            sees the same values with ``forward_packed(..., kv_fp8=True)`` (the ``jet`` recipe; with ``exact``
+            the log-probabilities stay bitwise equal); without it (``fp8-rollout``) it is a rollout-only cache.
 
     The KV-cache and CUDA-graph arguments configure :attr:`runner`, the
     :class:`~jetrl.rollout.model_runner.ModelRunner` that runs the model; ``last_stats`` holds the stats of
@@ -89,7 +94,7 @@ class RolloutEngine:
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, num_blocks: int | None = None, progress: bool = True,
                  cuda_graphs: bool = True, graph_batch_sizes: Seq[int] | None = None,
-                 async_scheduling: bool = True, exact: bool = False) -> None:
+                 async_scheduling: bool = True, exact: bool = False, kv_fp8: bool = False) -> None:
         if not hasattr(model, "forward_paged") or not hasattr(model, "config"):
             raise TypeError(f"RolloutEngine needs a jetrl decoder with forward_paged and config, "
                             f"got {type(model).__name__}")
@@ -117,8 +122,10 @@ class RolloutEngine:
         self.async_scheduling = bool(async_scheduling)
         self.runner = ModelRunner(model, max_model_len=self.max_model_len, block_size=block_size,
                                   max_num_seqs=max_num_seqs, memory_budget=memory_budget, num_blocks=num_blocks,
-                                  cuda_graphs=cuda_graphs, graph_batch_sizes=graph_batch_sizes, exact=exact)
+                                  cuda_graphs=cuda_graphs, graph_batch_sizes=graph_batch_sizes, exact=exact,
+                                  kv_fp8=kv_fp8)
         self.exact = self.runner.exact
+        self.kv_fp8 = self.runner.kv_fp8
         self._seq_counter = 0
         self.last_stats: dict[str, float] = {}
 
@@ -198,6 +205,8 @@ class RolloutEngine:
         self.last_stats = dict(seconds=elapsed, steps=num_steps, decode_steps=num_decode_steps,
                                generated_tokens=num_generated, tokens_per_s=num_generated / max(elapsed, 1e-9),
                                preemptions=scheduler.num_preemptions, num_blocks=num_blocks,
+                               kv_capacity_tokens=num_blocks * self.block_size,
+                               kv_bytes_per_block=runner.bytes_per_block, kv_fp8=float(self.kv_fp8),
                                prefill_seconds=step_seconds[0], decode_seconds=step_seconds[1],
                                decode_tokens=decode_tokens,
                                decode_tokens_per_s=decode_tokens / max(step_seconds[1], 1e-9),

@@ -8,7 +8,8 @@ block copies of copy-on-write, and the sampling of the logits. The engine never 
 
 **The interface** (what a runner provides; a distributed rank's runner plugs in here, behind the same calls;
 exact on-policy mode is this runner's ``exact`` flag: every forward, captured or eager, runs the model's exact
-path and the sampler reports the trainer's exact log-probabilities, see :mod:`jetrl.quant.exact`):
+path and the sampler reports the trainer's exact log-probabilities, see :mod:`jetrl.quant.exact`; the FP8 KV
+cache is its ``kv_fp8`` flag: E4M3 pools plus fp32 scale pools, see :mod:`jetrl.models.attention`):
 
 - ``allocate_kv_cache() -> int`` -- make the KV cache if there is none; returns the number of usable blocks
   (the engine's :class:`~jetrl.rollout.block_manager.BlockManager` hands out block ids ``0 .. n-1``).
@@ -163,15 +164,19 @@ class ModelRunner:
         exact: exact on-policy mode (:mod:`jetrl.quant.exact`): every forward (prefill, decode, the captured
             graphs) runs ``forward_paged(..., exact=True)`` and the sampler reports the trainer's exact
             log-probabilities; requires a recipe with one precision on both sides.
+        kv_fp8: store K and V as E4M3 with one fp32 scale per token and KV head (:class:`PagedKVCache` with scale
+            pools): ``head_dim + 4`` bytes per token, head and K or V instead of ``2 * head_dim`` in BF16, so
+            a memory budget holds about twice the blocks. Block copies and the scratch block cover the scales.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, block_size: int, max_num_seqs: int,
                  memory_budget: float | int | None = None, num_blocks: int | None = None, cuda_graphs: bool = True,
-                 graph_batch_sizes: Seq[int] | None = None, exact: bool = False) -> None:
+                 graph_batch_sizes: Seq[int] | None = None, exact: bool = False, kv_fp8: bool = False) -> None:
         if exact:
             check_exact(model)
         self.model = model
         self.exact = bool(exact)
+        self.kv_fp8 = bool(kv_fp8)
         config = model.config
         self.num_layers = int(config_value(config, "num_hidden_layers"))
         num_heads = int(config_value(config, "num_attention_heads"))
@@ -208,9 +213,13 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of ``block_size`` tokens in every layer, in the model's dtype."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """K and V of ``block_size`` tokens in every layer: in the model's dtype, or (``kv_fp8``) one byte per
+        element plus a 4-byte scale per token and KV head."""
+        if self.kv_fp8:
+            per_head = self.head_dim + 4
+        else:
+            per_head = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_head
 
     @property
     def scratch_block(self) -> int:
@@ -246,7 +255,8 @@ class ModelRunner:
         if self.kv_cache is None:
             self.num_blocks = self._pool_blocks()
             self.kv_cache = PagedKVCache.allocate(self.num_layers, self.num_blocks + 1, self.block_size,
-                                                  self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                                                  self.num_kv_heads, self.head_dim, self.dtype, self.device,
+                                                  kv_fp8=self.kv_fp8)
             self.graphs = None
         return self.num_blocks
 
@@ -303,9 +313,12 @@ class ModelRunner:
         if self.device.type == "cuda":  # pinned: the copy does not wait for the steps already queued
             host = host.pin_memory()
         src, dst = host.to(self.device, non_blocking=True)
-        for k, v in zip(self.kv_cache.k, self.kv_cache.v):
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        cache = self.kv_cache
+        pools = [*cache.k, *cache.v] + ([*cache.k_scale, *cache.v_scale] if cache.is_fp8 else [])
+        for pool in pools:  # an FP8 block's scales travel with its data
+            if pool.dtype == torch.float8_e4m3fn:  # copy the bytes: index_copy_ has no float8 kernel everywhere
+                pool = pool.view(torch.uint8)
+            pool.index_copy_(0, dst, pool.index_select(0, src))
 
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
         """Queue one step (block copies, inputs, forward, sampling, the copy of its tokens to the host)

@@ -206,3 +206,21 @@ def test_reward_section_and_allow_pickle():
         load_config(None, ["--reward.stop_fraction=1.5"])
     with pytest.raises(ConfigError, match=r"reward.max_abs must be > 0 or null \(off\), got -1.0"):
         load_config(None, ["--reward.max_abs=-1"])
+
+
+def test_kv_fp8_needs_a_recipe_that_rolls_out_in_fp8(tmp_path):
+    default = RunConfig()
+    assert not default.kv_fp8 and not default.kv_fp8_train
+    jet = load_config(None, ["--recipe=jet", "--kv_fp8=true"])
+    assert jet.kv_fp8 and jet.kv_fp8_train  # FP8 K/V in rollout and training alike
+    peers = load_config(None, ["--recipe=fp8-rollout", "--kv_fp8=true"])
+    assert peers.kv_fp8 and not peers.kv_fp8_train  # the rollout's cache only, the comparison arm
+    assert load_config(None, ["--recipe=jet", "--kv_fp8=true", "--exact=true"]).kv_fp8_train
+    with pytest.raises(ConfigError, match="kv_fp8: true .* recipe 'bf16' rolls out in BF16"):
+        load_config(None, ["--recipe=bf16", "--kv_fp8=true"])
+    path = tmp_path / "run.yaml"
+    path.write_text("recipe: bf16\nkv_fp8: true\n")
+    with pytest.raises(ConfigError, match="recipe 'bf16' rolls out in BF16"):
+        load_config(path)
+    with pytest.raises(ConfigTypeError, match="kv_fp8 must be a bool"):
+        from_dict(RunConfig, {"kv_fp8": 2})

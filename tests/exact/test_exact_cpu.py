@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jetrl.config import ConfigError, load_config
-from jetrl.models import DecoderConfig, build_model, token_logprobs
+from jetrl.models import DecoderConfig, build_model, logprobs_from_hidden, token_logprobs
 from jetrl.models.attention import (
     PagedAttentionMetadata,
     exact_attention_reference,
@@ -26,7 +26,10 @@ from jetrl.rollout import RolloutEngine, SamplingParams
 # attention crosses its 64-position chunks
 CONFIG = dict(model_type="qwen3", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128, eos_token_id=1)
-CASES = [("bf16", torch.float32), ("bf16", torch.bfloat16), ("jet", torch.bfloat16)]
+# (recipe, dtype, FP8 KV cache): under jet + kv_fp8 the engine reads an FP8 cache and the trainer fake-quantizes
+# K/V, and the two must still agree bitwise
+CASES = [("bf16", torch.float32, False), ("bf16", torch.bfloat16, False), ("jet", torch.bfloat16, False),
+         ("jet", torch.bfloat16, True)]
 
 
 @pytest.fixture(autouse=True)
@@ -46,11 +49,12 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def models():
-    return {(r, d): build_model(DecoderConfig(**CONFIG), dtype=d, recipe=r, seed=0) for r, d in CASES}
+    return {(r, d): build_model(DecoderConfig(**CONFIG), dtype=d, recipe=r, seed=0) for r, d, _ in CASES}
 
 
-def _score(model, prompts, completions, micro: int | None = None) -> list[torch.Tensor]:
-    """The trainer's view: packed forward (all sequences at once, or ``micro`` at a time), exact mode."""
+def _score(model, prompts, completions, micro: int | None = None, kv_fp8: bool = False) -> list[torch.Tensor]:
+    """The trainer's view: packed forward (all sequences at once, or ``micro`` at a time), exact mode
+    (``kv_fp8``: over fake-quantized K/V, as the trainer runs jet with an FP8 KV cache)."""
     out = []
     step = micro or len(completions)
     for s in range(0, len(completions), step):
@@ -63,31 +67,37 @@ def _score(model, prompts, completions, micro: int | None = None) -> list[torch.
             cu.append(cu[-1] + len(seq))
             tg += seq[1:] + [-1]
         with torch.no_grad():
-            lp, _ = token_logprobs(model, torch.tensor(ids), torch.tensor(pos), torch.tensor(cu), None,
-                                   torch.tensor(tg), 1.0, exact=True)
+            hidden = model.forward_packed(torch.tensor(ids), torch.tensor(pos), torch.tensor(cu), None, exact=True,
+                                          kv_fp8=kv_fp8)
+            lp, _ = logprobs_from_hidden(model, hidden, torch.tensor(tg), 1.0, exact=True)
         for i, c in enumerate(group):
             start = cu[i] + len(prompts[c.prompt_index]) - 1
             out.append(lp[start:start + len(c.token_ids)])
     return out
 
 
-@pytest.mark.parametrize("recipe,dtype", CASES, ids=[f"{r}-{str(d)[6:]}" for r, d in CASES])
+@pytest.mark.parametrize("recipe,dtype,kv_fp8", CASES,
+                         ids=[f"{r}-{str(d)[6:]}{'-kv8' if kv else ''}" for r, d, kv in CASES])
 @pytest.mark.parametrize("num_prompts,n,num_blocks", [(1, 1, 64), (1, 3, 64), (17, 1, 20)],
                          ids=["1seq", "3seq-prefix-sharing", "17seq-preempted"])
-def test_engine_logprobs_equal_training_forward_bitwise(models, recipe, dtype, num_prompts, n, num_blocks):
+def test_engine_logprobs_equal_training_forward_bitwise(models, recipe, dtype, kv_fp8, num_prompts, n, num_blocks):
     model = models[(recipe, dtype)]
     prompts = _prompts(num_prompts, seed=num_prompts)
     engine = RolloutEngine(model, max_num_seqs=8, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=48,
-                           progress=False, exact=True)
+                           progress=False, exact=True, kv_fp8=kv_fp8)
+    assert engine.runner.allocate_kv_cache() and engine.runner.kv_cache.is_fp8 == kv_fp8
     max_tokens = 6 if num_prompts > 1 else 12
     outs = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=7,
                                                    ignore_eos=True))
     if num_prompts == 17:
         assert engine.last_stats["preemptions"] > 0  # the tiny pool forces recomputation
     for micro in (None, 2):  # one packed batch, and micro-batches of 2 sequences
-        for c, lp in zip(outs, _score(model, prompts, outs, micro)):
+        for c, lp in zip(outs, _score(model, prompts, outs, micro, kv_fp8)):
             engine_lp = torch.tensor(c.logprobs, dtype=torch.float32)
             assert torch.equal(engine_lp, lp), (recipe, dtype, micro, (engine_lp - lp).abs().max())
+    if kv_fp8:  # the FP8 K/V change the values: the trainer without them is no longer bitwise the engine
+        plain = _score(model, prompts, outs, None, False)
+        assert any(not torch.equal(torch.tensor(c.logprobs), lp) for c, lp in zip(outs, plain))
 
 
 def test_fast_mode_is_not_exact_but_exact_mode_is(models):

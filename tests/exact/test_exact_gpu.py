@@ -3,7 +3,8 @@
 * the batch-invariant kernels one by one at the 8B shapes: a row's bits for M = 1 .. 8192;
 * the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
 * the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
-  ``bf16`` and ``jet``, over batches of 1 to 256 sequences (prefix sharing, mixed prompt lengths, CUDA graphs,
+  ``bf16``, ``jet`` and ``jet`` with the FP8 KV cache (``kv_fp8``: the FP8 write and attention kernels, captured in
+  the decode graphs, against the trainer's fake-quantized K/V), over batches of 1 to 256 sequences (prefix sharing, mixed prompt lengths, CUDA graphs,
   the trainer's micro-batching);
 * a one-step RL run with ``mismatch/logp_abs_diff_max == 0.0``.
 """
@@ -13,7 +14,7 @@ import math
 import pytest
 import torch
 
-from jetrl.models import DecoderConfig, build_model, token_logprobs
+from jetrl.models import DecoderConfig, build_model, logprobs_from_hidden
 from jetrl.quant import ACT, WEIGHT, quantize_tensor
 from jetrl.quant.exact import exact_fp8_gemm, exact_linear
 from jetrl.rollout import RolloutEngine, SamplingParams
@@ -109,7 +110,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 128000, (n,), generator=g).tolist() for n in lengths]
 
 
-def _score(model, prompts, outs, micro: int) -> list[torch.Tensor]:
+def _score(model, prompts, outs, micro: int, kv_fp8: bool = False) -> list[torch.Tensor]:
     scored = []
     for s in range(0, len(outs), micro):
         group = outs[s:s + micro]
@@ -119,26 +120,31 @@ def _score(model, prompts, outs, micro: int) -> list[torch.Tensor]:
             ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
             cu.append(cu[-1] + len(seq))
         with torch.no_grad():
-            lp, _ = token_logprobs(model, torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
-                                   torch.tensor(cu, device="cuda"), None, torch.tensor(tg, device="cuda"), 1.0,
-                                   exact=True)
+            hidden = model.forward_packed(torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
+                                          torch.tensor(cu, device="cuda"), None, exact=True, kv_fp8=kv_fp8)
+            lp, _ = logprobs_from_hidden(model, hidden, torch.tensor(tg, device="cuda"), 1.0, exact=True)
         for i, c in enumerate(group):
             start = cu[i] + len(prompts[c.prompt_index]) - 1
             scored.append(lp[start:start + len(c.token_ids)].cpu())
     return scored
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "jet"])
-def test_engine_equals_trainer_bitwise_8b_shape_with_cuda_graphs(models_8b, recipe):
+ARMS = [("bf16", False), ("jet", False), ("jet", True)]  # (recipe, FP8 KV cache)
+ARM_IDS = ["bf16", "jet", "jet-kv8"]
+
+
+@pytest.mark.parametrize("recipe,kv_fp8", ARMS, ids=ARM_IDS)
+def test_engine_equals_trainer_bitwise_8b_shape_with_cuda_graphs(models_8b, recipe, kv_fp8):
     model = models_8b[recipe]
     engine = RolloutEngine(model, max_num_seqs=256, max_model_len=512, memory_budget=0.2, progress=False,
-                           exact=True)
+                           exact=True, kv_fp8=kv_fp8)
     for num_prompts, n in ((1, 1), (3, 1), (17, 1), (8, 8), (64, 4)):  # 1, 3, 17, 64 and 256 sequences
         prompts = _prompts(num_prompts, seed=num_prompts)
         outs = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=48, seed=5,
                                                        ignore_eos=True))
         assert engine.runner.graphs is not None, "the decode step was not captured"
-        for c, lp in zip(outs, _score(model, prompts, outs, micro=16)):
+        assert engine.runner.kv_cache.is_fp8 == kv_fp8
+        for c, lp in zip(outs, _score(model, prompts, outs, micro=16, kv_fp8=kv_fp8)):
             engine_lp = torch.tensor(c.logprobs, dtype=torch.float32)
             assert torch.equal(engine_lp, lp), (recipe, num_prompts * n, (engine_lp - lp).abs().max())
 
@@ -153,16 +159,17 @@ class _Prompts:
         return [PromptItem(p, "") for p in _prompts(self.per_step, seed=3)]
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "jet"])
-def test_one_rl_step_has_zero_mismatch(models_8b, recipe):
+@pytest.mark.parametrize("recipe,kv_fp8", ARMS, ids=ARM_IDS)
+def test_one_rl_step_has_zero_mismatch(models_8b, recipe, kv_fp8):
     from jetrl.config import load_config
     from jetrl.rl.trainer import Trainer
 
     cfg = load_config(None, [f"--recipe={recipe}", "--exact=true", "--data.prompts_per_step=8", "--rollout.n=4",
-                             "--rollout.max_tokens=32", "--algorithm.micro_batch_size=8", "--optim.lr=1e-6"])
+                             "--rollout.max_tokens=32", "--algorithm.micro_batch_size=8", "--optim.lr=1e-6",
+                             f"--kv_fp8={str(kv_fp8).lower()}"])
     model = models_8b[recipe]
     engine = RolloutEngine(model, max_num_seqs=32, max_model_len=512, memory_budget=0.2, progress=False,
-                           exact=True)
+                           exact=True, kv_fp8=cfg.kv_fp8)
     trainer = Trainer(cfg, model, engine, _Prompts(8), lambda texts, refs: [float(len(t) % 2) for t in texts],
                       lambda ids: " ".join(map(str, ids)))
     metrics = trainer.step()

@@ -19,7 +19,8 @@ def make_trainer(recipe="bf16", overrides=(), dtype=torch.float32):
                              "--algorithm.micro_batch_size=4", "--optim.lr=1e-2", "--optim.grad_clip=1.0",
                              "--trainer.steps=20", *overrides])
     model = build_model(DecoderConfig(**MODEL), dtype=dtype, recipe=recipe, seed=0)
-    engine = RolloutEngine(model, max_num_seqs=16, num_blocks=64, block_size=4, progress=False)
+    engine = RolloutEngine(model, max_num_seqs=16, num_blocks=64, block_size=4, progress=False, exact=cfg.exact,
+                           kv_fp8=cfg.kv_fp8)
     return Trainer(cfg, model, engine, ToyPrompts(4), low_token_reward, decode)
 
 
@@ -171,3 +172,18 @@ def test_old_logprobs_from_update_needs_a_single_step(extra, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["--data.prompts_per_step=4", "--rollout.n=4", "--algorithm.mini_batch_size=16",
                            "--algorithm.old_logprobs_from_update=true", *extra])
+
+
+def test_jet_with_fp8_kv_cache_trains_on_the_values_it_sampled_from():
+    """jet + kv_fp8 in exact mode: the engine reads an FP8 KV cache, the trainer's forward fake-quantizes K and V,
+    and the step's rollout/training mismatch is exactly zero; the update trains every parameter (the K/V
+    projections through the straight-through estimator)."""
+    trainer = make_trainer("jet", ["--kv_fp8=true", "--exact=true"], dtype=torch.bfloat16)
+    assert trainer.config.kv_fp8_train and trainer.engine.kv_fp8
+    start = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    m = trainer.step()
+    assert all(not isinstance(v, float) or math.isfinite(v) for v in m.values()), m
+    assert m["mismatch/logp_abs_diff_max"] == 0.0 and m["response/num_tokens"] > 0
+    assert m["rollout/kv_capacity_tokens"] == 64 * 4 and m["actor/num_updates"] == 2
+    for k, v in trainer.model.named_parameters():
+        assert not torch.equal(v, start[k]), f"{k} did not change"

@@ -80,3 +80,43 @@ def test_steps_launched_ahead_of_collection_match_full_recompute(model):
         assert seq.output_ids == tokens
         assert seq.logprobs == pytest.approx(lps, abs=1e-4)  # fp32: paged vs full attention, summation order only
     assert seqs[0].output_ids != seqs[1].output_ids  # two samples of one prompt, drawn independently
+
+
+@pytest.fixture(scope="module")
+def model_d128():
+    """bf16, head_dim 128 (the 8B shape's): where an FP8 KV cache costs (128 + 4) / 256 of the BF16 bytes."""
+    cfg = dict(CONFIG, hidden_size=256, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    return build_model(DecoderConfig(**cfg), dtype=torch.bfloat16, recipe="fp8-rollout", seed=0)
+
+
+def test_fp8_kv_cache_holds_about_twice_the_blocks(model_d128):
+    budget = 2 ** 20
+    bf16 = ModelRunner(model_d128, max_model_len=96, block_size=16, max_num_seqs=64, memory_budget=budget)
+    fp8 = ModelRunner(model_d128, max_model_len=96, block_size=16, max_num_seqs=64, memory_budget=budget, kv_fp8=True)
+    assert bf16.bytes_per_block == 2 * 1 * 16 * 1 * 128 * 2  # K and V, 1 layer, 16 tokens, 1 head, 128 dims, bf16
+    assert fp8.bytes_per_block == 2 * 1 * 16 * 1 * (128 + 4)  # 1 byte a value, one fp32 scale per token and head
+    blocks_bf16, blocks_fp8 = bf16.allocate_kv_cache(), fp8.allocate_kv_cache()
+    assert blocks_bf16 == budget // bf16.bytes_per_block and blocks_fp8 == budget // fp8.bytes_per_block
+    assert 1.9 < blocks_fp8 / blocks_bf16 < 2.0
+    assert fp8.kv_cache.is_fp8 and not bf16.kv_cache.is_fp8
+    assert fp8.kv_cache.nbytes() == (blocks_fp8 + 1) * fp8.bytes_per_block  # the scratch block included
+
+
+def test_fp8_kv_cache_preempts_less_in_the_same_memory(model_d128):
+    """The engine's stats show the doubling: twice the tokens in the pool, fewer preemptions (fp8-rollout with
+    kv_fp8: the rollout-only FP8 cache)."""
+    from jetrl.rollout import RolloutEngine
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 256, (20,), generator=g).tolist() for _ in range(8)]
+    params = SamplingParams(n=1, temperature=1.0, max_tokens=20, seed=5, ignore_eos=True)
+    stats = {}
+    for kv_fp8 in (False, True):
+        engine = RolloutEngine(model_d128, block_size=4, max_num_seqs=8, max_model_len=48, progress=False,
+                               memory_budget=30 * 2 * 4 * 128 * 2, kv_fp8=kv_fp8)  # 30 BF16 blocks
+        outs = engine.generate(prompts, params)
+        assert all(len(c.token_ids) == 20 for c in outs)
+        stats[kv_fp8] = engine.last_stats
+    assert stats[False]["num_blocks"] == 30 and stats[True]["kv_capacity_tokens"] == 4 * stats[True]["num_blocks"]
+    assert stats[True]["num_blocks"] == 30 * 256 // 132 and stats[True]["kv_fp8"] == 1.0
+    assert stats[False]["preemptions"] > stats[True]["preemptions"], stats

@@ -36,16 +36,17 @@ def test_paged_decode_bf16_matches_reference(num_seqs, num_heads, num_kv_heads, 
     assert err < 1e-2, err  # BF16 output and BF16 probabilities in P @ V: ~3e-3 relative
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "jet"])
-def test_cuda_graph_decoding_equals_eager(recipe):
+@pytest.mark.parametrize("recipe,kv_fp8", [("bf16", False), ("jet", False), ("jet", True)],
+                         ids=["bf16", "jet", "jet-kv8"])
+def test_cuda_graph_decoding_equals_eager(recipe, kv_fp8):
     config = DecoderConfig(model_type="qwen3", vocab_size=512, hidden_size=256, intermediate_size=512,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                            qk_norm=True, max_position_embeddings=512, eos_token_id=0)
     model = build_model(config, dtype=torch.bfloat16, device="cuda", recipe=recipe, seed=0)
     prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(16)]
     params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=40, ignore_eos=True)
-    eager = RolloutEngine(model, cuda_graphs=False, max_num_seqs=32, progress=False, max_model_len=256)
-    graphs = RolloutEngine(model, cuda_graphs=True, max_num_seqs=32, progress=False, max_model_len=256)
+    eager = RolloutEngine(model, cuda_graphs=False, max_num_seqs=32, progress=False, max_model_len=256, kv_fp8=kv_fp8)
+    graphs = RolloutEngine(model, cuda_graphs=True, max_num_seqs=32, progress=False, max_model_len=256, kv_fp8=kv_fp8)
     # 32 samples decode at a captured size (no padding), 11 x 2 = 22 are padded to 32. The graph's attention
     # may split the context differently from eager decoding (its max_context_len is max_model_len), so
     # results agree to BF16 summation-order noise: identical first tokens (shared prefill), close logprobs
@@ -54,6 +55,7 @@ def test_cuda_graph_decoding_equals_eager(recipe):
         a = eager.generate(batch, params)
         b = graphs.generate(batch, params)
         assert graphs.runner.graphs is not None, "decode graphs were not captured"
+        assert graphs.runner.kv_cache.is_fp8 == kv_fp8
         same = 0
         for x, y in zip(a, b):
             assert x.token_ids[0] == y.token_ids[0]

@@ -55,8 +55,12 @@ def test_arms_resolve_by_name_and_from_the_command_line(common):
     assert arms == {"jet": ("recipe=jet",), "exact": ("recipe=jet", "rollout.n=2")}
     assert common.arm_config(["rollout.n=4"], arms["exact"]).rollout.n == 2  # the arm's overrides come last
     assert common.arm_config([], common.ARMS["fp8-rollout-tis"]).algorithm.tis_cap == 2.0
-    with pytest.raises(ValueError, match="unknown arms.*kv-fp8"):
-        common.resolve_arms(["kv-fp8"])
+    with pytest.raises(ValueError, match="unknown arms.*no-such-arm"):
+        common.resolve_arms(["no-such-arm"])
+    kv8 = common.arm_config([], common.ARMS["jet-kv8"])
+    assert kv8.recipe == "jet" and kv8.kv_fp8 and kv8.kv_fp8_train  # FP8 K/V on both sides
+    peers = common.arm_config([], common.ARMS["fp8-rollout-kv8"])
+    assert peers.recipe == "fp8-rollout" and peers.kv_fp8 and not peers.kv_fp8_train  # the rollout's cache only
     with pytest.raises(ValueError, match="NAME:key=value"):
         common.resolve_arms(["x"], ["x=recipe=jet"])
     with pytest.raises(ValueError, match="twice"):
@@ -68,21 +72,24 @@ def test_exp_mismatch_smoke(common, warm_model, tmp_path, capsys):
 
     out = tmp_path / "out"
     assert exp_mismatch.main(["--smoke", "--model", warm_model, "--out", str(out), "--work", str(tmp_path / "w"),
-                              "--lengths", "16", "--prompts", "1", "--n", "2"]) == 0
+                              "--lengths", "16", "--prompts", "1", "--n", "2",
+                              "--arms", "bf16,fp8-rollout,jet,jet-kv8,fp8-rollout-kv8"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["exp_mismatch.json", "exp_mismatch_length.png",
                                                     "exp_mismatch_position.png"]
     results = json.loads((out / "exp_mismatch.json").read_text())
     arms = results["arms"]
-    assert list(arms) == ["bf16", "fp8-rollout", "jet"] and results["lengths"] == [16]
+    assert list(arms) == ["bf16", "fp8-rollout", "jet", "jet-kv8", "fp8-rollout-kv8"] and results["lengths"] == [16]
     for arm in arms.values():
         m = arm["16"]
         assert m["num_sequences"] == 2 and m["num_tokens"] > 0 and 0 <= m["accuracy"] <= 1
         assert m["is_ratio_min"] <= m["is_ratio_p01"] <= m["is_ratio_p99"] <= m["is_ratio_max"]
         assert len(m["logp_abs_diff_by_position"]) == math.ceil(m["response_length_max"] / 8)  # bins of 8 tokens
-    # the same weights and sampling seeds: BF16 and the unified FP8 flow agree to summation order, while
-    # sampling in FP8 and scoring in BF16 differs by the FP8 rounding of every linear layer
-    unified = max(arms["bf16"]["16"]["logp_abs_diff_mean"], arms["jet"]["16"]["logp_abs_diff_mean"])
-    assert unified < 1e-5 and arms["fp8-rollout"]["16"]["logp_abs_diff_mean"] > 100 * unified
+    # the same weights and sampling seeds: BF16 and the unified FP8 flow (with FP8 K/V on both sides too) agree to
+    # summation order, while sampling in FP8 and scoring in BF16 differs by the FP8 rounding of every linear layer
+    # (and, with the rollout-only FP8 KV cache, of every key and value)
+    unified = max(arms[a]["16"]["logp_abs_diff_mean"] for a in ("bf16", "jet", "jet-kv8"))
+    for split in ("fp8-rollout", "fp8-rollout-kv8"):
+        assert unified < 1e-5 and arms[split]["16"]["logp_abs_diff_mean"] > 100 * unified, split
     last = capsys.readouterr().out.strip().splitlines()
     assert last[0].split()[:2] == ["arm", "length"] and [line.split()[0] for line in last[2:]] == list(arms)
 
