@@ -10,7 +10,10 @@ through the block table, with an online softmax in fp32, up to its furthest row'
 end earlier the remaining chunks are fully masked and leave its state bitwise unchanged (``exp2(0) = 1``, zero
 probabilities). No context split: a token's bits depend on its own keys only, in a decode step, a prefill chunk
 or the trainer's packed forward (a "cache" of one-token pages, :func:`jetrl.models.attention.packed_as_paged`).
-The tiles are numbered on the device (no host sync), so decode steps stay capturable in CUDA graphs.
+The tiles are numbered on the device (no host sync), so decode steps stay capturable in CUDA graphs. An FP8 cache
+(E4M3 K/V with per-(token, KV head) scales) is dequantized chunk by chunk in registers, exactly like
+``jetrl.models.attention.dequantize_kv``, so the rollout reading its FP8 cache and the trainer attending over the
+fake-quantized K/V (one-token pages of the same values) get the same bits.
 """
 
 from __future__ import annotations

@@ -36,12 +36,13 @@ def _quantize_store_rows(x_row, stride_xh, data_slot, stride_dh, scale_slot, str
 
 
 @triton.jit
-def _write_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                         stride_kn, stride_kh, stride_vn, stride_vh,
-                         stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                         stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _quantize_scatter_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                                stride_kn, stride_kh, stride_vn, stride_vh,
+                                stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One new token: its K and V rows quantized per KV head, stored at its slot of the pools."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     block = slot // PAGE
@@ -106,7 +107,7 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         return
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    _write_kv_fp8_kernel[(num_tokens,)](
+    _quantize_scatter_kv_kernel[(num_tokens,)](
         k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),

@@ -8,7 +8,10 @@ sequence's single query sees cache positions ``< context_lens[s]``), read direct
 * it walks the sequence's tokens ``BLOCK_N`` at a time, gathering each token's row through the block
   table (one contiguous ``head_dim`` row per token), with an online (flash) softmax in fp32;
 * when the batch alone cannot fill the GPU, the context is split across programs (flash-decoding) and a
-  second small kernel merges the partial results by their log-sum-exp.
+  second small kernel merges the partial results by their log-sum-exp;
+* an FP8 cache (E4M3 K/V, one fp32 scale per token and KV head) is read as such and each tile
+  dequantized in registers to q's dtype (:func:`_load_kv_rows`, ``jetrl.models.attention.dequantize_kv``'s
+  formula), so the kernel over an FP8 cache equals, bit for bit, the kernel over its dequantized copy.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
