@@ -19,8 +19,9 @@ module                         what it holds
 ``swiglu_triton``              SwiGLU (+ 1x128 FP8 of the output), forward and backward
 ``rope_triton``                RoPE of q and k in one launch, forward and backward
 ``logprobs_triton``            the LM head's per-token log-probabilities and entropies, and their gradient
-``paged_attention_triton``     paged decode attention (flash-decoding splits)
+``paged_attention_triton``     paged decode attention (flash-decoding splits), over a BF16 or FP8 K/V cache
 ``exact_attention_triton``     exact mode's one attention forward (prefill, paged decode, packed training)
+``kv_cache_triton``            the FP8 K/V cache write: quantize new tokens' K/V per (token, head), scatter
 ``sampling_triton``            the seeded Gumbel-max sampler for rows without truncation
 =============================  ==============================================================================
 

@@ -10,7 +10,10 @@ through the block table, with an online softmax in fp32, up to its furthest row'
 end earlier the remaining chunks are fully masked and leave its state bitwise unchanged (``exp2(0) = 1``, zero
 probabilities). No context split: a token's bits depend on its own keys only, in a decode step, a prefill chunk
 or the trainer's packed forward (a "cache" of one-token pages, :func:`jetrl.models.attention.packed_as_paged`).
-The tiles are numbered on the device (no host sync), so decode steps stay capturable in CUDA graphs.
+The tiles are numbered on the device (no host sync), so decode steps stay capturable in CUDA graphs. An FP8 cache
+(E4M3 K/V with per-(token, KV head) scales) is dequantized chunk by chunk in registers, exactly like
+``jetrl.models.attention.dequantize_kv``, so the rollout reading its FP8 cache and the trainer attending over the
+fake-quantized K/V (one-token pages of the same values) get the same bits.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.quant.kernels.paged_attention_triton import _LOG2E
+from jetrl.quant.kernels.paged_attention_triton import _LOG2E, _load_kv_rows, check_kv_cache
 from jetrl.quant.reference import EXACT_KV_CHUNK
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -31,13 +34,14 @@ ROWS_PER_PROGRAM = 64  # MMA rows of every program: query rows x their group's h
 
 
 @triton.jit
-def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qsl_ptr, ctx_ptr, tile_seq_ptr, tile_start_ptr,
-                            out_ptr, scale_log2,
+def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl_ptr, ctx_ptr, tile_seq_ptr,
+                            tile_start_ptr, out_ptr, scale_log2,
                             stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                            stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                             stride_ts, stride_on, stride_oh,
                             GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                             BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                            WHILE_LOOP: tl.constexpr):
+                            FP8: tl.constexpr, WHILE_LOOP: tl.constexpr):
     """One program: up to BLOCK_Q consecutive query rows of one sequence x the GROUP heads of one KV head, as
     BLOCK_Q * GROUP_P2 rows of every ``tl.dot`` (the same shape for a decode row alone and a training tile)."""
     tile = tl.program_id(0)
@@ -66,34 +70,41 @@ def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, qsl_ptr, ctx_ptr, t
     table_row = tables_ptr + seq.to(tl.int64) * stride_ts
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
+    ks_head = ks_ptr + kv_head * stride_ksh  # unused unless FP8
+    vs_head = vs_ptr + kv_head * stride_vsh
     end = tl.max(limit, 0)  # the tile's furthest key; chunks past a row's own end leave its state unchanged
     n = tl.arange(0, BLOCK_N)
     if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
         t0 = 0
         while t0 < end:
             m_i, l_i, acc = _attend_chunk(q, m_i, l_i, acc, t0 + n, limit, end, d, d_ok, table_row, k_head, v_head,
-                                          scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, PAGE, IEEE)
+                                          ks_head, vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
+                                          stride_ksb, stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
             t0 += BLOCK_N
     else:
         for t0 in range(0, end, BLOCK_N):
             m_i, l_i, acc = _attend_chunk(q, m_i, l_i, acc, t0 + n, limit, end, d, d_ok, table_row, k_head, v_head,
-                                          scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, PAGE, IEEE)
+                                          ks_head, vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
+                                          stride_ksb, stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v_head, scale_log2,
-                  stride_kb, stride_kt, stride_vb, stride_vt, PAGE: tl.constexpr, IEEE: tl.constexpr):
-    """One chunk of key positions ``t`` (BLOCK_N,) for every MMA row: gather K/V through the block table,
-    mask each row's invisible keys (``t >= limit``), online-softmax update. A fully masked row keeps its state
-    exactly (``exp2(0) = 1``, its probabilities 0), so a row's bits do not depend on the tile's other rows."""
+def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
+                  stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                  PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """One chunk of key positions ``t`` (BLOCK_N,) for every MMA row: gather K/V through the block table (an FP8
+    cache dequantized to q's dtype in registers), mask each row's invisible keys (``t >= limit``), online-softmax
+    update. A fully masked row keeps its state exactly (``exp2(0) = 1``, its probabilities 0), so a row's bits do
+    not depend on the tile's other rows."""
     t_ok = t < end
     page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
     slot = t % PAGE
     kv_mask = t_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + d[None, :], mask=kv_mask, other=0.0)
+    k = _load_kv_rows(k_head, ks_head, page, slot, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
+                      q.dtype, FP8)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -103,7 +114,8 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
+    v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
+                      q.dtype, FP8)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -112,15 +124,23 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
 
 
 def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
-                        softmax_scale: float) -> torch.Tensor:
+                        softmax_scale: float, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q (N, Hq, D) over the paged cache (num_blocks, page, Hkv, D) described by ``meta`` (a
-    :class:`~jetrl.models.attention.PagedAttentionMetadata`) -> (N, Hq, D) in q's dtype. No host syncs."""
+    :class:`~jetrl.models.attention.PagedAttentionMetadata`) -> (N, Hq, D) in q's dtype. No host syncs.
+
+    The cache is in q's dtype, or FP8: ``float8_e4m3fn`` K/V with ``k_scale``/``v_scale`` (num_blocks, page, Hkv)
+    fp32, each chunk dequantized in registers to q's dtype (``jetrl.models.attention.dequantize_kv``'s formula)
+    before the same math: bit for bit this function over the dequantized cache."""
     num_rows, num_heads, head_dim = q.shape
     _, page, num_kv_heads, cache_dim = k_cache_layer.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"exact_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache_layer.shape)}")
     if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
         raise ValueError("exact_attention needs the cache's head_dim to be contiguous")
+    fp8 = check_kv_cache("exact_attention", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
+    if not fp8:
+        k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
     out = torch.empty_like(q)
     if num_rows == 0:
         return out
@@ -140,14 +160,15 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     tile_seq = torch.where(valid, seq_c, -1).to(torch.int32)
     tables = meta.block_tables
     _exact_attention_kernel[(num_rows, num_kv_heads)](
-        q, k_cache_layer, v_cache_layer, tables, meta.query_start_loc, meta.context_lens, tile_seq,
+        q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens, tile_seq,
         tile_start.to(torch.int32), out, float(softmax_scale) * _LOG2E,
         q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
-        v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1),
+        v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
+        v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, PAGE=page, BLOCK_Q=block_q,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=EXACT_KV_CHUNK, IEEE=q.dtype == torch.float32,
-        WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
+        FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
     return out
 
 

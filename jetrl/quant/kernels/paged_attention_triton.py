@@ -8,7 +8,10 @@ sequence's single query sees cache positions ``< context_lens[s]``), read direct
 * it walks the sequence's tokens ``BLOCK_N`` at a time, gathering each token's row through the block
   table (one contiguous ``head_dim`` row per token), with an online (flash) softmax in fp32;
 * when the batch alone cannot fill the GPU, the context is split across programs (flash-decoding) and a
-  second small kernel merges the partial results by their log-sum-exp.
+  second small kernel merges the partial results by their log-sum-exp;
+* an FP8 cache (E4M3 K/V, one fp32 scale per token and KV head) is read as such and each tile
+  dequantized in registers to q's dtype (:func:`_load_kv_rows`, ``jetrl.models.attention.dequantize_kv``'s
+  formula), so the kernel over an FP8 cache equals, bit for bit, the kernel over its dequantized copy.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
@@ -22,21 +25,40 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.quant.formats import E4M3
+from jetrl.quant.kernels.quantize_triton import cast_rne
+
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SM_COUNT: dict[int, int] = {}
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, scale_log2,
-                 stride_kb, stride_kt, stride_vb, stride_vt, PAGE: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table, online softmax update."""
+def _load_kv_rows(head_ptr, scale_head_ptr, page, row, t_ok, kv_mask, d, stride_b, stride_t, stride_sb, stride_st,
+                  OUT_DTYPE: tl.constexpr, FP8: tl.constexpr):
+    """K or V rows (BLOCK_N, BLOCK_D) of tokens at (``page``, ``row``), masked lanes 0. With ``FP8`` the cache holds
+    E4M3 and ``scale_head_ptr`` one fp32 scale per (token, KV head): the rows are dequantized in registers exactly
+    like ``jetrl.models.attention.dequantize_kv``, ``(data.float() * scale).to(OUT_DTYPE)`` (RNE), so the math
+    that follows sees the values of the dequantized cache bit for bit."""
+    x = tl.load(head_ptr + page[:, None] * stride_b + row[:, None] * stride_t + d[None, :], mask=kv_mask, other=0.0)
+    if FP8:
+        s = tl.load(scale_head_ptr + page * stride_sb + row * stride_st, mask=t_ok, other=0.0)  # (BLOCK_N,)
+        x = cast_rne(x.to(tl.float32) * s[:, None], OUT_DTYPE)
+    return x
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
+                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                 PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table (dequantizing an FP8 cache
+    to q's dtype), online softmax update."""
     t_ok = t < end
     page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
     row = t % PAGE
     kv_mask = t_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_kt + d[None, :], mask=kv_mask,
-                other=0.0)  # (BLOCK_N, BLOCK_D)
+    k = _load_kv_rows(k_head, ks_head, page, row, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
+                      q.dtype, FP8)  # (BLOCK_N, BLOCK_D)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -46,7 +68,8 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, s
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vt + d[None, :], mask=kv_mask, other=0.0)
+    v = _load_kv_rows(v_head, vs_head, page, row, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
+                      q.dtype, FP8)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -55,13 +78,14 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, s
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                         scale_log2, tokens_per_split,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr,
+                         part_ml_ptr, scale_log2, tokens_per_split,
                          stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
                          stride_ts, stride_os, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                         WHILE_LOOP: tl.constexpr):
+                         FP8: tl.constexpr, WHILE_LOOP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,16 +111,20 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, ctx_ptr, out_ptr, part
     table_row = tables_ptr + seq * stride_ts
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_vh
+    ks_head = ks_ptr + kv_head * stride_ksh  # unused unless FP8
+    vs_head = vs_ptr + kv_head * stride_vsh
     if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
         t0 = start
         while t0 < end:
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, scale_log2,
-                                         stride_kb, stride_kt, stride_vb, stride_vt, PAGE, IEEE)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
+                                         vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
+                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, scale_log2,
-                                         stride_kb, stride_kt, stride_vb, stride_vt, PAGE, IEEE)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
+                                         vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
+                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -131,6 +159,38 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_os, stride_o
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def check_kv_cache(what: str, q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
+                   k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Check a paged K/V cache layer for the attention kernels; returns whether it is FP8.
+
+    A cache in the model's dtype comes without scales. An FP8 cache is ``float8_e4m3fn`` K and V with ``k_scale`` and
+    ``v_scale``: fp32 (num_blocks, block_size, Hkv), one scale per (token, KV head), on the cache's device.
+    """
+    if k_cache_layer.shape != v_cache_layer.shape or k_cache_layer.dtype != v_cache_layer.dtype:
+        raise ValueError(f"{what}: K and V caches differ: {tuple(k_cache_layer.shape)} {k_cache_layer.dtype} vs "
+                         f"{tuple(v_cache_layer.shape)} {v_cache_layer.dtype}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"{what}: give both k_scale and v_scale (an FP8 cache) or neither (a {q.dtype} cache)")
+    fp8 = k_cache_layer.dtype == E4M3
+    if not fp8:
+        if k_scale is not None:
+            raise ValueError(f"{what}: k_scale/v_scale given but the cache is {k_cache_layer.dtype}, not {E4M3}")
+        return False
+    if k_scale is None:
+        raise ValueError(f"{what}: the cache is {E4M3} but no k_scale/v_scale were given (one fp32 scale per "
+                         "token and KV head)")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{what}: q must be bfloat16/float16/float32 to attend over an FP8 cache, got {q.dtype}")
+    want = tuple(k_cache_layer.shape[:3])
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            raise ValueError(f"{what}: {name} must be float32 of shape {want} (num_blocks, block_size, Hkv), got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        if scale.device != k_cache_layer.device:
+            raise ValueError(f"{what}: {name} is on {scale.device}, the cache on {k_cache_layer.device}")
+    return True
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
@@ -151,11 +211,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 
 
 def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
-                 softmax_scale: float, *, num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                 softmax_scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                 num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
     """Decode attention: q (S, Hq, D) (one row per sequence) over the paged cache -> (S, Hq, D) in q's dtype.
 
     ``meta`` is a :class:`~jetrl.models.attention.PagedAttentionMetadata` with ``max_query_len == 1``;
-    ``num_splits`` overrides the context split (for tests).
+    ``num_splits`` overrides the context split (for tests). The cache is in q's dtype, or FP8: ``float8_e4m3fn``
+    K/V with ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32; each K/V tile is then dequantized in
+    registers to q's dtype (``jetrl.models.attention.dequantize_kv``'s formula) before the same math, so the
+    result equals, bit for bit, this function over the dequantized cache.
     """
     if meta.max_query_len != 1:
         raise ValueError("paged_decode handles decode steps only (one new token per sequence)")
@@ -167,6 +231,9 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         raise ValueError(f"paged_decode: {num_seqs} query rows but {meta.block_tables.shape[0]} sequences")
     if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
         raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
+    fp8 = check_kv_cache("paged_decode", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
+    if not fp8:
+        k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // num_kv_heads
     splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, meta.max_context_len, q.device, block_n)
@@ -183,13 +250,15 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     else:
         part_acc = part_ml = out  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache_layer, v_cache_layer, tables, ctx, out, part_acc, part_ml,
+        q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, ctx, out, part_acc, part_ml,
         float(softmax_scale) * _LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
-        v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1),
+        v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
+        v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4,
+        num_stages=2)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
@@ -198,4 +267,4 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     return out
 
 
-__all__ = ["paged_decode", "choose_num_splits"]
+__all__ = ["paged_decode", "choose_num_splits", "check_kv_cache"]

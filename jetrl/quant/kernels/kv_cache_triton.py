@@ -1,0 +1,120 @@
+"""Triton write of new tokens' K and V into an FP8 paged cache: quantize per (token, KV head), scatter to the slots.
+
+The kernel of :func:`jetrl.models.attention.write_kv` when the cache is FP8 (specification:
+:func:`jetrl.models.attention.quantize_kv` followed by an ``index_copy_`` of data and scales). One program per new
+token quantizes that token's K and V rows, ``(Hkv, D)`` each, with one fp32 scale per KV head (a 1 x head_dim
+block), bit for bit the reference's arithmetic (the shared helpers of
+:mod:`~jetrl.quant.kernels.quantize_triton`):
+
+* ``scale = max(amax, 1e-4) / 448`` over the head's ``D`` values, with the IEEE division's bits;
+* ``data = e4m3(clamp(x / scale, -448, 448))``, the quotient correctly rounded, the cast to nearest even;
+
+and stores data and scales at the token's flat slot (``block * block_size + offset``) of the pools. One launch for
+K and V, no host synchronisation (the grid is the number of new tokens), so a decode step using it can be captured
+in a CUDA graph. Like every slot write, a padding row must carry a valid (scratch) slot: nothing is checked on the
+device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl.quant.formats import E4M3
+from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3
+
+
+@triton.jit
+def _quantize_store_rows(x_row, stride_xh, data_slot, stride_dh, scale_slot, stride_sh, h, d, h_ok, mask):
+    """One token's K or V (BLOCK_H heads, BLOCK_D) from ``x_row``: one scale per head, data and scales stored at
+    the slot's pointers. Masked lanes load 0 and change no head's amax."""
+    x = tl.load(x_row + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = _block_scale(tl.max(tl.abs(x), axis=1), False)  # (BLOCK_H,)
+    tl.store(data_slot + h[:, None] * stride_dh + d[None, :], _quantize_e4m3(x, scale[:, None], False), mask=mask)
+    tl.store(scale_slot + h * stride_sh, scale, mask=h_ok)
+
+
+@triton.jit
+def _quantize_scatter_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                                stride_kn, stride_kh, stride_vn, stride_vh,
+                                stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One new token: its K and V rows quantized per KV head, stored at its slot of the pools."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block = slot // PAGE
+    offset = slot % PAGE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < NUM_KV_HEADS
+    mask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+    row = token.to(tl.int64)
+    _quantize_store_rows(k_ptr + row * stride_kn, stride_kh, kc_ptr + block * stride_kcb + offset * stride_kct,
+                         stride_kch, ks_ptr + block * stride_ksb + offset * stride_kst, stride_ksh, h, d, h_ok, mask)
+    _quantize_store_rows(v_ptr + row * stride_vn, stride_vh, vc_ptr + block * stride_vcb + offset * stride_vct,
+                         stride_vch, vs_ptr + block * stride_vsb + offset * stride_vst, stride_vsh, h, d, h_ok, mask)
+
+
+_FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"write_kv_fp8: k and v must be (N, Hkv, D) of one shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k.dtype not in _FLOAT_INPUTS or v.dtype not in _FLOAT_INPUTS:
+        raise ValueError(f"write_kv_fp8: k and v must be bfloat16/float16/float32, got {k.dtype} and {v.dtype}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"write_kv_fp8: the caches must be (num_blocks, block_size, Hkv, D) of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.dtype != E4M3 or v_cache.dtype != E4M3:
+        raise ValueError(f"write_kv_fp8: the caches must be {E4M3}, got {k_cache.dtype} and {v_cache.dtype}")
+    if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(f"write_kv_fp8: k {tuple(k.shape)} does not match the cache {tuple(k_cache.shape)} "
+                         "(Hkv, D)")
+    want = tuple(k_cache.shape[:3])
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            raise ValueError(f"write_kv_fp8: {name} must be float32 of shape {want} (num_blocks, block_size, Hkv), "
+                             f"got {scale.dtype} {tuple(scale.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype not in (torch.int32,
+                                                                                                    torch.int64):
+        raise ValueError(f"write_kv_fp8: slot_mapping must be int32/int64 of shape ({k.shape[0]},), got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    devices = {t.device for t in (k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"write_kv_fp8: all tensors must be on one device, got {sorted(map(str, devices))}")
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"write_kv_fp8: {name}'s head_dim must be contiguous")
+
+
+def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize the new tokens' K and V (N, Hkv, D) per (token, KV head) to E4M3 and store data and fp32 scales
+    at their flat slots of the FP8 pools, in place: ``k_cache``/``v_cache`` (num_blocks, block_size, Hkv, D)
+    ``float8_e4m3fn``, ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32, ``slot_mapping`` (N,) int.
+
+    Bit for bit ``data, scale = quantize_kv(x)`` then ``index_copy_`` of both at the slots
+    (:func:`jetrl.models.attention.write_kv`'s reference path). One launch, no host syncs.
+    """
+    _check(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    _quantize_scatter_kv_kernel[(num_tokens,)](
+        k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0),
+        v_scale.stride(1), v_scale.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 1)
+
+
+__all__ = ["write_kv_fp8"]

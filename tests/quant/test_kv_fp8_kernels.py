@@ -1,0 +1,393 @@
+"""Issue 17's kernels over an FP8 KV cache: the two attention kernels reading E4M3 K/V with one fp32 scale per
+(token, KV head), and the fused quantize-and-scatter write of new tokens' K/V.
+
+The contract (``jetrl.models.attention.quantize_kv`` / ``dequantize_kv``) is restated here as two small helpers,
+so that these tests hold the kernels to the formulas themselves:
+
+* ``write_kv_fp8`` == quantize (``scale = compute_scale(amax over head_dim)``, ``data = e4m3(clamp(x / scale))``)
+  then scatter to the slots, BITWISE (data bytes and scales; slots not written keep their bytes);
+* ``kernel(fp8 cache + scales) == kernel(dequantized cache)`` BITWISE, for ``paged_decode`` and
+  ``exact_attention_fwd`` (each kernel dequantizes a tile in registers with the same formula, then runs the
+  unchanged math), and close to the references run on the dequantized cache.
+
+On CPU the kernels run under the Triton interpreter in a child process (``tests/interpreted.py``) at small
+shapes, with fp32, fp16 and bf16 queries. The interpreter's ``tl.dot`` on bf16 operands is not the hardware's
+(see ``tests/models/test_paged_decode_interpret.py``), so bf16 is checked there for the bitwise identity only (the
+same dot of the same operands, which still needs the in-register dequantization to round to bf16 exactly like
+torch); its closeness to the reference is left to the GPU tests (``gpu`` marker) at the Llama-3.1-8B head
+shapes: 32 query heads, 8 KV heads, head_dim 128, bf16, pages of 16, batches of 1 to 64, partial pages, shared
+prefix blocks and contexts long enough for the decode kernel's context split.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+from interpreted import run_interpreted
+from jetrl.quant import reference as R
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install triton) ")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the contract's formulas and a paged-cache builder (shared with the interpreter child through their source)
+
+
+def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> E4M3 data (..., D) and fp32 scales (...): one scale per row of head_dim values."""
+    scale = R.compute_scale(x.abs().amax(-1))
+    return (x.float() / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv_ref(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.float() * scale[..., None]).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def kv_values(gen, shape, device="cpu") -> torch.Tensor:
+    """fp32 K/V-like values (..., D): channels of magnitudes 1e-3 .. 10 (E4M3 subnormals in the small ones), an
+    all-zero token, a zero head and an outlier."""
+    head_dim = shape[-1]
+    x = torch.randn(shape, generator=gen, device=device) * torch.logspace(-3, 1, head_dim, device=device)
+    flat = x.view(-1, shape[-2], head_dim)
+    flat[0] = 0.0  # a whole token (every KV head) zero: scale 1e-4 / 448, data 0
+    flat[min(1, flat.shape[0] - 1), -1] = 0.0
+    flat[min(2, flat.shape[0] - 1), 0, head_dim // 2] = -300.0
+    return x
+
+
+def paged_case(gen, contexts, q_lens, page, num_kv_heads, head_dim, device="cpu", shared_blocks=0):
+    """Metadata and an FP8 K/V pool for sequences holding ``contexts`` tokens, the last ``q_lens`` of them new.
+
+    Blocks are scattered (a random permutation of the pool); the first ``shared_blocks`` blocks of every sequence
+    are sequence 0's (prefix sharing); tables have one spare -1 column. Returns ``(meta, kd, ks, vd, vs)``.
+    """
+    from jetrl.models.attention import PagedAttentionMetadata
+
+    num_seqs = len(contexts)
+    pages = [-(-c // page) for c in contexts]
+    num_blocks = sum(pages) + 3
+    perm = torch.randperm(num_blocks, generator=gen, device=device).tolist()
+    tables = torch.full((num_seqs, max(pages) + 1), -1, dtype=torch.int32)
+    for s, n in enumerate(pages):
+        own = min(shared_blocks, n, pages[0]) if s else 0
+        tables[s, :own] = tables[0, :own]
+        tables[s, own:n] = torch.tensor(perm[:n - own], dtype=torch.int32)
+        perm = perm[n - own:]
+    kd, ks = quantize_kv_ref(kv_values(gen, (num_blocks, page, num_kv_heads, head_dim), device))
+    vd, vs = quantize_kv_ref(kv_values(gen, (num_blocks, page, num_kv_heads, head_dim), device) * 0.5)
+    qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    meta = PagedAttentionMetadata(
+        query_start_loc=qsl.to(device), context_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
+        block_tables=tables.to(device), slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.long, device=device),
+        max_query_len=max(q_lens), max_context_len=max(contexts))
+    return meta, kd, ks, vd, vs
+
+
+def write_case(gen, num_tokens, num_kv_heads, head_dim, dtype, num_blocks, page, device="cpu"):
+    """New K/V rows (a strided view, as sliced from a fused projection) with zero rows and huge and tiny values,
+    pools prefilled with a pattern, and scattered slots (int64). Returns ``(k, v, pools, slots)``."""
+    big = {torch.float16: 6e4, torch.bfloat16: 1e30, torch.float32: 1e30}[dtype]
+    wide = kv_values(gen, (num_tokens, num_kv_heads + 2, head_dim), device)
+    wide[-1, 1, :3] = torch.tensor([big, -big, 1.0])  # saturation next to ordinary values (a kept head)
+    k = wide.to(dtype)[:, 1:num_kv_heads + 1]  # stride(0) != Hkv * D
+    v = (kv_values(gen, (num_tokens, num_kv_heads, head_dim), device) * 1e-3).to(dtype)
+    if num_tokens > 3:
+        v[3] = -0.0  # negative zeros stay negative zeros
+        if dtype == torch.float32:
+            v[2, 0, :5] = 1e-30  # below the 1e-4 amax floor: scale 1e-4 / 448, data 0
+    shape = (num_blocks, page, num_kv_heads, head_dim)
+    pattern = torch.arange(torch.Size(shape).numel(), device=device).remainder(200).to(torch.uint8)
+    pools = (pattern.view(shape).view(torch.float8_e4m3fn), pattern.view(shape).clone().view(torch.float8_e4m3fn),
+             torch.full(shape[:3], -1.0, device=device), torch.full(shape[:3], -2.0, device=device))
+    slots = torch.randperm(num_blocks * page, generator=gen, device=device)[:num_tokens]
+    return k, v, pools, slots
+
+
+def check_write(k, v, pools, slots) -> dict:
+    """Run write_kv_fp8; compare with the formula: the written slots bitwise, every other slot unchanged."""
+    from jetrl.quant.kernels.kv_cache_triton import write_kv_fp8
+
+    kc, vc, ks, vs = pools
+    before = [t.clone() for t in pools]
+    write_kv_fp8(k, v, kc, vc, ks, vs, slots)
+    rk, rks = quantize_kv_ref(k)
+    rv, rvs = quantize_kv_ref(v)
+    rk, rv = rk.view(torch.uint8), rv.view(torch.uint8)
+    kept = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=k.device)
+    kept[slots.long()] = False
+    slots = slots.long()
+    # bytes, not E4M3 values: compared (and indexed) as uint8
+    flat = [(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).flatten(0, 1)
+            for t in (kc, vc, ks, vs, *before)]
+    return {
+        "k_data": same_bits(flat[0][slots], rk), "v_data": same_bits(flat[1][slots], rv),
+        "k_scale": same_bits(flat[2][slots], rks), "v_scale": same_bits(flat[3][slots], rvs),
+        "others_kept": all(same_bits(flat[i][kept], flat[i + 4][kept]) for i in range(4)),
+    }
+
+
+def attend(kernel, q, meta, kd, ks, vd, vs, **kw):
+    """``kernel`` over the FP8 cache and over its dequantized copy (q's dtype): ``(fp8_out, dequantized_out, kq,
+    vq)``."""
+    kq, vq = dequantize_kv_ref(kd, ks, q.dtype), dequantize_kv_ref(vd, vs, q.dtype)
+    scale = q.shape[-1] ** -0.5
+    return kernel(q, kd, vd, meta, scale, ks, vs, **kw), kernel(q, kq, vq, meta, scale, **kw), kq, vq
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+_SHARED = [quantize_kv_ref, dequantize_kv_ref, same_bits, kv_values, paged_case, write_case, check_write, attend,
+           rel_err]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: the kernels under the Triton interpreter, in a child
+
+
+_CHILD = r'''
+import json, sys
+import torch
+from jetrl.quant import ACT
+from jetrl.quant import reference as R
+from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
+from jetrl.quant.kernels.paged_attention_triton import paged_decode
+from jetrl.models.attention import exact_attention_reference, packed_as_paged, paged_attention_reference
+''' + "\n".join(inspect.getsource(f) for f in _SHARED) + r'''
+out = {}
+g = torch.Generator().manual_seed(0)
+
+# the write: bf16 / fp16 / fp32 rows, head_dim 128 (the 1x128 activation format) and 40 (not a power of two)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for n, hkv, d in ((9, 3, 40), (6, 2, 128)):
+        k, v, pools, slots = write_case(g, n, hkv, d, dtype, num_blocks=5, page=4)
+        out[f"write-{n}x{hkv}x{d}-{str(dtype)[6:]}"] = check_write(k, v, pools, slots)
+        if d == 128:  # the helper is the 1x128 quantization of the linears at head_dim 128
+            data, scale = R.quantize(k.reshape(-1, 128), ACT)
+            rk, rks = quantize_kv_ref(k)
+            out[f"write-{n}x{hkv}x{d}-{str(dtype)[6:]}"]["is_1x128"] = (
+                same_bits(rk.reshape(-1, 128), data) and same_bits(rks.reshape(-1, 1), scale))
+k, v, pools, slots = write_case(g, 7, 2, 32, torch.bfloat16, num_blocks=4, page=4)
+out["write-int32-slots"] = check_write(k, v, pools, slots.to(torch.int32))
+
+# decode: partial and whole pages, a context of 1, shared prefix blocks, split contexts (3 splits of 16 tokens);
+# GQA group 2 and MQA (group 6, not a power of two)
+decode_cases = [((1, 9, 37), 4, 4, 2, 32), ((23, 40), 8, 6, 1, 48)]
+# tolerances against the reference on the same (dequantized) values, as in test_paged_decode_interpret.py:
+# fp32 to summation order; fp16 rounds the probabilities to fp16 for P @ V (~3e-4 relative)
+tol = {torch.float32: 1e-5, torch.float16: 2e-3}
+for ctx, page, hq, hkv, d in decode_cases:
+    meta, kd, ks, vd, vs = paged_case(g, list(ctx), [1] * len(ctx), page, hkv, d, shared_blocks=1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        q = torch.randn(len(ctx), hq, d, generator=g).to(dtype)
+        for splits in (1, 3):
+            a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs, num_splits=splits, block_n=16)
+            r = {"bitwise": same_bits(a, b)}
+            if dtype in tol:
+                ref = paged_attention_reference(q.float(), kq.float(), vq.float(), meta, d ** -0.5)
+                r["close"] = rel_err(a, ref) < tol[dtype]
+            out[f"decode-{ctx}-{str(dtype)[6:]}-splits{splits}"] = r
+        a, b, kq, vq = attend(exact_attention_fwd, q, meta, kd, ks, vd, vs)
+        r = {"bitwise": same_bits(a, b)}
+        if dtype in tol:
+            r["close"] = rel_err(a, exact_attention_reference(q, kq, vq, meta, d ** -0.5)) < tol[dtype]
+        out[f"exact-decode-{ctx}-{str(dtype)[6:]}"] = r
+
+# exact mode's prefill chunks (several new rows per sequence, partial pages) and its packed training layout
+# (one-token pages: K (N, Hkv, D) viewed as (N, 1, Hkv, D), scales (N, 1, Hkv))
+meta, kd, ks, vd, vs = paged_case(g, [5, 21, 70], [5, 3, 10], 8, 2, 32, shared_blocks=1)
+cu = [0, 1, 8, 78]  # packed sequences of 1, 7 and 70 tokens
+pk, pks = quantize_kv_ref(kv_values(g, (78, 2, 32)))
+pv, pvs = quantize_kv_ref(kv_values(g, (78, 2, 32)))
+packed = packed_as_paged(cu, "cpu")
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for name, m, args, rows in (("prefill", meta, (kd, ks, vd, vs), 18),
+                                ("packed", packed, (pk[:, None], pks[:, None], pv[:, None], pvs[:, None]), 78)):
+        q = torch.randn(rows, 4, 32, generator=g).to(dtype)
+        a, b, kq, vq = attend(exact_attention_fwd, q, m, *args)
+        r = {"bitwise": same_bits(a, b)}
+        if dtype in tol:
+            r["close"] = rel_err(a, exact_attention_reference(q, kq, vq, m, 32 ** -0.5)) < tol[dtype]
+        out[f"exact-{name}-{str(dtype)[6:]}"] = r
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(_CHILD, "FP8 KV-cache kernels", timeout=900)
+
+
+def _cases(results: dict, prefix: str) -> dict:
+    return {name: r for name, r in results.items() if name.startswith(prefix)}
+
+
+def test_write_kv_fp8_is_the_formula_bitwise(interpreted):
+    cases = _cases(interpreted, "write-")
+    assert len(cases) == 7, sorted(cases)
+    for name, r in cases.items():
+        assert r.pop("is_1x128", True), name
+        assert set(r) == {"k_data", "v_data", "k_scale", "v_scale", "others_kept"} and all(r.values()), (name, r)
+
+
+@pytest.mark.parametrize("kernel", ["decode-", "exact-decode-", "exact-prefill-", "exact-packed-"])
+def test_fp8_cache_attends_like_its_dequantized_copy(interpreted, kernel):
+    cases = _cases(interpreted, kernel)
+    assert len(cases) == {"decode-": 12, "exact-decode-": 6}.get(kernel, 3), sorted(cases)
+    assert all(r["bitwise"] for r in cases.values()), cases
+    closes = [r["close"] for r in cases.values() if "close" in r]
+    assert len(closes) == 2 * len(cases) // 3 and all(closes), cases
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: input checks (host logic before any launch)
+
+
+def _kernels():
+    from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
+    from jetrl.quant.kernels.paged_attention_triton import paged_decode
+
+    return {"paged_decode": paged_decode, "exact_attention": exact_attention_fwd}
+
+
+@pytest.mark.parametrize("name", ["paged_decode", "exact_attention"])
+def test_attention_kernels_reject_bad_fp8_inputs(name):
+    fn = _kernels()[name]
+    gen = torch.Generator().manual_seed(0)
+    meta, kd, ks, vd, vs = paged_case(gen, [5, 9], [1, 1], 4, 2, 16)
+    q = torch.randn(2, 4, 16, dtype=torch.bfloat16)
+    kq, vq = dequantize_kv_ref(kd, ks, q.dtype), dequantize_kv_ref(vd, vs, q.dtype)
+    with pytest.raises(ValueError, match=f"{name}: the cache is torch.float8_e4m3fn but no k_scale/v_scale"):
+        fn(q, kd, vd, meta, 0.25)
+    with pytest.raises(ValueError, match=f"{name}: k_scale/v_scale given but the cache is torch.bfloat16"):
+        fn(q, kq, vq, meta, 0.25, ks, vs)
+    with pytest.raises(ValueError, match=f"{name}: give both k_scale and v_scale"):
+        fn(q, kd, vd, meta, 0.25, ks, None)
+    with pytest.raises(ValueError, match=f"{name}: v_scale must be float32 of shape"):
+        fn(q, kd, vd, meta, 0.25, ks, vs.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=f"{name}: k_scale must be float32 of shape"):
+        fn(q, kd, vd, meta, 0.25, ks[:, :2], vs)
+    with pytest.raises(ValueError, match=f"{name}: K and V caches differ"):
+        fn(q, kd, vq, meta, 0.25, ks, vs)
+
+
+def test_write_kv_fp8_rejects_bad_inputs():
+    from jetrl.quant.kernels.kv_cache_triton import write_kv_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    k, v, (kc, vc, ks, vs), slots = write_case(gen, 5, 2, 16, torch.bfloat16, num_blocks=3, page=4)
+    with pytest.raises(ValueError, match="the caches must be torch.float8_e4m3fn"):
+        write_kv_fp8(k, v, kc.float(), vc.float(), ks, vs, slots)
+    with pytest.raises(ValueError, match="v_scale must be float32 of shape"):
+        write_kv_fp8(k, v, kc, vc, ks, vs[:, :, :1], slots)
+    with pytest.raises(ValueError, match="slot_mapping must be int32/int64 of shape"):
+        write_kv_fp8(k, v, kc, vc, ks, vs, slots[:4])
+    with pytest.raises(ValueError, match="does not match the cache"):
+        write_kv_fp8(k[:, :1], v[:, :1], kc, vc, ks, vs, slots)
+    with pytest.raises(ValueError, match="k and v must be bfloat16/float16/float32"):
+        write_kv_fp8(k.double(), v.double(), kc, vc, ks, vs, slots)
+    with pytest.raises(ValueError, match="k and v must be \\(N, Hkv, D\\) of one shape"):
+        write_kv_fp8(k, v[:4], kc, vc, ks, vs, slots)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: the Llama-3.1-8B head shapes (32 query heads, 8 KV heads, head_dim 128, bf16, pages of 16)
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_fp8_bitwise_at_8b_shape(num_tokens, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    k, v, pools, slots = write_case(gen, num_tokens, HKV, D, dtype, num_blocks=num_tokens // PAGE + 3, page=PAGE,
+                                    device="cuda")
+    r = check_write(k, v, pools, slots)
+    assert all(r.values()), r
+
+
+# batch sizes and their contexts: 1 and 5 sequences split their long contexts across programs (flash-decoding),
+# 64 sequences fill the GPU without splitting; contexts are random (partial last pages), one is a single token
+DECODE_BATCHES = {1: (8000, 8000), 5: (1, 3000), 64: (1, 1500)}
+
+
+def _decode_case(num_seqs: int, q_lens=None):
+    gen = torch.Generator(device="cuda").manual_seed(num_seqs)
+    low, high = DECODE_BATCHES[num_seqs]
+    contexts = torch.randint(low, high + 1, (num_seqs,), generator=gen, device="cuda").tolist()
+    contexts[-1] = low
+    q_lens = q_lens or [1] * num_seqs
+    contexts = [max(c, n) for c, n in zip(contexts, q_lens)]  # a sequence holds at least its new tokens
+    meta, kd, ks, vd, vs = paged_case(gen, contexts, q_lens, PAGE, HKV, D, "cuda", shared_blocks=2)
+    q = torch.randn(sum(q_lens), HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    return q, meta, kd, ks, vd, vs
+
+
+# Tolerance against the references on the dequantized cache: the kernels round the probabilities to bf16 for
+# P @ V and the output to bf16 (each ~2^-9 relative), ~3e-3 relative overall, as for the BF16 cache in
+# tests/rollout/test_rollout_gpu.py; a wrong scale, token or head misses by O(1).
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs", sorted(DECODE_BATCHES))
+def test_paged_decode_fp8_at_8b_shapes(num_seqs):
+    from jetrl.models.attention import paged_attention_reference
+    from jetrl.quant.kernels.paged_attention_triton import choose_num_splits, paged_decode
+
+    q, meta, kd, ks, vd, vs = _decode_case(num_seqs)
+    splits = choose_num_splits(num_seqs, HKV, meta.max_context_len, q.device)
+    assert (splits > 1) == (num_seqs < 64), splits  # the cases cover both the split and the unsplit kernel
+    a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs)
+    assert same_bits(a, b)
+    ref = paged_attention_reference(q.float(), kq.float(), vq.float(), meta, D ** -0.5)
+    assert rel_err(a, ref) < 1e-2
+    a3, b3, _, _ = attend(paged_decode, q, meta, kd, ks, vd, vs, num_splits=3)
+    assert same_bits(a3, b3) and rel_err(a3, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs", sorted(DECODE_BATCHES))
+def test_exact_attention_fp8_decode_at_8b_shapes(num_seqs):
+    from jetrl.models.attention import exact_attention_reference
+    from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
+
+    q, meta, kd, ks, vd, vs = _decode_case(num_seqs)
+    a, b, kq, vq = attend(exact_attention_fwd, q, meta, kd, ks, vd, vs)
+    assert same_bits(a, b)
+    assert rel_err(a, exact_attention_reference(q, kq, vq, meta, D ** -0.5)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_exact_attention_fp8_prefill_and_packed_at_8b_shapes():
+    from jetrl.models.attention import exact_attention_reference, packed_as_paged
+    from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
+
+    # prefill chunks: 5 sequences with 1 .. 300 new rows each, over partial pages and shared prefix blocks
+    q, meta, kd, ks, vd, vs = _decode_case(5, q_lens=[1, 17, 300, 64, 1])
+    a, b, kq, vq = attend(exact_attention_fwd, q, meta, kd, ks, vd, vs)
+    assert same_bits(a, b)
+    assert rel_err(a, exact_attention_reference(q, kq, vq, meta, D ** -0.5)) < 1e-2
+    # the trainer's packed layout: one-token pages, scales (N, 1, Hkv)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cu = [0, 1, 200, 1224, 1300]
+    k, ks = quantize_kv_ref(kv_values(gen, (cu[-1], HKV, D), "cuda").to(torch.bfloat16))
+    v, vs = quantize_kv_ref(kv_values(gen, (cu[-1], HKV, D), "cuda").to(torch.bfloat16))
+    q = torch.randn(cu[-1], HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    meta = packed_as_paged(cu, "cuda")
+    a, b, kq, vq = attend(exact_attention_fwd, q, meta, k[:, None], ks[:, None], v[:, None], vs[:, None])
+    assert same_bits(a, b)
+    assert rel_err(a, exact_attention_reference(q, kq, vq, meta, D ** -0.5)) < 1e-2
