@@ -20,12 +20,12 @@ LLAMA31_8B: dict = dict(
                   "original_max_position_embeddings": 8192},
 )
 
-# Qwen2.5-32B as published (base model's HF config.json fields; q/k/v biases, untied LM head):
+# Qwen2.5-32B as published (base model's HF config.json fields; qwen2 has q/k/v biases, an untied LM head here):
 # 32,763,876,352 parameters, 65.5 GB in BF16 -- one copy fits one H200.
 QWEN25_32B: dict = dict(
     model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-    num_attention_heads=40, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=32768,
-    rope_theta=1000000.0, tie_word_embeddings=False, qkv_bias=True, eos_token_id=151643,
+    num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=32768,
+    rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151643,
 )
 
 # The same family at CPU-test size; hidden and intermediate sizes are multiples of the 128-wide FP8 blocks.

@@ -88,8 +88,8 @@ SHAPES = {
     "32b": QWEN25_32B,
     "1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6,
-                 rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True, qkv_bias=True,
-                 eos_token_id=151643),
+                 rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+                 eos_token_id=151643),  # qwen2: q/k/v biases
     "tiny": TINY_LLAMA,
 }
 GPU_SHAPES = ("8b", "32b", "1.5b")
@@ -161,12 +161,18 @@ def plan_measurement(prompt_len: int, new_tokens: int, window: int | None) -> Me
 
 # ---------------------------------------------------------------------------------------- the bytes model
 
+def _config(shape: dict):
+    """The :class:`~jetrl.models.DecoderConfig` of a HF-style config dict (biases, tied head, head dim)."""
+    from jetrl.models import DecoderConfig
+
+    return DecoderConfig.from_hf(shape)
+
+
 def _dims(shape: dict) -> tuple[int, int, int, int, int, int, int]:
     """(layers, hidden, heads, KV heads, head dim, intermediate, vocab) of a HF-style config dict."""
-    heads = shape["num_attention_heads"]
-    head_dim = shape.get("head_dim") or shape["hidden_size"] // heads
-    return (shape["num_hidden_layers"], shape["hidden_size"], heads, shape.get("num_key_value_heads", heads),
-            head_dim, shape["intermediate_size"], shape["vocab_size"])
+    c = _config(shape)
+    return (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.intermediate_size, c.vocab_size)
 
 
 def block_linear_shapes(shape: dict) -> list[tuple[int, int]]:
@@ -191,12 +197,15 @@ def other_weight_bytes(shape: dict) -> int:
     """BF16 bytes every decode step reads besides the block linears: the LM head (the embedding when tied),
     the norms, the biases."""
     layers, hidden, heads, kv_heads, head_dim, inter, vocab = _dims(shape)
+    c = _config(shape)
     other = vocab * hidden + (2 * layers + 1) * hidden
-    if shape.get("qkv_bias"):
+    if c.qk_norm:
+        other += layers * 2 * head_dim
+    if c.qkv_bias:
         other += layers * (heads + 2 * kv_heads) * head_dim
-    if shape.get("o_proj_bias"):
+    if c.o_proj_bias:
         other += layers * hidden
-    if shape.get("mlp_bias"):
+    if c.mlp_bias:
         other += layers * (2 * inter + hidden)
     return 2 * other
 
@@ -293,8 +302,8 @@ def kv_needed_bytes(shape: dict, arm: Arm, setting: Setting, m: Measurement, blo
 def kv_available_bytes(shape: dict, arm: Arm, a: PlanAssumptions, memory_budget: float) -> float:
     """The KV pool ``arm`` gets on the assumed device: ``memory_budget`` of what the BF16 parameters (the
     untied embedding too), the FP8 weight cache of an FP8 arm and a workspace leave."""
-    hidden, vocab = shape["hidden_size"], shape["vocab_size"]
-    params = weight_bytes(shape, False) + (0 if shape.get("tie_word_embeddings") else 2 * vocab * hidden)
+    _, hidden, _, _, _, _, vocab = _dims(shape)
+    params = weight_bytes(shape, False) + (0 if _config(shape).tie_word_embeddings else 2 * vocab * hidden)
     fp8_cache = linear_weight_bytes(shape, True) if arm.rollout_fp8 else 0
     free = a.device_gib * 2 ** 30 - params - fp8_cache - a.workspace_gib * 2 ** 30
     return max(free, 0.0) * memory_budget
@@ -692,7 +701,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         return []
     started = time.perf_counter()
     deadline = None if args.max_seconds is None else started + args.max_seconds
-    from jetrl.models import DecoderConfig, build_model
+    from jetrl.models import build_model
 
     if args.tiny:
         device, dtype = torch.device("cpu"), torch.float32
@@ -712,7 +721,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     for shape_name, settings in args.shapes.items():
         shape = SHAPES[shape_name]
         # seed=None draws the random weights on the device itself (a CPU generator would take minutes at 8B)
-        model = build_model(DecoderConfig(**shape), dtype=dtype, device=device, recipe="bf16",
+        model = build_model(shape, dtype=dtype, device=device, recipe="bf16",
                             seed=0 if device.type == "cpu" else None)
         try:
             for setting_name, setting in settings.items():
@@ -720,7 +729,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
                                   bandwidth, matmul_flops, deadline)
                 if args.hf:
                     hf_tokens = args.hf_new_tokens or res.new_tokens
-                    prompts = random_prompts(setting.num_prompts, res.prompt_len, shape["vocab_size"], seed=0)
+                    prompts = random_prompts(setting.num_prompts, res.prompt_len, shape["vocab_size"], seed=res.prompt_len)
                     res.hf_tokens_per_s = _run_hf(model, prompts, setting.n, hf_tokens, device)
                     if "bf16" in res.tokens_per_s:
                         res.engine_over_hf = res.tokens_per_s["bf16"] / res.hf_tokens_per_s
