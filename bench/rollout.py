@@ -337,6 +337,7 @@ class Result:
     bound: dict[str, str] = field(default_factory=dict)
     preemptions: dict[str, int] = field(default_factory=dict)
     kv_blocks: dict[str, int] = field(default_factory=dict)  # the engine's pool (capped at what the run needs)
+    kv_capacity_tokens: dict[str, int] = field(default_factory=dict)
     prefill_seconds: dict[str, float] = field(default_factory=dict)
     decode_seconds: dict[str, float] = field(default_factory=dict)
     host_seconds: dict[str, float] = field(default_factory=dict)
@@ -516,9 +517,9 @@ def run_setting(model, shape_name: str, shape: dict, setting_name: str, setting:
             res.tokens_per_s[name] = tps
             res.decode_tokens_per_s[name] = stats["decode_tokens_per_s"]
             res.prefill_seconds[name], res.decode_seconds[name] = stats["prefill_seconds"], stats["decode_seconds"]
-            res.host_seconds[name] = stats.get("host_seconds", 0.0)
-            res.preemptions[name] = int(stats.get("preemptions", 0))
-            res.kv_blocks[name] = int(stats.get("num_blocks", 0))
+            res.host_seconds[name] = stats["host_seconds"]
+            res.preemptions[name] = int(stats["preemptions"])
+            res.kv_blocks[name], res.kv_capacity_tokens[name] = int(stats["num_blocks"]), int(stats["kv_capacity_tokens"])
             res.step_bytes[name] = step_bytes(shape, arm, setting.num_seqs, m.mean_context)
             roof, res.bound[name] = roofline(shape, arm, setting.num_seqs, m.mean_context, bandwidth, matmul_flops)
             res.roofline_tokens_per_s[name] = roof
@@ -528,7 +529,8 @@ def run_setting(model, shape_name: str, shape: dict, setting_name: str, setting:
                   f"tok/s ({res.decode_roofline_fraction[name]:.1%} of the {res.bound[name]} roofline "
                   f"{roof:,.0f}); prefill {stats['prefill_seconds']:.2f} s, decode {stats['decode_seconds']:.2f} s, "
                   f"host time not waiting for the GPU {res.host_seconds[name]:.2f} s of {stats['seconds']:.2f} s; "
-                  f"{res.kv_blocks[name]} KV blocks, {res.preemptions[name]} preemptions"
+                  f"{res.kv_blocks[name]} KV blocks ({res.kv_capacity_tokens[name]:,} tokens), "
+                  f"{res.preemptions[name]} preemptions"
                   + (" (not steady state: the pool is too small)" if res.preemptions[name] else ""), flush=True)
     finally:
         apply_recipe(model, "bf16")  # drops the FP8 modules and their cached weights

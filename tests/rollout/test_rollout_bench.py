@@ -294,6 +294,7 @@ def test_tiny_run_fp8_kv_window(bench, engine_with_kv_fp8, one_thread, capsys):
         assert all(math.isfinite(r.mismatch_mean[a]) and r.mismatch_max[a] >= r.mismatch_mean[a]
                    for a in ("bf16", "jet", "jet+kv8"))
         assert r.preemptions["jet+kv8"] == 0
+        assert all(r.kv_capacity_tokens[a] == 16 * r.kv_blocks[a] > 0 for a in r.kv_blocks)
     assert "jet+kv8 " in capsys.readouterr().out.splitlines()[-1]
 
 
