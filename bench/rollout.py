@@ -21,8 +21,8 @@ fp32 scale per token per KV head. ``--exact`` adds ``jet-exact`` (``RolloutEngin
 Defaults per shape (the issue-17 table): ``8b``: ``b64,b256,b64-8k``; ``32b``: ``b64,b64-2k`` (at 32B, 256 x 1,280
 tokens of BF16 KV, 80 GiB, do not fit next to the weights, and neither do 64 x 8,448); ``1.5b``: ``b64,b256``.
 
-**What is measured.** A setting with at most ``--window`` new tokens (default: no window) runs its whole
-generation: end-to-end tokens/s (prefill included) and decode-step tokens/s (the engine's ``decode_tokens_per_s``:
+**What is measured.** A setting with at most ``--window`` new tokens (default 1,024; ``--window 0``: every
+setting whole) runs its whole generation: end-to-end tokens/s (prefill included) and decode-step tokens/s (the engine's ``decode_tokens_per_s``:
 tokens of decode steps over the wall time of those steps). A setting with more new tokens than ``--window W`` is
 measured in *steady state*: the same sequences, with prompts of ``prompt_len + (new_tokens - W) // 2`` random
 tokens, generate ``W`` tokens; the ``W - 1`` decode steps then read contexts centred on the mean context of the full
@@ -61,7 +61,8 @@ minutes by that estimate::
     PYTHONPATH=$PWD python3 bench/rollout.py --shape 8b,32b --window 256 --max-seconds 330
 
 (8B: ``b64``, ``b256``, ``b64-8k``; 32B: ``b64``, ``b64-2k``; every setting over 256 decode steps at its mean
-context). Whole generations at 8B (end to end, comparable with earlier runs): ``--shape 8b --settings b64,b256``.
+context). The default, ``--shape 8b``, runs ``b64`` and ``b256`` whole (end to end, comparable with earlier runs)
+and ``b64-8k`` over a 1,024-token window: about four minutes; ``--shape 32b`` alone about as long.
 The ``transformers.generate`` comparison (``--hf``, static cache, a second copy of the weights: 8B and 1.5B only)
 is off by default. CPU smoke run: ``python bench/rollout.py --tiny``. ``--json PATH`` saves the results.
 """
@@ -616,8 +617,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="score every arm's completions with the training forward (implied by --exact)")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=None, help="override every setting's new tokens")
-    parser.add_argument("--window", type=int, default=None,
-                        help="settings with more new tokens are measured over this many at their mean context")
+    parser.add_argument("--window", type=int, default=1024,
+                        help="settings with more new tokens are measured over this many at their mean context "
+                             "(0: none)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="skip the runs that would end after this many seconds (by the --plan estimate)")
     parser.add_argument("--plan", action="store_true", help="print the runs and their estimated GPU seconds; run nothing")
@@ -644,8 +646,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.window == 0:
+        args.window = None
     if args.window is not None and args.window < 2:
-        parser.error(f"--window must be >= 2, got {args.window}")
+        parser.error(f"--window must be >= 2 (or 0: no window), got {args.window}")
     if args.max_seconds is not None and args.max_seconds <= 0:
         parser.error(f"--max-seconds must be positive, got {args.max_seconds}")
     if not 0 < args.memory_budget <= 1:

@@ -178,6 +178,8 @@ def test_command_line(bench):
     args = bench._parse([])
     assert [a.name for a in args.arms] == ["bf16", "jet", "jet+kv8"]
     assert {s: list(v) for s, v in args.shapes.items()} == {"8b": ["b64", "b256", "b64-8k"]}
+    # by default a 1,024-token setting runs whole, a longer one over a 1,024-token window; --window 0: all whole
+    assert args.window == 1024 and bench._parse(["--window", "0"]).window is None
     args = bench._parse(["--shape", "8b,32b"])
     assert {s: list(v) for s, v in args.shapes.items()} == {"8b": ["b64", "b256", "b64-8k"],
                                                             "32b": ["b64", "b64-2k"]}
@@ -209,7 +211,7 @@ def test_plan_of_the_issue_table(bench, capsys):
     assert total < 330  # the run fits its own cap by the estimate: nothing is skipped on an H200 at that pace
     # at 32B, 64 x (256 + 3,072) tokens of BF16 KV fit next to the BF16 weights but not next to the FP8 weight
     # cache as well; the FP8 KV cache holds them
-    args = bench._parse(["--shape", "32b", "--settings", "b64", "--new-tokens", "3072"])
+    args = bench._parse(["--shape", "32b", "--settings", "b64", "--new-tokens", "3072", "--window", "0"])
     _, lines = bench.plan(args)
     assert [("preempts" in line) for line in lines[1:]] == [False, True, False]  # bf16, jet, jet+kv8
     bench.main(["--plan", "--shape", "8b", "--settings", "b64"])
