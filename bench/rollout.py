@@ -61,7 +61,8 @@ minutes by that estimate::
     PYTHONPATH=$PWD python3 bench/rollout.py --shape 8b,32b --window 256 --max-seconds 330
 
 (8B: ``b64``, ``b256``, ``b64-8k``; 32B: ``b64``, ``b64-2k``; every setting over 256 decode steps at its mean
-context). The default, ``--shape 8b``, runs ``b64`` and ``b256`` whole (end to end, comparable with earlier runs)
+context). Its estimate, the three arms of a setting together: 8B ``b64`` 23 s, ``b256`` 40 s, ``b64-8k`` 54 s;
+32B ``b64`` 48 s, ``b64-2k`` 64 s; building the weights 5 s and 19 s, starting 40 s: 294 s in all. The default, ``--shape 8b``, runs ``b64`` and ``b256`` whole (end to end, comparable with earlier runs)
 and ``b64-8k`` over a 1,024-token window: about four minutes; ``--shape 32b`` alone about as long.
 The ``transformers.generate`` comparison (``--hf``, static cache, a second copy of the weights: 8B and 1.5B only)
 is off by default. CPU smoke run: ``python bench/rollout.py --tiny``. ``--json PATH`` saves the results.
@@ -675,34 +676,56 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def plan(args, assumptions: PlanAssumptions | None = None) -> tuple[float, list[str]]:
-    """Estimated GPU seconds of the whole run and one line per run (with its KV need against the assumed
-    device's pool: a run that needs more preempts and does not measure steady state)."""
+@dataclass(frozen=True)
+class PlanRow:
+    """One line of ``--plan``: building a shape's weights (``setting`` and ``arm`` None) or one arm of a setting,
+    its estimated seconds, and for an arm the KV bytes it needs against the pool it would get."""
+
+    shape: str
+    setting: str | None
+    arm: str | None
+    seconds: float
+    kv_needed: int = 0
+    kv_pool: float = 0.0
+    what: str = ""
+
+    @property
+    def preempts(self) -> bool:
+        return self.kv_needed > self.kv_pool
+
+    def __str__(self) -> str:
+        if self.setting is None:
+            return f"{self.shape}: build {self.seconds:.0f} s"
+        return (f"{self.shape} {self.setting} {self.arm}: {self.seconds:.0f} s ({self.what}); KV "
+                f"{self.kv_needed / 2 ** 30:.1f} GiB of a {self.kv_pool / 2 ** 30:.0f} GiB pool"
+                + (" -- preempts" if self.preempts else ""))
+
+
+def plan(args, assumptions: PlanAssumptions | None = None) -> tuple[float, list[PlanRow]]:
+    """Estimated GPU seconds of the whole run (process start included) and its rows: each shape's build, then
+    each setting's arms with the KV they need against the assumed device's pool (a run that needs more
+    preempts and does not measure steady state)."""
     a = assumptions or PlanAssumptions()
-    total, lines = a.start_seconds, []
+    total, rows = a.start_seconds, []
     for shape_name, settings in args.shapes.items():
         shape = SHAPES[shape_name]
-        build = weight_bytes(shape, False) / 1e9 * a.build_seconds_per_gb
-        total += build
-        lines.append(f"{shape_name}: build {build:.0f} s")
+        rows.append(PlanRow(shape_name, None, None, weight_bytes(shape, False) / 1e9 * a.build_seconds_per_gb))
         for name, setting in settings.items():
             m = plan_measurement(args.prompt_len, args.new_tokens or setting.new_tokens, args.window)
             for arm in args.arms:
-                seconds = estimate_arm_seconds(shape, setting, m, arm, a, args.repeats, args.mismatch)
-                need = kv_needed_bytes(shape, arm, setting, m)
-                pool = kv_available_bytes(shape, arm, a, args.memory_budget)
-                total += seconds
-                lines.append(f"{shape_name} {name} {arm.name}: {seconds:.0f} s ({'window' if m.window else 'whole'}"
-                             f" {m.prompt_len} + {m.new_tokens}); KV {need / 2 ** 30:.1f} GiB of a "
-                             f"{pool / 2 ** 30:.0f} GiB pool" + (" -- preempts" if need > pool else ""))
-    return total, lines
+                rows.append(PlanRow(shape_name, name, arm.name,
+                                    estimate_arm_seconds(shape, setting, m, arm, a, args.repeats, args.mismatch),
+                                    kv_needed_bytes(shape, arm, setting, m),
+                                    kv_available_bytes(shape, arm, a, args.memory_budget),
+                                    f"{'window' if m.window else 'whole'} {m.prompt_len} + {m.new_tokens}"))
+    return total + sum(r.seconds for r in rows), rows
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
     args = _parse(argv)
     if args.plan:
-        total, lines = plan(args)
-        print("\n".join(lines))
+        total, rows = plan(args)
+        print("\n".join(map(str, rows)))
         print(f"estimated GPU seconds in all (assumptions: {PlanAssumptions()}): {total:.0f}")
         return []
     started = time.perf_counter()

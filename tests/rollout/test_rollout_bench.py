@@ -200,22 +200,33 @@ def test_bad_command_lines_are_refused(bench, argv):
 
 
 def test_plan_of_the_issue_table(bench, capsys):
-    """The documented command's runs, their estimates, and the KV each needs against the pool it gets."""
-    argv = ["--shape", "8b,32b", "--window", "256", "--max-seconds", "330"]
-    assert argv == "--shape 8b,32b --window 256 --max-seconds 330".split()  # as in the module doc
+    """The documented command's runs, their estimates (as the module doc quotes them), and the KV each needs
+    against the pool it gets."""
+    argv = "--shape 8b,32b --window 256 --max-seconds 330".split()
     assert "bench/rollout.py --shape 8b,32b --window 256 --max-seconds 330" in bench.__doc__
-    args = bench._parse(argv)
-    total, lines = bench.plan(args)
-    assert len(lines) == 2 + (3 + 2) * 3  # a build line per shape, one line per setting and arm
-    assert not any("preempts" in line for line in lines)
+    total, rows = bench.plan(bench._parse(argv))
+    assert [(r.shape, r.setting) for r in rows if r.arm in (None, "bf16")] == [
+        ("8b", None), ("8b", "b64"), ("8b", "b256"), ("8b", "b64-8k"), ("32b", None), ("32b", "b64"), ("32b", "b64-2k")]
+    assert [r.arm for r in rows if r.setting == "b64-8k"] == ["bf16", "jet", "jet+kv8"]
+    assert not any(r.preempts for r in rows)
+    assert total == pytest.approx(bench.PlanAssumptions().start_seconds + sum(r.seconds for r in rows))
     assert total < 330  # the run fits its own cap by the estimate: nothing is skipped on an H200 at that pace
+    per = {}
+    for r in rows:
+        per[(r.shape, r.setting)] = per.get((r.shape, r.setting), 0.0) + r.seconds
+    quoted = (f"8B ``b64`` {per['8b', 'b64']:.0f} s, ``b256`` {per['8b', 'b256']:.0f} s, ``b64-8k`` "
+              f"{per['8b', 'b64-8k']:.0f} s; 32B ``b64`` {per['32b', 'b64']:.0f} s, ``b64-2k`` "
+              f"{per['32b', 'b64-2k']:.0f} s; building the weights {per['8b', None]:.0f} s and {per['32b', None]:.0f} "
+              f"s, starting {bench.PlanAssumptions().start_seconds:.0f} s: {total:.0f} s in all")
+    assert quoted in " ".join(bench.__doc__.split())
     # at 32B, 64 x (256 + 3,072) tokens of BF16 KV fit next to the BF16 weights but not next to the FP8 weight
     # cache as well; the FP8 KV cache holds them
-    args = bench._parse(["--shape", "32b", "--settings", "b64", "--new-tokens", "3072", "--window", "0"])
-    _, lines = bench.plan(args)
-    assert [("preempts" in line) for line in lines[1:]] == [False, True, False]  # bf16, jet, jet+kv8
+    _, rows = bench.plan(bench._parse(["--shape", "32b", "--settings", "b64", "--new-tokens", "3072", "--window", "0"]))
+    assert [(r.arm, r.preempts) for r in rows[1:]] == [("bf16", False), ("jet", True), ("jet+kv8", False)]
+    assert rows[3].kv_needed == 64 * (256 + 3072) * bench.kv_bytes_per_token(bench.SHAPES["32b"], True)
     bench.main(["--plan", "--shape", "8b", "--settings", "b64"])
-    assert "estimated GPU seconds in all" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "8b b64 jet+kv8: " in out and "estimated GPU seconds in all" in out
 
 
 def test_estimates_add_up(bench):
