@@ -22,13 +22,13 @@ Defaults per shape (the issue-17 table): ``8b``: ``b64,b256,b64-8k``; ``32b``: `
 tokens of BF16 KV, 80 GiB, do not fit next to the weights, and neither do 64 x 8,448); ``1.5b``: ``b64,b256``.
 
 **What is measured.** A setting with at most ``--window`` new tokens (default 1,024; ``--window 0``: every
-setting whole) runs its whole generation: end-to-end tokens/s (prefill included) and decode-step tokens/s (the engine's ``decode_tokens_per_s``:
-tokens of decode steps over the wall time of those steps). A setting with more new tokens than ``--window W`` is
-measured in *steady state*: the same sequences, with prompts of ``prompt_len + (new_tokens - W) // 2`` random
-tokens, generate ``W`` tokens; the ``W - 1`` decode steps then read contexts centred on the mean context of the full
-generation, and their tokens/s is reported (the long prefill is excluded). A decode step's cost is linear in its
-context, so this equals the full generation's mean decode step up to that linearity; it is what the full run's
-decode tokens/s would be, not its end-to-end tokens/s.
+setting whole) runs its whole generation: end-to-end tokens/s (prefill included) and decode-step tokens/s (the
+engine's ``decode_tokens_per_s``: tokens of decode steps over the wall time of those steps). A setting with more
+new tokens than ``--window W`` is measured in *steady state*: the same sequences, with prompts of
+``prompt_len + (new_tokens - W) // 2`` random tokens, generate ``W`` tokens; the ``W - 1`` decode steps then read
+contexts centred on the mean context of the full generation, and their tokens/s is reported (the long prefill is
+excluded). A decode step's cost is linear in its context, so this equals the full generation's mean decode step
+up to that linearity; it is what the full run's decode tokens/s would be, not its end-to-end tokens/s.
 
 **Bytes ceiling of a ratio.** Every ratio is an arm's decode-step tokens/s over ``bf16``'s (end-to-end ratios are
 printed as well for whole generations). Its ceiling is the ratio of the bytes one decode step reads, at the mean
@@ -62,8 +62,9 @@ minutes by that estimate::
 
 (8B: ``b64``, ``b256``, ``b64-8k``; 32B: ``b64``, ``b64-2k``; every setting over 256 decode steps at its mean
 context). Its estimate, the three arms of a setting together: 8B ``b64`` 23 s, ``b256`` 40 s, ``b64-8k`` 54 s;
-32B ``b64`` 48 s, ``b64-2k`` 64 s; building the weights 5 s and 19 s, starting 40 s: 294 s in all. The default, ``--shape 8b``, runs ``b64`` and ``b256`` whole (end to end, comparable with earlier runs)
-and ``b64-8k`` over a 1,024-token window: about four minutes; ``--shape 32b`` alone about as long.
+32B ``b64`` 48 s, ``b64-2k`` 64 s; building the weights 5 s and 19 s, starting 40 s: 294 s in all. The
+default, ``--shape 8b``, runs ``b64`` and ``b256`` whole (end to end, comparable with earlier runs) and
+``b64-8k`` over a 1,024-token window: about four minutes; ``--shape 32b`` alone about as long.
 The ``transformers.generate`` comparison (``--hf``, static cache, a second copy of the weights: 8B and 1.5B only)
 is off by default. CPU smoke run: ``python bench/rollout.py --tiny``. ``--json PATH`` saves the results.
 """
@@ -489,7 +490,7 @@ def _measure_device(device: torch.device) -> tuple[float, float]:
 def run_setting(model, shape_name: str, shape: dict, setting_name: str, setting: Setting, arms: list[Arm], args,
                 device, bandwidth: float, matmul_flops: float, deadline: float | None) -> Result:
     """Every arm of one setting on ``model`` (recipes swapped in place); the model is back in ``bf16`` after."""
-    from jetrl.quant import apply_recipe
+    from jetrl.quant import apply_recipe, refresh_fp8_weights
 
     m = plan_measurement(args.prompt_len, args.new_tokens or setting.new_tokens, args.window)
     res = Result(shape_name, setting_name, setting.num_prompts, setting.n, args.prompt_len,
@@ -510,6 +511,8 @@ def run_setting(model, shape_name: str, shape: dict, setting_name: str, setting:
                 print(f"[{shape_name} {setting_name}] {arm.name}: skipped (--max-seconds)", flush=True)
                 continue
             apply_recipe(model, arm.recipe)  # swaps linear layers in place, sharing the parameters
+            # quantize the FP8 weights now, so the engine sizes its KV pool from the memory they leave
+            refresh_fp8_weights(model, eager=True)
             tps, stats, outs = _run_engine(model, prompts, warmup, setting.n, m.new_tokens, arm, args, device)
             if args.mismatch:
                 res.mismatch_mean[arm.name], res.mismatch_max[arm.name] = mismatch(model, prompts, outs, arm, device)
@@ -521,7 +524,8 @@ def run_setting(model, shape_name: str, shape: dict, setting_name: str, setting:
             res.prefill_seconds[name], res.decode_seconds[name] = stats["prefill_seconds"], stats["decode_seconds"]
             res.host_seconds[name] = stats["host_seconds"]
             res.preemptions[name] = int(stats["preemptions"])
-            res.kv_blocks[name], res.kv_capacity_tokens[name] = int(stats["num_blocks"]), int(stats["kv_capacity_tokens"])
+            res.kv_blocks[name] = int(stats["num_blocks"])
+            res.kv_capacity_tokens[name] = int(stats["kv_capacity_tokens"])
             res.step_bytes[name] = step_bytes(shape, arm, setting.num_seqs, m.mean_context)
             roof, res.bound[name] = roofline(shape, arm, setting.num_seqs, m.mean_context, bandwidth, matmul_flops)
             res.roofline_tokens_per_s[name] = roof
@@ -623,7 +627,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                              "(0: none)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="skip the runs that would end after this many seconds (by the --plan estimate)")
-    parser.add_argument("--plan", action="store_true", help="print the runs and their estimated GPU seconds; run nothing")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the runs and their estimated GPU seconds; run nothing")
     parser.add_argument("--hf", action="store_true", help="compare with transformers.generate (8b, 1.5b)")
     parser.add_argument("--no-hf", action="store_true", help="(the default; kept for older command lines)")
     parser.add_argument("--hf-new-tokens", type=int, default=None, help="new tokens for transformers (default: same)")
@@ -758,7 +763,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
                                   bandwidth, matmul_flops, deadline)
                 if args.hf:
                     hf_tokens = args.hf_new_tokens or res.new_tokens
-                    prompts = random_prompts(setting.num_prompts, res.prompt_len, shape["vocab_size"], seed=res.prompt_len)
+                    prompts = random_prompts(setting.num_prompts, res.prompt_len, shape["vocab_size"],
+                                             seed=res.prompt_len)
                     res.hf_tokens_per_s = _run_hf(model, prompts, setting.n, hf_tokens, device)
                     if "bf16" in res.tokens_per_s:
                         res.engine_over_hf = res.tokens_per_s["bf16"] / res.hf_tokens_per_s
@@ -772,8 +778,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)
-    print(f"\nrollout throughput ({time.perf_counter() - started:.0f} s); /bf16 and the bytes ceiling are of decode-step "
-          f"tokens/s, e2e /bf16 of whole generations (prefill included)")
+    print(f"\nrollout throughput ({time.perf_counter() - started:.0f} s); /bf16 and the bytes ceiling are of "
+          f"decode-step tokens/s, e2e /bf16 of whole generations (prefill included)")
     print(format_table(results), flush=True)
     return results
 
