@@ -1,4 +1,4 @@
-"""One RL step of a Llama-3.1-8B-shaped policy, ``bf16`` vs ``jet`` (+ FP8 KV cache): every phase's time, the speed-ups.
+"""One RL step of a Llama-3.1-8B-shaped policy, ``bf16`` vs ``jet`` (+ FP8 KV cache): phase times, speed-ups.
 
 The step is :meth:`jetrl.rl.Trainer.step` itself (rollout -> reward -> old-logprob forward -> reference
 forward -> PPO update -> FP8 weight refresh), timed by the trainer's own phase timers. The model has random
@@ -33,9 +33,10 @@ against issue 17's target (1.5x) and NeMo-RL's published 8B number (FP8 linears,
 weights in every decode step and the FP8 cache pays most. The step's memory grows with the sequence length
 (KV cache, activations and the micro-batch's LM-head logits), so ``--long`` takes 8 of the 32 blocks unless
 ``--layers`` says otherwise: by :func:`estimate_memory_bytes`, 16 blocks with the reference model need about
-141 GiB in ``jet``, more than one H200 holds, and 8 blocks about 89 GiB. Its warm-up step generates 256 tokens
-(``--warmup-new-tokens``; compilation and CUDA-graph capture do not depend on the length), the timed step the
-full 4,096. Command for issue 17's row, three arms, roughly three minutes of GPU time by a bytes/FLOPs
+141 GiB in ``jet``, more than one H200 holds, and 8 blocks about 89 GiB (the BF16 LM head and embedding then
+weigh as much as the FP8 blocks, so the training phases gain less than at full depth). Its warm-up step generates
+256 tokens (``--warmup-new-tokens``: it compiles the kernels and captures the CUDA graphs, which the engine sizes
+for the full length from the start), the timed step the full 4,096. Command for issue 17's row, three arms, roughly three minutes of GPU time by a bytes/FLOPs
 estimate::
 
     PYTHONPATH=$PWD python3 bench/rl_step.py --long --kv-fp8
