@@ -33,11 +33,11 @@ against issue 17's target (1.5x) and NeMo-RL's published 8B number (FP8 linears,
 weights in every decode step and the FP8 cache pays most. The step's memory grows with the sequence length
 (KV cache, activations and the micro-batch's LM-head logits), so ``--long`` takes 8 of the 32 blocks unless
 ``--layers`` says otherwise: by :func:`estimate_memory_bytes`, 16 blocks with the reference model need about
-141 GiB in ``jet``, more than one H200 holds, and 8 blocks about 89 GiB (the BF16 LM head and embedding then
-weigh as much as the FP8 blocks, so the training phases gain less than at full depth). Its warm-up step generates
-256 tokens (``--warmup-new-tokens``: it compiles the kernels and captures the CUDA graphs, which the engine sizes
-for the full length from the start), the timed step the full 4,096. Command for issue 17's row, three arms, roughly three minutes of GPU time by a bytes/FLOPs
-estimate::
+141 GiB in ``jet``, more than one H200 holds, and 8 blocks about 89 GiB (the BF16 LM head and embedding, 1.05B
+parameters, then weigh over half as much as the 1.74B of the FP8 blocks, so the training phases gain less than at
+full depth). Its warm-up step generates 256 tokens (``--warmup-new-tokens``: it compiles the kernels and captures
+the CUDA graphs, which the engine sizes for the full length from the start), the timed step the full 4,096.
+Command for issue 17's row, three arms, roughly three minutes of GPU time by a bytes/FLOPs estimate::
 
     PYTHONPATH=$PWD python3 bench/rl_step.py --long --kv-fp8
 
@@ -492,7 +492,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         m = r.step_metrics
         print(f"{recipe}: step {r.seconds['total']:.2f} s; rollout {r.seconds['rollout']:.2f} s of which "
               f"{r.seconds['rollout'] - r.rollout_loop_seconds:.2f} s before the generation loop (KV cache, CUDA "
-              f"graphs) and {r.rollout_host_seconds:.2f} s of host time not waiting for the GPU; rollout/training mismatch |dlogp| mean "
+              f"graphs) and {r.rollout_host_seconds:.2f} s of host time not waiting for the GPU; rollout/training "
+              f"mismatch |dlogp| mean "
               f"{m.get('mismatch/logp_abs_diff_mean', float('nan')):.2e} max "
               f"{m.get('mismatch/logp_abs_diff_max', float('nan')):.2e}", flush=True)
 
