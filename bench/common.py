@@ -1,10 +1,13 @@
-"""Helpers shared by the benchmarks: model shapes built from configs (no download), device utilities.
+"""Helpers shared by the benchmarks: model shapes built from configs (no download), the arms (recipe, FP8 KV
+cache, exact mode) and their names, device utilities.
 
 Scripts import this as ``bench.common`` (repository root on ``sys.path``, e.g. ``python -m bench.x`` or
 the tests) or as ``common`` (``python bench/x.py`` puts ``bench/`` on ``sys.path``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +18,14 @@ LLAMA31_8B: dict = dict(
     rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192},
+)
+
+# Qwen2.5-32B as published (base model's HF config.json fields; qwen2 has q/k/v biases, an untied LM head here):
+# 32,763,876,352 parameters, 65.5 GB in BF16 -- one copy fits one H200.
+QWEN25_32B: dict = dict(
+    model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+    num_attention_heads=40, num_key_value_heads=8, rms_norm_eps=1e-5, max_position_embeddings=32768,
+    rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151643,
 )
 
 # The same family at CPU-test size; hidden and intermediate sizes are multiples of the 128-wide FP8 blocks.
@@ -30,6 +41,81 @@ def with_layers(shape: dict, num_layers: int | None) -> dict:
         raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
     return dict(shape, num_hidden_layers=num_layers)
 
+
+# ------------------------------------------------------------------------------------------------ arms
+
+KV8_SUFFIX = "+kv8"  # an arm ``<recipe>+kv8``: the recipe with the FP8 KV cache (run config ``kv_fp8: true``)
+EXACT_SUFFIX = "-exact"  # an arm ``<recipe>[+kv8]-exact``: the same in exact on-policy mode
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One benchmark arm: a precision recipe, with or without the FP8 KV cache, fast or exact.
+
+    Named ``<recipe>[+kv8][-exact]``: ``bf16``, ``jet``, ``jet+kv8``, ``jet-exact``, ``jet+kv8-exact``,
+    ``fp8-rollout+kv8`` (the rollout-only FP8 cache peers ship). The rules are the run config's: ``kv_fp8``
+    needs a recipe that rolls out in FP8, exact mode one that runs the same precision on both sides.
+    """
+
+    recipe: str
+    kv_fp8: bool = False
+    exact: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.recipe + (KV8_SUFFIX if self.kv_fp8 else "") + (EXACT_SUFFIX if self.exact else "")
+
+    @property
+    def rollout_fp8(self) -> bool:
+        """Whether the rollout side runs FP8 linears (the recipe's ``rollout_fp8``)."""
+        from jetrl.quant.recipe import get_recipe
+
+        return get_recipe(self.recipe).rollout_fp8
+
+    @property
+    def train_kv_fp8(self) -> bool:
+        """Whether the training forward quantizes K and V too: the FP8 cache under a recipe that trains in
+        FP8 (``jet+kv8``); ``fp8-rollout+kv8`` quantizes the rollout's cache only."""
+        from jetrl.quant.recipe import get_recipe
+
+        return self.kv_fp8 and get_recipe(self.recipe).train_fp8
+
+
+def parse_arm(name: str) -> Arm:
+    """``"jet+kv8-exact"`` -> ``Arm("jet", kv_fp8=True, exact=True)``; a ``ValueError`` naming the problem for
+    an unknown recipe, ``kv8`` on a recipe that rolls out in BF16, or exact mode under ``fp8-rollout``."""
+    from jetrl.quant.recipe import RECIPES
+
+    if not isinstance(name, str):
+        raise TypeError(f"an arm name is a string, got {type(name).__name__}")
+    base, exact = (name[:-len(EXACT_SUFFIX)], True) if name.endswith(EXACT_SUFFIX) else (name, False)
+    recipe, kv_fp8 = (base[:-len(KV8_SUFFIX)], True) if base.endswith(KV8_SUFFIX) else (base, False)
+    if recipe not in RECIPES:
+        raise ValueError(f"arm {name!r}: unknown recipe {recipe!r}; an arm is <recipe>[{KV8_SUFFIX}][{EXACT_SUFFIX}] "
+                         f"with a recipe of {list(RECIPES)}")
+    spec = RECIPES[recipe]
+    if kv_fp8 and not spec.rollout_fp8:
+        raise ValueError(f"arm {name!r}: the FP8 KV cache needs a recipe that rolls out in FP8 "
+                         f"({[r for r, s in RECIPES.items() if s.rollout_fp8]}); {recipe!r} rolls out in BF16")
+    if exact and spec.rollout_fp8 != spec.train_fp8:
+        raise ValueError(f"arm {name!r}: exact mode needs the same precision on the rollout and training sides; "
+                         f"{recipe!r} rolls out in FP8 and trains in BF16")
+    return Arm(recipe, kv_fp8, exact)
+
+
+def parse_arms(text: str) -> list[Arm]:
+    """A comma list of arm names (see :class:`Arm`), in order; empty, unknown or repeated names are a
+    ``ValueError``."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"no arm named in {text!r}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"arms named twice: {repeated}")
+    return [parse_arm(n) for n in names]
+
+
+# ------------------------------------------------------------------------------------------- utilities
 
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU), so host timers measure finished kernels."""
@@ -67,7 +153,6 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2 ** 30
 
 
-
 def write_report(report: dict, path: str | None, out_name: str) -> None:
     """Write ``report`` as JSON to ``path`` (``--json``) and to ``$OUT/<out_name>`` when ``OUT`` is set."""
     import json
@@ -81,5 +166,7 @@ def write_report(report: dict, path: str | None, out_name: str) -> None:
         with open(target, "w") as f:
             json.dump(report, f, indent=2)
 
-__all__ = ["write_report", "LLAMA31_8B", "TINY_LLAMA", "with_layers", "sync", "random_prompts", "device_description",
+
+__all__ = ["write_report", "LLAMA31_8B", "QWEN25_32B", "TINY_LLAMA", "Arm", "parse_arm", "parse_arms", "KV8_SUFFIX",
+           "EXACT_SUFFIX", "with_layers", "sync", "random_prompts", "device_description",
            "reset_peak_memory", "peak_memory_gib"]

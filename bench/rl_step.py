@@ -1,4 +1,4 @@
-"""One RL step of a Llama-3.1-8B-shaped policy, ``bf16`` vs ``jet``: the time of every phase and the speed-ups.
+"""One RL step of a Llama-3.1-8B-shaped policy, ``bf16`` vs ``jet`` (+ FP8 KV cache): phase times, speed-ups.
 
 The step is :meth:`jetrl.rl.Trainer.step` itself (rollout -> reward -> old-logprob forward -> reference
 forward -> PPO update -> FP8 weight refresh), timed by the trainer's own phase timers. The model has random
@@ -23,6 +23,24 @@ recipe) weigh more, so the jet/bf16 speed-ups are somewhat below what the full d
 
 Reported next to the measured jet/bf16 speed-ups: Jet-RL's published 8B numbers and jetrl's targets.
 
+**Arms** (``--arms``, alias ``--recipes``; default ``bf16,jet``): ``<recipe>[+kv8][-exact]`` (see
+:class:`bench.common.Arm`). ``--kv-fp8`` adds ``jet+kv8``: ``jet`` with the run config's ``kv_fp8: true``, so the
+engine stores K and V in an E4M3 cache (one fp32 scale per token per KV head) and the training forwards (old
+log-probs, reference, update) attend over the same quantized K and V. Its end-to-end speed-up over ``bf16`` is set
+against issue 17's target (1.5x) and NeMo-RL's published 8B number (FP8 linears, KV cache and attention: 1.48x).
+
+**Long rollouts** (``--long``): 16 prompts x 4 samples x (256 + 4,096) tokens, where the KV cache outweighs the
+weights in every decode step and the FP8 cache pays most. The step's memory grows with the sequence length
+(KV cache, activations and the micro-batch's LM-head logits), so ``--long`` takes 8 of the 32 blocks unless
+``--layers`` says otherwise: by :func:`estimate_memory_bytes`, 16 blocks with the reference model need about
+141 GiB in ``jet``, more than one H200 holds, and 8 blocks about 89 GiB (the BF16 LM head and embedding, 1.05B
+parameters, then weigh over half as much as the 1.74B of the FP8 blocks, so the training phases gain less than at
+full depth). Its warm-up step generates 256 tokens (``--warmup-new-tokens``: it compiles the kernels and captures
+the CUDA graphs, which the engine sizes for the full length from the start), the timed step the full 4,096.
+Command for issue 17's row, three arms, roughly three minutes of GPU time by a bytes/FLOPs estimate::
+
+    PYTHONPATH=$PWD python3 bench/rl_step.py --long --kv-fp8
+
 **Exact mode** (``--exact``): a third arm, ``jet-exact`` (the ``jet`` recipe with ``exact: true``: the engine's
 log-probabilities equal the trainer's bitwise, see :mod:`jetrl.quant.exact`), runs after the fast arms; the table
 then also gives each phase's cost of exact ``jet`` over fast ``jet`` (``jet-exact/jet``, seconds over seconds),
@@ -39,23 +57,30 @@ import argparse
 import gc
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 try:  # repository root on sys.path (python -m bench.rl_step, the tests)
-    from bench.common import (LLAMA31_8B, TINY_LLAMA, device_description, peak_memory_gib, random_prompts,
-                              reset_peak_memory, with_layers, write_report)
+    from bench.common import (LLAMA31_8B, TINY_LLAMA, Arm, device_description, parse_arm, parse_arms,
+                              peak_memory_gib, random_prompts, reset_peak_memory, with_layers, write_report)
 except ModuleNotFoundError:  # python bench/rl_step.py: bench/ itself is on sys.path
-    from common import (LLAMA31_8B, TINY_LLAMA, device_description, peak_memory_gib,  # type: ignore[no-redef]
-                        random_prompts, reset_peak_memory, with_layers, write_report)
+    from common import (LLAMA31_8B, TINY_LLAMA, Arm, device_description, parse_arm,  # type: ignore[no-redef]
+                        parse_arms, peak_memory_gib, random_prompts, reset_peak_memory, with_layers, write_report)
 
 PHASES = ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh")
 # Jet-RL's reported speed-ups of jet over BF16 at 8B, and the targets jetrl sets itself (issue 6).
 JET_RL_REPORTED = {"rollout": "1.07-1.33x", "reference": "1.80x", "update": "1.54x", "total": "1.16x"}
 JETRL_TARGETS = {"rollout": 1.3, "reference": 1.8, "update": 1.6, "total": 1.3}
+# jet + FP8 KV cache over BF16: NeMo-RL's published 8B end-to-end speed-up, and issue 17's target for long rollouts
+NEMO_RL_REPORTED = {"total": "1.48x"}
+JETRL_KV8_TARGETS = {"total": 1.5}
+# arm -> (whose published speed-ups, those, jetrl's targets), for the table's comparison columns
+COMPARISONS = {"jet": ("Jet-RL", JET_RL_REPORTED, JETRL_TARGETS),
+               "jet+kv8": ("NeMo-RL", NEMO_RL_REPORTED, JETRL_KV8_TARGETS)}
 DEFAULT_8B_LAYERS = 16  # of 32: what fits one H200 with the reference model (see the module doc)
+LONG = dict(prompts=16, n=4, new_tokens=4096, layers=8, warmup_new_tokens=256)  # --long (see the module doc)
 
 
 @dataclass
@@ -121,13 +146,14 @@ def parameter_counts(shape: dict) -> tuple[int, int]:
 
 
 def estimate_memory_bytes(shape: dict, recipe: str, reference: bool, num_sequences: int, seq_len: int,
-                          micro_batch: int, counts: tuple[int, int] | None = None) -> int:
+                          micro_batch: int, counts: tuple[int, int] | None = None, kv_fp8: bool = False) -> int:
     """A conservative estimate of the step's peak device memory (bytes), to choose the layer count.
 
     Update state: 20 bytes per parameter (BF16 param 2, fp32 master 4, AdamW moments 8, BF16 grad 2 and its
     fp32 copy 4, all live at the optimizer step). The reference: 2 bytes per parameter. FP8 recipes cache
     each block linear's E4M3 weight and its transposed copy (2 bytes per linear parameter), in the policy
-    and in the reference copy. The KV cache holds every sequence at full length in BF16. Activations with
+    and in the reference copy. The KV cache holds every sequence at full length in BF16 (``kv_fp8``: E4M3 plus
+    one fp32 scale per token per KV head). Activations with
     per-block checkpointing: one BF16 hidden row per token per block, one block recomputed at a time,
     and the LM head's logits: one micro-batch's kept for the backward (BF16, up to the 4 GiB the kernels'
     path keeps) plus one 2,048-row chunk in flight, plus 2 GiB of workspace.
@@ -140,7 +166,8 @@ def estimate_memory_bytes(shape: dict, recipe: str, reference: bool, num_sequenc
     head_dim = shape.get("head_dim") or hidden // shape["num_attention_heads"]
     state = 20 * total + (2 * total if reference else 0)
     fp8_cache = 0 if recipe == "bf16" else 2 * linear * (2 if reference else 1)
-    kv = num_sequences * seq_len * 2 * layers * shape["num_key_value_heads"] * head_dim * 2
+    kv = num_sequences * seq_len * 2 * layers * shape["num_key_value_heads"] * ((head_dim + 4) if kv_fp8
+                                                                                  else 2 * head_dim)
     micro_tokens = micro_batch * seq_len
     activations = (micro_tokens * (layers * hidden * 2 + (8 * hidden + 6 * shape["intermediate_size"]) * 2)
                    + min(micro_tokens * shape["vocab_size"] * 2, KEEP_LOGITS_BYTES)
@@ -186,23 +213,14 @@ def even_token_reward(texts: list[str], references: list[str]) -> list[float]:
     return out
 
 
-EXACT_SUFFIX = "-exact"  # an arm name ``<recipe>-exact`` runs that recipe in exact mode
-
-
-def arm_recipe(arm: str) -> tuple[str, bool]:
-    """``"jet-exact"`` -> ``("jet", True)``; a plain recipe name -> ``(name, False)``."""
-    if arm.endswith(EXACT_SUFFIX):
-        return arm[:-len(EXACT_SUFFIX)], True
-    return arm, False
-
-
-def build_run_config(recipe: str, setting: Setting, steps: int, exact: bool = False) -> Any:
+def build_run_config(recipe: str, setting: Setting, steps: int, exact: bool = False, kv_fp8: bool = False) -> Any:
     from jetrl.config import (AlgorithmConfig, DataConfig, ModelConfig, OptimConfig, RolloutConfig, RunConfig,
                               TrainerConfig)
 
     return RunConfig(
         recipe=recipe,
         exact=exact,
+        kv_fp8=kv_fp8,
         model=ModelConfig(dtype=setting.dtype, device=setting.device, gradient_checkpointing=setting.checkpointing),
         data=DataConfig(prompts_per_step=setting.prompts, max_prompt_tokens=setting.prompt_len),
         rollout=RolloutConfig(n=setting.n, temperature=1.0, max_tokens=setting.new_tokens, ignore_eos=True),
@@ -216,23 +234,26 @@ def build_run_config(recipe: str, setting: Setting, steps: int, exact: bool = Fa
 # ------------------------------------------------------------------------------------------------- a recipe
 
 def run_recipe(arm: str, shape: dict, setting: Setting, warmup: int, steps: int, memory_budget: float,
-               cuda_graphs: bool, progress: bool) -> RecipeResult:
-    """Build the policy (and its engine and trainer) for ``arm`` (a recipe, or ``<recipe>-exact``), run
+               cuda_graphs: bool, progress: bool, warmup_new_tokens: int | None = None) -> RecipeResult:
+    """Build the policy (and its engine and trainer) for ``arm`` (``<recipe>[+kv8][-exact]``), run
     ``warmup + steps`` RL steps, and return the timed steps' median phase times; everything is freed before
-    returning."""
+    returning. ``warmup_new_tokens``: the warm-up steps' rollout length (default: the setting's)."""
     from jetrl.models import build_model
     from jetrl.rl.trainer import Trainer
     from jetrl.rollout import RolloutEngine
 
-    recipe, exact = arm_recipe(arm)
+    spec = parse_arm(arm)
     device = torch.device(setting.device)
-    config = build_run_config(recipe, setting, warmup + steps, exact)  # config errors before the model is built
+    # config errors before the model is built
+    config = build_run_config(spec.recipe, setting, warmup + steps, spec.exact, spec.kv_fp8)
+    warm_tokens = setting.new_tokens if warmup_new_tokens is None else min(warmup_new_tokens, setting.new_tokens)
+    warm_config = replace(config, rollout=replace(config.rollout, max_tokens=warm_tokens))
     reset_peak_memory(device)
-    model = build_model(shape, dtype=getattr(torch, setting.dtype), device=device, recipe=recipe, seed=0)
+    model = build_model(shape, dtype=getattr(torch, setting.dtype), device=device, recipe=spec.recipe, seed=0)
     model.set_activation_checkpointing(setting.checkpointing)
     engine = RolloutEngine(model, memory_budget=memory_budget if device.type == "cuda" else 2 ** 30,
                            max_num_seqs=setting.num_sequences, max_model_len=setting.prompt_len + setting.new_tokens,
-                           progress=progress, cuda_graphs=cuda_graphs, exact=exact)
+                           progress=progress, cuda_graphs=cuda_graphs, exact=spec.exact, kv_fp8=spec.kv_fp8)
     prompts = RandomPrompts(setting.prompts, setting.prompt_len, shape["vocab_size"])
     trainer = Trainer(config, model, engine, prompts, even_token_reward, decode_ids)
     timed: list[dict[str, float]] = []
@@ -240,8 +261,11 @@ def run_recipe(arm: str, shape: dict, setting: Setting, warmup: int, steps: int,
     host_seconds: list[float] = []
     try:
         for i in range(warmup + steps):
+            # the warm-up steps may generate fewer tokens (the engine's graphs and pool are sized for the full
+            # length already); the timed steps run the setting as configured
+            trainer.config = warm_config if i < warmup else config
             metrics = trainer.step()
-            _check_step(arm, metrics, setting)
+            _check_step(arm, metrics, setting, warm_tokens if i < warmup else setting.new_tokens)
             if i >= warmup:
                 timed.append(metrics)
                 loop_seconds.append(float(engine.last_stats.get("seconds", 0.0)))
@@ -271,11 +295,13 @@ def run_recipe(arm: str, shape: dict, setting: Setting, warmup: int, steps: int,
     return result
 
 
-def _check_step(recipe: str, metrics: dict[str, float], setting: Setting) -> None:
-    """Every recipe must have done the same work, and a finite one."""
-    if metrics["response/num_tokens"] != setting.generated_tokens:
+def _check_step(recipe: str, metrics: dict[str, float], setting: Setting, new_tokens: int | None = None) -> None:
+    """Every recipe must have done the same work (``new_tokens`` per sequence, default the setting's), and a
+    finite one."""
+    expected = setting.num_sequences * (setting.new_tokens if new_tokens is None else new_tokens)
+    if metrics["response/num_tokens"] != expected:
         raise RuntimeError(f"{recipe}: the rollout generated {metrics['response/num_tokens']:.0f} tokens, expected "
-                           f"{setting.generated_tokens} (fixed-length rollouts ignore EOS)")
+                           f"{expected} (fixed-length rollouts ignore EOS)")
     if metrics["actor/num_updates"] < 1:
         raise RuntimeError(f"{recipe}: the optimizer step was skipped (non-finite loss or gradient)")
     if not math.isfinite(metrics["actor/grad_norm"]):
@@ -295,8 +321,8 @@ def speedups(results: dict[str, RecipeResult], baseline: str = "bf16") -> dict[s
 
 
 def format_table(results: dict[str, RecipeResult], ratios: dict[str, dict[str, float]]) -> str:
-    """Phase rows: seconds and tokens/s per recipe, speed-ups over bf16, and for jet the published
-    Jet-RL speed-up, jetrl's target and whether it is met."""
+    """Phase rows: seconds and tokens/s per arm, speed-ups over bf16, and for ``jet`` (``jet+kv8``) the published
+    Jet-RL (NeMo-RL) speed-up, jetrl's target and whether it is met."""
     names = list(results)
     columns: list[tuple[str, Any]] = []  # (header, phase -> cell text or None)
     for n in names:
@@ -306,17 +332,21 @@ def format_table(results: dict[str, RecipeResult], ratios: dict[str, dict[str, f
                                                       if p in results[n].tokens_per_s else None)))
     for n in ratios:
         columns.append((f"{n}/bf16", lambda p, n=n: f"{ratios[n][p]:.2f}x" if p in ratios[n] else None))
-    for n in names:  # exact mode's cost: its seconds over the same recipe's fast seconds
-        base, exact = arm_recipe(n)
+    for n in names:  # exact mode's cost: its seconds over the same arm's fast seconds
+        spec = parse_arm(n)
+        base, exact = Arm(spec.recipe, spec.kv_fp8).name, spec.exact
         if exact and base in results:
             columns.append((f"{n}/{base}", lambda p, n=n, base=base: (
                 f"{results[n].seconds[p] / results[base].seconds[p]:.2f}x"
                 if p in results[n].seconds and results[base].seconds.get(p, 0) > 0 else None)))
-    if "jet" in ratios:
-        columns.append(("Jet-RL", lambda p: JET_RL_REPORTED.get(p)))
-        columns.append(("target", lambda p: f"{JETRL_TARGETS[p]:.1f}x" if p in JETRL_TARGETS else None))
-        columns.append(("met", lambda p: (("yes" if ratios["jet"][p] >= JETRL_TARGETS[p] else "no")
-                                          if p in JETRL_TARGETS and p in ratios["jet"] else None)))
+    for arm, (who, reported, targets) in COMPARISONS.items():
+        if arm not in ratios:
+            continue
+        prefix = "" if arm == "jet" else f"{arm} "
+        columns.append((who, lambda p, reported=reported: reported.get(p)))
+        columns.append((f"{prefix}target", lambda p, targets=targets: f"{targets[p]:.1f}x" if p in targets else None))
+        columns.append((f"{prefix}met", lambda p, arm=arm, targets=targets: (
+            ("yes" if ratios[arm][p] >= targets[p] else "no") if p in targets and p in ratios[arm] else None)))
     phases = [p for p in PHASES + ("total",) if any(p in r.seconds for r in results.values())]
     cells = [[fn(p) or "-" for _, fn in columns] for p in phases]
     widths = [max(len(h), *(len(row[i]) for row in cells)) + 2 for i, (h, _) in enumerate(columns)]
@@ -342,6 +372,7 @@ def _results_json(setting: Setting, results: dict[str, RecipeResult], ratios: di
                         "generated_tokens": setting.generated_tokens, "scored_tokens": setting.scored_tokens},
             "results": {n: asdict(r) for n, r in results.items()}, "speedups_over_bf16": ratios,
             "jet_rl_reported": JET_RL_REPORTED, "jetrl_targets": JETRL_TARGETS,
+            "nemo_rl_reported": NEMO_RL_REPORTED, "jetrl_kv8_targets": JETRL_KV8_TARGETS,
             "torch": torch.__version__}
 
 
@@ -358,9 +389,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2-layer model, 2 prompts x 2, 8 tokens")
     parser.add_argument("--device", default=None, help="default: cuda when available (required unless --tiny)")
-    parser.add_argument("--recipes", default="bf16,jet", help="comma list of bf16, fp8-rollout, jet")
+    parser.add_argument("--arms", "--recipes", dest="recipes", default="bf16,jet",
+                        help="comma list of <recipe>[+kv8][-exact], recipes bf16, fp8-rollout, jet")
+    parser.add_argument("--kv-fp8", action="store_true",
+                        help="also run jet with the FP8 KV cache (the arm jet+kv8), after the arms")
     parser.add_argument("--exact", action="store_true",
-                        help="also run jet in exact mode (the arm jet-exact), after the recipes")
+                        help="also run jet in exact mode (the arm jet-exact), after the arms")
+    parser.add_argument("--long", action="store_true",
+                        help="long rollouts: 16 prompts x 4 x 4,096 new tokens, 8 blocks, 256-token warm-up "
+                             "(each can still be set)")
     parser.add_argument("--prompts", type=_positive, default=None, help="prompts per step (16; tiny: 2)")
     parser.add_argument("--n", type=_positive, default=None, help="samples per prompt (4; tiny: 2)")
     parser.add_argument("--new-tokens", type=_positive, default=None, help="tokens per sample (1024; tiny: 8)")
@@ -370,6 +407,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=_positive, default=None,
                         help="sequences per forward/backward (8, or fewer when the batch is smaller)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed RL steps first")
+    parser.add_argument("--warmup-new-tokens", type=_positive, default=None,
+                        help="tokens per sample in the warm-up steps (default: as the timed ones; --long: 256)")
     parser.add_argument("--steps", type=_positive, default=1, help="timed RL steps (medians reported)")
     parser.add_argument("--no-reference", action="store_true", help="no KL penalty, so no reference model")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
@@ -383,15 +422,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    from jetrl.quant.recipe import RECIPES
-    unknown = [r for r in recipes if arm_recipe(r)[0] not in RECIPES]
-    if not recipes or unknown:
-        parser.error(f"--recipes must name some of {list(RECIPES)} (each may end in {EXACT_SUFFIX!r}), got "
-                     f"{args.recipes!r}")
-    if args.exact and "jet-exact" not in recipes:
-        recipes.append("jet-exact")
+    try:
+        recipes = [a.name for a in parse_arms(args.recipes)]
+    except ValueError as exc:
+        parser.error(f"--arms: {exc}")
+    for flag, extra in ((args.kv_fp8, "jet+kv8"), (args.exact, "jet-exact")):
+        if flag and extra not in recipes:
+            recipes.append(extra)
     args.recipes = recipes
+    if args.long and not args.tiny:  # the long setting's defaults, where not given
+        for name, value in LONG.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     return args
 
 
@@ -425,13 +467,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{'on' if setting.reference else 'off'}, activation checkpointing "
           f"{'on' if setting.checkpointing else 'off'}"
           f"{', old log-probs from the update' if setting.old_logprobs_from_update else ''}; "
-          f"{args.warmup} warm-up + {args.steps} timed steps",
-          flush=True)
+          f"{args.warmup} warm-up"
+          f"{f' ({args.warmup_new_tokens} new tokens)' if args.warmup_new_tokens and args.warmup else ''}"
+          f" + {args.steps} timed steps", flush=True)
 
     results: dict[str, RecipeResult] = {}
-    for recipe in args.recipes:  # an arm: a recipe, or <recipe>-exact
-        estimate = estimate_memory_bytes(shape, arm_recipe(recipe)[0], setting.reference, setting.num_sequences,
-                                         setting.prompt_len + setting.new_tokens, micro_batch, counts) / 2 ** 30
+    for recipe in args.recipes:  # an arm: <recipe>[+kv8][-exact]
+        spec = parse_arm(recipe)
+        estimate = estimate_memory_bytes(shape, spec.recipe, setting.reference, setting.num_sequences,
+                                         setting.prompt_len + setting.new_tokens, micro_batch, counts,
+                                         kv_fp8=spec.kv_fp8) / 2 ** 30
         line = f"{recipe}: estimated peak memory {estimate:.1f} GiB"
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory / 2 ** 30
@@ -440,13 +485,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 line += " -- likely out of memory: lower --layers, or --no-reference"
         print(line, flush=True)
         results[recipe] = run_recipe(recipe, shape, setting, args.warmup, args.steps, args.memory_budget,
-                                     cuda_graphs=not args.no_cuda_graphs, progress=args.progress)
+                                     cuda_graphs=not args.no_cuda_graphs, progress=args.progress,
+                                     warmup_new_tokens=args.warmup_new_tokens)
         results[recipe].estimated_gib = estimate
         r = results[recipe]
         m = r.step_metrics
         print(f"{recipe}: step {r.seconds['total']:.2f} s; rollout {r.seconds['rollout']:.2f} s of which "
               f"{r.seconds['rollout'] - r.rollout_loop_seconds:.2f} s before the generation loop (KV cache, CUDA "
-              f"graphs) and {r.rollout_host_seconds:.2f} s of host time not waiting for the GPU; rollout/training mismatch |dlogp| mean "
+              f"graphs) and {r.rollout_host_seconds:.2f} s of host time not waiting for the GPU; rollout/training "
+              f"mismatch |dlogp| mean "
               f"{m.get('mismatch/logp_abs_diff_mean', float('nan')):.2e} max "
               f"{m.get('mismatch/logp_abs_diff_max', float('nan')):.2e}", flush=True)
 
@@ -454,8 +501,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = _results_json(setting, results, ratios)
     write_report(report, args.json, "rl_step.json")
     print(f"\nRL step, {setting.shape} ({setting.num_layers} blocks), {setting.num_sequences} x "
-          f"({setting.prompt_len} + {setting.new_tokens}) tokens; Jet-RL = its reported 8B speed-ups, "
+          f"({setting.prompt_len} + {setting.new_tokens}) tokens; Jet-RL / NeMo-RL = their reported 8B speed-ups, "
           f"target = jetrl's")
+    if ratios:
+        print("end to end over bf16: " + ", ".join(f"{a} {r['total']:.2f}x" for a, r in ratios.items()
+                                                    if "total" in r))
     print(mismatch_line(results))
     print(format_table(results, ratios), flush=True)
     return report
