@@ -18,11 +18,13 @@ table gives the seed spread next to each arm's change. Everything the call needs
 
     python scripts/exp_rl.py --arms bf16,fp8-rollout --out $OUT           # SFT + two arms, one device call
     python scripts/exp_rl.py --smoke                                      # the whole path on CPU in seconds
+    python scripts/exp_rl.py --replot a/exp_rl.json b/exp_rl.json --out d  # one table and plots of several calls
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -205,6 +207,23 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
     return results
 
 
+def replot(paths: Sequence[str], out: Path) -> dict[str, Any]:
+    """The runs of several ``exp_rl.json`` files (e.g. the two GPUs of ``scripts/exp_two_gpus.sh``) as one
+    result: their step records are written back as run folders under ``out`` so the plots can read them."""
+    merged: dict[str, Any] = {"experiment": "rl_arms", "sources": list(paths), "runs": [], "skipped": []}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        merged["skipped"] += data.get("skipped", [])
+        for run_ in data["runs"]:
+            run_dir = out / "runs" / f"{run_['arm']}-s{run_['seed']}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run_["records"]))
+            merged["runs"].append({**run_, "run_dir": str(run_dir)})
+    common.write_json(out / "exp_rl.json", merged)
+    plot(merged, out)
+    return merged
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_arguments(p, default_out="runs/exp_rl", default_arms="bf16,fp8-rollout,fp8-rollout-tis,jet")
@@ -219,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve", type=float, default=None,
                    help="seconds per run kept for loading, held-out evaluation and the checkpoint "
                         "(default 45; smoke 0)")
+    p.add_argument("--replot", nargs="+", default=None, metavar="JSON",
+                   help="no runs: merge these exp_rl.json files into one JSON, table and plots in --out")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a RunConfig override for every arm (e.g. rollout.max_tokens=3000); repeatable")
     return p
@@ -226,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replot:
+        print(summary_tables(replot(args.replot, Path(args.out))))
+        return 0
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 40)
     args.time_budget = args.time_budget if args.time_budget is not None else (600.0 if args.smoke else 150.0)
     args.eval_examples = args.eval_examples if args.eval_examples is not None else (2 if args.smoke else 128)
