@@ -220,7 +220,9 @@ def summary_table(results: dict[str, Any]) -> str:
     text = common.table(rows, ("arm", "length", "|dlogp| mean", "|dlogp| max", "k3 KL", "frac dp>1e-3",
                                "ratio p01-p99", "ratio std", "acc", "mean len"))
     skipped = [f"{s['arm']} L={s['length']}" for s in results.get("skipped", [])]
-    return text + (f"\nnot run (deadline): {', '.join(skipped)}" if skipped else "")
+    failed = [f"{f['arm']} L={f['length']}: {f['error']}" for f in results.get("failed", [])]
+    return (text + (f"\nnot run (deadline): {', '.join(skipped)}" if skipped else "")
+            + "".join(f"\nFAILED {line}" for line in failed))
 
 
 def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
@@ -240,7 +242,7 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
     results: dict[str, Any] = {
         "experiment": "mismatch_vs_length", "smoke": args.smoke, "warm_start": warm, "lengths": lengths,
         "arm_overrides": arms, "num_prompts": args.prompts, "n": args.n, "seed": args.seed, "eval_seed": args.eval_seed,
-        "deadline": args.deadline, "skipped": [], "arms": {name: {} for name in configs}}
+        "deadline": args.deadline, "skipped": [], "failed": [], "arms": {name: {} for name in configs}}
     json_path = out / "exp_mismatch.json"
     # shortest lengths first, every arm at each: a call that runs out of time has whole rows of the table
     for length in lengths:
@@ -249,9 +251,17 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
                 results["skipped"].append({"arm": name, "length": length, "reason": "deadline"})
                 log(f"{name} L={length}: skipped, past the {args.deadline:.0f} s deadline")
                 continue
-            m = measure(models[name], tokenizer, length, args.prompts, args.n, args.seed, args.eval_seed,
-                        args.bin_size, args.max_tokens_per_forward, exact=config.exact, kv_fp8=config.kv_fp8,
-                        kv_fp8_train=config.kv_fp8_train)
+            try:
+                m = measure(models[name], tokenizer, length, args.prompts, args.n, args.seed, args.eval_seed,
+                            args.bin_size, args.max_tokens_per_forward, exact=config.exact, kv_fp8=config.kv_fp8,
+                            kv_fp8_train=config.kv_fp8_train)
+            except Exception as exc:  # one broken arm must not cost the other cells of a device call
+                if args.smoke:
+                    raise
+                results["failed"].append({"arm": name, "length": length, "error": repr(exc)})
+                log(f"{name} L={length}: FAILED: {exc!r}")
+                common.write_json(json_path, results)
+                continue
             results["arms"][name][str(length)] = m
             log(f"{name} L={length}: |dlogp| mean {m['logp_abs_diff_mean']:.2e} max {m['logp_abs_diff_max']:.2e}, "
                 f"k3 {m['kl_k3']:.2e}, accuracy {m['accuracy']:.3f}, {m['seconds']:.0f} s")

@@ -28,13 +28,7 @@ if [ -n "$GPU_TESTS" ]; then
   (CUDA_VISIBLE_DEVICES=1 python3 -m pytest -m gpu -q -p no:cacheprovider -n 6 $GPU_TESTS > "$LOGS/1_gpu_tests.log" 2>&1
    echo "gpu tests rc=$?" >> "$LOGS/1_gpu_tests.log") &
 fi
-CUDA_VISIBLE_DEVICES=0 python3 - "$WORK/sft" "$SFT_STEPS" > "$LOGS/0_sft.log" 2>&1 <<'PY'
-import sys
-import exp_common as common
-from jetrl.sft import run_sft
-r = run_sft(common.sft_config(False, sys.argv[1], steps=int(sys.argv[2])), progress=False)
-print(f"sft done: {r.seconds:.0f} s, final loss {r.final_loss:.4f}, greedy accuracy {r.accuracy:.3f}")
-PY
+CUDA_VISIBLE_DEVICES=0 python3 scripts/exp_sft.py --out-dir "$WORK/sft" --steps "$SFT_STEPS" > "$LOGS/0_sft.log" 2>&1
 sft_rc=$?
 wait
 left=$((DEADLINE - ($(date +%s) - T0)))
