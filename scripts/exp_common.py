@@ -8,15 +8,13 @@ about 94M parameters (:func:`num_parameters`). It is warm-started from scratch b
 because nothing stays on the GPU machine between calls and a checkpoint of this size does not fit what
 a call brings back.
 
-**Sizing from FLOPs** (nothing here was measured; EXPERIMENTS.md gets the measured numbers):
+**Sizing from FLOPs** (an estimate; EXPERIMENTS.md has the measured time and accuracy):
 :func:`train_flops_per_token` counts ``6 x (matrix parameters)`` plus causal attention ``6 x 2 x layers
 x sequence / 2 x hidden``; for this model and its training sequences (~2,050 tokens on average) that
-is about 0.67 GFLOP per token. An H200 does about 700 TFLOP/s dense BF16; at 30-40% utilisation (small
-GEMMs, one SDPA call per packed sequence) that is 210-280 TFLOP/s, i.e. 310K-420K tokens/s, so the
-default 500 steps of 64 sequences (~65M tokens, 32K worked chains, ~2.4M step lines) take about 2.6-3.5
-minutes (:func:`sft_seconds_estimate`) plus the final greedy evaluation: a model that has seen each kind
-of step a great many times, but whose long chains (hundreds of steps, every one of which must be right)
-are not yet saturated. ``--sft-steps`` is the knob when the first call shows otherwise.
+is about 0.67 GFLOP per token, and :func:`sft_seconds_estimate` turns it into seconds at a given share of
+the H200's dense BF16 peak. The default 250 steps of 64 sequences (~33M tokens, 16K worked chains) give a
+model that has seen each kind of step a great many times, but whose long chains (hundreds of steps, every
+one of which must be right) are not saturated. ``--sft-steps`` is the knob.
 
 **Outputs.** A device call brings back at most 8 files of 16 MiB from ``$OUT``: each script writes one
 JSON (every number it reports, with the settings) and a few PNGs there, and keeps checkpoints and run
@@ -38,7 +36,7 @@ from jetrl.sft import SFTConfig, run_sft
 
 # The experiment model and its SFT: every field of jetrl.sft.train.SFTConfig that differs from its default.
 GPU_SFT = dict(task="chain", difficulty=(8, 320), hidden_size=1024, num_hidden_layers=8, num_attention_heads=8,
-               num_key_value_heads=4, intermediate_size=2816, max_position_embeddings=8192, steps=500,
+               num_key_value_heads=4, intermediate_size=2816, max_position_embeddings=8192, steps=250,
                batch_size=64, lr=1e-3, warmup_steps=30, min_lr_ratio=0.1, weight_decay=0.01, dtype="bfloat16",
                save_dtype="bfloat16", packing=True, micro_batch_tokens=65536, device="cuda", eval_examples=64,
                log_every=25, checkpoint_every=0)
