@@ -129,6 +129,28 @@ def test_exp_rl_smoke_with_a_time_budget_and_two_seeds(common, warm_model, tmp_p
     text = capsys.readouterr().out
     assert "±" in text.strip().splitlines()[-1]  # the seed spread, last
 
+    # --replot merges two calls' JSONs (the two GPUs of exp_two_gpus.sh) into one JSON, table and plots
+    half = {**results, "runs": [r for r in runs if r["seed"] == 1]}
+    (tmp_path / "g1.json").write_text(json.dumps({**results, "runs": [r for r in runs if r["seed"] == 0]}))
+    (tmp_path / "g2.json").write_text(json.dumps(half))
+    merged_dir = tmp_path / "merged"
+    assert exp_rl.main(["--replot", str(tmp_path / "g1.json"), str(tmp_path / "g2.json"), "--out", str(merged_dir)]) == 0
+    merged = json.loads((merged_dir / "exp_rl.json").read_text())
+    assert [(r["arm"], r["seed"]) for r in merged["runs"]] == [("bf16", 0), ("tis3", 0), ("bf16", 1), ("tis3", 1)]
+    assert [r["records"] for r in merged["runs"]] == [r["records"] for r in runs]
+    assert (merged_dir / "exp_rl_curves.png").stat().st_size > 0 and (merged_dir / "exp_rl_health.png").exists()
+    assert "±" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_exp_sft_writes_a_checkpoint_the_experiments_load(scripts_path, tmp_path, capsys):
+    import exp_sft
+    from jetrl.models import load_model
+
+    assert exp_sft.main(["--smoke", "--out-dir", str(tmp_path / "sft"), "--steps", "1"]) == 0
+    assert "sft done" in capsys.readouterr().out
+    model = load_model(str(tmp_path / "sft"), dtype=torch.float32, device="cpu", recipe="bf16")
+    assert model.config.hidden_size == 32
+
 
 def test_runs_past_the_deadline_are_skipped_and_reported(common, warm_model, tmp_path, capsys):
     import exp_mismatch
