@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
-# Experiment 2 (four RL arms from ONE warm start) in one device call on a 2-GPU machine (nvidia-h200-x2).
+# Experiment 2 (RL arms from ONE warm start) in one device call on a 2-GPU machine (nvidia-h200-x2).
 #
-# GPU 0 trains the warm start (`jetrl sft` on the chain task, exp_common.GPU_SFT) while GPU 1 runs the GPU
-# tests given in $GPU_TESTS (if any); then both GPUs run RL from that one checkpoint at once, two arms each
-# (`exp_rl.py --model`), with the same seed, data and hyper-parameters. Everything a device call may bring
-# back lands in $OUT: log.txt (every log, concatenated), g0/ and g1/ (each exp_rl.json and its two PNGs);
-# `python scripts/exp_rl.py --replot $OUT/g0/exp_rl.json $OUT/g1/exp_rl.json` draws all four arms together.
+# GPU 0 trains the warm start (`scripts/exp_sft.py`: `jetrl sft` of exp_common.GPU_SFT on the chain task) while
+# GPU 1 runs the GPU tests given in $GPU_TESTS (if any). Then every arm runs RL from that one checkpoint
+# (`exp_rl.py --model`), all at the same time, each in its own process: the arms of $ARMS0 on GPU 0, those of
+# $ARMS1 on GPU 1, with the same seed, data, hyper-parameters and time budget. (The 94M model leaves an H200
+# mostly idle in decode, so two arms per GPU get far more steps than two arms one after the other; the
+# arms' speeds are not compared here, only what they learn per step.)
+# $OUT receives log.txt (every log, concatenated) and one <arm>.json per arm (5 files with four arms: a
+# device call brings back 8); then, here,
+#   python scripts/exp_rl.py --replot $OUT/*.json --out experiments/results/exp2-<date>
+# writes the merged JSON, the table and the plots.
 #
-#   OUT=... SFT_STEPS=250 DEADLINE=560 scripts/exp_two_gpus.sh                       # defaults shown
+#   OUT=... SFT_STEPS=250 DEADLINE=540 scripts/exp_two_gpus.sh                       # defaults shown
 #   ARMS0=bf16,fp8-rollout ARMS1=fp8-rollout-tis,jet SEED=0 scripts/exp_two_gpus.sh  # the arms per GPU
+#   SMOKE=1 SFT_STEPS=2 ARMS0=bf16 ARMS1=jet scripts/exp_two_gpus.sh                  # the whole path on CPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/exp_two_gpus}"
 SFT_STEPS="${SFT_STEPS:-250}"
-DEADLINE="${DEADLINE:-560}"          # seconds after the start by which every RL run should be done
+DEADLINE="${DEADLINE:-540}"          # seconds after the start by which every RL run should be done
 ARMS0="${ARMS0:-bf16,fp8-rollout}"
 ARMS1="${ARMS1:-fp8-rollout-tis,jet}"
 SEED="${SEED:-0}"
 GPU_TESTS="${GPU_TESTS:-}"
+SMOKE="${SMOKE:-}"                   # 1: the tiny CPU model and sizes (the test suite runs it)
+SMOKE_ARG=()
+[ -n "$SMOKE" ] && SMOKE_ARG=(--smoke)
 export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-mkdir -p "$OUT/g0" "$OUT/g1"
+mkdir -p "$OUT"
 WORK="$(mktemp -d)"
 T0=$(date +%s)
 LOGS="$WORK/logs"; mkdir -p "$LOGS"
@@ -28,17 +37,23 @@ if [ -n "$GPU_TESTS" ]; then
   (CUDA_VISIBLE_DEVICES=1 python3 -m pytest -m gpu -q -p no:cacheprovider -n 6 $GPU_TESTS > "$LOGS/1_gpu_tests.log" 2>&1
    echo "gpu tests rc=$?" >> "$LOGS/1_gpu_tests.log") &
 fi
-CUDA_VISIBLE_DEVICES=0 python3 scripts/exp_sft.py --out-dir "$WORK/sft" --steps "$SFT_STEPS" > "$LOGS/0_sft.log" 2>&1
+CUDA_VISIBLE_DEVICES=0 python3 scripts/exp_sft.py ${SMOKE_ARG[@]+"${SMOKE_ARG[@]}"} --out-dir "$WORK/sft" --steps "$SFT_STEPS" > "$LOGS/0_sft.log" 2>&1
 sft_rc=$?
 wait
 left=$((DEADLINE - ($(date +%s) - T0)))
 echo "sft rc=$sft_rc after $(($(date +%s) - T0)) s; RL deadline $left s" | tee -a "$LOGS/0_sft.log"
 if [ "$sft_rc" -eq 0 ]; then
-  CUDA_VISIBLE_DEVICES=0 python3 scripts/exp_rl.py --model "$WORK/sft" --arms "$ARMS0" --seeds "$SEED" \
-    --deadline "$left" --work "$WORK/g0" --out "$OUT/g0" > "$LOGS/2_rl_g0.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 python3 scripts/exp_rl.py --model "$WORK/sft" --arms "$ARMS1" --seeds "$SEED" \
-    --deadline "$left" --work "$WORK/g1" --out "$OUT/g1" > "$LOGS/3_rl_g1.log" 2>&1 &
+  for gpu in 0 1; do
+    arms="ARMS$gpu"
+    for arm in ${!arms//,/ }; do
+      CUDA_VISIBLE_DEVICES=$gpu python3 scripts/exp_rl.py ${SMOKE_ARG[@]+"${SMOKE_ARG[@]}"} --model "$WORK/sft" --arms "$arm" \
+        --seeds "$SEED" --deadline "$left" --time-budget 100000 --work "$WORK/rl-$arm" --out "$WORK/out-$arm" > "$LOGS/2_rl_$arm.log" 2>&1 &
+    done
+  done
   wait
+  for arm in ${ARMS0//,/ } ${ARMS1//,/ }; do
+    cp "$WORK/out-$arm/exp_rl.json" "$OUT/$arm.json" 2>/dev/null || echo "no result for $arm" >> "$LOGS/2_rl_$arm.log"
+  done
 fi
 cat "$LOGS"/*.log > "$OUT/log.txt"
 echo "== after $(($(date +%s) - T0)) s"
