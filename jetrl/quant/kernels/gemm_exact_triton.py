@@ -1,19 +1,35 @@
 """Exact mode's batch-invariant GEMMs in Triton: blockwise FP8 ``a @ b.T`` and 16/32-bit ``x @ w.T``.
 
 The CUDA backend's ``gemm_exact`` and ``matmul_exact`` (see :mod:`jetrl.quant.exact`). A row's result must
-not depend on M, so everything that decides a row's arithmetic is fixed per weight shape:
+not depend on M, so everything that decides a row's *arithmetic* is fixed per weight shape (N, K):
 
-* one tile configuration per (N, K) (:func:`exact_config`, never a function of M), one program per output
-  tile, K walked in order from block 0 to the last (no split-K, no atomics, no stream-K);
+* one tile configuration per (N, K) (:func:`exact_config`, never a function of M);
+* one K split per (N, K): the K blocks are cut into S contiguous ranges of whole 128-wide blocks
+  (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`: enough ranges that a row tile's
+  ``ceil(N / BLOCK_N) * S`` programs fill the GPU, from a fixed program count, never from M). Each range's
+  partial is accumulated in fp32 from zero, its K blocks walked in order; the S partials are then summed in the
+  fixed order ``((p_0 + p_1) + p_2) + ...`` and cast once. No atomics, no stream-K: nothing depends on which
+  program finishes first;
 * the FP8 path applies the scales exactly as the blockwise GEMM does (``acc += dot(a_k, b_k) * (sa * sb)``
   per 128-wide K block); the 16/32-bit path accumulates ``dot(x_k, w_k)`` over 64-wide K blocks in fp32
   (fp32 inputs with IEEE products, not TF32);
-* M is not specialised on (``do_not_specialize``), so M = 1, 16 or 8192 run the same compiled kernel.
+* M is not specialised on (``do_not_specialize``), so M = 1, 16 or 8192 run the same compiled kernels.
+
+Only the *schedule* may follow M, because it does not change a bit: up to ``exact_split_max_m`` rows (decode,
+where N / BLOCK_N tiles alone leave most SMs idle) program (tile, split) computes one range's partial and writes
+it to an fp32 workspace (S, M, N), and a small second kernel sums the S planes in order; above it (prefill and
+training, where the row tiles fill the GPU and an (S, M, N) workspace would cost more traffic than the weight)
+one program per tile walks its S ranges itself, adding each partial to its running total in the same order.
+Both run the same partial code (:func:`_k_range_partial`), store the partials exactly (fp32), and add them in
+the same order, so they give the same bits; with S = 1 the kernel is the single in-order walk exact mode had
+before split-K, bit for bit.
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
-reduce along K per row), so a row's bits are independent of its tile neighbours. The cost against the
-fast path: no split-K for decode-sized M, and no cuBLAS for large M (measured in BENCHMARKS.md). The tiles come
-from the tuning object (:mod:`~jetrl.quant.kernels.tuning`, ``exact_*``).
+reduce along K per row), so a row's bits are independent of its tile neighbours. A different S (or tile) is a
+different summation order, so the rollout and the trainer must run the same tuning; both read it per weight
+shape. The cost against the fast path: the partials' round trip for decode-sized M, and no cuBLAS for large M
+(measured in BENCHMARKS.md). The settings come from the tuning object (:mod:`~jetrl.quant.kernels.tuning`,
+``exact_*``).
 """
 
 from __future__ import annotations
