@@ -86,7 +86,7 @@ def _exact_gemm_kernel(
 
     ``ACROSS``: program (tile, split) writes its range's fp32 partial to the workspace ``ws`` (SPLITS, M, N), and
     :func:`_exact_reduce_kernel` sums them; otherwise the program walks all ranges of its tile itself and adds
-    each partial to the running total in the same order (with one split: today's single in-order walk)."""
+    each partial to the running total in the same order (one split: the single in-order walk, as before split-K)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)

@@ -1,7 +1,9 @@
 """Every tunable of the kernels in one frozen object: which path runs, tile sizes, warps and per-shape configs.
 
 Nothing here changes a result's bits except the GEMM path (``gemm``, and the decode-routing bounds, which pick
-between GEMMs that agree to output rounding): the tiles and warps of the quantization kernels, the Gluon/Triton
+between GEMMs that agree to output rounding) and exact mode's K split (``exact_split_k`` and the fields of its
+heuristic, :meth:`KernelTuning.exact_split`: a different split is a different summation order, the same for
+every M): the tiles and warps of the quantization kernels, the Gluon/Triton
 choice of the 128x1 kernels and the decode GEMM's configs all give the same bytes. The measured reasons for each
 default are in BENCHMARKS.md (the quantization-kernel tile sweep and the decode GEMM sweep); this file keeps the
 values only.
@@ -284,10 +286,11 @@ class KernelTuning:
         the weight's shape and these settings only, never of M).
 
         Heuristic: the smallest power of two S <= ``exact_max_split`` whose ``ceil(N / block_n) * S`` programs
-        (one row tile's worth) reach ``exact_split_programs``, else the largest allowed; each split keeps at
-        least ``exact_min_kb_per_split`` 128-wide K blocks. ``exact_split_k > 0`` forces S instead (at most one
-        split per K block). Splits hold whole 128-wide K blocks, ``ceil(Kb / S)`` each (the last one the rest,
-        with K's partial block if any); S is returned as the number of non-empty splits that makes.
+        (one row tile's worth) reach ``exact_split_programs``, else the largest allowed, and no larger than
+        ``Kb // exact_min_kb_per_split`` (Kb: K's 128-wide blocks). ``exact_split_k > 0`` forces S instead (at
+        most Kb). The splits hold whole K blocks, ``ceil(Kb / S)`` each, the last one the rest (with K's partial
+        block if any); what is returned is the number of non-empty splits that makes (e.g. Kb = 33 in 8 asked
+        splits of 5 blocks: 7 splits).
         """
         kb = -(-k // BLOCK_SIZE)
         if kb <= 1:
