@@ -1,6 +1,8 @@
 """Exact on-policy mode on an H200 (``gpu`` marker): every kernel on, CUDA graphs on.
 
-* the batch-invariant kernels one by one at the 8B shapes: a row's bits for M = 1 .. 8192;
+* the batch-invariant kernels one by one at the 8B shapes: a row's bits for M = 1 .. 8192; the exact GEMMs'
+  split-K: rows bitwise across M and both schedules, one split bitwise the kernel before split-K
+  (``unsplit_exact_gemm.py``), every split within output rounding of the exact product;
 * the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
 * the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
   ``bf16``, ``jet`` and ``jet`` with the FP8 KV cache (``kv_fp8``: the FP8 write and attention kernels, captured in
@@ -62,6 +64,61 @@ def test_exact_matmul_is_batch_invariant(n, k, dtype):
     full = exact_linear(x, w)
     _rows_of(full, lambda xs: exact_linear(xs, w), x)
     torch.testing.assert_close(full[:64].float(), x[:64].float() @ w.float().t(), rtol=2e-2, atol=2e-2)
+
+
+# Exact mode's split-K at the 8B weight shapes: the default split per (N, K) (S = 8, 2, 8, 8, 2) and forced ones
+SPLIT_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (4096, 1024)]
+SPLIT_ROWS = (1, 2, 3, 17, 64, 100, 128, 129, 200, 256, 511)  # both sides of exact_split_max_m (128)
+
+
+def _split_operands(path: str, n: int, k: int):
+    """(fn(m) -> the first m rows of the exact GEMM under the current tuning, unsplit(), reference (double),
+    sum |a||b| (double) on the first 256 rows) for the FP8 path or the bf16 one at (N, K), 512 input rows."""
+    from unsplit_exact_gemm import unsplit_gemm
+
+    g = torch.Generator(device="cuda").manual_seed(n * 3 + k)
+    x = torch.randn(512, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    if path == "fp8":
+        w = quantize_tensor(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16), WEIGHT)
+        qx = quantize_tensor(x, ACT)
+        a, b = qx.dequantize()[:256].double(), w.dequantize().double()
+        return (lambda m: exact_fp8_gemm(quantize_tensor(x[:m], ACT), w),
+                lambda: unsplit_gemm(qx.data, w.data, qx.scale, w.scale, 128, torch.bfloat16), a @ b.t(),
+                a.abs() @ b.abs().t())
+    w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    a, b = x[:256].double(), w.double()
+    return lambda m: exact_linear(x[:m], w), lambda: unsplit_gemm(x, w), a @ b.t(), a.abs() @ b.abs().t()
+
+
+@pytest.mark.parametrize("path", ["fp8", "bf16"])
+@pytest.mark.parametrize("n,k", SPLIT_SHAPES)
+def test_exact_split_k_at_8b_shapes(path, n, k):
+    """Per split count (the default of the shape, and forced S = 2 and 4): a row's bits for M = 1..511 equal the
+    rows of M = 512, whichever schedule ran them (M <= exact_split_max_m: the splits as separate programs summed
+    through the workspace; above: one program per tile walking its splits; M = 512 is also run the first way);
+    S = 1 reproduces the kernel before split-K bit for bit; every split count stays within output rounding of the
+    exact product (the bound of test_exact_fp8_gemm_is_batch_invariant_at_8b_shapes: half a BF16 ulp plus the
+    FP8 MMA's accumulation error, 2^-11 of sum |a||b|; the bf16 MMA accumulates more precisely)."""
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.gemm_exact_triton import exact_config
+
+    fn, unsplit, ref, mag = _split_operands(path, n, k)
+    tol = ref.abs() * 2.0 ** -8 + mag * 2.0 ** -11
+    with tuning.override(exact_split_k=1):
+        assert exact_config(n, k).split_k == 1
+        assert torch.equal(fn(512), unsplit())
+    default = exact_config(n, k).split_k
+    assert default == {(4096, 4096): 8, (14336, 4096): 2, (4096, 14336): 8, (1024, 4096): 8, (4096, 1024): 2}[(n, k)]
+    for forced in (0, 2, 4):  # 0: the default split
+        with tuning.override(exact_split_k=forced):
+            full = fn(512)
+            for m in SPLIT_ROWS:
+                assert torch.equal(fn(m), full[:m]), (forced, m)
+            with tuning.override(exact_split_max_m=512):
+                assert torch.equal(fn(512), full), forced
+        out = full[:256].double()
+        assert torch.isfinite(out).all() and bool(((out - ref).abs() <= tol).all()), \
+            (forced, float(((out - ref).abs() - tol).max()))
 
 
 def test_row_wise_kernels_are_batch_invariant():

@@ -14,7 +14,7 @@ module                         what it holds
 ``gemm_scaled_mm``             cuBLAS blockwise FP8 GEMM (``torch._scaled_mm``) and its layout rules
 ``gemm_triton``                the Triton blockwise FP8 GEMM (shapes cuBLAS rejects)
 ``gemm_decode_triton``         the split-K decode GEMM (and grouped q/k/v, gate/up launches)
-``gemm_exact_triton``          exact mode's batch-invariant FP8 and 16/32-bit GEMMs (no split-K, one tile per shape)
+``gemm_exact_triton``          exact mode's batch-invariant FP8 and 16/32-bit GEMMs (tiles and K split fixed per shape)
 ``norm_triton``                residual add + RMSNorm (+ 1x128 FP8 of the output), forward and backward
 ``swiglu_triton``              SwiGLU (+ 1x128 FP8 of the output), forward and backward
 ``rope_triton``                RoPE of q and k in one launch, forward and backward

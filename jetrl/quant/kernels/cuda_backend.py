@@ -15,7 +15,7 @@ backend (quantization bit for bit, GEMMs to output rounding):
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs of
-  :mod:`~jetrl.quant.kernels.gemm_exact_triton` (one tile configuration per weight shape, no split-K);
+  :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape);
 * ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention and the
   seeded sampler run their kernels of this folder (the seam's :func:`~jetrl.quant.backend.choose_impl`).
 

@@ -1,19 +1,35 @@
 """Exact mode's batch-invariant GEMMs in Triton: blockwise FP8 ``a @ b.T`` and 16/32-bit ``x @ w.T``.
 
 The CUDA backend's ``gemm_exact`` and ``matmul_exact`` (see :mod:`jetrl.quant.exact`). A row's result must
-not depend on M, so everything that decides a row's arithmetic is fixed per weight shape:
+not depend on M, so everything that decides a row's *arithmetic* is fixed per weight shape (N, K):
 
-* one tile configuration per (N, K) (:func:`exact_config`, never a function of M), one program per output
-  tile, K walked in order from block 0 to the last (no split-K, no atomics, no stream-K);
+* one tile configuration per (N, K) (:func:`exact_config`, never a function of M);
+* one K split per (N, K): the K blocks are cut into S contiguous ranges of whole 128-wide blocks
+  (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`: enough ranges that a row tile's
+  ``ceil(N / BLOCK_N) * S`` programs fill the GPU, from a fixed program count, never from M). Each range's
+  partial is accumulated in fp32 from zero, its K blocks walked in order; the S partials are then summed in the
+  fixed order ``((p_0 + p_1) + p_2) + ...`` and cast once. No atomics, no stream-K: nothing depends on which
+  program finishes first;
 * the FP8 path applies the scales exactly as the blockwise GEMM does (``acc += dot(a_k, b_k) * (sa * sb)``
   per 128-wide K block); the 16/32-bit path accumulates ``dot(x_k, w_k)`` over 64-wide K blocks in fp32
   (fp32 inputs with IEEE products, not TF32);
-* M is not specialised on (``do_not_specialize``), so M = 1, 16 or 8192 run the same compiled kernel.
+* M is not specialised on (``do_not_specialize``), so M = 1, 16 or 8192 run the same compiled kernels.
+
+Only the *schedule* may follow M, because it does not change a bit: up to ``exact_split_max_m`` rows (decode,
+where N / BLOCK_N tiles alone leave most SMs idle) program (tile, split) computes one range's partial and writes
+it to an fp32 workspace (S, M, N), and a small second kernel sums the S planes in order; above it (prefill and
+training, where the row tiles fill the GPU and an (S, M, N) workspace would cost more traffic than the weight)
+one program per tile walks its S ranges itself, adding each partial to its running total in the same order.
+Both run the same partial code (:func:`_k_range_partial`), store the partials exactly (fp32), and add them in
+the same order, so they give the same bits; with S = 1 the kernel is the single in-order walk exact mode had
+before split-K, bit for bit.
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
-reduce along K per row), so a row's bits are independent of its tile neighbours. The cost against the
-fast path: no split-K for decode-sized M, and no cuBLAS for large M (measured in BENCHMARKS.md). The tiles come
-from the tuning object (:mod:`~jetrl.quant.kernels.tuning`, ``exact_*``).
+reduce along K per row), so a row's bits are independent of its tile neighbours. A different S (or tile) is a
+different summation order, so the rollout and the trainer must run the same tuning; both read it per weight
+shape. The cost against the fast path: the partials' round trip for decode-sized M, and no cuBLAS for large M
+(measured in BENCHMARKS.md). The settings come from the tuning object (:mod:`~jetrl.quant.kernels.tuning`,
+``exact_*``).
 """
 
 from __future__ import annotations
@@ -28,34 +44,18 @@ from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
 
 
-@triton.jit(do_not_specialize=["M"])
-def _exact_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
-    stride_asm, stride_ask, stride_bsn, stride_bsk,
-    NUM_KB: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """C = A @ B^T; with ``FP8``, per-128-K-block scales: ``acc += dot(a_k, b_k) * (sa_k * sb_k)``."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_size
-    pid_n = (pid % group) // group_size
-
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, kb_start, kb_end,
+                     stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                     BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One tile's fp32 partial over K blocks ``kb_start .. kb_end - 1``, walked in order from zero; with ``FP8``,
+    per-128-K-block scales: ``acc += dot(a_k, b_k) * (sa_k * sb_k)``. Every schedule calls this same code."""
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None] * stride_bk  # (BLOCK_K, BLOCK_N)
-    m_ok = rm < M
-    n_ok = rn < N
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + (kb_start * BLOCK_K + rk[None, :]) * stride_ak
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + (kb_start * BLOCK_K + rk[:, None]) * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, NUM_KB):
+    for kb in range(kb_start, kb_end):
         k_ok = rk < K - kb * BLOCK_K
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -69,27 +69,100 @@ def _exact_gemm_kernel(
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _exact_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, ws_ptr, as_ptr, bs_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
+    NUM_KB: tl.constexpr, SPLIT_KB: tl.constexpr, SPLITS: tl.constexpr, ACROSS: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C = A @ B^T over ``SPLITS`` contiguous ranges of ``SPLIT_KB`` K blocks, summed in order 0..SPLITS-1.
+
+    ``ACROSS``: program (tile, split) writes its range's fp32 partial to the workspace ``ws`` (SPLITS, M, N), and
+    :func:`_exact_reduce_kernel` sums them; otherwise the program walks all ranges of its tile itself and adds
+    each partial to the running total in the same order (one split: the single in-order walk, as before split-K)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_size
+    pid_n = (pid % group) // group_size
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    mn_ok = m_ok[:, None] & n_ok[None, :]
+    if ACROSS:
+        split = tl.program_id(1)
+        part = _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, split * SPLIT_KB,
+                                tl.minimum(split * SPLIT_KB + SPLIT_KB, NUM_KB),
+                                stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
+                                stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N)
+        plane = split.to(tl.int64) * M * N
+        tl.store(ws_ptr + plane + rm[:, None].to(tl.int64) * N + rn[None, :], part, mask=mn_ok)
+    else:
+        total = _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, 0, SPLIT_KB,
+                                 stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
+                                 stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N)
+        for split in range(1, SPLITS):
+            total += _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, split * SPLIT_KB,
+                                      tl.minimum(split * SPLIT_KB + SPLIT_KB, NUM_KB),
+                                      stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask,
+                                      stride_bsn, stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N)
+        tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn,
+                 total.to(c_ptr.dtype.element_ty), mask=mn_ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _exact_reduce_kernel(ws_ptr, c_ptr, M, N, stride_cm, stride_cn, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """C = cast(((p_0 + p_1) + p_2) + ... + p_{SPLITS-1}) per element, p_s the workspace's fp32 planes."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mn_ok = (rm < M)[:, None] & (rn < N)[None, :]
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    total = tl.load(ws_ptr + offs, mask=mn_ok, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        total += tl.load(ws_ptr + split * M.to(tl.int64) * N + offs, mask=mn_ok, other=0.0)
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn,
+             total.to(c_ptr.dtype.element_ty), mask=mn_ok)
 
 
 @dataclass(frozen=True)
 class ExactGemmConfig:
-    """The one tile configuration of an exact GEMM for a weight shape (never chosen by M)."""
+    """The tile configuration and K split of an exact GEMM for a weight shape (never chosen by M).
+
+    ``split_k`` contiguous K ranges of ``split_kb`` 128-wide K blocks each (the last one the rest)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     group_m: int = 8
+    split_k: int = 1
+    split_kb: int = 0
 
 
 def exact_config(n: int, k: int) -> ExactGemmConfig:
-    """The tile configuration for an (N, K) weight, from the tuning object's ``exact_*`` fields: 64-row tiles
-    (they bound decode's padding waste), 128-wide N tiles, narrower ones for narrow weights (more programs)."""
+    """The configuration for an (N, K) weight, from the tuning object's ``exact_*`` fields: 64-row tiles (they
+    bound decode's padding waste), 128-wide N tiles, narrower ones for narrow weights (more programs), and the K
+    split of :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`."""
     t = tuning.current()
-    block_n = t.exact_narrow_block_n if n <= t.exact_narrow_n else t.exact_block_n
-    return ExactGemmConfig(t.exact_block_m, block_n, t.exact_num_warps, t.exact_num_stages)
+    split = t.exact_split(n, k)
+    return ExactGemmConfig(t.exact_block_m, t.exact_tile_n(n), t.exact_num_warps, t.exact_num_stages,
+                           split_k=split, split_kb=_cdiv(_cdiv(k, BLOCK), split))
+
+
+_REDUCE_BLOCK_M, _REDUCE_BLOCK_N = 32, 128
 
 
 def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.Tensor:
@@ -101,15 +174,24 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
         return out.zero_()
     cfg = exact_config(n, k)
     block_k = BLOCK if fp8 else 64
+    num_kb = _cdiv(k, block_k)
+    # K blocks per split in this path's blocks (64-wide without FP8): at most num_kb, the last split the rest
+    split_kb = cfg.split_kb * (BLOCK // block_k) if cfg.split_k > 1 else num_kb
+    across = cfg.split_k > 1 and m <= tuning.current().exact_split_max_m
+    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a.device) if across else out
     scales = (a_scale, b_scale) if fp8 else (out, out)  # unused without FP8
     strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0, 0)
-    grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
-    _exact_gemm_kernel[grid](
-        a, b, out, *scales, m, n, k,
+    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    _exact_gemm_kernel[(tiles, cfg.split_k if across else 1)](
+        a, b, out, ws, *scales, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), *strides,
-        NUM_KB=_cdiv(k, block_k), BLOCK_K=block_k, FP8=fp8, B_SCALE_ROWS=b_scale_rows,
-        IEEE=a.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, ACROSS=across, BLOCK_K=block_k, FP8=fp8,
+        B_SCALE_ROWS=b_scale_rows, IEEE=a.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if across:
+        _exact_reduce_kernel[(_cdiv(m, _REDUCE_BLOCK_M), _cdiv(n, _REDUCE_BLOCK_N))](
+            ws, out, m, n, out.stride(0), out.stride(1), SPLITS=cfg.split_k, BLOCK_M=_REDUCE_BLOCK_M,
+            BLOCK_N=_REDUCE_BLOCK_N, num_warps=4)
     return out
 
 

@@ -1,7 +1,9 @@
 """Every tunable of the kernels in one frozen object: which path runs, tile sizes, warps and per-shape configs.
 
 Nothing here changes a result's bits except the GEMM path (``gemm``, and the decode-routing bounds, which pick
-between GEMMs that agree to output rounding): the tiles and warps of the quantization kernels, the Gluon/Triton
+between GEMMs that agree to output rounding) and exact mode's K split (``exact_split_k`` and the fields of its
+heuristic, :meth:`KernelTuning.exact_split`: a different split is a different summation order, the same for
+every M): the tiles and warps of the quantization kernels, the Gluon/Triton
 choice of the 128x1 kernels and the decode GEMM's configs all give the same bytes. The measured reasons for each
 default are in BENCHMARKS.md (the quantization-kernel tile sweep and the decode GEMM sweep); this file keeps the
 values only.
@@ -191,8 +193,14 @@ class KernelTuning:
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
     tiles (``exact_narrow_block_n`` for weights of at most ``exact_narrow_n`` rows), ``exact_num_warps``,
-    ``exact_num_stages``. Never chosen by M; the rollout and the trainer must run the same values (any values
-    are batch-invariant, but two different ones are two different reduction orders).
+    ``exact_num_stages``, and the K split (:meth:`exact_split`): ``exact_split_k`` (0: the heuristic below; a
+    positive count forces that many splits on every weight, at most one per 128-wide K block),
+    ``exact_split_programs`` (the program count a split aims for: the H200's 132 SMs, a constant of the GPU class
+    so that the bits do not depend on the device a side runs on), ``exact_max_split`` and
+    ``exact_min_kb_per_split``. These fix the arithmetic, never chosen by M; the rollout and the trainer must run
+    the same values (any values are batch-invariant, but two different ones are two different reduction orders).
+    ``exact_split_max_m`` only picks the schedule: up to that many rows the splits run as separate programs
+    (partials through a workspace), above it one program walks all splits of its tile; both give the same bits.
     """
 
     gemm: str = "auto"
@@ -219,6 +227,11 @@ class KernelTuning:
     exact_narrow_n: int = 1024
     exact_num_warps: int = 4
     exact_num_stages: int = 3
+    exact_split_k: int = 0
+    exact_split_programs: int = 132
+    exact_max_split: int = 8
+    exact_min_kb_per_split: int = 4
+    exact_split_max_m: int = 128
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -235,6 +248,12 @@ class KernelTuning:
         for name in ("token_block_k", "requant_block_k"):
             if getattr(self, name) > BLOCK_SIZE:
                 raise ValueError(f"KernelTuning.{name} must be at most {BLOCK_SIZE}, got {getattr(self, name)}")
+        for name in ("exact_split_k", "exact_split_programs", "exact_min_kb_per_split", "exact_split_max_m"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"KernelTuning.{name} must be a non-negative int, got {value!r}")
+        if not _pow2(self.exact_max_split):
+            raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
         bounds = [p.max_m for p in self.decode_policies]
         if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
@@ -257,6 +276,34 @@ class KernelTuning:
         if tuned is not None:
             return tuned
         return self.decode_policy(m).config(m, n, k, sm_count)
+
+    def exact_tile_n(self, n: int) -> int:
+        """The N tile of exact mode's GEMM for a weight of ``n`` rows (narrow weights get narrower tiles)."""
+        return self.exact_narrow_block_n if n <= self.exact_narrow_n else self.exact_block_n
+
+    def exact_split(self, n: int, k: int) -> int:
+        """How many contiguous K ranges exact mode's GEMM splits an (N, K) weight's reduction into (a function of
+        the weight's shape and these settings only, never of M).
+
+        Heuristic: the smallest power of two S <= ``exact_max_split`` whose ``ceil(N / block_n) * S`` programs
+        (one row tile's worth) reach ``exact_split_programs``, else the largest allowed, and no larger than
+        ``Kb // exact_min_kb_per_split`` (Kb: K's 128-wide blocks). ``exact_split_k > 0`` forces S instead (at
+        most Kb). The splits hold whole K blocks, ``ceil(Kb / S)`` each, the last one the rest (with K's partial
+        block if any); what is returned is the number of non-empty splits that makes (e.g. Kb = 33 in 8 asked
+        splits of 5 blocks: 7 splits).
+        """
+        kb = -(-k // BLOCK_SIZE)
+        if kb <= 1:
+            return 1
+        if self.exact_split_k:
+            split = min(self.exact_split_k, kb)
+        else:
+            tiles = -(-n // self.exact_tile_n(n))
+            cap = max(1, min(self.exact_max_split, kb // max(1, self.exact_min_kb_per_split)))
+            split = 1
+            while split * 2 <= cap and tiles * split < self.exact_split_programs:
+                split *= 2
+        return -(-kb // -(-kb // split))
 
     def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
         """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped

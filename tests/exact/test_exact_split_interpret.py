@@ -1,0 +1,146 @@
+"""Exact mode's split-K GEMMs: the split heuristic (plain CPU), and the kernels under TRITON_INTERPRET=1 (see
+``tests/interpreted.py``): with S > 1 splits a row's bits do not depend on M nor on the schedule (the splits as
+separate programs summed through the workspace, or one program walking them), S = 1 gives the bits of the kernel
+before split-K (``unsplit_exact_gemm.py``), and the results stay within a rigorous error bound of the reference.
+
+As in test_exact_interpret.py, the bitwise checks keep each compared row at the same position of its 64-row tile
+(rows 0..M-1 of a larger batch): the interpreter's ``tl.dot`` is numpy's sgemm, whose bits for a row may depend on
+its position in the tile; the GPU's MMA does not, and test_exact_gpu.py checks the 8B shapes there."""
+
+import importlib.util
+
+import pytest
+
+from interpreted import run_interpreted
+from jetrl.quant.kernels import tuning
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install triton) ")
+
+_CHILD = r'''
+import json, sys
+import torch
+sys.path.insert(0, "tests/exact")
+from unsplit_exact_gemm import unsplit_gemm
+from jetrl.quant import ACT, WEIGHT, quantize_tensor
+from jetrl.quant import reference as R
+from jetrl.quant.kernels import gemm_exact_triton as E, tuning
+
+out = {}
+g = torch.Generator().manual_seed(0)
+ROWS = (1, 3, 64, 200)
+FULL = 264  # 5 row tiles; with the default exact_split_max_m (128) M = 1, 3, 64 run the splits as separate
+            # programs (workspace + reduction), M = 200 and 264 one program per tile walking its splits
+
+def cases(name, fn, ref, k, splits_list, bound):
+    """fn(m, over) -> the first m rows through the kernel under tuning.override(**over)."""
+    with tuning.override(exact_split_k=1):
+        s1 = fn(FULL, {})
+    out[f"{name}-s1-equals-unsplit"] = bool(torch.equal(s1, ref))
+    for splits in splits_list:
+        over = dict(exact_split_k=splits)
+        with tuning.override(**over):
+            cfg = E.exact_config(8, k)
+        out[f"{name}-s{splits}-config"] = cfg.split_k == splits
+        full = fn(FULL, over)
+        out[f"{name}-s{splits}-rows-bitwise"] = all(bool(torch.equal(fn(m, over), full[:m])) for m in ROWS)
+        # both schedules at the same M: all separate programs vs one program per tile
+        across = fn(FULL, dict(over, exact_split_max_m=FULL))
+        walked = fn(FULL, dict(over, exact_split_max_m=0))
+        out[f"{name}-s{splits}-schedules-bitwise"] = bool(torch.equal(across, full) and torch.equal(walked, full))
+        if full.dtype == torch.float32:  # the split is taken: another summation order changes some last bits
+            out[f"{name}-s{splits}-differs-from-s1"] = not torch.equal(full, s1)
+        out[f"{name}-s{splits}-close"] = bool(((full.double() - R_ref[name]).abs() <= bound(splits)).all())
+
+R_ref = {}
+
+# FP8 blockwise: K = 700 (6 blocks of 128, the last one 60 wide) against 128x128 weight scales, split in 2 (3 + 3
+# blocks) and 3 (2 + 2 + 2); K = 640 against 1x128 scales (the WGrad layout), split in 2 (3 + 2) and 3 (2 + 2 + 1).
+# Every case has a split of at least 2 blocks after the first: with one block per split the sum of the partials
+# is the unsplit order again
+for name, n, k, rows_b, splits_list in (("fp8-w", 192, 700, 128, (2, 3)), ("fp8-a", 96, 640, 1, (2, 3))):
+    x = torch.randn(FULL, k, generator=g)
+    qx = quantize_tensor(x, ACT)
+    qw = quantize_tensor(torch.randn(n, k, generator=g), WEIGHT if rows_b == 128 else ACT)
+    def fn(m, over, qx=qx, qw=qw, rows_b=rows_b):
+        with tuning.override(**over):
+            return E.exact_fp8_gemm(qx.data[:m], qx.scale[:m], qw.data, qw.scale, rows_b, torch.float32)
+    ref = unsplit_gemm(qx.data, qw.data, qx.scale, qw.scale, rows_b, torch.float32)
+    R_ref[name] = R.gemm_exact(qx, qw, torch.float32).double()
+    mag = (qx.dequantize().double().abs() @ qw.dequantize().double().abs().t())
+    # every partial, each block's scale product and the sums of partials round at most k + S + 2 times along an
+    # element's path, each by at most 2^-24 of sum |a||b|; the fp32 reference at most k + 2 times
+    cases(name, fn, ref, k, splits_list, lambda s, mag=mag, k=k: (2 * k + s + 4) * 2.0 ** -24 * mag + 1e-30)
+
+# 16/32-bit: K = 600 (5 blocks of 128 = 10 blocks of 64, the last one 24 wide), split in 2 (3 + 2 blocks of 128)
+# and 5 (one each); fp16 operands are upcast by the interpreter's dot, so fp32 accumulation holds for both
+for dtype in (torch.float32, torch.float16):
+    name = f"mm-{dtype}"
+    x = torch.randn(FULL, 600, generator=g).to(dtype)
+    w = torch.randn(80, 600, generator=g).to(dtype)
+    def fn(m, over, x=x, w=w):
+        with tuning.override(**over):
+            return E.exact_matmul(x[:m], w)
+    ref = unsplit_gemm(x, w)
+    R_ref[name] = x.double() @ w.double().t()
+    mag = x.double().abs() @ w.double().abs().t()
+    # fp32 sums as above, plus the fp16 output's rounding (2^-11 relative) and fp16's subnormal spacing
+    tol = (lambda s, mag=mag: (2 * 600 + s + 4) * 2.0 ** -24 * mag) if dtype == torch.float32 else \
+          (lambda s, mag=mag, r=R_ref[name]: (2 * 600 + s + 4) * 2.0 ** -24 * mag + 2.0 ** -11 * r.abs() + 2.0 ** -24)
+    cases(name, fn, ref, 600, (2, 5), tol)
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(_CHILD, "exact split-K kernels", timeout=900)
+
+
+CASES = ("fp8-w", "fp8-a", "mm-torch.float32", "mm-torch.float16")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_exact_gemm_one_split_is_the_unsplit_kernel(interpreted, case):
+    assert interpreted[f"{case}-s1-equals-unsplit"]
+
+
+@pytest.mark.parametrize("what", ["config", "rows-bitwise", "schedules-bitwise", "differs-from-s1", "close"])
+def test_exact_gemm_split_k(interpreted, what):
+    """Per case and split count: the config has the split asked for, rows of M = 1, 3, 64, 200 equal the first
+    rows of M = 264 bitwise (across both schedules), both schedules agree at one M, the split changes some fp32
+    bits (so it ran), and the result is within the error bound of the reference."""
+    results = {k: v for k, v in interpreted.items() if k.endswith(f"-{what}")}
+    # fp16 outputs round the last fp32 bits away, so only the fp32 outputs show that the split changed them
+    assert len(results) == 2 * (len(CASES) - (what == "differs-from-s1")) and all(results.values()), results
+
+
+def test_exact_split_heuristic_at_8b_shapes():
+    """The documented defaults: ceil(N / tile) * S reaches the 132 programs where K allows it, S <= 8, at least 4
+    K blocks per split; never a function of M (the method takes no M)."""
+    t = tuning.current()
+    expected = {(4096, 4096): 8, (1024, 4096): 8, (6144, 4096): 4, (14336, 4096): 2, (28672, 4096): 1,
+                (4096, 14336): 8, (128256, 4096): 1, (4096, 1024): 2, (1024, 512): 1, (4096, 100): 1}
+    assert {shape: t.exact_split(*shape) for shape in expected} == expected
+
+
+@pytest.mark.parametrize("forced", [0, 1, 2, 3, 5, 8, 64])
+def test_exact_split_holds_whole_k_blocks_and_none_is_empty(forced):
+    with tuning.override(exact_split_k=forced):
+        t = tuning.current()
+        for n in (64, 1000, 4096, 30000):
+            for k in (1, 127, 128, 129, 300, 700, 1024, 4000, 4096, 14336):
+                s = t.exact_split(n, k)
+                kb = -(-k // 128)
+                per = -(-kb // s)
+                assert 1 <= s <= max(1, min(kb, forced or t.exact_max_split)), (n, k, s)
+                assert (s - 1) * per < kb <= s * per, (n, k, s)  # s ranges of `per` whole blocks, none empty
+                if forced:
+                    assert s == -(-kb // -(-kb // min(forced, kb))), (n, k, s)
+
+
+def test_exact_split_settings_are_checked():
+    with pytest.raises(ValueError, match="exact_max_split"):
+        tuning.KernelTuning(exact_max_split=3)
+    with pytest.raises(ValueError, match="exact_split_k"):
+        tuning.KernelTuning(exact_split_k=-1)
