@@ -39,8 +39,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., D) -> E4M3 data (..., D) and fp32 scales (...): one scale per row of head_dim values."""
-    scale = R.compute_scale(x.abs().amax(-1))
+    """x (..., D) -> E4M3 data (..., D) and power-of-two fp32 scales (...): one scale per row of head_dim values."""
+    scale = R.compute_scale(x.abs().amax(-1), pow2_scale=True)
     return (x.float() / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
