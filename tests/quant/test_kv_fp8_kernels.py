@@ -394,20 +394,46 @@ def _decode_case(num_seqs: int, q_lens=None):
 @pytest.mark.parametrize("num_seqs", sorted(DECODE_BATCHES))
 def test_paged_decode_fp8_at_8b_shapes(num_seqs):
     from jetrl.models.attention import paged_attention_reference
-    from jetrl.quant.kernels.paged_attention_triton import choose_num_splits, paged_decode
+    from jetrl.quant.kernels.paged_attention_triton import FP8_BLOCK_N, choose_num_splits, paged_decode
 
     q, meta, kd, ks, vd, vs = _decode_case(num_seqs)
-    splits = choose_num_splits(num_seqs, HKV, meta.max_context_len, q.device)
+    splits = choose_num_splits(num_seqs, HKV, meta.max_context_len, q.device, FP8_BLOCK_N)
     assert (splits > 1) == (num_seqs < 64), splits  # the cases cover both the split and the unsplit kernel
-    # Not bitwise against the BF16-cache kernel here (the interpreter tests check that): on the GPU the FP8
-    # variant feeds tl.dot from registers (after the in-register dequantization) instead of from memory, and
-    # the compiler may lower that to another MMA form with its own accumulation order. Exact mode's kernel is
-    # the one whose bits are pinned (test_exact_attention_fp8_* below).
-    a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs)
+    kq, vq = dequantize_kv_ref(kd, ks, q.dtype), dequantize_kv_ref(vd, vs, q.dtype)
     ref = paged_attention_reference(q.float(), kq.float(), vq.float(), meta, D ** -0.5)
-    assert rel_err(a, ref) < 1e-2 and rel_err(b, ref) < 1e-2
-    a3, b3, _, _ = attend(paged_decode, q, meta, kd, ks, vd, vs, num_splits=3)
-    assert rel_err(a3, ref) < 1e-2 and rel_err(b3, ref) < 1e-2
+    # The FP8 kernel feeds the E4M3 tiles to its dots and scales their fp32 results: the attention over the
+    # dequantized cache to summation order, checked against the reference and against the BF16-cache kernel over
+    # the dequantized cache. Not bit for bit the latter on the GPU (the score dots' operands differ by a power of
+    # two per key, and nothing promises that the MMA's accumulation commutes with that); exact mode's kernel is
+    # the one whose bits are pinned (test_exact_attention_fp8_* below). Default tiles (128 FP8 tokens against 64
+    # BF16 ones), a forced split, and both at one tile size.
+    for kw in ({}, {"num_splits": 3}, {"block_n": 64}):
+        a, b, _, _ = attend(paged_decode, q, meta, kd, ks, vd, vs, **kw)
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all(), kw
+        assert rel_err(a, ref) < 1e-2 and rel_err(b, ref) < 1e-2 and rel_err(a, b) < 1e-2, kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_decode_fp8_group_of_6_long_split_contexts(dtype):
+    """GQA group 6 (12 query heads on 2 KV heads, padded to 16 MMA rows) at head_dim 128: contexts of one token,
+    partial pages and up to 6000 tokens split across programs, bf16 and fp32 (IEEE dots) queries."""
+    from jetrl.models.attention import paged_attention_reference
+    from jetrl.quant.kernels.paged_attention_triton import FP8_BLOCK_N, choose_num_splits, paged_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    contexts, hq, hkv = [1, 4099, 6000, 17], 12, 2
+    meta, kd, ks, vd, vs = paged_case(gen, contexts, [1] * len(contexts), PAGE, hkv, D, "cuda", shared_blocks=1)
+    q = torch.randn(len(contexts), hq, D, generator=gen, device="cuda").to(dtype)
+    assert choose_num_splits(len(contexts), hkv, meta.max_context_len, q.device, FP8_BLOCK_N) > 1
+    kq, vq = dequantize_kv_ref(kd, ks, dtype), dequantize_kv_ref(vd, vs, dtype)
+    ref = paged_attention_reference(q.float(), kq.float(), vq.float(), meta, D ** -0.5)
+    # bf16: as above; fp32: summation order (no rounding of P), with room for the reference's own GPU kernels
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    for kw in ({}, {"num_splits": 1}, {"num_splits": 7}, {"block_n": 16}):
+        a, b, _, _ = attend(paged_decode, q, meta, kd, ks, vd, vs, **kw)
+        assert a.dtype == dtype and torch.isfinite(a).all(), kw
+        assert rel_err(a, ref) < tol and rel_err(b, ref) < tol, (kw, rel_err(a, ref), rel_err(b, ref))
 
 
 @pytest.mark.gpu
