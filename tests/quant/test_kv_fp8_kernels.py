@@ -165,8 +165,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-_SHARED = [quantize_kv_ref, dequantize_kv_ref, same_bits, same_bits_but_subnormal, kv_values, paged_case, write_case, check_write, attend,
-           rel_err]
+_SHARED = [quantize_kv_ref, dequantize_kv_ref, same_bits, same_bits_but_subnormal, kv_values, paged_case, write_case,
+           check_write, attend, rel_err]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -203,8 +203,8 @@ out["write-int32-slots"] = check_write(k, v, pools, slots.to(torch.int32))
 # fp32 queries take the factored path (E4M3 tiles into the dots, scales on the fp32 sides): recorded are the bits
 # against the same kernel over the dequantized cache at the same tile size (except in outputs below 2^-126: a head
 # whose values nearly vanish where one key dominates, as the zero token and the -300 outlier make happen), and the
-# relative errors against the reference. fp16 queries dequantize in registers (bits; error ~3e-4: P is rounded to fp16 for P @ V). bf16 queries
-# are exact mode's only (the interpreter's bf16 dots are not IEEE, see the module doc).
+# relative errors against the reference. fp16 queries dequantize in registers (bits; error ~3e-4: P is rounded to
+# fp16 for P @ V). bf16 queries are exact mode's only (the interpreter's bf16 dots are not IEEE, see the module doc).
 decode_cases = [((1, 9, 37), 4, 4, 2, 32), ((23, 40), 8, 6, 1, 48), ((1, 130, 300), 16, 6, 1, 32)]
 for ctx, page, hq, hkv, d in decode_cases:
     meta, kd, ks, vd, vs = paged_case(g, list(ctx), [1] * len(ctx), page, hkv, d, shared_blocks=1)
