@@ -81,7 +81,8 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``amax / 448`` (the clamp catches that bit).
     """
     if not x.is_floating_point():
-        raise TypeError(f"quantize_kv needs a floating-point tensor (N, Hkv, D), got {x.dtype} of shape {tuple(x.shape)}")
+        raise TypeError(f"quantize_kv needs a floating-point tensor (N, Hkv, D), got {x.dtype} of shape "
+                        f"{tuple(x.shape)}")
     xf = x.float()
     scale = compute_scale(xf.abs().amax(dim=-1), pow2_scale=True)  # (N, Hkv)
     data = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
