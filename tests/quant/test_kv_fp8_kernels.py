@@ -235,6 +235,16 @@ kq, vq = dequantize_kv_ref(kd, ks, torch.float32), dequantize_kv_ref(vd, vs, tor
 ref = paged_attention_reference(q, kq, vq, meta, 32 ** -0.5)
 out["peaked-decode-float32"] = {"err": rel_err(paged_decode(q, kd, vd, meta, 32 ** -0.5, ks, vs, num_splits=2), ref)}
 
+# the factored path itself: with scales that are not powers of two (outside the contract) the fp32 kernel over the
+# FP8 cache is no longer bit for bit the kernel over the dequantized cache (whose products k8 * s round; the FP8
+# kernel never forms them, as a kernel dequantizing in registers would), yet the same attention to summation order
+meta, kd, ks, vd, vs = paged_case(g, [5, 40, 77], [1, 1, 1], 8, 2, 32)
+q = torch.randn(3, 4, 32, generator=g)
+ks, vs = ks * 1.1, vs * 0.9
+a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs, block_n=16)
+ref = paged_attention_reference(q, kq, vq, meta, 32 ** -0.5)
+out["nonpow2-decode-float32"] = {"bitwise": same_bits(a, b), "err": rel_err(a, ref)}
+
 # exact mode's prefill chunks (several new rows per sequence, partial pages) and its packed training layout
 # (one-token pages: K (N, Hkv, D) viewed as (N, 1, Hkv, D), scales (N, 1, Hkv))
 meta, kd, ks, vd, vs = paged_case(g, [5, 21, 70], [5, 3, 10], 8, 2, 32, shared_blocks=1)
@@ -288,6 +298,13 @@ def test_paged_decode_over_fp8_tiles_is_the_attention_over_the_dequantized_cache
         # (outputs below 2^-126 excepted: there a scaled term may round apart)
         assert r.get("bitwise", True), (name, r)
     assert interpreted["peaked-decode-float32"]["err"] < TOL["float32"], interpreted["peaked-decode-float32"]
+
+
+def test_paged_decode_applies_the_scales_outside_the_dots(interpreted):
+    """Non-power-of-two scales tell the factored kernel from one that dequantizes in registers (which would be
+    bitwise the kernel over the dequantized cache, the slow form this kernel exists to avoid)."""
+    r = interpreted["nonpow2-decode-float32"]
+    assert not r["bitwise"] and r["err"] < TOL["float32"], r
 
 
 @pytest.mark.parametrize("kernel", ["exact-decode-", "exact-prefill-", "exact-packed-"])
