@@ -12,8 +12,9 @@ so that these tests hold the kernels to the formulas themselves:
 * ``paged_decode`` over an FP8 cache feeds the E4M3 tiles to its dots and applies the scales to their fp32 results
   (bf16 and fp32 queries): equal to the kernel over the dequantized cache to summation order. In fp32 under the
   interpreter, with one dot implementation and one tile size for both, that is bit for bit (multiplying by a power
-  of two commutes with every rounding), and both are within fp32 summation order (1e-6) of the reference. An fp16
-  query dequantizes in registers: bitwise.
+  of two commutes with every rounding; outputs below 2^-126 excepted), and both are within fp32 summation order
+  (1e-6) of the reference; with scales that are not powers of two it is not bit for bit, which tells the factored
+  kernel from one dequantizing in registers. An fp16 query dequantizes in registers: bitwise.
 
 On CPU the kernels run under the Triton interpreter in a child process (``tests/interpreted.py``) at small
 shapes, with fp32, fp16 and bf16 queries. The interpreter's bf16 arithmetic is not IEEE (a bf16 product or
@@ -227,8 +228,8 @@ for ctx, page, hq, hkv, d in decode_cases:
             r["err"] = rel_err(a, exact_attention_reference(q, kq, vq, meta, d ** -0.5))
         out[f"exact-decode-{ctx}-{str(dtype)[6:]}"] = r
 
-# a peaked softmax (queries x 40): most probabilities fall below 2^-104 or to 0, where p * v_scale may round apart
-# from bf16(p) * v_scale; the factored fp32 path stays within fp32 summation order of the reference
+# a peaked softmax (queries x 40): most probabilities fall below 2^-104 or to 0, where p * v_scale may fall below
+# 2^-126 and round; the factored fp32 path stays within fp32 summation order of the reference
 meta, kd, ks, vd, vs = paged_case(g, [1, 60, 200], [1, 1, 1], 16, 1, 32)
 q = torch.randn(3, 6, 32, generator=g) * 40
 kq, vq = dequantize_kv_ref(kd, ks, torch.float32), dequantize_kv_ref(vd, vs, torch.float32)
