@@ -27,14 +27,17 @@ The packed forward reads its K/V through the same function, as a "cache" of one-
 decode step, a prefill chunk, after a preemption, or in the trainer's packed batch. Only the forward values
 must agree: the packed path's backward is the fast one (SDPA's, recomputed).
 
-**FP8 KV cache** (the run config's ``kv_fp8``): the paged cache stores K (after RoPE) and V as E4M3 with one fp32
-scale per token per KV head, i.e. one block of ``1 x head_dim`` values (at head_dim 128 exactly the 1x128
-activation format of the FP8 linears, :func:`jetrl.quant.reference.quantize` with ``ACT``), computed from the
-block's own amax when the token is written (:func:`quantize_kv`): no calibration, no stale scales. A token costs
-``head_dim + 4`` bytes per KV head and K or V instead of ``2 * head_dim``, so the same memory holds about twice the
-tokens. Attention over such a cache forms ``dequantize_kv(data, scale, q.dtype)`` -- the fp32 product rounded
-once to the query dtype -- and then runs the unchanged BF16 math; every kernel does exactly that in registers, so
-a kernel over the FP8 cache equals, bitwise, the same kernel over the dequantized cache. Under ``jet`` the
+**FP8 KV cache** (the run config's ``kv_fp8``): the paged cache stores K (after RoPE) and V as E4M3 with one
+power-of-two fp32 scale per token per KV head, i.e. one block of ``1 x head_dim`` values (at head_dim 128 exactly
+the 1x128 activation format of the FP8 linears with UE8M0-style scales, :func:`jetrl.quant.reference.quantize`
+with ``ACT`` and ``pow2_scale=True``), computed from the block's own amax when the token is written
+(:func:`quantize_kv`): no calibration, no stale scales. A token costs ``head_dim + 4`` bytes per KV head and K or V
+instead of ``2 * head_dim``, so the same memory holds about twice the tokens. Attention over such a cache attends
+over ``dequantize_kv(data, scale, q.dtype)``; with power-of-two scales these values are exact in bf16 and fp32
+(:func:`dequantize_kv` says why), which lets each kernel read the cache its own way: exact mode's kernel
+dequantizes every chunk in registers and runs the unchanged BF16 math (bitwise the same kernel over the
+dequantized cache), the decode kernel feeds the E4M3 tiles straight to its dot products and applies the scales to
+their fp32 results (equal to the attention over the dequantized cache to summation order). Under ``jet`` the
 training forward attends over the very same values: ``forward_packed(..., kv_fp8=True)`` passes K and V through
 :func:`fake_quantize_kv` (quantize, dequantize; the gradient goes straight through to the BF16 K and V). If only
 the rollout quantized its K/V, the policy that sampled the tokens and the one that is trained would differ in
@@ -66,20 +69,49 @@ from jetrl.quant.reference import compute_scale
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K or V rows (N, Hkv, D) -> E4M3 data (N, Hkv, D) and one fp32 scale per (token, KV head) (N, Hkv).
 
-    ``scale = compute_scale(amax over D)`` (``max(amax, 1e-4) / 448``, an IEEE division) and ``data =
-    (x / scale).clamp(-448, 448)`` rounded to E4M3, all in fp32: at D = 128 bitwise
-    ``jetrl.quant.reference.quantize(x.reshape(-1, 128), ACT)``, the activation format of the linears."""
+    ``scale = compute_scale(amax over D, pow2_scale=True)``: ``max(amax, 1e-4) / 448`` (an IEEE division) rounded
+    up to a power of two ``2^e`` (UE8M0-style, as DeepSeek-V3's activations); ``data = (x / scale).clamp(-448, 448)``
+    rounded to E4M3, all in fp32. At D = 128 this is bitwise ``jetrl.quant.reference.quantize(x.reshape(-1, 128),
+    ACT, pow2_scale=True)``, the activation format of the linears with power-of-two scales.
+
+    The range of ``e``: the amax floor gives ``scale >= RU2(1e-4 / 448) = 2^-22``, a finite fp32 amax
+    ``scale <= 2^120``; an infinite amax gives ``scale = inf`` (that block's data are 0 and NaN, as the reference
+    division gives). Dividing by ``2^e`` is exact (the quotient is a normal fp32 or below E4M3's rounding range), so
+    the only rounding is the one to E4M3, and ``|x / scale| <= 448`` up to the last bit of the fp32 quotient
+    ``amax / 448`` (the clamp catches that bit).
+    """
     if not x.is_floating_point():
-        raise TypeError(f"quantize_kv needs a floating-point tensor (N, Hkv, D), got {x.dtype} of shape {tuple(x.shape)}")
+        raise TypeError(f"quantize_kv needs a floating-point tensor (N, Hkv, D), got {x.dtype} of shape "
+                        f"{tuple(x.shape)}")
     xf = x.float()
-    scale = compute_scale(xf.abs().amax(dim=-1))  # (N, Hkv)
+    scale = compute_scale(xf.abs().amax(dim=-1), pow2_scale=True)  # (N, Hkv)
     data = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return data, scale
 
 
 def dequantize_kv(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values attention reads from an FP8 cache: ``(data * scale)`` in fp32, rounded once to ``dtype``
-    (the query's dtype). Every FP8-cache kernel forms exactly this in registers."""
+    """The values attention reads from an FP8 cache: ``(data * scale)`` in fp32, rounded to ``dtype`` (the query's).
+
+    With :func:`quantize_kv`'s power-of-two scales ``2^e`` (``-22 <= e <= 120``) the product is EXACT in fp32 and in
+    bf16, so the rounding to ``dtype`` does nothing there: a nonzero E4M3 value has at most 4 significant bits and
+    magnitude in ``[2^-9, 448]``, so ``|data * 2^e|`` lies in ``[2^-31, 448 * 2^120]``. Both formats have 8 exponent
+    bits (smallest normal ``2^-126``) and at least 8 significant bits: no subnormal can arise (``2^-31`` is far above
+    ``2^-126``) and no bits are lost. The one exception is overflow: a block whose amax is within 1/32 of the fp32
+    limit (``|x| >= 248 * 2^120``, about 3.3e38, where ``x / 2^120`` rounds up to 256) dequantizes to +-inf; such K/V
+    have overflowed the model long before. Consequences the kernels build on (with ``s = 2^e``):
+
+    * the E4M3 data themselves convert exactly to bf16, fp16 and fp32 (``data.to(bf16)`` loses nothing);
+    * a dot product over a row scaled by ``s`` is ``s`` times the dot product of the unscaled row, to the bit, for
+      any fixed summation order: multiplying by ``2^e`` commutes with every fp32 rounding while the results stay
+      normal, i.e. barring terms below ``2^-126``, which round away against any term of the same dot product
+      that matters (so the difference is far below any summation-order tolerance);
+    * likewise ``bf16(p * s) = bf16(p) * s`` for a probability ``p``, unless ``p * s < 2^-126`` (``p < 2^-104``:
+      weights that vanish against the row's largest, 1).
+
+    With ``dtype = float16`` (5 exponent bits: normals from ``2^-14``, largest 65504) the rounding does act: small
+    values become fp16 subnormals or 0 and values from 65536 overflow, so a float16 query attends over rounded
+    values; every kernel then forms exactly this rounding in registers.
+    """
     return (data.float() * scale[..., None]).to(dtype)
 
 

@@ -35,19 +35,54 @@ def _kv(gen, n, hkv, d, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_quantize_kv_is_the_1x128_activation_quantization(gen, dtype):
+def test_quantize_kv_is_the_1x128_activation_quantization_with_pow2_scales(gen, dtype):
     x = _kv(gen, 37, 3, 128, dtype)
     data, scale = quantize_kv(x)
-    want_data, want_scale = ref.quantize(x.reshape(-1, 128), ACT)
+    want_data, want_scale = ref.quantize(x.reshape(-1, 128), ACT, pow2_scale=True)
     assert data.dtype == E4M3 and data.shape == x.shape and scale.dtype == torch.float32 and scale.shape == (37, 3)
     assert torch.equal(data.view(torch.uint8).reshape(-1, 128), want_data.view(torch.uint8))
     assert torch.equal(scale.reshape(-1, 1), want_scale)
     # head_dim 64: the same formula over 64 values, i.e. the 1x128 quantization of the row padded with zeros
     x64 = _kv(gen, 11, 2, 64, dtype)
     data, scale = quantize_kv(x64)
-    want_data, want_scale = ref.quantize(F.pad(x64.reshape(-1, 64).float(), (0, 64)), ACT)
+    want_data, want_scale = ref.quantize(F.pad(x64.reshape(-1, 64).float(), (0, 64)), ACT, pow2_scale=True)
     assert torch.equal(data.view(torch.uint8).reshape(-1, 64), want_data[:, :64].view(torch.uint8))
     assert torch.equal(scale.reshape(-1, 1), want_scale)
+
+
+def _extreme_kv() -> torch.Tensor:
+    """fp32 K/V rows (N, 1, 128) at the edges of quantize_kv's ranges: all zeros and amax below the 1e-4 floor
+    (scale 2^-22, down to its smallest nonzero value 2^-9 * 2^-22), E4M3 subnormals next to the block max, amax 1e-4
+    exactly, amax near 1 and near the fp32 limit (scale 2^120)."""
+    grid = torch.linspace(-1.0, 1.0, 128)
+    rows = [torch.zeros(128), grid * 3e-5, grid * 1e-4, grid * 0.999, grid * 1.001,
+            torch.cat([torch.tensor([448.0, 2.0 ** -9, -(2.0 ** -8), 3 * 2.0 ** -9]), grid[4:]]),
+            grid * 3.2e38, torch.tensor([1e-30, -1e-38] + [7.0] * 126),
+            torch.tensor([9e-5, 2.0 ** -31, -(2.0 ** -30)] + [0.0] * 125)]  # E4M3's smallest subnormal at 2^-22
+    return torch.stack(rows)[:, None]
+
+
+def test_pow2_kv_scales_make_the_dequantized_values_exact():
+    """The facts dequantize_kv's docstring argues and the kernels build on: power-of-two scales in [2^-22, 2^120];
+    the dequantized value exact in fp32 and bf16 (so the bf16 cache holds data * scale unrounded); no value below
+    2^-31 besides 0; overflow only within 1/32 of the fp32 limit."""
+    x = torch.cat([_extreme_kv(), _kv(torch.Generator().manual_seed(1), 64, 1, 128, torch.float32)])
+    data, scale = quantize_kv(x)
+    e = torch.log2(scale)
+    assert torch.equal(e, e.round()) and e.min() == -22 and e.max() == 120, e.flatten()
+    exact = data.double() * scale.double()[..., None]  # the true product
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(dequantize_kv(data, scale, dtype).double(), exact), dtype
+        # the same exact value from a product in dtype itself: nothing rounds
+        assert torch.equal((data.to(dtype) * scale.to(dtype)[..., None]).double(), exact), dtype
+    nonzero = exact[exact != 0].abs()
+    assert nonzero.min() == 2.0 ** -31 and torch.isfinite(exact).all()
+    # the one overflow: |x| >= 248 * 2^120 (x / 2^120 rounds up to 256 in E4M3), about 3.3e38
+    big = torch.tensor([[[3.2e38] + [0.0] * 127], [[3.3e38] + [0.0] * 127]])
+    d_big, s_big = quantize_kv(big)
+    assert torch.equal(s_big.flatten(), torch.full((2,), 2.0 ** 120))
+    deq = dequantize_kv(d_big, s_big, torch.float32)[:, 0, 0]
+    assert deq[0] == 240 * 2.0 ** 120 and deq[1] == float("inf")
 
 
 def test_fake_quantize_kv_values_and_straight_through_gradient(gen):
@@ -56,7 +91,9 @@ def test_fake_quantize_kv_values_and_straight_through_gradient(gen):
     assert y.dtype == x.dtype and torch.isfinite(y).all()
     assert torch.equal(y, dequantize_kv(*quantize_kv(x.detach()), torch.bfloat16))
     rel = ((y.float() - x.float()).abs() / x.float().abs().amax(-1, keepdim=True).clamp_min(1e-4)).max()
-    assert 0 < rel <= 2 ** -4  # E4M3 keeps 3 mantissa bits: half an ulp of the block max at most
+    # E4M3 keeps 3 mantissa bits: at most half an ulp (16 * scale at |x / scale| >= 256, the power-of-two scale's
+    # worst case) over the block max (>= 256 * scale then)
+    assert 0 < rel <= 2 ** -4
     w = torch.randn(x.shape, generator=gen)
     (y.float() * w).sum().backward()
     assert torch.equal(x.grad, w.to(x.dtype))  # the identity: the gradient reaches the BF16 K/V unchanged

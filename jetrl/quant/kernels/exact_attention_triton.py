@@ -10,10 +10,15 @@ through the block table, with an online softmax in fp32, up to its furthest row'
 end earlier the remaining chunks are fully masked and leave its state bitwise unchanged (``exp2(0) = 1``, zero
 probabilities). No context split: a token's bits depend on its own keys only, in a decode step, a prefill chunk
 or the trainer's packed forward (a "cache" of one-token pages, :func:`jetrl.models.attention.packed_as_paged`).
-The tiles are numbered on the device (no host sync), so decode steps stay capturable in CUDA graphs. An FP8 cache
-(E4M3 K/V with per-(token, KV head) scales) is dequantized chunk by chunk in registers, exactly like
-``jetrl.models.attention.dequantize_kv``, so the rollout reading its FP8 cache and the trainer attending over the
-fake-quantized K/V (one-token pages of the same values) get the same bits.
+The tiles are numbered on the device (no host sync), so decode steps stay capturable in CUDA graphs.
+
+An FP8 cache (E4M3 K/V with power-of-two per-(token, KV head) scales) is dequantized chunk by chunk in registers
+exactly like ``jetrl.models.attention.dequantize_kv`` (the fp32 product rounded to q's dtype, a rounding that with a
+bf16 or fp32 query changes nothing), and the unchanged math follows: the rollout reading its FP8 cache and the
+trainer attending over the fake-quantized K/V (one-token pages of the same values) get the same bits.
+Unlike the decode kernel (:mod:`~jetrl.quant.kernels.paged_attention_triton`), this one does NOT apply the scales
+to the dots' results: that is equal only to summation order in general (the two dots are different MMA inputs,
+and ``bf16(p * 2^e) == bf16(p) * 2^e`` fails for probabilities below ``2^-104``), and this kernel's contract is bits.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
                   stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                   PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     """One chunk of key positions ``t`` (BLOCK_N,) for every MMA row: gather K/V through the block table (an FP8
-    cache dequantized to q's dtype in registers), mask each row's invisible keys (``t >= limit``), online-softmax
+    cache dequantized in registers, exactly), mask each row's invisible keys (``t >= limit``), online-softmax
     update. A fully masked row keeps its state exactly (``exp2(0) = 1``, its probabilities 0), so a row's bits do
     not depend on the tile's other rows."""
     t_ok = t < end
@@ -130,7 +135,7 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     :class:`~jetrl.models.attention.PagedAttentionMetadata`) -> (N, Hq, D) in q's dtype. No host syncs.
 
     The cache is in q's dtype, or FP8: ``float8_e4m3fn`` K/V with ``k_scale``/``v_scale`` (num_blocks, page, Hkv)
-    fp32, each chunk dequantized in registers to q's dtype (``jetrl.models.attention.dequantize_kv``'s formula)
+    fp32 powers of two, each chunk dequantized in registers to ``jetrl.models.attention.dequantize_kv``'s values
     before the same math: bit for bit this function over the dequantized cache."""
     num_rows, num_heads, head_dim = q.shape
     _, page, num_kv_heads, cache_dim = k_cache_layer.shape

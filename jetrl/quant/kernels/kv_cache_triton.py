@@ -2,12 +2,14 @@
 
 The kernel of :func:`jetrl.models.attention.write_kv` when the cache is FP8 (specification:
 :func:`jetrl.models.attention.quantize_kv` followed by an ``index_copy_`` of data and scales). One program per new
-token quantizes that token's K and V rows, ``(Hkv, D)`` each, with one fp32 scale per KV head (a 1 x head_dim
-block), bit for bit the reference's arithmetic (the shared helpers of
+token quantizes that token's K and V rows, ``(Hkv, D)`` each, with one power-of-two fp32 scale per KV head (a 1 x
+head_dim block), bit for bit the reference's arithmetic (the shared helpers of
 :mod:`~jetrl.quant.kernels.quantize_triton`):
 
-* ``scale = max(amax, 1e-4) / 448`` over the head's ``D`` values, with the IEEE division's bits;
-* ``data = e4m3(clamp(x / scale, -448, 448))``, the quotient correctly rounded, the cast to nearest even;
+* ``scale = max(amax, 1e-4) / 448`` over the head's ``D`` values, with the IEEE division's bits, rounded up to a
+  power of two on its bit pattern (``2^-22 <= scale <= 2^120`` for a finite amax);
+* ``data = e4m3(clamp(x / scale, -448, 448))``, the quotient exact (a multiply by the exact reciprocal
+  ``2^-e``), the cast to nearest even;
 
 and stores data and scales at the token's flat slot (``block * block_size + offset``) of the pools. One launch for
 K and V, no host synchronisation (the grid is the number of new tokens), so a decode step using it can be captured
@@ -30,8 +32,8 @@ def _quantize_store_rows(x_row, stride_xh, data_slot, stride_dh, scale_slot, str
     """One token's K or V (BLOCK_H heads, BLOCK_D) from ``x_row``: one scale per head, data and scales stored at
     the slot's pointers. Masked lanes load 0 and change no head's amax."""
     x = tl.load(x_row + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = _block_scale(tl.max(tl.abs(x), axis=1), False)  # (BLOCK_H,)
-    tl.store(data_slot + h[:, None] * stride_dh + d[None, :], _quantize_e4m3(x, scale[:, None], False), mask=mask)
+    scale = _block_scale(tl.max(tl.abs(x), axis=1), True)  # (BLOCK_H,) powers of two
+    tl.store(data_slot + h[:, None] * stride_dh + d[None, :], _quantize_e4m3(x, scale[:, None], True), mask=mask)
     tl.store(scale_slot + h * stride_sh, scale, mask=h_ok)
 
 
@@ -94,9 +96,10 @@ def _check(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
 
 def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Quantize the new tokens' K and V (N, Hkv, D) per (token, KV head) to E4M3 and store data and fp32 scales
-    at their flat slots of the FP8 pools, in place: ``k_cache``/``v_cache`` (num_blocks, block_size, Hkv, D)
-    ``float8_e4m3fn``, ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32, ``slot_mapping`` (N,) int.
+    """Quantize the new tokens' K and V (N, Hkv, D) per (token, KV head) to E4M3 and store data and power-of-two
+    fp32 scales at their flat slots of the FP8 pools, in place: ``k_cache``/``v_cache`` (num_blocks, block_size,
+    Hkv, D) ``float8_e4m3fn``, ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32, ``slot_mapping`` (N,)
+    int.
 
     Bit for bit ``data, scale = quantize_kv(x)`` then ``index_copy_`` of both at the slots
     (:func:`jetrl.models.attention.write_kv`'s reference path). One launch, no host syncs.

@@ -8,10 +8,32 @@ sequence's single query sees cache positions ``< context_lens[s]``), read direct
 * it walks the sequence's tokens ``BLOCK_N`` at a time, gathering each token's row through the block
   table (one contiguous ``head_dim`` row per token), with an online (flash) softmax in fp32;
 * when the batch alone cannot fill the GPU, the context is split across programs (flash-decoding) and a
-  second small kernel merges the partial results by their log-sum-exp;
-* an FP8 cache (E4M3 K/V, one fp32 scale per token and KV head) is read as such and each tile
-  dequantized in registers to q's dtype (:func:`_load_kv_rows`, ``jetrl.models.attention.dequantize_kv``'s
-  formula), so the kernel over an FP8 cache equals, bit for bit, the kernel over its dequantized copy.
+  second small kernel merges the partial results by their log-sum-exp.
+
+**An FP8 cache** (E4M3 K/V, one power-of-two fp32 scale ``2^e`` per token and KV head, written by
+``jetrl.models.attention.quantize_kv``) is read without dequantizing it. Each E4M3 tile is converted to q's dtype
+with a plain ``.to`` (exact: every E4M3 value is a bf16, fp16 and fp32 value) and goes straight into ``tl.dot``,
+the shape Triton software-pipelines and converts in the dot-operand layout, as in mixed-precision GEMMs (the
+in-register dequantization between load and dot that this kernel used to do made its FP8 loop slower than the BF16
+one although it reads half the bytes). The per-token scales act on the dots' fp32 sides instead:
+
+* scores: ``s = dot(q, k8^T) * (k_scale * softmax_scale * log2(e))`` per key column, which is bitwise
+  ``(dot(q, k8^T) * k_scale) * softmax_scale * log2(e)`` (``k_scale`` is a power of two) and equals
+  ``dot(q, (k8 * k_scale)^T)``, the scores over the dequantized keys, for any fixed summation order: multiplying by
+  ``2^e`` commutes with fp32 rounding while results stay normal (``jetrl.models.attention.dequantize_kv`` gives
+  the ranges; only terms below ``2^-126`` could differ, and they vanish in the sum);
+* values: ``acc += dot((p * v_scale).to(q.dtype), v8)`` per key row: ``bf16(p * 2^e) = bf16(p) * 2^e`` while
+  ``p * 2^e >= 2^-126``, so the products are those of ``dot(bf16(p), v8 * v_scale)``, the BF16-cache kernel's over
+  the dequantized values; only probabilities below ``2^-104`` (weights that vanish against the row's largest, 1)
+  may round differently. An fp32 query is the same with no rounding of ``p``.
+
+So the FP8 kernel is the BF16-cache kernel over ``dequantize_kv(cache)`` to summation order: bit for bit where
+both run one dot implementation at one tile size and no term falls below ``2^-126`` (fp32 under the interpreter);
+on the GPU the two score dots see different operands, so the MMA's accumulation may round them apart. A float16
+query cannot take this route (fp16's 5 exponent bits do not hold ``p * 2^e``): its K/V tiles are dequantized in
+registers to ``dequantize_kv(data, scale, float16)`` (:func:`_load_kv_rows`), bitwise the kernel over that cache.
+An FP8 tile holds :data:`FP8_BLOCK_N` = 128 tokens, a tile in q's dtype :data:`BLOCK_N` = 64: the same bytes per
+tile, half the loop trips.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
@@ -33,13 +55,18 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SM_COUNT: dict[int, int] = {}
 
 
+BLOCK_N = 64  # tokens per tile over a cache in q's dtype
+FP8_BLOCK_N = 128  # tokens per tile over an FP8 cache read as E4M3 tiles: the same bytes per tile
+
+
 @triton.jit
 def _load_kv_rows(head_ptr, scale_head_ptr, page, row, t_ok, kv_mask, d, stride_b, stride_t, stride_sb, stride_st,
                   OUT_DTYPE: tl.constexpr, FP8: tl.constexpr):
     """K or V rows (BLOCK_N, BLOCK_D) of tokens at (``page``, ``row``), masked lanes 0. With ``FP8`` the cache holds
     E4M3 and ``scale_head_ptr`` one fp32 scale per (token, KV head): the rows are dequantized in registers exactly
     like ``jetrl.models.attention.dequantize_kv``, ``(data.float() * scale).to(OUT_DTYPE)`` (RNE), so the math
-    that follows sees the values of the dequantized cache bit for bit."""
+    that follows sees the values of the dequantized cache bit for bit (with power-of-two scales and a bf16 or fp32
+    ``OUT_DTYPE`` the rounding is exact; in fp16 it rounds)."""
     x = tl.load(head_ptr + page[:, None] * stride_b + row[:, None] * stride_t + d[None, :], mask=kv_mask, other=0.0)
     if FP8:
         s = tl.load(scale_head_ptr + page * stride_sb + row * stride_st, mask=t_ok, other=0.0)  # (BLOCK_N,)
@@ -50,26 +77,44 @@ def _load_kv_rows(head_ptr, scale_head_ptr, page, row, t_ok, kv_mask, d, stride_
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
                  stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                 PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
-    """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table (dequantizing an FP8 cache
-    to q's dtype), online softmax update."""
+                 PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FACTORED: tl.constexpr):
+    """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table, online softmax update.
+
+    ``FACTORED`` (an FP8 cache, q bf16 or fp32): the E4M3 tiles go to the dots through a plain conversion and the
+    scales multiply the dots' fp32 sides (the module doc says why that is the attention over the dequantized
+    cache). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers."""
     t_ok = t < end
     page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
     row = t % PAGE
     kv_mask = t_ok[:, None] & d_ok[None, :]
-    k = _load_kv_rows(k_head, ks_head, page, row, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
-                      q.dtype, FP8)  # (BLOCK_N, BLOCK_D)
+    if FACTORED:
+        k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_kt + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)  # exact
+        k_s = tl.load(ks_head + page * stride_ksb + row * stride_kst, mask=t_ok, other=0.0)  # (BLOCK_N,)
+    else:
+        k = _load_kv_rows(k_head, ks_head, page, row, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
+                          q.dtype, FP8)  # (BLOCK_N, BLOCK_D)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))  # (BLOCK_G, BLOCK_N), fp32 accumulation
-    s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
+    if FACTORED:
+        s = s * (k_s * scale_log2)[None, :]  # k_s * scale_log2 is exact (k_s = 2^e)
+    else:
+        s = s * scale_log2
+    s = tl.where(t_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv_rows(v_head, vs_head, page, row, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
-                      q.dtype, FP8)
+    if FACTORED:
+        v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vt + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)  # exact
+        v_s = tl.load(vs_head + page * stride_vsb + row * stride_vst, mask=t_ok, other=0.0)
+        p = p * v_s[None, :]  # exact (v_s = 2^e) unless below 2^-126
+    else:
+        v = _load_kv_rows(v_head, vs_head, page, row, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
+                          q.dtype, FP8)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -85,7 +130,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
                          stride_ts, stride_os, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, WHILE_LOOP: tl.constexpr):
+                         FP8: tl.constexpr, FACTORED: tl.constexpr, WHILE_LOOP: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -118,13 +163,13 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
         while t0 < end:
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
-                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
+                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED)
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
-                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
+                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -201,7 +246,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      block_n: int = 64) -> int:
+                      block_n: int = BLOCK_N) -> int:
     """Context splits per sequence: enough programs for about two waves on the GPU, at most 16, and never
     more splits than ``block_n``-token tiles in the longest context."""
     programs = max(num_seqs * num_kv_heads, 1)
@@ -212,14 +257,17 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 
 def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
                  softmax_scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
-                 num_splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                 num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Decode attention: q (S, Hq, D) (one row per sequence) over the paged cache -> (S, Hq, D) in q's dtype.
 
     ``meta`` is a :class:`~jetrl.models.attention.PagedAttentionMetadata` with ``max_query_len == 1``;
-    ``num_splits`` overrides the context split (for tests). The cache is in q's dtype, or FP8: ``float8_e4m3fn``
-    K/V with ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32; each K/V tile is then dequantized in
-    registers to q's dtype (``jetrl.models.attention.dequantize_kv``'s formula) before the same math, so the
-    result equals, bit for bit, this function over the dequantized cache.
+    ``num_splits`` overrides the context split and ``block_n`` the tokens per tile (a power of two >= 16; default
+    :data:`BLOCK_N`, or :data:`FP8_BLOCK_N` for an FP8 cache read as E4M3 tiles). The cache is in q's dtype, or
+    FP8: ``float8_e4m3fn`` K/V with ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32 powers of two (as
+    ``jetrl.models.attention.quantize_kv`` writes them). With a bf16 or fp32 query the E4M3 tiles feed the dots and
+    the scales their fp32 results: equal to this function over the dequantized cache
+    (``jetrl.models.attention.dequantize_kv``) to summation order, within ``2^-126`` terms (the module doc). With
+    an fp16 query each tile is dequantized in registers: bit for bit this function over the dequantized cache.
     """
     if meta.max_query_len != 1:
         raise ValueError("paged_decode handles decode steps only (one new token per sequence)")
@@ -232,8 +280,13 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
         raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
     fp8 = check_kv_cache("paged_decode", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
+    factored = fp8 and q.dtype != torch.float16  # fp16 cannot hold p * 2^e (see the module doc)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
+    if block_n is None:
+        block_n = FP8_BLOCK_N if factored else BLOCK_N
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"paged_decode: block_n must be a power of two >= 16, got {block_n}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // num_kv_heads
     splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, meta.max_context_len, q.device, block_n)
@@ -257,8 +310,8 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
         v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4,
-        num_stages=2)
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, WHILE_LOOP=_INTERPRETED,
+        num_warps=4, num_stages=2)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
@@ -267,4 +320,4 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     return out
 
 
-__all__ = ["paged_decode", "choose_num_splits", "check_kv_cache"]
+__all__ = ["paged_decode", "choose_num_splits", "check_kv_cache", "BLOCK_N", "FP8_BLOCK_N"]
