@@ -14,10 +14,11 @@ Two paths read the same projections of the same weights:
   (:func:`jetrl.quant.backend.choose_impl`) picks the kernels: CUDA tensors under the CUDA backend.
 
 Softmax always runs in fp32 inside SDPA (for BF16 inputs the kernels accumulate in fp32). Every SDPA call
-goes through :func:`sdpa`, which leaves out the cuDNN backend: PyTorch may prefer it on Hopper, and it
-builds (and caches) a cuDNN graph for every new sequence length, which is a large cost per new length.
-Packed RL and SFT batches bring new lengths at every step, so that cost never goes away. Flash attention
-(first choice, GQA included) and the other backends need no per-shape setup.
+on CUDA runs inside :func:`sdpa_backends`, which leaves out the cuDNN backend: PyTorch may prefer it on
+Hopper, and it builds (and caches) a cuDNN graph for every new sequence length, which is a large cost per new
+length. Packed RL and SFT batches bring new lengths at every step, so that cost never goes away. Flash
+attention (first choice, GQA included) and the other backends need no per-shape setup. The context is entered
+once per attention call (not per sequence): entering it costs host time.
 
 **Exact mode** (:mod:`jetrl.quant.exact`) replaces all three (prefill, paged decode, the packed training forward)
 by ONE function, :func:`exact_attention`: each query row walks the keys of its sequence in fixed chunks of
@@ -53,11 +54,11 @@ the first slot of its first block instead of producing NaN.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from jetrl.quant.backend import choose_impl
@@ -138,10 +139,10 @@ def fake_quantize_kv(x: torch.Tensor) -> torch.Tensor:
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` restricted to :data:`SDPA_BACKENDS` (no per-shape cuDNN graphs)."""
-    with sdpa_kernel(list(SDPA_BACKENDS)):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+def sdpa_backends(x: torch.Tensor):
+    """The context for SDPA calls on ``x``'s device: on CUDA, ``sdpa_kernel`` limited to :data:`SDPA_BACKENDS`
+    (no per-shape cuDNN graphs); elsewhere nothing (cuDNN is CUDA's only)."""
+    return sdpa_kernel(list(SDPA_BACKENDS)) if x.is_cuda else contextlib.nullcontext()
 
 
 @dataclass
@@ -326,7 +327,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     limit = ctx[:, None] - (q_len[:, None] - 1 - i[None, :])  # (S, max_q): visible keys are < limit
     mask = key_pos[None, None, :] < limit[:, :, None]  # (S, max_q, L)
     mask = mask | (key_pos == 0)[None, None, :] & (limit <= 0)[:, :, None]  # keep empty rows finite
-    out = sdpa(q_pad, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], scale=softmax_scale)  # (S, Hq, max_q, D)
+    with sdpa_backends(q):
+        out = F.scaled_dot_product_attention(q_pad, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None],
+                                             scale=softmax_scale)  # (S, Hq, max_q, D)
     out = out.transpose(1, 2)  # (S, max_q, Hq, D)
     if seq_of_row is None:
         return out.reshape(num_rows, num_heads, head_dim)
@@ -361,19 +364,21 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if any(n < 0 for n in lengths) or cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0]:
         raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({q.shape[0]}), got {cu_seqlens}")
     gqa = num_heads != num_kv_heads
-    if len(set(lengths)) == 1:  # equal lengths (the plain (B, T) batch): one batched SDPA
-        num_seqs, seq_len = len(lengths), lengths[0]
-        qb, kb, vb = (t.reshape(num_seqs, seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
-        out = sdpa(qb, kb, vb, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(q.shape)
-    outs = []
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-        if end == start:
-            continue
-        qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # (1, H, L, D)
-        out = sdpa(qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
-        outs.append(out[0].transpose(0, 1))  # (L, Hq, D)
+    with sdpa_backends(q):
+        if len(set(lengths)) == 1:  # equal lengths (the plain (B, T) batch): one batched SDPA
+            num_seqs, seq_len = len(lengths), lengths[0]
+            qb, kb, vb = (t.reshape(num_seqs, seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
+            return out.transpose(1, 2).reshape(q.shape)
+        outs = []
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            if end == start:
+                continue
+            qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # (1, H, L, D)
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
+            outs.append(out[0].transpose(0, 1))  # (L, Hq, D)
     return torch.cat(outs, dim=0)
+
 
 def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
                               meta: PagedAttentionMetadata, softmax_scale: float,
@@ -500,6 +505,6 @@ def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 __all__ = [
     "quantize_kv", "dequantize_kv", "fake_quantize_kv", "PagedAttentionMetadata", "PagedKVCache", "write_kv",
-    "paged_attention_reference", "paged_attention", "varlen_attention", "sdpa", "SDPA_BACKENDS", "exact_attention",
+    "paged_attention_reference", "paged_attention", "varlen_attention", "sdpa_backends", "SDPA_BACKENDS", "exact_attention",
     "exact_attention_reference", "exact_varlen_attention", "packed_as_paged",
 ]

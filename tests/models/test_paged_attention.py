@@ -144,3 +144,24 @@ def test_forward_paged_logits_indices(hf_checkpoints, gen):
     bad = PagedKVCache.allocate(1, 4, 4, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
     with pytest.raises(ValueError, match="layers"):
         model.forward_paged(ids, torch.arange(12), meta, bad)
+
+
+def test_sdpa_backends_leave_cpu_alone():
+    """On the CPU the context is empty (entering sdpa_kernel costs host time per call and cuDNN is CUDA's only)."""
+    from jetrl.models.attention import sdpa_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with sdpa_backends(torch.zeros(1)):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.gpu
+def test_sdpa_backends_leave_out_cudnn_on_cuda():
+    """cuDNN attention builds a graph per new sequence length (a large cost at every packed step): off inside the
+    context, flash attention on, and the global setting restored after it."""
+    from jetrl.models.attention import sdpa_backends
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with sdpa_backends(torch.zeros(1, device="cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
