@@ -378,8 +378,8 @@ class RunConfig(_Section):
             from jetrl.quant.recipe import get_recipe
 
             if not get_recipe(self.recipe).rollout_fp8:
-                raise ConfigError(f"kv_fp8: true stores the rollout's KV cache in FP8, but recipe {self.recipe!r} rolls "
-                                  f"out in BF16; use recipe 'jet' (FP8 K/V in rollout and training alike) or "
+                raise ConfigError(f"kv_fp8: true stores the rollout's KV cache in FP8, but recipe {self.recipe!r} "
+                                  f"rolls out in BF16; use recipe 'jet' (FP8 K/V in rollout and training alike) or "
                                   f"'fp8-rollout' (an FP8 cache on the rollout side only), or set kv_fp8: false")
         alg = self.algorithm
         if self.rollout_batch_size % self.mini_batch_size:

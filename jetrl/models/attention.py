@@ -326,7 +326,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     limit = ctx[:, None] - (q_len[:, None] - 1 - i[None, :])  # (S, max_q): visible keys are < limit
     mask = key_pos[None, None, :] < limit[:, :, None]  # (S, max_q, L)
     mask = mask | (key_pos == 0)[None, None, :] & (limit <= 0)[:, :, None]  # keep empty rows finite
-    out = sdpa(q_pad, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], scale=softmax_scale)  # (S, Hq, max_q, D)
+    out = sdpa(q_pad, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None],
+               scale=softmax_scale)  # (S, Hq, max_q, D)
     out = out.transpose(1, 2)  # (S, max_q, Hq, D)
     if seq_of_row is None:
         return out.reshape(num_rows, num_heads, head_dim)
