@@ -242,6 +242,9 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
     v_flat = v_cache_layer.view(-1, num_kv_heads, head_dim)
     if (k_scale_layer is None) != (v_scale_layer is None):
         raise ValueError("write_kv: give both k_scale_layer and v_scale_layer (an FP8 cache) or neither")
+    if k_scale_layer is None and E4M3 in (k_cache_layer.dtype, v_cache_layer.dtype):
+        raise ValueError(f"write_kv: {E4M3} pools need k_scale_layer and v_scale_layer (new tokens are quantized "
+                         "with one scale per token and KV head)")
     if k_scale_layer is None:
         k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
@@ -270,8 +273,13 @@ def _row_coordinates(meta: PagedAttentionMetadata, num_rows: int, device: torch.
 
 
 def _check_scales(k_cache_layer: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An E4M3 cache comes with both scale pools, a cache in the model's dtype with none (the bytes alone are not
+    the values: read without their scales they would be attended over silently wrong)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError("attention over an FP8 cache needs both k_scale and v_scale (or neither: a BF16 cache)")
+    if (k_cache_layer.dtype == E4M3) != (k_scale is not None):
+        raise ValueError(f"a {E4M3} cache needs its k_scale and v_scale" if k_scale is None else
+                         f"k_scale/v_scale: scales go with a {E4M3} cache, this one is {k_cache_layer.dtype}")
     if k_scale is not None and k_scale.shape != k_cache_layer.shape[:-1]:
         raise ValueError(f"k_scale must have the cache's shape without head_dim {tuple(k_cache_layer.shape[:-1])}, "
                          f"got {tuple(k_scale.shape)}")
