@@ -54,7 +54,8 @@ class Arm:
 
     Named ``<recipe>[+kv8][-exact]``: ``bf16``, ``jet``, ``jet+kv8``, ``jet-exact``, ``jet+kv8-exact``,
     ``fp8-rollout+kv8`` (the rollout-only FP8 cache peers ship). The rules are the run config's: ``kv_fp8``
-    needs a recipe that rolls out in FP8, exact mode one that runs the same precision on both sides.
+    needs a recipe that rolls out in FP8 (:func:`jetrl.quant.recipe.kv_fp8_train`), exact mode one that runs the
+    same precision on both sides.
     """
 
     recipe: str
