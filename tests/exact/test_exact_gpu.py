@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from jetrl.models import DecoderConfig, build_model, logprobs_from_hidden
+from jetrl.models import DecoderConfig, build_model, token_logprobs
 from jetrl.quant import ACT, WEIGHT, quantize_tensor
 from jetrl.quant.exact import exact_fp8_gemm, exact_linear
 from jetrl.rollout import RolloutEngine, SamplingParams
@@ -179,9 +179,9 @@ def _score(model, prompts, outs, micro: int, kv_fp8: bool = False) -> list[torch
             ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
             cu.append(cu[-1] + len(seq))
         with torch.no_grad():
-            hidden = model.forward_packed(torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
-                                          torch.tensor(cu, device="cuda"), None, exact=True, kv_fp8=kv_fp8)
-            lp, _ = logprobs_from_hidden(model, hidden, torch.tensor(tg, device="cuda"), 1.0, exact=True)
+            lp, _ = token_logprobs(model, torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
+                                   torch.tensor(cu, device="cuda"), None, torch.tensor(tg, device="cuda"), 1.0,
+                                   exact=True, kv_fp8=kv_fp8)
         for i, c in enumerate(group):
             start = cu[i] + len(prompts[c.prompt_index]) - 1
             scored.append(lp[start:start + len(c.token_ids)].cpu())
