@@ -6,8 +6,8 @@
 * the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
 * the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
   ``bf16``, ``jet`` and ``jet`` with the FP8 KV cache (``kv_fp8``: the FP8 write and attention kernels, captured in
-  the decode graphs, against the trainer's fake-quantized K/V), over batches of 1 to 256 sequences (prefix sharing, mixed prompt lengths, CUDA graphs,
-  the trainer's micro-batching);
+  the decode graphs, against the trainer's fake-quantized K/V), over batches of 1 to 256 sequences (prefix
+  sharing, mixed prompt lengths, CUDA graphs, the trainer's micro-batching);
 * a one-step RL run with ``mismatch/logp_abs_diff_max == 0.0``.
 """
 
