@@ -188,8 +188,8 @@ class PagedKVCache:
     @staticmethod
     def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str | None, kv_fp8: bool = False) -> "PagedKVCache":
-        """Zero-filled pools for ``num_layers`` layers; ``kv_fp8``: E4M3 pools and fp32 scale pools (``dtype``,
-        the model's, is then the dtype attention dequantizes to and is not stored)."""
+        """Zero-filled pools for ``num_layers`` layers in ``dtype`` (the model's); ``kv_fp8``: E4M3 pools and fp32
+        scale pools instead (``dtype`` is then unused: attention dequantizes to the query's dtype)."""
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if int(value) <= 0:
