@@ -54,7 +54,8 @@ class Arm:
 
     Named ``<recipe>[+kv8][-exact]``: ``bf16``, ``jet``, ``jet+kv8``, ``jet-exact``, ``jet+kv8-exact``,
     ``fp8-rollout+kv8`` (the rollout-only FP8 cache peers ship). The rules are the run config's: ``kv_fp8``
-    needs a recipe that rolls out in FP8, exact mode one that runs the same precision on both sides.
+    needs a recipe that rolls out in FP8 (:func:`jetrl.quant.recipe.kv_fp8_train`), exact mode one that runs the
+    same precision on both sides.
     """
 
     recipe: str
@@ -75,16 +76,17 @@ class Arm:
     @property
     def train_kv_fp8(self) -> bool:
         """Whether the training forward quantizes K and V too: the FP8 cache under a recipe that trains in
-        FP8 (``jet+kv8``); ``fp8-rollout+kv8`` quantizes the rollout's cache only."""
-        from jetrl.quant.recipe import get_recipe
+        FP8 (``jet+kv8``); ``fp8-rollout+kv8`` quantizes the rollout's cache only
+        (:func:`jetrl.quant.recipe.kv_fp8_train`)."""
+        from jetrl.quant.recipe import kv_fp8_train
 
-        return self.kv_fp8 and get_recipe(self.recipe).train_fp8
+        return kv_fp8_train(self.recipe, self.kv_fp8)
 
 
 def parse_arm(name: str) -> Arm:
     """``"jet+kv8-exact"`` -> ``Arm("jet", kv_fp8=True, exact=True)``; a ``ValueError`` naming the problem for
     an unknown recipe, ``kv8`` on a recipe that rolls out in BF16, or exact mode under ``fp8-rollout``."""
-    from jetrl.quant.recipe import RECIPES
+    from jetrl.quant.recipe import RECIPES, kv_fp8_train
 
     if not isinstance(name, str):
         raise TypeError(f"an arm name is a string, got {type(name).__name__}")
@@ -94,9 +96,10 @@ def parse_arm(name: str) -> Arm:
         raise ValueError(f"arm {name!r}: unknown recipe {recipe!r}; an arm is <recipe>[{KV8_SUFFIX}][{EXACT_SUFFIX}] "
                          f"with a recipe of {list(RECIPES)}")
     spec = RECIPES[recipe]
-    if kv_fp8 and not spec.rollout_fp8:
-        raise ValueError(f"arm {name!r}: the FP8 KV cache needs a recipe that rolls out in FP8 "
-                         f"({[r for r, s in RECIPES.items() if s.rollout_fp8]}); {recipe!r} rolls out in BF16")
+    try:
+        kv_fp8_train(spec, kv_fp8)
+    except ValueError as exc:
+        raise ValueError(f"arm {name!r}: {exc}") from None
     if exact and spec.rollout_fp8 != spec.train_fp8:
         raise ValueError(f"arm {name!r}: exact mode needs the same precision on the rollout and training sides; "
                          f"{recipe!r} rolls out in FP8 and trains in BF16")

@@ -390,7 +390,7 @@ def mismatch(model, prompts, outs, arm: Arm, device, max_tokens: int = 16384) ->
     forward is ``forward_packed`` with the arm's ``exact`` and, where the recipe trains in FP8, its ``kv_fp8``
     (``fp8-rollout+kv8`` quantizes the rollout's cache only); it runs in micro-batches of at most
     ``max_tokens`` tokens."""
-    from jetrl.models import logprobs_from_hidden
+    from jetrl.models import token_logprobs
 
     total, count, worst = 0.0, 0, 0.0
     start = 0
@@ -407,11 +407,9 @@ def mismatch(model, prompts, outs, arm: Arm, device, max_tokens: int = 16384) ->
             ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
             cu.append(cu[-1] + len(seq))
         with torch.no_grad():
-            hidden = model.forward_packed(torch.tensor(ids, device=device), torch.tensor(pos, device=device),
-                                          torch.tensor(cu, device=device), None, exact=arm.exact,
-                                          kv_fp8=arm.train_kv_fp8)
-            lp, _ = logprobs_from_hidden(model, hidden, torch.tensor(tg, device=device), 1.0, exact=arm.exact)
-            del hidden
+            lp, _ = token_logprobs(model, torch.tensor(ids, device=device), torch.tensor(pos, device=device),
+                                   torch.tensor(cu, device=device), None, torch.tensor(tg, device=device), 1.0,
+                                   exact=arm.exact, kv_fp8=arm.train_kv_fp8)
         lp = lp.cpu()
         for i, c in enumerate(group):
             first = cu[i] + len(prompts[c.prompt_index]) - 1

@@ -50,8 +50,9 @@ H200_BF16_DENSE_FLOPS = 700e12
 
 # The arms of the experiments, by name: RunConfig overrides (``section.key=value``) on top of the
 # experiment's own settings. ``jet-exact`` is ``jet`` in exact on-policy mode (the rollout's log-probs
-# equal the trainer's bitwise). ``jet-kv8`` is ``jet`` with the FP8 KV cache (rollout and training forward attend
-# over the same quantized K/V); ``fp8-rollout-kv8`` quantizes the rollout's KV cache only (what peers ship). More arms come by name from the command line without touching this list:
+# equal the trainer's bitwise). ``jet-kv8`` is ``jet`` with the FP8 KV cache (rollout and training forward
+# attend over the same quantized K/V); ``fp8-rollout-kv8`` quantizes the rollout's KV cache only (what peers
+# ship). More arms come by name from the command line without touching this list:
 # ``--arm 'NAME:recipe=jet;key=value'`` (see :func:`resolve_arms`).
 ARMS: dict[str, tuple[str, ...]] = {
     "bf16": ("recipe=bf16",),
@@ -66,7 +67,8 @@ ARMS: dict[str, tuple[str, ...]] = {
 
 def resolve_arms(names: Sequence[str], extra: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
     """``{arm name: overrides}`` for ``names`` (each a name in :data:`ARMS` or defined in ``extra``), in
-    order. ``extra`` items read ``"NAME:override;override"``, e.g. ``"jet-exact-kv8:recipe=jet;exact=true;kv_fp8=true"``."""
+    order. ``extra`` items read ``"NAME:override;override"``, e.g.
+    ``"jet-exact-kv8:recipe=jet;exact=true;kv_fp8=true"``."""
     defined = dict(ARMS)
     for item in extra:
         name, sep, rest = item.partition(":")

@@ -353,11 +353,9 @@ class RunConfig(_Section):
     def kv_fp8_train(self) -> bool:
         """Whether the training forward quantizes K and V like the FP8 KV cache (``kv_fp8`` under a recipe that
         trains in FP8, i.e. ``jet``); under ``fp8-rollout`` the FP8 cache is the rollout's alone."""
-        if not self.kv_fp8:
-            return False
-        from jetrl.quant.recipe import get_recipe
+        from jetrl.quant.recipe import kv_fp8_train
 
-        return get_recipe(self.recipe).train_fp8
+        return kv_fp8_train(self.recipe, self.kv_fp8)
 
     @property
     def mini_batch_size(self) -> int:
@@ -375,12 +373,13 @@ class RunConfig(_Section):
                                   f"jet); recipe {self.recipe!r} rolls out in FP8 and trains in BF16, so the "
                                   f"rollout's log-probabilities cannot equal the trainer's")
         if self.kv_fp8:
-            from jetrl.quant.recipe import get_recipe
+            from jetrl.quant.recipe import kv_fp8_train
 
-            if not get_recipe(self.recipe).rollout_fp8:
-                raise ConfigError(f"kv_fp8: true stores the rollout's KV cache in FP8, but recipe {self.recipe!r} rolls "
-                                  f"out in BF16; use recipe 'jet' (FP8 K/V in rollout and training alike) or "
-                                  f"'fp8-rollout' (an FP8 cache on the rollout side only), or set kv_fp8: false")
+            try:
+                kv_fp8_train(self.recipe, True)
+            except ValueError as exc:
+                raise ConfigError(f"kv_fp8: true is not valid with recipe {self.recipe!r}: {exc}; or set "
+                                  f"kv_fp8: false") from None
         alg = self.algorithm
         if self.rollout_batch_size % self.mini_batch_size:
             raise ConfigError(

@@ -189,8 +189,8 @@ class PagedKVCache:
     @staticmethod
     def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str | None, kv_fp8: bool = False) -> "PagedKVCache":
-        """Zero-filled pools for ``num_layers`` layers; ``kv_fp8``: E4M3 pools and fp32 scale pools (``dtype``,
-        the model's, is then the dtype attention dequantizes to and is not stored)."""
+        """Zero-filled pools for ``num_layers`` layers in ``dtype`` (the model's); ``kv_fp8``: E4M3 pools and fp32
+        scale pools instead (``dtype`` is then unused: attention dequantizes to the query's dtype)."""
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if int(value) <= 0:
@@ -243,6 +243,9 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
     v_flat = v_cache_layer.view(-1, num_kv_heads, head_dim)
     if (k_scale_layer is None) != (v_scale_layer is None):
         raise ValueError("write_kv: give both k_scale_layer and v_scale_layer (an FP8 cache) or neither")
+    if k_scale_layer is None and E4M3 in (k_cache_layer.dtype, v_cache_layer.dtype):
+        raise ValueError(f"write_kv: {E4M3} pools need k_scale_layer and v_scale_layer (new tokens are quantized "
+                         "with one scale per token and KV head)")
     if k_scale_layer is None:
         k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
@@ -271,8 +274,13 @@ def _row_coordinates(meta: PagedAttentionMetadata, num_rows: int, device: torch.
 
 
 def _check_scales(k_cache_layer: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An E4M3 cache comes with both scale pools, a cache in the model's dtype with none (the bytes alone are not
+    the values: read without their scales they would be attended over silently wrong)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError("attention over an FP8 cache needs both k_scale and v_scale (or neither: a BF16 cache)")
+    if (k_cache_layer.dtype == E4M3) != (k_scale is not None):
+        raise ValueError(f"a {E4M3} cache needs its k_scale and v_scale" if k_scale is None else
+                         f"k_scale/v_scale: scales go with a {E4M3} cache, this one is {k_cache_layer.dtype}")
     if k_scale is not None and k_scale.shape != k_cache_layer.shape[:-1]:
         raise ValueError(f"k_scale must have the cache's shape without head_dim {tuple(k_cache_layer.shape[:-1])}, "
                          f"got {tuple(k_scale.shape)}")

@@ -262,16 +262,17 @@ class _NoCtx:
 
 def token_logprobs(model, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                    max_seqlen: int | None, targets: torch.Tensor, temperature: float = 1.0,
-                   chunk_size: int | None = None, impl: str | None = None, exact: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_size: int | None = None, impl: str | None = None, exact: bool = False,
+                   kv_fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed forward then chunked fp32 ``(logprobs (N,), entropy (N,))`` of ``targets`` (N,).
 
     Row ``i``'s logprob is that of ``targets[i]`` under the distribution predicted at row ``i`` (the
     caller shifts: ``targets[i] = input_ids[i + 1]`` inside a sequence, and a negative value where there
     is no next token). Differentiable; see the module docstring for the memory bound. ``exact``: exact mode
-    (bitwise the rollout engine's log-probabilities with ``exact=True``).
+    (bitwise the rollout engine's log-probabilities with ``exact=True``). ``kv_fp8``: attention over K and V as
+    an FP8 KV cache holds them (the training side of ``jet`` with the FP8 cache, see ``forward_packed``).
     """
-    hidden = model.forward_packed(input_ids, positions, cu_seqlens, max_seqlen, exact=exact)
+    hidden = model.forward_packed(input_ids, positions, cu_seqlens, max_seqlen, exact=exact, kv_fp8=kv_fp8)
     return logprobs_from_hidden(model, hidden, targets, temperature, chunk_size, impl, exact=exact)
 
 

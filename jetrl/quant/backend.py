@@ -13,8 +13,8 @@ Selection, in order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_
 then ``"auto"`` (the CUDA kernels on a Hopper-or-newer GPU when Triton imports, the reference everywhere else).
 
 **The fused kernels** (:data:`FUSED_OPS`: RMSNorm(+residual)(+quantize), SwiGLU(+quantize), RoPE, the LM-head
-log-probabilities, paged decode attention, the seeded sampler, exact mode's attention, the FP8 KV-cache write) follow the backend:
-:func:`choose_impl` says ``"triton"`` (the kernels of :mod:`jetrl.quant.kernels`) where the device's backend has
+log-probabilities, paged decode attention, the seeded sampler, exact mode's attention, the FP8 KV-cache write)
+follow the backend: :func:`choose_impl` says ``"triton"`` (the kernels of :mod:`jetrl.quant.kernels`) where the device's backend has
 ``fused_kernels`` (the CUDA backend), ``"reference"`` (the PyTorch formulas, the specification of each kernel)
 elsewhere. So ``JETRL_FP8_BACKEND=reference`` turns every custom kernel off at once. :func:`fused_impl` forces one
 implementation for a block of code; the tests run a whole model through the interpreted kernels on CPU with

@@ -12,7 +12,8 @@ recipe            rollout       training        meaning
 
 **Exact on-policy mode** is not a recipe but a choice of the callers (``RolloutEngine(exact=True)``, the run
 config's ``exact``, ``forward_packed(..., exact=True)``), valid with ``bf16`` and ``jet`` (:func:`check_exact`):
-see :mod:`jetrl.quant.exact`.
+see :mod:`jetrl.quant.exact`. So is the **FP8 KV cache** (``kv_fp8``), valid with the recipes that roll out in
+FP8; :func:`kv_fp8_train` says which side quantizes K and V under which recipe.
 """
 
 from __future__ import annotations
@@ -67,6 +68,24 @@ def get_recipe(recipe: str | PrecisionRecipe, **overrides) -> PrecisionRecipe:
     if recipe not in RECIPES:
         raise ValueError(f"unknown precision recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     return replace(RECIPES[recipe], **overrides) if overrides else RECIPES[recipe]
+
+
+def kv_fp8_train(recipe: str | PrecisionRecipe, kv_fp8: bool) -> bool:
+    """Whether the training forward quantizes K and V like the FP8 KV cache (``forward_packed(..., kv_fp8=True)``).
+
+    With ``kv_fp8`` the rollout engine stores its cache in FP8 under every valid recipe; the training forward
+    attends over the same quantized values under a recipe that trains in FP8 (``jet``: one precision flow) and not
+    under ``fp8-rollout`` (the rollout-only cache peers ship). A ``ValueError`` for ``kv_fp8`` under a recipe that
+    rolls out in BF16 (``bf16``, the reference run). The one statement of this rule: the run config and the
+    benchmarks' arms both ask here.
+    """
+    recipe = get_recipe(recipe)
+    if kv_fp8 and not recipe.rollout_fp8:
+        fp8 = [name for name, r in RECIPES.items() if r.rollout_fp8]
+        raise ValueError(f"the FP8 KV cache stores the rollout's K and V in FP8, but recipe {recipe.name!r} rolls out "
+                         f"in BF16; use a recipe that rolls out in FP8 ({fp8}: 'jet' quantizes K/V in rollout and "
+                         f"training alike, 'fp8-rollout' on the rollout side only)")
+    return kv_fp8 and recipe.train_fp8
 
 
 def apply_recipe(model: nn.Module, recipe: str | PrecisionRecipe) -> nn.Module:
@@ -127,5 +146,5 @@ def check_exact(model: nn.Module) -> None:
                          f"the rollout's log-probabilities cannot equal the trainer's")
 
 
-__all__ = ["check_exact", "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears",
-           "refresh_fp8_weights"]
+__all__ = ["check_exact", "kv_fp8_train", "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe",
+           "fp8_linears", "refresh_fp8_weights"]

@@ -84,6 +84,9 @@ class RolloutEngine:
             :mod:`jetrl.models.attention`): about twice the tokens in the same memory. The trainer's forward
             sees the same values with ``forward_packed(..., kv_fp8=True)`` (the ``jet`` recipe; with ``exact``
             the log-probabilities stay bitwise equal); without it (``fp8-rollout``) it is a rollout-only cache.
+            The engine takes it with any model and dtype (attention dequantizes to the model's dtype), BF16
+            linears included: only the run config refuses ``kv_fp8`` under ``bf16``, whose rollout must stay
+            the BF16 reference.
 
     The KV-cache and CUDA-graph arguments configure :attr:`runner`, the
     :class:`~jetrl.rollout.model_runner.ModelRunner` that runs the model; ``last_stats`` holds the stats of

@@ -20,17 +20,6 @@ def bench(monkeypatch):
 
 
 @pytest.fixture
-def kv_fp8_config():
-    """The benchmark builds every arm's run config with the contract's ``kv_fp8`` field."""
-    import dataclasses
-
-    from jetrl.config import RunConfig
-
-    if "kv_fp8" not in {f.name for f in dataclasses.fields(RunConfig)}:
-        pytest.skip("RunConfig has no kv_fp8 field yet (issue 17's config is merged separately)")
-
-
-@pytest.fixture
 def one_thread():
     # tiny matrices: threads only add OpenMP contention on a busy 2-core machine (100x slower linears)
     threads = torch.get_num_threads()
@@ -39,7 +28,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_tiny_run_times_every_phase_and_writes_json(bench, kv_fp8_config, one_thread, tmp_path, monkeypatch, capsys):
+def test_tiny_run_times_every_phase_and_writes_json(bench, one_thread, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     report = bench.main(["--tiny", "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--new-tokens", "4"])
     setting = report["setting"]
@@ -75,7 +64,7 @@ def test_tiny_run_times_every_phase_and_writes_json(bench, kv_fp8_config, one_th
     assert "1.07-1.33x" in out[-8] and "1.80x" in out[-5]
 
 
-def test_tiny_run_without_the_old_logprob_pass(bench, kv_fp8_config, one_thread, tmp_path, monkeypatch, capsys):
+def test_tiny_run_without_the_old_logprob_pass(bench, one_thread, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     report = bench.main(["--tiny", "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--new-tokens", "4",
                          "--recipes", "jet", "--old-logprobs-from-update"])
@@ -86,7 +75,7 @@ def test_tiny_run_without_the_old_logprob_pass(bench, kv_fp8_config, one_thread,
     assert "old log-probs from the update" in capsys.readouterr().out
 
 
-def test_tiny_run_with_the_exact_arm(bench, kv_fp8_config, one_thread, tmp_path, monkeypatch, capsys):
+def test_tiny_run_with_the_exact_arm(bench, one_thread, tmp_path, monkeypatch, capsys):
     """--exact adds jet-exact after the recipes: its mismatch is 0.0, the table gives its cost over fast jet,
     and the mismatch line shows every arm."""
     monkeypatch.setenv("OUT", str(tmp_path))
@@ -140,7 +129,7 @@ def test_bad_arguments_are_rejected(bench):
         with_layers(LLAMA31_8B, 0)
 
 
-def test_tiny_run_with_the_fp8_kv_arm(bench, kv_fp8_config, one_thread, tmp_path, monkeypatch, capsys):
+def test_tiny_run_with_the_fp8_kv_arm(bench, one_thread, tmp_path, monkeypatch, capsys):
     """--kv-fp8 adds jet+kv8 (run config kv_fp8: true); its end-to-end speed-up is set against NeMo-RL's and
     issue 17's target, its mismatch printed beside bf16's; a short warm-up step runs first."""
     monkeypatch.setenv("OUT", str(tmp_path))

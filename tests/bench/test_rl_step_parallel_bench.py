@@ -19,12 +19,6 @@ def bench(monkeypatch):
 
 
 def test_tiny_one_rank_reports_phases_memory_and_collectives(bench, tmp_path, monkeypatch, capsys):
-    import dataclasses
-
-    from jetrl.config import RunConfig
-
-    if "kv_fp8" not in {f.name for f in dataclasses.fields(RunConfig)}:  # bench.rl_step.build_run_config sets it
-        pytest.skip("RunConfig has no kv_fp8 field yet (issue 17's config is merged separately)")
     monkeypatch.setenv("OUT", str(tmp_path))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jetrl.config import ConfigError, load_config
-from jetrl.models import DecoderConfig, build_model, logprobs_from_hidden, token_logprobs
+from jetrl.models import DecoderConfig, build_model, token_logprobs
 from jetrl.models.attention import (
     PagedAttentionMetadata,
     exact_attention_reference,
@@ -67,9 +67,8 @@ def _score(model, prompts, completions, micro: int | None = None, kv_fp8: bool =
             cu.append(cu[-1] + len(seq))
             tg += seq[1:] + [-1]
         with torch.no_grad():
-            hidden = model.forward_packed(torch.tensor(ids), torch.tensor(pos), torch.tensor(cu), None, exact=True,
-                                          kv_fp8=kv_fp8)
-            lp, _ = logprobs_from_hidden(model, hidden, torch.tensor(tg), 1.0, exact=True)
+            lp, _ = token_logprobs(model, torch.tensor(ids), torch.tensor(pos), torch.tensor(cu), None,
+                                   torch.tensor(tg), 1.0, exact=True, kv_fp8=kv_fp8)
         for i, c in enumerate(group):
             start = cu[i] + len(prompts[c.prompt_index]) - 1
             out.append(lp[start:start + len(c.token_ids)])

@@ -6,8 +6,8 @@
 * the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
 * the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
   ``bf16``, ``jet`` and ``jet`` with the FP8 KV cache (``kv_fp8``: the FP8 write and attention kernels, captured in
-  the decode graphs, against the trainer's fake-quantized K/V), over batches of 1 to 256 sequences (prefix sharing, mixed prompt lengths, CUDA graphs,
-  the trainer's micro-batching);
+  the decode graphs, against the trainer's fake-quantized K/V), over batches of 1 to 256 sequences (prefix
+  sharing, mixed prompt lengths, CUDA graphs, the trainer's micro-batching);
 * a one-step RL run with ``mismatch/logp_abs_diff_max == 0.0``.
 """
 
@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from jetrl.models import DecoderConfig, build_model, logprobs_from_hidden
+from jetrl.models import DecoderConfig, build_model, token_logprobs
 from jetrl.quant import ACT, WEIGHT, quantize_tensor
 from jetrl.quant.exact import exact_fp8_gemm, exact_linear
 from jetrl.rollout import RolloutEngine, SamplingParams
@@ -179,9 +179,9 @@ def _score(model, prompts, outs, micro: int, kv_fp8: bool = False) -> list[torch
             ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
             cu.append(cu[-1] + len(seq))
         with torch.no_grad():
-            hidden = model.forward_packed(torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
-                                          torch.tensor(cu, device="cuda"), None, exact=True, kv_fp8=kv_fp8)
-            lp, _ = logprobs_from_hidden(model, hidden, torch.tensor(tg, device="cuda"), 1.0, exact=True)
+            lp, _ = token_logprobs(model, torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
+                                   torch.tensor(cu, device="cuda"), None, torch.tensor(tg, device="cuda"), 1.0,
+                                   exact=True, kv_fp8=kv_fp8)
         for i, c in enumerate(group):
             start = cu[i] + len(prompts[c.prompt_index]) - 1
             scored.append(lp[start:start + len(c.token_ids)].cpu())

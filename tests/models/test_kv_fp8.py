@@ -216,3 +216,20 @@ def test_forward_packed_kv_fp8_changes_attention_and_trains_k_and_v(gen):
     rel = (outs[True] - outs[False]).norm() / outs[False].norm()
     cos = F.cosine_similarity(grads[True], grads[False], dim=0)
     assert 0 < rel < 0.1 and cos > 0.9, (rel, cos)  # E4M3 rounding: a few percent per value at most
+
+
+def test_an_fp8_cache_without_its_scales_is_an_error():
+    """E4M3 pools read or written without their scale pools (or scales with a cache in the model's dtype) would
+    attend over unscaled bytes: each entry point says so before any math."""
+    bf16 = PagedKVCache.allocate(1, 4, 4, 1, 16, torch.bfloat16, "cpu")
+    fp8 = PagedKVCache.allocate(1, 4, 4, 1, 16, torch.bfloat16, "cpu", kv_fp8=True)
+    meta = PagedAttentionMetadata(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                                  torch.tensor([[0]], dtype=torch.int32), torch.tensor([2]), 1, 3)
+    q = torch.randn(1, 2, 16, dtype=torch.bfloat16)
+    for attend in (paged_attention, exact_attention):
+        with pytest.raises(ValueError, match="torch.float8_e4m3fn cache needs its k_scale and v_scale"):
+            attend(q, fp8.k[0], fp8.v[0], meta, 0.25)
+        with pytest.raises(ValueError, match="scales go with a torch.float8_e4m3fn cache"):
+            attend(q, bf16.k[0], bf16.v[0], meta, 0.25, k_scale=fp8.k_scale[0], v_scale=fp8.v_scale[0])
+    with pytest.raises(ValueError, match="torch.float8_e4m3fn pools need k_scale_layer and v_scale_layer"):
+        write_kv(fp8.k[0], fp8.v[0], q[:, :1], q[:, :1], meta.slot_mapping)

@@ -206,22 +206,26 @@ out["write-int32-slots"] = check_write(k, v, pools, slots.to(torch.int32))
 # whose values nearly vanish where one key dominates, as the zero token and the -300 outlier make happen), and the
 # relative errors against the reference. fp16 queries dequantize in registers (bits; error ~3e-4: P is rounded to
 # fp16 for P @ V). bf16 queries are exact mode's only (the interpreter's bf16 dots are not IEEE, see the module doc).
-decode_cases = [((1, 9, 37), 4, 4, 2, 32), ((23, 40), 8, 6, 1, 48), ((1, 130, 300), 16, 6, 1, 32)]
-for ctx, page, hq, hkv, d in decode_cases:
+# Each context runs the (splits, tokens per tile) pairs listed with it, and the default tile with one split: one split
+# of 16-token tiles (several tiles per program); 3 splits of 16 at head_dim 48 (the merge over a padded BLOCK_D, an
+# empty split); 3 splits of 128 at contexts up to 300 (the merge of full FP8 tiles, empty splits for the short
+# sequences). Every path of the kernel, without the cross product that the interpreter makes slow.
+decode_cases = [((1, 9, 37), 4, 4, 2, 32, ((1, 16),)), ((23, 40), 8, 6, 1, 48, ((3, 16),)),
+                ((1, 130, 300), 16, 6, 1, 32, ((1, 16), (3, 128)))]
+for ctx, page, hq, hkv, d, runs in decode_cases:
     meta, kd, ks, vd, vs = paged_case(g, list(ctx), [1] * len(ctx), page, hkv, d, shared_blocks=1)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         q = torch.randn(len(ctx), hq, d, generator=g).to(dtype)
         kq, vq = dequantize_kv_ref(kd, ks, dtype), dequantize_kv_ref(vd, vs, dtype)
         if dtype != torch.bfloat16:
             ref = paged_attention_reference(q.float(), kq.float(), vq.float(), meta, d ** -0.5)
-            for splits in (1, 3):
-                for block_n in (16, 128):
-                    a, b, _, _ = attend(paged_decode, q, meta, kd, ks, vd, vs, num_splits=splits, block_n=block_n)
-                    bitwise = same_bits(a, b) if dtype == torch.float16 else same_bits_but_subnormal(a, b)
-                    out[f"decode-{ctx}-{str(dtype)[6:]}-splits{splits}-tile{block_n}"] = {
-                        "bitwise": bitwise, "err": rel_err(a, ref), "err_dequantized": rel_err(b, ref)}
-                a = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits)  # the default tile
-                out[f"decode-{ctx}-{str(dtype)[6:]}-splits{splits}-default"] = {"err": rel_err(a, ref)}
+            for splits, block_n in runs:
+                a, b, _, _ = attend(paged_decode, q, meta, kd, ks, vd, vs, num_splits=splits, block_n=block_n)
+                bitwise = same_bits(a, b) if dtype == torch.float16 else same_bits_but_subnormal(a, b)
+                out[f"decode-{ctx}-{str(dtype)[6:]}-splits{splits}-tile{block_n}"] = {
+                    "bitwise": bitwise, "err": rel_err(a, ref), "err_dequantized": rel_err(b, ref)}
+            a = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=1)  # the default tile
+            out[f"decode-{ctx}-{str(dtype)[6:]}-splits1-default"] = {"err": rel_err(a, ref)}
         a, b, kq, vq = attend(exact_attention_fwd, q, meta, kd, ks, vd, vs)
         r = {"bitwise": same_bits(a, b)}
         if dtype != torch.bfloat16:
@@ -290,7 +294,7 @@ TOL = {"float32": 1e-6, "float16": 2e-3}
 
 def test_paged_decode_over_fp8_tiles_is_the_attention_over_the_dequantized_cache(interpreted):
     cases = _cases(interpreted, "decode-")
-    assert len(cases) == 3 * 2 * 2 * 3, sorted(cases)  # contexts x dtypes x splits x tiles
+    assert len(cases) == (1 + 1 + 2 + 3) * 2, sorted(cases)  # (the listed runs, a default per context) x dtypes
     for name, r in cases.items():
         tol = TOL[name.split("-")[2]]
         assert r["err"] < tol and r.get("err_dequantized", 0.0) < tol, (name, r)

@@ -106,3 +106,14 @@ def test_backend_seam():
                 get_backend("cpu")
             finally:
                 backend._override = None
+
+
+def test_kv_fp8_sides_follow_the_recipe():
+    """The FP8 KV cache's one rule: the training forward quantizes K/V under jet only; bf16 refuses the cache."""
+    from jetrl.quant.recipe import kv_fp8_train
+
+    assert kv_fp8_train("jet", True) and not kv_fp8_train("fp8-rollout", True)
+    assert not any(kv_fp8_train(r, False) for r in ("bf16", "fp8-rollout", "jet"))
+    assert kv_fp8_train(get_recipe("jet", pow2_scale=True), True)
+    with pytest.raises(ValueError, match="recipe 'bf16' rolls out in BF16.*'fp8-rollout', 'jet'"):
+        kv_fp8_train("bf16", True)

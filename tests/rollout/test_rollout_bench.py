@@ -2,7 +2,6 @@
 table, and end-to-end CPU smoke runs (--tiny) that report every quantity it promises."""
 
 import importlib.util
-import inspect
 import math
 import re
 import pathlib
@@ -26,15 +25,6 @@ def bench():
     finally:
         sys.modules.pop(spec.name, None)
         sys.path.remove(str(ROOT))
-
-
-@pytest.fixture
-def engine_with_kv_fp8():
-    """The smoke runs construct every arm's engine with the contract's ``kv_fp8`` argument."""
-    from jetrl.rollout import RolloutEngine
-
-    if "kv_fp8" not in inspect.signature(RolloutEngine.__init__).parameters:
-        pytest.skip("RolloutEngine has no kv_fp8 argument yet (issue 17's engine is merged separately)")
 
 
 @pytest.fixture
@@ -276,7 +266,7 @@ def test_ratios_ceilings_and_table(bench):
 
 # ------------------------------------------------------------------------------------ CPU smoke runs
 
-def test_tiny_run(bench, engine_with_kv_fp8, one_thread, capsys):
+def test_tiny_run(bench, one_thread, capsys):
     results = bench.main(["--tiny", "--arms", "bf16,jet", "--exact"])
     assert [r.setting for r in results] == ["tiny", "tiny-n2"]
     for r in results:
@@ -296,7 +286,7 @@ def test_tiny_run(bench, engine_with_kv_fp8, one_thread, capsys):
     assert out.rstrip().splitlines()[-7].startswith("shape")  # the table comes last: header + 6 rows
 
 
-def test_tiny_run_fp8_kv_window(bench, engine_with_kv_fp8, one_thread, capsys):
+def test_tiny_run_fp8_kv_window(bench, one_thread, capsys):
     """The FP8-KV arm in a steady-state window: its mismatch, ratio and bytes ceiling (above jet's)."""
     results = bench.main(["--tiny", "--arms", "bf16,jet,jet+kv8", "--window", "4", "--mismatch"])
     for r in results:
@@ -318,6 +308,6 @@ def test_tiny_run_past_its_time_cap_skips_every_arm(bench, capsys):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
-def test_tiny_run_against_transformers(bench, engine_with_kv_fp8, one_thread):
+def test_tiny_run_against_transformers(bench, one_thread):
     results = bench.main(["--tiny", "--arms", "bf16", "--hf"])
     assert all(r.hf_tokens_per_s > 0 and r.engine_over_hf > 0 for r in results)

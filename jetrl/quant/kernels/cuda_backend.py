@@ -16,8 +16,9 @@ backend (quantization bit for bit, GEMMs to output rounding):
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs of
   :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape);
-* ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention and the
-  seeded sampler run their kernels of this folder (the seam's :func:`~jetrl.quant.backend.choose_impl`).
+* ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention, the
+  seeded sampler, exact mode's attention and the FP8 KV-cache write run their kernels of this folder (the
+  seam's :func:`~jetrl.quant.backend.choose_impl`, over :data:`~jetrl.quant.backend.FUSED_OPS`).
 
 Every choice reads :func:`jetrl.quant.kernels.tuning.current` (``gemm`` forces one GEMM path; the bounds of the
 decode routing; ``gluon``). Importing this module imports Triton; the seam imports it lazily.
