@@ -42,7 +42,7 @@ from jetrl.models import check_eos, export_model, resolve_device
 from jetrl.parallel import launched_rank
 from jetrl.plotting import default_plot_path, plot_runs, summarize_run
 from jetrl.progress import Progress
-from jetrl.quant.recipe import RECIPES
+from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.rl.checkpoint import latest_checkpoint
 from jetrl.rl.loop import check_model, prepare_output_dir, run
@@ -254,12 +254,13 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
+    kv_fp8_train(args.recipe, args.kv_fp8)  # a recipe that rolls out in BF16 has no FP8 cache: say so first
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
     model, tokenizer = load_policy(_model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
     ks = sorted(set(args.k or [1]))
     result = evaluate(model, tokenizer, dataset, reward=args.reward, n=args.n, temperature=args.temperature,
                       top_p=args.top_p, max_tokens=args.max_tokens, ks=ks, seed=args.sample_seed,
-                      progress=not args.no_progress, keep_samples=bool(args.output))
+                      progress=not args.no_progress, keep_samples=bool(args.output), kv_fp8=args.kv_fp8)
     mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
     print(_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe})"))
     if args.output:
@@ -433,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, action="append", help="report pass@k (repeatable; needs --n >= k)")
     p.add_argument("--sample-seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write every sample to this JSONL file")
+    p.add_argument("--kv-fp8", action="store_true",
+                   help="FP8 KV cache in the rollout engine (a recipe that rolls out in FP8: jet, fp8-rollout)")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("generate", help="completions of prompts given as arguments or in a file")

@@ -37,7 +37,8 @@ if [ -n "$GPU_TESTS" ]; then
   (CUDA_VISIBLE_DEVICES=1 python3 -m pytest -m gpu -q -p no:cacheprovider -n 6 $GPU_TESTS > "$LOGS/1_gpu_tests.log" 2>&1
    echo "gpu tests rc=$?" >> "$LOGS/1_gpu_tests.log") &
 fi
-CUDA_VISIBLE_DEVICES=0 python3 scripts/exp_sft.py ${SMOKE_ARG[@]+"${SMOKE_ARG[@]}"} --out-dir "$WORK/sft" --steps "$SFT_STEPS" > "$LOGS/0_sft.log" 2>&1
+CUDA_VISIBLE_DEVICES=0 python3 scripts/exp_sft.py ${SMOKE_ARG[@]+"${SMOKE_ARG[@]}"} --out-dir "$WORK/sft" \
+  --steps "$SFT_STEPS" > "$LOGS/0_sft.log" 2>&1
 sft_rc=$?
 wait
 left=$((DEADLINE - ($(date +%s) - T0)))
@@ -46,8 +47,9 @@ if [ "$sft_rc" -eq 0 ]; then
   for gpu in 0 1; do
     arms="ARMS$gpu"
     for arm in ${!arms//,/ }; do
-      CUDA_VISIBLE_DEVICES=$gpu python3 scripts/exp_rl.py ${SMOKE_ARG[@]+"${SMOKE_ARG[@]}"} --model "$WORK/sft" --arms "$arm" \
-        --seeds "$SEED" --deadline "$left" --time-budget 100000 --work "$WORK/rl-$arm" --out "$WORK/out-$arm" > "$LOGS/2_rl_$arm.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=$gpu python3 scripts/exp_rl.py ${SMOKE_ARG[@]+"${SMOKE_ARG[@]}"} --model "$WORK/sft" \
+        --arms "$arm" --seeds "$SEED" --deadline "$left" --time-budget 100000 --work "$WORK/rl-$arm" \
+        --out "$WORK/out-$arm" > "$LOGS/2_rl_$arm.log" 2>&1 &
     done
   done
   wait

@@ -129,6 +129,12 @@ def test_eval_generate_and_export(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pass@4" in out and len(_records(tmp_path / "s.jsonl")) == 24
 
+    # the FP8 KV cache: refused before any work under a recipe that rolls out in BF16, runs under jet
+    assert main(["eval", "--num-examples", "4", "--no-progress", "--kv-fp8"]) == 2
+    assert "rolls out in BF16" in capsys.readouterr().err
+    assert main(["eval", "--num-examples", "4", "--no-progress", "--kv-fp8", "--recipe", "jet"]) == 0
+    assert "accuracy" in capsys.readouterr().out
+
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("3+4*2\n\n18*7-2\n")
     assert main(["generate", "12+7-3*2", "--file", str(prompts), "--jsonl"]) == 0

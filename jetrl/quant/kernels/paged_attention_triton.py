@@ -13,9 +13,9 @@ sequence's single query sees cache positions ``< context_lens[s]``), read direct
 **An FP8 cache** (E4M3 K/V, one power-of-two fp32 scale ``2^e`` per token and KV head, written by
 ``jetrl.models.attention.quantize_kv``) is read without dequantizing it. Each E4M3 tile is converted to q's dtype
 with a plain ``.to`` (exact: every E4M3 value is a bf16, fp16 and fp32 value) and goes straight into ``tl.dot``,
-the shape Triton software-pipelines and converts in the dot-operand layout, as in mixed-precision GEMMs (the
-in-register dequantization between load and dot that this kernel used to do made its FP8 loop slower than the BF16
-one although it reads half the bytes). The per-token scales act on the dots' fp32 sides instead:
+the shape Triton software-pipelines and converts in the dot-operand layout, as in mixed-precision GEMMs (an
+arithmetic dequantization between the load and the dot is not that shape). The per-token scales act on the
+dots' fp32 sides instead:
 
 * scores: ``s = dot(q, k8^T) * (k_scale * softmax_scale * log2(e))`` per key column, which is bitwise
   ``(dot(q, k8^T) * k_scale) * softmax_scale * log2(e)`` (``k_scale`` is a power of two) and equals
