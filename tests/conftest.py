@@ -1,5 +1,6 @@
-"""Shared test setup: the ``gpu`` marker skips with a reason where no CUDA GPU is present, and the Triton-
-interpreter children of the selected tests start right after collection (they run alongside the suite)."""
+"""Shared test setup: the ``gpu`` marker skips with a reason where no CUDA GPU is present, the ``slow`` tests run
+last, and the Triton-interpreter children of the selected tests start right after collection (they run
+alongside the suite)."""
 
 import os
 
@@ -16,6 +17,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):
+    # the `slow` tests run last: by then the interpreter children are done and a slow test's child run of
+    # `jetrl` has both cores to itself (see its thread count in tests/cli/test_commands.py)
+    items.sort(key=lambda item: "slow" in item.keywords)  # stable: the order within each group is kept
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run scripts/gpu_check.sh on the H200")

@@ -65,15 +65,18 @@ def test_train_resume_through_the_cli_loses_no_step(tmp_path, monkeypatch):
 
 
 def _run_while_it_progresses(argv: list[str], cwd: Path, progress_file: Path, floor_s: float = 1200.0,
-                             factor: float = 5.0) -> subprocess.CompletedProcess:
+                             factor: float = 5.0, threads: int | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m jetrl *argv`` to completion, failing only when it stalls: each new line of
     ``progress_file`` (one per RL step) must come within ``max(floor_s, factor * longest gap so far)`` of
     the previous one (the first gap holds start-up and the evaluation before training, the last one the
-    evaluation after it). The budget so scales with the speed this machine shows, and a hang still fails."""
+    evaluation after it). The budget so scales with the speed this machine shows, and a hang still fails.
+    ``threads``: the child's torch threads (default: the suite's, ``OMP_NUM_THREADS``)."""
     import os
     import time
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     log = cwd / "jetrl.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "jetrl", *argv], cwd=cwd, env=env, stdout=out,
@@ -107,9 +110,13 @@ def test_default_run_improves_the_policy(tmp_path):
     steps (the LR schedule follows the shorter run) to keep the suite short: the sampled reward rises from the
     first to the last quarter of the steps by 0.03 or more, and greedy accuracy on the 200 held-out problems by
     0.05 or more (the full run's tuned values are in the README and the default config). A busy or slow
-    machine only makes it take longer; a stalled run fails."""
+    machine only makes it take longer; a stalled run fails. It runs last (``slow``), when nothing else runs
+    beside it, so its child uses up to two threads."""
+    import os
+
     out = tmp_path / "runs" / "tiny-default"
-    result = _run_while_it_progresses(["train", "--max-steps", "20"], tmp_path, out / "metrics.jsonl")
+    result = _run_while_it_progresses(["train", "--max-steps", "20"], tmp_path, out / "metrics.jsonl",
+                                      threads=min(2, os.cpu_count() or 1))
     assert "held-out" in result.stdout
     held_out = json.loads((out / "eval.json").read_text())
     assert held_out["greedy_accuracy_after"] >= held_out["greedy_accuracy_before"] + 0.05, held_out
