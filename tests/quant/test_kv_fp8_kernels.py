@@ -210,6 +210,10 @@ out["write-int32-slots"] = check_write(k, v, pools, slots.to(torch.int32))
 # of 16-token tiles (several tiles per program); 3 splits of 16 at head_dim 48 (the merge over a padded BLOCK_D, an
 # empty split); 3 splits of 128 at contexts up to 300 (the merge of full FP8 tiles, empty splits for the short
 # sequences). Every path of the kernel, without the cross product that the interpreter makes slow.
+# The factored route is the tuning's kv_decode_factored (off by default until measured on the GPU): on for these.
+from jetrl.quant.kernels import tuning
+factored = tuning.override(kv_decode_factored=True)
+factored.__enter__()
 decode_cases = [((1, 9, 37), 4, 4, 2, 32, ((1, 16),)), ((23, 40), 8, 6, 1, 48, ((3, 16),)),
                 ((1, 130, 300), 16, 6, 1, 32, ((1, 16), (3, 128)))]
 for ctx, page, hq, hkv, d, runs in decode_cases:
@@ -249,6 +253,10 @@ ks, vs = ks * 1.1, vs * 0.9
 a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs, block_n=16)
 ref = paged_attention_reference(q, kq, vq, meta, 32 ** -0.5)
 out["nonpow2-decode-float32"] = {"bitwise": same_bits(a, b), "err": rel_err(a, ref)}
+factored.__exit__(None, None, None)
+# the default route dequantizes each FP8 tile in registers: bit for bit the kernel over the dequantized cache
+a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs, block_n=16)
+out["inregister-decode-float32"] = {"bitwise": same_bits(a, b), "err": rel_err(a, ref)}
 
 # exact mode's prefill chunks (several new rows per sequence, partial pages) and its packed training layout
 # (one-token pages: K (N, Hkv, D) viewed as (N, 1, Hkv, D), scales (N, 1, Hkv))
@@ -307,9 +315,11 @@ def test_paged_decode_over_fp8_tiles_is_the_attention_over_the_dequantized_cache
 
 def test_paged_decode_applies_the_scales_outside_the_dots(interpreted):
     """Non-power-of-two scales tell the factored kernel from one that dequantizes in registers (which would be
-    bitwise the kernel over the dequantized cache, the slow form this kernel exists to avoid)."""
+    bitwise the kernel over the dequantized cache); the default route (``kv_decode_factored`` off) is that one."""
     r = interpreted["nonpow2-decode-float32"]
     assert not r["bitwise"] and r["err"] < TOL["float32"], r
+    r = interpreted["inregister-decode-float32"]
+    assert r["bitwise"] and r["err"] < TOL["float32"], r
 
 
 @pytest.mark.parametrize("kernel", ["exact-decode-", "exact-prefill-", "exact-packed-"])
@@ -413,10 +423,20 @@ def _decode_case(num_seqs: int, q_lens=None):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("factored", [False, True])
 @pytest.mark.parametrize("num_seqs", sorted(DECODE_BATCHES))
-def test_paged_decode_fp8_at_8b_shapes(num_seqs):
+def test_paged_decode_fp8_at_8b_shapes(num_seqs, factored):
+    """Both routes of the decode kernel over an FP8 cache (``kv_decode_factored``) at the 8B head shapes."""
+    from jetrl.quant.kernels import tuning
+
+    with tuning.override(kv_decode_factored=factored):
+        _paged_decode_fp8_at_8b_shapes(num_seqs)
+
+
+def _paged_decode_fp8_at_8b_shapes(num_seqs):
     from jetrl.models.attention import paged_attention_reference
     from jetrl.quant.kernels.paged_attention_triton import FP8_BLOCK_N, choose_num_splits, paged_decode
+
 
     q, meta, kd, ks, vd, vs = _decode_case(num_seqs)
     splits = choose_num_splits(num_seqs, HKV, meta.max_context_len, q.device, FP8_BLOCK_N)
@@ -436,10 +456,18 @@ def test_paged_decode_fp8_at_8b_shapes(num_seqs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("factored", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_paged_decode_fp8_group_of_6_long_split_contexts(dtype):
+def test_paged_decode_fp8_group_of_6_long_split_contexts(dtype, factored):
     """GQA group 6 (12 query heads on 2 KV heads, padded to 16 MMA rows) at head_dim 128: contexts of one token,
-    partial pages and up to 6000 tokens split across programs, bf16 and fp32 (IEEE dots) queries."""
+    partial pages and up to 6000 tokens split across programs, bf16 and fp32 (IEEE dots) queries; both routes."""
+    from jetrl.quant.kernels import tuning
+
+    with tuning.override(kv_decode_factored=factored):
+        _paged_decode_fp8_group_of_6(dtype)
+
+
+def _paged_decode_fp8_group_of_6(dtype):
     from jetrl.models.attention import paged_attention_reference
     from jetrl.quant.kernels.paged_attention_triton import FP8_BLOCK_N, choose_num_splits, paged_decode
 

@@ -33,7 +33,8 @@ on the GPU the two score dots see different operands, so the MMA's accumulation 
 query cannot take this route (fp16's 5 exponent bits do not hold ``p * 2^e``): its K/V tiles are dequantized in
 registers to ``dequantize_kv(data, scale, float16)`` (:func:`_load_kv_rows`), bitwise the kernel over that cache.
 An FP8 tile holds :data:`FP8_BLOCK_N` = 128 tokens, a tile in q's dtype :data:`BLOCK_N` = 64: the same bytes per
-tile, half the loop trips.
+tile, half the loop trips. The factored route is the tuning's ``kv_decode_factored`` (off by default until it is
+measured on the GPU); off, every FP8 tile is dequantized in registers as for an fp16 query.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
@@ -48,6 +49,7 @@ import triton
 import triton.language as tl
 
 from jetrl.quant.formats import E4M3
+from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import cast_rne
 
 _LOG2E = 1.4426950408889634
@@ -280,7 +282,8 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
         raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
     fp8 = check_kv_cache("paged_decode", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
-    factored = fp8 and q.dtype != torch.float16  # fp16 cannot hold p * 2^e (see the module doc)
+    # fp16 cannot hold p * 2^e (see the module doc); the tuning's switch keeps the measured path until this one is
+    factored = fp8 and q.dtype != torch.float16 and tuning.current().kv_decode_factored
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
     if block_n is None:
