@@ -173,3 +173,41 @@ def write_report(report: dict, path: str | None, out_name: str) -> None:
 __all__ = ["write_report", "LLAMA31_8B", "QWEN25_32B", "TINY_LLAMA", "Arm", "parse_arm", "parse_arms", "KV8_SUFFIX",
            "EXACT_SUFFIX", "with_layers", "sync", "random_prompts", "device_description",
            "reset_peak_memory", "peak_memory_gib"]
+
+
+def add_tuning_argument(parser) -> None:
+    """``--tuning KEY=VALUE`` (repeatable): a field of the kernels' tuning object for the whole run."""
+    parser.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of jetrl.quant.kernels.tuning for the run, e.g. exact_split_k=0 or "
+                             "kv_decode_factored=true (repeatable)")
+
+
+def parse_tuning(items: list[str]) -> dict:
+    """``["exact_split_k=0", "kv_decode_factored=true"]`` -> settings for ``tuning.override``: each value read as
+    the type of its field's current value (bool: true/false/1/0); a ``ValueError`` names a bad key or value."""
+    from jetrl.quant.kernels import tuning
+
+    now = tuning.current()
+    settings = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not hasattr(now, key):
+            raise ValueError(f"--tuning must read KEY=VALUE with KEY a field of KernelTuning, got {item!r}")
+        kind = type(getattr(now, key))
+        text = text.strip()
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"--tuning {key}: true or false, got {text!r}")
+            settings[key] = text.lower() in ("true", "1")
+        elif kind in (int, float, str):
+            try:
+                settings[key] = kind(text)
+            except ValueError:
+                raise ValueError(f"--tuning {key}: a {kind.__name__}, got {text!r}") from None
+        else:
+            raise ValueError(f"--tuning {key}: a {kind.__name__} setting cannot be given on the command line")
+    with tuning.override(**settings):  # the tuning object's own checks, before any model is built
+        pass
+    return settings
+

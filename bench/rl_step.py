@@ -63,11 +63,13 @@ from typing import Any
 import torch
 
 try:  # repository root on sys.path (python -m bench.rl_step, the tests)
-    from bench.common import (LLAMA31_8B, TINY_LLAMA, Arm, device_description, parse_arm, parse_arms,
-                              peak_memory_gib, random_prompts, reset_peak_memory, with_layers, write_report)
+    from bench.common import (LLAMA31_8B, TINY_LLAMA, Arm, add_tuning_argument, device_description, parse_arm,
+                              parse_arms, parse_tuning, peak_memory_gib, random_prompts, reset_peak_memory,
+                              with_layers, write_report)
 except ModuleNotFoundError:  # python bench/rl_step.py: bench/ itself is on sys.path
-    from common import (LLAMA31_8B, TINY_LLAMA, Arm, device_description, parse_arm,  # type: ignore[no-redef]
-                        parse_arms, peak_memory_gib, random_prompts, reset_peak_memory, with_layers, write_report)
+    from common import (LLAMA31_8B, TINY_LLAMA, Arm, add_tuning_argument,  # type: ignore[no-redef]
+                        device_description, parse_arm, parse_arms, parse_tuning, peak_memory_gib, random_prompts,
+                        reset_peak_memory, with_layers, write_report)
 
 PHASES = ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh")
 # Jet-RL's reported speed-ups of jet over BF16 at 8B, and the targets jetrl sets itself (issue 6).
@@ -419,6 +421,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--progress", action="store_true", help="rollout progress display")
     parser.add_argument("--json", default=None, help="also write the results here")
+    add_tuning_argument(parser)
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
@@ -426,6 +429,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         recipes = [a.name for a in parse_arms(args.recipes)]
     except ValueError as exc:
         parser.error(f"--arms: {exc}")
+    try:
+        args.tuning = parse_tuning(args.tuning)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
     for flag, extra in ((args.kv_fp8, "jet+kv8"), (args.exact, "jet-exact")):
         if flag and extra not in recipes:
             recipes.append(extra)
@@ -439,7 +446,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; returns the results as printed (and as written to ``$OUT/rl_step.json``)."""
+    from jetrl.quant.kernels import tuning
+
     args = _parse(argv)
+    with tuning.override(**args.tuning):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> dict[str, Any]:
     tiny = args.tiny
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not tiny else "cpu"))
     if device.type != "cuda" and not tiny:
@@ -499,6 +513,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     ratios = speedups(results)
     report = _results_json(setting, results, ratios)
+    report["tuning"] = args.tuning  # the kernels' tuning fields set with --tuning (empty: the defaults)
     write_report(report, args.json, "rl_step.json")
     print(f"\nRL step, {setting.shape} ({setting.num_layers} blocks), {setting.num_sequences} x "
           f"({setting.prompt_len} + {setting.new_tokens}) tokens; Jet-RL / NeMo-RL = their reported 8B speed-ups, "

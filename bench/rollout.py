@@ -81,10 +81,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 try:  # repository root on sys.path (python -m bench.rollout, the tests)
-    from bench.common import LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, parse_arms, random_prompts, sync
+    from bench.common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument, parse_arms,
+                              parse_tuning, random_prompts, sync)
 except ModuleNotFoundError:  # python bench/rollout.py: bench/ itself is on sys.path
-    from common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, parse_arms,  # type: ignore[no-redef]
-                        random_prompts, sync)
+    from common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument,  # type: ignore[no-redef]
+                        parse_arms, parse_tuning, random_prompts, sync)
 
 SHAPES = {
     "8b": LLAMA31_8B,
@@ -638,11 +639,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 4 prompts, 8 tokens")
     parser.add_argument("--json", default=None)
+    add_tuning_argument(parser)
     args = parser.parse_args(argv)
     try:
         args.arms = parse_arms(args.arms)
     except ValueError as exc:
         parser.error(f"--arms: {exc}")
+    try:
+        args.tuning = parse_tuning(args.tuning)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
     if args.exact and "jet-exact" not in [a.name for a in args.arms]:
         args.arms.append(Arm("jet", exact=True))
     args.mismatch = args.mismatch or args.exact
@@ -725,7 +731,14 @@ def plan(args, assumptions: PlanAssumptions | None = None) -> tuple[float, list[
 
 
 def main(argv: list[str] | None = None) -> list[Result]:
+    from jetrl.quant.kernels import tuning
+
     args = _parse(argv)
+    with tuning.override(**args.tuning):
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> list[Result]:
     if args.plan:
         total, rows = plan(args)
         print("\n".join(map(str, rows)))

@@ -95,6 +95,24 @@ def test_tiny_run_with_the_exact_arm(bench, one_thread, tmp_path, monkeypatch, c
     assert "jet-exact 0.00e+00 / 0.00e+00" in mismatch and "jet " in mismatch
 
 
+def test_tuning_settings_are_typed_checked_and_in_force_for_the_run(bench, one_thread, tmp_path, monkeypatch):
+    from jetrl.quant.kernels import tuning
+
+    seen = {}
+    real = bench._main
+    monkeypatch.setattr(bench, "_main", lambda args: seen.update(vars(tuning.current())) or real(args))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    report = bench.main(["--tiny", "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--new-tokens", "4",
+                         "--recipes", "jet", "--no-reference", "--tuning", "exact_split_k=2",
+                         "--tuning", "kv_decode_factored=true"])
+    assert report["tuning"] == {"exact_split_k": 2, "kv_decode_factored": True}
+    assert seen["exact_split_k"] == 2 and seen["kv_decode_factored"] is True
+    assert tuning.current().exact_split_k == 1 and not tuning.current().kv_decode_factored  # restored after
+    for bad in ("nonsense=1", "exact_split_k=two", "kv_decode_factored=maybe", "exact_split_k", "exact_split_k=-1"):
+        with pytest.raises(SystemExit):
+            bench._parse(["--tiny", "--tuning", bad])
+
+
 def test_exact_arm_of_an_unknown_recipe_is_refused(bench):
     with pytest.raises(SystemExit):
         bench._parse(["--tiny", "--recipes", "fp9-exact"])
