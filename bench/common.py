@@ -182,9 +182,17 @@ def add_tuning_argument(parser) -> None:
                              "kv_decode_factored=true (repeatable)")
 
 
-def parse_tuning(items: list[str]) -> dict:
+def parse_tuning(parser, items: list[str]) -> dict:
     """``["exact_split_k=0", "kv_decode_factored=true"]`` -> settings for ``tuning.override``: each value read as
-    the type of its field's current value (bool: true/false/1/0); a ``ValueError`` names a bad key or value."""
+    the type of its field's current value (bool: true/false/1/0), checked by the tuning object; a bad key or
+    value is ``parser``'s usage error."""
+    try:
+        return _tuning_settings(items)
+    except (ValueError, TypeError) as exc:
+        parser.error(str(exc))
+
+
+def _tuning_settings(items: list[str]) -> dict:
     from jetrl.quant.kernels import tuning
 
     now = tuning.current()

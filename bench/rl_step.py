@@ -429,10 +429,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         recipes = [a.name for a in parse_arms(args.recipes)]
     except ValueError as exc:
         parser.error(f"--arms: {exc}")
-    try:
-        args.tuning = parse_tuning(args.tuning)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
+    args.tuning = parse_tuning(parser, args.tuning)
     for flag, extra in ((args.kv_fp8, "jet+kv8"), (args.exact, "jet-exact")):
         if flag and extra not in recipes:
             recipes.append(extra)

@@ -645,10 +645,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.arms = parse_arms(args.arms)
     except ValueError as exc:
         parser.error(f"--arms: {exc}")
-    try:
-        args.tuning = parse_tuning(args.tuning)
-    except (ValueError, TypeError) as exc:
-        parser.error(str(exc))
+    args.tuning = parse_tuning(parser, args.tuning)
     if args.exact and "jet-exact" not in [a.name for a in args.arms]:
         args.arms.append(Arm("jet", exact=True))
     args.mismatch = args.mismatch or args.exact
