@@ -17,8 +17,7 @@ whatever the other rows are.
   result does not depend on its position in the chunk or on the other rows (the tests check both). The CUDA
   backend runs Triton GEMMs (:mod:`jetrl.quant.kernels.gemm_exact_triton`) with one tile configuration and one
   K split per weight shape: K is cut into S contiguous ranges (S from the weight's (N, K), never from M, so
-  that decode's few rows can fill the GPU; the tuning's default keeps S = 1 until the split is measured on the
-  GPU, :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`), each range summed in order from zero,
+  that decode's few rows can fill the GPU, :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`), each range summed in order from zero,
   the S partials added in the fixed order 0..S-1 without atomics. What must not vary with M is the arithmetic
   (tiles, S, the order of every sum); how the work is spread over programs may, and does (the splits as separate
   programs for decode, one program walking them for training), since both schedules add the same fp32 partials

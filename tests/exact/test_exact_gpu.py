@@ -107,9 +107,7 @@ def test_exact_split_k_at_8b_shapes(path, n, k):
     with tuning.override(exact_split_k=1):
         assert exact_config(n, k).split_k == 1
         assert torch.equal(fn(512), unsplit())
-    assert exact_config(n, k).split_k == 1  # the default until the split kernels are measured here
-    with tuning.override(exact_split_k=0):
-        default = exact_config(n, k).split_k
+    default = exact_config(n, k).split_k  # the heuristic's
     assert default == {(4096, 4096): 8, (14336, 4096): 2, (4096, 14336): 8, (1024, 4096): 8, (4096, 1024): 2}[(n, k)]
     for forced in (0, 2, 4):  # 0: the heuristic's split
         with tuning.override(exact_split_k=forced):

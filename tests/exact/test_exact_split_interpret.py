@@ -117,9 +117,8 @@ def test_exact_gemm_split_k(interpreted, what):
 def test_exact_split_heuristic_at_8b_shapes():
     """The documented defaults: ceil(N / tile) * S reaches the 132 programs where K allows it, S <= 8, at least 4
     K blocks per split; never a function of M (the method takes no M)."""
-    assert tuning.current().exact_split(4096, 4096) == 1  # the default forces one split until measured on the GPU
-    with tuning.override(exact_split_k=0):
-        t = tuning.current()
+    assert tuning.current().exact_split_k == 0  # the heuristic is the default
+    t = tuning.current()
     expected = {(4096, 4096): 8, (1024, 4096): 8, (6144, 4096): 4, (14336, 4096): 2, (28672, 4096): 1,
                 (4096, 14336): 8, (128256, 4096): 1, (4096, 1024): 2, (1024, 512): 1, (4096, 100): 1}
     assert {shape: t.exact_split(*shape) for shape in expected} == expected

@@ -196,10 +196,9 @@ class KernelTuning:
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
     tiles (``exact_narrow_block_n`` for weights of at most ``exact_narrow_n`` rows), ``exact_num_warps``,
-    ``exact_num_stages``, and the K split (:meth:`exact_split`): ``exact_split_k`` (0: the heuristic below; a
-    positive count forces that many splits on every weight, at most one per 128-wide K block; the default 1 keeps
-    the one in-order K walk measured on the GPU until the split kernels are measured there too -- sweep them
-    with ``tuning.override(exact_split_k=0)`` or a count),
+    ``exact_num_stages``, and the K split (:meth:`exact_split`): ``exact_split_k`` (0, the default: the heuristic
+    below; a positive count forces that many splits on every weight, at most one per 128-wide K block; 1 is the one
+    in-order K walk of the first exact kernel, ``tuning.override(exact_split_k=1)``),
     ``exact_split_programs`` (the program count a split aims for: the H200's 132 SMs, a constant of the GPU class
     so that the bits do not depend on the device a side runs on), ``exact_max_split`` and
     ``exact_min_kb_per_split``. These fix the arithmetic, never chosen by M; the rollout and the trainer must run
@@ -232,7 +231,7 @@ class KernelTuning:
     exact_narrow_n: int = 1024
     exact_num_warps: int = 4
     exact_num_stages: int = 3
-    exact_split_k: int = 1
+    exact_split_k: int = 0
     exact_split_programs: int = 132
     exact_max_split: int = 8
     exact_min_kb_per_split: int = 4
