@@ -23,20 +23,22 @@ recipe) weigh more, so the jet/bf16 speed-ups are somewhat below what the full d
 
 Reported next to the measured jet/bf16 speed-ups: Jet-RL's published 8B numbers and jetrl's targets.
 
-**Arms** (``--arms``, alias ``--recipes``; default ``bf16,jet``): ``<recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]]``
-(see :class:`bench.common.Arm`). ``--kv-fp8`` adds ``jet+kv8``: ``jet`` with the run config's ``kv_fp8: true``, so the
-engine stores K and V in an E4M3 cache (one fp32 scale per token per KV head) and the training forwards (old
-log-probs, reference, update) attend over the same quantized K and V. Its end-to-end speed-up over ``bf16`` is set
-against issue 17's target (1.5x) and NeMo-RL's published 8B number (FP8 linears, KV cache and attention: 1.48x).
-After ``@``, fields of the kernels' tuning object (:mod:`jetrl.quant.kernels.tuning`) for that arm alone: the arm's
-whole run (model, engine and CUDA graphs, trainer, warm-up and timed steps) is inside ``tuning.override`` of them,
-nested in the run's ``--tuning`` (the arm's settings win), so two kernel routes are measured in one process against
-one ``bf16`` arm, e.g. exact mode's split-K heuristic against its single K walk::
+**Arms** (``--arms``, alias ``--recipes``; default ``bf16,jet``):
+``<recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]]`` (see :class:`bench.common.Arm`). ``--kv-fp8`` adds
+``jet+kv8``: ``jet`` with the run config's ``kv_fp8: true``, so the engine stores K and V in an E4M3 cache (one fp32
+scale per token per KV head) and the training forwards (old log-probs, reference, update) attend over the same
+quantized K and V. Its end-to-end speed-up over ``bf16`` is set against issue 17's target (1.5x) and NeMo-RL's
+published 8B number (FP8 linears, KV cache and attention: 1.48x). After ``@``, fields of the kernels' tuning object
+(:mod:`jetrl.quant.kernels.tuning`) for that arm alone: the arm's whole run (model, engine and CUDA graphs, trainer,
+warm-up and timed steps) is inside ``tuning.override`` of them, nested in the run's ``--tuning`` (the arm's settings
+win), so two kernel routes are measured in one process against one ``bf16`` arm, e.g. exact mode's split-K heuristic
+against its single K walk::
 
     PYTHONPATH=$PWD python3 bench/rl_step.py --arms 'bf16,jet-exact,jet-exact@exact_split_k=0'
 
-Every arm builds its own model, engine and trainer (nothing compiled or captured is shared between arms); each
-arm's ``tuning`` in the report lists the settings it ran under (``--tuning`` updated by the arm's own).
+Every arm builds its own model (and so its cached FP8 weights), engine (and CUDA graphs) and trainer; Triton's
+compiled kernels are keyed by the values the tuning passes them. Each arm's ``tuning`` in the report lists the
+settings it ran under (``--tuning`` updated by the arm's own).
 
 **Long rollouts** (``--long``): 16 prompts x 4 samples x (256 + 4,096) tokens, where the KV cache outweighs the
 weights in every decode step and the FP8 cache pays most. The step's memory grows with the sequence length

@@ -6,20 +6,21 @@ shape lives on the device; the arms share it (:func:`jetrl.quant.apply_recipe` s
 sharing the parameters) and each arm's engine, KV cache, CUDA graphs and cached FP8 weights are freed before the
 next arm or shape starts.
 
-**Arms** (``--arms``, default ``bf16,jet,jet+kv8``): ``<recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]]`` (see
-:class:`bench.common.Arm`): ``jet+kv8`` is ``jet`` with ``RolloutEngine(kv_fp8=True)``: K and V stored in the paged
-cache as E4M3 with one fp32 scale per token per KV head. ``--exact`` adds ``jet-exact`` (``RolloutEngine(exact=True)``).
-After ``@``, fields of the kernels' tuning object (:mod:`jetrl.quant.kernels.tuning`) for that arm alone: everything
-the arm does (the FP8 weights' quantization, its engine and CUDA graphs, warm-up, timed generations, the mismatch
-scoring) runs inside ``tuning.override`` of them, nested in the run's ``--tuning`` (the arm's settings win), so two
-kernel routes are compared in one process against one ``bf16`` arm::
+**Arms** (``--arms``, default ``bf16,jet,jet+kv8``): ``<recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]]``
+(see :class:`bench.common.Arm`): ``jet+kv8`` is ``jet`` with ``RolloutEngine(kv_fp8=True)``: K and V stored in the
+paged cache as E4M3 with one fp32 scale per token per KV head. ``--exact`` adds ``jet-exact``
+(``RolloutEngine(exact=True)``). After ``@``, fields of the kernels' tuning object
+(:mod:`jetrl.quant.kernels.tuning`) for that arm alone: everything the arm does (the FP8 weights' quantization, its
+engine and CUDA graphs, warm-up, timed generations, the mismatch scoring) runs inside ``tuning.override`` of them,
+nested in the run's ``--tuning`` (the arm's settings win), so two kernel routes are compared in one process against
+one ``bf16`` arm::
 
     PYTHONPATH=$PWD python3 bench/rollout.py --arms 'bf16,jet+kv8,jet+kv8@kv_decode_factored=true'
 
-Every arm's engine (its CUDA graphs, captured under the arm's tuning) is freed before the next arm starts, and the
-FP8 weights are re-quantized for each arm. ``Result.tuning`` lists, per arm, the settings it ran under (``--tuning``
-updated by the arm's own); an exact arm's cost is set against its fast arm (:func:`bench.common.fast_arm_of`,
-``Result.exact_fast_arm``).
+Every arm's engine (its CUDA graphs, captured under the arm's tuning) is freed before the next arm starts, the FP8
+weights are re-quantized for each arm, and Triton's compiled kernels are keyed by the values the tuning passes
+them. ``Result.tuning`` lists, per arm, the settings it ran under (``--tuning`` updated by the arm's own); an exact
+arm's cost is set against its fast arm (:func:`bench.common.fast_arm_of`, ``Result.exact_fast_arm``).
 
 **Settings** (prompts x samples, new tokens with stops ignored, ``--prompt-len`` prompt tokens, default 256):
 

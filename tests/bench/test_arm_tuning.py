@@ -196,3 +196,17 @@ def test_rl_step_runs_each_arm_under_its_own_tuning(common, one_thread, monkeypa
     assert written["results"][tuned]["tuning"] == {"exact_split_k": 0, "kv_decode_factored": True}
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("phase"))
     assert f"{tuned} s" in header and f"{tuned}/bf16" in header
+
+
+@pytest.mark.parametrize("script", ["rollout", "rl_step"])
+def test_the_documented_commands_parse(common, script):
+    import re
+    import shlex
+
+    bench = importlib.import_module(f"bench.{script}")
+    command = re.search(rf"python3 bench/{script}\.py (--arms '[^']*')", bench.__doc__).group(1)
+    args = bench._parse(shlex.split(command))
+    names = [a.name for a in args.arms] if script == "rollout" else args.recipes
+    assert len(names) == 3 and "@" in names[-1] and names[-1] == shlex.split(command)[1].split(",")[-1]
+    example = re.search(r'``parse_arm\("([^"]*)"\)\.name`` is\s+``"([^"]*)"``', common.Arm.__doc__)
+    assert common.parse_arm(example.group(1)).name == example.group(2)
