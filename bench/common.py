@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: model shapes built from configs (no download), the arms (recipe, FP8 KV
-cache, exact mode) and their names, device utilities.
+cache, exact mode, kernel tuning) and their names, the ``--tuning`` option, device utilities.
 
 Scripts import this as ``bench.common`` (repository root on ``sys.path``, e.g. ``python -m bench.x`` or
 the tests) or as ``common`` (``python bench/x.py`` puts ``bench/`` on ``sys.path``).
@@ -7,7 +7,9 @@ the tests) or as ``common`` (``python bench/x.py`` puts ``bench/`` on ``sys.path
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -46,25 +48,48 @@ def with_layers(shape: dict, num_layers: int | None) -> dict:
 
 KV8_SUFFIX = "+kv8"  # an arm ``<recipe>+kv8``: the recipe with the FP8 KV cache (run config ``kv_fp8: true``)
 EXACT_SUFFIX = "-exact"  # an arm ``<recipe>[+kv8]-exact``: the same in exact on-policy mode
+TUNING_MARK = "@"  # an arm ``<...>@KEY=VALUE``: a field of the kernels' tuning object, for that arm only
+TUNING_SEP = ";"  # between an arm's tuning settings (the arm list itself is comma-separated)
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One benchmark arm: a precision recipe, with or without the FP8 KV cache, fast or exact.
+    """One benchmark arm: a precision recipe, with or without the FP8 KV cache, fast or exact, and the kernel
+    tuning it runs under.
 
-    Named ``<recipe>[+kv8][-exact]``: ``bf16``, ``jet``, ``jet+kv8``, ``jet-exact``, ``jet+kv8-exact``,
-    ``fp8-rollout+kv8`` (the rollout-only FP8 cache peers ship). The rules are the run config's: ``kv_fp8``
-    needs a recipe that rolls out in FP8 (:func:`jetrl.quant.recipe.kv_fp8_train`), exact mode one that runs the
-    same precision on both sides.
+    Named ``<recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]]``: ``bf16``, ``jet``, ``jet+kv8``, ``jet-exact``,
+    ``jet+kv8-exact``, ``fp8-rollout+kv8`` (the rollout-only FP8 cache peers ship). The rules are the run config's:
+    ``kv_fp8`` needs a recipe that rolls out in FP8 (:func:`jetrl.quant.recipe.kv_fp8_train`), exact mode one that
+    runs the same precision on both sides.
+
+    After ``@``, fields of :class:`jetrl.quant.kernels.tuning.KernelTuning` for this arm only, read like
+    ``--tuning`` (:func:`parse_tuning`: each value as its field's type, bools ``true``/``false``/``1``/``0``):
+    ``jet-exact@exact_split_k=0`` is exact ``jet`` with the split-K heuristic, next to a plain ``jet-exact`` in the
+    same process, on the same model and against the same ``bf16`` arm. A benchmark runs everything of the arm
+    (engine, CUDA graphs, warm-up, timing, scoring) inside ``tuning.override(**arm.tuning)``, nested in the
+    run's ``--tuning``, so the arm's settings win. ``tuning`` is a read-only mapping in canonical order, keys
+    sorted by name, and :attr:`name` writes it so (bools as ``true``/``false``):
+    ``parse_arm("jet+kv8@kv_decode_factored=1;exact_split_k=0").name`` is
+    ``"jet+kv8@exact_split_k=0;kv_decode_factored=true"``. In a shell, quote an arm list that has ``;``.
     """
 
     recipe: str
     kv_fp8: bool = False
     exact: bool = False
+    tuning: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tuning", MappingProxyType(dict(sorted(dict(self.tuning).items()))))
+
+    def __hash__(self) -> int:  # the tuning mapping itself is not hashable
+        return hash((self.recipe, self.kv_fp8, self.exact, tuple(self.tuning.items())))
 
     @property
     def name(self) -> str:
-        return self.recipe + (KV8_SUFFIX if self.kv_fp8 else "") + (EXACT_SUFFIX if self.exact else "")
+        base = self.recipe + (KV8_SUFFIX if self.kv_fp8 else "") + (EXACT_SUFFIX if self.exact else "")
+        if not self.tuning:
+            return base
+        return base + TUNING_MARK + TUNING_SEP.join(f"{k}={_tuning_text(v)}" for k, v in self.tuning.items())
 
     @property
     def rollout_fp8(self) -> bool:
@@ -83,18 +108,36 @@ class Arm:
         return kv_fp8_train(self.recipe, self.kv_fp8)
 
 
+def _tuning_text(value: Any) -> str:
+    """A tuning value as an arm name writes it: bools ``true``/``false``, the rest as ``str``."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
 def parse_arm(name: str) -> Arm:
-    """``"jet+kv8-exact"`` -> ``Arm("jet", kv_fp8=True, exact=True)``; a ``ValueError`` naming the problem for
-    an unknown recipe, ``kv8`` on a recipe that rolls out in BF16, or exact mode under ``fp8-rollout``."""
+    """``"jet+kv8-exact"`` -> ``Arm("jet", kv_fp8=True, exact=True)``, ``"jet-exact@exact_split_k=0"`` ->
+    ``Arm("jet", exact=True, tuning={"exact_split_k": 0})``; a ``ValueError`` naming the arm and the problem for
+    an unknown recipe, ``kv8`` on a recipe that rolls out in BF16, exact mode under ``fp8-rollout``, or a tuning
+    key or value the tuning object does not take (checked here, before any model is built)."""
     from jetrl.quant.recipe import RECIPES, kv_fp8_train
 
     if not isinstance(name, str):
         raise TypeError(f"an arm name is a string, got {type(name).__name__}")
-    base, exact = (name[:-len(EXACT_SUFFIX)], True) if name.endswith(EXACT_SUFFIX) else (name, False)
-    recipe, kv_fp8 = (base[:-len(KV8_SUFFIX)], True) if base.endswith(KV8_SUFFIX) else (base, False)
+    base, mark, settings_text = name.partition(TUNING_MARK)
+    base = base.strip()
+    settings: dict = {}
+    if mark:
+        items = settings_text.split(TUNING_SEP)
+        if any(not item.strip() for item in items):
+            raise ValueError(f"arm {name!r}: {TUNING_MARK} is followed by KEY=VALUE[{TUNING_SEP}KEY=VALUE...], "
+                             f"with no empty setting")
+        settings = _tuning_settings(items, f"arm {name!r}")
+    exact = base.endswith(EXACT_SUFFIX)
+    base = base[:-len(EXACT_SUFFIX)] if exact else base
+    kv_fp8 = base.endswith(KV8_SUFFIX)
+    recipe = base[:-len(KV8_SUFFIX)] if kv_fp8 else base
     if recipe not in RECIPES:
-        raise ValueError(f"arm {name!r}: unknown recipe {recipe!r}; an arm is <recipe>[{KV8_SUFFIX}][{EXACT_SUFFIX}] "
-                         f"with a recipe of {list(RECIPES)}")
+        raise ValueError(f"arm {name!r}: unknown recipe {recipe!r}; an arm is <recipe>[{KV8_SUFFIX}][{EXACT_SUFFIX}]"
+                         f"[{TUNING_MARK}KEY=VALUE[{TUNING_SEP}KEY=VALUE...]] with a recipe of {list(RECIPES)}")
     spec = RECIPES[recipe]
     try:
         kv_fp8_train(spec, kv_fp8)
@@ -103,19 +146,35 @@ def parse_arm(name: str) -> Arm:
     if exact and spec.rollout_fp8 != spec.train_fp8:
         raise ValueError(f"arm {name!r}: exact mode needs the same precision on the rollout and training sides; "
                          f"{recipe!r} rolls out in FP8 and trains in BF16")
-    return Arm(recipe, kv_fp8, exact)
+    return Arm(recipe, kv_fp8, exact, settings)
 
 
 def parse_arms(text: str) -> list[Arm]:
-    """A comma list of arm names (see :class:`Arm`), in order; empty, unknown or repeated names are a
-    ``ValueError``."""
+    """A comma list of arm names (see :class:`Arm`), in order; an empty list, a bad arm or two arms of one
+    canonical name (``jet@kv_decode_factored=1`` and ``jet@kv_decode_factored=true``) are a ``ValueError``.
+    Arms may differ by their tuning only."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise ValueError(f"no arm named in {text!r}")
-    repeated = sorted({n for n in names if names.count(n) > 1})
+    arms = [parse_arm(n) for n in names]
+    canonical = [a.name for a in arms]
+    repeated = sorted({n for n in canonical if canonical.count(n) > 1})
     if repeated:
         raise ValueError(f"arms named twice: {repeated}")
-    return [parse_arm(n) for n in names]
+    return arms
+
+
+def fast_arm_of(arm: Arm, names: Iterable[str]) -> str | None:
+    """The arm among ``names`` that an exact arm's cost is set against: the same arm in fast mode (same tuning),
+    else the untuned fast arm (a setting of exact mode's GEMM, e.g. ``exact_split_k``, does not touch the fast
+    route); None when neither is there or ``arm`` is not exact."""
+    if not arm.exact:
+        return None
+    names = set(names)
+    for fast in (Arm(arm.recipe, arm.kv_fp8, tuning=arm.tuning), Arm(arm.recipe, arm.kv_fp8)):
+        if fast.name in names:
+            return fast.name
+    return None
 
 
 # ------------------------------------------------------------------------------------------- utilities
@@ -170,29 +229,32 @@ def write_report(report: dict, path: str | None, out_name: str) -> None:
             json.dump(report, f, indent=2)
 
 
-__all__ = ["write_report", "LLAMA31_8B", "QWEN25_32B", "TINY_LLAMA", "Arm", "parse_arm", "parse_arms", "KV8_SUFFIX",
-           "EXACT_SUFFIX", "with_layers", "sync", "random_prompts", "device_description",
-           "reset_peak_memory", "peak_memory_gib"]
+__all__ = ["write_report", "LLAMA31_8B", "QWEN25_32B", "TINY_LLAMA", "Arm", "parse_arm", "parse_arms", "fast_arm_of",
+           "KV8_SUFFIX", "EXACT_SUFFIX", "TUNING_MARK", "TUNING_SEP", "add_tuning_argument", "parse_tuning",
+           "with_layers", "sync", "random_prompts", "device_description", "reset_peak_memory", "peak_memory_gib"]
 
 
 def add_tuning_argument(parser) -> None:
-    """``--tuning KEY=VALUE`` (repeatable): a field of the kernels' tuning object for the whole run."""
+    """``--tuning KEY=VALUE`` (repeatable): a field of the kernels' tuning object for the whole run (an arm's own
+    ``@KEY=VALUE`` wins over it, see :class:`Arm`)."""
     parser.add_argument("--tuning", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of jetrl.quant.kernels.tuning for the run, e.g. exact_split_k=0 or "
-                             "kv_decode_factored=true (repeatable)")
+                             "kv_decode_factored=true (repeatable; an arm's own <arm>@KEY=VALUE wins)")
 
 
 def parse_tuning(parser, items: list[str]) -> dict:
     """``["exact_split_k=0", "kv_decode_factored=true"]`` -> settings for ``tuning.override``: each value read as
-    the type of its field's current value (bool: true/false/1/0), checked by the tuning object; a bad key or
-    value is ``parser``'s usage error."""
+    the type of its field's current value (bool: true/false/1/0), checked by the tuning object; a bad or repeated
+    key or a bad value is ``parser``'s usage error. An arm's ``@KEY=VALUE`` settings are read by the same rules."""
     try:
-        return _tuning_settings(items)
+        return _tuning_settings(items, "--tuning")
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
 
 
-def _tuning_settings(items: list[str]) -> dict:
+def _tuning_settings(items: list[str], what: str) -> dict:
+    """The one reader of ``KEY=VALUE`` tuning settings (``--tuning`` and an arm's ``@...``); ``what`` names their
+    source in the ``ValueError``."""
     from jetrl.quant.kernels import tuning
 
     now = tuning.current()
@@ -201,21 +263,26 @@ def _tuning_settings(items: list[str]) -> dict:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not hasattr(now, key):
-            raise ValueError(f"--tuning must read KEY=VALUE with KEY a field of KernelTuning, got {item!r}")
+            raise ValueError(f"{what}: a tuning setting reads KEY=VALUE with KEY a field of KernelTuning, "
+                             f"got {item.strip()!r}")
+        if key in settings:
+            raise ValueError(f"{what}: {key} is set twice")
         kind = type(getattr(now, key))
         text = text.strip()
         if kind is bool:
             if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"--tuning {key}: true or false, got {text!r}")
+                raise ValueError(f"{what}: {key} must be true or false, got {text!r}")
             settings[key] = text.lower() in ("true", "1")
         elif kind in (int, float, str):
             try:
                 settings[key] = kind(text)
             except ValueError:
-                raise ValueError(f"--tuning {key}: a {kind.__name__}, got {text!r}") from None
+                raise ValueError(f"{what}: {key} must be {kind.__name__}, got {text!r}") from None
         else:
-            raise ValueError(f"--tuning {key}: a {kind.__name__} setting cannot be given on the command line")
-    with tuning.override(**settings):  # the tuning object's own checks, before any model is built
-        pass
+            raise ValueError(f"{what}: {key} holds a {kind.__name__}, which a command line cannot give")
+    try:
+        with tuning.override(**settings):  # the tuning object's own checks, before any model is built
+            pass
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{what}: {exc}") from None
     return settings
-

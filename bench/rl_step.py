@@ -23,11 +23,22 @@ recipe) weigh more, so the jet/bf16 speed-ups are somewhat below what the full d
 
 Reported next to the measured jet/bf16 speed-ups: Jet-RL's published 8B numbers and jetrl's targets.
 
-**Arms** (``--arms``, alias ``--recipes``; default ``bf16,jet``): ``<recipe>[+kv8][-exact]`` (see
-:class:`bench.common.Arm`). ``--kv-fp8`` adds ``jet+kv8``: ``jet`` with the run config's ``kv_fp8: true``, so the
-engine stores K and V in an E4M3 cache (one fp32 scale per token per KV head) and the training forwards (old
-log-probs, reference, update) attend over the same quantized K and V. Its end-to-end speed-up over ``bf16`` is set
-against issue 17's target (1.5x) and NeMo-RL's published 8B number (FP8 linears, KV cache and attention: 1.48x).
+**Arms** (``--arms``, alias ``--recipes``; default ``bf16,jet``):
+``<recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]]`` (see :class:`bench.common.Arm`). ``--kv-fp8`` adds
+``jet+kv8``: ``jet`` with the run config's ``kv_fp8: true``, so the engine stores K and V in an E4M3 cache (one fp32
+scale per token per KV head) and the training forwards (old log-probs, reference, update) attend over the same
+quantized K and V. Its end-to-end speed-up over ``bf16`` is set against issue 17's target (1.5x) and NeMo-RL's
+published 8B number (FP8 linears, KV cache and attention: 1.48x). After ``@``, fields of the kernels' tuning object
+(:mod:`jetrl.quant.kernels.tuning`) for that arm alone: the arm's whole run (model, engine and CUDA graphs, trainer,
+warm-up and timed steps) is inside ``tuning.override`` of them, nested in the run's ``--tuning`` (the arm's settings
+win), so two kernel routes are measured in one process against one ``bf16`` arm, e.g. exact mode's split-K heuristic
+against its single K walk::
+
+    PYTHONPATH=$PWD python3 bench/rl_step.py --arms 'bf16,jet-exact,jet-exact@exact_split_k=0'
+
+Every arm builds its own model (and so its cached FP8 weights), engine (and CUDA graphs) and trainer; Triton's
+compiled kernels are keyed by the values the tuning passes them. Each arm's ``tuning`` in the report lists the
+settings it ran under (``--tuning`` updated by the arm's own).
 
 **Long rollouts** (``--long``): 16 prompts x 4 samples x (256 + 4,096) tokens, where the KV cache outweighs the
 weights in every decode step and the FP8 cache pays most. The step's memory grows with the sequence length
@@ -63,13 +74,13 @@ from typing import Any
 import torch
 
 try:  # repository root on sys.path (python -m bench.rl_step, the tests)
-    from bench.common import (LLAMA31_8B, TINY_LLAMA, Arm, add_tuning_argument, device_description, parse_arm,
-                              parse_arms, parse_tuning, peak_memory_gib, random_prompts, reset_peak_memory,
-                              with_layers, write_report)
+    from bench.common import (LLAMA31_8B, TINY_LLAMA, add_tuning_argument, device_description, fast_arm_of,
+                              parse_arm, parse_arms, parse_tuning, peak_memory_gib, random_prompts,
+                              reset_peak_memory, with_layers, write_report)
 except ModuleNotFoundError:  # python bench/rl_step.py: bench/ itself is on sys.path
-    from common import (LLAMA31_8B, TINY_LLAMA, Arm, add_tuning_argument,  # type: ignore[no-redef]
-                        device_description, parse_arm, parse_arms, parse_tuning, peak_memory_gib, random_prompts,
-                        reset_peak_memory, with_layers, write_report)
+    from common import (LLAMA31_8B, TINY_LLAMA, add_tuning_argument,  # type: ignore[no-redef]
+                        device_description, fast_arm_of, parse_arm, parse_arms, parse_tuning, peak_memory_gib,
+                        random_prompts, reset_peak_memory, with_layers, write_report)
 
 PHASES = ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh")
 # Jet-RL's reported speed-ups of jet over BF16 at 8B, and the targets jetrl sets itself (issue 6).
@@ -129,6 +140,8 @@ class RecipeResult:
     rollout_loop_seconds: float = 0.0
     rollout_host_seconds: float = 0.0  # of the loop: the host not waiting for the GPU (overlapped when async)
     step_metrics: dict[str, float] = field(default_factory=dict)    # the last timed step's trainer metrics
+    # the kernels' tuning fields set for the arm: --tuning, updated by the arm's own @KEY=VALUE (empty: defaults)
+    tuning: dict[str, Any] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------- the model
@@ -237,14 +250,24 @@ def build_run_config(recipe: str, setting: Setting, steps: int, exact: bool = Fa
 
 def run_recipe(arm: str, shape: dict, setting: Setting, warmup: int, steps: int, memory_budget: float,
                cuda_graphs: bool, progress: bool, warmup_new_tokens: int | None = None) -> RecipeResult:
-    """Build the policy (and its engine and trainer) for ``arm`` (``<recipe>[+kv8][-exact]``), run
+    """Build the policy (and its engine and trainer) for ``arm`` (``<recipe>[+kv8][-exact][@KEY=VALUE...]``), run
     ``warmup + steps`` RL steps, and return the timed steps' median phase times; everything is freed before
-    returning. ``warmup_new_tokens``: the warm-up steps' rollout length (default: the setting's)."""
+    returning. All of it runs inside ``tuning.override`` of the arm's own tuning (nested in whatever is in force:
+    the arm's settings win). ``warmup_new_tokens``: the warm-up steps' rollout length (default: the setting's)."""
+    from jetrl.quant.kernels import tuning
+
+    spec = parse_arm(arm)
+    with tuning.override(**spec.tuning):
+        return _run_recipe(arm, spec, shape, setting, warmup, steps, memory_budget, cuda_graphs, progress,
+                           warmup_new_tokens)
+
+
+def _run_recipe(arm: str, spec, shape: dict, setting: Setting, warmup: int, steps: int, memory_budget: float,
+                cuda_graphs: bool, progress: bool, warmup_new_tokens: int | None) -> RecipeResult:
     from jetrl.models import build_model
     from jetrl.rl.trainer import Trainer
     from jetrl.rollout import RolloutEngine
 
-    spec = parse_arm(arm)
     device = torch.device(setting.device)
     # config errors before the model is built
     config = build_run_config(spec.recipe, setting, warmup + steps, spec.exact, spec.kv_fp8)
@@ -334,10 +357,9 @@ def format_table(results: dict[str, RecipeResult], ratios: dict[str, dict[str, f
                                                       if p in results[n].tokens_per_s else None)))
     for n in ratios:
         columns.append((f"{n}/bf16", lambda p, n=n: f"{ratios[n][p]:.2f}x" if p in ratios[n] else None))
-    for n in names:  # exact mode's cost: its seconds over the same arm's fast seconds
-        spec = parse_arm(n)
-        base, exact = Arm(spec.recipe, spec.kv_fp8).name, spec.exact
-        if exact and base in results:
+    for n in names:  # exact mode's cost: its seconds over its fast arm's (bench.common.fast_arm_of)
+        base = fast_arm_of(parse_arm(n), names)
+        if base is not None:
             columns.append((f"{n}/{base}", lambda p, n=n, base=base: (
                 f"{results[n].seconds[p] / results[base].seconds[p]:.2f}x"
                 if p in results[n].seconds and results[base].seconds.get(p, 0) > 0 else None)))
@@ -392,7 +414,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2-layer model, 2 prompts x 2, 8 tokens")
     parser.add_argument("--device", default=None, help="default: cuda when available (required unless --tiny)")
     parser.add_argument("--arms", "--recipes", dest="recipes", default="bf16,jet",
-                        help="comma list of <recipe>[+kv8][-exact], recipes bf16, fp8-rollout, jet")
+                        help="comma list of <recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]], recipes bf16, "
+                             "fp8-rollout, jet; after @ the arm's own kernel tuning, e.g. jet-exact@exact_split_k=0")
     parser.add_argument("--kv-fp8", action="store_true",
                         help="also run jet with the FP8 KV cache (the arm jet+kv8), after the arms")
     parser.add_argument("--exact", action="store_true",
@@ -499,6 +522,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
                                      cuda_graphs=not args.no_cuda_graphs, progress=args.progress,
                                      warmup_new_tokens=args.warmup_new_tokens)
         results[recipe].estimated_gib = estimate
+        results[recipe].tuning = dict(sorted({**args.tuning, **spec.tuning}.items()))
         r = results[recipe]
         m = r.step_metrics
         print(f"{recipe}: step {r.seconds['total']:.2f} s; rollout {r.seconds['rollout']:.2f} s of which "

@@ -6,9 +6,21 @@ shape lives on the device; the arms share it (:func:`jetrl.quant.apply_recipe` s
 sharing the parameters) and each arm's engine, KV cache, CUDA graphs and cached FP8 weights are freed before the
 next arm or shape starts.
 
-**Arms** (``--arms``, default ``bf16,jet,jet+kv8``): ``<recipe>[+kv8][-exact]`` (see :class:`bench.common.Arm`):
-``jet+kv8`` is ``jet`` with ``RolloutEngine(kv_fp8=True)``: K and V stored in the paged cache as E4M3 with one
-fp32 scale per token per KV head. ``--exact`` adds ``jet-exact`` (``RolloutEngine(exact=True)``).
+**Arms** (``--arms``, default ``bf16,jet,jet+kv8``): ``<recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]]``
+(see :class:`bench.common.Arm`): ``jet+kv8`` is ``jet`` with ``RolloutEngine(kv_fp8=True)``: K and V stored in the
+paged cache as E4M3 with one fp32 scale per token per KV head. ``--exact`` adds ``jet-exact``
+(``RolloutEngine(exact=True)``). After ``@``, fields of the kernels' tuning object
+(:mod:`jetrl.quant.kernels.tuning`) for that arm alone: everything the arm does (the FP8 weights' quantization, its
+engine and CUDA graphs, warm-up, timed generations, the mismatch scoring) runs inside ``tuning.override`` of them,
+nested in the run's ``--tuning`` (the arm's settings win), so two kernel routes are compared in one process against
+one ``bf16`` arm::
+
+    PYTHONPATH=$PWD python3 bench/rollout.py --arms 'bf16,jet+kv8,jet+kv8@kv_decode_factored=true'
+
+Every arm's engine (its CUDA graphs, captured under the arm's tuning) is freed before the next arm starts, the FP8
+weights are re-quantized for each arm, and Triton's compiled kernels are keyed by the values the tuning passes
+them. ``Result.tuning`` lists, per arm, the settings it ran under (``--tuning`` updated by the arm's own); an exact
+arm's cost is set against its fast arm (:func:`bench.common.fast_arm_of`, ``Result.exact_fast_arm``).
 
 **Settings** (prompts x samples, new tokens with stops ignored, ``--prompt-len`` prompt tokens, default 256):
 
@@ -81,11 +93,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 try:  # repository root on sys.path (python -m bench.rollout, the tests)
-    from bench.common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument, parse_arms,
-                              parse_tuning, random_prompts, sync)
+    from bench.common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument, fast_arm_of,
+                              parse_arms, parse_tuning, random_prompts, sync)
 except ModuleNotFoundError:  # python bench/rollout.py: bench/ itself is on sys.path
     from common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument,  # type: ignore[no-redef]
-                        parse_arms, parse_tuning, random_prompts, sync)
+                        fast_arm_of, parse_arms, parse_tuning, random_prompts, sync)
 
 SHAPES = {
     "8b": LLAMA31_8B,
@@ -349,7 +361,10 @@ class Result:
     mismatch_mean: dict[str, float] = field(default_factory=dict)
     mismatch_max: dict[str, float] = field(default_factory=dict)
     exact_over_fast: dict[str, float] = field(default_factory=dict)
+    exact_fast_arm: dict[str, str] = field(default_factory=dict)  # exact arm -> the fast arm of exact_over_fast
     exact_over_bf16: dict[str, float] = field(default_factory=dict)
+    # arm -> the kernels' tuning fields set for it (--tuning, updated by the arm's own @KEY=VALUE); empty: defaults
+    tuning: dict[str, dict] = field(default_factory=dict)
     hf_tokens_per_s: float = 0.0
     engine_over_hf: float = 0.0
     skipped: list[str] = field(default_factory=list)  # arms not run (--max-seconds)
@@ -488,8 +503,10 @@ def _measure_device(device: torch.device) -> tuple[float, float]:
 
 def run_setting(model, shape_name: str, shape: dict, setting_name: str, setting: Setting, arms: list[Arm], args,
                 device, bandwidth: float, matmul_flops: float, deadline: float | None) -> Result:
-    """Every arm of one setting on ``model`` (recipes swapped in place); the model is back in ``bf16`` after."""
+    """Every arm of one setting on ``model`` (recipes swapped in place), each inside ``tuning.override`` of its own
+    settings (weight quantization, engine, warm-up, timing, scoring); the model is back in ``bf16`` after."""
     from jetrl.quant import apply_recipe, refresh_fp8_weights
+    from jetrl.quant.kernels import tuning
 
     m = plan_measurement(args.prompt_len, args.new_tokens or setting.new_tokens, args.window)
     res = Result(shape_name, setting_name, setting.num_prompts, setting.n, args.prompt_len,
@@ -509,15 +526,19 @@ def run_setting(model, shape_name: str, shape: dict, setting_name: str, setting:
                 res.skipped.append(arm.name)
                 print(f"[{shape_name} {setting_name}] {arm.name}: skipped (--max-seconds)", flush=True)
                 continue
-            apply_recipe(model, arm.recipe)  # swaps linear layers in place, sharing the parameters
-            # quantize the FP8 weights now, so the engine sizes its KV pool from the memory they leave
-            refresh_fp8_weights(model, eager=True)
-            tps, stats, outs = _run_engine(model, prompts, warmup, setting.n, m.new_tokens, arm, args, device)
-            if args.mismatch:
-                res.mismatch_mean[arm.name], res.mismatch_max[arm.name] = mismatch(model, prompts, outs, arm, device)
-            del outs
+            with tuning.override(**arm.tuning):  # nested in the run's --tuning: the arm's settings win
+                apply_recipe(model, arm.recipe)  # swaps linear layers in place, sharing the parameters
+                # quantize the FP8 weights now (under the arm's tuning), so the engine sizes its KV pool from the
+                # memory they leave
+                refresh_fp8_weights(model, eager=True)
+                tps, stats, outs = _run_engine(model, prompts, warmup, setting.n, m.new_tokens, arm, args, device)
+                if args.mismatch:
+                    res.mismatch_mean[arm.name], res.mismatch_max[arm.name] = mismatch(model, prompts, outs, arm,
+                                                                                       device)
+                del outs
             _release(device)
             name = arm.name
+            res.tuning[name] = dict(sorted({**args.tuning, **arm.tuning}.items()))
             res.tokens_per_s[name] = tps
             res.decode_tokens_per_s[name] = stats["decode_tokens_per_s"]
             res.prefill_seconds[name], res.decode_seconds[name] = stats["prefill_seconds"], stats["decode_seconds"]
@@ -547,7 +568,8 @@ def run_setting(model, shape_name: str, shape: dict, setting_name: str, setting:
               f"ceiling {res.ceiling[name]:.2f}x, {res.ceiling_fraction[name]:.0%} of it", flush=True)
     if res.exact_over_fast:
         print(f"[{shape_name} {setting_name}] exact arms' time over their fast arm's (end to end): "
-              + ", ".join(f"{a} {v:.2f}x" for a, v in res.exact_over_fast.items()), flush=True)
+              + ", ".join(f"{a} {v:.2f}x (over {res.exact_fast_arm[a]})" for a, v in res.exact_over_fast.items()),
+              flush=True)
     if args.mismatch:
         print(f"[{shape_name} {setting_name}] {mismatch_line(res)}", flush=True)
     return res
@@ -566,8 +588,9 @@ def _ratios(res: Result, shape: dict, setting: Setting, arms: list[Arm]) -> None
             res.ceiling[name] = bytes_ceiling(shape, arm, setting.num_seqs, res.mean_context)
             res.ceiling_fraction[name] = res.over_bf16[name] / res.ceiling[name]
     for name, arm in ran.items():
-        fast = Arm(arm.recipe, arm.kv_fp8).name
-        if arm.exact and fast in ran:
+        fast = fast_arm_of(arm, ran)
+        if fast is not None:
+            res.exact_fast_arm[name] = fast
             res.exact_over_fast[name] = res.tokens_per_s[fast] / res.tokens_per_s[name]
         if arm.exact and "bf16" in ran:
             res.exact_over_bf16[name] = res.tokens_per_s["bf16"] / res.tokens_per_s[name]
@@ -615,7 +638,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--settings", default=None,
                         help=f"comma list of {list(SETTINGS)} (default per shape: {DEFAULT_SETTINGS})")
     parser.add_argument("--arms", "--recipes", dest="arms", default=DEFAULT_ARMS,
-                        help="comma list of <recipe>[+kv8][-exact] (recipes bf16, fp8-rollout, jet)")
+                        help="comma list of <recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]] (recipes bf16, "
+                             "fp8-rollout, jet; after @ the arm's own kernel tuning, e.g. "
+                             "jet+kv8@kv_decode_factored=true)")
     parser.add_argument("--exact", action="store_true", help="also run jet in exact mode (the arm jet-exact)")
     parser.add_argument("--mismatch", action="store_true",
                         help="score every arm's completions with the training forward (implied by --exact)")
