@@ -158,16 +158,54 @@ def summary_tables(results: dict[str, Any]) -> str:
     skipped = [f"{s['arm']} seed {s['seed']}" for s in results.get("skipped", [])]
     return (text + (f"\nnot run (deadline): {', '.join(skipped)}" if skipped else "") + "\n\n"
             + common.table(spread_rows, ("arm", "seeds", "held-out acc change (mean ± half range)",
-                                         "reward change (mean ± half range)")))
+                                         "reward change (mean ± half range)"))
+            + "\n\n" + step_matched_table(results))
 
 
-def _with_spread(values: Sequence[float]) -> str:
+def _window(records: list[dict], key: str, first: int, last: int) -> float:
+    """Mean of ``key`` over the logged steps ``first..last`` (1-based, inclusive)."""
+    return _mean([float(r[key]) for r in records if key in r and first <= r["step"] <= last])
+
+
+def step_matched_table(results: dict[str, Any], window: int = 5) -> str:
+    """Per arm over seeds, every run cut at the same step S (the fewest steps any run reached, since the arms
+    run at different speeds within one deadline): reward and mismatch over steps ``1..window`` and
+    ``S-window+1..S``, the reward gain and the mismatch's growth factor (last window over first), each as the
+    seeds' mean ± half range."""
+    runs = [r for r in results["runs"] if r["records"]]
+    if not runs:
+        return "step-matched: no run logged a step"
+    s = min(max(rec["step"] for rec in r["records"]) for r in runs)
+    window = max(1, min(window, s // 2)) if s >= 2 else 1
+    lo, hi = (1, window), (s - window + 1, s)
+    rows = []
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        mine = [r["records"] for r in runs if r["arm"] == arm]
+        reward = [(_window(rec, "reward/mean", *lo), _window(rec, "reward/mean", *hi)) for rec in mine]
+        dlogp = [(_window(rec, "mismatch/logp_abs_diff_mean", *lo), _window(rec, "mismatch/logp_abs_diff_mean", *hi))
+                 for rec in mine]
+        k3 = [(_window(rec, "mismatch/kl_k3", *lo), _window(rec, "mismatch/kl_k3", *hi)) for rec in mine]
+        rows.append((arm, len(mine), _with_spread([b for _, b in reward], sign=False),
+                     _with_spread([b - a for a, b in reward]),
+                     _with_spread([b for _, b in dlogp], sign=False, fmt=".2e"),
+                     _with_spread([b / a for a, b in dlogp if a > 0], sign=False, fmt=".2f"),
+                     _with_spread([b for _, b in k3], sign=False, fmt=".2e"),
+                     _with_spread([b / a for a, b in k3 if a > 0], sign=False, fmt=".2f")))
+    head = (f"step-matched at S = {s} (every run's steps {lo[0]}-{lo[1]} against {hi[0]}-{hi[1]}; "
+            f"mean ± half range over seeds)")
+    return head + "\n" + common.table(rows, ("arm", "seeds", "reward at S", "reward gain", "|dlogp| at S",
+                                             "|dlogp| growth", "k3 at S", "k3 growth"))
+
+
+def _with_spread(values: Sequence[float], sign: bool = True, fmt: str = ".3f") -> str:
+    """``mean ± half range`` of finite ``values`` (``fmt``, with a sign by default); one value: no spread."""
     values = [v for v in values if math.isfinite(v)]
     if not values:
         return "-"
+    spec = ("+" if sign else "") + fmt
     if len(values) == 1:
-        return f"{values[0]:+.3f} (one seed: no spread)"
-    return f"{_mean(values):+.3f} ± {(max(values) - min(values)) / 2:.3f}"
+        return f"{values[0]:{spec}} (one seed: no spread)"
+    return f"{_mean(values):{spec}} ± {(max(values) - min(values)) / 2:{fmt}}"
 
 
 def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:

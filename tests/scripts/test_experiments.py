@@ -167,3 +167,30 @@ def test_runs_past_the_deadline_are_skipped_and_reported(common, warm_model, tmp
     results = json.loads((out / "exp_mismatch.json").read_text())
     assert results["arms"] == {} and len(results["skipped"]) == 6
     assert "not run (deadline): bf16 L=8" in capsys.readouterr().out
+
+
+def test_step_matched_table_cuts_every_run_at_the_fewest_steps(scripts_path):
+    """Runs of 12 and 8 steps are compared over steps 1-4 and 5-8 (S = 8, window S // 2); the reward gain and the
+    mismatch's growth factor per arm are the mean ± half range over seeds, computed from fresh random curves."""
+    import exp_rl
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    runs, expected = [], {}
+    for arm, seed, steps in (("a", 0, 12), ("a", 1, 10), ("b", 0, 8), ("b", 1, 9)):
+        reward = torch.rand(steps, generator=gen).tolist()
+        dlogp = (torch.rand(steps, generator=gen) + 0.1).tolist()
+        runs.append({"arm": arm, "seed": seed, "records": [
+            {"step": i + 1, "reward/mean": reward[i], "mismatch/logp_abs_diff_mean": dlogp[i], "mismatch/kl_k3": 1.0}
+            for i in range(steps)]})
+        gain = sum(reward[4:8]) / 4 - sum(reward[:4]) / 4
+        growth = (sum(dlogp[4:8]) / 4) / (sum(dlogp[:4]) / 4)
+        expected.setdefault(arm, []).append((gain, growth))
+    text = exp_rl.step_matched_table({"runs": runs}, window=5)
+    assert text.startswith("step-matched at S = 8 (every run's steps 1-4 against 5-8")
+    for arm, pairs in expected.items():
+        row = next(line for line in text.splitlines() if line.startswith(arm + " "))
+        cells = [c.strip() for c in row.split("  ") if c.strip()]
+        gains, growths = [g for g, _ in pairs], [q for _, q in pairs]
+        assert cells[3] == f"{sum(gains) / 2:+.3f} ± {(max(gains) - min(gains)) / 2:.3f}", row
+        assert cells[5] == f"{sum(growths) / 2:.2f} ± {(max(growths) - min(growths)) / 2:.2f}", row
+        assert cells[7] == "1.00 ± 0.00", row  # a constant k3 does not grow
