@@ -10,6 +10,9 @@ activity's (any stream), this module measures
 * ``compute_busy_s`` = |K|       -- the time at least one other kernel (or memcpy / memset) runs;
 * ``exposed_comm_s`` = |C \\ K|  -- communication not hidden behind any compute: the overlap-corrected cost.
 
+The wait for the peer stays in ``exposed_comm_s`` wherever nothing else runs meanwhile: there it measures
+load imbalance between ranks as much as transfer time.
+
 ``exposed_comm_s <= comm_busy_s <= comm_kernel_s`` (the plain sum of the NCCL kernels' durations). Per
 collective kind the same is done with that kind's kernels alone against ``K``; kinds that overlap each
 other (an all-gather prefetched during a reduce-scatter) make the per-kind exposed times sum to more than

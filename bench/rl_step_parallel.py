@@ -11,9 +11,31 @@ Reported per recipe (rank 0 prints, ``$OUT/rl_step_parallel.json`` gets everythi
 * tokens/s per GPU for rollout and the training phases, and *block-tokens*/s per GPU (tokens x decoder
   blocks / s / GPU), which compares a 32-block model on 2 GPUs with a 16-block one on 1 GPU;
 * peak memory of every GPU;
-* with ``--profile`` one more (untimed) step under ``torch.profiler``: the device time of the
-  collectives per step -- all-gather, reduce-scatter, all-reduce (NCCL kernels on GPU, gloo ops on CPU)
-  -- and their share of the timed step. Collectives overlap compute, so the share is an upper bound.
+* ``weight_gather``: what the rollout pays before decoding, timed after the timed steps in the state a
+  step leaves (:func:`time_weight_gather`): entering :func:`jetrl.parallel.full_weights` (FSDP2 all-gathers
+  every BF16 parameter), the first FP8 quantization of the rollout side's linears on those full weights,
+  leaving it; synchronized seconds (median of 3, slowest rank) and (gather + quantization) / rollout phase.
+  Gathering FP8 instead of BF16 halves the bytes, so it could save at most half of ``gather_s``;
+* with ``--profile`` one more (untimed) step under ``torch.profiler``, its phases inside ``record_function``
+  ranges the bench sets on the trainer object (:func:`phase_ranges`; the library emits none):
+
+  - ``collective_seconds``: per collective kind (all-gather, reduce-scatter, all-reduce) the device time
+    ``key_averages`` gives the NCCL entries (the gloo ops' host time on CPU), slowest rank, and
+    ``collective_share_of_step`` = their sum / the timed step. An upper bound: NCCL kernels run on their own
+    stream alongside compute, and their time includes waiting for the peer;
+  - ``comm_overlap`` (GPU only; ``None`` on CPU, where gloo runs no device kernels): from every device
+    activity's interval (:func:`device_kernels`), per rank (``per_rank``) and the slowest rank's per number
+    (``max``), within the profiled step's window: ``comm_kernel_s`` (summed NCCL kernel time),
+    ``comm_busy_s`` (their union), ``compute_busy_s`` (the union of every other kernel, memcpy and memset, on
+    any stream) and ``exposed_comm_s`` = |NCCL union minus compute union|, the time the GPU communicates and
+    does nothing else (:mod:`bench.comm_overlap`); the same per kind (``kinds``: ``kernel_s``, ``busy_s``,
+    ``exposed_s``) and per phase (``phases``, with ``other`` for the step outside them: weight refresh and
+    the metrics' gathers); ``exposed_comm_share_of_step`` = ``max.exposed_comm_s`` / the timed step, the
+    overlap-corrected share (``None`` on CPU). A rank that reaches a collective first spins in its
+    NCCL kernel until the slowest arrives; with nothing else running that wait counts as exposed, so
+    ``exposed_comm_s`` also holds load imbalance between ranks (e.g. in ``reward``, after uneven rollouts);
+  - ``profiled_step``: the profiled step's and its phases' host seconds (slowest rank; the profiler slows
+    the host side, so these run longer than the timed steps).
 
 Commands (2 x H200, the full 32-block Llama-3.1-8B shape, reference model on; each recipe separately to
 stay within a 10-minute call)::
@@ -87,11 +109,14 @@ def device_kernels(events: Any) -> list[tuple[str, float, float]]:
     intervals). A ``record_function`` range also appears on the device timeline (``gpu_user_annotation``)
     with ``device_type`` CUDA and ``is_user_annotation`` set; those are spans, not work, and are left out (as
     torch's own table does when it sums device time). The chrome-trace export would give the same intervals
-    through a file of several hundred MB for an 8B step."""
+    through a file of several hundred MB for an 8B step. A device event named like a host-side range is
+    left out too: should a torch version not flag the device copy of a range, it would otherwise count a
+    whole phase as compute and hide every collective in it."""
     from torch.autograd import DeviceType
 
+    ranges = {e.name for e in events if e.device_type == DeviceType.CPU and e.is_user_annotation}
     return [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
-            if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.name not in ranges]
 
 
 def range_windows(events: Any, prefix: str = RANGE_PREFIX) -> dict[str, list[tuple[float, float]]]:
