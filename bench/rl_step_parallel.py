@@ -19,8 +19,8 @@ Reported per recipe (rank 0 prints, ``$OUT/rl_step_parallel.json`` gets everythi
 * with ``--profile`` one more (untimed) step under ``torch.profiler``, its phases inside ``record_function``
   ranges the bench sets on the trainer object (:func:`phase_ranges`; the library emits none):
 
-  - ``collective_seconds``: per collective kind (all-gather, reduce-scatter, all-reduce) the device time
-    ``key_averages`` gives the NCCL entries (the gloo ops' host time on CPU), slowest rank, and
+  - ``collective_seconds``: per collective kind (all-gather, reduce-scatter, all-reduce) the summed
+    duration of the NCCL kernels (the gloo ops' host time on CPU), slowest rank, and
     ``collective_share_of_step`` = their sum / the timed step. An upper bound: NCCL kernels run on their own
     stream alongside compute, and their time includes waiting for the peer;
   - ``comm_overlap`` (GPU only; ``None`` on CPU, where gloo runs no device kernels): from every device
@@ -64,7 +64,7 @@ import torch
 if __package__ in (None, ""):  # python bench/rl_step_parallel.py / torchrun: make ``bench.`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.comm_overlap import COLLECTIVES, collective_kind, length, overlap_summary  # noqa: E402
+from bench.comm_overlap import COLLECTIVES, collective_kind, is_nccl, length, overlap_summary  # noqa: E402
 from bench.common import LLAMA31_8B, TINY_LLAMA, device_description, with_layers, write_report  # noqa: E402
 from bench.rl_step import (PHASES, RandomPrompts, Setting, _check_step, build_run_config, decode_ids,  # noqa: E402
                            even_token_reward, parameter_counts, speedups)
@@ -80,20 +80,17 @@ def _sync(device: torch.device) -> None:
 
 
 def collective_seconds(prof: Any, device: torch.device) -> dict[str, float]:
-    """Seconds per collective kind in a ``torch.profiler`` run, from ``key_averages``: NCCL entries' device
-    time on GPU, the gloo ops' host time on CPU. The upper bound (overlapped or not; see
-    :func:`bench.comm_overlap.overlap_summary` for the exposed part)."""
+    """Seconds per collective kind in a ``torch.profiler`` run: on GPU the summed duration of the NCCL
+    kernels (:func:`device_kernels`, so neither the host ops nor the device copies of ProcessGroupNCCL's
+    ``nccl:*`` ranges, which ``key_averages`` would add to the kernels' time); on CPU the gloo ops' host
+    time (``key_averages``). An upper bound (overlapped or not; see :func:`bench.comm_overlap.overlap_summary`
+    for the exposed part)."""
     out = {kind: 0.0 for kind in COLLECTIVES}
-    for event in prof.key_averages():
-        name = event.key.lower()
-        if device.type == "cuda":
-            if "nccl" not in name:
-                continue
-            seconds = getattr(event, "device_time_total", 0.0) / 1e6
-        else:
-            if not name.startswith("gloo:"):
-                continue
-            seconds = event.cpu_time_total / 1e6
+    if device.type == "cuda":
+        timed = [(name, end - start) for name, start, end in device_kernels(prof.events()) if is_nccl(name)]
+    else:
+        timed = [(e.key, e.cpu_time_total / 1e6) for e in prof.key_averages() if e.key.lower().startswith("gloo:")]
+    for name, seconds in timed:
         kind = collective_kind(name)
         if kind is not None:
             out[kind] += seconds

@@ -57,20 +57,28 @@ def test_tiny_one_rank_reports_phases_memory_and_collectives(bench, tmp_path, mo
 
 
 def test_collective_seconds_sorts_profiler_events_by_kind(bench):
-    class Event:
-        def __init__(self, key, cpu_us, device_us=0.0):
-            self.key, self.cpu_time_total, self.device_time_total = key, cpu_us, device_us
+    class Avg:
+        def __init__(self, key, cpu_us):
+            self.key, self.cpu_time_total = key, cpu_us
 
     class Prof:
+        def events(self):
+            return [_event("ncclDevKernel_AllGather_RING_LL", "CUDA", 0, 2e6),
+                    _event("nccl:_all_gather_base", "CPU", 0, 3e6, annotation=True),
+                    _event("nccl:_all_gather_base", "CUDA", 0, 2.5e6, annotation=True),  # not a kernel
+                    _event("ncclDevKernel_ReduceScatter_Sum_f32", "CUDA", 2e6, 3e6),
+                    _event("ncclDevKernel_AllReduce_Sum_f64", "CUDA", 3e6, 3.5e6),
+                    _event("ncclDevKernel_AllReduce_Sum_f64", "CPU", 3e6, 9e6),  # not on the device
+                    _event("ncclDevKernel_SendRecv", "CUDA", 4e6, 5e6),  # none of the three
+                    _event("sm90_gemm_allgather_fused", "CUDA", 0, 9e6)]  # not NCCL
+
         def key_averages(self):
-            return [Event("ncclDevKernel_AllGather_RING_LL", 0, 2e6), Event("ncclDevKernel_ReduceScatter_Sum_f32", 0,
-                    1e6), Event("ncclDevKernel_AllReduce_Sum_f64", 0, 5e5), Event("aten::mm", 9e6, 9e6),
-                    Event("gloo:all_gather", 3e6)]
+            return [Avg("aten::mm", 9e6), Avg("gloo:all_gather", 3e6), Avg("gloo:all_reduce", 1e6)]
 
     assert bench.collective_seconds(Prof(), torch.device("cuda")) == {"all_gather": 2.0, "reduce_scatter": 1.0,
                                                                      "all_reduce": 0.5}
     assert bench.collective_seconds(Prof(), torch.device("cpu")) == {"all_gather": 3.0, "reduce_scatter": 0.0,
-                                                                    "all_reduce": 0.0}
+                                                                    "all_reduce": 1.0}
 
 
 def _event(name, device, start_us, end_us, annotation=False):
