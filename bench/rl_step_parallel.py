@@ -11,9 +11,31 @@ Reported per recipe (rank 0 prints, ``$OUT/rl_step_parallel.json`` gets everythi
 * tokens/s per GPU for rollout and the training phases, and *block-tokens*/s per GPU (tokens x decoder
   blocks / s / GPU), which compares a 32-block model on 2 GPUs with a 16-block one on 1 GPU;
 * peak memory of every GPU;
-* with ``--profile`` one more (untimed) step under ``torch.profiler``: the device time of the
-  collectives per step -- all-gather, reduce-scatter, all-reduce (NCCL kernels on GPU, gloo ops on CPU)
-  -- and their share of the timed step. Collectives overlap compute, so the share is an upper bound.
+* ``weight_gather``: what the rollout pays before decoding, timed after the timed steps in the state a
+  step leaves (:func:`time_weight_gather`): entering :func:`jetrl.parallel.full_weights` (FSDP2 all-gathers
+  every BF16 parameter), the first FP8 quantization of the rollout side's linears on those full weights,
+  leaving it; synchronized seconds (median of 3, slowest rank) and (gather + quantization) / rollout phase.
+  Gathering FP8 instead of BF16 halves the bytes, so it could save at most half of ``gather_s``;
+* with ``--profile`` one more (untimed) step under ``torch.profiler``, its phases inside ``record_function``
+  ranges the bench sets on the trainer object (:func:`phase_ranges`; the library emits none):
+
+  - ``collective_seconds``: per collective kind (all-gather, reduce-scatter, all-reduce) the summed
+    duration of the NCCL kernels (the gloo ops' host time on CPU), slowest rank, and
+    ``collective_share_of_step`` = their sum / the timed step. An upper bound: NCCL kernels run on their own
+    stream alongside compute, and their time includes waiting for the peer;
+  - ``comm_overlap`` (GPU only; ``None`` on CPU, where gloo runs no device kernels): from every device
+    activity's interval (:func:`device_kernels`), per rank (``per_rank``) and the slowest rank's per number
+    (``max``), within the profiled step's window: ``comm_kernel_s`` (summed NCCL kernel time),
+    ``comm_busy_s`` (their union), ``compute_busy_s`` (the union of every other kernel, memcpy and memset, on
+    any stream) and ``exposed_comm_s`` = |NCCL union minus compute union|, the time the GPU communicates and
+    does nothing else (:mod:`bench.comm_overlap`); the same per kind (``kinds``: ``kernel_s``, ``busy_s``,
+    ``exposed_s``) and per phase (``phases``, with ``other`` for the step outside them: weight refresh and
+    the metrics' gathers); ``exposed_comm_share_of_step`` = ``max.exposed_comm_s`` / the timed step, the
+    overlap-corrected share (``None`` on CPU). A rank that reaches a collective first spins in its
+    NCCL kernel until the slowest arrives; with nothing else running that wait counts as exposed, so
+    ``exposed_comm_s`` also holds load imbalance between ranks (e.g. in ``reward``, after uneven rollouts);
+  - ``profiled_step``: the profiled step's and its phases' host seconds (slowest rank; the profiler slows
+    the host side, so these run longer than the timed steps).
 
 Commands (2 x H200, the full 32-block Llama-3.1-8B shape, reference model on; each recipe separately to
 stay within a 10-minute call)::
@@ -28,44 +50,148 @@ CPU smoke run: ``--tiny`` (optionally under ``torchrun --nproc-per-node 2``, glo
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import statistics
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 if __package__ in (None, ""):  # python bench/rl_step_parallel.py / torchrun: make ``bench.`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.comm_overlap import COLLECTIVES, collective_kind, is_nccl, length, overlap_summary  # noqa: E402
 from bench.common import LLAMA31_8B, TINY_LLAMA, device_description, with_layers, write_report  # noqa: E402
 from bench.rl_step import (PHASES, RandomPrompts, Setting, _check_step, build_run_config, decode_ids,  # noqa: E402
                            even_token_reward, parameter_counts, speedups)
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+RANGE_PREFIX = "rl_step_parallel/"  # record_function ranges of the profiled step: "step" and one per phase
+# the trainer's phase methods and the phase each is timed as (score: old_logprob or reference, by its model)
+PHASE_METHODS = {"rollout": "rollout", "build_batch": "reward", "score": None, "update": "update"}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def collective_seconds(prof: Any, device: torch.device) -> dict[str, float]:
-    """Seconds per collective kind in a ``torch.profiler`` run: NCCL kernels' device time on GPU, the
-    gloo ops' host time on CPU."""
+    """Seconds per collective kind in a ``torch.profiler`` run: on GPU the summed duration of the NCCL
+    kernels (:func:`device_kernels`, so neither the host ops nor the device copies of ProcessGroupNCCL's
+    ``nccl:*`` ranges, which ``key_averages`` would add to the kernels' time); on CPU the gloo ops' host
+    time (``key_averages``). An upper bound (overlapped or not; see :func:`bench.comm_overlap.overlap_summary`
+    for the exposed part)."""
     out = {kind: 0.0 for kind in COLLECTIVES}
-    for event in prof.key_averages():
-        name = event.key.lower()
-        if device.type == "cuda":
-            if "nccl" not in name:
-                continue
-            seconds = getattr(event, "device_time_total", 0.0) / 1e6
-        else:
-            if not name.startswith("gloo:"):
-                continue
-            seconds = event.cpu_time_total / 1e6
-        squashed = name.replace("_", "").replace(" ", "")
-        for kind in COLLECTIVES:
-            if kind.replace("_", "") in squashed:
-                out[kind] += seconds
-                break
+    if device.type == "cuda":
+        timed = [(name, end - start) for name, start, end in device_kernels(prof.events()) if is_nccl(name)]
+    else:
+        timed = [(e.key, e.cpu_time_total / 1e6) for e in prof.key_averages() if e.key.lower().startswith("gloo:")]
+    for name, seconds in timed:
+        kind = collective_kind(name)
+        if kind is not None:
+            out[kind] += seconds
     return out
+
+
+def device_kernels(events: Any) -> list[tuple[str, float, float]]:
+    """``(name, start_s, end_s)`` of every device activity in ``prof.events()`` (kernels, memcpy, memset),
+    times on the profiler's clock (the host's, which kineto maps the GPU timestamps onto).
+
+    ``prof.events()`` holds one ``FunctionEvent`` per kineto event, device ones with ``device_type`` CUDA and
+    their own ``time_range`` (torch 2.11 and 2.13 alike; ``key_averages`` would sum them and lose the
+    intervals). A ``record_function`` range also appears on the device timeline (``gpu_user_annotation``)
+    with ``device_type`` CUDA and ``is_user_annotation`` set; those are spans, not work, and are left out (as
+    torch's own table does when it sums device time). The chrome-trace export would give the same intervals
+    through a file of several hundred MB for an 8B step. A device event named like a host-side range is
+    left out too: should a torch version not flag the device copy of a range, it would otherwise count a
+    whole phase as compute and hide every collective in it."""
+    from torch.autograd import DeviceType
+
+    ranges = {e.name for e in events if e.device_type == DeviceType.CPU and e.is_user_annotation}
+    return [(e.name, e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.name not in ranges]
+
+
+def range_windows(events: Any, prefix: str = RANGE_PREFIX) -> dict[str, list[tuple[float, float]]]:
+    """The host windows (seconds) of the ``record_function`` ranges named ``prefix + NAME``, by ``NAME``."""
+    from torch.autograd import DeviceType
+
+    out: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith(prefix):
+            out.setdefault(e.name[len(prefix):], []).append((e.time_range.start / 1e6, e.time_range.end / 1e6))
+    return out
+
+
+@contextlib.contextmanager
+def phase_ranges(trainer: Any, device: torch.device) -> Iterator[None]:
+    """Within the block, the trainer's phase methods (:data:`PHASE_METHODS`) run inside ``record_function``
+    ranges named after their phase, ending with a device synchronize (the trainer's phase timer synchronizes
+    right after them anyway), so each phase's kernels lie inside its range's window. The wrappers are set on
+    this trainer object only and removed on exit; the library is untouched."""
+    from torch.profiler import record_function
+
+    def wrap(attr: str, phase: str | None) -> Any:
+        method = getattr(trainer, attr)
+
+        @functools.wraps(method)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            name = phase or ("reference" if args[0] is trainer.ref_model else "old_logprob")
+            with record_function(RANGE_PREFIX + name):
+                out = method(*args, **kwargs)
+                _sync(device)
+            return out
+        return wrapped
+
+    for attr, phase in PHASE_METHODS.items():
+        setattr(trainer, attr, wrap(attr, phase))
+    try:
+        yield
+    finally:
+        for attr in PHASE_METHODS:
+            delattr(trainer, attr)
+
+
+def time_weight_gather(model: Any, device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """What the rollout pays before it decodes, in the state a step leaves (weights updated, FP8 caches
+    dropped): ``gather_s``, entering :func:`jetrl.parallel.full_weights` (FSDP2 all-gathers every parameter;
+    a no-op on one rank); ``quantize_s``, the first FP8 quantization of the rollout side's FP8 linears on the
+    full weights (what the engine's first forward does; nothing on one rank, whose refresh quantized eagerly,
+    nor in ``bf16``); ``release_s``, leaving it (the reshard). Synchronized wall seconds, median of
+    ``repeats``; the FP8 caches are dropped again afterwards, so the next step starts as it would have."""
+    from jetrl.parallel import full_weights, refresh_rollout_weights
+    from jetrl.quant import fp8_linears
+
+    layers = [m for m in fp8_linears(model) if m.fp8_rollout]
+    times: dict[str, list[float]] = {"gather_s": [], "quantize_s": [], "release_s": []}
+    for _ in range(repeats):
+        refresh_rollout_weights(model)  # exactly what the step's weight_refresh phase leaves
+        _sync(device)
+        t0 = time.perf_counter()
+        with full_weights(model):
+            _sync(device)
+            t1 = time.perf_counter()
+            for layer in layers:
+                layer.quantized_weight()
+            _sync(device)
+            t2 = time.perf_counter()
+        _sync(device)
+        t3 = time.perf_counter()
+        for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[key].append(value)
+    refresh_rollout_weights(model)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def _max_over_ranks(values: list[Any]) -> Any:
+    """Leaf-wise maximum of equally shaped nested dicts of numbers (one per rank)."""
+    if isinstance(values[0], dict):
+        return {key: _max_over_ranks([v[key] for v in values]) for key in values[0]}
+    return max(values)
 
 
 def run_recipe(recipe: str, shape: dict, setting: Setting, parallel: Any, warmup: int, steps: int,
@@ -89,7 +215,7 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, parallel: Any, warmup
     prompts = RandomPrompts(setting.prompts, setting.prompt_len, shape["vocab_size"])
     trainer = Trainer(config, model, engine, prompts, even_token_reward, decode_ids, parallel=parallel)
     timed: list[dict[str, float]] = []
-    comm = None
+    comm = profiled = overlap = None
     try:
         for i in range(warmup + steps):
             metrics = trainer.step()
@@ -99,15 +225,27 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, parallel: Any, warmup
             if parallel.is_main:
                 print(f"  {recipe} step {i + 1}/{warmup + steps} ({'timed' if i >= warmup else 'warm-up'}): "
                       f"{metrics['time/step']:.2f} s", flush=True)
+        gather = dict(zip(("gather_s", "quantize_s", "release_s"),
+                          parallel.max(list(time_weight_gather(model, device).values()))))
         if profile:
-            from torch.profiler import ProfilerActivity
+            from torch.profiler import ProfilerActivity, record_function
             from torch.profiler import profile as torch_profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with torch_profile(activities=activities) as prof:
-                trainer.step()
-            comm = parallel.max(list(collective_seconds(prof, device).values()))
-            comm = dict(zip(COLLECTIVES, comm))
+            with torch_profile(activities=activities) as prof, phase_ranges(trainer, device):
+                _sync(device)
+                with record_function(RANGE_PREFIX + "step"):
+                    trainer.step()
+                    _sync(device)
+            comm = dict(zip(COLLECTIVES, parallel.max(list(collective_seconds(prof, device).values()))))
+            events = prof.events()
+            windows = range_windows(events)
+            step_window = windows.pop("step")
+            profiled = {"step_s": length(step_window), "phase_s": {k: length(v) for k, v in windows.items()}}
+            overlap = None
+            if device.type == "cuda":  # gloo has no device kernels: nothing to measure the overlap on
+                overlap = overlap_summary(device_kernels(events), step_window, windows)
+            profiled, overlap = _max_over_ranks(parallel.gather_objects(profiled)), parallel.gather_objects(overlap)
         peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
         peaks = parallel.gather_objects(peak)
     finally:
@@ -128,9 +266,15 @@ def run_recipe(recipe: str, shape: dict, setting: Setting, parallel: Any, warmup
     result = {"seconds": seconds, "tokens_per_s_per_gpu": per_gpu,
               "block_tokens_per_s_per_gpu": {p: v * layers for p, v in per_gpu.items()},
               "peak_gib_per_gpu": peaks, "step_metrics": timed[-1]}
+    gather["share_of_rollout"] = (gather["gather_s"] + gather["quantize_s"]) / seconds["rollout"]
+    result["weight_gather"] = gather
     if comm is not None:
         result["collective_seconds"] = comm
         result["collective_share_of_step"] = sum(comm.values()) / seconds["total"]
+        result["profiled_step"] = profiled
+        result["comm_overlap"] = None if overlap[0] is None else {"max": _max_over_ranks(overlap), "per_rank": overlap}
+        result["exposed_comm_share_of_step"] = (
+            None if overlap[0] is None else result["comm_overlap"]["max"]["exposed_comm_s"] / seconds["total"])
     return result
 
 
@@ -158,6 +302,20 @@ def format_report(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str
                      f"{c['reduce_scatter']:.3f} s, all-reduce {c['all_reduce']:.3f} s "
                      f"({100 * r['collective_share_of_step']:.1f}% of the step, overlapped or not)")
         lines.append(line)
+        if "comm_overlap" in r:
+            o = r["comm_overlap"]
+            if o is None:
+                lines.append(f"{name}: exposed communication n/a (no device kernels on CPU)")
+            else:
+                m = o["max"]
+                phases = ", ".join(f"{p} {v['exposed_comm_s']:.3f}" for p, v in m["phases"].items()
+                                   if v["comm_busy_s"] > 0)
+                lines.append(f"{name}: NCCL busy {m['comm_busy_s']:.3f} s, exposed (no other kernel running) "
+                             f"{m['exposed_comm_s']:.3f} s = {100 * r['exposed_comm_share_of_step']:.1f}% of the "
+                             f"step; exposed s by phase: {phases or '-'}")
+        g = r["weight_gather"]
+        lines.append(f"{name}: rollout weight gather {g['gather_s']:.3f} s + first FP8 quantization "
+                     f"{g['quantize_s']:.3f} s = {100 * g['share_of_rollout']:.1f}% of the rollout")
     lines.append(f"{world} GPU(s); block-tokens/s per GPU (update): " + ", ".join(
         f"{n} {r['block_tokens_per_s_per_gpu'].get('update', float('nan')):,.0f}" for n, r in results.items()))
     return "\n".join(lines)
