@@ -146,11 +146,11 @@ def test_rollout_runs_each_arm_under_its_own_tuning(common, one_thread, monkeypa
     bench = importlib.import_module("bench.rollout")
     seen: list = []
     _record_tuning(monkeypatch, seen)
-    tuned = "jet+kv8@exact_split_k=0;kv_decode_factored=true"
-    results = bench.main(["--tiny", "--arms", "bf16,jet+kv8,jet+kv8@kv_decode_factored=1;exact_split_k=0",
+    tuned = "jet+kv8@exact_split_k=0;kv_decode_factored=false"
+    results = bench.main(["--tiny", "--arms", "bf16,jet+kv8,jet+kv8@kv_decode_factored=0;exact_split_k=0",
                           "--mismatch", "--tuning", "exact_split_k=2", "--json", str(tmp_path / "r.json")])
-    assert tuning.current().exact_split_k == 0 and not tuning.current().kv_decode_factored  # restored after
-    base, own = (2, False), (0, True)  # the run's --tuning; the tuned arm's settings win over it
+    assert tuning.current().exact_split_k == 0 and tuning.current().kv_decode_factored  # restored after
+    base, own = (2, True), (0, False)  # the run's --tuning; the tuned arm's settings win over it
     # per setting: bf16 and jet+kv8 under the run's tuning, then the tuned arm under its own, then back
     assert _runs(seen) == [base, own, base, own]
     for where in ("refresh", "engine", "generate", "score"):
@@ -159,11 +159,11 @@ def test_rollout_runs_each_arm_under_its_own_tuning(common, one_thread, monkeypa
     for r in results:
         assert list(r.decode_tokens_per_s) == ["bf16", "jet+kv8", tuned]
         assert r.tuning == {"bf16": {"exact_split_k": 2}, "jet+kv8": {"exact_split_k": 2},
-                            tuned: {"exact_split_k": 0, "kv_decode_factored": True}}
+                            tuned: {"exact_split_k": 0, "kv_decode_factored": False}}
         assert r.over_bf16[tuned] == r.decode_tokens_per_s[tuned] / r.decode_tokens_per_s["bf16"]
         assert set(r.over_bf16) == {"jet+kv8", tuned} and set(r.mismatch_max) == {"bf16", "jet+kv8", tuned}
     written = json.loads((tmp_path / "r.json").read_text())
-    assert written[0]["tuning"][tuned] == {"exact_split_k": 0, "kv_decode_factored": True}
+    assert written[0]["tuning"][tuned] == {"exact_split_k": 0, "kv_decode_factored": False}
     assert tuned in capsys.readouterr().out.splitlines()[-1]  # the table's last row
 
 
@@ -177,23 +177,23 @@ def test_rl_step_runs_each_arm_under_its_own_tuning(common, one_thread, monkeypa
     tuned = "jet-exact@exact_split_k=2"
     report = bench.main(["--tiny", "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--new-tokens", "4",
                          "--no-reference", "--arms", f"bf16,{tuned}", "--exact",
-                         "--tuning", "kv_decode_factored=true"])
-    assert tuning.current().exact_split_k == 0 and not tuning.current().kv_decode_factored  # restored after
+                         "--tuning", "kv_decode_factored=false"])
+    assert tuning.current().exact_split_k == 0 and tuning.current().kv_decode_factored  # restored after
     results = report["results"]
     assert list(results) == ["bf16", tuned, "jet-exact"]  # --exact still adds the untuned exact arm
-    base, own = (0, True), (2, True)  # the defaults updated by --tuning; the tuned arm's own setting wins
+    base, own = (0, False), (2, False)  # the defaults updated by --tuning; the tuned arm's own setting wins
     assert _runs(seen) == [base, own, base]
     for where in ("engine", "generate", "train"):
         assert {(s, f) for w, s, f in seen if w == where} == {base, own}, where
     assert [results[a]["tuning"] for a in results] == [
-        {"kv_decode_factored": True}, {"exact_split_k": 2, "kv_decode_factored": True}, {"kv_decode_factored": True}]
-    assert report["tuning"] == {"kv_decode_factored": True}
+        {"kv_decode_factored": False}, {"exact_split_k": 2, "kv_decode_factored": False}, {"kv_decode_factored": False}]
+    assert report["tuning"] == {"kv_decode_factored": False}
     for arm in (tuned, "jet-exact"):  # both exact routes: the engine's log-probs equal the trainer's
         assert results[arm]["step_metrics"]["mismatch/logp_abs_diff_max"] == 0.0
         assert report["speedups_over_bf16"][arm]["total"] == pytest.approx(
             results["bf16"]["seconds"]["total"] / results[arm]["seconds"]["total"])
     written = json.loads((tmp_path / "rl_step.json").read_text())
-    assert written["results"][tuned]["tuning"] == {"exact_split_k": 2, "kv_decode_factored": True}
+    assert written["results"][tuned]["tuning"] == {"exact_split_k": 2, "kv_decode_factored": False}
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("phase"))
     assert f"{tuned} s" in header and f"{tuned}/bf16" in header
 

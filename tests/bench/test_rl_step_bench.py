@@ -104,10 +104,10 @@ def test_tuning_settings_are_typed_checked_and_in_force_for_the_run(bench, one_t
     monkeypatch.setenv("OUT", str(tmp_path))
     report = bench.main(["--tiny", "--warmup", "0", "--steps", "1", "--prompt-len", "4", "--new-tokens", "4",
                          "--recipes", "jet", "--no-reference", "--tuning", "exact_split_k=2",
-                         "--tuning", "kv_decode_factored=true"])
-    assert report["tuning"] == {"exact_split_k": 2, "kv_decode_factored": True}
-    assert seen["exact_split_k"] == 2 and seen["kv_decode_factored"] is True
-    assert tuning.current().exact_split_k == 0 and not tuning.current().kv_decode_factored  # restored after
+                         "--tuning", "kv_decode_factored=false"])
+    assert report["tuning"] == {"exact_split_k": 2, "kv_decode_factored": False}
+    assert seen["exact_split_k"] == 2 and seen["kv_decode_factored"] is False
+    assert tuning.current().exact_split_k == 0 and tuning.current().kv_decode_factored  # restored after
     for bad in ("nonsense=1", "exact_split_k=two", "kv_decode_factored=maybe", "exact_split_k", "exact_split_k=-1"):
         with pytest.raises(SystemExit):
             bench._parse(["--tiny", "--tuning", bad])

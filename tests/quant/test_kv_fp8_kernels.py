@@ -210,7 +210,7 @@ out["write-int32-slots"] = check_write(k, v, pools, slots.to(torch.int32))
 # of 16-token tiles (several tiles per program); 3 splits of 16 at head_dim 48 (the merge over a padded BLOCK_D, an
 # empty split); 3 splits of 128 at contexts up to 300 (the merge of full FP8 tiles, empty splits for the short
 # sequences). Every path of the kernel, without the cross product that the interpreter makes slow.
-# The factored route is the tuning's kv_decode_factored (off by default until measured on the GPU): on for these.
+# The factored route is the tuning's kv_decode_factored (the default; made explicit here): on for these.
 from jetrl.quant.kernels import tuning
 factored = tuning.override(kv_decode_factored=True)
 factored.__enter__()
@@ -254,8 +254,10 @@ a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs, block_n=16)
 ref = paged_attention_reference(q, kq, vq, meta, 32 ** -0.5)
 out["nonpow2-decode-float32"] = {"bitwise": same_bits(a, b), "err": rel_err(a, ref)}
 factored.__exit__(None, None, None)
-# the default route dequantizes each FP8 tile in registers: bit for bit the kernel over the dequantized cache
-a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs, block_n=16)
+# the other route (kv_decode_factored off) dequantizes each FP8 tile in registers: bit for bit the kernel over the
+# dequantized cache
+with tuning.override(kv_decode_factored=False):
+    a, b, kq, vq = attend(paged_decode, q, meta, kd, ks, vd, vs, block_n=16)
 out["inregister-decode-float32"] = {"bitwise": same_bits(a, b), "err": rel_err(a, ref)}
 
 # exact mode's prefill chunks (several new rows per sequence, partial pages) and its packed training layout
@@ -315,7 +317,7 @@ def test_paged_decode_over_fp8_tiles_is_the_attention_over_the_dequantized_cache
 
 def test_paged_decode_applies_the_scales_outside_the_dots(interpreted):
     """Non-power-of-two scales tell the factored kernel from one that dequantizes in registers (which would be
-    bitwise the kernel over the dequantized cache); the default route (``kv_decode_factored`` off) is that one."""
+    bitwise the kernel over the dequantized cache); the other route (``kv_decode_factored`` off) is that one."""
     r = interpreted["nonpow2-decode-float32"]
     assert not r["bitwise"] and r["err"] < TOL["float32"], r
     r = interpreted["inregister-decode-float32"]

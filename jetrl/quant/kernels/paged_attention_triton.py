@@ -33,8 +33,8 @@ on the GPU the two score dots see different operands, so the MMA's accumulation 
 query cannot take this route (fp16's 5 exponent bits do not hold ``p * 2^e``): its K/V tiles are dequantized in
 registers to ``dequantize_kv(data, scale, float16)`` (:func:`_load_kv_rows`), bitwise the kernel over that cache.
 An FP8 tile holds :data:`FP8_BLOCK_N` = 128 tokens, a tile in q's dtype :data:`BLOCK_N` = 64: the same bytes per
-tile, half the loop trips. The factored route is the tuning's ``kv_decode_factored`` (off by default until it is
-measured on the GPU); off, every FP8 tile is dequantized in registers as for an fp16 query.
+tile, half the loop trips. The factored route is the tuning's ``kv_decode_factored`` (on by default: faster on the H200,
+BENCHMARKS.md); off, every FP8 tile is dequantized in registers as for an fp16 query.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.

@@ -192,7 +192,7 @@ class KernelTuning:
     ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
     ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
     the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
-    tile is dequantized in registers first. Off by default until the factored path is measured on the GPU.
+    tile is dequantized in registers first (the route an fp16 query always takes). On by default.
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
     tiles (``exact_narrow_block_n`` for weights of at most ``exact_narrow_n`` rows), ``exact_num_warps``,
@@ -236,7 +236,7 @@ class KernelTuning:
     exact_max_split: int = 8
     exact_min_kb_per_split: int = 4
     exact_split_max_m: int = 128
-    kv_decode_factored: bool = False
+    kv_decode_factored: bool = True
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
