@@ -52,6 +52,16 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture
+def one_thread():
+    """torch on one thread for the test (and back after): tiny matrices run fastest that way and do not fight the
+    interpreter children for the cores, even where ``JETRL_TEST_THREADS`` gave this process more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def gen():
     """A seeded CPU generator: fresh random inputs every test, reproducible runs."""
     return torch.Generator().manual_seed(1234)

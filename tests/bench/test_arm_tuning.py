@@ -9,7 +9,6 @@ import json
 import pathlib
 
 import pytest
-import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -18,14 +17,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def common(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # bench/ is a folder of scripts, importable from the root
     return importlib.import_module("bench.common")
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only add contention on a busy machine
-    yield
-    torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------ grammar

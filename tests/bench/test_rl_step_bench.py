@@ -8,7 +8,6 @@ import math
 import pathlib
 
 import pytest
-import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -17,15 +16,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # bench/ is a folder of scripts, importable from the root
     return importlib.import_module("bench.rl_step")
-
-
-@pytest.fixture
-def one_thread():
-    # tiny matrices: threads only add OpenMP contention on a busy 2-core machine (100x slower linears)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_tiny_run_times_every_phase_and_writes_json(bench, one_thread, tmp_path, monkeypatch, capsys):

@@ -22,6 +22,8 @@ from jetrl.quant.norm import rms_norm
 from jetrl.quant.swiglu import swiglu
 from jetrl.rollout import RolloutEngine, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest (tests/conftest.py)
+
 # Qwen3-shaped (q/k norms, GQA), hidden 128 so the FP8 blocks are whole; prompts up to 70 tokens so that
 # attention crosses its 64-position chunks
 CONFIG = dict(model_type="qwen3", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -30,15 +32,6 @@ CONFIG = dict(model_type="qwen3", vocab_size=256, hidden_size=128, intermediate_
 # K/V, and the two must still agree bitwise
 CASES = [("bf16", torch.float32, False), ("bf16", torch.bfloat16, False), ("jet", torch.bfloat16, False),
          ("jet", torch.bfloat16, True)]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny matrices: threads only add OpenMP contention on a busy 2-core machine (the bench tests do the same)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:

@@ -27,16 +27,6 @@ def bench():
         sys.path.remove(str(ROOT))
 
 
-@pytest.fixture
-def one_thread():
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only add contention on a busy machine
-    yield
-    torch.set_num_threads(threads)
-
-
 # ----------------------------------------------------------------------------------------- the bytes model
 
 def test_8b_bytes_by_hand(bench):

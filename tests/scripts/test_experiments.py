@@ -7,14 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The smoke models are tiny: one thread runs them fastest (and does not fight the other tests' threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
