@@ -271,8 +271,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _weights_key(self) -> tuple:
-        """Storage of every parameter and cached FP8 weight: CUDA graphs stay valid while it is unchanged."""
-        ptrs = [p.data_ptr() for p in self.model.parameters()]
+        """What the captured CUDA graphs depend on: the kernel tuning in force (a graph replays the kernels chosen
+        when it was captured) and the storage of every parameter and cached FP8 weight. The graphs stay valid
+        while it is unchanged (compared with ``==``: an equal tuning object counts as unchanged)."""
+        from jetrl.quant.kernels import tuning
+
+        ptrs: list = [tuning.current()]
+        ptrs += [p.data_ptr() for p in self.model.parameters()]
         with precision_side("rollout"):
             for layer in fp8_linears(self.model):
                 ptrs.append(id(layer))  # a recipe swap replaces the modules the graphs captured

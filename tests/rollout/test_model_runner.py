@@ -120,3 +120,17 @@ def test_fp8_kv_cache_preempts_less_in_the_same_memory(model_d128):
     assert stats[False]["num_blocks"] == 30 and stats[True]["kv_capacity_tokens"] == 4 * stats[True]["num_blocks"]
     assert stats[True]["num_blocks"] == 30 * 256 // 132 and stats[True]["kv_fp8"] == 1.0
     assert stats[False]["preemptions"] > stats[True]["preemptions"], stats
+
+
+def test_graph_key_follows_the_kernel_tuning(model):
+    """CUDA graphs replay the kernels chosen at capture, so the key that decides a recapture includes the tuning:
+    a different tuning is a different key, an equal one (a fresh but equal override) the same key."""
+    from jetrl.quant.kernels import tuning
+
+    runner = _runner(model, num_blocks=4)
+    key = runner._weights_key()
+    assert runner._weights_key() == key
+    with tuning.override(kv_decode_factored=not tuning.current().kv_decode_factored):
+        assert runner._weights_key() != key
+    with tuning.override(exact_split_k=tuning.current().exact_split_k):
+        assert runner._weights_key() == key
