@@ -65,8 +65,8 @@ vf = torch.randn(nblocks, page, 2, 16, generator=g) * 3
 kd, ksc = (t.view(nblocks, page, *t.shape[1:]) for t in quantize_kv(kf.view(-1, 2, 16)))
 vd, vsc = (t.view(nblocks, page, *t.shape[1:]) for t in quantize_kv(vf.view(-1, 2, 16)))
 qsl = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
-meta = PagedAttentionMetadata(qsl, torch.tensor(ctx, dtype=torch.int32), tables, torch.zeros(sum(new), dtype=torch.long),
-                              max(new), max(ctx))
+meta = PagedAttentionMetadata(qsl, torch.tensor(ctx, dtype=torch.int32), tables,
+                              torch.zeros(sum(new), dtype=torch.long), max(new), max(ctx))
 for dtype in (torch.float32, torch.float16):
     q = torch.randn(sum(new), 8, 16, generator=g).to(dtype)
     check(f"fp8-prefill-{str(dtype)[6:]}", q, kd, vd, meta, ksc, vsc)

@@ -10,7 +10,8 @@ through the block table, with an online softmax in fp32, up to its furthest row'
 end earlier the remaining chunks are fully masked and leave its state bitwise unchanged (``exp2(0) = 1``, zero
 probabilities). No context split: a token's bits depend on its own keys only, in a decode step, a prefill chunk
 or the trainer's packed forward (a "cache" of one-token pages, :func:`jetrl.models.attention.packed_as_paged`).
-The tiles are numbered on the device (no host sync), so decode steps stay capturable in CUDA graphs.
+The tiles are numbered on the device (no host sync; :func:`_number_tiles`, the grid an upper bound from shapes
+alone), so decode steps stay capturable in CUDA graphs.
 
 An FP8 cache (E4M3 K/V with power-of-two per-(token, KV head) scales) is dequantized chunk by chunk in registers
 exactly like ``jetrl.models.attention.dequantize_kv`` (the fp32 product rounded to q's dtype, a rounding that with a
@@ -27,8 +28,8 @@ and runs each tile's dots on it, so K/V are read once per ``T * BLOCK_Q`` query 
 
 * each tile keeps its own ``(m, l, acc)``, and its dots have the one-tile kernel's shape, operand order and
   precision (the same jitted helpers, :func:`_scores_update` and :func:`_acc_update`, at the same ``num_warps``);
-* a tile runs exactly the chunks the one-tile kernel runs for it (``t0 < `` its own furthest key; later chunks
-  are skipped, not merely masked), in the same order from position 0;
+* a tile runs exactly the chunks the one-tile kernel runs for it, those starting below its own furthest key, in
+  the same order from position 0 (the program's later chunks are skipped for it, not merely masked);
 * the one difference in what it reads: in its last chunk, key positions between its own furthest key and the
   program's are loaded (the one-tile kernel loads zeros there). Every such position is masked for every row of
   the tile (``t >= limit``), so its score is replaced by ``-inf`` and its probability is exactly 0: a product
