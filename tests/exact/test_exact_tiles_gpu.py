@@ -73,8 +73,8 @@ def jet_8b():
                        seed=0)
 
 
-@pytest.mark.parametrize("engine_tiles,trainer_tiles", [(1, 2), (3, 3), (2, 4)])
-@pytest.mark.parametrize("kv_fp8", [False, True], ids=["jet", "jet-kv8"])
+@pytest.mark.parametrize("engine_tiles,trainer_tiles,kv_fp8", [(1, 2, False), (3, 3, False), (2, 4, True)],
+                         ids=["engine1-trainer2", "engine3-trainer3", "engine2-trainer4-kv8"])
 def test_engine_equals_trainer_bitwise_with_tiles_per_program(jet_8b, engine_tiles, trainer_tiles, kv_fp8):
     from test_exact_gpu import _prompts, _score
 
