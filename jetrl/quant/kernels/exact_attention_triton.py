@@ -219,7 +219,7 @@ def _tiles_chunk(t0, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_hea
                  PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, TILES: tl.constexpr):
     """One chunk of key positions ``t = t0 + arange(BLOCK_N)`` for up to four tiles: K/V gathered once (up to the
     program's furthest key ``end``), then each tile whose own keys reach this chunk (``t0 < end_i``) runs the
-    one-tile kernel's update on it (:func:`_scores_update`, :func:`_acc_update`); the others keep their state."""
+    one-tile kernel's update on it (:func:`_tile_update`); the others keep their state."""
     t_ok = t < end
     page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
     slot = t % PAGE
@@ -229,20 +229,25 @@ def _tiles_chunk(t0, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_hea
     v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
                       q0.dtype, FP8)
     if t0 < end0:
-        m0, l0, alpha0, p0 = _scores_update(q0, m0, l0, k, t, limit0, scale_log2, IEEE)
-        acc0 = _acc_update(acc0, alpha0, p0, v, IEEE)
+        m0, l0, acc0 = _tile_update(q0, m0, l0, acc0, k, v, t, limit0, scale_log2, IEEE)
     if t0 < end1:
-        m1, l1, alpha1, p1 = _scores_update(q1, m1, l1, k, t, limit1, scale_log2, IEEE)
-        acc1 = _acc_update(acc1, alpha1, p1, v, IEEE)
+        m1, l1, acc1 = _tile_update(q1, m1, l1, acc1, k, v, t, limit1, scale_log2, IEEE)
     if TILES > 2:
         if t0 < end2:
-            m2, l2, alpha2, p2 = _scores_update(q2, m2, l2, k, t, limit2, scale_log2, IEEE)
-            acc2 = _acc_update(acc2, alpha2, p2, v, IEEE)
+            m2, l2, acc2 = _tile_update(q2, m2, l2, acc2, k, v, t, limit2, scale_log2, IEEE)
     if TILES > 3:
         if t0 < end3:
-            m3, l3, alpha3, p3 = _scores_update(q3, m3, l3, k, t, limit3, scale_log2, IEEE)
-            acc3 = _acc_update(acc3, alpha3, p3, v, IEEE)
+            m3, l3, acc3 = _tile_update(q3, m3, l3, acc3, k, v, t, limit3, scale_log2, IEEE)
     return m0, l0, acc0, m1, l1, acc1, m2, l2, acc2, m3, l3, acc3
+
+
+@triton.jit
+def _tile_update(q, m_i, l_i, acc, k, v, t, limit, scale_log2, IEEE: tl.constexpr):
+    """The one-tile kernel's update of one tile's state by one chunk (:func:`_attend_chunk`'s math, on K/V already
+    loaded): returns (m, l, acc)."""
+    m_new, l_i, alpha, p = _scores_update(q, m_i, l_i, k, t, limit, scale_log2, IEEE)
+    acc = _acc_update(acc, alpha, p, v, IEEE)
+    return m_new, l_i, acc
 
 
 @triton.jit
