@@ -4,7 +4,9 @@ the multi-tile schedule (``one_tile_exact_attention.py``, kept verbatim) bit for
 over sequences of mixed lengths (one-token sequences, lengths on both sides of the 16-row tile and of the 64-key
 chunk, a GQA group of 3 with padding rows) and prefill chunks over a shuffled FP8 paged cache with scales. Plain
 CPU: the device-side program numbering covers every query row once, within the grid's bound, and a bad setting
-is an error.
+is an error. Stacked tiles (``exact_attention_stacked``: one dot of T x 64 rows) are checked here to fp32
+rounding only: numpy's sgemm does not give a row the same bits in a 128-row product as in a 64-row one (on the
+GPU each 64-row group issues the one-tile kernel's MMA instructions; test_exact_tiles_gpu.py checks the bits).
 
 Under the interpreter each tile's ``tl.dot`` is numpy's sgemm on the same operands at the same tile positions as
 in the one-tile kernel, so equal bits here check the schedule (which chunks each tile runs, in which order, with
@@ -38,6 +40,13 @@ def check(name, q, kc, vc, meta, ks=None, vs=None):
         with tuning.override(exact_attention_tiles_per_program=tiles):
             got = exact_attention_fwd(q, kc, vc, meta, 0.25, k_scale=ks, v_scale=vs)
         out[f"{name}-T{tiles}"] = bool(torch.equal(got, want))
+    # stacked tiles: one dot of T x 64 rows, whose bits numpy's sgemm does not keep per row (the GPU's MMA does:
+    # test_exact_tiles_gpu.py); here the schedule's rows, masks and chunks, to fp32 rounding
+    tol = 2e-3 if q.dtype == torch.float16 else 1e-5
+    for tiles in (2, 4):
+        with tuning.override(exact_attention_tiles_per_program=tiles, exact_attention_stacked=True):
+            got = exact_attention_fwd(q, kc, vc, meta, 0.25, k_scale=ks, v_scale=vs)
+        out[f"{name}-stacked{tiles}-close"] = bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
 
 # packed training forward (one-token pages): lengths around the 16-row tile and the 64-key chunk
 lengths = [1, 16, 17, 40, 70, 1, 130]
@@ -84,6 +93,8 @@ def interpreted():
 def test_tiles_per_program_keep_the_one_tile_kernels_bits(interpreted, case):
     results = {k: v for k, v in interpreted.items() if k.startswith(case + "-T")}
     assert len(results) == 3 and all(results.values()), results
+    stacked = {k: v for k, v in interpreted.items() if k.startswith(case + "-stacked")}
+    assert len(stacked) == 2 and all(stacked.values()), stacked
 
 
 @pytest.mark.parametrize("rows_per_program", [1, 16, 48])
@@ -106,13 +117,15 @@ def test_programs_cover_every_row_once(rows_per_program):
     assert bool((covered == 1).all())
 
 
-@pytest.mark.parametrize("bad", [0, 5, True])
+@pytest.mark.parametrize("bad", [dict(exact_attention_tiles_per_program=0), dict(exact_attention_tiles_per_program=5),
+                                 dict(exact_attention_tiles_per_program=True),
+                                 dict(exact_attention_tiles_per_program=3, exact_attention_stacked=True)])
 def test_bad_tiles_per_program_is_an_error(bad):
     from jetrl.models.attention import packed_as_paged
     from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
 
     q, k = torch.zeros(4, 4, 16), torch.zeros(4, 1, 2, 16)
-    with tuning.override(exact_attention_tiles_per_program=bad), \
+    with tuning.override(**bad), \
             pytest.raises(ValueError, match="exact_attention_tiles_per_program"):
         exact_attention_fwd(q, k, k, packed_as_paged([0, 4], "cpu"), 0.25)

@@ -21,10 +21,10 @@ Unlike the decode kernel (:mod:`~jetrl.quant.kernels.paged_attention_triton`), t
 to the dots' results: that is equal only to summation order in general (the two dots are different MMA inputs,
 and ``bf16(p * 2^e) == bf16(p) * 2^e`` fails for probabilities below ``2^-104``), and this kernel's contract is bits.
 
-**Several tiles per program** (``KernelTuning.exact_attention_tiles_per_program`` = T > 1; T = 1, the default, is
-the kernel above): one program takes T consecutive tiles of one sequence and KV head, loads each K/V chunk once
-and runs each tile's dots on it, so K/V are read once per ``T * BLOCK_Q`` query rows instead of once per
-``BLOCK_Q``. The bits are those of the one-tile kernel, because each tile's arithmetic is unchanged:
+**Several tiles per program** (``KernelTuning.exact_attention_tiles_per_program`` = T > 1, ``exact_attention_stacked``
+off; T = 1, the default, is the kernel above): one program takes T consecutive tiles of one sequence and KV head,
+loads each K/V chunk once and runs each tile's dots on it, so K/V are read once per ``T * BLOCK_Q`` query rows instead
+of once per ``BLOCK_Q``. The bits are those of the one-tile kernel, because each tile's arithmetic is unchanged:
 
 * each tile keeps its own ``(m, l, acc)``, and its dots have the one-tile kernel's shape, operand order and
   precision (the same jitted helpers, :func:`_scores_update` and :func:`_acc_update`, at the same ``num_warps``);
@@ -35,6 +35,16 @@ and runs each tile's dots on it, so K/V are read once per ``T * BLOCK_Q`` query 
   the tile (``t >= limit``), so its score is replaced by ``-inf`` and its probability is exactly 0: a product
   ``0 * v`` adds zero. The one-tile kernel already relies on this for a tile's shorter rows, which read their
   longer neighbours' keys, and for decode rows, which read zeros instead: the engine/trainer GPU tests check it.
+
+**Stacked tiles** (``KernelTuning.exact_attention_stacked`` with T = 2 or 4): the one-tile kernel itself with a tile of
+``T * BLOCK_Q`` query rows (``T * 64`` MMA rows) and ``4 * T`` warps. Triton lays a dot whose result feeds the
+next dot (scores -> probabilities -> ``P @ V``) out with all warps along the rows (``warpsPerCTA = [4T, 1]``), so
+each warpgroup of 4 warps owns one 64-row tile and issues for it the one-tile kernel's Hopper MMA instructions
+(``m64nNk16``, the same N, the same K order) on the same operands; the row reductions of the softmax stay inside a
+warp as before. Each tile's rows thus get the one-tile kernel's bits, except that they walk every chunk up to
+the program's furthest key: the extra chunks are fully masked for them and leave their state unchanged, the
+property the one-tile kernel relies on for its own shorter rows. Registers per thread stay those of one tile
+(the program has T times the threads), where the multi-tile kernel above holds T tiles' state in 4 warps.
 
 A batch of one query row per sequence (a decode step) runs the one-tile kernel whatever T is: T only adds
 registers there. T is a schedule, never a result: the rollout and the trainer may run different values.
@@ -334,6 +344,10 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
                          f"1..{MAX_TILES_PER_PROGRAM}, got {tiles_per_program!r}")
     if num_rows <= num_seqs:  # a decode step's shape: the one-tile kernel (more tiles would only add registers)
         tiles_per_program = 1
+    stacked = tiles_per_program > 1 and tuning.current().exact_attention_stacked
+    if stacked and tiles_per_program & (tiles_per_program - 1):
+        raise ValueError(f"exact_attention: stacked tiles (KernelTuning.exact_attention_stacked) need a power-of-two "
+                         f"exact_attention_tiles_per_program (the rows of one dot), got {tiles_per_program}")
     tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, block_q * tiles_per_program)
     tables = meta.block_tables
     args = (q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens,
@@ -346,7 +360,10 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
                   BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=EXACT_KV_CHUNK, IEEE=q.dtype == torch.float32,
                   FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
     grid = (tile_seq.shape[0], num_kv_heads)
-    if tiles_per_program == 1:
+    if stacked:  # T tiles as one tile of T * BLOCK_Q rows, one warpgroup of 4 warps per 64 MMA rows
+        _exact_attention_kernel[grid](*args, **dict(consts, BLOCK_Q=block_q * tiles_per_program,
+                                                    num_warps=4 * tiles_per_program))
+    elif tiles_per_program == 1:
         _exact_attention_kernel[grid](*args, **consts)
     else:
         _exact_attention_tiles_kernel[grid](*args, **consts, TILES=tiles_per_program)
