@@ -338,16 +338,17 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     group_p2 = triton.next_power_of_2(group)
     block_q = max(1, ROWS_PER_PROGRAM // group_p2)
     num_seqs = meta.query_start_loc.shape[0] - 1
-    tiles_per_program = tuning.current().exact_attention_tiles_per_program
+    settings = tuning.current()
+    tiles_per_program = settings.exact_attention_tiles_per_program
     if isinstance(tiles_per_program, bool) or tiles_per_program not in range(1, MAX_TILES_PER_PROGRAM + 1):
         raise ValueError(f"exact_attention: KernelTuning.exact_attention_tiles_per_program must be an int in "
                          f"1..{MAX_TILES_PER_PROGRAM}, got {tiles_per_program!r}")
-    if num_rows <= num_seqs:  # a decode step's shape: the one-tile kernel (more tiles would only add registers)
-        tiles_per_program = 1
-    stacked = tiles_per_program > 1 and tuning.current().exact_attention_stacked
-    if stacked and tiles_per_program & (tiles_per_program - 1):
+    if settings.exact_attention_stacked and tiles_per_program & (tiles_per_program - 1):
         raise ValueError(f"exact_attention: stacked tiles (KernelTuning.exact_attention_stacked) need a power-of-two "
                          f"exact_attention_tiles_per_program (the rows of one dot), got {tiles_per_program}")
+    if num_rows <= num_seqs:  # a decode step's shape: the one-tile kernel (more tiles would only add registers)
+        tiles_per_program = 1
+    stacked = tiles_per_program > 1 and settings.exact_attention_stacked
     tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, block_q * tiles_per_program)
     tables = meta.block_tables
     args = (q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens,
