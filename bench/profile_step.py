@@ -15,11 +15,12 @@ benchmarks (:class:`bench.common.Arm`), each run under its own kernel tuning. Th
   step runs it (``--no-checkpointing`` keeps the activations).
 
 Every part runs eagerly under ``torch.profiler`` (GPU time per kernel is what a CUDA graph replays) and is timed
-(CUDA events; ``score``/``update``/``train`` per call). Kernels are grouped by kind (:func:`kind_of`): exact mode's
-GEMMs (the batch-invariant Triton GEMM and its split-K reduction) and exact attention (its one- and multi-tile
-kernels) apart from the fast GEMMs and attention, then FP8 quantization, the LM head's log-softmax, norm,
-copies, elementwise, other. With an exact arm and its fast arm in one run, a table per part sets them side by side
-by kind (exact / fast).
+(CUDA events; ``score``/``update``/``train`` per call; ``score`` also split into the decoder blocks and the LM
+head). Kernels are grouped by kind (:func:`kind_of`): exact mode's GEMMs (the batch-invariant Triton GEMM and its
+split-K reduction) and exact attention (its one- and multi-tile kernels) apart from the fast GEMMs and attention,
+then FP8 quantization, the LM head's log-softmax, norm, copies, elementwise, other. With an exact arm and its fast
+arm in one run, a table per part sets them side by side by kind (with exact - fast, and exact / fast for the
+totals and wall times).
 
 GPU: ``python bench/profile_step.py --layers 8`` (bf16 vs jet, decode and train); exact mode's training side at
 the RL benchmark's shape: ``python bench/profile_step.py --exact --layers 8`` (the arms ``jet,jet-exact``, the
@@ -163,9 +164,10 @@ def compare(part: str, results: dict, arms) -> None:
             print(f"{k:<18}{ta:>15.1f}{tb:>26.1f}{tb - ta:>14.1f}")
         print(f"{'kernel sum':<18}{a['total_us']:>15.1f}{b['total_us']:>26.1f}{b['total_us'] - a['total_us']:>14.1f}"
               f"  ({b['total_us'] / max(a['total_us'], 1e-9):.2f}x)")
-        if "wall_ms" in a and "wall_ms" in b:
-            print(f"{'wall ms/call':<18}{a['wall_ms']:>15.2f}{b['wall_ms']:>26.2f}{b['wall_ms'] - a['wall_ms']:>14.2f}"
-                  f"  ({b['wall_ms'] / max(a['wall_ms'], 1e-9):.2f}x)")
+        for key, text in (("wall_ms", "wall ms/call"), ("blocks_wall_ms", " blocks ms"), ("head_wall_ms", " head ms")):
+            if key in a and key in b:
+                print(f"{text:<18}{a[key]:>15.2f}{b[key]:>26.2f}{b[key] - a[key]:>14.2f}"
+                      f"  ({b[key] / max(a[key], 1e-9):.2f}x)")
 
 
 def decode_setup(model, batch: int, context: int, block_size: int = 16, kv_fp8: bool = False):
@@ -305,8 +307,18 @@ def main(argv: list[str] | None = None) -> dict:
                         with torch.no_grad():
                             seq_logprobs()
 
-                    results[f"{label}/score"] = _timed_part(score_step, f"{label} score (no grad) {shape_text}",
-                                                            args, dev, layers)
+                    res = _timed_part(score_step, f"{label} score (no grad) {shape_text}", args, dev, layers)
+                    with torch.no_grad():  # the split of the wall time: the decoder blocks, then the LM head
+                        hidden = model.forward_packed(ids, pos, cu, max_len, exact=arm.exact,
+                                                      kv_fp8=arm.train_kv_fp8)
+                        res["blocks_wall_ms"] = wall_ms(lambda: model.forward_packed(
+                            ids, pos, cu, max_len, exact=arm.exact, kv_fp8=arm.train_kv_fp8), args.steps or 2, dev)
+                        res["head_wall_ms"] = wall_ms(lambda: logprobs_from_hidden(
+                            model, hidden[rows], targets[rows], temperature=1.0, exact=arm.exact), args.steps or 2, dev)
+                    del hidden
+                    print(f"of which decoder blocks {res['blocks_wall_ms']:.2f} ms, LM head + log-probs "
+                          f"{res['head_wall_ms']:.2f} ms")
+                    results[f"{label}/score"] = res
                 if "update" in parts:
                     model.set_activation_checkpointing(not args.no_checkpointing)
 

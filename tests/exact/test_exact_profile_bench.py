@@ -48,6 +48,8 @@ def test_tiny_exact_profile(tmp_path, capsys):
     for res in results.values():
         assert res["total_us"] > 0 and res["kernels"] > 0 and res["wall_ms"] > 0
         assert abs(sum(t for t, _ in res["by_kind"].values()) - res["total_us"]) <= 1e-6 * res["total_us"]
+    for arm in names:  # the scoring pass split into the decoder blocks and the LM head
+        assert results[f"{arm}/score"]["blocks_wall_ms"] > 0 and results[f"{arm}/score"]["head_wall_ms"] > 0
     # the update runs a backward: more operators than the scoring forward alone
     assert results["jet-exact/update"]["kernels"] > results["jet-exact/score"]["kernels"]
     out = capsys.readouterr().out
