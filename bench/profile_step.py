@@ -19,8 +19,8 @@ Every part runs eagerly under ``torch.profiler`` (GPU time per kernel is what a 
 head). Kernels are grouped by kind (:func:`kind_of`): exact mode's GEMMs (the batch-invariant Triton GEMM and its
 split-K reduction) and exact attention (its one- and multi-tile kernels) apart from the fast GEMMs and attention,
 then FP8 quantization, the LM head's log-softmax, norm, copies, elementwise, other. With an exact arm and its fast
-arm in one run, a table per part sets them side by side by kind (with exact - fast, and exact / fast for the
-totals and wall times).
+arm in one run, a table per part sets all arms side by side by kind, with each exact arm's kernel sum and wall time
+over its fast arm's.
 
 GPU: ``python bench/profile_step.py --layers 8`` (bf16 vs jet, decode and train); exact mode's training side at
 the RL benchmark's shape: ``python bench/profile_step.py --exact --layers 8`` (the arms ``jet,jet-exact``, the
@@ -148,26 +148,36 @@ def summarize(title: str, kernels: dict[str, tuple[float, int]], layers: int, to
 
 
 def compare(part: str, results: dict, arms) -> None:
-    """Per exact arm with its fast arm in ``results``: us per step by kind side by side, and exact / fast."""
-    names = [a.name for a in arms if f"{a.name}/{part}" in results]
-    for arm in arms:
+    """One table for ``part``: us per step by kind, an arm per column ([i] in the legend), then the kernel sum and
+    wall times, and for each exact arm its kernel sum and wall time over its fast arm's (``fast_arm_of``)."""
+    present = [a for a in arms if f"{a.name}/{part}" in results]
+    if len(present) < 2:
+        return
+    res = [results[f"{a.name}/{part}"] for a in present]
+    print(f"\n== {part}: arms side by side (us per step)")
+    for i, arm in enumerate(present):
+        print(f"  [{i}] {arm.name}")
+    kinds = sorted({k for r in res for k in r["by_kind"]}, key=lambda k: -max(r["by_kind"].get(k, (0.0,))[0]
+                                                                                 for r in res))
+    print(f"{'kind':<18}" + "".join(f"{f'[{i}]':>12}" for i in range(len(present))))
+    for k in kinds:
+        print(f"{k:<18}" + "".join(f"{r['by_kind'].get(k, (0.0,))[0]:>12.1f}" for r in res))
+    print(f"{'kernel sum':<18}" + "".join(f"{r['total_us']:>12.1f}" for r in res))
+    for key, text in (("wall_ms", "wall ms/call"), ("blocks_wall_ms", " blocks ms"), ("head_wall_ms", " head ms"),
+                      ("graph_us", "graph us")):
+        if all(key in r for r in res):
+            print(f"{text:<18}" + "".join(f"{r[key]:>12.2f}" for r in res))
+    names = [a.name for a in present]
+    for i, arm in enumerate(present):
         fast = fast_arm_of(arm, names)
-        if fast is None or f"{arm.name}/{part}" not in results:
+        if fast is None:
             continue
-        a, b = results[f"{fast}/{part}"], results[f"{arm.name}/{part}"]
-        kinds = sorted(set(a["by_kind"]) | set(b["by_kind"]),
-                       key=lambda k: -max(a["by_kind"].get(k, (0,))[0], b["by_kind"].get(k, (0,))[0]))
-        print(f"\n== {part}: {arm.name} against {fast} (us per step)")
-        print(f"{'kind':<18}{fast[:14]:>15}{arm.name[:24]:>26}{'exact - fast':>14}")
-        for k in kinds:
-            ta, tb = a["by_kind"].get(k, (0.0,))[0], b["by_kind"].get(k, (0.0,))[0]
-            print(f"{k:<18}{ta:>15.1f}{tb:>26.1f}{tb - ta:>14.1f}")
-        print(f"{'kernel sum':<18}{a['total_us']:>15.1f}{b['total_us']:>26.1f}{b['total_us'] - a['total_us']:>14.1f}"
-              f"  ({b['total_us'] / max(a['total_us'], 1e-9):.2f}x)")
-        for key, text in (("wall_ms", "wall ms/call"), ("blocks_wall_ms", " blocks ms"), ("head_wall_ms", " head ms")):
+        a, b = results[f"{fast}/{part}"], res[i]
+        line = f"[{i}] over [{names.index(fast)}]: kernel sum {b['total_us'] / max(a['total_us'], 1e-9):.2f}x"
+        for key in ("wall_ms", "graph_us"):
             if key in a and key in b:
-                print(f"{text:<18}{a[key]:>15.2f}{b[key]:>26.2f}{b[key] - a[key]:>14.2f}"
-                      f"  ({b[key] / max(a[key], 1e-9):.2f}x)")
+                line += f", {key.split('_')[0]} {b[key] / max(a[key], 1e-9):.2f}x"
+        print(line)
 
 
 def decode_setup(model, batch: int, context: int, block_size: int = 16, kv_fp8: bool = False):

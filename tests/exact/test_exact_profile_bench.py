@@ -54,8 +54,9 @@ def test_tiny_exact_profile(tmp_path, capsys):
     assert results["jet-exact/update"]["kernels"] > results["jet-exact/score"]["kernels"]
     out = capsys.readouterr().out
     for part in ("score", "update"):
-        assert f"== {part}: jet-exact against jet" in out
-        assert f"== {part}: jet-exact@exact_attention_tiles_per_program=2 against jet" in out
+        table = out[out.index(f"== {part}: arms side by side"):]
+        assert "[2] jet-exact@exact_attention_tiles_per_program=2" in table
+        assert "[1] over [0]: kernel sum" in table and "[2] over [0]: kernel sum" in table
     assert set(json.loads(path.read_text())) == set(results)
 
 
