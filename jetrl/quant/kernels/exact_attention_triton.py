@@ -10,7 +10,8 @@ through the block table, with an online softmax in fp32, up to its furthest row'
 end earlier the remaining chunks are fully masked and leave its state bitwise unchanged (``exp2(0) = 1``, zero
 probabilities). No context split: a token's bits depend on its own keys only, in a decode step, a prefill chunk
 or the trainer's packed forward (a "cache" of one-token pages, :func:`jetrl.models.attention.packed_as_paged`).
-The tiles are numbered on the device (no host sync), so decode steps stay capturable in CUDA graphs.
+The tiles are numbered on the device (no host sync; :func:`_number_tiles`, the grid an upper bound from shapes
+alone), so decode steps stay capturable in CUDA graphs.
 
 An FP8 cache (E4M3 K/V with power-of-two per-(token, KV head) scales) is dequantized chunk by chunk in registers
 exactly like ``jetrl.models.attention.dequantize_kv`` (the fp32 product rounded to q's dtype, a rounding that with a
@@ -19,6 +20,34 @@ trainer attending over the fake-quantized K/V (one-token pages of the same value
 Unlike the decode kernel (:mod:`~jetrl.quant.kernels.paged_attention_triton`), this one does NOT apply the scales
 to the dots' results: that is equal only to summation order in general (the two dots are different MMA inputs,
 and ``bf16(p * 2^e) == bf16(p) * 2^e`` fails for probabilities below ``2^-104``), and this kernel's contract is bits.
+
+**Several tiles per program** (``KernelTuning.exact_attention_tiles_per_program`` = T > 1, ``exact_attention_stacked``
+off; T = 1, the default, is the kernel above): one program takes T consecutive tiles of one sequence and KV head,
+loads each K/V chunk once and runs each tile's dots on it, so K/V are read once per ``T * BLOCK_Q`` query rows instead
+of once per ``BLOCK_Q``. The bits are those of the one-tile kernel, because each tile's arithmetic is unchanged:
+
+* each tile keeps its own ``(m, l, acc)``, and its dots have the one-tile kernel's shape, operand order and
+  precision (the same jitted helpers, :func:`_scores_update` and :func:`_acc_update`, at the same ``num_warps``);
+* a tile runs exactly the chunks the one-tile kernel runs for it, those starting below its own furthest key, in
+  the same order from position 0 (the program's later chunks are skipped for it, not merely masked);
+* the one difference in what it reads: in its last chunk, key positions between its own furthest key and the
+  program's are loaded (the one-tile kernel loads zeros there). Every such position is masked for every row of
+  the tile (``t >= limit``), so its score is replaced by ``-inf`` and its probability is exactly 0: a product
+  ``0 * v`` adds zero. The one-tile kernel already relies on this for a tile's shorter rows, which read their
+  longer neighbours' keys, and for decode rows, which read zeros instead: the engine/trainer GPU tests check it.
+
+**Stacked tiles** (``KernelTuning.exact_attention_stacked`` with T = 2 or 4): the one-tile kernel itself with a tile of
+``T * BLOCK_Q`` query rows (``T * 64`` MMA rows) and ``4 * T`` warps. Triton lays a dot whose result feeds the
+next dot (scores -> probabilities -> ``P @ V``) out with all warps along the rows (``warpsPerCTA = [4T, 1]``), so
+each warpgroup of 4 warps owns one 64-row tile and issues for it the one-tile kernel's Hopper MMA instructions
+(``m64nNk16``, the same N, the same K order) on the same operands; the row reductions of the softmax stay inside a
+warp as before. Each tile's rows thus get the one-tile kernel's bits, except that they walk every chunk up to
+the program's furthest key: the extra chunks are fully masked for them and leave their state unchanged, the
+property the one-tile kernel relies on for its own shorter rows. Registers per thread stay those of one tile
+(the program has T times the threads), where the multi-tile kernel above holds T tiles' state in 4 warps.
+
+A batch of one query row per sequence (a decode step) runs the one-tile kernel whatever T is: T only adds
+registers there. T is a schedule, never a result: the rollout and the trainer may run different values.
 """
 
 from __future__ import annotations
@@ -29,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.paged_attention_triton import _LOG2E, _load_kv_rows, check_kv_cache
 from jetrl.quant.reference import EXACT_KV_CHUNK
 
@@ -36,6 +66,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 ROWS_PER_PROGRAM = 64  # MMA rows of every program: query rows x their group's heads (padded to a power of two)
+MAX_TILES_PER_PROGRAM = 4  # the most tiles one program of the multi-tile kernel takes (each holds its own state)
 
 
 @triton.jit
@@ -57,18 +88,10 @@ def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl
     first = tl.load(tile_start_ptr + tile)
     seq_end = tl.load(qsl_ptr + seq + 1)
     ctx = tl.load(ctx_ptr + seq)
-    j = tl.arange(0, BLOCK_Q * GROUP_P2)
-    rows = first + j // GROUP_P2  # (R,) query row of each MMA row
-    g = j % GROUP_P2
-    heads = kv_head * GROUP + g
-    row_ok = (rows < seq_end) & (g < GROUP)
-    # visible key positions < limit; a padding row attends to position 0 (finite, never stored)
-    limit = tl.where(row_ok, ctx - (seq_end - 1 - rows), 1)
-    limit = tl.maximum(limit, 1)
+    rows, heads, row_ok, limit = _tile_rows(first, seq_end, ctx, kv_head, GROUP, GROUP_P2, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (R, BLOCK_D)
+    q = _load_q(q_ptr, rows, heads, row_ok, d, d_ok, stride_qn, stride_qh)  # (R, BLOCK_D)
     m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
@@ -91,9 +114,7 @@ def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl
             m_i, l_i, acc = _attend_chunk(q, m_i, l_i, acc, t0 + n, limit, end, d, d_ok, table_row, k_head, v_head,
                                           ks_head, vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
                                           stride_ksb, stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    _store_out(out_ptr, acc, l_i, rows, heads, row_ok, d, d_ok, stride_on, stride_oh)
 
 
 @triton.jit
@@ -110,6 +131,166 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
     kv_mask = t_ok[:, None] & d_ok[None, :]
     k = _load_kv_rows(k_head, ks_head, page, slot, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
                       q.dtype, FP8)
+    m_new, l_i, alpha, p = _scores_update(q, m_i, l_i, k, t, limit, scale_log2, IEEE)
+    v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
+                      q.dtype, FP8)
+    acc = _acc_update(acc, alpha, p, v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _exact_attention_tiles_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl_ptr, ctx_ptr, tile_seq_ptr,
+                                  tile_start_ptr, out_ptr, scale_log2,
+                                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                  stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                                  stride_ts, stride_on, stride_oh,
+                                  GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                  PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                                  WHILE_LOOP: tl.constexpr, TILES: tl.constexpr):
+    """One program: TILES (2..4) consecutive tiles of BLOCK_Q query rows of one sequence x the GROUP heads of one
+    KV head; each K/V chunk is loaded once and each tile's dots run on it with the one-tile kernel's shapes (see
+    the module doc). Slots of tiles beyond TILES alias tile 0 and are never updated or stored."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + tile)
+    if seq < 0:  # past the last program's tiles (the grid is an upper bound, fixed without a host sync)
+        return
+    first = tl.load(tile_start_ptr + tile)
+    seq_end = tl.load(qsl_ptr + seq + 1)
+    ctx = tl.load(ctx_ptr + seq)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    rows0, heads0, ok0, limit0 = _tile_rows(first, seq_end, ctx, kv_head, GROUP, GROUP_P2, BLOCK_Q)
+    q0 = _load_q(q_ptr, rows0, heads0, ok0, d, d_ok, stride_qn, stride_qh)
+    end0 = tl.max(limit0, 0)  # the first tile always holds a row
+    m0 = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
+    l0 = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    acc0 = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
+    # tile i's furthest key, 0 for a tile past the sequence's last row (it runs no chunk and stores nothing)
+    rows1, heads1, ok1, limit1 = _tile_rows(first + BLOCK_Q, seq_end, ctx, kv_head, GROUP, GROUP_P2, BLOCK_Q)
+    q1 = _load_q(q_ptr, rows1, heads1, ok1, d, d_ok, stride_qn, stride_qh)
+    end1 = tl.where(first + BLOCK_Q < seq_end, tl.max(limit1, 0), 0)
+    m1, l1, acc1 = m0, l0, acc0
+    end = tl.maximum(end0, end1)
+    if TILES > 2:
+        rows2, heads2, ok2, limit2 = _tile_rows(first + 2 * BLOCK_Q, seq_end, ctx, kv_head, GROUP, GROUP_P2,
+                                                BLOCK_Q)
+        q2 = _load_q(q_ptr, rows2, heads2, ok2, d, d_ok, stride_qn, stride_qh)
+        end2 = tl.where(first + 2 * BLOCK_Q < seq_end, tl.max(limit2, 0), 0)
+        end = tl.maximum(end, end2)
+    else:
+        rows2, heads2, ok2, limit2, q2, end2 = rows0, heads0, ok0, limit0, q0, end0
+    m2, l2, acc2 = m0, l0, acc0
+    if TILES > 3:
+        rows3, heads3, ok3, limit3 = _tile_rows(first + 3 * BLOCK_Q, seq_end, ctx, kv_head, GROUP, GROUP_P2,
+                                                BLOCK_Q)
+        q3 = _load_q(q_ptr, rows3, heads3, ok3, d, d_ok, stride_qn, stride_qh)
+        end3 = tl.where(first + 3 * BLOCK_Q < seq_end, tl.max(limit3, 0), 0)
+        end = tl.maximum(end, end3)
+    else:
+        rows3, heads3, ok3, limit3, q3, end3 = rows0, heads0, ok0, limit0, q0, end0
+    m3, l3, acc3 = m0, l0, acc0
+    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    ks_head = ks_ptr + kv_head * stride_ksh  # unused unless FP8
+    vs_head = vs_ptr + kv_head * stride_vsh
+    n = tl.arange(0, BLOCK_N)
+    if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
+        t0 = 0
+        while t0 < end:
+            m0, l0, acc0, m1, l1, acc1, m2, l2, acc2, m3, l3, acc3 = _tiles_chunk(
+                t0, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
+                stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                q0, limit0, end0, m0, l0, acc0, q1, limit1, end1, m1, l1, acc1,
+                q2, limit2, end2, m2, l2, acc2, q3, limit3, end3, m3, l3, acc3, PAGE, IEEE, FP8, TILES)
+            t0 += BLOCK_N
+    else:
+        for t0 in range(0, end, BLOCK_N):
+            m0, l0, acc0, m1, l1, acc1, m2, l2, acc2, m3, l3, acc3 = _tiles_chunk(
+                t0, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
+                stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                q0, limit0, end0, m0, l0, acc0, q1, limit1, end1, m1, l1, acc1,
+                q2, limit2, end2, m2, l2, acc2, q3, limit3, end3, m3, l3, acc3, PAGE, IEEE, FP8, TILES)
+    _store_out(out_ptr, acc0, l0, rows0, heads0, ok0, d, d_ok, stride_on, stride_oh)
+    _store_out(out_ptr, acc1, l1, rows1, heads1, ok1, d, d_ok, stride_on, stride_oh)
+    if TILES > 2:
+        _store_out(out_ptr, acc2, l2, rows2, heads2, ok2, d, d_ok, stride_on, stride_oh)
+    if TILES > 3:
+        _store_out(out_ptr, acc3, l3, rows3, heads3, ok3, d, d_ok, stride_on, stride_oh)
+
+
+@triton.jit
+def _tiles_chunk(t0, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
+                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                 q0, limit0, end0, m0, l0, acc0, q1, limit1, end1, m1, l1, acc1,
+                 q2, limit2, end2, m2, l2, acc2, q3, limit3, end3, m3, l3, acc3,
+                 PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, TILES: tl.constexpr):
+    """One chunk of key positions ``t = t0 + arange(BLOCK_N)`` for up to four tiles: K/V gathered once (up to the
+    program's furthest key ``end``), then each tile whose own keys reach this chunk (``t0 < end_i``) runs the
+    one-tile kernel's update on it (:func:`_tile_update`); the others keep their state."""
+    t_ok = t < end
+    page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+    slot = t % PAGE
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = _load_kv_rows(k_head, ks_head, page, slot, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
+                      q0.dtype, FP8)
+    v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
+                      q0.dtype, FP8)
+    if t0 < end0:
+        m0, l0, acc0 = _tile_update(q0, m0, l0, acc0, k, v, t, limit0, scale_log2, IEEE)
+    if t0 < end1:
+        m1, l1, acc1 = _tile_update(q1, m1, l1, acc1, k, v, t, limit1, scale_log2, IEEE)
+    if TILES > 2:
+        if t0 < end2:
+            m2, l2, acc2 = _tile_update(q2, m2, l2, acc2, k, v, t, limit2, scale_log2, IEEE)
+    if TILES > 3:
+        if t0 < end3:
+            m3, l3, acc3 = _tile_update(q3, m3, l3, acc3, k, v, t, limit3, scale_log2, IEEE)
+    return m0, l0, acc0, m1, l1, acc1, m2, l2, acc2, m3, l3, acc3
+
+
+@triton.jit
+def _tile_update(q, m_i, l_i, acc, k, v, t, limit, scale_log2, IEEE: tl.constexpr):
+    """The one-tile kernel's update of one tile's state by one chunk (:func:`_attend_chunk`'s math, on K/V already
+    loaded): returns (m, l, acc)."""
+    m_new, l_i, alpha, p = _scores_update(q, m_i, l_i, k, t, limit, scale_log2, IEEE)
+    acc = _acc_update(acc, alpha, p, v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tile_rows(first, seq_end, ctx, kv_head, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """The MMA rows of the tile whose first query row is ``first``: (query row, head, valid, key limit) each."""
+    j = tl.arange(0, BLOCK_Q * GROUP_P2)
+    rows = first + j // GROUP_P2  # (R,) query row of each MMA row
+    g = j % GROUP_P2
+    heads = kv_head * GROUP + g
+    row_ok = (rows < seq_end) & (g < GROUP)
+    # visible key positions < limit; a padding row attends to position 0 (finite, never stored)
+    limit = tl.where(row_ok, ctx - (seq_end - 1 - rows), 1)
+    limit = tl.maximum(limit, 1)
+    return rows, heads, row_ok, limit
+
+
+@triton.jit
+def _load_q(q_ptr, rows, heads, row_ok, d, d_ok, stride_qn, stride_qh):
+    return tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
+                   mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _store_out(out_ptr, acc, l_i, rows, heads, row_ok, d, d_ok, stride_on, stride_oh):
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _scores_update(q, m_i, l_i, k, t, limit, scale_log2, IEEE: tl.constexpr):
+    """Scores of one chunk (keys ``t >= limit`` masked to -inf) and the online-softmax update of (m, l):
+    returns (m_new, l_new, alpha, p)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -119,13 +300,16 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
-                      q.dtype, FP8)
+    return m_new, l_i, alpha, p
+
+
+@triton.jit
+def _acc_update(acc, alpha, p, v, IEEE: tl.constexpr):
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return acc
 
 
 def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
@@ -153,28 +337,59 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
     block_q = max(1, ROWS_PER_PROGRAM // group_p2)
-    # tiles of block_q consecutive query rows of one sequence, numbered on the device (at most num_rows)
-    qsl = meta.query_start_loc.to(torch.long)
-    tiles_per_seq = (qsl[1:] - qsl[:-1] + block_q - 1) // block_q  # (S,)
-    ends = torch.cumsum(tiles_per_seq, 0)
-    tiles = torch.arange(num_rows, device=q.device)
-    tile_seq = torch.searchsorted(ends, tiles, right=True)  # (N,) S for tiles past the last
-    valid = tile_seq < tiles_per_seq.shape[0]
-    seq_c = tile_seq.clamp(max=tiles_per_seq.shape[0] - 1)
-    tile_start = qsl[seq_c] + (tiles - (ends[seq_c] - tiles_per_seq[seq_c])) * block_q
-    tile_seq = torch.where(valid, seq_c, -1).to(torch.int32)
+    num_seqs = meta.query_start_loc.shape[0] - 1
+    settings = tuning.current()
+    tiles_per_program = settings.exact_attention_tiles_per_program
+    if isinstance(tiles_per_program, bool) or tiles_per_program not in range(1, MAX_TILES_PER_PROGRAM + 1):
+        raise ValueError(f"exact_attention: KernelTuning.exact_attention_tiles_per_program must be an int in "
+                         f"1..{MAX_TILES_PER_PROGRAM}, got {tiles_per_program!r}")
+    if settings.exact_attention_stacked and tiles_per_program & (tiles_per_program - 1):
+        raise ValueError(f"exact_attention: stacked tiles (KernelTuning.exact_attention_stacked) need a power-of-two "
+                         f"exact_attention_tiles_per_program (the rows of one dot), got {tiles_per_program}")
+    if num_rows <= num_seqs:  # a decode step's shape: the one-tile kernel (more tiles would only add registers)
+        tiles_per_program = 1
+    stacked = tiles_per_program > 1 and settings.exact_attention_stacked
+    tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, block_q * tiles_per_program)
     tables = meta.block_tables
-    _exact_attention_kernel[(num_rows, num_kv_heads)](
-        q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens, tile_seq,
-        tile_start.to(torch.int32), out, float(softmax_scale) * _LOG2E,
-        q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
-        v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
-        v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, PAGE=page, BLOCK_Q=block_q,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=EXACT_KV_CHUNK, IEEE=q.dtype == torch.float32,
-        FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
+    args = (q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens,
+            tile_seq, tile_start, out, float(softmax_scale) * _LOG2E,
+            q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
+            v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
+            v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1))
+    consts = dict(GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, PAGE=page, BLOCK_Q=block_q,
+                  BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=EXACT_KV_CHUNK, IEEE=q.dtype == torch.float32,
+                  FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
+    grid = (tile_seq.shape[0], num_kv_heads)
+    if stacked:  # T tiles as one tile of T * BLOCK_Q rows, one warpgroup of 4 warps per 64 MMA rows
+        _exact_attention_kernel[grid](*args, **dict(consts, BLOCK_Q=block_q * tiles_per_program,
+                                                    num_warps=4 * tiles_per_program))
+    elif tiles_per_program == 1:
+        _exact_attention_kernel[grid](*args, **consts)
+    else:
+        _exact_attention_tiles_kernel[grid](*args, **consts, TILES=tiles_per_program)
     return out
 
 
-__all__ = ["exact_attention_fwd", "ROWS_PER_PROGRAM"]
+def _number_tiles(query_start_loc: torch.Tensor, num_rows: int, rows_per_program: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Programs of up to ``rows_per_program`` consecutive query rows of one sequence, numbered on the device (no
+    host sync): (sequence, first query row) per program, int32, sequence -1 for the programs past the last.
+
+    The count is an upper bound known from shapes alone: ``sum_s ceil(L_s / R) <= min(N, N // R + S)`` for S
+    sequences of N rows in all (each ceil adds less than one to ``L_s / R``; each sequence with a program has a
+    row), so the grid does not launch one program per row when the tiles are larger than a row."""
+    num_seqs = query_start_loc.shape[0] - 1
+    count = max(1, min(num_rows, num_rows // rows_per_program + num_seqs))
+    qsl = query_start_loc.to(torch.long)
+    per_seq = (qsl[1:] - qsl[:-1] + rows_per_program - 1) // rows_per_program  # (S,)
+    ends = torch.cumsum(per_seq, 0)
+    programs = torch.arange(count, device=query_start_loc.device)
+    seq = torch.searchsorted(ends, programs, right=True)  # S for the programs past the last
+    valid = seq < num_seqs
+    seq_c = seq.clamp(max=num_seqs - 1)
+    start = qsl[seq_c] + (programs - (ends[seq_c] - per_seq[seq_c])) * rows_per_program
+    return torch.where(valid, seq_c, -1).to(torch.int32), start.to(torch.int32)
+
+
+__all__ = ["exact_attention_fwd", "ROWS_PER_PROGRAM", "MAX_TILES_PER_PROGRAM"]

@@ -205,6 +205,11 @@ class KernelTuning:
     the same values (any values are batch-invariant, but two different ones are two different reduction orders).
     ``exact_split_max_m`` only picks the schedule: up to that many rows the splits run as separate programs
     (partials through a workspace), above it one program walks all splits of its tile; both give the same bits.
+    ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
+    (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
+    per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
+    steps always run that one); ``exact_attention_stacked`` runs them as one tile of T x 64 rows with one
+    4-warp group per 64 rows instead of T dots in 4 warps. Every value of both gives the same bits.
     """
 
     gemm: str = "auto"
@@ -236,6 +241,8 @@ class KernelTuning:
     exact_max_split: int = 8
     exact_min_kb_per_split: int = 4
     exact_split_max_m: int = 128
+    exact_attention_tiles_per_program: int = 1
+    exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
 
     def __post_init__(self) -> None:

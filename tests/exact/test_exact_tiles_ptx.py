@@ -1,0 +1,62 @@
+"""The exact attention kernels compiled for the H200 (sm_90a) on this CPU machine, no GPU needed: the per-thread
+instruction mix that decides a row's bits is the one-tile kernel's, T times over in the multi-tile kernel (T tiles
+in one 4-warp group) and once in the stacked one (one 4-warp group per tile): the same Hopper MMA instructions
+(``wgmma ... m64n64k16`` for the scores, ``m64n128k16`` for ``P @ V``) and the same counts of fp32 multiplies,
+adds, fmas, ``ex2``, divisions, maxima and bf16 roundings. A structural check of what the GPU test
+(test_exact_tiles_gpu.py) checks bitwise; it would catch e.g. a different MMA shape or warp layout per tile."""
+
+import importlib.util
+import re
+from collections import Counter
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install triton) ")
+
+OPS = ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+       "fma.rn.f32", "mul.f32", "add.f32", "sub.f32", "ex2.approx", "div.full.f32", "div.rn.f32", "max.f32",
+       "cvt.rn.bf16x2.f32")
+
+
+def _ptx_ops(tiles: int, stacked: bool) -> Counter:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jetrl.quant.kernels import exact_attention_triton as E
+
+    kernel = E._exact_attention_tiles_kernel if tiles > 1 and not stacked else E._exact_attention_kernel
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
+             "tables_ptr": "*i32", "qsl_ptr": "*i32", "ctx_ptr": "*i32", "tile_seq_ptr": "*i32",
+             "tile_start_ptr": "*i32", "out_ptr": "*bf16", "scale_log2": "fp32"}
+    consts = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, PAGE=1, BLOCK_Q=16 * (tiles if stacked else 1), BLOCK_D=128,
+                  BLOCK_N=64, IEEE=False, FP8=False, WHILE_LOOP=False)
+    if kernel is E._exact_attention_tiles_kernel:
+        consts["TILES"] = tiles
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4 * (tiles if stacked else 1), num_stages=2))
+    ptx = compiled.asm["ptx"]
+    return Counter({op: len(re.findall(re.escape(op) + r"\b", ptx)) for op in OPS})
+
+
+@pytest.fixture(scope="module")
+def one_tile():
+    try:
+        return _ptx_ops(1, False)
+    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
+        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+
+
+def test_one_tile_kernel_runs_hopper_mma(one_tile):
+    assert one_tile[OPS[0]] == 8 and one_tile[OPS[1]] == 4, one_tile  # K = 128 and 64 in steps of 16
+
+
+@pytest.mark.parametrize("tiles,stacked", [(2, False), (3, False), (2, True)])
+def test_schedules_have_the_one_tile_instruction_mix(one_tile, tiles, stacked):
+    ops = _ptx_ops(tiles, stacked)
+    want = Counter({op: n * (1 if stacked else tiles) for op, n in one_tile.items()})
+    assert ops == want, (tiles, stacked, ops, want)
