@@ -66,7 +66,7 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 ROWS_PER_PROGRAM = 64  # MMA rows of every program: query rows x their group's heads (padded to a power of two)
-MAX_TILES_PER_PROGRAM = 4  # the most tiles one program of the multi-tile kernel takes (each holds its own state)
+MAX_TILES_PER_PROGRAM = tuning.EXACT_MAX_TILES_PER_PROGRAM  # the most tiles one program takes (each its own state)
 
 
 @triton.jit
@@ -339,13 +339,7 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     block_q = max(1, ROWS_PER_PROGRAM // group_p2)
     num_seqs = meta.query_start_loc.shape[0] - 1
     settings = tuning.current()
-    tiles_per_program = settings.exact_attention_tiles_per_program
-    if isinstance(tiles_per_program, bool) or tiles_per_program not in range(1, MAX_TILES_PER_PROGRAM + 1):
-        raise ValueError(f"exact_attention: KernelTuning.exact_attention_tiles_per_program must be an int in "
-                         f"1..{MAX_TILES_PER_PROGRAM}, got {tiles_per_program!r}")
-    if settings.exact_attention_stacked and tiles_per_program & (tiles_per_program - 1):
-        raise ValueError(f"exact_attention: stacked tiles (KernelTuning.exact_attention_stacked) need a power-of-two "
-                         f"exact_attention_tiles_per_program (the rows of one dot), got {tiles_per_program}")
+    tiles_per_program = settings.exact_attention_tiles_per_program  # checked by KernelTuning
     if num_rows <= num_seqs:  # a decode step's shape: the one-tile kernel (more tiles would only add registers)
         tiles_per_program = 1
     stacked = tiles_per_program > 1 and settings.exact_attention_stacked

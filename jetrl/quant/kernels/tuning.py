@@ -35,6 +35,9 @@ GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (the routing bounds pick which M go)
 
 
+EXACT_MAX_TILES_PER_PROGRAM = 4  # the most tiles one program of exact mode's multi-tile attention takes
+
+
 @dataclass(frozen=True)
 class DecodeGemmConfig:
     """Tiles of the split-K decode GEMM.
@@ -266,6 +269,13 @@ class KernelTuning:
                 raise ValueError(f"KernelTuning.{name} must be a non-negative int, got {value!r}")
         if not _pow2(self.exact_max_split):
             raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
+        tiles = self.exact_attention_tiles_per_program
+        if isinstance(tiles, bool) or tiles not in range(1, EXACT_MAX_TILES_PER_PROGRAM + 1):
+            raise ValueError(f"KernelTuning.exact_attention_tiles_per_program must be an int in "
+                             f"1..{EXACT_MAX_TILES_PER_PROGRAM}, got {tiles!r}")
+        if self.exact_attention_stacked and not _pow2(tiles):
+            raise ValueError(f"KernelTuning.exact_attention_stacked (stacked tiles) needs a power-of-two "
+                             f"exact_attention_tiles_per_program (the rows of one dot), got {tiles}")
         bounds = [p.max_m for p in self.decode_policies]
         if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
