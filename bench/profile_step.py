@@ -241,6 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                            "2 otherwise)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", default=None)
+    p.add_argument("--shape", default=None, metavar="JSON",
+                   help='model-config fields over the 8B shape (or --tiny\'s), e.g. \'{"hidden_size": 1024, '
+                        '"intermediate_size": 2816, "num_attention_heads": 8, "num_key_value_heads": 4}\' '
+                        '(the experiments\' 94M model with --layers 8)')
     p.add_argument("--quick", action="store_true", help="4 blocks instead of --layers (scripts/gpu_check.sh --quick)")
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke run: a 2-block model, micro-batch 2 x (8 + 8) tokens, CPU operator times")
@@ -258,6 +262,12 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--parts: choose from {PARTS}, got {parts}")
     if args.quick:
         args.layers = 4
+    try:
+        shape_override = json.loads(args.shape) if args.shape else {}
+    except json.JSONDecodeError as exc:
+        p.error(f"--shape: not JSON ({exc})")
+    if not isinstance(shape_override, dict):
+        p.error(f"--shape: a JSON object of model-config fields, got {args.shape!r}")
 
     from jetrl.models import build_model, logprobs_from_hidden, token_logprobs
     from jetrl.quant import precision_side
@@ -273,6 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit("profile_step.py needs a CUDA GPU (--tiny: a CPU smoke run)")
         dev = torch.device("cuda")
         shape = with_layers(LLAMA31_8B, args.layers)
+    shape.update(shape_override)
     layers = shape["num_hidden_layers"]
     results: dict = {}
     models: dict = {}

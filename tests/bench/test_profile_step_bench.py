@@ -28,3 +28,22 @@ def test_kernel_kinds(name, kind):
 def test_refuses_without_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         profile_step.main(["--layers", "1"])
+
+
+def test_shape_overrides_reach_the_model(monkeypatch):
+    """--shape's fields replace the base shape's before any model is built; bad JSON is a usage error."""
+    import jetrl.models
+
+    built = []
+
+    def fake_build(shape, **kw):
+        built.append(dict(shape))
+        raise RuntimeError("stop after the build")  # the shape is all this test needs
+
+    monkeypatch.setattr(jetrl.models, "build_model", fake_build)
+    with pytest.raises(RuntimeError, match="stop after the build"):
+        profile_step.main(["--tiny", "--parts", "train", "--shape", '{"hidden_size": 64, "intermediate_size": 96}'])
+    assert built[0]["hidden_size"] == 64 and built[0]["intermediate_size"] == 96
+    for bad in ("{hidden_size: 1}", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            profile_step.main(["--tiny", "--shape", bad])
