@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check on a CUDA machine: the gpu-marked tests, then every benchmark under bench/.
 # Logs (and each benchmark's JSON) go to $OUT (default ./gpu-check-logs); a short summary prints last.
-# Usage: scripts/gpu_check.sh [--quick]   (--quick is passed to the benchmarks)
+# Usage: scripts/gpu_check.sh [--quick]   (--quick goes to the benchmarks that take it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu-check-logs}"
@@ -21,10 +21,19 @@ if "$PY" -c "import xdist" 2>/dev/null; then WORKERS=(-n "${GPU_TEST_WORKERS:-6}
 test_rc=${PIPESTATUS[0]}
 [ "$test_rc" -ne 0 ] && status=1
 
+# every script under bench/ (a file with a __main__ block; bench/common.py and other helpers are skipped), each
+# given --json and the arguments of this script only where its --help lists them
 declare -A bench_rc
 for bench in bench/*.py; do
+  grep -q '__name__ == "__main__"' "$bench" || continue
   name="$(basename "$bench" .py)"
-  "$PY" "$bench" --json "$OUT/bench_$name.json" "$@" 2>&1 | tee "$OUT/bench_$name.log"
+  usage="$("$PY" "$bench" --help 2>&1)"
+  args=()
+  grep -q -- "--json" <<< "$usage" && args+=(--json "$OUT/bench_$name.json")
+  for arg in "$@"; do
+    grep -q -- "${arg%%=*}" <<< "$usage" && args+=("$arg")
+  done
+  "$PY" "$bench" ${args[@]+"${args[@]}"} 2>&1 | tee "$OUT/bench_$name.log"
   bench_rc[$name]=${PIPESTATUS[0]}
   [ "${bench_rc[$name]}" -ne 0 ] && status=1
 done
