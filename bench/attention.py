@@ -22,9 +22,10 @@ host timer. Per row: microseconds per call, the splits the launch chose, bytes (
 entries used, q read and the output written: what a kernel must move, not the split partials), achieved GB/s,
 its fraction of a measured device-to-device copy (read + write), the speed-up over ``bf16`` at the setting
 (``vs_bf16``), the bytes ceiling of that speed-up (``bf16`` bytes over the row's) and the fraction of it reached.
-The best passing config per route per setting comes last, as a short table; ``--json PATH`` and ``$OUT/attention.json``
-(``bench.common.write_report``) get everything. The K/V of 64 x 768 in FP8 is about 100 MB, twice an H200's L2,
-so even the smallest setting mostly streams from HBM.
+Grid rows not started within ``--max-seconds`` are skipped and counted (the report is written after each setting,
+so a run cut short keeps what it measured). The best passing config per route per setting comes last, as a short
+table; ``--json PATH`` and ``$OUT/attention.json`` (``bench.common.write_report``) get everything. The K/V of
+64 x 768 in FP8 is about 100 MB, more than an H200's L2, so even the smallest setting mostly streams from HBM.
 
 ``--tiny``: a CPU smoke run under the Triton interpreter (``TRITON_INTERPRET=1``, set by this flag when Triton is
 not yet imported) at small shapes, fp32 queries and caches (the interpreter's bf16 dots are not IEEE), the same
@@ -346,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-splits", default="16", help="cap on the context split (default 16)")
     parser.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (default 20; --tiny 1)")
     parser.add_argument("--replays", type=int, default=10, help="timed graph replays, median taken (default 10)")
+    parser.add_argument("--max-seconds", type=float, default=480.0,
+                        help="time budget: grid rows not started by then are skipped (counted in the report; the "
+                             "routes' default rows always run); default 480")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run under the Triton interpreter")
     parser.add_argument("--json", default=None, help="also write the report to this JSON file")
     add_tuning_argument(parser)
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"device": device_description(device), "copy_gbps": copy_gbps, "dtype": str(shape.dtype),
               "shape": {"num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
                         "head_dim": shape.head_dim, "page": shape.page},
-              "tuning": outer, "calls": calls, "replays": args.replays, "rows": []}
+              "tuning": outer, "calls": calls, "replays": args.replays, "rows": [], "skipped": 0}
     copy_text = f"copy {copy_gbps:.0f} GB/s" if copy_gbps else "no copy bandwidth on CPU"
     print(f"{report['device']}, {copy_text}, {shape.dtype}, grid of {len(configs)} configs on "
           f"{grid_routes or 'no route'}", flush=True)
@@ -391,8 +395,12 @@ def main(argv: list[str] | None = None) -> dict:
         for num_seqs, context in settings:
             case = make_case(shape, num_seqs, context, device)
             rows = [run_row(shape, case, route, None, device, calls, args.replays) for route in ROUTES]
-            rows += [run_row(shape, case, route, config, device, calls, args.replays)
-                     for route in grid_routes for config in configs]
+            for route in grid_routes:
+                for config in configs:
+                    if time.perf_counter() - started > args.max_seconds:
+                        report["skipped"] += 1
+                        continue
+                    rows.append(run_row(shape, case, route, config, device, calls, args.replays))
             _fill_ratios(rows, copy_gbps)
             for r in rows:
                 print(_line(r), flush=True)
@@ -400,6 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
             del case
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            write_report(report, args.json, "attention.json")  # so far (a run cut short keeps its settings)
     report["seconds"] = time.perf_counter() - started
     report["best"] = best_rows(report["rows"])
     print(f"\nbest config per route per setting ({report['seconds']:.0f} s in all)\n{HEADER}")
@@ -408,6 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
     failed = [r for r in report["rows"] if r["status"] != "ok"]
     if failed:
         print(f"{len(failed)} row(s) failed or errored (listed above, not timed)")
+    if report["skipped"]:
+        print(f"{report['skipped']} grid row(s) skipped: past --max-seconds {args.max_seconds:g}")
     write_report(report, args.json, "attention.json")
     return report
 

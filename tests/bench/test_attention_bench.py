@@ -23,7 +23,9 @@ with contextlib.redirect_stdout(printed):
     report = attention.main(["--tiny", "--grid-routes", "factored,inreg", "--split-waves", "8"])
 with open(os.path.join(out_dir, "attention.json")) as f:
     written = json.load(f)
-json.dump({"report": report, "written": written, "printed": printed.getvalue()}, sys.stdout)
+with contextlib.redirect_stdout(io.StringIO()):  # no time left for the grid: the default rows only
+    hurried = attention.main(["--tiny", "--settings", "3x40", "--max-seconds", "0"])
+json.dump({"report": report, "written": written, "printed": printed.getvalue(), "hurried": hurried}, sys.stdout)
 '''
 
 
@@ -58,7 +60,13 @@ def test_tiny_run_end_to_end(tiny):
     for b in best:
         assert b["us"] == min(r["us"] for r in rows if (r["setting"], r["route"]) == (b["setting"], b["route"]))
     assert "best config per route per setting" in tiny["printed"]
-    assert "FAILED" not in tiny["printed"]
+    assert "FAILED" not in tiny["printed"] and report["skipped"] == 0
+
+
+def test_tiny_run_past_its_budget_skips_the_grid(tiny):
+    report = tiny["hurried"]
+    assert [r["route"] for r in report["rows"]] == list(attention.ROUTES)
+    assert all(r["status"] == "ok" for r in report["rows"]) and report["skipped"] == 4  # 2 tiles x 2 wave settings
 
 
 # ------------------------------------------------------------------------------------------------ the pieces
