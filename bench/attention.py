@@ -245,7 +245,11 @@ def measure(fn, ref: torch.Tensor, tolerance: float, device: torch.device, calls
         return {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:400]}
     if not err < tolerance:  # NaN fails too
         return {"status": "failed", "err": err}
-    return {"status": "ok", "err": err, "us": time_us(fn, device, calls, replays)}
+    try:
+        us = time_us(fn, device, calls, replays)
+    except Exception as exc:  # e.g. a graph capture the launch does not survive: that row only
+        return {"status": "error", "err": err, "error": f"timing: {type(exc).__name__}: {exc}"[:400]}
+    return {"status": "ok", "err": err, "us": us}
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
