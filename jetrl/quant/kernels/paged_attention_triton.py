@@ -34,7 +34,10 @@ query cannot take this route (fp16's 5 exponent bits do not hold ``p * 2^e``): i
 registers to ``dequantize_kv(data, scale, float16)`` (:func:`_load_kv_rows`), bitwise the kernel over that cache.
 An FP8 tile holds :data:`FP8_BLOCK_N` = 128 tokens, a tile in q's dtype :data:`BLOCK_N` = 64: the same bytes per
 tile, half the loop trips. The factored route is the tuning's ``kv_decode_factored`` (on by default: faster on the H200,
-BENCHMARKS.md); off, every FP8 tile is dequantized in registers as for an fp16 query.
+BENCHMARKS.md); off, every FP8 tile is dequantized in registers as for an fp16 query. The launch over an FP8 cache
+(tokens per tile, warps, pipeline stages, the context split's target waves and cap) is the tuning's ``kv_decode_*``
+fields (:func:`launch_config`; the defaults are the launch the tests pin), swept by ``bench/attention.py``; a cache in
+q's dtype keeps :data:`BF16_LAUNCH`.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
@@ -42,7 +45,9 @@ so a decode step using it can be captured in a CUDA graph. Imported lazily by th
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -248,13 +253,42 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      block_n: int = BLOCK_N) -> int:
-    """Context splits per sequence: enough programs for about two waves on the GPU, at most 16, and never
-    more splits than ``block_n``-token tiles in the longest context."""
+                      block_n: int = BLOCK_N, waves: float = 2.0, max_splits: int = 16) -> int:
+    """Context splits per sequence: enough programs for about ``waves`` waves on the GPU (``ceil(waves * SMs)``
+    programs over the ``num_seqs * num_kv_heads`` of one split, rounded up), at most ``max_splits``, and never more
+    splits than ``block_n``-token tiles in the longest context. The defaults are the BF16-cache kernel's; over an
+    FP8 cache :func:`paged_decode` passes the tuning's ``kv_decode_split_waves`` and ``kv_decode_max_splits``."""
     programs = max(num_seqs * num_kv_heads, 1)
-    want = -(-2 * _sm_count(device) // programs)
+    want = -(-math.ceil(waves * _sm_count(device)) // programs)
     tiles = max(-(-max(max_context_len, 1) // block_n), 1)
-    return int(max(1, min(want, 16, tiles)))
+    return int(max(1, min(want, max_splits, tiles)))
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The decode kernel's launch: tokens per tile, Triton warps and pipeline stages, and the context-split policy
+    (:func:`choose_num_splits`'s ``waves`` and ``max_splits``)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_waves: float
+    max_splits: int
+
+
+BF16_LAUNCH = DecodeLaunch(block_n=BLOCK_N, num_warps=4, num_stages=2, split_waves=2.0, max_splits=16)
+
+
+def launch_config(fp8: bool, factored: bool) -> DecodeLaunch:
+    """The launch :func:`paged_decode` uses by default (no ``block_n``/``num_splits`` given) under the tuning in force:
+    a cache in q's dtype :data:`BF16_LAUNCH`; an FP8 cache the tuning's ``kv_decode_*`` fields, whose
+    ``kv_decode_block_n`` 0 means :data:`FP8_BLOCK_N` on the factored route and :data:`BLOCK_N` in registers."""
+    if not fp8:
+        return BF16_LAUNCH
+    knobs = tuning.current()
+    return DecodeLaunch(block_n=knobs.kv_decode_block_n or (FP8_BLOCK_N if factored else BLOCK_N),
+                        num_warps=knobs.kv_decode_num_warps, num_stages=knobs.kv_decode_num_stages,
+                        split_waves=knobs.kv_decode_split_waves, max_splits=knobs.kv_decode_max_splits)
 
 
 def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
@@ -263,10 +297,11 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     """Decode attention: q (S, Hq, D) (one row per sequence) over the paged cache -> (S, Hq, D) in q's dtype.
 
     ``meta`` is a :class:`~jetrl.models.attention.PagedAttentionMetadata` with ``max_query_len == 1``;
-    ``num_splits`` overrides the context split and ``block_n`` the tokens per tile (a power of two >= 16; default
-    :data:`BLOCK_N`, or :data:`FP8_BLOCK_N` for an FP8 cache read as E4M3 tiles). The cache is in q's dtype, or
-    FP8: ``float8_e4m3fn`` K/V with ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32 powers of two (as
-    ``jetrl.models.attention.quantize_kv`` writes them). With a bf16 or fp32 query the E4M3 tiles feed the dots and
+    ``num_splits`` overrides the context split and ``block_n`` the tokens per tile (a power of two >= 16); by default
+    both come from :func:`launch_config` (:data:`BLOCK_N` tokens over a cache in q's dtype; over an FP8 cache the
+    tuning's ``kv_decode_block_n``, by default :data:`FP8_BLOCK_N` on the factored route). The cache is in q's
+    dtype, or FP8: ``float8_e4m3fn`` K/V with ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32 powers of
+    two (as ``jetrl.models.attention.quantize_kv`` writes them). With a bf16 or fp32 query the E4M3 tiles feed the dots and
     the scales their fp32 results: equal to this function over the dequantized cache
     (``jetrl.models.attention.dequantize_kv``) to summation order, within ``2^-126`` terms (the module doc). With
     an fp16 query each tile is dequantized in registers: bit for bit this function over the dequantized cache.
@@ -282,17 +317,19 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
         raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
     fp8 = check_kv_cache("paged_decode", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
-    # fp16 cannot hold p * 2^e (see the module doc); the tuning's switch keeps the measured path until this one is
+    # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     factored = fp8 and q.dtype != torch.float16 and tuning.current().kv_decode_factored
+    launch = launch_config(fp8, factored)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
     if block_n is None:
-        block_n = FP8_BLOCK_N if factored else BLOCK_N
+        block_n = launch.block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"paged_decode: block_n must be a power of two >= 16, got {block_n}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // num_kv_heads
-    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, meta.max_context_len, q.device, block_n)
+    splits = num_splits or choose_num_splits(num_seqs, num_kv_heads, meta.max_context_len, q.device, block_n,
+                                             launch.split_waves, launch.max_splits)
     tokens_per_split = -(-max(int(meta.max_context_len), 1) // splits)
     tokens_per_split = -(-tokens_per_split // block_n) * block_n
     block_d = triton.next_power_of_2(head_dim)
@@ -314,7 +351,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, WHILE_LOOP=_INTERPRETED,
-        num_warps=4, num_stages=2)
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
@@ -323,4 +360,5 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     return out
 
 
-__all__ = ["paged_decode", "choose_num_splits", "check_kv_cache", "BLOCK_N", "FP8_BLOCK_N"]
+__all__ = ["paged_decode", "choose_num_splits", "check_kv_cache", "launch_config", "DecodeLaunch", "BF16_LAUNCH",
+           "BLOCK_N", "FP8_BLOCK_N"]

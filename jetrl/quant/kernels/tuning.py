@@ -1,9 +1,11 @@
 """Every tunable of the kernels in one frozen object: which path runs, tile sizes, warps and per-shape configs.
 
 Nothing here changes a result's bits except the GEMM path (``gemm``, and the decode-routing bounds, which pick
-between GEMMs that agree to output rounding) and exact mode's K split (``exact_split_k`` and the fields of its
+between GEMMs that agree to output rounding), exact mode's K split (``exact_split_k`` and the fields of its
 heuristic, :meth:`KernelTuning.exact_split`: a different split is a different summation order, the same for
-every M): the tiles and warps of the quantization kernels, the Gluon/Triton
+every M) and the fast decode attention over an FP8 cache (``kv_decode_factored`` and the ``kv_decode_*`` tile and
+split fields: summation order, within the bounds of that kernel's doc; exact mode's attention never reads them,
+and its tile schedules keep every bit): the tiles and warps of the quantization kernels, the Gluon/Triton
 choice of the 128x1 kernels and the decode GEMM's configs all give the same bytes. The measured reasons for each
 default are in BENCHMARKS.md (the quantization-kernel tile sweep and the decode GEMM sweep); this file keeps the
 values only.
@@ -196,6 +198,13 @@ class KernelTuning:
     ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
     the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
     tile is dequantized in registers first (the route an fp16 query always takes). On by default.
+    That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
+    tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
+    route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
+    two up to 16) and ``kv_decode_num_stages`` (>= 1) of the Triton launch, and the context split
+    (``choose_num_splits``): ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims
+    for, at most ``kv_decode_max_splits`` splits (>= 1). Any values give the attention over the dequantized cache
+    to summation order (the tile and the split set that order); ``bench/attention.py`` sweeps them.
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
     tiles (``exact_narrow_block_n`` for weights of at most ``exact_narrow_n`` rows), ``exact_num_warps``,
@@ -247,6 +256,11 @@ class KernelTuning:
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
+    kv_decode_block_n: int = 0
+    kv_decode_num_warps: int = 4
+    kv_decode_num_stages: int = 2
+    kv_decode_split_waves: float = 2.0
+    kv_decode_max_splits: int = 16
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -276,6 +290,19 @@ class KernelTuning:
         if self.exact_attention_stacked and not _pow2(tiles):
             raise ValueError(f"KernelTuning.exact_attention_stacked (stacked tiles) needs a power-of-two "
                              f"exact_attention_tiles_per_program (the rows of one dot), got {tiles}")
+        if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
+            raise ValueError(f"KernelTuning.kv_decode_block_n must be 0 (the route's own tile) or a power of two in "
+                             f"16..256, got {self.kv_decode_block_n!r}")
+        if not (_pow2(self.kv_decode_num_warps) and self.kv_decode_num_warps <= 16):
+            raise ValueError(f"KernelTuning.kv_decode_num_warps must be a power of two in 1..16, "
+                             f"got {self.kv_decode_num_warps!r}")
+        for name in ("kv_decode_num_stages", "kv_decode_max_splits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelTuning.{name} must be a positive int, got {value!r}")
+        waves = self.kv_decode_split_waves
+        if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not 0 < waves < float("inf"):
+            raise ValueError(f"KernelTuning.kv_decode_split_waves must be a positive finite number, got {waves!r}")
         bounds = [p.max_m for p in self.decode_policies]
         if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
