@@ -687,7 +687,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if not 0 < args.memory_budget <= 1:
         parser.error(f"--memory-budget is a fraction in (0, 1], got {args.memory_budget}")
     if args.tiny:
-        args.shapes = {"tiny": dict(TINY_SETTINGS)}
+        names = [s.strip() for s in (args.settings or ",".join(TINY_SETTINGS)).split(",") if s.strip()]
+        unknown = [n for n in names if n not in TINY_SETTINGS]
+        if not names or unknown:
+            parser.error(f"--settings: unknown {unknown or args.settings!r}; --tiny has {list(TINY_SETTINGS)}")
+        args.shapes = {"tiny": {n: TINY_SETTINGS[n] for n in names}}
         args.prompt_len = 8
         return args
     shapes = [s.strip() for s in args.shape.split(",") if s.strip()]

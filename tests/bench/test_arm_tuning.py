@@ -138,15 +138,15 @@ def test_rollout_runs_each_arm_under_its_own_tuning(common, one_thread, monkeypa
     seen: list = []
     _record_tuning(monkeypatch, seen)
     tuned = "jet+kv8@exact_split_k=0;kv_decode_factored=false"
-    results = bench.main(["--tiny", "--arms", "bf16,jet+kv8,jet+kv8@kv_decode_factored=0;exact_split_k=0",
+    results = bench.main(["--tiny", "--settings", "tiny", "--arms", "bf16,jet+kv8,jet+kv8@kv_decode_factored=0;exact_split_k=0",
                           "--mismatch", "--tuning", "exact_split_k=2", "--json", str(tmp_path / "r.json")])
     assert tuning.current().exact_split_k == 0 and tuning.current().kv_decode_factored  # restored after
     base, own = (2, True), (0, False)  # the run's --tuning; the tuned arm's settings win over it
-    # per setting: bf16 and jet+kv8 under the run's tuning, then the tuned arm under its own, then back
-    assert _runs(seen) == [base, own, base, own]
+    # bf16 and jet+kv8 under the run's tuning, then the tuned arm under its own (one setting: the CPU is slow)
+    assert _runs(seen) == [base, own]
     for where in ("refresh", "engine", "generate", "score"):
         assert {(s, f) for w, s, f in seen if w == where} == {base, own}, where
-    assert sum(1 for w, s, f in seen if w == "engine" and (s, f) == own) == 2  # one engine per setting
+    assert sum(1 for w, s, f in seen if w == "engine" and (s, f) == own) == 1  # one engine per arm and setting
     for r in results:
         assert list(r.decode_tokens_per_s) == ["bf16", "jet+kv8", tuned]
         assert r.tuning == {"bf16": {"exact_split_k": 2}, "jet+kv8": {"exact_split_k": 2},

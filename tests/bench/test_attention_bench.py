@@ -20,7 +20,7 @@ os.environ["OUT"] = out_dir
 from bench import attention
 printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
-    report = attention.main(["--tiny", "--grid-routes", "factored,inreg", "--split-waves", "8"])
+    report = attention.main(["--tiny", "--settings", "3x40", "--grid-routes", "factored,inreg", "--split-waves", "8"])
 with open(os.path.join(out_dir, "attention.json")) as f:
     written = json.load(f)
 with contextlib.redirect_stdout(io.StringIO()):  # no time left for the grid: the default rows only
@@ -41,7 +41,7 @@ def test_tiny_run_end_to_end(tiny):
     assert tiny["written"] == report  # $OUT/attention.json
     assert report["dtype"] == "torch.float32" and report["copy_gbps"] is None
     rows = report["rows"]
-    settings = ["3x40", "2x100"]
+    settings = ["3x40"]  # one setting: the interpreter is slow (the parser's tests cover the list)
     # per setting: the three routes at their default launch, then 2 tiles x 1 wave setting on each grid route
     assert [r["setting"] for r in rows] == [s for s in settings for _ in range(3 + 2 * 2)]
     assert [r["route"] for r in rows[:7]] == ["bf16", "kv8-inreg", "kv8-factored"] + ["kv8-factored"] * 2 + [

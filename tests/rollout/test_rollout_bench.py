@@ -173,10 +173,15 @@ def test_command_line(bench):
 @pytest.mark.parametrize("argv", [["--shape", "70b"], ["--shape", ""], ["--settings", "b65"], ["--arms", "bf16+kv8"],
                                   ["--arms", "fp4"], ["--window", "1"], ["--new-tokens", "0"], ["--prompt-len", "0"],
                                   ["--max-seconds", "0"], ["--memory-budget", "1.5"], ["--shape", "32b", "--hf"],
-                                  ["--repeats", "0"]])
+                                  ["--repeats", "0"], ["--tiny", "--settings", "b64"], ["--tiny", "--settings", ","]])
 def test_bad_command_lines_are_refused(bench, argv):
     with pytest.raises(SystemExit):
         bench._parse(argv)
+
+
+def test_tiny_runs_the_settings_it_is_given(bench):
+    assert list(bench._parse(["--tiny", "--settings", "tiny-n2"]).shapes["tiny"]) == ["tiny-n2"]
+    assert list(bench._parse(["--tiny"]).shapes["tiny"]) == ["tiny", "tiny-n2"]
 
 
 def test_plan_of_the_issue_table(bench, capsys):
