@@ -60,3 +60,46 @@ def test_schedules_have_the_one_tile_instruction_mix(one_tile, tiles, stacked):
     ops = _ptx_ops(tiles, stacked)
     want = Counter({op: n * (1 if stacked else tiles) for op, n in one_tile.items()})
     assert ops == want, (tiles, stacked, ops, want)
+
+
+def _instructions(kernel, fp8: bool) -> list[str]:
+    """The PTX instruction sequence of ``kernel`` compiled for sm_90a (bf16 queries; FP8 or bf16 cache), with
+    register numbers and labels erased: two sources that compile to the same machine code give the same list."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv" if fp8 else "*bf16", "v_ptr": "*fp8e4nv" if fp8 else "*bf16",
+             "ks_ptr": "*fp32" if fp8 else "*bf16", "vs_ptr": "*fp32" if fp8 else "*bf16", "tables_ptr": "*i32",
+             "qsl_ptr": "*i32", "ctx_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_start_ptr": "*i32",
+             "out_ptr": "*bf16", "scale_log2": "fp32"}
+    consts = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, PAGE=16 if fp8 else 1, BLOCK_Q=16, BLOCK_D=128, BLOCK_N=64,
+                  IEEE=False, FP8=fp8, WHILE_LOOP=False)
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+    out = []
+    for line in ptx.splitlines():
+        line = line.strip()
+        if not line or line.startswith((".", "//", "}", "{")) or line.endswith(":"):
+            continue
+        out.append(re.sub(r"%[a-z]+\d+", "%", re.sub(r"\$L__\w+", "L", line)))
+    return out
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_default_kernel_compiles_to_the_measured_kernels_instructions(one_tile, fp8):
+    """The default schedule (one tile per program) was refactored into helpers shared with the multi-tile kernel;
+    it must still be the kernel measured on the H200 (kept verbatim in tests/exact/one_tile_exact_attention.py):
+    the same instructions in the same order, for a bf16 and an FP8 cache."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import one_tile_exact_attention as old
+
+    from jetrl.quant.kernels import exact_attention_triton as E
+
+    new = _instructions(E._exact_attention_kernel, fp8)
+    assert new == _instructions(old._exact_attention_kernel, fp8)
+    assert any(line.startswith("wgmma.mma_async") for line in new)  # the comparison saw the dots
