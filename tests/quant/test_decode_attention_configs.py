@@ -5,7 +5,7 @@
   2 stages, two waves, at most 16 splits) and the BF16-cache launch, which none of them touches;
 * the split policy's formula (``choose_num_splits``);
 * under the Triton interpreter (a child, tiny shapes): every config of a small grid, on both FP8 routes (fp32
-  queries, factored and in registers; fp16, which always dequantizes in registers), is within the tolerances of
+  queries factored; fp16 queries, which always dequantize in registers), is within the tolerances of
   ``tests/quant/test_kv_fp8_kernels.py`` of ``paged_attention_reference``, and equal to the kernel over the
   dequantized cache at the same tile and split (bitwise in registers; factored to the bit outside results below
   2^-126); the interpreter ignores warps and stages, so the GPU test covers those at the 8B head shapes.
@@ -116,7 +116,7 @@ out = {}
 g = torch.Generator().manual_seed(0)
 contexts, page, hq, hkv, d = [1, 37, 130], 8, 6, 2, 32  # a one-token context, partial pages, GQA group 3
 meta, kd, ks, vd, vs = paged_case(g, contexts, [1] * len(contexts), page, hkv, d, shared_blocks=1)
-for dtype, factored in ((torch.float32, True), (torch.float32, False), (torch.float16, False)):
+for dtype, factored in ((torch.float32, True), (torch.float16, False)):  # both routes; the interpreter is slow
     q = torch.randn(len(contexts), hq, d, generator=g).to(dtype)
     kq, vq = dequantize_kv_ref(kd, ks, dtype), dequantize_kv_ref(vd, vs, dtype)
     ref = paged_attention_reference(q.float(), kq.float(), vq.float(), meta, d ** -0.5)
@@ -140,7 +140,7 @@ def interpreted():
 
 
 def test_every_config_attends_like_the_reference(interpreted):
-    assert len(interpreted) == 3 * len(GRID), sorted(interpreted)
+    assert len(interpreted) == 2 * len(GRID), sorted(interpreted)
     for name, r in interpreted.items():
         settings, splits = GRID[int(name.rsplit("-", 1)[1])]
         assert r["splits"] == splits and r["block_n"] == settings["kv_decode_block_n"], (name, r)
