@@ -266,10 +266,7 @@ class KernelTuning:
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"the FP8 GEMM path (JETRL_FP8_GEMM or tuning gemm=) must be one of {GEMM_CHOICES}, "
                              f"got {self.gemm!r}")
-        for name in ("decode_max_m", "grouped_decode_max_m"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"KernelTuning.{name} must be a non-negative int, got {value!r}")
+        self._check_ints(("decode_max_m", "grouped_decode_max_m"), 0)
         for name in ("act_block_m", "act_num_warps", "token_block_k", "token_num_warps", "requant_block_k",
                      "requant_num_warps", "weight_num_warps", "logprob_stats_num_warps", "logprob_grad_num_warps"):
             if not _pow2(getattr(self, name)):
@@ -277,10 +274,7 @@ class KernelTuning:
         for name in ("token_block_k", "requant_block_k"):
             if getattr(self, name) > BLOCK_SIZE:
                 raise ValueError(f"KernelTuning.{name} must be at most {BLOCK_SIZE}, got {getattr(self, name)}")
-        for name in ("exact_split_k", "exact_split_programs", "exact_min_kb_per_split", "exact_split_max_m"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"KernelTuning.{name} must be a non-negative int, got {value!r}")
+        self._check_ints(("exact_split_k", "exact_split_programs", "exact_min_kb_per_split", "exact_split_max_m"), 0)
         if not _pow2(self.exact_max_split):
             raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
         tiles = self.exact_attention_tiles_per_program
@@ -296,10 +290,7 @@ class KernelTuning:
         if not (_pow2(self.kv_decode_num_warps) and self.kv_decode_num_warps <= 16):
             raise ValueError(f"KernelTuning.kv_decode_num_warps must be a power of two in 1..16, "
                              f"got {self.kv_decode_num_warps!r}")
-        for name in ("kv_decode_num_stages", "kv_decode_max_splits"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"KernelTuning.{name} must be a positive int, got {value!r}")
+        self._check_ints(("kv_decode_num_stages", "kv_decode_max_splits"), 1)
         waves = self.kv_decode_split_waves
         if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not 0 < waves < float("inf"):
             raise ValueError(f"KernelTuning.kv_decode_split_waves must be a positive finite number, got {waves!r}")
@@ -309,6 +300,14 @@ class KernelTuning:
         # tables given as plain dicts are frozen too
         object.__setattr__(self, "decode_max_m_by_shape", MappingProxyType(dict(self.decode_max_m_by_shape)))
         object.__setattr__(self, "decode_shape_configs", MappingProxyType(dict(self.decode_shape_configs)))
+
+    def _check_ints(self, names: tuple[str, ...], minimum: int) -> None:
+        """Each field of ``names`` must be an int (not a bool) of at least ``minimum`` (0 or 1)."""
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                kind = "a non-negative int" if minimum == 0 else "a positive int"
+                raise ValueError(f"KernelTuning.{name} must be {kind}, got {value!r}")
 
     def decode_policy(self, m: int) -> DecodePolicy:
         """The :attr:`decode_policies` entry for ``m`` rows."""
