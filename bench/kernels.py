@@ -7,10 +7,13 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
 3. ``FP8Linear`` forward+backward, quantization included, vs BF16 ``nn.Linear``;
 4. an MLP block (RMSNorm, gate_up, SwiGLU, down) forward+backward, recipe ``jet`` vs BF16;
 5. decode-size GEMMs (M = 1..64) FP8 vs BF16, per GEMM path;
-6. ``decode-sweep`` (not in the default sections): the decode kernel's tuning variants at M = 16..256, per
+6. ``exact-gemm`` (not in the default sections): exact mode's batch-invariant GEMM at training sizes
+   (``--exact-m``), its decode-sized tiles and the wide schedule's candidates, each checked bitwise against the
+   decode-sized tiles, over the fast FP8 GEMM and BF16;
+7. ``decode-sweep`` (not in the default sections): the decode kernel's tuning variants at M = 16..256, per
    shape the best config and its ratio to BF16, the best policy per M and where it beats cuBLAS
    (``--sweep-shape 1.5b`` for the rollout benchmark's small model, ``--sweep-m`` for the row counts);
-7. ``profile`` / ``host-profile`` (not in the default sections): one FP8Linear step under the PyTorch
+8. ``profile`` / ``host-profile`` (not in the default sections): one FP8Linear step under the PyTorch
    profiler, and the host (Python) time of its eager forward+backward under cProfile.
 
 Run: ``python bench/kernels.py [--quick] [--json PATH]``.
@@ -239,6 +242,51 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
                 t8, tb = _bench_ms(f8), _bench_ms(bf)
                 rep.add("gemm", gemm=name, m=m, n=n, k=k, fp8_tflops=flop / t8 / 1e9, bf16_tflops=flop / tb / 1e9,
                         speedup=tb / t8)
+
+
+# exact mode's wide schedule, (block_m, block_n, num_warps, num_stages): the candidates of the exact-gemm section
+EXACT_WIDE_TILES = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3), (256, 128, 8, 3)]
+EXACT_LM_HEAD = (128256, 4096)  # Llama-3.1-8B's LM head: exact mode runs it through the bf16 exact GEMM
+
+
+def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]]) -> None:
+    """Exact mode's batch-invariant GEMM at training sizes: the decode-sized tiles (today's default) and each
+    wide-schedule candidate (:data:`EXACT_WIDE_TILES`), each checked bitwise against the default before it is
+    timed, against the fast blockwise FP8 GEMM and BF16 ``torch.matmul`` of the same shape (the LM head: its bf16
+    exact GEMM against ``torch.matmul``)."""
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.gemm_exact_triton import exact_fp8_gemm, exact_matmul
+
+    for n, k in nk_list + [EXACT_LM_HEAD]:
+        for m in ms_list:
+            lm_head = (n, k) == EXACT_LM_HEAD
+            be, (x, w, _), (qx, qw, *_rest) = _gemm_operands(m, n, k)
+            if lm_head:
+                exact = lambda: exact_matmul(x, w)  # noqa: E731
+                fast = lambda: torch.matmul(x, w.t())  # noqa: E731
+            else:
+                exact = lambda: exact_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128)  # noqa: E731
+                fast = lambda: be.gemm(qx, qw)  # noqa: E731
+            flop = 2.0 * m * n * k
+            t_bf16 = _bench_ms(lambda: torch.matmul(x, w.t()))
+            t_fast = _bench_ms(fast)
+            with tuning.override(exact_wide_min_m=0):
+                base = exact()
+                t_base = _bench_ms(exact)
+            rows = [("decode-tiles", t_base, True)]
+            for bm, bn, warps, stages in EXACT_WIDE_TILES:
+                name = f"{bm}x{bn}w{warps}s{stages}"
+                try:
+                    with tuning.override(exact_wide_min_m=1, exact_wide_block_m=bm, exact_wide_block_n=bn,
+                                         exact_wide_num_warps=warps, exact_wide_num_stages=stages):
+                        same = bool(torch.equal(exact(), base))
+                        rows.append((name, _bench_ms(exact), same))
+                except Exception as exc:  # a tile that does not compile (shared memory) is reported, not fatal
+                    print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            for name, t, same in rows:
+                rep.add("exact-gemm", path="bf16" if lm_head else "fp8", tiles=name, m=m, n=n, k=k, ms=t,
+                        tflops=flop / t / 1e9, bitwise_default=same, over_fast=t / t_fast, over_bf16=t / t_bf16,
+                        fast_ms=t_fast, bf16_ms=t_bf16)
 
 
 def _rotation(n: int, k: int, min_bytes: int = 256 * 2 ** 20) -> int:
@@ -766,6 +814,7 @@ def main(argv: list[str] | None = None) -> Report:
                         help="model whose linears the decode sweep measures")
     parser.add_argument("--sweep-m", default=",".join(str(m) for m in DECODE_SWEEP_M),
                         help="row counts of the decode sweep (up to 256)")
+    parser.add_argument("--exact-m", default="8192", help="row counts of the exact-gemm section")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
@@ -789,6 +838,7 @@ def main(argv: list[str] | None = None) -> Report:
         ("decode-sweep", lambda: bench_decode_sweep(rep, budget_s=args.sweep_seconds,
                                                             ms=[int(m) for m in args.sweep_m.split(",")],
                                                             shape=args.sweep_shape)),
+        ("exact-gemm", lambda: bench_exact_gemm(rep, [int(m) for m in args.exact_m.split(",")], LLAMA8B_NK)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
         ("profile", profile_fp8_linear),
@@ -824,6 +874,9 @@ def _print_summary(rep: Report) -> None:
     for row in rep.sections.get("decode", []):
         print(f"decode M={row['m']} N={row['n']} K={row['k']}: auto({row['auto_path']}) {row['speedup_auto']:.2f}x, "
               f"best {row['best_fp8']} {row['speedup_best_fp8']:.2f}x")
+    for row in rep.sections.get("exact-gemm", []):
+        print(f"exact {row['path']} M={row['m']} N={row['n']} K={row['k']} {row['tiles']}: {row['ms']:.3f} ms, "
+              f"{row['over_fast']:.2f}x fast, {row['over_bf16']:.2f}x bf16, bitwise {row['bitwise_default']}")
     for row in rep.sections.get("host", []):
         print(f"host {row['op']}: {row['us']:.1f} us")
     for row in rep.sections.get("quant", []):

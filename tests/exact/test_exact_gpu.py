@@ -2,7 +2,8 @@
 
 * the batch-invariant kernels one by one at the 8B shapes: a row's bits for M = 1 .. 8192; the exact GEMMs'
   split-K: rows bitwise across M and both schedules, one split bitwise the kernel before split-K
-  (``unsplit_exact_gemm.py``), every split within output rounding of the exact product;
+  (``unsplit_exact_gemm.py``), every split within output rounding of the exact product; the wide schedule's
+  tiles (``exact_wide_*``) give the bits of the decode-sized ones;
 * the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
 * the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
   ``bf16``, ``jet`` and ``jet`` with the FP8 KV cache (``kv_fp8``: the FP8 write and attention kernels, captured in
@@ -119,6 +120,31 @@ def test_exact_split_k_at_8b_shapes(path, n, k):
         out = full[:256].double()
         assert torch.isfinite(out).all() and bool(((out - ref).abs() <= tol).all()), \
             (forced, float(((out - ref).abs() - tol).max()))
+
+
+# The wide schedule's tiles (exact_wide_*): (block_m, block_n, num_warps, num_stages), the candidates that
+# bench/kernels.py --sections exact-gemm times
+WIDE_TILES = [(128, 128, 8, 3), (128, 256, 8, 3), (64, 256, 4, 3), (256, 128, 8, 3)]
+
+
+@pytest.mark.parametrize("path", ["fp8", "bf16"])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)])
+def test_exact_wide_tiles_give_the_same_bits(path, n, k):
+    """The wide schedule (larger tiles and more warps from ``exact_wide_min_m`` rows on) is a schedule: each
+    candidate tile gives the bits of the decode-sized tiles for all 512 rows, with the shape's default K split and
+    with none (S = 1), and the rows of M = 1..511 (some below the wide threshold, some above) agree with them."""
+    from jetrl.quant.kernels import tuning
+
+    fn, _, _, _ = _split_operands(path, n, k)
+    for split in (0, 1):
+        with tuning.override(exact_split_k=split):
+            base = fn(512)
+            for bm, bn, warps, stages in WIDE_TILES:
+                with tuning.override(exact_wide_min_m=200, exact_wide_block_m=bm, exact_wide_block_n=bn,
+                                     exact_wide_num_warps=warps, exact_wide_num_stages=stages):
+                    assert torch.equal(fn(512), base), (split, bm, bn, warps, stages)
+                    for m in (100, 200, 257, 511):
+                        assert torch.equal(fn(m), base[:m]), (split, bm, bn, m)
 
 
 def test_row_wise_kernels_are_batch_invariant():

@@ -50,6 +50,10 @@ def cases(name, fn, ref, k, splits_list, bound):
         if full.dtype == torch.float32:  # the split is taken: another summation order changes some last bits
             out[f"{name}-s{splits}-differs-from-s1"] = not torch.equal(full, s1)
         out[f"{name}-s{splits}-close"] = bool(((full.double() - R_ref[name]).abs() <= bound(splits)).all())
+        # the wide schedule's larger tiles on the same split (bitwise: the GPU's claim, test_exact_gpu.py)
+        wide = fn(FULL, dict(over, exact_wide_min_m=FULL, exact_wide_block_m=128, exact_wide_block_n=64,
+                             exact_wide_num_warps=8, exact_wide_num_stages=2))
+        out[f"{name}-s{splits}-wide"] = bool(((wide.double() - R_ref[name]).abs() <= bound(splits)).all())
 
 R_ref = {}
 
@@ -104,11 +108,13 @@ def test_exact_gemm_one_split_is_the_unsplit_kernel(interpreted, case):
     assert interpreted[f"{case}-s1-equals-unsplit"]
 
 
-@pytest.mark.parametrize("what", ["config", "rows-bitwise", "schedules-bitwise", "differs-from-s1", "close"])
+@pytest.mark.parametrize("what", ["config", "rows-bitwise", "schedules-bitwise", "differs-from-s1", "close",
+                                  "wide"])
 def test_exact_gemm_split_k(interpreted, what):
     """Per case and split count: the config has the split asked for, rows of M = 1, 3, 64, 130 equal the first
     rows of M = 136 bitwise (across both schedules), both schedules agree at one M, the split changes some fp32
-    bits (so it ran), and the result is within the error bound of the reference."""
+    bits (so it ran), and the result is within the error bound of the reference, also with the wide schedule's
+    128-row tiles."""
     results = {k: v for k, v in interpreted.items() if k.endswith(f"-{what}")}
     # fp16 outputs round the last fp32 bits away, so only the fp32 outputs show that the split changed them
     assert len(results) == 2 * (len(CASES) - (what == "differs-from-s1")) and all(results.values()), results
@@ -144,3 +150,8 @@ def test_exact_split_settings_are_checked():
         tuning.KernelTuning(exact_max_split=3)
     with pytest.raises(ValueError, match="exact_split_k"):
         tuning.KernelTuning(exact_split_k=-1)
+    for bad in (dict(exact_wide_min_m=-1), dict(exact_wide_block_m=96), dict(exact_wide_block_n=8),
+                dict(exact_wide_block_n=512), dict(exact_wide_num_warps=32), dict(exact_wide_num_stages=0),
+                dict(exact_wide_num_warps=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            tuning.KernelTuning(**bad)

@@ -23,10 +23,14 @@ training, where the row tiles fill the GPU and an (S, M, N) workspace would cost
 one program per tile walks its S ranges itself, adding each partial to its running total in the same order.
 Both run the same partial code (:func:`_k_range_partial`), store the partials exactly (fp32), and add them in
 the same order, so they give the same bits; with S = 1 the kernel is the single in-order walk exact mode had
-before split-K, bit for bit.
+before split-K, bit for bit. From ``exact_wide_min_m`` rows on (off unless set), the walking schedule also takes
+larger tiles and more warps (``exact_wide_*``): the decode-sized 64-row tiles starve the tensor cores at training
+sizes, and a tile's extent is not part of a row's arithmetic (next paragraph).
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
-reduce along K per row), so a row's bits are independent of its tile neighbours. A different S (or tile) is a
+reduce along K per row, whatever the instruction's M and N extent or the warps sharing the tile), so a row's bits
+are independent of its tile neighbours and of the tile's size. (The Triton interpreter's ``tl.dot`` is numpy's
+sgemm, which does not promise that; the tile-size claim is checked on the GPU.) A different S (or tile) is a
 different summation order, so the rollout and the trainer must run the same tuning; both read it per weight
 shape. The cost against the fast path: the partials' round trip for decode-sized M, and no cuBLAS for large M
 (measured in BENCHMARKS.md). The settings come from the tuning object (:mod:`~jetrl.quant.kernels.tuning`,
@@ -178,17 +182,22 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
     num_kb = _cdiv(k, block_k)
     # K blocks per split in this path's blocks (64-wide without FP8): at most num_kb, the last split the rest
     split_kb = cfg.split_kb * (BLOCK // block_k) if cfg.split_k > 1 else num_kb
-    across = cfg.split_k > 1 and m <= tuning.current().exact_split_max_m
+    t = tuning.current()
+    across = cfg.split_k > 1 and m <= t.exact_split_max_m
+    block_m, block_n, warps, stages = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
+    if not across and t.exact_wide_min_m and m >= t.exact_wide_min_m:  # a schedule: the same bits (module doc)
+        block_m, block_n = t.exact_wide_block_m, t.exact_wide_block_n
+        warps, stages = t.exact_wide_num_warps, t.exact_wide_num_stages
     ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a.device) if across else out
     scales = (a_scale, b_scale) if fp8 else (out, out)  # unused without FP8
     strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0, 0)
-    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     _exact_gemm_kernel[(tiles, cfg.split_k if across else 1)](
         a, b, out, ws, *scales, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), *strides,
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, ACROSS=across, BLOCK_K=block_k, FP8=fp8,
-        B_SCALE_ROWS=b_scale_rows, IEEE=a.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        B_SCALE_ROWS=b_scale_rows, IEEE=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages)
     if across:
         _exact_reduce_kernel[(_cdiv(m, _REDUCE_BLOCK_M), _cdiv(n, _REDUCE_BLOCK_N))](
             ws, out, m, n, out.stride(0), out.stride(1), SPLITS=cfg.split_k, BLOCK_M=_REDUCE_BLOCK_M,
