@@ -8,8 +8,8 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
 4. an MLP block (RMSNorm, gate_up, SwiGLU, down) forward+backward, recipe ``jet`` vs BF16;
 5. decode-size GEMMs (M = 1..64) FP8 vs BF16, per GEMM path;
 6. ``exact-gemm`` (not in the default sections): exact mode's batch-invariant GEMM at training sizes
-   (``--exact-m``), its decode-sized tiles and the wide schedule's candidates, each checked bitwise against the
-   decode-sized tiles, over the fast FP8 GEMM and BF16;
+   (``--exact-m``), its schedules (tiles, K blocks per trip), each checked bitwise against the decode-sized
+   tiles, over the fast FP8 GEMM and BF16;
 7. ``decode-sweep`` (not in the default sections): the decode kernel's tuning variants at M = 16..256, per
    shape the best config and its ratio to BF16, the best policy per M and where it beats cuBLAS
    (``--sweep-shape 1.5b`` for the rollout benchmark's small model, ``--sweep-m`` for the row counts);
@@ -244,16 +244,31 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
                         speedup=tb / t8)
 
 
-# exact mode's wide schedule, (block_m, block_n, num_warps, num_stages): the candidates of the exact-gemm section
-EXACT_WIDE_TILES = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3), (256, 128, 8, 3)]
+# exact mode's GEMM schedules timed by the exact-gemm section: name -> tuning overrides (the decode-sized tiles with
+# one K block per trip first: the bits every other one is checked against)
+def _exact_wide(bm: int, bn: int, warps: int, stages: int, unroll: int = 1) -> dict:
+    return dict(exact_wide_min_m=1, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
+                exact_wide_num_warps=warps, exact_wide_num_stages=stages, exact_kb_unroll=unroll)
+
+
+EXACT_SCHEDULES = {
+    "decode-tiles": dict(exact_wide_min_m=0, exact_kb_unroll=1),
+    "decode-tiles-u2": dict(exact_wide_min_m=0, exact_kb_unroll=2),
+    "128x128w8s3": _exact_wide(128, 128, 8, 3),
+    "128x128w8s3-u2": _exact_wide(128, 128, 8, 3, 2),
+    "128x128w8s2-u2": _exact_wide(128, 128, 8, 2, 2),
+    "128x128w4s3-u2": _exact_wide(128, 128, 4, 3, 2),
+    "128x256w8s3": _exact_wide(128, 256, 8, 3),
+    "128x256w8s2-u2": _exact_wide(128, 256, 8, 2, 2),
+}
 EXACT_LM_HEAD = (128256, 4096)  # Llama-3.1-8B's LM head: exact mode runs it through the bf16 exact GEMM
 
 
 def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]]) -> None:
-    """Exact mode's batch-invariant GEMM at training sizes: the decode-sized tiles (today's default) and each
-    wide-schedule candidate (:data:`EXACT_WIDE_TILES`), each checked bitwise against the default before it is
+    """Exact mode's batch-invariant GEMM at training sizes: each schedule of :data:`EXACT_SCHEDULES` (the
+    wide schedule's tiles, two K blocks per trip), checked bitwise against the decode-sized tiles before it is
     timed, against the fast blockwise FP8 GEMM and BF16 ``torch.matmul`` of the same shape (the LM head: its bf16
-    exact GEMM against ``torch.matmul``)."""
+    exact GEMM against ``torch.matmul``; unrolling is an FP8-path schedule)."""
     from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.gemm_exact_triton import exact_fp8_gemm, exact_matmul
 
@@ -270,21 +285,20 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
             flop = 2.0 * m * n * k
             t_bf16 = _bench_ms(lambda: torch.matmul(x, w.t()))
             t_fast = _bench_ms(fast)
-            with tuning.override(exact_wide_min_m=0):
-                base = exact()
-                t_base = _bench_ms(exact)
-            rows = [("decode-tiles", t_base, True)]
-            for bm, bn, warps, stages in EXACT_WIDE_TILES:
-                name = f"{bm}x{bn}w{warps}s{stages}"
+            base = None
+            for name, over in EXACT_SCHEDULES.items():
+                if lm_head and over.get("exact_kb_unroll", 1) > 1:
+                    continue
                 try:
-                    with tuning.override(exact_wide_min_m=1, exact_wide_block_m=bm, exact_wide_block_n=bn,
-                                         exact_wide_num_warps=warps, exact_wide_num_stages=stages):
-                        same = bool(torch.equal(exact(), base))
-                        rows.append((name, _bench_ms(exact), same))
+                    with tuning.override(**over):
+                        out = exact()
+                        base = out if base is None else base
+                        same = bool(torch.equal(out, base))
+                        t = _bench_ms(exact)
                 except Exception as exc:  # a tile that does not compile (shared memory) is reported, not fatal
                     print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            for name, t, same in rows:
-                rep.add("exact-gemm", path="bf16" if lm_head else "fp8", tiles=name, m=m, n=n, k=k, ms=t,
+                    continue
+                rep.add("exact-gemm", path="bf16" if lm_head else "fp8", schedule=name, m=m, n=n, k=k, ms=t,
                         tflops=flop / t / 1e9, bitwise_default=same, over_fast=t / t_fast, over_bf16=t / t_bf16,
                         fast_ms=t_fast, bf16_ms=t_bf16)
 
@@ -875,7 +889,7 @@ def _print_summary(rep: Report) -> None:
         print(f"decode M={row['m']} N={row['n']} K={row['k']}: auto({row['auto_path']}) {row['speedup_auto']:.2f}x, "
               f"best {row['best_fp8']} {row['speedup_best_fp8']:.2f}x")
     for row in rep.sections.get("exact-gemm", []):
-        print(f"exact {row['path']} M={row['m']} N={row['n']} K={row['k']} {row['tiles']}: {row['ms']:.3f} ms, "
+        print(f"exact {row['path']} M={row['m']} N={row['n']} K={row['k']} {row['schedule']}: {row['ms']:.3f} ms, "
               f"{row['over_fast']:.2f}x fast, {row['over_bf16']:.2f}x bf16, bitwise {row['bitwise_default']}")
     for row in rep.sections.get("host", []):
         print(f"host {row['op']}: {row['us']:.1f} us")

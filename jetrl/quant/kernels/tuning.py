@@ -217,11 +217,13 @@ class KernelTuning:
     the same values (any values are batch-invariant, but two different ones are two different reduction orders).
     ``exact_split_max_m`` only picks the schedule: up to that many rows the splits run as separate programs
     (partials through a workspace), above it one program walks all splits of its tile; both give the same bits.
-    ``exact_wide_min_m`` (0, the default: never) is a schedule as well: from that many rows on (prefill and the
-    trainer's packed passes) the walking schedule runs ``exact_wide_block_m`` x ``exact_wide_block_n`` tiles with
-    ``exact_wide_num_warps`` and ``exact_wide_num_stages`` instead of the decode-sized ones. The tile's extent in
-    M and N is not part of a row's arithmetic (the K blocks, the split and the scale application are), so the bits
-    stay the same; the GPU tests check it at the 8B shapes.
+    ``exact_wide_min_m`` (0: never) is a schedule as well: from that many rows on (prefill and the trainer's
+    packed passes) the walking schedule runs ``exact_wide_block_m`` x ``exact_wide_block_n`` tiles
+    (``exact_wide_mm_block_n`` wide on the 16/32-bit path, e.g. the LM head) with ``exact_wide_num_warps`` and
+    ``exact_wide_num_stages`` instead of the decode-sized ones. The tile's extent in M and N is not part of a row's
+    arithmetic (the K blocks, the split and the scale application are), so the bits
+    stay the same; the GPU tests check it at the 8B shapes. ``exact_kb_unroll`` (1 or 2) is one more schedule: the
+    FP8 path's K loop issues that many blocks' dots per trip before folding them into the accumulator in order.
     ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
     (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
@@ -258,11 +260,13 @@ class KernelTuning:
     exact_max_split: int = 8
     exact_min_kb_per_split: int = 4
     exact_split_max_m: int = 128
-    exact_wide_min_m: int = 0
+    exact_wide_min_m: int = 256
     exact_wide_block_m: int = 128
     exact_wide_block_n: int = 128
+    exact_wide_mm_block_n: int = 256
     exact_wide_num_warps: int = 8
     exact_wide_num_stages: int = 3
+    exact_kb_unroll: int = 1
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
@@ -288,10 +292,12 @@ class KernelTuning:
                           "exact_wide_min_m"), 0)
         self._check_ints(("exact_wide_num_stages",), 1)
         for name, low, high in (("exact_wide_block_m", 16, 256), ("exact_wide_block_n", 16, 256),
-                                ("exact_wide_num_warps", 1, 16)):
+                                ("exact_wide_mm_block_n", 16, 256), ("exact_wide_num_warps", 1, 16)):
             value = getattr(self, name)
             if not (_pow2(value) and low <= value <= high):
                 raise ValueError(f"KernelTuning.{name} must be a power of two in {low}..{high}, got {value!r}")
+        if self.exact_kb_unroll not in (1, 2) or isinstance(self.exact_kb_unroll, bool):
+            raise ValueError(f"KernelTuning.exact_kb_unroll must be 1 or 2, got {self.exact_kb_unroll!r}")
         if not _pow2(self.exact_max_split):
             raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
         tiles = self.exact_attention_tiles_per_program
