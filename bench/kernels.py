@@ -8,8 +8,8 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
 4. an MLP block (RMSNorm, gate_up, SwiGLU, down) forward+backward, recipe ``jet`` vs BF16;
 5. decode-size GEMMs (M = 1..64) FP8 vs BF16, per GEMM path;
 6. ``exact-gemm`` (not in the default sections): exact mode's batch-invariant GEMM at training sizes
-   (``--exact-m``), its schedules (tiles, K blocks per trip), each checked bitwise against the decode-sized
-   tiles, over the fast FP8 GEMM and BF16;
+   (``--exact-m``), its schedules (tiles), each checked bitwise against the decode-sized tiles, over the fast
+   FP8 GEMM and BF16;
 7. ``decode-sweep`` (not in the default sections): the decode kernel's tuning variants at M = 16..256, per
    shape the best config and its ratio to BF16, the best policy per M and where it beats cuBLAS
    (``--sweep-shape 1.5b`` for the rollout benchmark's small model, ``--sweep-m`` for the row counts);
@@ -244,31 +244,28 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
                         speedup=tb / t8)
 
 
-# exact mode's GEMM schedules timed by the exact-gemm section: name -> tuning overrides (the decode-sized tiles with
-# one K block per trip first: the bits every other one is checked against)
-def _exact_wide(bm: int, bn: int, warps: int, stages: int, unroll: int = 1) -> dict:
+# exact mode's GEMM schedules timed by the exact-gemm section: name -> tuning overrides (the decode-sized tiles
+# first: the bits every other one is checked against)
+def _exact_wide(bm: int, bn: int, warps: int, stages: int) -> dict:
     return dict(exact_wide_min_m=1, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages, exact_kb_unroll=unroll)
+                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
 
 
 EXACT_SCHEDULES = {
-    "decode-tiles": dict(exact_wide_min_m=0, exact_kb_unroll=1),
-    "decode-tiles-u2": dict(exact_wide_min_m=0, exact_kb_unroll=2),
+    "decode-tiles": dict(exact_wide_min_m=0),
     "128x128w8s3": _exact_wide(128, 128, 8, 3),
-    "128x128w8s3-u2": _exact_wide(128, 128, 8, 3, 2),
-    "128x128w8s2-u2": _exact_wide(128, 128, 8, 2, 2),
-    "128x128w4s3-u2": _exact_wide(128, 128, 4, 3, 2),
+    "128x128w8s4": _exact_wide(128, 128, 8, 4),
     "128x256w8s3": _exact_wide(128, 256, 8, 3),
-    "128x256w8s2-u2": _exact_wide(128, 256, 8, 2, 2),
+    "256x128w8s3": _exact_wide(256, 128, 8, 3),
 }
 EXACT_LM_HEAD = (128256, 4096)  # Llama-3.1-8B's LM head: exact mode runs it through the bf16 exact GEMM
 
 
 def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]]) -> None:
     """Exact mode's batch-invariant GEMM at training sizes: each schedule of :data:`EXACT_SCHEDULES` (the
-    wide schedule's tiles, two K blocks per trip), checked bitwise against the decode-sized tiles before it is
-    timed, against the fast blockwise FP8 GEMM and BF16 ``torch.matmul`` of the same shape (the LM head: its bf16
-    exact GEMM against ``torch.matmul``; unrolling is an FP8-path schedule)."""
+    wide schedule's tiles), checked bitwise against the decode-sized tiles before it is timed, against the fast
+    blockwise FP8 GEMM and BF16 ``torch.matmul`` of the same shape (the LM head: its bf16 exact GEMM against
+    ``torch.matmul``)."""
     from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.gemm_exact_triton import exact_fp8_gemm, exact_matmul
 
@@ -287,8 +284,6 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
             t_fast = _bench_ms(fast)
             base = None
             for name, over in EXACT_SCHEDULES.items():
-                if lm_head and over.get("exact_kb_unroll", 1) > 1:
-                    continue
                 try:
                     with tuning.override(**over):
                         out = exact()

@@ -3,7 +3,7 @@
 * the batch-invariant kernels one by one at the 8B shapes: a row's bits for M = 1 .. 8192; the exact GEMMs'
   split-K: rows bitwise across M and both schedules, one split bitwise the kernel before split-K
   (``unsplit_exact_gemm.py``), every split within output rounding of the exact product; the wide schedule's
-  tiles (``exact_wide_*``) and two K blocks per trip (``exact_kb_unroll``) give the bits of the plain schedule;
+  tiles (``exact_wide_*``) give the bits of the decode-sized ones;
 * the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
 * the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
   ``bf16``, ``jet`` and ``jet`` with the FP8 KV cache (``kv_fp8``: the FP8 write and attention kernels, captured in
@@ -122,29 +122,26 @@ def test_exact_split_k_at_8b_shapes(path, n, k):
             (forced, float(((out - ref).abs() - tol).max()))
 
 
-def _wide(bm: int, bn: int, warps: int, stages: int, unroll: int = 1) -> dict:
+def _wide(bm: int, bn: int, warps: int, stages: int) -> dict:
     return dict(exact_wide_min_m=200, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages, exact_kb_unroll=unroll)
+                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
 
 
-# Schedules that must not change a bit (the candidates bench/kernels.py --sections exact-gemm times): the wide
-# schedule's tiles and two K blocks per trip, on the decode-sized tiles and on wide ones
-SCHEDULES = [_wide(128, 128, 8, 3), _wide(128, 256, 8, 3), _wide(64, 256, 4, 3), _wide(128, 128, 8, 2, 2),
-             _wide(128, 128, 8, 3, 2), dict(exact_wide_min_m=0, exact_kb_unroll=2)]
+# The wide schedule's tiles that must not change a bit (bench/kernels.py --sections exact-gemm times them)
+SCHEDULES = [_wide(128, 128, 8, 3), _wide(128, 256, 8, 3), _wide(64, 256, 4, 3), _wide(256, 128, 8, 3)]
 
 
 @pytest.mark.parametrize("path", ["fp8", "bf16"])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)])
 def test_exact_gemm_schedules_give_the_same_bits(path, n, k):
-    """The wide schedule (larger tiles and more warps from ``exact_wide_min_m`` rows on) and two K blocks' dots
-    per trip are schedules: every candidate gives, for all 512 rows, the bits of the decode-sized tiles with one
-    block per trip, with the shape's default K split and with none (S = 1), and the rows of M = 100..511 (below
-    and above the wide threshold) agree with them."""
+    """The wide schedule (larger tiles and more warps from ``exact_wide_min_m`` rows on) is a schedule: every
+    candidate gives, for all 512 rows, the bits of the decode-sized tiles, with the shape's default K split and
+    with none (S = 1), and the rows of M = 100..511 (below and above the wide threshold) agree with them."""
     from jetrl.quant.kernels import tuning
 
     fn, _, _, _ = _split_operands(path, n, k)
     for split in (0, 1):
-        with tuning.override(exact_split_k=split, exact_wide_min_m=0, exact_kb_unroll=1):
+        with tuning.override(exact_split_k=split, exact_wide_min_m=0):
             base = fn(512)
         for over in SCHEDULES:
             with tuning.override(exact_split_k=split, **over):

@@ -54,10 +54,6 @@ def cases(name, fn, ref, k, splits_list, bound):
         wide = fn(FULL, dict(over, exact_wide_min_m=FULL, exact_wide_block_m=128, exact_wide_block_n=64,
                              exact_wide_num_warps=8, exact_wide_num_stages=2))
         out[f"{name}-s{splits}-wide"] = bool(((wide.double() - R_ref[name]).abs() <= bound(splits)).all())
-        if name.startswith("fp8"):  # two K blocks' dots per trip: the same operations in the same order
-            unrolled = fn(FULL, dict(over, exact_kb_unroll=2))
-            across_u = fn(FULL, dict(over, exact_kb_unroll=2, exact_split_max_m=FULL))
-            out[f"{name}-s{splits}-unroll"] = bool(torch.equal(unrolled, full) and torch.equal(across_u, full))
 
 R_ref = {}
 
@@ -113,17 +109,14 @@ def test_exact_gemm_one_split_is_the_unsplit_kernel(interpreted, case):
 
 
 @pytest.mark.parametrize("what", ["config", "rows-bitwise", "schedules-bitwise", "differs-from-s1", "close",
-                                  "wide", "unroll"])
+                                  "wide"])
 def test_exact_gemm_split_k(interpreted, what):
     """Per case and split count: the config has the split asked for, rows of M = 1, 3, 64, 130 equal the first
     rows of M = 136 bitwise (across both schedules), both schedules agree at one M, the split changes some fp32
     bits (so it ran), and the result is within the error bound of the reference, also with the wide schedule's
-    128-row tiles; the FP8 path with two K blocks' dots per trip (``exact_kb_unroll=2``, odd and even block counts
-    per split) gives the bits of one per trip."""
+    128-row tiles."""
     results = {k: v for k, v in interpreted.items() if k.endswith(f"-{what}")}
-    if what == "unroll":  # the FP8 cases only
-        assert len(results) == 4 and all(results.values()), results
-        return
+
     # fp16 outputs round the last fp32 bits away, so only the fp32 outputs show that the split changed them
     assert len(results) == 2 * (len(CASES) - (what == "differs-from-s1")) and all(results.values()), results
 
@@ -160,6 +153,6 @@ def test_exact_split_settings_are_checked():
         tuning.KernelTuning(exact_split_k=-1)
     for bad in (dict(exact_wide_min_m=-1), dict(exact_wide_block_m=96), dict(exact_wide_block_n=8),
                 dict(exact_wide_block_n=512), dict(exact_wide_num_warps=32), dict(exact_wide_num_stages=0),
-                dict(exact_wide_num_warps=True), dict(exact_wide_mm_block_n=384), dict(exact_kb_unroll=3)):
+                dict(exact_wide_num_warps=True), dict(exact_wide_mm_block_n=384)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             tuning.KernelTuning(**bad)

@@ -24,10 +24,9 @@ one program per tile walks its S ranges itself, adding each partial to its runni
 Both run the same partial code (:func:`_k_range_partial`), store the partials exactly (fp32), and add them in
 the same order, so they give the same bits; with S = 1 the kernel is the single in-order walk exact mode had
 before split-K, bit for bit. From ``exact_wide_min_m`` rows on, the walking schedule also takes larger tiles and
-more warps (``exact_wide_*``; the 16-bit path, which runs the LM head, wider ones; fp32 operands keep the
-decode-sized tiles): those starve the tensor cores at training sizes, and a tile's extent is not part of a row's
-arithmetic (next paragraph). ``exact_kb_unroll = 2`` lets the FP8 path's K loop issue two blocks' dots per trip
-(:func:`_k_range_partial`), again the same bits.
+more warps (``exact_wide_*``; wider ones on the 16-bit path, which runs the LM head; fp32 operands keep the
+small tiles). The decode-sized 64-row tiles underfeed the tensor cores at training sizes, and a tile's extent is
+not part of a row's arithmetic (next paragraph).
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
 reduce along K per row, whatever the instruction's M and N extent or the warps sharing the tile), so a row's bits
@@ -52,64 +51,30 @@ from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
 
 
 @triton.jit
-def _fp8_block(a_ptrs, b_ptrs, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, rk, K, kb, stride_ask, stride_asm, stride_bsn,
-               stride_bsk, BLOCK_K: tl.constexpr, B_SCALE_ROWS: tl.constexpr):
-    """K block ``kb`` of an FP8 tile: ``(dot(a_kb, b_kb), sa_kb * sb_kb)``, the product and its scale."""
-    k_ok = rk < K - kb * BLOCK_K
-    a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-    sa = tl.load(as_ptr + rm * stride_asm + kb * stride_ask, mask=m_ok, other=0.0)
-    sb = tl.load(bs_ptr + (rn // B_SCALE_ROWS) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
-    return tl.dot(a, b), sa[:, None] * sb[None, :]
-
-
-@triton.jit
 def _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, kb_start, kb_end,
                      stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
                      BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_SCALE_ROWS: tl.constexpr, IEEE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One tile's fp32 partial over K blocks ``kb_start .. kb_end - 1``, walked in order from zero; with ``FP8``,
-    per-128-K-block scales: ``acc += dot(a_k, b_k) * (sa_k * sb_k)``. Every schedule calls this same code.
-
-    ``UNROLL = 2`` (FP8 only) issues the dots of two consecutive K blocks before it folds them into ``acc``, the
-    first one first: the same operations in the same order, so the same bits, but the second block's MMA can run
-    while the first one's result is scaled (with one block per trip each dot's result is waited for before the
-    next one is issued)."""
+    per-128-K-block scales: ``acc += dot(a_k, b_k) * (sa_k * sb_k)``. Every schedule calls this same code."""
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + (kb_start * BLOCK_K + rk[None, :]) * stride_ak
     b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + (kb_start * BLOCK_K + rk[:, None]) * stride_bk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8 and UNROLL == 2:
-        for kb in range(kb_start, kb_end - 1, 2):
-            d0, s0 = _fp8_block(a_ptrs, b_ptrs, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, rk, K, kb, stride_ask,
-                                stride_asm, stride_bsn, stride_bsk, BLOCK_K, B_SCALE_ROWS)
-            d1, s1 = _fp8_block(a_ptrs + BLOCK_K * stride_ak, b_ptrs + BLOCK_K * stride_bk, as_ptr, bs_ptr, rm, rn,
-                                m_ok, n_ok, rk, K, kb + 1, stride_ask, stride_asm, stride_bsn, stride_bsk, BLOCK_K,
-                                B_SCALE_ROWS)
-            acc += d0 * s0
-            acc += d1 * s1
-            a_ptrs += 2 * BLOCK_K * stride_ak
-            b_ptrs += 2 * BLOCK_K * stride_bk
-        if (kb_end - kb_start) % 2 == 1:  # the odd last block
-            d0, s0 = _fp8_block(a_ptrs, b_ptrs, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, rk, K, kb_end - 1, stride_ask,
-                                stride_asm, stride_bsn, stride_bsk, BLOCK_K, B_SCALE_ROWS)
-            acc += d0 * s0
-    else:
-        for kb in range(kb_start, kb_end):
-            if FP8:
-                d, s = _fp8_block(a_ptrs, b_ptrs, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, rk, K, kb, stride_ask,
-                                  stride_asm, stride_bsn, stride_bsk, BLOCK_K, B_SCALE_ROWS)
-                acc += d * s
-            else:
-                k_ok = rk < K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                if IEEE:
-                    acc = tl.dot(a, b, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+    for kb in range(kb_start, kb_end):
+        k_ok = rk < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            sa = tl.load(as_ptr + rm * stride_asm + kb * stride_ask, mask=m_ok, other=0.0)
+            sb = tl.load(bs_ptr + (rn // B_SCALE_ROWS) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
     return acc
 
 
@@ -121,7 +86,7 @@ def _exact_gemm_kernel(
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     NUM_KB: tl.constexpr, SPLIT_KB: tl.constexpr, SPLITS: tl.constexpr, ACROSS: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, UNROLL: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C = A @ B^T over ``SPLITS`` contiguous ranges of ``SPLIT_KB`` K blocks, summed in order 0..SPLITS-1.
 
@@ -147,19 +112,18 @@ def _exact_gemm_kernel(
         part = _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, split * SPLIT_KB,
                                 tl.minimum(split * SPLIT_KB + SPLIT_KB, NUM_KB),
                                 stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
-                                stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N, UNROLL)
+                                stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N)
         plane = split.to(tl.int64) * M * N
         tl.store(ws_ptr + plane + rm[:, None].to(tl.int64) * N + rn[None, :], part, mask=mn_ok)
     else:
         total = _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, 0, SPLIT_KB,
                                  stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
-                                 stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N, UNROLL)
+                                 stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N)
         for split in range(1, SPLITS):
             total += _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, split * SPLIT_KB,
                                       tl.minimum(split * SPLIT_KB + SPLIT_KB, NUM_KB),
                                       stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask,
-                                      stride_bsn, stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N,
-                                      UNROLL)
+                                      stride_bsn, stride_bsk, BLOCK_K, FP8, B_SCALE_ROWS, IEEE, BLOCK_M, BLOCK_N)
         tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn,
                  total.to(c_ptr.dtype.element_ty), mask=mn_ok)
 
@@ -236,7 +200,7 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), *strides,
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, ACROSS=across, BLOCK_K=block_k, FP8=fp8,
         B_SCALE_ROWS=b_scale_rows, IEEE=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-        GROUP_M=cfg.group_m, UNROLL=t.exact_kb_unroll, num_warps=warps, num_stages=stages)
+        GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages)
     if across:
         _exact_reduce_kernel[(_cdiv(m, _REDUCE_BLOCK_M), _cdiv(n, _REDUCE_BLOCK_N))](
             ws, out, m, n, out.stride(0), out.stride(1), SPLITS=cfg.split_k, BLOCK_M=_REDUCE_BLOCK_M,

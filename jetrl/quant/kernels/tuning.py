@@ -222,8 +222,7 @@ class KernelTuning:
     (``exact_wide_mm_block_n`` wide on the 16/32-bit path, e.g. the LM head) with ``exact_wide_num_warps`` and
     ``exact_wide_num_stages`` instead of the decode-sized ones. The tile's extent in M and N is not part of a row's
     arithmetic (the K blocks, the split and the scale application are), so the bits
-    stay the same; the GPU tests check it at the 8B shapes. ``exact_kb_unroll`` (1 or 2) is one more schedule: the
-    FP8 path's K loop issues that many blocks' dots per trip before folding them into the accumulator in order.
+    stay the same; the GPU tests check it at the 8B shapes.
     ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
     (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
@@ -266,7 +265,6 @@ class KernelTuning:
     exact_wide_mm_block_n: int = 256
     exact_wide_num_warps: int = 8
     exact_wide_num_stages: int = 3
-    exact_kb_unroll: int = 1
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
@@ -296,8 +294,6 @@ class KernelTuning:
             value = getattr(self, name)
             if not (_pow2(value) and low <= value <= high):
                 raise ValueError(f"KernelTuning.{name} must be a power of two in {low}..{high}, got {value!r}")
-        if self.exact_kb_unroll not in (1, 2) or isinstance(self.exact_kb_unroll, bool):
-            raise ValueError(f"KernelTuning.exact_kb_unroll must be 1 or 2, got {self.exact_kb_unroll!r}")
         if not _pow2(self.exact_max_split):
             raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
         tiles = self.exact_attention_tiles_per_program
