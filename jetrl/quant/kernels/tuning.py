@@ -256,6 +256,7 @@ class KernelTuning:
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
+    kv_decode_bit_convert: bool = False
     kv_decode_block_n: int = 0
     kv_decode_num_warps: int = 4
     kv_decode_num_stages: int = 2
