@@ -39,6 +39,19 @@ BENCHMARKS.md); off, every FP8 tile is dequantized in registers as for an fp16 q
 fields (:func:`launch_config`; the defaults are the launch the tests pin), swept by ``bench/attention.py``; a cache in
 q's dtype keeps :data:`BF16_LAUNCH`.
 
+**The E4M3 -> bf16 conversion** on the factored route is either Triton's (``.to(q.dtype)``, the default) or bit
+operations (the tuning's ``kv_decode_bit_convert``, :func:`_load_e4m3_bits`). Compiled for sm_90, Triton's goes
+through fp16 (one ``cvt.rn.f16x2.e4m3x2`` per two values, then one ``cvt.bf16.f16`` per value, F2F instructions on
+the slow conversion pipe) in the dots' operand layout, so the V tile, whose dot reduces over tokens while its bytes
+run along head_dim, is read from shared memory one byte at a time (``ld.shared.u8``: 8-bit operands have no
+transposing ``ldmatrix`` on Hopper). The bit route reads each tile as int32 words, builds the bf16 pairs with one
+``prmt``, ``shl`` and ``and`` and multiplies them by ``2^120`` two at a time (``fma.rn.bf16x2``): no conversion
+instruction, and the converted bf16 tiles reach the dots as a BF16 cache's do (``ldmatrix``, transposing for V).
+Both give the same bf16 (fp32) tiles, so the same attention to summation order (on the GPU the MMA's operand
+layouts differ, so the accumulation may round apart; under the interpreter they are bit for bit equal). It needs
+4-byte rows (head_dim, the block and token strides and the base addresses multiples of 4 bytes, as every cache this
+package allocates); a cache that is not falls back to Triton's conversion.
+
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
 """
