@@ -390,6 +390,8 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     the scales their fp32 results: equal to this function over the dequantized cache
     (``jetrl.models.attention.dequantize_kv``) to summation order, within ``2^-126`` terms (the module doc). With
     an fp16 query each tile is dequantized in registers: bit for bit this function over the dequantized cache.
+    The tuning's ``kv_decode_bit_convert`` converts the E4M3 tiles of the factored route by bit operations instead
+    of Triton's conversion (the same values; the module doc).
     """
     if meta.max_query_len != 1:
         raise ValueError("paged_decode handles decode steps only (one new token per sequence)")
