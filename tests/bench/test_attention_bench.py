@@ -20,7 +20,8 @@ os.environ["OUT"] = out_dir
 from bench import attention
 printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
-    report = attention.main(["--tiny", "--settings", "3x40", "--grid-routes", "factored,inreg,bits", "--split-waves", "8"])
+    report = attention.main(["--tiny", "--settings", "3x40", "--grid-routes", "factored,inreg,bits",
+                             "--split-waves", "8"])
 with open(os.path.join(out_dir, "attention.json")) as f:
     written = json.load(f)
 with contextlib.redirect_stdout(io.StringIO()):  # no time left for the grid: the default rows only

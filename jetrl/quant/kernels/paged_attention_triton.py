@@ -102,10 +102,12 @@ def _load_e4m3_bits(head_ptr, page, row, t_ok, stride_b, stride_t, HEAD_DIM: tl.
 
     Each E4M3 byte's sign, exponent and mantissa bits are placed into a ``DTYPE`` word whose exponent bias is 127, not
     E4M3's 7, so the word reads ``x * 2^-120`` (E4M3 subnormals land on ``DTYPE`` subnormals, zero on zero);
-    multiplying by ``2^120`` in ``DTYPE`` restores ``x`` (exact: a power of two times a representable value, and no
-    subnormal is flushed by the multiply). In bfloat16 the rows are read as int32 words of 4 bytes (``HEAD_DIM % 4 ==
-    0``, strides in bytes divisible by 4) and each word gives two words of two bf16 each (the bf16 operand's packed
-    pairs), so the shifts, masks and the multiply act on 2 values per instruction."""
+    multiplying by ``2^120`` restores ``x`` (exact: a power of two times a representable value; no multiply here
+    flushes subnormals). In bfloat16 the rows are read as int32 words of 4 bytes (``HEAD_DIM % 4 == 0``, strides in
+    bytes divisible by 4; :func:`_words_aligned`) and each word gives two pairs of bf16, each pair one ``prmt``,
+    ``shl``, ``and`` and ``fma.rn.bf16x2`` (``x * 2^120 + -0``: signed zeros kept) in inline PTX (``PTX``); the
+    interpreter, which runs no PTX, builds the same words with Triton's integer ops and multiplies in fp32. In
+    float32 (an IEEE query, which tests and the interpreter use) each byte is converted on its own."""
     if DTYPE == tl.bfloat16:
         w4 = tl.arange(0, BLOCK_D // 4)
         base = head_ptr.to(tl.pointer_type(tl.int32))
