@@ -111,6 +111,11 @@ def test_field_and_fallback():
     assert not _words_aligned(pool[..., :126], pool[..., :126])  # head_dim 126
     odd = torch.zeros(5 * 16 * 8 * 128 + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(5, 16, 8, 128)
     assert not _words_aligned(pool, odd)  # V's base address one byte past a word
+    wide = torch.zeros(5, 16, 8, 132, dtype=torch.uint8).view(torch.float8_e4m3fn)[..., :128]  # heads 132 apart
+    assert _words_aligned(wide, wide)
+    skewed = torch.zeros(5 * 16 * 8 * 129, dtype=torch.uint8).view(torch.float8_e4m3fn).as_strided(
+        (5, 16, 8, 128), (16 * 8 * 129, 8 * 129, 129, 1))
+    assert not _words_aligned(pool, skewed)  # KV heads 129 bytes apart
 
 
 # ------------------------------------------------------------------------------------------------------------

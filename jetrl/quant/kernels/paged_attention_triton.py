@@ -49,8 +49,8 @@ transposing ``ldmatrix`` on Hopper). The bit route reads each tile as int32 word
 instruction, and the converted bf16 tiles reach the dots as a BF16 cache's do (``ldmatrix``, transposing for V).
 Both give the same bf16 (fp32) tiles, so the same attention to summation order (on the GPU the MMA's operand
 layouts differ, so the accumulation may round apart; under the interpreter they are bit for bit equal). It needs
-4-byte rows (head_dim, the block and token strides and the base addresses multiples of 4 bytes, as every cache this
-package allocates); a cache that is not falls back to Triton's conversion.
+4-byte rows (head_dim, the block, token and head strides and the base addresses multiples of 4 bytes, as every
+cache this package allocates); a cache that is not falls back to Triton's conversion.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
@@ -324,9 +324,9 @@ def check_kv_cache(what: str, q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
 
 
 def _words_aligned(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor) -> bool:
-    """Whether an FP8 cache's rows can be read as int32 words (the bit conversion's bf16 form): head_dim, the block
-    and token strides and both base addresses multiples of 4 bytes."""
-    return all(t.shape[-1] % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 and t.data_ptr() % 4 == 0
+    """Whether an FP8 cache's rows can be read as int32 words (the bit conversion's bf16 form): head_dim, the block,
+    token and KV-head strides and both base addresses multiples of 4 bytes."""
+    return all(t.shape[-1] % 4 == 0 and all(t.stride(i) % 4 == 0 for i in range(3)) and t.data_ptr() % 4 == 0
                for t in (k_cache_layer, v_cache_layer))
 
 
