@@ -11,6 +11,8 @@ and 64 x 768. Rows per setting:
   in registers (``kv_decode_factored=false``), the tuning's default launch;
 * ``kv8-factored``: the FP8 cache, E4M3 tiles into the dots, scales on the fp32 side (the default route), default
   launch;
+* ``kv8-bits``: the factored route with the E4M3 tiles converted by bit operations (``kv_decode_bit_convert=true``)
+  instead of Triton's conversion, default launch;
 * the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves`` and
   ``--max-splits`` (the tuning's ``kv_decode_*`` fields) on each route of ``--grid-routes``.
 
@@ -49,9 +51,10 @@ try:  # repository root on sys.path (python -m bench.attention, the tests)
 except ModuleNotFoundError:  # python bench/attention.py: bench/ itself is on sys.path
     from common import add_tuning_argument, device_description, parse_tuning, sync, write_report  # type: ignore
 
-ROUTES = ("bf16", "kv8-inreg", "kv8-factored")
-GRID_ROUTES = {"inreg": "kv8-inreg", "factored": "kv8-factored"}
-ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False}, "kv8-factored": {"kv_decode_factored": True}}
+ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bits")
+GRID_ROUTES = {"inreg": "kv8-inreg", "factored": "kv8-factored", "bits": "kv8-bits"}
+ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False}, "kv8-factored": {"kv_decode_factored": True},
+                "kv8-bits": {"kv_decode_factored": True, "kv_decode_bit_convert": True}}
 SETTINGS = "256x768,64x4352,64x768"
 TINY_SETTINGS = "3x40,2x100"
 
@@ -340,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=None, help=f"SEQSxCONTEXT comma list (default {SETTINGS}; "
                                                           f"--tiny: {TINY_SETTINGS})")
-    parser.add_argument("--grid-routes", default="factored", help="routes the grid runs on: factored, inreg, "
-                                                                   "both comma-separated, or none")
+    parser.add_argument("--grid-routes", default="factored", help="routes the grid runs on: factored, inreg, bits, "
+                                                                   "several comma-separated, or none")
     parser.add_argument("--block-n", default=None, help="tokens per FP8 tile (0: the route's own; default 64,128,256;"
                                                          " --tiny 16,32)")
     parser.add_argument("--num-warps", default=None, help="default 4,8 (--tiny 4)")

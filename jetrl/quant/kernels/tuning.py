@@ -198,6 +198,10 @@ class KernelTuning:
     ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
     the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
     tile is dequantized in registers first (the route an fp16 query always takes). On by default.
+    ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
+    and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
+    instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
+    attention to summation order. Off by default until measured.
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
     tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
@@ -268,6 +272,7 @@ class KernelTuning:
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
+    kv_decode_bit_convert: bool = False
     kv_decode_block_n: int = 0
     kv_decode_num_warps: int = 4
     kv_decode_num_stages: int = 2
@@ -303,6 +308,9 @@ class KernelTuning:
         if self.exact_attention_stacked and not _pow2(tiles):
             raise ValueError(f"KernelTuning.exact_attention_stacked (stacked tiles) needs a power-of-two "
                              f"exact_attention_tiles_per_program (the rows of one dot), got {tiles}")
+        for name in ("kv_decode_factored", "kv_decode_bit_convert"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
             raise ValueError(f"KernelTuning.kv_decode_block_n must be 0 (the route's own tile) or a power of two in "
                              f"16..256, got {self.kv_decode_block_n!r}")

@@ -1,0 +1,216 @@
+"""The decode kernel's E4M3 -> bf16 conversion by bit operations (the tuning's ``kv_decode_bit_convert``).
+
+* the conversion itself (``_load_e4m3_bits``), bit for bit torch's ``.to`` for every E4M3 code but NaN (zeros of both
+  signs, the subnormals, the largest values), into bf16 and fp32: under the interpreter (Triton's integer ops, the
+  same bits as the PTX) and on the GPU (the PTX);
+* ``paged_decode`` with it is bit for bit ``paged_decode`` with Triton's conversion under the interpreter (the same
+  tiles into the same dots): partial pages, a one-token context, GQA group 3, context splits, 16-token and default
+  tiles, fp32 and bf16 queries (the interpreter's bf16 dots are not IEEE, but a deterministic function of the same
+  operand bits), and within fp32 summation order of the reference;
+* compiled for the H200 (sm_90a) on this machine: the bit route has none of the conversion instructions and
+  byte-wise shared-memory loads of the default factored route, and the same MMAs (a structural check of what
+  makes it faster; the GPU sweep in ``bench/attention.py`` measures it);
+* on the GPU at the 8B head shapes: within the tolerances of the reference and of the default route.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+
+import pytest
+import torch
+
+from interpreted import run_interpreted
+from test_kv_fp8_kernels import _SHARED, TOL, _decode_case, rel_err
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install triton) ")
+
+
+def e4m3_codes(shift: int, device="cpu") -> torch.Tensor:
+    """Every E4M3 value but NaN, as 64 rows of 4 (codes 0x7F and 0xFF, the NaNs, replaced by the zeros), rotated by
+    ``shift``: shifts 0..3 put every value in each of the 4 bytes of a word."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[0x7F], codes[0xFF] = 0x00, 0x80
+    return codes.roll(shift).to(torch.uint8).view(torch.float8_e4m3fn).view(64, 4).to(device)
+
+
+def _converted_bits(out: torch.Tensor, codes: torch.Tensor) -> bool:
+    want = codes.to(out.dtype)
+    view = torch.int16 if out.dtype == torch.bfloat16 else torch.int32
+    return bool(torch.equal(out.view(view), want.view(view)))
+
+
+_CHILD = r'''
+import json, sys
+import torch
+from jetrl.models.attention import paged_attention_reference
+from jetrl.quant import reference as R
+from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.paged_attention_triton import paged_decode
+sys.path.insert(0, "tests/quant")
+from e4m3_bits_kernel import convert
+''' + "\n".join(inspect.getsource(f) for f in [*_SHARED, e4m3_codes, _converted_bits]) + r'''
+out = {}
+for dtype in (torch.bfloat16, torch.float32):
+    out[f"convert-{str(dtype)[6:]}"] = [_converted_bits(convert(codes, dtype, False), codes)
+                                        for codes in map(e4m3_codes, range(4))]
+
+g = torch.Generator().manual_seed(0)
+contexts, page, hq, hkv, d = [1, 37, 130], 8, 6, 2, 32  # a one-token context, partial pages, GQA group 3
+meta, kd, ks, vd, vs = paged_case(g, contexts, [1] * len(contexts), page, hkv, d, shared_blocks=1)
+for dtype in (torch.float32, torch.bfloat16):
+    q = torch.randn(len(contexts), hq, d, generator=g).to(dtype)
+    kq, vq = dequantize_kv_ref(kd, ks, dtype), dequantize_kv_ref(vd, vs, dtype)
+    ref = paged_attention_reference(q.float(), kq.float(), vq.float(), meta, d ** -0.5)
+    for splits, block_n in ((1, 16), (3, 16), (2, None)):  # None: the default FP8 tile (128 tokens)
+        runs = []
+        for bits in (False, True):
+            with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=bits):
+                runs.append(paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n))
+        r = {"bitwise": same_bits(*runs)}
+        if dtype == torch.float32:
+            r["err"] = rel_err(runs[1], ref)
+        out[f"decode-{str(dtype)[6:]}-splits{splits}-tile{block_n}"] = r
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(_CHILD, "decode attention: the bit conversion", timeout=600)
+
+
+def test_conversion_is_torchs_for_every_e4m3_value(interpreted):
+    assert interpreted["convert-bfloat16"] == interpreted["convert-float32"] == [True] * 4, interpreted
+
+
+def test_paged_decode_with_the_bit_conversion_is_the_default_routes_bit_for_bit(interpreted):
+    cases = {name: r for name, r in interpreted.items() if name.startswith("decode-")}
+    assert len(cases) == 6, sorted(cases)
+    for name, r in cases.items():
+        assert r["bitwise"], (name, r)
+        assert r.get("err", 0.0) < TOL["float32"], (name, r)
+
+
+def test_field_and_fallback():
+    """Off by default, a bool; a cache whose rows are not whole 4-byte words (head_dim, strides or base address) takes
+    Triton's conversion."""
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.paged_attention_triton import _words_aligned
+
+    assert tuning.current().kv_decode_bit_convert is False
+    for bad in (1, "true", None):
+        with pytest.raises(ValueError, match="kv_decode_bit_convert must be a bool"):
+            with tuning.override(kv_decode_bit_convert=bad):
+                pass
+    pool = torch.zeros(5, 16, 8, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert _words_aligned(pool, pool)
+    assert not _words_aligned(pool[..., :126], pool[..., :126])  # head_dim 126
+    odd = torch.zeros(5 * 16 * 8 * 128 + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(5, 16, 8, 128)
+    assert not _words_aligned(pool, odd)  # V's base address one byte past a word
+    wide = torch.zeros(5, 16, 8, 132, dtype=torch.uint8).view(torch.float8_e4m3fn)[..., :128]  # heads 132 apart
+    assert _words_aligned(wide, wide)
+    skewed = torch.zeros(5 * 16 * 8 * 129, dtype=torch.uint8).view(torch.float8_e4m3fn).as_strided(
+        (5, 16, 8, 128), (16 * 8 * 129, 8 * 129, 129, 1))
+    assert not _words_aligned(pool, skewed)  # KV heads 129 bytes apart
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: the kernel compiled for the H200 (sm_90a), no GPU needed
+
+
+def _ptx(bits: bool, block_n: int = 128) -> str:
+    """The decode kernel over an FP8 cache with bf16 queries, specialized as the runtime does at the 8B head shapes
+    of ``bench/attention.py`` (pointers and ints divisible by 16 marked so, ints equal to 1 constants)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jetrl.quant.kernels import paged_attention_triton as P
+
+    kernel = P._paged_decode_kernel
+    names = kernel.arg_names
+    consts = dict(GROUP=4, HEAD_DIM=128, PAGE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n, IEEE=False,
+                  FP8=True, FACTORED=True, BITS=bits, WHILE_LOOP=False, stride_ksh=1, stride_vsh=1)
+    ptrs = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+            "tables_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
+            "part_ml_ptr": "*fp32", "scale_log2": "fp32"}
+    ints = dict(tokens_per_split=768, stride_qs=4096, stride_qh=128, stride_kb=16384, stride_kt=1024, stride_kh=128,
+                stride_vb=16384, stride_vt=1024, stride_vh=128, stride_ksb=128, stride_kst=8, stride_vsb=128,
+                stride_vst=8, stride_ts=48, stride_os=4096, stride_oh=128)
+    assert set(names) == set(consts) | set(ptrs) | set(ints), set(names) ^ (set(consts) | set(ptrs) | set(ints))
+    signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in ptrs and n != "scale_log2" or ints.get(n, 1) % 16 == 0}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+
+
+OPS = {"e4m3 cvt": r"cvt\.rn\.f16x2\.e4m3x2", "f16->bf16 cvt": r"cvt\.(rn\.)?bf16\.f16", "byte ld.shared":
+       r"ld\.shared(\.v\d)?\.[bu]8", "mma": r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32",
+       "ldmatrix.trans": r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans", "bits prmt": r"prmt\.b32 [^;]*0x9180;",
+       "bf16x2 fma": r"fma\.rn\.bf16x2"}
+
+
+def _counts(ptx: str) -> dict:
+    return {name: len(re.findall(pattern, ptx)) for name, pattern in OPS.items()}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    try:
+        return {bits: _counts(_ptx(bits)) for bits in (False, True)}
+    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
+        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+
+
+def test_bit_route_compiles_without_conversions_or_byte_loads(compiled):
+    """The default route converts through fp16 (``cvt.rn.f16x2.e4m3x2``, then one ``cvt.bf16.f16`` per value on
+    Triton 3.9) in the dots' operand layout; the bit route has no conversion instruction and reads no shared memory
+    a byte at a time, runs the same MMAs, and brings V to its dot through a transposing ``ldmatrix`` of bf16, as the
+    BF16-cache kernel does. Its conversion is a prmt, shl, and, fma per pair: K and V, 128 tokens x 128 values, 4
+    bytes a word, so per thread of 128 64 words, 2 prmts of the 0x9180/0xB3A2 kind and 2 packed multiplies each."""
+    default, bits = compiled[False], compiled[True]
+    assert default["e4m3 cvt"] > 0 and default["bits prmt"] == 0, default  # the counts see the default's conversion
+    assert bits["e4m3 cvt"] == bits["f16->bf16 cvt"] == bits["byte ld.shared"] == 0, bits
+    # per warp of 4: (16 x 128 scores, 128 deep) + (16 x 128 outputs, 128 deep) in m16n8k16 steps, over 4 warps
+    assert bits["mma"] == default["mma"] == 2 * (128 // 8) * (128 // 16) // 4, (bits, default)
+    assert bits["ldmatrix.trans"] > 0 and bits["bits prmt"] > 0 and bits["bf16x2 fma"] == 2 * bits["bits prmt"], bits
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: the PTX conversion, and the route at the Llama-3.1-8B head shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_conversion_on_the_gpu_is_torchs_for_every_e4m3_value(dtype):
+    from e4m3_bits_kernel import convert
+
+    for shift in range(4):
+        codes = e4m3_codes(shift, "cuda")
+        assert _converted_bits(convert(codes, dtype, True), codes), shift
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs", [1, 5, 64])
+def test_paged_decode_bit_route_at_8b_shapes(num_seqs):
+    from jetrl.models.attention import paged_attention_reference
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.paged_attention_triton import paged_decode
+
+    q, meta, kd, ks, vd, vs = _decode_case(num_seqs)
+    kq, vq = kd.float() * ks[..., None], vd.float() * vs[..., None]
+    ref = paged_attention_reference(q.float(), kq, vq, meta, q.shape[-1] ** -0.5)
+    for kw in ({}, {"num_splits": 3}, {"block_n": 64}, {"block_n": 256}):
+        with tuning.override(kv_decode_factored=True):
+            a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
+        with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=True):
+            b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
+        assert b.dtype == torch.bfloat16 and torch.isfinite(b).all(), kw
+        # the same tiles into the same dots: apart only where the MMA's accumulation order differs
+        assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (kw, rel_err(b, ref), rel_err(b, a))
