@@ -9,10 +9,10 @@ and 64 x 768. Rows per setting:
 * ``bf16``: the BF16 cache, the kernel's fixed launch (the baseline every ratio is against);
 * ``kv8-inreg``: the FP8 cache (E4M3 K/V, one fp32 power-of-two scale per token and KV head), each tile dequantized
   in registers (``kv_decode_factored=false``), the tuning's default launch;
-* ``kv8-factored``: the FP8 cache, E4M3 tiles into the dots, scales on the fp32 side (the default route), default
-  launch;
-* ``kv8-bits``: the factored route with the E4M3 tiles converted by bit operations (``kv_decode_bit_convert=true``)
-  instead of Triton's conversion, default launch;
+* ``kv8-factored``: the FP8 cache, E4M3 tiles into the dots through Triton's conversion
+  (``kv_decode_bit_convert=false``), scales on the fp32 side, default launch;
+* ``kv8-bits``: the factored route with the E4M3 tiles converted by bit operations (``kv_decode_bit_convert=true``,
+  the default route), default launch;
 * the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves`` and
   ``--max-splits`` (the tuning's ``kv_decode_*`` fields) on each route of ``--grid-routes``.
 
@@ -53,7 +53,7 @@ except ModuleNotFoundError:  # python bench/attention.py: bench/ itself is on sy
 
 ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bits")
 GRID_ROUTES = {"inreg": "kv8-inreg", "factored": "kv8-factored", "bits": "kv8-bits"}
-ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False}, "kv8-factored": {"kv_decode_factored": True},
+ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False}, "kv8-factored": {"kv_decode_factored": True, "kv_decode_bit_convert": False},
                 "kv8-bits": {"kv_decode_factored": True, "kv_decode_bit_convert": True}}
 SETTINGS = "256x768,64x4352,64x768"
 TINY_SETTINGS = "3x40,2x100"

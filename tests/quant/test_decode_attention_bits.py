@@ -96,12 +96,12 @@ def test_paged_decode_with_the_bit_conversion_is_the_default_routes_bit_for_bit(
 
 
 def test_field_and_fallback():
-    """Off by default, a bool; a cache whose rows are not whole 4-byte words (head_dim, strides or base address) takes
+    """On by default, a bool; a cache whose rows are not whole 4-byte words (head_dim, strides or base address) takes
     Triton's conversion."""
     from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.paged_attention_triton import _words_aligned
 
-    assert tuning.current().kv_decode_bit_convert is False
+    assert tuning.current().kv_decode_bit_convert is True
     for bad in (1, "true", None):
         with pytest.raises(ValueError, match="kv_decode_bit_convert must be a bool"):
             with tuning.override(kv_decode_bit_convert=bad):

@@ -39,9 +39,9 @@ BENCHMARKS.md); off, every FP8 tile is dequantized in registers as for an fp16 q
 fields (:func:`launch_config`; the defaults are the launch the tests pin), swept by ``bench/attention.py``; a cache in
 q's dtype keeps :data:`BF16_LAUNCH`.
 
-**The E4M3 -> bf16 conversion** on the factored route is either Triton's (``.to(q.dtype)``, the default) or bit
-operations (the tuning's ``kv_decode_bit_convert``, :func:`_load_e4m3_bits`). Compiled for sm_90, Triton's goes
-through fp16 (one ``cvt.rn.f16x2.e4m3x2`` per two values, then one ``cvt.bf16.f16`` per value, F2F instructions on
+**The E4M3 -> bf16 conversion** on the factored route is either bit operations (the tuning's
+``kv_decode_bit_convert``, the default: faster on the H200, :func:`_load_e4m3_bits`) or Triton's
+(``.to(q.dtype)``). Compiled for sm_90, Triton's goes through fp16 (one ``cvt.rn.f16x2.e4m3x2`` per two values, then one ``cvt.bf16.f16`` per value, F2F instructions on
 the slow conversion pipe) in the dots' operand layout, so the V tile, whose dot reduces over tokens while its bytes
 run along head_dim, is read from shared memory one byte at a time (``ld.shared.u8``: 8-bit operands have no
 transposing ``ldmatrix`` on Hopper). The bit route reads each tile as int32 words, builds the bf16 pairs with one

@@ -201,7 +201,7 @@ class KernelTuning:
     ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
     and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
     instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
-    attention to summation order. Off by default until measured.
+    attention to summation order. On by default (faster on the H200, BENCHMARKS.md); off, Triton's conversion.
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
     tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
@@ -272,7 +272,7 @@ class KernelTuning:
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
-    kv_decode_bit_convert: bool = False
+    kv_decode_bit_convert: bool = True
     kv_decode_block_n: int = 0
     kv_decode_num_warps: int = 4
     kv_decode_num_stages: int = 2
