@@ -161,7 +161,9 @@ class _LMHeadLogprobs(torch.autograd.Function):
     """``(logprob, entropy)`` of ``targets`` under ``softmax(hidden @ weight.T / T)``, chunk by chunk.
 
     With ``keep_logits`` the forward writes every chunk's logits into one (N, vocab) buffer that the
-    backward turns into logit gradients in place, instead of recomputing them (one LM-head GEMM less)."""
+    backward turns into logit gradients in place, instead of recomputing them (one LM-head GEMM less).
+    ``exact``: the logits from exact mode's batch-invariant GEMM and the statistics from
+    :func:`exact_logprobs_from_logits` (the sampler's function); the gradient formula is the same."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, impl, keep_logits=False, exact=False):
@@ -169,7 +171,8 @@ class _LMHeadLogprobs(torch.autograd.Function):
         lp = hidden.new_empty(n, dtype=torch.float32)
         ent, lse = torch.empty_like(lp), torch.empty_like(lp)
         kept = hidden.new_empty(n, weight.shape[0]) if keep_logits else None
-        temps = torch.full((min(n, chunk_size),), temperature, dtype=torch.float32, device=hidden.device)
+        temps = torch.full((min(n, chunk_size),), temperature, dtype=torch.float32, device=hidden.device) \
+            if exact else None
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             logits = _head_logits(hidden[s:e], weight, exact)

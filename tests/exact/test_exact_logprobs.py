@@ -4,7 +4,7 @@ the rollout's sampler and the trainer) and the trainer's chunked path over it.
 * The PyTorch path (CPU): bit for bit the ``log_softmax`` formula it has always been (so CPU exact runs keep their
   bits), batch-invariant (a row's bits alone and in batches of 1, 3, 17 and 300 rows), the trainer's chunked
   function equal to the sampler's on the same logits, and its hand-written gradient against autograd of the plain
-  formulas, for a plain head and for a tied head (the generic path).
+  formulas, for a plain head, a tied one and one with a bias (the generic path, under checkpointing).
 * The kernel (``exact_logprob_stats``) under ``TRITON_INTERPRET=1``: against the PyTorch path to fp32 rounding,
   batch-invariant bitwise, its bits unchanged by a copy of the logits (non-contiguous or 16-bit inputs), the
   trainer's chunked function through it bitwise the sampler's on the same logits, and its gradients.
@@ -26,15 +26,23 @@ from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample
 BATCHES = (1, 3, 17, 300)
 
 
-def _model(tied: bool, vocab: int = 333, dtype=torch.float32):
+HEADS = ("plain", "tied", "bias")  # a head with a bias is not a plain one: the generic, checkpointed path
+
+
+def _model(head: str, vocab: int = 333):
     cfg = dict(model_type="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
-               rope_theta=10000.0, tie_word_embeddings=tied)
-    return jm.build_model(cfg, dtype=dtype, seed=1)
+               rope_theta=10000.0, tie_word_embeddings=head == "tied")
+    model = jm.build_model(cfg, dtype=torch.float32, seed=1)
+    if head == "bias":
+        torch.manual_seed(3)
+        model.lm_head = torch.nn.Linear(64, vocab, bias=True)
+    return model
 
 
-def _plain(hidden, weight, targets, temperature):
-    logp = torch.log_softmax(hidden.double() @ weight.double().t() / temperature, -1)
+def _plain(hidden, head, targets, temperature):
+    bias = 0 if head.bias is None else head.bias.double()
+    logp = torch.log_softmax((hidden.double() @ head.weight.double().t() + bias) / temperature, -1)
     lp = torch.where(targets >= 0, logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
     return lp, -(logp.exp() * logp).sum(-1)
 
@@ -60,10 +68,10 @@ def test_reference_is_the_log_softmax_formula_bitwise_and_batch_invariant():
         exact_logprobs_from_logits(logits, targets, temps[:3])
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["plain-head", "tied-head-generic"])
-def test_trainer_equals_sampler_bitwise_on_cpu(tied):
+@pytest.mark.parametrize("head", HEADS)
+def test_trainer_equals_sampler_bitwise_on_cpu(head):
     """The trainer's chunked exact log-probabilities are the sampler's, bit for bit, whatever the chunking."""
-    model = _model(tied)
+    model = _model(head)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(41, 64, generator=g)
     with torch.no_grad():
@@ -80,10 +88,10 @@ def test_trainer_equals_sampler_bitwise_on_cpu(tied):
         assert torch.equal(lp_grad.detach(), engine_lp), chunk
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["plain-head", "tied-head-generic"])
+@pytest.mark.parametrize("head", HEADS)
 @pytest.mark.parametrize("temperature,chunk,loss", [(1.0, 7, "both"), (0.6, 50, "logprob"), (1.7, 1000, "entropy")])
-def test_exact_gradient_matches_autograd_of_the_plain_formulas(tied, temperature, chunk, loss):
-    model = _model(tied)
+def test_exact_gradient_matches_autograd_of_the_plain_formulas(head, temperature, chunk, loss):
+    model = _model(head)
     g = torch.Generator().manual_seed(2)
     n = 61
     hidden = torch.randn(n, 64, generator=g).requires_grad_(True)
@@ -91,7 +99,7 @@ def test_exact_gradient_matches_autograd_of_the_plain_formulas(tied, temperature
     targets[::9] = -1
     w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
     lp, ent = jm.logprobs_from_hidden(model, hidden, targets, temperature, chunk, exact=True)
-    ref_lp, ref_ent = _plain(hidden, model.lm_head.weight, targets, temperature)
+    ref_lp, ref_ent = _plain(hidden, model.lm_head, targets, temperature)
     assert (lp[targets < 0] == 0).all()
     assert torch.allclose(lp.double(), ref_lp, atol=2e-6, rtol=0) and torch.allclose(ent.double(), ref_ent, atol=2e-6)
 
@@ -99,8 +107,9 @@ def test_exact_gradient_matches_autograd_of_the_plain_formulas(tied, temperature
         return {"both": (a * w_lp).sum() + (b * w_ent).sum(), "logprob": (a * w_lp).sum(),
                 "entropy": (b * w_ent).sum()}[loss]
 
-    got = torch.autograd.grad(objective(lp, ent), [hidden, model.lm_head.weight])
-    want = torch.autograd.grad(objective(ref_lp, ref_ent), [hidden, model.lm_head.weight])
+    params = [hidden, model.lm_head.weight] + ([model.lm_head.bias] if head == "bias" else [])
+    got = torch.autograd.grad(objective(lp, ent), params)
+    want = torch.autograd.grad(objective(ref_lp, ref_ent), params)
     for a, b in zip(got, want):
         assert torch.isfinite(a).all() and a.dtype == torch.float32
         assert float((a.double() - b).norm() / b.norm()) < 1e-5  # fp32 chunks against fp64 autograd
@@ -154,8 +163,11 @@ cfg = dict(model_type="llama", vocab_size=5000, hidden_size=64, intermediate_siz
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
            rope_theta=10000.0)
 for dtype in (torch.float32, torch.bfloat16):
-    for tied in (False, True):
-        model = jm.build_model(dict(cfg, tie_word_embeddings=tied), dtype=dtype, seed=2)
+    for head in ("plain", "bias"):  # a plain head, and a head with a bias (the generic, checkpointed path)
+        model = jm.build_model(cfg, dtype=dtype, seed=2)
+        if head == "bias":
+            torch.manual_seed(3)
+            model.lm_head = torch.nn.Linear(64, 5000, bias=True, dtype=dtype)
         hidden = torch.randn(37, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
         with torch.no_grad():
             lg = model.compute_logits(hidden, exact=True)
@@ -178,9 +190,9 @@ for dtype in (torch.float32, torch.bfloat16):
             (lp.sum() + 0.3 * ent.sum()).backward()
             want = (h.grad.float(), model.lm_head.weight.grad.float())
             model.zero_grad()
-            out[f"grad-{str(dtype)[6:]}-{tied}-{chunk}"] = [
+            out[f"grad-{str(dtype)[6:]}-{head}-{chunk}"] = [
                 float((a.double() - b.double()).norm() / b.double().norm()) for a, b in zip(got, want)]
-        out[f"trainer_is_sampler-{str(dtype)[6:]}-{tied}"] = same
+        out[f"trainer_is_sampler-{str(dtype)[6:]}-{head}"] = same
 json.dump(out, sys.stdout)
 '''
 
