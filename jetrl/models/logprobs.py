@@ -20,8 +20,9 @@ extra memory per logit), elsewhere the PyTorch formulas below (fp32 copies: ~14 
 
 **Exact mode** (``exact=True``, :mod:`jetrl.quant.exact`): the rollout sampler and the trainer compute the
 log-probability with ONE function, :func:`exact_logprobs_from_logits` (per row ``log_softmax(logits / T)`` at
-the target, ``T`` an fp32 tensor on both sides: on CUDA one batch-invariant Triton pass over each row's fp32
-logits, elsewhere PyTorch's ``log_softmax``), from the logits of the batch-invariant LM head (the values of
+the target, ``T`` an fp32 tensor on both sides: on CUDA one batch-invariant Triton pass over each row's logits,
+which gives the sampler's fp32 logits and the trainer's bf16 ones of the same values the same bits, elsewhere
+PyTorch's ``log_softmax``), from the logits of the batch-invariant LM head (the values of
 ``model.compute_logits(..., exact=True)``), so the two are bitwise equal. A plain head runs the same chunked
 function as fast mode with the exact GEMM for the logits and that function for the statistics; the backward is
 the same hand-written logit gradient (only forward values must match the rollout's). Other heads run
@@ -102,17 +103,18 @@ def exact_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temp
 
     Two implementations, one dispatch rule (:func:`~jetrl.quant.backend.choose_impl`, op ``"logprobs"``; ``impl``
     forces one): the kernel :func:`jetrl.quant.kernels.logprobs_triton.exact_logprob_stats` (one pass over each
-    row's fp32 logits, nothing of size (B, V) written), else :func:`exact_stats_reference`. Each is batch-invariant
+    row's logits, nothing of size (B, V) written), else :func:`exact_stats_reference`. Each is batch-invariant
     (a row's bits depend on that row alone); the two agree to fp32 rounding, not bitwise, which is fine because
-    both sides of exact mode reach the same one on a given device. The logits are read as fp32 values (a 16-bit
-    input is widened first, exactly)."""
+    both sides of exact mode reach the same one on a given device. The logits are read as their fp32 values:
+    fp32 and 16-bit logits of the same values give the same bits (the kernel reads 16-bit ones as they are)."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1] or temperature.shape != logits.shape[:1]:
         raise ValueError(f"exact log-probabilities: logits (B, V), targets and temperature (B,), got "
                          f"{tuple(logits.shape)}, {tuple(targets.shape)} and {tuple(temperature.shape)}")
     if choose_impl(logits, impl, op="logprobs") == "triton":
         from jetrl.quant.kernels.logprobs_triton import exact_logprob_stats
 
-        return exact_logprob_stats(logits.float(), targets, temperature.to(torch.float32))
+        return exact_logprob_stats(logits if logits.dtype in _KERNEL_DTYPES else logits.float(), targets,
+                                   temperature.to(torch.float32))
     return exact_stats_reference(logits, targets, temperature)
 
 
@@ -178,7 +180,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
             logits = _head_logits(hidden[s:e], weight, exact)
             if kept is not None:
                 kept[s:e] = logits
-            if exact:  # the sampler's function, on the fp32 logits that compute_logits(exact=True) returns
+            if exact:  # the sampler's function, on the values of compute_logits(exact=True) (read unwidened)
                 lp[s:e], ent[s:e], lse[s:e] = exact_logprobs_from_logits(logits, targets[s:e], temps[:e - s], impl)
             else:
                 lp[s:e], ent[s:e], lse[s:e] = _stats(logits, targets[s:e], temperature, impl)

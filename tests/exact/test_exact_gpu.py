@@ -165,6 +165,9 @@ def test_row_wise_kernels_are_batch_invariant():
     wide = torch.zeros(1024, 128256 + 3, device="cuda")
     wide[:, 1:-2] = logits  # a strided, misaligned view: copied first, the same bits
     assert all(torch.equal(a, b) for a, b in zip(exact_logprobs_from_logits(wide[:, 1:-2], targets, temps), full))
+    half = logits.to(torch.bfloat16)  # the trainer's bf16 logits and the sampler's fp32 ones of the same values
+    assert all(torch.equal(a, b) for a, b in zip(exact_logprobs_from_logits(half, targets, temps),
+                                                 exact_logprobs_from_logits(half.float(), targets, temps)))
 
 
 @pytest.fixture(scope="module")

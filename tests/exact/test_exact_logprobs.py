@@ -227,3 +227,49 @@ def test_kernel_gradients_match_the_reference_path(interpreted):
         if key.startswith("grad-"):
             # fp32 models: summation order only; bf16: the logit gradient rounded to bf16, then bf16 GEMMs
             assert all(e < (1e-5 if "float32" in key else 1e-2) for e in errs), (key, errs)
+
+
+def _compiled(xdtype: str, aligned_vocab: bool) -> tuple[list[str], list[str]]:
+    """Exact mode's specialization of the statistics kernel compiled for the H200 (sm_90a) on this CPU machine:
+    its register layouts (TTGIR) and its sequence of fp32 arithmetic and shuffle instructions (PTX, loads and
+    widenings left out)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jetrl.quant.kernels import logprobs_triton as K
+
+    kernel = K._logprob_stats_kernel
+    names = kernel.arg_names
+    consts = dict(SCALE=True, EXACT=True, NUM_BLOCKS=32, BLOCK_V=K.STATS_BLOCK_V)
+    types = {"x_ptr": f"*{xdtype}", "t_ptr": "*i64", "lp_ptr": "*fp32", "ent_ptr": "*fp32", "lse_ptr": "*fp32",
+             "temp_ptr": "*fp32", "temp": "fp32"}
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    aligned = ["x_ptr", "t_ptr", "lp_ptr", "ent_ptr", "lse_ptr", "temp_ptr"] + (["V", "stride_x"] * aligned_vocab)
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.EXACT_NUM_WARPS))
+    layouts = sorted(set(re.findall(r"#ttg\.blocked<[^>]*>", compiled.asm["ttgir"])))
+    ops = []
+    for line in compiled.asm["ptx"].splitlines():
+        op = line.strip().split(" ")[0] if line.strip() else ""
+        if any(t in op for t in (".f32", "shfl", "ex2", "lg2")) and not op.startswith(("ld.", "cvt.")):
+            ops.append(op)
+    return layouts, ops
+
+
+@pytest.mark.parametrize("aligned_vocab", [True, False], ids=["vocab%16==0", "odd-vocab"])
+def test_kernel_sums_fp32_and_16bit_logits_in_one_order(aligned_vocab):
+    """The sampler reads fp32 logits, the trainer's chunked head bf16 ones (the same values): the exact kernel must
+    compile both to the same register layout and the same fp32 instruction sequence, i.e. the same bits."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (pip install triton)")
+    try:
+        want = _compiled("fp32", aligned_vocab)
+    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
+        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+    assert len(want[0]) == 1 and want[1].count("ex2.approx.f32") >= 2, want
+    for dtype in ("bf16", "fp16"):
+        assert _compiled(dtype, aligned_vocab) == want, dtype

@@ -9,8 +9,9 @@ Here:
   log-probability of the target, the entropy and the log-sum-exp, all in fp32 (an online log-sum-exp
   that rescales its running sums when the running maximum grows).
 * :func:`exact_logprob_stats` is the same pass for exact mode (:mod:`jetrl.quant.exact`): a temperature per
-  row and one fixed configuration, so a row's bits depend on that row alone; the rollout's sampler and the
-  trainer both call it (through ``jetrl.models.logprobs.exact_logprobs_from_logits``).
+  row and one fixed configuration, so a row's bits depend on that row alone (and not on whether its logits
+  come as fp32, the sampler's, or bf16, the trainer's); the rollout's sampler and the trainer both call it
+  (through ``jetrl.models.logprobs.exact_logprobs_from_logits``).
 * :func:`logprob_grad_` reads them once more and overwrites them with d(loss)/d(logits), given the
   upstream gradients of the log-probabilities and entropies and the saved log-sum-exp and entropy.
 
@@ -40,13 +41,15 @@ EXACT_NUM_WARPS = 8  # exact mode's statistics kernel: fixed, so a tuning settin
 
 @triton.jit
 def _logprob_stats_kernel(x_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, temp_ptr, V, stride_x, temp,
-                          SCALE: tl.constexpr, ROW_TEMP: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                          SCALE: tl.constexpr, EXACT: tl.constexpr, NUM_BLOCKS: tl.constexpr,
                           BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
-    if ROW_TEMP:  # exact mode: each row's own temperature
+    if EXACT:  # exact mode: each row's own temperature
         temp = tl.load(temp_ptr + row)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     cols = tl.arange(0, BLOCK_V)
+    if EXACT:  # at most 4 contiguous logits per thread, whatever their dtype: the same register layout, so the
+        cols = tl.max_contiguous(cols, 4)  # same order of every sum, for fp32 and 16-bit logits
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)  # sum exp(z - m)
     w = tl.zeros((), tl.float32)  # sum exp(z - m) * z
@@ -115,7 +118,7 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
     out = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
     if rows:
         _logprob_stats_kernel[(rows,)](logits, targets, out[0], out[1], out[2], out[0], vocab, logits.stride(0),
-                                       float(temperature), SCALE=float(temperature) != 1.0, ROW_TEMP=False,
+                                       float(temperature), SCALE=float(temperature) != 1.0, EXACT=False,
                                        NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V), BLOCK_V=STATS_BLOCK_V,
                                        num_warps=tuning.current().logprob_stats_num_warps)
     return out[0], out[1], out[2]
@@ -123,18 +126,20 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
 
 def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
                         temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact mode's fp32 ``(logprob, entropy, logsumexp)`` per row of fp32 ``logits`` (rows, vocab), each row at
-    its own temperature (``temperature``: (rows,) fp32; a target < 0 gives logprob 0).
+    """Exact mode's fp32 ``(logprob, entropy, logsumexp)`` per row of ``logits`` (rows, vocab; fp32, bf16 or fp16),
+    each row at its own temperature (``temperature``: (rows,) fp32; a target < 0 gives logprob 0).
 
-    Batch-invariant by construction: one program per row, walking that row's vocabulary in the fixed blocks of
+    Batch-invariant by construction: one program per row walks that row's vocabulary in the fixed blocks of
     ``STATS_BLOCK_V`` with a fixed warp count (``EXACT_NUM_WARPS``, not the tuning object's, so no setting can
-    change a bit), and a compiled kernel that depends on nothing the number of rows changes: the input is always
-    fp32 (the LM head's logits as :meth:`~jetrl.models.transformer.DecoderLM.compute_logits` returns them; a
-    16-bit input would load, and so sum, in another register layout), with unit-stride rows, ``stride == vocab``
-    and a 16-byte-aligned start (a tensor that is not gets copied first, which changes no value). The division
-    by the temperature always runs (``x / 1.0 == x`` exactly), so no row's path depends on another's."""
-    if logits.dtype != torch.float32:
-        raise TypeError(f"exact_logprob_stats: logits must be fp32 (the LM head's fp32 logits), got {logits.dtype}")
+    change a bit), and nothing the compiled kernel depends on changes with the number of rows. Nor with the dtype:
+    a 16-bit logit widens to fp32 exactly, and the kernel caps the contiguous run each thread loads at 4 elements,
+    so Triton gives fp32 and 16-bit logits the same register layout and thus the same order of every sum (without
+    the cap a 16-bit row would load 8 per thread, fp32 4, and sum in another order): the sampler's fp32 logits and
+    the trainer's bf16 logits of the same values give the same bits. Rows must have unit stride with ``stride ==
+    vocab`` and a 16-byte-aligned start (the alignment also sets the layout); a tensor that is not is copied first,
+    which changes no value. The division by the temperature always runs (``x / 1.0 == x`` exactly)."""
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"exact_logprob_stats: logits must be fp32, bf16 or fp16, got {logits.dtype}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1] or temperature.shape != logits.shape[:1]:
         raise ValueError(f"exact_logprob_stats: logits (rows, vocab), targets and temperature (rows,), got "
                          f"{tuple(logits.shape)}, {tuple(targets.shape)} and {tuple(temperature.shape)}")
@@ -143,9 +148,9 @@ def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
         logits = logits.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned, dense
     out = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
     if rows:
-        _logprob_stats_kernel[(rows,)](logits, targets.contiguous(), out[0], out[1], out[2],
+        _logprob_stats_kernel[(rows,)](logits, targets.to(torch.int64).contiguous(), out[0], out[1], out[2],
                                        temperature.to(torch.float32).contiguous(), vocab, vocab, 1.0,
-                                       SCALE=True, ROW_TEMP=True, NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V),
+                                       SCALE=True, EXACT=True, NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V),
                                        BLOCK_V=STATS_BLOCK_V, num_warps=EXACT_NUM_WARPS)
     return out[0], out[1], out[2]
 
