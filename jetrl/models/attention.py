@@ -483,8 +483,7 @@ class _ExactVarlenAttention(torch.autograd.Function):
     the rollout's), through a recomputation of :func:`varlen_attention`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, softmax_scale):
-        meta = packed_as_paged(cu_seqlens, q.device)
+    def forward(ctx, q, k, v, cu_seqlens, softmax_scale, meta):
         out = exact_attention(q, k[:, None], v[:, None], meta, softmax_scale)
         ctx.save_for_backward(q, k, v)
         ctx.cu_seqlens, ctx.softmax_scale = cu_seqlens, softmax_scale
@@ -497,18 +496,21 @@ class _ExactVarlenAttention(torch.autograd.Function):
             inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
             out = varlen_attention(*inputs, ctx.cu_seqlens, ctx.softmax_scale)
             grads = torch.autograd.grad(out, inputs, grad_out)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
-                           softmax_scale: float) -> torch.Tensor:
+                           softmax_scale: float, meta: PagedAttentionMetadata | None = None) -> torch.Tensor:
     """:func:`varlen_attention`'s inputs and result, computed by :func:`exact_attention` (the rollout's function
-    and order) over the packed rows; differentiable, with SDPA's backward."""
+    and order) over the packed rows; differentiable, with SDPA's backward. ``meta``: ``packed_as_paged(cu_seqlens,
+    q.device)`` made once by a caller that attends over the same packing in every layer (None: made here)."""
     if cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0] or any(b < a for a, b in zip(cu_seqlens, cu_seqlens[1:])):
         raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({q.shape[0]}), got {cu_seqlens}")
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
-    return _ExactVarlenAttention.apply(q, k, v, list(cu_seqlens), softmax_scale)
+    if meta is None:
+        meta = packed_as_paged(cu_seqlens, q.device)
+    return _ExactVarlenAttention.apply(q, k, v, list(cu_seqlens), softmax_scale, meta)
 
 
 __all__ = [

@@ -19,10 +19,14 @@ extra memory per logit), elsewhere the PyTorch formulas below (fp32 copies: ~14 
 (``model.compute_logits`` under activation checkpointing, per chunk).
 
 **Exact mode** (``exact=True``, :mod:`jetrl.quant.exact`): the rollout sampler and the trainer compute the
-log-probability with ONE function, :func:`exact_logprobs_from_logits` (``log_softmax`` of ``logits / T`` per
-row, ``T`` an fp32 tensor on both sides), from logits of the batch-invariant LM head
-(``model.compute_logits(..., exact=True)``), so the two are bitwise equal. Chunks of rows run under activation
-checkpointing; the backward is autograd's.
+log-probability with ONE function, :func:`exact_logprobs_from_logits` (per row ``log_softmax(logits / T)`` at
+the target, ``T`` an fp32 tensor on both sides: on CUDA one batch-invariant Triton pass over each row's logits,
+which gives the sampler's fp32 logits and the trainer's bf16 ones of the same values the same bits, elsewhere
+PyTorch's ``log_softmax``), from the logits of the batch-invariant LM head (the values of
+``model.compute_logits(..., exact=True)``), so the two are bitwise equal. A plain head runs the same chunked
+function as fast mode with the exact GEMM for the logits and that function for the statistics; the backward is
+the same hand-written logit gradient (only forward values must match the rollout's). Other heads run
+``compute_logits(exact=True)`` per chunk under activation checkpointing, with that gradient too.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from jetrl.quant.backend import choose_impl
+from jetrl.quant.exact import exact_linear
 
 DEFAULT_CHUNK_SIZE = 512  # the PyTorch path's rows per chunk (its fp32 temporaries: ~14 bytes per logit)
 FUSED_CHUNK_SIZE = 2048  # the kernels' (the logits in the model dtype only: ~2 bytes per logit)
 # With autograd on the kernels' path, logits up to this size are kept for the backward rather than recomputed
 # there (saves one of the LM head's four GEMMs; 8,192 rows x 128k vocab in bf16 is 2 GiB)
 KEEP_LOGITS_BYTES = 4 << 30
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the dtypes of hidden the fast kernels take
 
 
 def chunk_stats_reference(logits: torch.Tensor, targets: torch.Tensor,
@@ -77,22 +83,64 @@ def chunk_grad_reference(logits: torch.Tensor, targets: torch.Tensor, lse: torch
     return dz.to(logits.dtype)
 
 
-def exact_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact mode's ``(logprob, log_softmax)`` of fp32 ``logits`` (B, V) at ``targets`` (B,) (0 where negative),
-    temperature ``temperature`` (B,) fp32: ``log_softmax(logits / T)`` row by row, one function for the
-    rollout's sampler and the trainer, so equal logits give equal bits on both sides."""
+def exact_stats_reference(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact mode's ``(logprob, entropy, logsumexp)`` in PyTorch (the path off the kernels, e.g. on CPU):
+    ``log_softmax(float(logits) / T)`` row by row (max, sum of exp, log: a per-row kernel, batch-invariant), the
+    target's entry, ``-sum(p * log p)``, and the log-sum-exp (for the backward only)."""
     z = logits.float() / temperature.to(torch.float32)[:, None]
-    logsm = z.log_softmax(dim=-1)  # a per-row kernel (max, sum of exp, log): batch-invariant
+    logsm = z.log_softmax(dim=-1)
     picked = logsm.gather(-1, targets.clamp(min=0)[:, None])[:, 0]
-    return torch.where(targets >= 0, picked, torch.zeros_like(picked)), logsm
+    lp = torch.where(targets >= 0, picked, torch.zeros_like(picked))
+    return lp, -(logsm.exp() * logsm).sum(-1), torch.logsumexp(z, dim=-1)
 
 
-def _exact_chunk(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = model.compute_logits(hidden, exact=True)
-    t = torch.full((hidden.shape[0],), temperature, dtype=torch.float32, device=hidden.device)
-    lp, logsm = exact_logprobs_from_logits(logits, targets, t)
-    return lp, -(logsm.exp() * logsm).sum(-1)
+def exact_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                               impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact mode's fp32 ``(logprob, entropy, logsumexp)`` per row of ``logits`` (B, V) at ``targets`` (B,)
+    (logprob 0 where negative), each row at its temperature ``temperature`` (B,): ONE function for the rollout's
+    sampler and the trainer, so equal logits give equal bits on both sides.
+
+    Two implementations, one dispatch rule (:func:`~jetrl.quant.backend.choose_impl`, op ``"logprobs"``; ``impl``
+    forces one): the kernel :func:`jetrl.quant.kernels.logprobs_triton.exact_logprob_stats` (one pass over each
+    row's logits, nothing of size (B, V) written), else :func:`exact_stats_reference`. Each is batch-invariant
+    (a row's bits depend on that row alone); the two agree to fp32 rounding, not bitwise, which is fine because
+    both sides of exact mode reach the same one on a given device. The logits are read as their fp32 values:
+    fp32 and 16-bit logits of the same values give the same bits (the kernel reads 16-bit ones as they are)."""
+    if logits.dim() != 2 or targets.shape != logits.shape[:1] or temperature.shape != logits.shape[:1]:
+        raise ValueError(f"exact log-probabilities: logits (B, V), targets and temperature (B,), got "
+                         f"{tuple(logits.shape)}, {tuple(targets.shape)} and {tuple(temperature.shape)}")
+    if choose_impl(logits, impl, op="logprobs") == "triton":
+        from jetrl.quant.kernels.logprobs_triton import exact_logprob_stats
+
+        return exact_logprob_stats(logits if logits.dtype in _KERNEL_DTYPES else logits.float(), targets,
+                                   temperature.to(torch.float32))
+    return exact_stats_reference(logits, targets, temperature)
+
+
+class _ExactStats(torch.autograd.Function):
+    """:func:`exact_logprobs_from_logits` of fp32 logits at one temperature, differentiable: the backward is the
+    hand-written d(loss)/d(logits) of :func:`chunk_grad_reference` (or its kernel), not autograd's."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, impl):
+        t = torch.full((logits.shape[0],), temperature, dtype=torch.float32, device=logits.device)
+        lp, ent, lse = exact_logprobs_from_logits(logits, targets, t, impl)
+        ctx.save_for_backward(logits, targets, lse, ent)
+        ctx.temperature, ctx.impl = temperature, impl
+        ctx.mark_non_differentiable(lse)
+        return lp, ent, lse
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_lse):
+        logits, targets, lse, ent = ctx.saved_tensors
+        work = logits.clone() if ctx.impl == "triton" else logits  # the kernel writes the gradient in place
+        return _grad(work, targets, lse, ent, g_lp, g_ent, ctx.temperature, ctx.impl), None, None, None
+
+
+def _exact_chunk(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, impl: str | None):
+    lp, ent, _ = _ExactStats.apply(model.compute_logits(hidden, exact=True), targets, temperature, impl)
+    return lp, ent
 
 
 def _stats(logits, targets, temperature, impl):
@@ -115,22 +163,30 @@ class _LMHeadLogprobs(torch.autograd.Function):
     """``(logprob, entropy)`` of ``targets`` under ``softmax(hidden @ weight.T / T)``, chunk by chunk.
 
     With ``keep_logits`` the forward writes every chunk's logits into one (N, vocab) buffer that the
-    backward turns into logit gradients in place, instead of recomputing them (one LM-head GEMM less)."""
+    backward turns into logit gradients in place, instead of recomputing them (one LM-head GEMM less).
+    ``exact``: the logits from exact mode's batch-invariant GEMM and the statistics from
+    :func:`exact_logprobs_from_logits` (the sampler's function); the gradient formula is the same."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, impl, keep_logits=False):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, impl, keep_logits=False, exact=False):
         n = hidden.shape[0]
         lp = hidden.new_empty(n, dtype=torch.float32)
         ent, lse = torch.empty_like(lp), torch.empty_like(lp)
         kept = hidden.new_empty(n, weight.shape[0]) if keep_logits else None
+        temps = torch.full((min(n, chunk_size),), temperature, dtype=torch.float32, device=hidden.device) \
+            if exact else None
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            logits = F.linear(hidden[s:e], weight)
+            logits = _head_logits(hidden[s:e], weight, exact)
             if kept is not None:
                 kept[s:e] = logits
-            lp[s:e], ent[s:e], lse[s:e] = _stats(logits, targets[s:e], temperature, impl)
+            if exact:  # the sampler's function, on the values of compute_logits(exact=True) (read unwidened)
+                lp[s:e], ent[s:e], lse[s:e] = exact_logprobs_from_logits(logits, targets[s:e], temps[:e - s], impl)
+            else:
+                lp[s:e], ent[s:e], lse[s:e] = _stats(logits, targets[s:e], temperature, impl)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.temperature, ctx.chunk_size, ctx.impl, ctx.kept = temperature, chunk_size, impl, kept
+        ctx.exact = exact
         return lp, ent
 
     @staticmethod
@@ -144,7 +200,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
         for s in range(0, n, ctx.chunk_size):
             e = min(n, s + ctx.chunk_size)
             h = hidden[s:e]
-            logits = kept[s:e] if kept is not None else F.linear(h, weight)
+            logits = kept[s:e] if kept is not None else _head_logits(h, weight, ctx.exact)
             dlogits = _grad(logits, targets[s:e], lse[s:e], ent[s:e],
                             None if g_lp is None else g_lp[s:e], None if g_ent is None else g_ent[s:e],
                             ctx.temperature, ctx.impl)
@@ -154,7 +210,13 @@ class _LMHeadLogprobs(torch.autograd.Function):
                 d_weight = dlogits.t() @ h if d_weight is None else d_weight.addmm_(dlogits.t(), h)
         if need_w and d_weight is None:
             d_weight = torch.zeros_like(weight)
-        return d_hidden, d_weight, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None
+
+
+def _head_logits(hidden: torch.Tensor, weight: torch.Tensor, exact: bool) -> torch.Tensor:
+    """A chunk's logits in the model dtype: ``F.linear``, or exact mode's batch-invariant GEMM (the values of
+    ``compute_logits(hidden, exact=True)`` before its widening to fp32)."""
+    return exact_linear(hidden, weight) if exact else F.linear(hidden, weight)
 
 
 def _plain_head_weight(model) -> torch.Tensor | None:
@@ -200,15 +262,13 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     targets = targets.long()
     temperature = float(temperature)
-    if exact:
-        return _exact_logprobs(model, hidden, targets, temperature, int(chunk_size or DEFAULT_CHUNK_SIZE))
     weight = _plain_head_weight(model)
     if weight is not None:
         if weight.dtype != hidden.dtype or weight.device != hidden.device:
             raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) must match the LM head "
                              f"({weight.dtype}, {weight.device})")
-        chosen = choose_impl(hidden, impl, eligible=hidden.dtype in (torch.bfloat16, torch.float16, torch.float32),
-                             op="logprobs")
+        # exact mode: the sampler's rule (device and backend only), so both sides reach the same implementation
+        chosen = choose_impl(hidden, impl, eligible=exact or hidden.dtype in _KERNEL_DTYPES, op="logprobs")
         if chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:  # the kernels
             raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")  # would read past a row
         size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))
@@ -216,9 +276,12 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
             budget = keep_logits_bytes if keep_logits_bytes is not None else (
                 KEEP_LOGITS_BYTES if chosen == "triton" else 0)
             keep = hidden.shape[0] * weight.shape[0] * hidden.element_size() <= budget
-            return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen, keep)
+            return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen, keep, exact)
         with torch.no_grad():
-            return _LMHeadLogprobs.forward(_NoCtx(), hidden, weight, targets, temperature, size, chosen)
+            return _LMHeadLogprobs.forward(_NoCtx(), hidden, weight, targets, temperature, size, chosen, False,
+                                           exact)
+    if exact:
+        return _exact_logprobs(model, hidden, targets, temperature, chunk_size, impl)
     size = int(chunk_size or DEFAULT_CHUNK_SIZE)
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     lps, ents = [], []
@@ -236,15 +299,20 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     return torch.cat(lps), torch.cat(ents)
 
 
-def _exact_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, size: int):
+def _exact_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    chunk_size: int | None, impl: str | None):
+    """Exact mode for a head that is not a plain ``nn.Linear`` (:func:`_plain_head_weight`): per chunk,
+    ``model.compute_logits(exact=True)`` then :class:`_ExactStats`, under activation checkpointing with grad."""
+    chosen = choose_impl(hidden, impl, op="logprobs")  # resolved once: the backward runs the same implementation
+    size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     lps, ents = [], []
     for start in range(0, hidden.shape[0], size):
         h, t = hidden[start:start + size], targets[start:start + size]
         if recompute:
-            lp, ent = checkpoint(_exact_chunk, model, h, t, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_exact_chunk, model, h, t, temperature, chosen, use_reentrant=False)
         else:
-            lp, ent = _exact_chunk(model, h, t, temperature)
+            lp, ent = _exact_chunk(model, h, t, temperature, chosen)
         lps.append(lp)
         ents.append(ent)
     if not lps:

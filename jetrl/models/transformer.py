@@ -42,6 +42,7 @@ from jetrl.models.attention import (
     exact_attention,
     exact_varlen_attention,
     fake_quantize_kv,
+    packed_as_paged,
     paged_attention,
     varlen_attention,
     write_kv,
@@ -333,11 +334,16 @@ class DecoderLM(nn.Module):
 
 
 def _packed_attend(cu_seqlens: list[int], exact: bool = False, kv_fp8: bool = False) -> Attend:
+    metas: dict = {}  # exact mode: the packing as paged metadata, made by the first layer, read by all (and
+    # by the recomputation of checkpointed blocks): its host-to-device copies once per forward, not per layer
+
     def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
         if kv_fp8:  # the values an FP8 KV cache holds, straight-through gradient
             k, v = fake_quantize_kv(k), fake_quantize_kv(v)
         if exact:
-            return exact_varlen_attention(q, k, v, cu_seqlens, softmax_scale)
+            if q.device not in metas and q.shape[0]:
+                metas[q.device] = packed_as_paged(cu_seqlens, q.device)
+            return exact_varlen_attention(q, k, v, cu_seqlens, softmax_scale, metas.get(q.device))
         return varlen_attention(q, k, v, cu_seqlens, softmax_scale)
     return attend
 

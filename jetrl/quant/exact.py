@@ -25,8 +25,15 @@ whatever the other rows are.
 * **Attention** (:func:`jetrl.models.attention.exact_attention`): one function for prefill, paged decode and
   the packed training forward, walking each sequence's keys in fixed chunks of :data:`EXACT_KV_CHUNK`
   positions from position 0 with an online softmax.
-* **Row-wise ops** (RMSNorm with its residual add, SwiGLU, RoPE, the 1x128 quantization, the log-softmax of
-  the LM head) read one row each; they stay as they are (tests prove their batch invariance).
+* **Row-wise ops** (RMSNorm with its residual add, SwiGLU, RoPE, the 1x128 quantization) read one row each;
+  they stay as they are (tests prove their batch invariance).
+* **The LM head's log-probabilities** (:func:`jetrl.models.logprobs.exact_logprobs_from_logits`): one function
+  for the sampler and the trainer, over the logits of the exact LM head (fp32 in the sampler, the model's dtype in
+  the trainer's chunked head: the same values); on CUDA one Triton pass per row in a fixed configuration whose bits
+  do not depend on that dtype (:func:`jetrl.quant.kernels.logprobs_triton.exact_logprob_stats`), elsewhere
+  PyTorch's per-row ``log_softmax``. The two differ in the last bits, which does not matter: both sides of
+  exact mode reach the same one on a given device. The trainer's backward is the hand-written logit gradient
+  of the fast path.
 
 Only forward values must agree: the backward of an exact linear is the ordinary one (:class:`_ExactLinear`).
 

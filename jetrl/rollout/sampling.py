@@ -201,15 +201,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None, 
     summation order) instead of some fifty tensor ops over (B, V).
 
     ``exact`` (exact on-policy mode): the log-probabilities come from
-    :func:`jetrl.models.logprobs.exact_logprobs_from_logits`, the trainer's function in exact mode, on these
-    very logits (the tokens are drawn as usual, from the same logits).
+    :func:`jetrl.models.logprobs.exact_logprobs_from_logits`, the trainer's function in exact mode (with the same
+    ``impl``), on these very logits (the tokens are drawn as usual, from the same logits).
     """
     if exact:
         from jetrl.models.logprobs import exact_logprobs_from_logits
 
         tokens, _ = sample(logits, batch, impl)
         temperature = torch.where(batch.temperature == 0, torch.ones_like(batch.temperature), batch.temperature)
-        return tokens, exact_logprobs_from_logits(logits, tokens, temperature)[0]
+        return tokens, exact_logprobs_from_logits(logits, tokens, temperature, impl)[0]
     kernel_batch = (logits.dim() == 2 and not batch.all_greedy and not batch.any_truncation
                     and not batch.any_unseeded_random)
     if kernel_batch and choose_impl(logits, impl, op="seeded_sample") == "triton":

@@ -175,12 +175,28 @@ def test_row_wise_kernels_are_batch_invariant():
     for m in ROWS:
         pq, pk = apply_rope_qk(q[:m], k[:m], cos[:m], sin[:m], impl="triton")
         assert torch.equal(pq, fq[:m]) and torch.equal(pk, fk[:m]), m
+    # exact mode's log-probabilities on CUDA are the Triton kernel's (both the sampler and the trainer dispatch
+    # there), not torch's log_softmax: the two differ in the last bits, which is allowed; each is batch-invariant
+    from jetrl.models.logprobs import exact_stats_reference
+    from jetrl.quant.kernels.logprobs_triton import exact_logprob_stats
+
     logits = torch.randn(1024, 128256, device="cuda", generator=g) * 3
     targets = torch.randint(0, 128256, (1024,), device="cuda", generator=g)
-    temps = torch.full((1024,), 0.9, device="cuda")
-    lp, _ = exact_logprobs_from_logits(logits, targets, temps)
-    for m in (1, 3, 17, 255):
-        assert torch.equal(exact_logprobs_from_logits(logits[:m], targets[:m], temps[:m])[0], lp[:m]), m
+    temps = torch.rand(1024, device="cuda", generator=g) + 0.5
+    full = exact_logprobs_from_logits(logits, targets, temps)
+    assert all(torch.equal(a, b) for a, b in zip(full, exact_logprob_stats(logits, targets, temps)))
+    ref = exact_stats_reference(logits, targets, temps)
+    assert all(torch.allclose(a, b, atol=5e-5, rtol=0) for a, b in zip(full, ref))
+    for m in (1, 3, 17, 255, 300):
+        for start in (0, 1024 - m):
+            got = exact_logprobs_from_logits(logits[start:start + m], targets[start:start + m], temps[start:start + m])
+            assert all(torch.equal(a, b[start:start + m]) for a, b in zip(got, full)), (m, start)
+    wide = torch.zeros(1024, 128256 + 3, device="cuda")
+    wide[:, 1:-2] = logits  # a strided, misaligned view: copied first, the same bits
+    assert all(torch.equal(a, b) for a, b in zip(exact_logprobs_from_logits(wide[:, 1:-2], targets, temps), full))
+    half = logits.to(torch.bfloat16)  # the trainer's bf16 logits and the sampler's fp32 ones of the same values
+    assert all(torch.equal(a, b) for a, b in zip(exact_logprobs_from_logits(half, targets, temps),
+                                                 exact_logprobs_from_logits(half.float(), targets, temps)))
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,10 @@ Here:
 * :func:`logprob_stats` reads the chunk's logits (model dtype) once and returns, per row, the
   log-probability of the target, the entropy and the log-sum-exp, all in fp32 (an online log-sum-exp
   that rescales its running sums when the running maximum grows).
+* :func:`exact_logprob_stats` is the same pass for exact mode (:mod:`jetrl.quant.exact`): a temperature per
+  row and one fixed configuration, so a row's bits depend on that row alone (and not on whether its logits
+  come as fp32, the sampler's, or bf16, the trainer's); the rollout's sampler and the trainer both call it
+  (through ``jetrl.models.logprobs.exact_logprobs_from_logits``).
 * :func:`logprob_grad_` reads them once more and overwrites them with d(loss)/d(logits), given the
   upstream gradients of the log-probabilities and entropies and the saved log-sum-exp and entropy.
 
@@ -32,14 +36,20 @@ from jetrl.quant.kernels.quantize_triton import cast_rne
 
 STATS_BLOCK_V = 4096
 GRAD_BLOCK_V = 2048
+EXACT_NUM_WARPS = 8  # exact mode's statistics kernel: fixed, so a tuning setting cannot move its bits
 
 
 @triton.jit
-def _logprob_stats_kernel(x_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, V, stride_x, temp,
-                          SCALE: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCK_V: tl.constexpr):
+def _logprob_stats_kernel(x_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, temp_ptr, V, stride_x, temp,
+                          SCALE: tl.constexpr, EXACT: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                          BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
+    if EXACT:  # exact mode: each row's own temperature
+        temp = tl.load(temp_ptr + row)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     cols = tl.arange(0, BLOCK_V)
+    if EXACT:  # at most 4 contiguous logits per thread, whatever their dtype: the same register layout, so the
+        cols = tl.max_contiguous(cols, 4)  # same order of every sum, for fp32 and 16-bit logits
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)  # sum exp(z - m)
     w = tl.zeros((), tl.float32)  # sum exp(z - m) * z
@@ -107,10 +117,41 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
     rows, vocab = logits.shape
     out = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
     if rows:
-        _logprob_stats_kernel[(rows,)](logits, targets, out[0], out[1], out[2], vocab, logits.stride(0),
-                                       float(temperature), SCALE=float(temperature) != 1.0,
+        _logprob_stats_kernel[(rows,)](logits, targets, out[0], out[1], out[2], out[0], vocab, logits.stride(0),
+                                       float(temperature), SCALE=float(temperature) != 1.0, EXACT=False,
                                        NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V), BLOCK_V=STATS_BLOCK_V,
                                        num_warps=tuning.current().logprob_stats_num_warps)
+    return out[0], out[1], out[2]
+
+
+def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
+                        temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact mode's fp32 ``(logprob, entropy, logsumexp)`` per row of ``logits`` (rows, vocab; fp32, bf16 or fp16),
+    each row at its own temperature (``temperature``: (rows,) fp32; a target < 0 gives logprob 0).
+
+    Batch-invariant by construction: one program per row walks that row's vocabulary in the fixed blocks of
+    ``STATS_BLOCK_V`` with a fixed warp count (``EXACT_NUM_WARPS``, not the tuning object's, so no setting can
+    change a bit), and nothing the compiled kernel depends on changes with the number of rows. Nor with the dtype:
+    a 16-bit logit widens to fp32 exactly, and the kernel caps the contiguous run each thread loads at 4 elements,
+    so Triton gives fp32 and 16-bit logits the same register layout and thus the same order of every sum (without
+    the cap a 16-bit row would load 8 per thread, fp32 4, and sum in another order): the sampler's fp32 logits and
+    the trainer's bf16 logits of the same values give the same bits. Rows must have unit stride with ``stride ==
+    vocab`` and a 16-byte-aligned start (the alignment also sets the layout); a tensor that is not is copied first,
+    which changes no value. The division by the temperature always runs (``x / 1.0 == x`` exactly)."""
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"exact_logprob_stats: logits must be fp32, bf16 or fp16, got {logits.dtype}")
+    if logits.dim() != 2 or targets.shape != logits.shape[:1] or temperature.shape != logits.shape[:1]:
+        raise ValueError(f"exact_logprob_stats: logits (rows, vocab), targets and temperature (rows,), got "
+                         f"{tuple(logits.shape)}, {tuple(targets.shape)} and {tuple(temperature.shape)}")
+    rows, vocab = logits.shape
+    if not logits.is_contiguous() or logits.data_ptr() % 16:
+        logits = logits.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned, dense
+    out = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
+    if rows:
+        _logprob_stats_kernel[(rows,)](logits, targets.to(torch.int64).contiguous(), out[0], out[1], out[2],
+                                       temperature.to(torch.float32).contiguous(), vocab, vocab, 1.0,
+                                       SCALE=True, EXACT=True, NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V),
+                                       BLOCK_V=STATS_BLOCK_V, num_warps=EXACT_NUM_WARPS)
     return out[0], out[1], out[2]
 
 
@@ -134,4 +175,4 @@ def logprob_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
     return logits
 
 
-__all__ = ["logprob_stats", "logprob_grad_"]
+__all__ = ["logprob_stats", "exact_logprob_stats", "logprob_grad_"]
