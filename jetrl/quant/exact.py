@@ -15,13 +15,13 @@ whatever the other rows are.
   ``gemm_exact``. The reference backend pads the rows to whole chunks of :data:`EXACT_ROW_CHUNK` and runs one
   fixed-shape ``(EXACT_ROW_CHUNK, K) @ (K, N)`` product per chunk: one shape, so one algorithm, and a row's
   result does not depend on its position in the chunk or on the other rows (the tests check both). The CUDA
-  backend runs Triton GEMMs (:mod:`jetrl.quant.kernels.gemm_exact_triton`) with one tile configuration and one
-  K split per weight shape: K is cut into S contiguous ranges (S from the weight's (N, K), never from M, so
+  backend runs Triton GEMMs (:mod:`jetrl.quant.kernels.gemm_exact_triton`) with one K split per weight shape:
+  K is cut into S contiguous ranges (S from the weight's (N, K), never from M, so
   that decode's few rows can fill the GPU, :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`), each range summed in order from zero,
   the S partials added in the fixed order 0..S-1 without atomics. What must not vary with M is the arithmetic
-  (tiles, S, the order of every sum); how the work is spread over programs may, and does (the splits as separate
-  programs for decode, one program walking them for training), since both schedules add the same fp32 partials
-  in the same order.
+  (the K blocks, S, the order of every sum); how the work is spread over programs and tiles may, and does (the
+  splits as separate programs for decode, one program walking them for training, larger tiles from
+  ``exact_wide_min_m`` rows on), since every schedule adds the same fp32 partials in the same order.
 * **Attention** (:func:`jetrl.models.attention.exact_attention`): one function for prefill, paged decode and
   the packed training forward, walking each sequence's keys in fixed chunks of :data:`EXACT_KV_CHUNK`
   positions from position 0 with an online softmax.

@@ -3,11 +3,12 @@
 The CUDA backend's ``gemm_exact`` and ``matmul_exact`` (see :mod:`jetrl.quant.exact`). A row's result must
 not depend on M, so everything that decides a row's *arithmetic* is fixed per weight shape (N, K):
 
-* one tile configuration per (N, K) (:func:`exact_config`, never a function of M);
+* one K block width (128 on the FP8 path, 64 on the 16/32-bit one) and one decode tile configuration per (N, K)
+  (:func:`exact_config`, never a function of M);
 * one K split per (N, K): the K blocks are cut into S contiguous ranges of whole 128-wide blocks
   (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`: enough ranges that a row tile's
-  ``ceil(N / BLOCK_N) * S`` programs fill the GPU, from a fixed program count, never from M; the tuning's
-  default forces S = 1 until the split kernels are measured on the GPU). Each range's
+  ``ceil(N / BLOCK_N) * S`` programs fill the GPU, from a fixed program count, never from M;
+  ``exact_split_k=1`` forces the single walk). Each range's
   partial is accumulated in fp32 from zero, its K blocks walked in order; the S partials are then summed in the
   fixed order ``((p_0 + p_1) + p_2) + ...`` and cast once. No atomics, no stream-K: nothing depends on which
   program finishes first;
