@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=None, help=f"SEQSxCONTEXT comma list (default {SETTINGS}; "
                                                           f"--tiny: {TINY_SETTINGS})")
-    parser.add_argument("--grid-routes", default="factored", help="routes the grid runs on: factored, inreg, bits, "
-                                                                   "several comma-separated, or none")
+    parser.add_argument("--grid-routes", default="bits", help="routes the grid runs on: bits (the default route), "
+                                                               "factored, inreg, several comma-separated, or none")
     parser.add_argument("--block-n", default=None, help="tokens per FP8 tile (0: the route's own; default 64,128,256;"
                                                          " --tiny 16,32)")
     parser.add_argument("--num-warps", default=None, help="default 4,8 (--tiny 4)")
