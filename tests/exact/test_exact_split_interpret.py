@@ -50,10 +50,10 @@ def cases(name, fn, ref, k, splits_list, bound):
         if full.dtype == torch.float32:  # the split is taken: another summation order changes some last bits
             out[f"{name}-s{splits}-differs-from-s1"] = not torch.equal(full, s1)
         out[f"{name}-s{splits}-close"] = bool(((full.double() - R_ref[name]).abs() <= bound(splits)).all())
-        # the wide schedule's larger tiles on the same split (bitwise: the GPU's claim, test_exact_gpu.py)
-        wide = fn(FULL, dict(over, exact_wide_min_m=FULL, exact_wide_block_m=128, exact_wide_block_n=64,
-                             exact_wide_num_warps=8, exact_wide_num_stages=2))
-        out[f"{name}-s{splits}-wide"] = bool(((wide.double() - R_ref[name]).abs() <= bound(splits)).all())
+        if splits == splits_list[0]:  # the wide schedule's larger tiles (bitwise: the GPU's claim, test_exact_gpu.py)
+            wide = fn(FULL, dict(over, exact_wide_min_m=FULL, exact_wide_block_m=128, exact_wide_block_n=64,
+                                 exact_wide_num_warps=8, exact_wide_num_stages=2))
+            out[f"{name}-wide"] = bool(((wide.double() - R_ref[name]).abs() <= bound(splits)).all())
 
 R_ref = {}
 
@@ -116,6 +116,9 @@ def test_exact_gemm_split_k(interpreted, what):
     bits (so it ran), and the result is within the error bound of the reference, also with the wide schedule's
     128-row tiles."""
     results = {k: v for k, v in interpreted.items() if k.endswith(f"-{what}")}
+    if what == "wide":  # one split per case
+        assert len(results) == len(CASES) and all(results.values()), results
+        return
 
     # fp16 outputs round the last fp32 bits away, so only the fp32 outputs show that the split changed them
     assert len(results) == 2 * (len(CASES) - (what == "differs-from-s1")) and all(results.values()), results
