@@ -20,10 +20,11 @@ def _records(path: Path) -> list[dict]:
 
 def test_train_short_run_writes_metrics_checkpoint_and_plot(tmp_path, monkeypatch, capsys):
     """What `jetrl train --max-steps 2` does in a fresh folder: the embedded default, bounded to 2 steps (of
-    8 prompts each)."""
+    4 prompts x 2 samples each)."""
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--max-steps", "2", "--no-progress", "--eval-examples", "8",
-                 "--data.prompts_per_step=8"]) == 0  # 64 sequences a step instead of 256: the outputs are the point
+    assert main(["train", "--max-steps", "2", "--no-progress", "--eval-examples", "8", "--data.prompts_per_step=4",
+                 "--rollout.n=2", "--algorithm.mini_batch_size=8", "--algorithm.micro_batch_size=8"]) == 0
+    # 8 sequences a step instead of 256: the outputs are the point
     out = tmp_path / "runs" / "tiny-default"
     records = _records(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
