@@ -277,3 +277,31 @@ def test_one_rl_step_has_zero_mismatch(models_8b, recipe, kv_fp8):
     metrics = trainer.step()
     assert metrics["mismatch/logp_abs_diff_max"] == 0.0, metrics["mismatch/logp_abs_diff_max"]
     assert math.isfinite(metrics["actor/pg_loss"])
+
+
+# The 8B weights (q/k/v fused, o, gate/up fused, down) with K walked in one range: cuBLAS's schedule
+CUBLAS_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.parametrize("n,k", CUBLAS_SHAPES)
+def test_exact_gemm_on_cublas_gives_the_triton_bits(n, k):
+    """``exact_cublas_min_m`` is a schedule: with K unsplit (``exact_split_k=1``), cuBLAS's blockwise GEMM from 256
+    rows on gives, row for row, the bits of the Triton kernel's in-order walk for every M (fresh scales that are not
+    powers of two, so the scale products round: the order of the scale application is tested too), and the rows of
+    decode-sized M (the Triton kernel) agree with it; with the shape's default split it is not used where S > 1."""
+    from jetrl.quant.kernels import tuning
+
+    g = torch.Generator(device="cuda").manual_seed(n + 7 * k)
+    w = quantize_tensor(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02, WEIGHT)
+    x = torch.randn(4096, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = x * torch.rand(4096, 1, device="cuda", generator=g) * 4  # rows of different magnitudes
+    qx = quantize_tensor(x, ACT)
+    with tuning.override(exact_split_k=1, exact_cublas_min_m=0):
+        triton_bits = exact_fp8_gemm(qx, w)
+    with tuning.override(exact_split_k=1, exact_cublas_min_m=256):
+        assert tuning.current().exact_on_cublas(4096, n, k) and not tuning.current().exact_on_cublas(255, n, k)
+        assert torch.equal(exact_fp8_gemm(qx, w), triton_bits)
+        for m in (1, 17, 64, 255, 256, 257, 1000):
+            assert torch.equal(exact_fp8_gemm(quantize_tensor(x[:m], ACT), w), triton_bits[:m]), m
+    split = tuning.current().exact_split(n, k)
+    assert tuning.current().exact_on_cublas(4096, n, k) == (split == 1)

@@ -134,6 +134,22 @@ def test_exact_split_heuristic_at_8b_shapes():
     assert {shape: t.exact_split(*shape) for shape in expected} == expected
 
 
+def test_exact_on_cublas_only_from_its_rows_and_only_unsplit():
+    """cuBLAS's schedule (``exact_cublas_min_m``) takes an exact FP8 GEMM from that many rows on, and only where the
+    weight's K is walked in one range: cuBLAS has no split to match. 0 turns it off."""
+    t = tuning.current()
+    assert t.exact_cublas_min_m == 256
+    assert t.exact_on_cublas(256, 28672, 4096) and t.exact_on_cublas(8192, 128256, 4096)
+    assert not t.exact_on_cublas(255, 28672, 4096)  # decode-sized: the Triton kernel
+    assert not t.exact_on_cublas(8192, 4096, 4096)  # S = 8
+    with tuning.override(exact_split_k=1):
+        assert tuning.current().exact_on_cublas(8192, 4096, 4096)
+    with tuning.override(exact_cublas_min_m=0):
+        assert not tuning.current().exact_on_cublas(8192, 28672, 4096)
+    with pytest.raises(ValueError, match="exact_cublas_min_m"):
+        tuning.KernelTuning(exact_cublas_min_m=-1)
+
+
 @pytest.mark.parametrize("forced", [0, 1, 2, 3, 5, 8, 64])
 def test_exact_split_holds_whole_k_blocks_and_none_is_empty(forced):
     with tuning.override(exact_split_k=forced):

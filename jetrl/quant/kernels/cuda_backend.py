@@ -15,7 +15,9 @@ backend (quantization bit for bit, GEMMs to output rounding):
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs of
-  :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape);
+  :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape); from the tuning's
+  ``exact_cublas_min_m`` rows on, an FP8 weight whose K is not split runs on cuBLAS's blockwise GEMM instead,
+  which computes the same bits (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_on_cublas`);
 * ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention, the
   seeded sampler, exact mode's attention and the FP8 KV-cache write run their kernels of this folder (the
   seam's :func:`~jetrl.quant.backend.choose_impl`, over :data:`~jetrl.quant.backend.FUSED_OPS`).
@@ -162,6 +164,9 @@ class CudaBackend:
         reference.check_gemm_operands(a, b)
         _check_cuda(a.data, "the left operand")
         rows = 128 if b.block == WEIGHT else 1
+        if (b.block == WEIGHT and tuning.current().exact_on_cublas(a.shape[0], b.shape[0], b.shape[1])
+                and scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)):
+            return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)  # the in-order walk's bits (tuning's doc)
         return gemm_exact_triton.exact_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
 
     def matmul_exact(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -227,6 +227,12 @@ class KernelTuning:
     ``exact_wide_num_stages`` instead of the decode-sized ones. The tile's extent in M and N is not part of a row's
     arithmetic (the K blocks, the split and the scale application are), so the bits
     stay the same; the GPU tests check it at the 8B shapes.
+    ``exact_cublas_min_m`` (0: never) is a schedule of the FP8 path: from that many rows on, a weight whose K is
+    walked in one range (:meth:`exact_split` is 1) multiplies on cuBLAS's blockwise GEMM, the fast path's
+    (:meth:`exact_on_cublas`). Its arithmetic is the in-order walk's: each 128-wide K block's MMA sum from zero,
+    scaled by ``sa * sb`` into one fp32 accumulator, K blocks in order, one rounding at the end. It has no
+    split-K at those sizes, so it gives the Triton kernel's bits; the GPU tests check it at the 8B shapes,
+    and every RL step's ``mismatch/logp_abs_diff_max`` would show a drift.
     ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
     (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
@@ -269,6 +275,7 @@ class KernelTuning:
     exact_wide_mm_block_n: int = 256
     exact_wide_num_warps: int = 8
     exact_wide_num_stages: int = 3
+    exact_cublas_min_m: int = 256
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
@@ -292,7 +299,7 @@ class KernelTuning:
             if getattr(self, name) > BLOCK_SIZE:
                 raise ValueError(f"KernelTuning.{name} must be at most {BLOCK_SIZE}, got {getattr(self, name)}")
         self._check_ints(("exact_split_k", "exact_split_programs", "exact_min_kb_per_split", "exact_split_max_m",
-                          "exact_wide_min_m"), 0)
+                          "exact_wide_min_m", "exact_cublas_min_m"), 0)
         self._check_ints(("exact_wide_num_stages",), 1)
         for name, low, high in (("exact_wide_block_m", 16, 256), ("exact_wide_block_n", 16, 256),
                                 ("exact_wide_mm_block_n", 16, 256), ("exact_wide_num_warps", 1, 16)):
@@ -379,6 +386,12 @@ class KernelTuning:
             while split * 2 <= cap and tiles * split < self.exact_split_programs:
                 split *= 2
         return -(-kb // -(-kb // split))
+
+    def exact_on_cublas(self, m: int, n: int, k: int) -> bool:
+        """Whether an exact FP8 GEMM of ``m`` rows on an (N, K) weight runs on cuBLAS's blockwise GEMM (a schedule:
+        the same bits as the Triton kernel's single in-order K walk; see ``exact_cublas_min_m``): from
+        ``exact_cublas_min_m`` rows on, where the weight's K is not split."""
+        return bool(self.exact_cublas_min_m) and m >= self.exact_cublas_min_m and self.exact_split(n, k) == 1
 
     def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
         """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
