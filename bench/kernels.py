@@ -13,7 +13,10 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
 7. ``decode-sweep`` (not in the default sections): the decode kernel's tuning variants at M = 16..256, per
    shape the best config and its ratio to BF16, the best policy per M and where it beats cuBLAS
    (``--sweep-shape 1.5b`` for the rollout benchmark's small model, ``--sweep-m`` for the row counts);
-8. ``profile`` / ``host-profile`` (not in the default sections): one FP8Linear step under the PyTorch
+8. ``cublas-invariance`` (not in the default sections): whether a row of cuBLAS's blockwise FP8 GEMM (and of BF16
+   ``torch.matmul``) depends on M, and whether exact mode's single in-order K walk gives cuBLAS's bits (what the
+   tuning's ``exact_cublas_min_m`` relies on);
+9. ``profile`` / ``host-profile`` (not in the default sections): one FP8Linear step under the PyTorch
    profiler, and the host (Python) time of its eager forward+backward under cProfile.
 
 Run: ``python bench/kernels.py [--quick] [--json PATH]``.
@@ -296,6 +299,55 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
                 rep.add("exact-gemm", path="bf16" if lm_head else "fp8", schedule=name, m=m, n=n, k=k, ms=t,
                         tflops=flop / t / 1e9, bitwise_default=same, over_fast=t / t_fast, over_bf16=t / t_bf16,
                         fast_ms=t_fast, bf16_ms=t_bf16)
+
+
+CUBLAS_INVARIANCE_M = [1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 33, 48, 64, 65, 96, 100, 128, 129, 192, 255, 256, 257,
+                      384, 512, 1000, 1024, 2048, 4096, 5000]
+
+
+def bench_cublas_invariance(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]], rows: int = 8192) -> None:
+    """Does a row of cuBLAS's product depend on M? Exact mode needs to know before it lets cuBLAS take a GEMM.
+
+    Per (N, K): random activations (rows of different magnitudes) quantized 1x128 and a weight 128x128, with fp32
+    scales and with power-of-two ones; the ``rows``-row product of cuBLAS's blockwise FP8 GEMM, then for every M of
+    ``ms_list`` at row offsets 0 and 37 the M-row product against the same rows of the big one (differing
+    elements, largest difference), and the same for BF16 ``torch.matmul``. Last, the Triton exact GEMM's single
+    in-order K walk (``exact_split_k=1``, cuBLAS's schedule off) against cuBLAS on all rows: equal bits are what
+    ``exact_cublas_min_m`` relies on."""
+    from jetrl.quant.formats import ACT, WEIGHT, Fp8Tensor
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.gemm_exact_triton import exact_fp8_gemm
+    from jetrl.quant.kernels.gemm_scaled_mm import blockwise_scaled_mm
+    from jetrl.quant.reference import quantize_tensor
+
+    def differing(out: torch.Tensor, ref: torch.Tensor) -> tuple[int, float]:
+        bad = out.view(torch.int16) != ref.view(torch.int16)
+        return int(bad.sum()), float((out.float() - ref.float()).abs().max())
+
+    for n, k in nk_list:
+        x = torch.randn(rows + 64, k, device="cuda", dtype=torch.bfloat16)
+        x = x * torch.rand(rows + 64, 1, device="cuda") * 4
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        for scales in ("fp32", "pow2"):
+            a = quantize_tensor(x, ACT, pow2_scale=scales == "pow2")
+            b = quantize_tensor(w, WEIGHT, pow2_scale=scales == "pow2")
+            big = blockwise_scaled_mm(Fp8Tensor(a.data[:rows], a.scale[:rows], ACT), b)
+            for m in ms_list:
+                for off in (0, 37):
+                    out = blockwise_scaled_mm(Fp8Tensor(a.data[off:off + m], a.scale[off:off + m], ACT), b)
+                    count, worst = differing(out, big[off:off + m])
+                    rep.add("cublas-invariance", gemm="cublas-fp8", n=n, k=k, scales=scales, m=m, offset=off,
+                            differing=count, max_abs_diff=worst)
+            with tuning.override(exact_split_k=1, exact_cublas_min_m=0):
+                walk = exact_fp8_gemm(Fp8Tensor(a.data[:rows], a.scale[:rows], ACT), b)
+            count, worst = differing(walk, big)
+            rep.add("cublas-invariance", gemm="exact-walk-vs-cublas", n=n, k=k, scales=scales, m=rows, offset=0,
+                    differing=count, max_abs_diff=worst)
+        big = x[:rows] @ w.t()
+        for m in ms_list:
+            count, worst = differing(x[:m] @ w.t(), big[:m])
+            rep.add("cublas-invariance", gemm="bf16-matmul", n=n, k=k, scales="-", m=m, offset=0, differing=count,
+                    max_abs_diff=worst)
 
 
 def _rotation(n: int, k: int, min_bytes: int = 256 * 2 ** 20) -> int:
@@ -848,6 +900,7 @@ def main(argv: list[str] | None = None) -> Report:
                                                             ms=[int(m) for m in args.sweep_m.split(",")],
                                                             shape=args.sweep_shape)),
         ("exact-gemm", lambda: bench_exact_gemm(rep, [int(m) for m in args.exact_m.split(",")], LLAMA8B_NK)),
+        ("cublas-invariance", lambda: bench_cublas_invariance(rep, CUBLAS_INVARIANCE_M, LLAMA8B_NK)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
         ("profile", profile_fp8_linear),
@@ -886,6 +939,15 @@ def _print_summary(rep: Report) -> None:
     for row in rep.sections.get("exact-gemm", []):
         print(f"exact {row['path']} M={row['m']} N={row['n']} K={row['k']} {row['schedule']}: {row['ms']:.3f} ms, "
               f"{row['over_fast']:.2f}x fast, {row['over_bf16']:.2f}x bf16, bitwise {row['bitwise_default']}")
+    groups: dict = {}
+    for row in rep.sections.get("cublas-invariance", []):
+        key = (row["gemm"], row["n"], row["k"], row["scales"])
+        groups.setdefault(key, [])
+        if row["differing"]:
+            groups[key].append(f"M={row['m']}@{row['offset']}: {row['differing']} ({row['max_abs_diff']:.3g})")
+    for (gemm, n, k, scales), bad in groups.items():
+        print(f"rows bitwise across M: {gemm} N={n} K={k} scales {scales}: "
+              + ("all equal" if not bad else "differ at " + "; ".join(bad)))
     for row in rep.sections.get("host", []):
         print(f"host {row['op']}: {row['us']:.1f} us")
     for row in rep.sections.get("quant", []):
