@@ -314,9 +314,9 @@ def bench_cublas_invariance(rep: Report, ms_list: list[int], nk_list: list[tuple
     elements, largest difference), and the same for BF16 ``torch.matmul``. Last, the Triton exact GEMM's single
     in-order K walk (``exact_split_k=1``, cuBLAS's schedule off) against cuBLAS on all rows: equal bits are what
     ``exact_cublas_min_m`` relies on."""
+    from jetrl.quant.exact import exact_fp8_gemm
     from jetrl.quant.formats import ACT, WEIGHT, Fp8Tensor
     from jetrl.quant.kernels import tuning
-    from jetrl.quant.kernels.gemm_exact_triton import exact_fp8_gemm
     from jetrl.quant.kernels.gemm_scaled_mm import blockwise_scaled_mm
     from jetrl.quant.reference import quantize_tensor
 

@@ -43,12 +43,13 @@ if TYPE_CHECKING:
     from jetrl.rl.trainer import RolloutBatch
 
 # the engine's stats a step reports, and their names: KV-cache pressure (preemptions, and the pool's capacity in
-# tokens, which an FP8 KV cache about doubles), decode speed, and the host time (part of time/rollout, not a phase
-# of its own)
+# tokens, which an FP8 KV cache about doubles), decode speed, and the host time and the time spent capturing the
+# decode step's CUDA graphs (parts of time/rollout, not phases of their own)
 ENGINE_STATS = (("preemptions", "rollout/preemptions"),
                 ("kv_capacity_tokens", "rollout/kv_capacity_tokens"),
                 ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s"),
-                ("host_seconds", "time/rollout_host"))
+                ("host_seconds", "time/rollout_host"),
+                ("graph_capture_seconds", "time/rollout_graph_capture"))
 
 
 def batch_metrics(batch: "RolloutBatch") -> dict[str, float]:

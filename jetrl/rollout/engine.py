@@ -16,7 +16,9 @@ packing on the host overlap the device's work. See :meth:`RolloutEngine.generate
 **Stats.** After each ``generate``, ``last_stats`` holds its wall time, steps, generated tokens and
 throughput, preemptions, the KV pool (``num_blocks``, ``kv_capacity_tokens``, ``kv_bytes_per_block``, ``kv_fp8``:
 an FP8 cache holds about twice the tokens of a BF16 one in the same memory, so it preempts less),
-prefill/decode time and the host time not spent waiting for the device.
+prefill/decode time, the host time not spent waiting for the device, and the decode-step CUDA graphs captured
+during the call (``graph_captures``, ``graph_capture_seconds``: nonzero on the first call, and on every call
+whose weights moved to new storage since the last one, as a sharded model's gathered weights do).
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ class RolloutEngine:
                 self._seq_counter += 1
             all_seqs += group
             scheduler.add(group)
+        captures, capture_seconds = runner.graph_captures, runner.graph_capture_seconds
         runner.begin(all_seqs)
         progress = _RolloutProgress(len(all_seqs), self.progress)
         num_steps = num_decode_steps = num_generated = decode_tokens = 0
@@ -216,7 +219,11 @@ class RolloutEngine:
                                # time the host was not waiting for the GPU: scheduling, input building,
                                # launches; overlapped with the GPU's work when scheduling asynchronously,
                                # the GPU's idle time between steps when not
-                               host_seconds=elapsed - wait_seconds)
+                               host_seconds=elapsed - wait_seconds,
+                               # decode-step CUDA graphs captured during this call (first use of a batch size
+                               # after the weights moved; part of the host time)
+                               graph_captures=runner.graph_captures - captures,
+                               graph_capture_seconds=runner.graph_capture_seconds - capture_seconds)
         return [s.to_completion() for s in all_seqs]
 
     # ------------------------------------------------------------------ internals

@@ -88,9 +88,14 @@ class LaunchedStep:
 
 
 class _DecodeGraphs:
-    """CUDA graphs of ``forward_paged`` for decode batches of the captured sizes, over static buffers."""
+    """CUDA graphs of ``forward_paged`` for decode batches of the candidate sizes, over static buffers.
+
+    A size is captured when a step first needs it (:meth:`capture`, called by the runner), not up front: a
+    rollout whose batch never shrinks captures one graph, and a model whose weights move every step (sharded
+    with FSDP2, gathered for each rollout) pays one capture per size it uses instead of one per candidate."""
 
     def __init__(self, runner: "ModelRunner", sizes: list[int]) -> None:
+        self.runner = runner
         self.sizes = sorted(sizes)
         max_b, width, dev = self.sizes[-1], runner.max_blocks_per_seq, runner.device
         self.input_ids = torch.zeros(max_b, dtype=torch.long, device=dev)
@@ -98,25 +103,37 @@ class _DecodeGraphs:
         self.query_start_loc = torch.arange(max_b + 1, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(max_b, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((max_b, width), -1, dtype=torch.int32, device=dev)
-        self.block_tables[:, 0] = runner.scratch_block
-        self.slot_mapping = torch.full((max_b,), runner.scratch_block * runner.block_size, dtype=torch.long,
-                                       device=dev)
+        self.slot_mapping = torch.zeros(max_b, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.max_context_len = runner.max_model_len
         self.scratch_block, self.block_size = runner.scratch_block, runner.block_size
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):
-            meta = self._meta(b)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                runner._forward(self.input_ids[:b], self.positions[:b], meta, None)  # warm-up (autotune, caches)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = runner._forward(self.input_ids[:b], self.positions[:b], meta, None)
-            self.graphs[b] = graph
+        self._park(0, max_b)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _park(self, start: int, stop: int) -> None:
+        """Rows ``start..stop-1`` to the padding state: one token written into the scratch block, attending to
+        it alone (what a padding row of a replay does, and what a capture's warm-up forward runs on)."""
+        self.input_ids[start:stop].zero_()
+        self.positions[start:stop].zero_()
+        self.context_lens[start:stop].fill_(1)
+        self.slot_mapping[start:stop].fill_(self.scratch_block * self.block_size)
+        self.block_tables[start:stop, 0].fill_(self.scratch_block)
+
+    def capture(self, b: int) -> None:
+        """Capture the decode step for ``b`` rows: a warm-up forward (autotuning, caches), then the capture,
+        both over parked rows so that nothing is written outside the scratch block."""
+        self._park(0, b)
+        meta = self._meta(b)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.runner._forward(self.input_ids[:b], self.positions[:b], meta, None)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[b] = self.runner._forward(self.input_ids[:b], self.positions[:b], meta, None)
+        self.graphs[b] = graph
         torch.cuda.synchronize()
 
     def _meta(self, b: int) -> PagedAttentionMetadata:
@@ -132,19 +149,15 @@ class _DecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
             slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         b = input_ids.shape[0]
-        size = self.padded_size(b)
+        size = self.padded_size(b)  # captured by the runner before this call
         width = block_tables.shape[1]
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(positions)
         self.context_lens[:b].copy_(context_lens)
         self.slot_mapping[:b].copy_(slot_mapping)
         self.block_tables[:b, :width].copy_(block_tables)
-        if size > b:  # padding rows: one token written into the scratch block, attending to it alone
-            self.input_ids[b:size].zero_()
-            self.positions[b:size].zero_()
-            self.context_lens[b:size].fill_(1)
-            self.slot_mapping[b:size].fill_(self.scratch_block * self.block_size)
-            self.block_tables[b:size, 0].fill_(self.scratch_block)
+        if size > b:
+            self._park(b, size)
         self.graphs[size].replay()
         return self.outputs[size][:b]
 
@@ -198,6 +211,8 @@ class ModelRunner:
         self.num_blocks = 0  # usable blocks (the pool has one more: the scratch block)
         self.graphs: _DecodeGraphs | None = None
         self._graph_key: tuple | None = None
+        self.graph_captures = 0  # decode graphs captured so far, and the seconds that took (the engine's stats)
+        self.graph_capture_seconds = 0.0
         self._tables: BlockTableMirror | None = None  # the current generate call's block tables, on the host
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
 
@@ -303,6 +318,27 @@ class ModelRunner:
                           f"decoding eagerly", RuntimeWarning, stacklevel=4)
             self.use_cuda_graphs = False
 
+    def _graphs_for(self, rows: int) -> _DecodeGraphs | None:
+        """The graphs that replay a decode step of ``rows`` rows, its padded size captured now if this is the
+        first step that needs it; None when there are no graphs or ``rows`` exceeds the largest size. A capture
+        that fails turns the graphs off with a warning: the steps run eagerly."""
+        graphs = self.graphs
+        size = graphs.padded_size(rows) if graphs is not None else None
+        if size is None or size in graphs.graphs:
+            return None if size is None else graphs
+        t0 = time.perf_counter()
+        try:
+            graphs.capture(size)
+        except Exception as exc:  # a model path that cannot be captured still runs, eagerly
+            warnings.warn(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc}); "
+                          f"decoding eagerly", RuntimeWarning, stacklevel=4)
+            self.use_cuda_graphs = False
+            self.graphs = None
+            return None
+        self.graph_captures += 1
+        self.graph_capture_seconds += time.perf_counter() - t0
+        return graphs
+
     # ------------------------------------------------------------------ steps
 
     def begin(self, seqs: list[Sequence]) -> None:
@@ -386,8 +422,8 @@ class ModelRunner:
         # the sampling settings go to the device before the forward is queued, so the sampler follows the
         # forward on the GPU without the host waiting in between
         batch = self._sampling_batch(sampled, out_pos, out_pos_t) if sample_rows else None
-        graphs = self.graphs
-        if out.is_decode and graphs is not None and graphs.padded_size(n_rows) is not None:
+        graphs = self._graphs_for(n_rows) if out.is_decode else None
+        if graphs is not None:
             logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
         else:
             meta = PagedAttentionMetadata(

@@ -112,7 +112,7 @@ def test_all_options_in_one_step():
     assert m["actor/num_updates"] == 4  # 2 epochs x 2 mini-batches
     for key in ("actor/kl_ref", "actor/entropy", "mismatch/tis_weight_mean", "kl_ref/k3", "actor/clip_frac",
                 "time/reference", "throughput/rollout_tokens_per_s", "rollout/preemptions",
-                "throughput/rollout_decode_tokens_per_s", "time/rollout_host"):
+                "throughput/rollout_decode_tokens_per_s", "time/rollout_host", "time/rollout_graph_capture"):
         assert key in m and math.isfinite(m[key]), key
     assert m["actor/entropy"] > 0
     m = trainer.step()  # the policy moved away from the reference

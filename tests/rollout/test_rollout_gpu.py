@@ -65,3 +65,28 @@ def test_cuda_graph_decoding_equals_eager(recipe, kv_fp8):
             same += x.token_ids == y.token_ids
         print(f"{recipe}: {same}/{len(a)} graph samples identical to eager")
         assert same >= len(a) * 3 // 4
+
+
+def test_decode_graphs_are_captured_on_first_use_and_kept():
+    """A batch size's graph is captured when a decode step first needs it: 16 sequences that all run to
+    max_tokens use one size (16), so one capture; a second call with the same weights captures nothing; after
+    the weights move to new storage the first call captures again (the engine's ``graph_captures`` stats)."""
+    config = DecoderConfig(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, eos_token_id=0)
+    model = build_model(config, dtype=torch.bfloat16, device="cuda", recipe="bf16", seed=0)
+    engine = RolloutEngine(model, cuda_graphs=True, max_num_seqs=64, progress=False, max_model_len=128)
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
+    prompts = [[5 + i, 9, 11 + i] for i in range(4)]
+    first = engine.generate(prompts, params)
+    assert engine.last_stats["graph_captures"] == 1 and engine.last_stats["graph_capture_seconds"] > 0
+    assert sorted(engine.runner.graphs.graphs) == [16]
+    again = engine.generate(prompts, params)
+    assert engine.last_stats["graph_captures"] == 0 and engine.last_stats["graph_capture_seconds"] == 0
+    assert [c.token_ids for c in again] == [c.token_ids for c in first]  # seeded: the replay is the same step
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()  # same values, new storage
+    moved = engine.generate(prompts, params)
+    assert engine.last_stats["graph_captures"] == 1
+    assert [c.token_ids for c in moved] == [c.token_ids for c in first]
