@@ -326,7 +326,7 @@ def bench_cublas_invariance(rep: Report, ms_list: list[int], nk_list: list[tuple
 
     for n, k in nk_list:
         x = torch.randn(rows + 64, k, device="cuda", dtype=torch.bfloat16)
-        x = x * torch.rand(rows + 64, 1, device="cuda") * 4
+        x = (x * torch.rand(rows + 64, 1, device="cuda") * 4).to(torch.bfloat16)
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         for scales in ("fp32", "pow2"):
             a = quantize_tensor(x, ACT, pow2_scale=scales == "pow2")
