@@ -253,36 +253,8 @@ def parse_tuning(parser, items: list[str]) -> dict:
 
 
 def _tuning_settings(items: list[str], what: str) -> dict:
-    """The one reader of ``KEY=VALUE`` tuning settings (``--tuning`` and an arm's ``@...``); ``what`` names their
-    source in the ``ValueError``."""
+    """``--tuning`` and an arm's ``@...`` settings: :func:`jetrl.quant.kernels.tuning.parse_settings` (the one
+    reader of ``KEY=VALUE`` tuning settings, which a run config's ``kernels`` uses too)."""
     from jetrl.quant.kernels import tuning
 
-    now = tuning.current()
-    settings = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not hasattr(now, key):
-            raise ValueError(f"{what}: a tuning setting reads KEY=VALUE with KEY a field of KernelTuning, "
-                             f"got {item.strip()!r}")
-        if key in settings:
-            raise ValueError(f"{what}: {key} is set twice")
-        kind = type(getattr(now, key))
-        text = text.strip()
-        if kind is bool:
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(f"{what}: {key} must be true or false, got {text!r}")
-            settings[key] = text.lower() in ("true", "1")
-        elif kind in (int, float, str):
-            try:
-                settings[key] = kind(text)
-            except ValueError:
-                raise ValueError(f"{what}: {key} must be {kind.__name__}, got {text!r}") from None
-        else:
-            raise ValueError(f"{what}: {key} holds a {kind.__name__}, which a command line cannot give")
-    try:
-        with tuning.override(**settings):  # the tuning object's own checks, before any model is built
-            pass
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{what}: {exc}") from None
-    return settings
+    return tuning.parse_settings(items, what)

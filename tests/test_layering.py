@@ -17,9 +17,10 @@ ALLOWED = {
     "parallel": {"quant", "models"},
     "rollout": {"quant", "models", "parallel"},
     "data": set(),
-    # the schema checks names against the registries that own them (read on first use); none of these
-    # modules imports the config, so there is no loop
-    "config": {"jetrl.quant.recipe", "jetrl.rl.advantages", "jetrl.rl.losses", "jetrl.rl.optim"},
+    # the schema checks names against the registries that own them (read on first use) and kernel settings
+    # against the tuning object; none of these modules imports the config, so there is no loop
+    "config": {"jetrl.quant.recipe", "jetrl.quant.kernels.tuning", "jetrl.rl.advantages", "jetrl.rl.losses",
+               "jetrl.rl.optim"},
     "rl": {"quant", "models", "parallel", "rollout", "data", "config"},
     "evaluate": {"quant", "models", "rollout", "data", "config"},
     # sft checkpoints through the RL loop's atomic, checksummed checkpoint files and trains BF16 with its

@@ -335,6 +335,9 @@ class RunConfig(_Section):
     # tokens per byte; under jet the training forward attends over the same quantized K/V (fp8-rollout: the
     # rollout side only, the comparison arm; bf16: an error)
     kv_fp8: bool = False
+    # kernel settings for the whole run, KEY=VALUE with KEY a field of jetrl.quant.kernels.tuning.KernelTuning
+    # (its doc says what each does), e.g. ["exact_split_k=1"]; on the command line --kernels=exact_split_k=1,...
+    kernels: tuple[str, ...] = ()
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardLimitsConfig = field(default_factory=RewardLimitsConfig)
@@ -358,12 +361,24 @@ class RunConfig(_Section):
         return kv_fp8_train(self.recipe, self.kv_fp8)
 
     @property
+    def kernel_settings(self) -> dict:
+        """``kernels`` as the fields :func:`jetrl.quant.kernels.tuning.override` takes (typed and checked)."""
+        from jetrl.quant.kernels.tuning import parse_settings
+
+        return parse_settings(self.kernels, "kernels")
+
+    @property
     def mini_batch_size(self) -> int:
         """Sequences per optimizer step (the whole rollout batch unless ``algorithm.mini_batch_size``)."""
         return self.algorithm.mini_batch_size or self.rollout_batch_size
 
     def validate(self) -> None:
         _choice("", "recipe", self.recipe, registered_names("recipe"))
+        if self.kernels:
+            try:
+                self.kernel_settings
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.exact:
             from jetrl.quant.recipe import get_recipe
 

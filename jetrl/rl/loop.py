@@ -276,8 +276,10 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         raise ConfigError("model.path is empty: point it at a HuggingFace checkpoint folder")
     resolve_device(config.model.device)  # a clear error for a device this machine lacks, before any rank starts
     parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
+    from jetrl.quant.kernels import tuning
+
     try:
-        with parallel.guard():
+        with parallel.guard(), tuning.override(**config.kernel_settings):  # the rollout's and the trainer's
             return _run(config, parallel, on_step, require_checkpoint)
     finally:
         parallel.close()

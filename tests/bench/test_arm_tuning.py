@@ -51,7 +51,7 @@ def test_tuned_arms_parse_typed_and_round_trip(common):
     ("jet@nonsense=1", "field of KernelTuning"), ("jet@exact_split_k", "field of KernelTuning"),
     ("jet@exact_split_k=two", "exact_split_k must be int"), ("jet@exact_split_k=-1", "non-negative"),
     ("jet+kv8@kv_decode_factored=maybe", "true or false"), ("jet@gemm=fastest", "must be one of"),
-    ("jet@exact_split_k=0;exact_split_k=2", "set twice"), ("jet@decode_policies=x", "command line cannot give"),
+    ("jet@exact_split_k=0;exact_split_k=2", "set twice"), ("jet@decode_policies=x", "setting cannot give"),
     ("bf16+kv8@kv_decode_factored=true", "rolls out in BF16"), ("fp9@exact_split_k=0", "unknown recipe"),
 ])
 def test_bad_arm_tunings_name_the_arm(common, name, match):

@@ -224,3 +224,22 @@ def test_kv_fp8_needs_a_recipe_that_rolls_out_in_fp8(tmp_path):
         load_config(path)
     with pytest.raises(ConfigTypeError, match="kv_fp8 must be a bool"):
         from_dict(RunConfig, {"kv_fp8": 2})
+
+
+def test_kernel_settings_are_typed_and_checked_before_any_model(tmp_path):
+    """``kernels``: KEY=VALUE settings of the kernels' tuning object for the whole run, typed by the field, checked
+    by the object itself, reported as config errors; the file and the command line give them alike."""
+    assert RunConfig().kernels == () and RunConfig().kernel_settings == {}
+    cfg = load_config(None, ["--kernels=exact_split_k=1,kv_decode_factored=false"])
+    assert cfg.kernel_settings == {"exact_split_k": 1, "kv_decode_factored": False}
+    path = tmp_path / "run.yaml"
+    path.write_text("kernels: [exact_cublas_min_m=0]\n")
+    assert load_config(path).kernel_settings == {"exact_cublas_min_m": 0}
+    for bad, message in ((["--kernels=exact_splitk=1"], "KEY a field of KernelTuning"),
+                         (["--kernels=exact_split_k=one"], "exact_split_k must be int"),
+                         (["--kernels=exact_split_k=-1"], "exact_split_k"),
+                         (["--kernels=exact_split_k=1,exact_split_k=2"], "set twice"),
+                         (["--kernels=decode_max_m_by_shape=1"], "cannot give")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, bad)
+

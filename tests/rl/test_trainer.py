@@ -187,3 +187,24 @@ def test_jet_with_fp8_kv_cache_trains_on_the_values_it_sampled_from():
     assert m["rollout/kv_capacity_tokens"] == 64 * 4 and m["actor/num_updates"] == 2
     for k, v in trainer.model.named_parameters():
         assert not torch.equal(v, start[k]), f"{k} did not change"
+
+
+def test_a_run_runs_under_its_kernel_settings(tmp_path):
+    """``jetrl.rl.run`` holds the config's kernel settings in force for the whole run (rollout and training read
+    them), and restores the defaults after."""
+    from pathlib import Path
+
+    import jetrl
+    from jetrl.quant.kernels import tuning
+    from jetrl.rl import run
+
+    seen = []
+    cfg = load_config(None, [f"--model.path={Path(jetrl.__file__).parent / 'assets' / 'tiny-arith'}", "--model.device=cpu",
+                             "--model.dtype=float32", "--data.task=arithmetic", "--data.prompts_per_step=2",
+                             "--data.max_prompt_tokens=64", "--rollout.n=2", "--rollout.max_tokens=4",
+                             "--algorithm.micro_batch_size=4", "--trainer.steps=1",
+                             f"--trainer.output_dir={tmp_path / 'run'}", "--kernels=exact_split_k=3,decode_max_m=8"])
+    run(cfg, on_step=lambda step, m: seen.append((tuning.current().exact_split_k, tuning.current().decode_max_m)))
+    assert seen == [(3, 8)]
+    assert tuning.current().exact_split_k == tuning.KernelTuning().exact_split_k
+    assert "exact_split_k=3" in (tmp_path / "run" / "config.yaml").read_text()  # a resumed run gets them too

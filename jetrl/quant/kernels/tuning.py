@@ -16,6 +16,9 @@ for a block of code (tests and ``bench/kernels.py`` sweep with it)::
     with tuning.override(gemm="triton", token_block_k=64):
         ...
 
+A run sets fields from its config (``kernels: ["exact_split_k=1", ...]``, read by :func:`parse_settings`, the one
+reader of ``KEY=VALUE`` settings, which the benchmarks' ``--tuning`` and arms use too) for the whole run.
+
 ``JETRL_FP8_GEMM`` (``auto`` | ``cublas`` | ``triton`` | ``decode``) is read once, when this module is imported,
 into the default object's ``gemm``. This module imports neither Triton nor any other module of jetrl besides
 :mod:`jetrl.quant.formats`, so the CPU tests and the benchmarks' ``--help`` read it without a GPU.
@@ -422,3 +425,38 @@ def override(**changes) -> Iterator[KernelTuning]:
         yield _CURRENT.get()
     finally:
         _CURRENT.reset(token)
+
+
+def parse_settings(items, what: str = "kernels") -> dict:
+    """``["exact_split_k=1", "kv_decode_factored=true"]`` -> the fields for :func:`override`: each value read as
+    the type of its field (bool: true/false/1/0), then checked by the tuning object itself. A ``ValueError`` that
+    names ``what`` (where the settings came from) for a key that is not a field, a repeated key, a value of the
+    wrong type, a field no text can give (a mapping) or a value the object rejects."""
+    now = current()
+    settings: dict = {}
+    for item in items:
+        key, sep, text = str(item).partition("=")
+        key = key.strip()
+        if not sep or key not in {f.name for f in fields(KernelTuning)}:
+            raise ValueError(f"{what}: a tuning setting reads KEY=VALUE with KEY a field of KernelTuning, "
+                             f"got {str(item).strip()!r}")
+        if key in settings:
+            raise ValueError(f"{what}: {key} is set twice")
+        kind = type(getattr(now, key))
+        text = text.strip()
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"{what}: {key} must be true or false, got {text!r}")
+            settings[key] = text.lower() in ("true", "1")
+        elif kind in (int, float, str):
+            try:
+                settings[key] = kind(text)
+            except ValueError:
+                raise ValueError(f"{what}: {key} must be {kind.__name__}, got {text!r}") from None
+        else:
+            raise ValueError(f"{what}: {key} holds a {kind.__name__}, which a KEY=VALUE setting cannot give")
+    try:
+        dataclasses.replace(now, **settings)  # the object's own checks, before any model is built
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{what}: {exc}") from None
+    return settings
