@@ -13,7 +13,7 @@ cache is its ``kv_fp8`` flag: E4M3 pools plus fp32 scale pools, see :mod:`jetrl.
 
 - ``allocate_kv_cache() -> int`` -- make the KV cache if there is none; returns the number of usable blocks
   (the engine's :class:`~jetrl.rollout.block_manager.BlockManager` hands out block ids ``0 .. n-1``).
-- ``begin(seqs)`` -- a ``generate`` call starts with these sequences: (re)capture the CUDA graphs if the
+- ``begin(seqs)`` -- a ``generate`` call starts with these sequences: drop the CUDA graphs if the
   weights moved to new storage, and start a host mirror of the sequences' block tables.
 - ``launch(out, prev) -> LaunchedStep`` -- queue one :class:`~jetrl.rollout.scheduler.SchedulerOutput`
   (block copies, inputs, forward, sampling, the copy of the sampled tokens to the host) without waiting for
@@ -29,11 +29,13 @@ positions, the KV slots they write, and :class:`~jetrl.models.attention.PagedAtt
 step's integer metadata goes to the device in one (pinned, asynchronous) host-to-device copy. A prefill
 step computes logits only at the rows that sample (the last row of a chunk that completes its prompt).
 
-**CUDA graphs.** On CUDA the decode step (one token per sequence) is captured for a set of batch sizes; a
-batch is padded to the next captured size with rows that write into a scratch block no sequence owns (the
-pool's last block). The graphs are recaptured only when a parameter or a cached FP8 weight moves to new
-storage: a new weight version is re-quantized into the same FP8 buffers, so graphs survive optimizer steps
-in ``jet``.
+**CUDA graphs.** On CUDA the decode step (one token per sequence) runs as a CUDA graph per batch size of a
+candidate set; a batch is padded to the next candidate with rows that write into a scratch block no sequence
+owns (the pool's last block). A size is captured the first time a step needs it. The graphs are dropped and
+captured again only when a parameter or a cached FP8 weight moves to new storage: a new weight version is
+re-quantized into the same FP8 buffers, so graphs survive optimizer steps in ``jet``, but a sharded model's
+weights, gathered for each rollout, move every step. ``graph_captures`` and ``graph_capture_seconds`` count
+the work.
 
 **Precision.** Every forward runs under ``torch.no_grad`` and ``precision_side("rollout")``, so in ``jet``
 each linear layer reads its cached FP8 weight of the current weight version, the same bytes the training
