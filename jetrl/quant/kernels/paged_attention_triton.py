@@ -73,6 +73,7 @@ from jetrl.quant.kernels.quantize_triton import cast_rne
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SM_COUNT: dict[int, int] = {}
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the sequences of a head-major launch)
 
 
 BLOCK_N = 64  # tokens per tile over a cache in q's dtype
@@ -149,10 +150,37 @@ def _load_e4m3_bits(head_ptr, page, row, t_ok, stride_b, stride_t, HEAD_DIM: tl.
 
 
 @triton.jit
+def _load_e4m3_bytes(head_ptr, page, row, t_ok, d, stride_b, stride_t, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
+                     PTX: tl.constexpr):
+    """E4M3 rows (BLOCK_N, BLOCK_D) of tokens at (``page``, ``row``) -> ``DTYPE`` exactly: :func:`_load_e4m3_bits`'s
+    bit operations on a tile of bytes (any cache layout; the tuning's ``kv_decode_bit_tile == "bytes"``).
+
+    In bfloat16 the inline PTX takes 4 bytes per call (``pack=4``: one 32-bit register) and returns their 4 bf16 as
+    two bf16x2 registers in byte order, so the result needs no join or reshape. It is declared impure on purpose:
+    Triton then keeps the conversion in the load's layout (16 contiguous bytes per thread) and stops there when it
+    sizes the dots' operands, so both dots run bf16 operands of ``kWidth`` 2, as over a BF16 cache (``ldmatrix``,
+    transposing for V; no register shuffles of q and p). A pure call is seen through: the byte load makes Triton
+    pick 4, and it converts V in the dot's layout, a byte at a time from shared memory. The interpreter and an fp32
+    ``DTYPE`` convert each byte with Triton's integer ops (the same values)."""
+    b = tl.load(head_ptr + page[:, None] * stride_b + row[:, None] * stride_t + d[None, :],
+                mask=t_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0).to(tl.uint8, bitcast=True)
+    if PTX and DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 c, z; prmt.b32 $0, $2, 0, 0x9180; prmt.b32 $1, $2, 0, 0xB3A2; "
+            "shl.b32 $0, $0, 4; shl.b32 $1, $1, 4; and.b32 $0, $0, 0x87F087F0; and.b32 $1, $1, 0x87F087F0; "
+            "mov.b32 c, 0x7B807B80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $0, c, z; fma.rn.bf16x2 $1, $1, c, z; }",
+            "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=False, pack=4)
+    else:
+        b = b.to(tl.int32)
+        x = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+        return (x * tl.full([], 2.0 ** 120, tl.float32)).to(DTYPE)  # exact
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
                  stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                  PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FACTORED: tl.constexpr,
-                 BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BITS: tl.constexpr, BIT_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  WHILE_LOOP: tl.constexpr):
     """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table, online softmax update.
 
@@ -164,7 +192,10 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
     row = t % PAGE
     kv_mask = t_ok[:, None] & d_ok[None, :]
     if FACTORED:
-        if BITS:
+        if BITS and BIT_BYTES:
+            k = _load_e4m3_bytes(k_head, page, row, t_ok, d, stride_kb, stride_kt, HEAD_DIM, q.dtype,
+                                  not WHILE_LOOP)
+        elif BITS:
             k = _load_e4m3_bits(k_head, page, row, t_ok, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, q.dtype,
                                  not WHILE_LOOP)
         else:
@@ -188,7 +219,10 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FACTORED:
-        if BITS:
+        if BITS and BIT_BYTES:
+            v = _load_e4m3_bytes(v_head, page, row, t_ok, d, stride_vb, stride_vt, HEAD_DIM, q.dtype,
+                                  not WHILE_LOOP)
+        elif BITS:
             v = _load_e4m3_bits(v_head, page, row, t_ok, stride_vb, stride_vt, HEAD_DIM, BLOCK_D, q.dtype,
                                  not WHILE_LOOP)
         else:
@@ -214,12 +248,17 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
                          stride_ts, stride_os, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, FACTORED: tl.constexpr, BITS: tl.constexpr,
-                         WHILE_LOOP: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+                         FP8: tl.constexpr, FACTORED: tl.constexpr, BITS: tl.constexpr, BIT_BYTES: tl.constexpr,
+                         HEAD_MAJOR: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    if HEAD_MAJOR:  # grid (Hkv, S, splits): the KV heads of a sequence are neighbouring programs
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:  # grid (S, Hkv, splits)
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -249,14 +288,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
                                          stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED, BITS,
-                                         HEAD_DIM, BLOCK_D, WHILE_LOOP)
+                                         BIT_BYTES, HEAD_DIM, BLOCK_D, WHILE_LOOP)
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
                                          stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED, BITS,
-                                         HEAD_DIM, BLOCK_D, WHILE_LOOP)
+                                         BIT_BYTES, HEAD_DIM, BLOCK_D, WHILE_LOOP)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -407,8 +446,11 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
     fp8 = check_kv_cache("paged_decode", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
     # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
-    factored = fp8 and q.dtype != torch.float16 and tuning.current().kv_decode_factored
-    bits = factored and tuning.current().kv_decode_bit_convert and _words_aligned(k_cache_layer, v_cache_layer)
+    knobs = tuning.current()
+    factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
+    bit_bytes = knobs.kv_decode_bit_tile == "bytes"  # a tile of bytes needs no alignment
+    bits = factored and knobs.kv_decode_bit_convert and (bit_bytes or _words_aligned(k_cache_layer, v_cache_layer))
+    head_major = fp8 and knobs.kv_decode_head_major and num_seqs <= _MAX_GRID_Y
     launch = launch_config(fp8, factored)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
@@ -432,7 +474,8 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
+    grid = (num_kv_heads, num_seqs, splits) if head_major else (num_seqs, num_kv_heads, splits)
+    _paged_decode_kernel[grid](
         q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, ctx, out, part_acc, part_ml,
         float(softmax_scale) * _LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
@@ -440,8 +483,8 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
         v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BITS=bits,
-        WHILE_LOOP=_INTERPRETED,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BITS=bits, BIT_BYTES=bit_bytes,
+        HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
