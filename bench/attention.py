@@ -13,8 +13,14 @@ and 64 x 768. Rows per setting:
   (``kv_decode_bit_convert=false``), scales on the fp32 side, default launch;
 * ``kv8-bits``: the factored route with the E4M3 tiles converted by bit operations (``kv_decode_bit_convert=true``,
   the default route), default launch;
+* ``kv8-bytes``: the same conversion on tiles of bytes (``kv_decode_bit_tile=bytes``), default launch;
+* ``kv8-bits-hm``, ``kv8-bytes-hm``: those two on the head-major grid (``kv_decode_head_major=true``);
 * the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves`` and
-  ``--max-splits`` (the tuning's ``kv_decode_*`` fields) on each route of ``--grid-routes``.
+  ``--max-splits`` (the tuning's ``kv_decode_*`` launch fields) on each route of ``--grid-routes`` (a route's name
+  without ``kv8-``).
+
+``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored`` and
+``kv8-bits``; ``bf16`` always runs, every ratio is against it).
 
 Every row is first checked against ``jetrl.models.attention.paged_attention_reference`` in fp32 over the same
 (dequantized) cache: a relative error norm above the GPU tests' tolerance (1e-2 in bf16) marks the row ``failed``
@@ -51,10 +57,15 @@ try:  # repository root on sys.path (python -m bench.attention, the tests)
 except ModuleNotFoundError:  # python bench/attention.py: bench/ itself is on sys.path
     from common import add_tuning_argument, device_description, parse_tuning, sync, write_report  # type: ignore
 
-ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bits")
-GRID_ROUTES = {"inreg": "kv8-inreg", "factored": "kv8-factored", "bits": "kv8-bits"}
-ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False}, "kv8-factored": {"kv_decode_factored": True, "kv_decode_bit_convert": False},
-                "kv8-bits": {"kv_decode_factored": True, "kv_decode_bit_convert": True}}
+_BITS = {"kv_decode_factored": True, "kv_decode_bit_convert": True}
+ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False},
+                "kv8-factored": {"kv_decode_factored": True, "kv_decode_bit_convert": False},
+                "kv8-bits": dict(_BITS, kv_decode_bit_tile="words", kv_decode_head_major=False),
+                "kv8-bits-hm": dict(_BITS, kv_decode_bit_tile="words", kv_decode_head_major=True),
+                "kv8-bytes": dict(_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=False),
+                "kv8-bytes-hm": dict(_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=True)}
+ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bits")  # the default rows
+GRID_ROUTES = {r.removeprefix("kv8-"): r for r in ROUTE_TUNING if r != "bf16"}
 SETTINGS = "256x768,64x4352,64x768"
 TINY_SETTINGS = "3x40,2x100"
 
@@ -343,8 +354,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=None, help=f"SEQSxCONTEXT comma list (default {SETTINGS}; "
                                                           f"--tiny: {TINY_SETTINGS})")
+    parser.add_argument("--routes", default=",".join(ROUTES),
+                        help=f"routes of the default-launch rows, comma-separated, from {','.join(ROUTE_TUNING)} "
+                             f"(default {','.join(ROUTES)}; bf16 always runs)")
     parser.add_argument("--grid-routes", default="bits", help="routes the grid runs on: bits (the default route), "
-                                                               "factored, inreg, several comma-separated, or none")
+                                                               f"{', '.join(r for r in GRID_ROUTES if r != 'bits')}, "
+                                                               "several comma-separated, or none")
     parser.add_argument("--block-n", default=None, help="tokens per FP8 tile (0: the route's own; default 64,128,256;"
                                                          " --tiny 16,32)")
     parser.add_argument("--num-warps", default=None, help="default 4,8 (--tiny 4)")
@@ -372,6 +387,11 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             raise ValueError(f"--grid-routes: unknown route(s) {unknown}; choose from {list(GRID_ROUTES)} or none")
         grid_routes = [GRID_ROUTES[r] for r in names]
+        routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+        unknown = sorted(set(routes) - set(ROUTE_TUNING))
+        if unknown:
+            raise ValueError(f"--routes: unknown route(s) {unknown}; choose from {list(ROUTE_TUNING)}")
+        routes = ["bf16", *(r for r in ROUTE_TUNING if r in routes and r != "bf16")]
     except ValueError as exc:
         parser.error(str(exc))
     outer = parse_tuning(parser, args.tuning)
@@ -401,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tuning.override(**outer):
         for num_seqs, context in settings:
             case = make_case(shape, num_seqs, context, device)
-            rows = [run_row(shape, case, route, None, device, calls, args.replays) for route in ROUTES]
+            rows = [run_row(shape, case, route, None, device, calls, args.replays) for route in routes]
             for route in grid_routes:
                 for config in configs:
                     if time.perf_counter() - started > args.max_seconds:

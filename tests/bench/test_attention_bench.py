@@ -135,6 +135,7 @@ def test_command_line_checks():
     assert [c.name for c in attention.grid("0,64", "4", "2", "2,8", "16")] == [
         "n0w4s2x2m16", "n0w4s2x8m16", "n64w4s2x2m16", "n64w4s2x8m16"]
     for argv in (["--block-n", "8"], ["--num-warps", "3"], ["--split-waves", "0"], ["--grid-routes", "fast"],
+                 ["--routes", "kv8-fast"],
                  ["--settings", "12"], ["--tuning", "kv_decode_num_stages=0"]):
         with pytest.raises(SystemExit):  # argparse's usage error, before anything runs
             attention.main(["--tiny", *argv])
