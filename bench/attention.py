@@ -15,8 +15,8 @@ and 64 x 768. Rows per setting:
   the default route), default launch;
 * ``kv8-bytes``: the same conversion on tiles of bytes (``kv_decode_bit_tile=bytes``), default launch;
 * ``kv8-bits-hm``, ``kv8-bytes-hm``: those two on the head-major grid (``kv_decode_head_major=true``);
-* the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves`` and
-  ``--max-splits`` (the tuning's ``kv_decode_*`` launch fields) on each route of ``--grid-routes`` (a route's name
+* the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves``,
+  ``--max-splits`` and ``--max-registers`` (the tuning's ``kv_decode_*`` launch fields) on each route of ``--grid-routes`` (a route's name
   without ``kv8-``).
 
 ``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored`` and
@@ -100,17 +100,19 @@ class Config:
     num_stages: int = 2
     split_waves: float = 2.0
     max_splits: int = 16
+    max_registers: int = 0
 
     @property
     def name(self) -> str:
-        """e.g. ``n128w4s2x2m16`` (tile tokens, warps, stages, split waves, split cap; ``n0``: the route's tile)."""
+        """e.g. ``n128w4s2x2m16`` (tile tokens, warps, stages, split waves, split cap; ``n0``: the route's tile;
+        ``r128``: at most 128 registers per thread)."""
         return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}x{self.split_waves:g}"
-                f"m{self.max_splits}")
+                f"m{self.max_splits}" + (f"r{self.max_registers}" if self.max_registers else ""))
 
     def tuning(self) -> dict:
         return {"kv_decode_block_n": self.block_n, "kv_decode_num_warps": self.num_warps,
                 "kv_decode_num_stages": self.num_stages, "kv_decode_split_waves": float(self.split_waves),
-                "kv_decode_max_splits": self.max_splits}
+                "kv_decode_max_splits": self.max_splits, "kv_decode_max_registers": self.max_registers}
 
 
 def parse_settings(text: str) -> list[tuple[int, int]]:
@@ -133,14 +135,15 @@ def _numbers(text: str, kind):
     return values
 
 
-def grid(block_n: str, num_warps: str, num_stages: str, split_waves: str, max_splits: str) -> list[Config]:
+def grid(block_n: str, num_warps: str, num_stages: str, split_waves: str, max_splits: str,
+         max_registers: str = "0") -> list[Config]:
     """The cross product of comma lists, each config checked by the tuning object (a bad value is an error here,
     before anything runs)."""
     from jetrl.quant.kernels import tuning
 
     configs = [Config(*c) for c in itertools.product(_numbers(block_n, int), _numbers(num_warps, int),
                                                       _numbers(num_stages, int), _numbers(split_waves, float),
-                                                      _numbers(max_splits, int))]
+                                                      _numbers(max_splits, int), _numbers(max_registers, int))]
     for config in configs:
         with tuning.override(**config.tuning()):
             pass
@@ -304,7 +307,7 @@ def run_row(shape: Shape, case: Case, route: str, config: Config | None, device:
         result = measure(fn, case.ref8 if fp8 else case.ref, shape.tolerance, device, calls, replays)
     row = {"setting": f"{case.num_seqs}x{case.context}", "route": route,
            "config": Config(launch.block_n, launch.num_warps, launch.num_stages, launch.split_waves,
-                            launch.max_splits).name,
+                            launch.max_splits, launch.max_registers).name,
            "grid": config is not None, **asdict(launch), "splits": splits,
            "bytes": bytes_moved(shape, case.num_seqs, case.context, fp8), **result}
     if "us" in row:
@@ -367,6 +370,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--split-waves", default=None, help="waves of programs the context split aims for "
                                                              "(default 2,8,32; --tiny 2,8)")
     parser.add_argument("--max-splits", default="16", help="cap on the context split (default 16)")
+    parser.add_argument("--max-registers", default="0", help="cap on registers per thread, 0: the compiler's "
+                                                              "(default 0)")
     parser.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (default 20; --tiny 1)")
     parser.add_argument("--replays", type=int, default=10, help="timed graph replays, median taken (default 10)")
     parser.add_argument("--max-seconds", type=float, default=480.0,
@@ -381,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
         settings = parse_settings(args.settings or (TINY_SETTINGS if tiny else SETTINGS))
         configs = grid(args.block_n or ("16,32" if tiny else "64,128,256"), args.num_warps or ("4" if tiny else "4,8"),
                        args.num_stages or ("2" if tiny else "2,3"), args.split_waves or ("2,8" if tiny else "2,8,32"),
-                       args.max_splits)
+                       args.max_splits, args.max_registers)
         names = [r.strip() for r in args.grid_routes.split(",") if r.strip() and r.strip() != "none"]
         unknown = sorted(set(names) - set(GRID_ROUTES))
         if unknown:

@@ -11,7 +11,9 @@
 * compiled for the H200 (sm_90a) on this machine: the byte route gives both dots bf16 operands of ``kWidth`` 2
   (the BF16-cache kernel's; what removes the register shuffles of q and p) and reads no shared memory a byte at a
   time;
-* on the GPU at the 8B head shapes: every variant within the tolerances of the reference and of the default route.
+* the register cap (``kv_decode_max_registers``, Triton's ``maxnreg``): its checks, and a launch that takes it;
+* on the GPU at the 8B head shapes: every variant, and the byte route at launches that fit 4 programs per SM,
+  within the tolerances of the reference and of the default route.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 VARIANTS = {"bytes": {"kv_decode_bit_tile": "bytes"}, "head-major": {"kv_decode_head_major": True},
             "bytes-head-major": {"kv_decode_bit_tile": "bytes", "kv_decode_head_major": True}}
+# launches worth measuring with the byte route (the interpreter ignores stages and registers): 4 programs of 4 warps
+# per SM where registers are capped at 128 (no staged copies at 1 stage; 64-token tiles)
+GPU_VARIANTS = dict(VARIANTS, **{
+    "bytes-s1-r128": {"kv_decode_bit_tile": "bytes", "kv_decode_num_stages": 1, "kv_decode_max_registers": 128},
+    "bytes-n64-r128": {"kv_decode_bit_tile": "bytes", "kv_decode_block_n": 64, "kv_decode_max_registers": 128}})
 
 _CHILD = r'''
 import json, sys
@@ -74,6 +81,9 @@ for knobs in ({"kv_decode_bit_convert": False}, {"kv_decode_bit_tile": "bytes"})
     with tuning.override(kv_decode_factored=True, **knobs):
         runs.append(paged_decode(q, kdu, vdu, meta, d ** -0.5, ks, vs, num_splits=2, block_n=16))
 out["unaligned"] = {"bitwise": same_bits(*runs), "offset": kdu.data_ptr() % 4}
+with tuning.override(kv_decode_bit_tile="bytes", kv_decode_max_registers=128):  # a launch option Triton takes
+    out["max-registers"] = same_bits(runs[1], paged_decode(q, kdu, vdu, meta, d ** -0.5, ks, vs, num_splits=2,
+                                                           block_n=16))
 json.dump(out, sys.stdout)
 '''
 
@@ -88,7 +98,8 @@ def test_byte_conversion_is_torchs_for_every_e4m3_value(interpreted):
 
 
 def test_variants_are_the_default_route_bit_for_bit(interpreted):
-    cases = {name: r for name, r in interpreted.items() if name != "unaligned" and not name.startswith("convert-")}
+    cases = {name: r for name, r in interpreted.items()
+             if name not in ("unaligned", "max-registers") and not name.startswith("convert-")}
     assert len(cases) == 2 * 3 * len(VARIANTS), sorted(cases)
     for name, r in cases.items():
         assert r["bitwise"], (name, r)
@@ -97,6 +108,7 @@ def test_variants_are_the_default_route_bit_for_bit(interpreted):
 
 def test_byte_route_converts_rows_that_are_not_whole_words(interpreted):
     assert interpreted["unaligned"] == {"bitwise": True, "offset": 2}, interpreted["unaligned"]
+    assert interpreted["max-registers"] is True
 
 
 def test_fields():
@@ -112,6 +124,16 @@ def test_fields():
         with pytest.raises(ValueError, match="kv_decode_head_major must be a bool"):
             with tuning.override(kv_decode_head_major=bad):
                 pass
+    assert tuning.current().kv_decode_max_registers == 0
+    for bad in (16, 256, 128.0, True, -1):
+        with pytest.raises(ValueError, match=r"kv_decode_max_registers must be 0 \(the compiler's choice\) or an int"):
+            with tuning.override(kv_decode_max_registers=bad):
+                pass
+    from jetrl.quant.kernels.paged_attention_triton import launch_config
+
+    with tuning.override(kv_decode_max_registers=128):
+        assert launch_config(True, True).max_registers == 128 and launch_config(False, False).max_registers == 0
+    assert launch_config(True, True).max_registers == 0
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -153,7 +175,7 @@ def test_byte_conversion_on_the_gpu_is_torchs_for_every_e4m3_value(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(GPU_VARIANTS))
 @pytest.mark.parametrize("num_seqs", [1, 5, 64])
 def test_variants_at_8b_shapes(num_seqs, variant):
     from jetrl.models.attention import paged_attention_reference
@@ -165,7 +187,7 @@ def test_variants_at_8b_shapes(num_seqs, variant):
     ref = paged_attention_reference(q.float(), kq, vq, meta, q.shape[-1] ** -0.5)
     for kw in ({}, {"num_splits": 3}, {"block_n": 64}, {"block_n": 256}):
         a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
-        with tuning.override(**VARIANTS[variant]):
+        with tuning.override(**GPU_VARIANTS[variant]):
             b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
         assert b.dtype == torch.bfloat16 and torch.isfinite(b).all(), kw
         assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (kw, rel_err(b, ref), rel_err(b, a))

@@ -392,14 +392,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """The decode kernel's launch: tokens per tile, Triton warps and pipeline stages, and the context-split policy
-    (:func:`choose_num_splits`'s ``waves`` and ``max_splits``)."""
+    """The decode kernel's launch: tokens per tile, Triton warps and pipeline stages, the context-split policy
+    (:func:`choose_num_splits`'s ``waves`` and ``max_splits``) and a cap on registers per thread (``maxnreg``; 0: the
+    compiler's choice)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     split_waves: float
     max_splits: int
+    max_registers: int = 0
 
 
 BF16_LAUNCH = DecodeLaunch(block_n=BLOCK_N, num_warps=4, num_stages=2, split_waves=2.0, max_splits=16)
@@ -414,7 +416,8 @@ def launch_config(fp8: bool, factored: bool) -> DecodeLaunch:
     knobs = tuning.current()
     return DecodeLaunch(block_n=knobs.kv_decode_block_n or (FP8_BLOCK_N if factored else BLOCK_N),
                         num_warps=knobs.kv_decode_num_warps, num_stages=knobs.kv_decode_num_stages,
-                        split_waves=knobs.kv_decode_split_waves, max_splits=knobs.kv_decode_max_splits)
+                        split_waves=knobs.kv_decode_split_waves, max_splits=knobs.kv_decode_max_splits,
+                        max_registers=knobs.kv_decode_max_registers)
 
 
 def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
@@ -485,7 +488,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BITS=bits, BIT_BYTES=bit_bytes,
         HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
+        num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,

@@ -217,7 +217,9 @@ class KernelTuning:
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
     two up to 16) and ``kv_decode_num_stages`` (>= 1) of the Triton launch, and the context split
     (``choose_num_splits``): ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims
-    for, at most ``kv_decode_max_splits`` splits (>= 1). Any values give the attention over the dequantized cache
+    for, at most ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread
+    (Triton's ``maxnreg``; 0, the default: the compiler's choice; 128 or less lets 4 programs of 4 warps share an SM,
+    where the shared memory allows, at the cost of spills). Any values give the attention over the dequantized cache
     to summation order (the tile and the split set that order); ``bench/attention.py`` sweeps them.
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
@@ -290,6 +292,7 @@ class KernelTuning:
     kv_decode_num_stages: int = 2
     kv_decode_split_waves: float = 2.0
     kv_decode_max_splits: int = 16
+    kv_decode_max_registers: int = 0
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -333,6 +336,10 @@ class KernelTuning:
             raise ValueError(f"KernelTuning.kv_decode_num_warps must be a power of two in 1..16, "
                              f"got {self.kv_decode_num_warps!r}")
         self._check_ints(("kv_decode_num_stages", "kv_decode_max_splits"), 1)
+        regs = self.kv_decode_max_registers
+        if isinstance(regs, bool) or not isinstance(regs, int) or not (regs == 0 or 24 <= regs <= 255):
+            raise ValueError(f"KernelTuning.kv_decode_max_registers must be 0 (the compiler's choice) or an int in "
+                             f"24..255, got {regs!r}")
         waves = self.kv_decode_split_waves
         if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not 0 < waves < float("inf"):
             raise ValueError(f"KernelTuning.kv_decode_split_waves must be a positive finite number, got {waves!r}")
