@@ -27,7 +27,7 @@ def convert(codes: torch.Tensor, dtype: torch.dtype, ptx: bool) -> torch.Tensor:
 @triton.jit
 def _convert_bytes_kernel(src, dst, DTYPE: tl.constexpr, PTX: tl.constexpr):
     row = tl.arange(0, 64)
-    x = P._load_e4m3_bytes(src, row * 0, row, row < 64, tl.arange(0, 4), 0, 4, 4, DTYPE, PTX)
+    x = P._load_e4m3_bytes(src, row * 4, row < 64, tl.arange(0, 4), 4, DTYPE, PTX)
     tl.store(dst + row[:, None] * 4 + tl.arange(0, 4)[None, :], x)
 
 

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import re
@@ -136,6 +137,21 @@ def test_fields():
     assert launch_config(True, True).max_registers == 0
 
 
+def test_wide_offsets_decision():
+    """The byte route's offsets are 32-bit unless an element offset into the cache or the scales can pass 2^31 - 1
+    (checked on the meta device: no memory)."""
+    from jetrl.quant.kernels.paged_attention_triton import _wide_offsets
+
+    def pool(blocks, dtype=torch.float8_e4m3fn):
+        return torch.empty(blocks, 16, 8, 128, dtype=dtype, device="meta")
+
+    edge = 2 ** 31 // (16 * 8 * 128)  # blocks of 16 x 8 x 128 elements: the last element of `edge` blocks is 2^31 - 1
+    assert not _wide_offsets(pool(edge), torch.empty(edge, 16, 8, device="meta"))
+    assert _wide_offsets(pool(edge + 1)) and _wide_offsets(pool(4), pool(edge + 1))
+    assert _wide_offsets(pool(edge + 1)[:, :, :, :64])  # a view: its strides, not its size, decide
+    assert _wide_offsets(torch.empty(2 ** 28 + 1, 8, device="meta"))  # scales of 2^31 + 8 elements
+
+
 # ------------------------------------------------------------------------------------------------------------
 # CPU: the kernel compiled for the H200 (sm_90a), no GPU needed
 
@@ -193,3 +209,28 @@ def test_variants_at_8b_shapes(num_seqs, variant):
         assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (kw, rel_err(b, ref), rel_err(b, a))
         if variant == "head-major":  # the same program bodies, launched in another order: the same bits
             assert torch.equal(b, a), kw
+
+
+@pytest.mark.gpu
+def test_byte_route_with_64_bit_offsets():
+    """A pool of more than 2^31 bytes, the sequences' pages at its far end: the byte route takes 64-bit offsets
+    (32-bit ones would wrap) and attends as the default route does."""
+    from jetrl.models.attention import paged_attention_reference
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.paged_attention_triton import _wide_offsets, paged_decode
+
+    q, meta, kd, ks, vd, vs = _decode_case(5)
+    used = kd.shape[0]
+    far = 2 ** 31 // (kd[0].numel()) + 16  # the first block past 2^31 bytes (plus a margin)
+    big = [torch.empty((far + used,) + x.shape[1:], dtype=x.dtype, device="cuda") for x in (kd, ks, vd, vs)]
+    for b, x in zip(big, (kd, ks, vd, vs)):
+        b[far:] = x
+    kq, vq = kd.float() * ks[..., None], vd.float() * vs[..., None]
+    ref = paged_attention_reference(q.float(), kq, vq, meta, q.shape[-1] ** -0.5)
+    meta = dataclasses.replace(meta, block_tables=torch.where(meta.block_tables >= 0, meta.block_tables + far, -1))
+    kd, ks, vd, vs = big
+    assert _wide_offsets(kd, vd)
+    with tuning.override(kv_decode_bit_tile="bytes"):
+        b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)
+    a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)
+    assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (rel_err(b, ref), rel_err(b, a))

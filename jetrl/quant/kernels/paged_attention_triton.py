@@ -150,10 +150,10 @@ def _load_e4m3_bits(head_ptr, page, row, t_ok, stride_b, stride_t, HEAD_DIM: tl.
 
 
 @triton.jit
-def _load_e4m3_bytes(head_ptr, page, row, t_ok, d, stride_b, stride_t, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
-                     PTX: tl.constexpr):
-    """E4M3 rows (BLOCK_N, BLOCK_D) of tokens at (``page``, ``row``) -> ``DTYPE`` exactly: :func:`_load_e4m3_bits`'s
-    bit operations on a tile of bytes (any cache layout; the tuning's ``kv_decode_bit_tile == "bytes"``).
+def _load_e4m3_bytes(head_ptr, off, t_ok, d, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """E4M3 rows (BLOCK_N, BLOCK_D) of tokens at element offsets ``off`` (BLOCK_N,) from ``head_ptr`` -> ``DTYPE``
+    exactly: :func:`_load_e4m3_bits`'s bit operations on a tile of bytes (any cache layout; the tuning's
+    ``kv_decode_bit_tile == "bytes"``).
 
     In bfloat16 the inline PTX takes 4 bytes per call (``pack=4``: one 32-bit register) and returns their 4 bf16 as
     two bf16x2 registers in byte order, so the result needs no join or reshape. It is declared impure on purpose:
@@ -162,8 +162,8 @@ def _load_e4m3_bytes(head_ptr, page, row, t_ok, d, stride_b, stride_t, HEAD_DIM:
     transposing for V; no register shuffles of q and p). A pure call is seen through: the byte load makes Triton
     pick 4, and it converts V in the dot's layout, a byte at a time from shared memory. The interpreter and an fp32
     ``DTYPE`` convert each byte with Triton's integer ops (the same values)."""
-    b = tl.load(head_ptr + page[:, None] * stride_b + row[:, None] * stride_t + d[None, :],
-                mask=t_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0).to(tl.uint8, bitcast=True)
+    b = tl.load(head_ptr + off[:, None] + d[None, :], mask=t_ok[:, None] & (d < HEAD_DIM)[None, :],
+                other=0.0).to(tl.uint8, bitcast=True)
     if PTX and DTYPE == tl.bfloat16:
         return tl.inline_asm_elementwise(
             "{ .reg .b32 c, z; prmt.b32 $0, $2, 0, 0x9180; prmt.b32 $1, $2, 0, 0xB3A2; "
@@ -180,28 +180,48 @@ def _load_e4m3_bytes(head_ptr, page, row, t_ok, d, stride_b, stride_t, HEAD_DIM:
 def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
                  stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                  PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FACTORED: tl.constexpr,
-                 BITS: tl.constexpr, BIT_BYTES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 WHILE_LOOP: tl.constexpr):
+                 BITS: tl.constexpr, BIT_BYTES: tl.constexpr, SHARED_OFFSETS: tl.constexpr,
+                 WIDE_OFFSETS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr):
     """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table, online softmax update.
 
     ``FACTORED`` (an FP8 cache, q bf16 or fp32): the E4M3 tiles go to the dots through a plain conversion and the
     scales multiply the dots' fp32 sides (the module doc says why that is the attention over the dequantized
-    cache). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers."""
+    cache). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers.
+
+    ``BIT_BYTES`` (the byte route) also trims the address arithmetic: page and row by unsigned division (``t >= 0``),
+    offsets in 32 bits unless ``WIDE_OFFSETS`` (a cache or scale tensor reaching ``2^31`` elements), and one offset
+    per token for K and V (and one for their scales) when they share their strides (``SHARED_OFFSETS``)."""
     t_ok = t < end
-    page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-    row = t % PAGE
+    if BIT_BYTES:
+        tp = (t.to(tl.uint32, bitcast=True) // PAGE).to(tl.int32, bitcast=True)
+        page = tl.load(table_row + tp, mask=t_ok, other=0)
+        row = t - tp * PAGE
+        if WIDE_OFFSETS:
+            page = page.to(tl.int64)
+        k_off = page * stride_kb + row * stride_kt
+        ks_off = page * stride_ksb + row * stride_kst
+        if SHARED_OFFSETS:
+            v_off = k_off
+            vs_off = ks_off
+        else:
+            v_off = page * stride_vb + row * stride_vt
+            vs_off = page * stride_vsb + row * stride_vst
+    else:
+        page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        row = t % PAGE
     kv_mask = t_ok[:, None] & d_ok[None, :]
     if FACTORED:
-        if BITS and BIT_BYTES:
-            k = _load_e4m3_bytes(k_head, page, row, t_ok, d, stride_kb, stride_kt, HEAD_DIM, q.dtype,
-                                  not WHILE_LOOP)
+        if BIT_BYTES:
+            k = _load_e4m3_bytes(k_head, k_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
+            k_s = tl.load(ks_head + ks_off, mask=t_ok, other=0.0)  # (BLOCK_N,)
         elif BITS:
             k = _load_e4m3_bits(k_head, page, row, t_ok, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, q.dtype,
                                  not WHILE_LOOP)
         else:
             k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_kt + d[None, :], mask=kv_mask,
                         other=0.0).to(q.dtype)  # exact
-        k_s = tl.load(ks_head + page * stride_ksb + row * stride_kst, mask=t_ok, other=0.0)  # (BLOCK_N,)
+        if not BIT_BYTES:
+            k_s = tl.load(ks_head + page * stride_ksb + row * stride_kst, mask=t_ok, other=0.0)  # (BLOCK_N,)
     else:
         k = _load_kv_rows(k_head, ks_head, page, row, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
                           q.dtype, FP8)  # (BLOCK_N, BLOCK_D)
@@ -219,16 +239,17 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FACTORED:
-        if BITS and BIT_BYTES:
-            v = _load_e4m3_bytes(v_head, page, row, t_ok, d, stride_vb, stride_vt, HEAD_DIM, q.dtype,
-                                  not WHILE_LOOP)
+        if BIT_BYTES:
+            v = _load_e4m3_bytes(v_head, v_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
+            v_s = tl.load(vs_head + vs_off, mask=t_ok, other=0.0)
         elif BITS:
             v = _load_e4m3_bits(v_head, page, row, t_ok, stride_vb, stride_vt, HEAD_DIM, BLOCK_D, q.dtype,
                                  not WHILE_LOOP)
         else:
             v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vt + d[None, :], mask=kv_mask,
                         other=0.0).to(q.dtype)  # exact
-        v_s = tl.load(vs_head + page * stride_vsb + row * stride_vst, mask=t_ok, other=0.0)
+        if not BIT_BYTES:
+            v_s = tl.load(vs_head + page * stride_vsb + row * stride_vst, mask=t_ok, other=0.0)
         p = p * v_s[None, :]  # exact (v_s = 2^e) unless below 2^-126
     else:
         v = _load_kv_rows(v_head, vs_head, page, row, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
@@ -249,7 +270,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
                          FP8: tl.constexpr, FACTORED: tl.constexpr, BITS: tl.constexpr, BIT_BYTES: tl.constexpr,
-                         HEAD_MAJOR: tl.constexpr, WHILE_LOOP: tl.constexpr):
+                         SHARED_OFFSETS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+                         WHILE_LOOP: tl.constexpr):
     if HEAD_MAJOR:  # grid (Hkv, S, splits): the KV heads of a sequence are neighbouring programs
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -288,14 +310,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
                                          stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED, BITS,
-                                         BIT_BYTES, HEAD_DIM, BLOCK_D, WHILE_LOOP)
+                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, BLOCK_D, WHILE_LOOP)
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
                                          stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED, BITS,
-                                         BIT_BYTES, HEAD_DIM, BLOCK_D, WHILE_LOOP)
+                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, BLOCK_D, WHILE_LOOP)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -367,6 +389,12 @@ def _words_aligned(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor) -> 
     token and KV-head strides and both base addresses multiples of 4 bytes."""
     return all(t.shape[-1] % 4 == 0 and all(t.stride(i) % 4 == 0 for i in range(3)) and t.data_ptr() % 4 == 0
                for t in (k_cache_layer, v_cache_layer))
+
+
+def _wide_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset into one of ``tensors`` (its largest: every index at its last value) can pass
+    ``2^31 - 1``, the largest 32-bit int."""
+    return any(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) > 2 ** 31 - 1 for t in tensors)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -451,12 +479,15 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     knobs = tuning.current()
     factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
-    bit_bytes = knobs.kv_decode_bit_tile == "bytes"  # a tile of bytes needs no alignment
-    bits = factored and knobs.kv_decode_bit_convert and (bit_bytes or _words_aligned(k_cache_layer, v_cache_layer))
+    bit_bytes = factored and knobs.kv_decode_bit_convert and knobs.kv_decode_bit_tile == "bytes"  # any alignment
+    bits = bit_bytes or (factored and knobs.kv_decode_bit_convert and _words_aligned(k_cache_layer, v_cache_layer))
     head_major = fp8 and knobs.kv_decode_head_major and num_seqs <= _MAX_GRID_Y
     launch = launch_config(fp8, factored)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
+    # the byte route's offsets: one for K and V (and their scales) where the strides agree, 32 bits where they fit
+    shared_offsets = k_cache_layer.stride() == v_cache_layer.stride() and k_scale.stride() == v_scale.stride()
+    wide_offsets = _wide_offsets(k_cache_layer, v_cache_layer, k_scale, v_scale)
     if block_n is None:
         block_n = launch.block_n
     if block_n < 16 or block_n & (block_n - 1):
@@ -487,7 +518,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BITS=bits, BIT_BYTES=bit_bytes,
-        HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
+        SHARED_OFFSETS=shared_offsets, WIDE_OFFSETS=wide_offsets, HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
         num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
