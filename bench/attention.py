@@ -16,7 +16,7 @@ and 64 x 768. Rows per setting:
 * ``kv8-bytes``: the same conversion on tiles of bytes (``kv_decode_bit_tile=bytes``), default launch;
 * ``kv8-bits-hm``, ``kv8-bytes-hm``: those two on the head-major grid (``kv_decode_head_major=true``);
 * the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves``,
-  ``--max-splits`` and ``--max-registers`` (the tuning's ``kv_decode_*`` launch fields) on each route of ``--grid-routes`` (a route's name
+  ``--max-splits`` and ``--max-registers``, or the configs listed by ``--configs`` (the tuning's ``kv_decode_*`` launch fields) on each route of ``--grid-routes`` (a route's name
   without ``kv8-``).
 
 ``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored`` and
@@ -46,6 +46,7 @@ import argparse
 import itertools
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -113,6 +114,29 @@ class Config:
         return {"kv_decode_block_n": self.block_n, "kv_decode_num_warps": self.num_warps,
                 "kv_decode_num_stages": self.num_stages, "kv_decode_split_waves": float(self.split_waves),
                 "kv_decode_max_splits": self.max_splits, "kv_decode_max_registers": self.max_registers}
+
+
+_CONFIG_NAME = re.compile(r"n(\d+)w(\d+)s(\d+)(?:x(\d+(?:\.\d+)?))?(?:m(\d+))?(?:r(\d+))?")
+
+
+def parse_configs(text: str) -> list[Config]:
+    """``"n128w4s2r160,n64w2s1x8"`` -> configs, each named as :attr:`Config.name` writes it, the split waves
+    (``x``, default 2), split cap (``m``, default 16) and register cap (``r``, default 0) optional; each checked by
+    the tuning object."""
+    from jetrl.quant.kernels import tuning
+
+    configs = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        match = _CONFIG_NAME.fullmatch(item)
+        if not match:
+            raise ValueError(f"a config is n<tokens>w<warps>s<stages>[x<waves>][m<splits>][r<registers>], got {item!r}")
+        n, w, st, x, m, r = match.groups()
+        configs.append(Config(int(n), int(w), int(st), float(x or 2.0), int(m or 16), int(r or 0)))
+        with tuning.override(**configs[-1].tuning()):
+            pass
+    if not configs:
+        raise ValueError(f"no config in {text!r}")
+    return configs
 
 
 def parse_settings(text: str) -> list[tuple[int, int]]:
@@ -372,6 +396,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-splits", default="16", help="cap on the context split (default 16)")
     parser.add_argument("--max-registers", default="0", help="cap on registers per thread, 0: the compiler's "
                                                               "(default 0)")
+    parser.add_argument("--configs", default=None, help="the grid as a list of config names instead of the cross "
+                                                         "product, e.g. n128w4s2r160,n64w2s1x8 (x: split waves, "
+                                                         "m: split cap, r: register cap; optional)")
     parser.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (default 20; --tiny 1)")
     parser.add_argument("--replays", type=int, default=10, help="timed graph replays, median taken (default 10)")
     parser.add_argument("--max-seconds", type=float, default=480.0,
@@ -384,7 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     tiny = args.tiny
     try:
         settings = parse_settings(args.settings or (TINY_SETTINGS if tiny else SETTINGS))
-        configs = grid(args.block_n or ("16,32" if tiny else "64,128,256"), args.num_warps or ("4" if tiny else "4,8"),
+        configs = parse_configs(args.configs) if args.configs else grid(args.block_n or ("16,32" if tiny else "64,128,256"), args.num_warps or ("4" if tiny else "4,8"),
                        args.num_stages or ("2" if tiny else "2,3"), args.split_waves or ("2,8" if tiny else "2,8,32"),
                        args.max_splits, args.max_registers)
         names = [r.strip() for r in args.grid_routes.split(",") if r.strip() and r.strip() != "none"]
