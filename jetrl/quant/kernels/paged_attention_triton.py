@@ -64,7 +64,9 @@ memory as a BF16 cache's tiles do. It also trims the address arithmetic (unsigne
 the tensors allow, one offset per token for K and V) and needs no alignment. ``kv_decode_head_major`` launches the
 KV heads of a sequence as neighbouring programs, so that a 32-byte sector of scales (8 heads of one token) and a
 block-table row are read from DRAM once while the heads that share them run; ``kv_decode_max_registers`` caps the
-registers (``maxnreg``) so that more programs share an SM. None of these changes a value.
+registers (``maxnreg``) so that more programs share an SM. None of these changes the tiles or the dots: the
+launch order and the register cap keep every bit, the byte route keeps the attention to summation order (under the
+interpreter bit for bit the word route's; on the GPU the MMA's operand layout differs).
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.

@@ -210,8 +210,9 @@ class KernelTuning:
     both converted tiles reach their dots through shared memory with the operands of a BF16 cache (fewer
     instructions per tile; any cache layout). ``kv_decode_head_major`` launches the decode grid with the KV heads of
     a sequence as neighbouring programs (off: the sequences of a head), so that the heads sharing a scale sector
-    (the scales are (block, token, head)) and a block-table row read them from L2 close together. Neither changes a
-    value: the same tiles into the same dots.
+    (the scales are (block, token, head)) and a block-table row read them from L2 close together. The same tiles go
+    into the same dots either way: head-major gives the same bits, the byte route the same attention to summation
+    order (on the GPU its MMA operand layout may round the accumulation apart).
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
     tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
