@@ -16,8 +16,8 @@ and 64 x 768. Rows per setting:
 * ``kv8-bytes``: the same conversion on tiles of bytes (``kv_decode_bit_tile=bytes``), default launch;
 * ``kv8-bits-hm``, ``kv8-bytes-hm``: those two on the head-major grid (``kv_decode_head_major=true``);
 * the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves``,
-  ``--max-splits`` and ``--max-registers``, or the configs listed by ``--configs`` (the tuning's ``kv_decode_*`` launch fields) on each route of ``--grid-routes`` (a route's name
-  without ``kv8-``).
+  ``--max-splits`` and ``--max-registers``, or the configs listed by ``--configs`` (the tuning's ``kv_decode_*``
+  launch fields), on each route of ``--grid-routes`` (a route's name without ``kv8-``).
 
 ``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored`` and
 ``kv8-bits``; ``bf16`` always runs, every ratio is against it).
@@ -411,9 +411,12 @@ def main(argv: list[str] | None = None) -> dict:
     tiny = args.tiny
     try:
         settings = parse_settings(args.settings or (TINY_SETTINGS if tiny else SETTINGS))
-        configs = parse_configs(args.configs) if args.configs else grid(args.block_n or ("16,32" if tiny else "64,128,256"), args.num_warps or ("4" if tiny else "4,8"),
-                       args.num_stages or ("2" if tiny else "2,3"), args.split_waves or ("2,8" if tiny else "2,8,32"),
-                       args.max_splits, args.max_registers)
+        if args.configs:
+            configs = parse_configs(args.configs)
+        else:
+            configs = grid(args.block_n or ("16,32" if tiny else "64,128,256"),
+                           args.num_warps or ("4" if tiny else "4,8"), args.num_stages or ("2" if tiny else "2,3"),
+                           args.split_waves or ("2,8" if tiny else "2,8,32"), args.max_splits, args.max_registers)
         names = [r.strip() for r in args.grid_routes.split(",") if r.strip() and r.strip() != "none"]
         unknown = sorted(set(names) - set(GRID_ROUTES))
         if unknown:

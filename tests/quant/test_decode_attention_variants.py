@@ -50,7 +50,8 @@ from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.paged_attention_triton import paged_decode
 sys.path.insert(0, "tests/quant")
 from e4m3_bits_kernel import convert_bytes
-''' + "\n".join(inspect.getsource(f) for f in [*_SHARED, e4m3_codes, _converted_bits]) + f"\nVARIANTS = {VARIANTS!r}\n" + r'''
+''' + "\n".join(inspect.getsource(f) for f in [*_SHARED, e4m3_codes, _converted_bits]) \
+    + f"\nVARIANTS = {VARIANTS!r}\n" + r'''
 out = {}
 for dtype in (torch.bfloat16, torch.float32):
     out[f"convert-{str(dtype)[6:]}"] = [_converted_bits(convert_bytes(codes, dtype, False), codes)

@@ -173,9 +173,9 @@ def _load_e4m3_bytes(head_ptr, off, t_ok, d, HEAD_DIM: tl.constexpr, DTYPE: tl.c
 
     In bfloat16 the inline PTX takes 4 bytes per call (``pack=4``: one 32-bit register) and returns their 4 bf16 as
     two bf16x2 registers in byte order, so the result needs no join or reshape. It is declared impure on purpose:
-    Triton then keeps the conversion in the load's layout (16 contiguous bytes per thread) and stops there when it
-    sizes the dots' operands, so both dots run bf16 operands of ``kWidth`` 2, as over a BF16 cache (``ldmatrix``,
-    transposing for V; no register shuffles of q and p). A pure call is seen through: the byte load makes Triton
+    Triton then keeps the conversion in the load's layout (16 contiguous bytes per thread at the 8B shapes) and
+    stops there when it sizes the dots' operands, so both dots run bf16 operands of ``kWidth`` 2, as over a BF16
+    cache (``ldmatrix``, transposing for V; no register shuffles of q and p). A pure call is seen through: the byte load makes Triton
     pick 4, and it converts V in the dot's layout, a byte at a time from shared memory. The interpreter and an fp32
     ``DTYPE`` convert each byte with Triton's integer ops (the same values)."""
     b = tl.load(head_ptr + off[:, None] + d[None, :], mask=t_ok[:, None] & (d < HEAD_DIM)[None, :],
@@ -205,8 +205,8 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
     cache). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers.
 
     ``BIT_BYTES`` (the byte route) also trims the address arithmetic: page and row by unsigned division (``t >= 0``),
-    offsets in 32 bits unless ``WIDE_OFFSETS`` (a cache or scale tensor reaching ``2^31`` elements), and one offset
-    per token for K and V (and one for their scales) when they share their strides (``SHARED_OFFSETS``)."""
+    offsets in 32 bits unless ``WIDE_OFFSETS`` (an offset into a cache or scale tensor may pass ``2^31 - 1``), and
+    one offset per token for K and V (and one for their scales) when they share their strides (``SHARED_OFFSETS``)."""
     t_ok = t < end
     if BIT_BYTES:
         tp = (t.to(tl.uint32, bitcast=True) // PAGE).to(tl.int32, bitcast=True)
