@@ -6,7 +6,8 @@
 * under the Triton interpreter (a child, tiny shapes): the byte-tile conversion, the head-major grid and both
   together are bit for bit the default route (the same tiles into the same dots; the interpreter runs the byte
   route's integer fallback, which gives the PTX's values, checked on the GPU): fp32 and bf16 queries, partial pages,
-  a one-token context, GQA group 3, context splits, 16-token and default tiles; and a cache whose rows are not
+  a one-token context, GQA group 3, context splits, 16-token and default tiles (the head-major grid on the 3-split
+  launch); and a cache whose rows are not
   whole 4-byte words, which the word route hands to Triton's conversion while the byte route converts it itself;
 * compiled for the H200 (sm_90a) on this machine: the byte route gives both dots bf16 operands of ``kWidth`` 2
   (the BF16-cache kernel's; what removes the register shuffles of q and p) and reads no shared memory a byte at a
@@ -67,6 +68,8 @@ for dtype in (torch.float32, torch.bfloat16):
         with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=True):
             base = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n)
             for name, knobs in VARIANTS.items():
+                if name != "bytes" and splits != 3:  # the grid order on the split launch only (the interpreter is slow)
+                    continue
                 with tuning.override(**knobs):
                     run = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n)
                 r = {"bitwise": same_bits(run, base)}
@@ -102,7 +105,7 @@ def test_byte_conversion_is_torchs_for_every_e4m3_value(interpreted):
 def test_variants_are_the_default_route_bit_for_bit(interpreted):
     cases = {name: r for name, r in interpreted.items()
              if name not in ("unaligned", "max-registers") and not name.startswith("convert-")}
-    assert len(cases) == 2 * 3 * len(VARIANTS), sorted(cases)
+    assert len(cases) == 2 * (3 + len(VARIANTS) - 1), sorted(cases)
     for name, r in cases.items():
         assert r["bitwise"], (name, r)
         assert r.get("err", 0.0) < TOL["float32"], (name, r)
