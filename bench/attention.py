@@ -13,8 +13,14 @@ and 64 x 768. Rows per setting:
   (``kv_decode_bit_convert=false``), scales on the fp32 side, default launch;
 * ``kv8-bits``: the factored route with the E4M3 tiles converted by bit operations (``kv_decode_bit_convert=true``,
   the default route), default launch;
-* the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves`` and
-  ``--max-splits`` (the tuning's ``kv_decode_*`` fields) on each route of ``--grid-routes``.
+* ``kv8-bytes``: the same conversion on tiles of bytes (``kv_decode_bit_tile=bytes``), default launch;
+* ``kv8-bits-hm``, ``kv8-bytes-hm``: those two on the head-major grid (``kv_decode_head_major=true``);
+* the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves``,
+  ``--max-splits`` and ``--max-registers``, or the configs listed by ``--configs`` (the tuning's ``kv_decode_*``
+  launch fields), on each route of ``--grid-routes`` (a route's name without ``kv8-``).
+
+``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored`` and
+``kv8-bits``; ``bf16`` always runs, every ratio is against it).
 
 Every row is first checked against ``jetrl.models.attention.paged_attention_reference`` in fp32 over the same
 (dequantized) cache: a relative error norm above the GPU tests' tolerance (1e-2 in bf16) marks the row ``failed``
@@ -40,6 +46,7 @@ import argparse
 import itertools
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -51,10 +58,15 @@ try:  # repository root on sys.path (python -m bench.attention, the tests)
 except ModuleNotFoundError:  # python bench/attention.py: bench/ itself is on sys.path
     from common import add_tuning_argument, device_description, parse_tuning, sync, write_report  # type: ignore
 
-ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bits")
-GRID_ROUTES = {"inreg": "kv8-inreg", "factored": "kv8-factored", "bits": "kv8-bits"}
-ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False}, "kv8-factored": {"kv_decode_factored": True, "kv_decode_bit_convert": False},
-                "kv8-bits": {"kv_decode_factored": True, "kv_decode_bit_convert": True}}
+_BITS = {"kv_decode_factored": True, "kv_decode_bit_convert": True}
+ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False},
+                "kv8-factored": {"kv_decode_factored": True, "kv_decode_bit_convert": False},
+                "kv8-bits": dict(_BITS, kv_decode_bit_tile="words", kv_decode_head_major=False),
+                "kv8-bits-hm": dict(_BITS, kv_decode_bit_tile="words", kv_decode_head_major=True),
+                "kv8-bytes": dict(_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=False),
+                "kv8-bytes-hm": dict(_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=True)}
+ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bits")  # the default rows
+GRID_ROUTES = {r.removeprefix("kv8-"): r for r in ROUTE_TUNING if r != "bf16"}
 SETTINGS = "256x768,64x4352,64x768"
 TINY_SETTINGS = "3x40,2x100"
 
@@ -89,17 +101,42 @@ class Config:
     num_stages: int = 2
     split_waves: float = 2.0
     max_splits: int = 16
+    max_registers: int = 0
 
     @property
     def name(self) -> str:
-        """e.g. ``n128w4s2x2m16`` (tile tokens, warps, stages, split waves, split cap; ``n0``: the route's tile)."""
+        """e.g. ``n128w4s2x2m16`` (tile tokens, warps, stages, split waves, split cap; ``n0``: the route's tile;
+        ``r128``: at most 128 registers per thread)."""
         return (f"n{self.block_n}w{self.num_warps}s{self.num_stages}x{self.split_waves:g}"
-                f"m{self.max_splits}")
+                f"m{self.max_splits}" + (f"r{self.max_registers}" if self.max_registers else ""))
 
     def tuning(self) -> dict:
         return {"kv_decode_block_n": self.block_n, "kv_decode_num_warps": self.num_warps,
                 "kv_decode_num_stages": self.num_stages, "kv_decode_split_waves": float(self.split_waves),
-                "kv_decode_max_splits": self.max_splits}
+                "kv_decode_max_splits": self.max_splits, "kv_decode_max_registers": self.max_registers}
+
+
+_CONFIG_NAME = re.compile(r"n(\d+)w(\d+)s(\d+)(?:x(\d+(?:\.\d+)?))?(?:m(\d+))?(?:r(\d+))?")
+
+
+def parse_configs(text: str) -> list[Config]:
+    """``"n128w4s2r160,n64w2s1x8"`` -> configs, each named as :attr:`Config.name` writes it, the split waves
+    (``x``, default 2), split cap (``m``, default 16) and register cap (``r``, default 0) optional; each checked by
+    the tuning object."""
+    from jetrl.quant.kernels import tuning
+
+    configs = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        match = _CONFIG_NAME.fullmatch(item)
+        if not match:
+            raise ValueError(f"a config is n<tokens>w<warps>s<stages>[x<waves>][m<splits>][r<registers>], got {item!r}")
+        n, w, st, x, m, r = match.groups()
+        configs.append(Config(int(n), int(w), int(st), float(x or 2.0), int(m or 16), int(r or 0)))
+        with tuning.override(**configs[-1].tuning()):
+            pass
+    if not configs:
+        raise ValueError(f"no config in {text!r}")
+    return configs
 
 
 def parse_settings(text: str) -> list[tuple[int, int]]:
@@ -122,14 +159,15 @@ def _numbers(text: str, kind):
     return values
 
 
-def grid(block_n: str, num_warps: str, num_stages: str, split_waves: str, max_splits: str) -> list[Config]:
+def grid(block_n: str, num_warps: str, num_stages: str, split_waves: str, max_splits: str,
+         max_registers: str = "0") -> list[Config]:
     """The cross product of comma lists, each config checked by the tuning object (a bad value is an error here,
     before anything runs)."""
     from jetrl.quant.kernels import tuning
 
     configs = [Config(*c) for c in itertools.product(_numbers(block_n, int), _numbers(num_warps, int),
                                                       _numbers(num_stages, int), _numbers(split_waves, float),
-                                                      _numbers(max_splits, int))]
+                                                      _numbers(max_splits, int), _numbers(max_registers, int))]
     for config in configs:
         with tuning.override(**config.tuning()):
             pass
@@ -293,7 +331,7 @@ def run_row(shape: Shape, case: Case, route: str, config: Config | None, device:
         result = measure(fn, case.ref8 if fp8 else case.ref, shape.tolerance, device, calls, replays)
     row = {"setting": f"{case.num_seqs}x{case.context}", "route": route,
            "config": Config(launch.block_n, launch.num_warps, launch.num_stages, launch.split_waves,
-                            launch.max_splits).name,
+                            launch.max_splits, launch.max_registers).name,
            "grid": config is not None, **asdict(launch), "splits": splits,
            "bytes": bytes_moved(shape, case.num_seqs, case.context, fp8), **result}
     if "us" in row:
@@ -343,8 +381,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=None, help=f"SEQSxCONTEXT comma list (default {SETTINGS}; "
                                                           f"--tiny: {TINY_SETTINGS})")
+    parser.add_argument("--routes", default=",".join(ROUTES),
+                        help=f"routes of the default-launch rows, comma-separated, from {','.join(ROUTE_TUNING)} "
+                             f"(default {','.join(ROUTES)}; bf16 always runs)")
     parser.add_argument("--grid-routes", default="bits", help="routes the grid runs on: bits (the default route), "
-                                                               "factored, inreg, several comma-separated, or none")
+                                                               f"{', '.join(r for r in GRID_ROUTES if r != 'bits')}, "
+                                                               "several comma-separated, or none")
     parser.add_argument("--block-n", default=None, help="tokens per FP8 tile (0: the route's own; default 64,128,256;"
                                                          " --tiny 16,32)")
     parser.add_argument("--num-warps", default=None, help="default 4,8 (--tiny 4)")
@@ -352,6 +394,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--split-waves", default=None, help="waves of programs the context split aims for "
                                                              "(default 2,8,32; --tiny 2,8)")
     parser.add_argument("--max-splits", default="16", help="cap on the context split (default 16)")
+    parser.add_argument("--max-registers", default="0", help="cap on registers per thread, 0: the compiler's "
+                                                              "(default 0)")
+    parser.add_argument("--configs", default=None, help="the grid as a list of config names instead of the cross "
+                                                         "product, e.g. n128w4s2r160,n64w2s1x8 (x: split waves, "
+                                                         "m: split cap, r: register cap; optional)")
     parser.add_argument("--calls", type=int, default=None, help="calls per CUDA graph (default 20; --tiny 1)")
     parser.add_argument("--replays", type=int, default=10, help="timed graph replays, median taken (default 10)")
     parser.add_argument("--max-seconds", type=float, default=480.0,
@@ -364,14 +411,22 @@ def main(argv: list[str] | None = None) -> dict:
     tiny = args.tiny
     try:
         settings = parse_settings(args.settings or (TINY_SETTINGS if tiny else SETTINGS))
-        configs = grid(args.block_n or ("16,32" if tiny else "64,128,256"), args.num_warps or ("4" if tiny else "4,8"),
-                       args.num_stages or ("2" if tiny else "2,3"), args.split_waves or ("2,8" if tiny else "2,8,32"),
-                       args.max_splits)
+        if args.configs:
+            configs = parse_configs(args.configs)
+        else:
+            configs = grid(args.block_n or ("16,32" if tiny else "64,128,256"),
+                           args.num_warps or ("4" if tiny else "4,8"), args.num_stages or ("2" if tiny else "2,3"),
+                           args.split_waves or ("2,8" if tiny else "2,8,32"), args.max_splits, args.max_registers)
         names = [r.strip() for r in args.grid_routes.split(",") if r.strip() and r.strip() != "none"]
         unknown = sorted(set(names) - set(GRID_ROUTES))
         if unknown:
             raise ValueError(f"--grid-routes: unknown route(s) {unknown}; choose from {list(GRID_ROUTES)} or none")
         grid_routes = [GRID_ROUTES[r] for r in names]
+        routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+        unknown = sorted(set(routes) - set(ROUTE_TUNING))
+        if unknown:
+            raise ValueError(f"--routes: unknown route(s) {unknown}; choose from {list(ROUTE_TUNING)}")
+        routes = ["bf16", *(r for r in ROUTE_TUNING if r in routes and r != "bf16")]
     except ValueError as exc:
         parser.error(str(exc))
     outer = parse_tuning(parser, args.tuning)
@@ -401,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tuning.override(**outer):
         for num_seqs, context in settings:
             case = make_case(shape, num_seqs, context, device)
-            rows = [run_row(shape, case, route, None, device, calls, args.replays) for route in ROUTES]
+            rows = [run_row(shape, case, route, None, device, calls, args.replays) for route in routes]
             for route in grid_routes:
                 for config in configs:
                     if time.perf_counter() - started > args.max_seconds:

@@ -134,7 +134,10 @@ def test_command_line_checks():
             attention.parse_settings(bad)
     assert [c.name for c in attention.grid("0,64", "4", "2", "2,8", "16")] == [
         "n0w4s2x2m16", "n0w4s2x8m16", "n64w4s2x2m16", "n64w4s2x8m16"]
+    assert [c.name for c in attention.parse_configs("n128w4s2r160, n64w2s1x8")] == ["n128w4s2x2m16r160",
+                                                                                  "n64w2s1x8m16"]
     for argv in (["--block-n", "8"], ["--num-warps", "3"], ["--split-waves", "0"], ["--grid-routes", "fast"],
+                 ["--routes", "kv8-fast"], ["--configs", "n128w4"], ["--configs", "n128w4s2r8"],
                  ["--settings", "12"], ["--tuning", "kv_decode_num_stages=0"]):
         with pytest.raises(SystemExit):  # argparse's usage error, before anything runs
             attention.main(["--tiny", *argv])

@@ -123,8 +123,13 @@ def test_field_and_fallback():
 
 
 def _ptx(bits: bool, block_n: int = 128) -> str:
+    return _compile(bits, block_n).asm["ptx"]
+
+
+def _compile(bits: bool, block_n: int = 128, bit_bytes: bool = False):
     """The decode kernel over an FP8 cache with bf16 queries, specialized as the runtime does at the 8B head shapes
-    of ``bench/attention.py`` (pointers and ints divisible by 16 marked so, ints equal to 1 constants)."""
+    of ``bench/attention.py`` (pointers and ints divisible by 16 marked so, ints equal to 1 constants), compiled for
+    sm_90a with the default launch (4 warps, 2 stages)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -134,7 +139,8 @@ def _ptx(bits: bool, block_n: int = 128) -> str:
     kernel = P._paged_decode_kernel
     names = kernel.arg_names
     consts = dict(GROUP=4, HEAD_DIM=128, PAGE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n, IEEE=False,
-                  FP8=True, FACTORED=True, BITS=bits, WHILE_LOOP=False, stride_ksh=1, stride_vsh=1)
+                  FP8=True, FACTORED=True, BITS=bits, BIT_BYTES=bit_bytes,
+                  HEAD_MAJOR=False, WHILE_LOOP=False, stride_ksh=1, stride_vsh=1)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "tables_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
             "part_ml_ptr": "*fp32", "scale_log2": "fp32"}
@@ -147,7 +153,7 @@ def _ptx(bits: bool, block_n: int = 128) -> str:
              if n in ptrs and n != "scale_log2" or ints.get(n, 1) % 16 == 0}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
 
 
 OPS = {"e4m3 cvt": r"cvt\.rn\.f16x2\.e4m3x2", "f16->bf16 cvt": r"cvt\.(rn\.)?bf16\.f16", "byte ld.shared":

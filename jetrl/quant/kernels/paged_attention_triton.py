@@ -52,6 +52,22 @@ layouts differ, so the accumulation may round apart; under the interpreter they 
 4-byte rows (head_dim, the block, token and head strides and the base addresses multiples of 4 bytes, as every
 cache this package allocates); a cache that is not falls back to Triton's conversion.
 
+**Forms of the bit conversion** (the tuning's ``kv_decode_bit_tile``). ``"words"`` (the default, above) joins the
+converted pairs into rows (``tl.join``/``reshape``), which lets Triton convert K straight into the dot's registers
+but makes it size both dots' operands for 8-bit data (``kWidth`` 4: a join halves the width it infers), so on Triton
+3.6 q and p reach the MMAs through 64-bit shared loads and register moves that reassemble the operand quads; the
+converted V tile goes through shared memory to a transposing ``ldmatrix``. ``"bytes"`` (:func:`_load_e4m3_bytes`)
+converts a tile of bytes, 4 per inline-PTX call into two bf16x2 registers, a call declared impure so that Triton
+neither sees through it (both dots get the BF16 cache's ``kWidth`` 2: ``ldmatrix`` for q, p, K and V, no moves) nor
+moves it into the dot's layout (where V would be read a byte at a time): both converted tiles go through shared
+memory as a BF16 cache's tiles do. It also trims the address arithmetic (unsigned page and row, 32-bit offsets where
+the tensors allow, one offset per token for K and V) and needs no alignment. ``kv_decode_head_major`` launches the
+KV heads of a sequence as neighbouring programs, so that a 32-byte sector of scales (8 heads of one token) and a
+block-table row are read from DRAM once while the heads that share them run; ``kv_decode_max_registers`` caps the
+registers (``maxnreg``) so that more programs share an SM. None of these changes the tiles or the dots: the
+launch order and the register cap keep every bit, the byte route keeps the attention to summation order (under the
+interpreter bit for bit the word route's; on the GPU the MMA's operand layout differs).
+
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
 """
@@ -73,6 +89,7 @@ from jetrl.quant.kernels.quantize_triton import cast_rne
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SM_COUNT: dict[int, int] = {}
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the sequences of a head-major launch)
 
 
 BLOCK_N = 64  # tokens per tile over a cache in q's dtype
@@ -149,28 +166,78 @@ def _load_e4m3_bits(head_ptr, page, row, t_ok, stride_b, stride_t, HEAD_DIM: tl.
 
 
 @triton.jit
+def _load_e4m3_bytes(head_ptr, off, t_ok, d, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """E4M3 rows (BLOCK_N, BLOCK_D) of tokens at element offsets ``off`` (BLOCK_N,) from ``head_ptr`` -> ``DTYPE``
+    exactly: :func:`_load_e4m3_bits`'s bit operations on a tile of bytes (any cache layout; the tuning's
+    ``kv_decode_bit_tile == "bytes"``).
+
+    In bfloat16 the inline PTX takes 4 bytes per call (``pack=4``: one 32-bit register) and returns their 4 bf16 as
+    two bf16x2 registers in byte order, so the result needs no join or reshape. It is declared impure on purpose:
+    Triton then keeps the conversion in the load's layout (16 contiguous bytes per thread at the 8B shapes) and
+    stops there when it sizes the dots' operands, so both dots run bf16 operands of ``kWidth`` 2, as over a BF16
+    cache (``ldmatrix``, transposing for V; no register shuffles of q and p). A pure call is seen through: the byte load makes Triton
+    pick 4, and it converts V in the dot's layout, a byte at a time from shared memory. The interpreter and an fp32
+    ``DTYPE`` convert each byte with Triton's integer ops (the same values)."""
+    b = tl.load(head_ptr + off[:, None] + d[None, :], mask=t_ok[:, None] & (d < HEAD_DIM)[None, :],
+                other=0.0).to(tl.uint8, bitcast=True)
+    if PTX and DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 c, z; prmt.b32 $0, $2, 0, 0x9180; prmt.b32 $1, $2, 0, 0xB3A2; "
+            "shl.b32 $0, $0, 4; shl.b32 $1, $1, 4; and.b32 $0, $0, 0x87F087F0; and.b32 $1, $1, 0x87F087F0; "
+            "mov.b32 c, 0x7B807B80; mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, $0, c, z; fma.rn.bf16x2 $1, $1, c, z; }",
+            "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=False, pack=4)
+    else:
+        b = b.to(tl.int32)
+        x = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
+        return (x * tl.full([], 2.0 ** 120, tl.float32)).to(DTYPE)  # exact
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
                  stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                  PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FACTORED: tl.constexpr,
-                 BITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 WHILE_LOOP: tl.constexpr):
+                 BITS: tl.constexpr, BIT_BYTES: tl.constexpr, SHARED_OFFSETS: tl.constexpr,
+                 WIDE_OFFSETS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr):
     """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table, online softmax update.
 
     ``FACTORED`` (an FP8 cache, q bf16 or fp32): the E4M3 tiles go to the dots through a plain conversion and the
     scales multiply the dots' fp32 sides (the module doc says why that is the attention over the dequantized
-    cache). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers."""
+    cache). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers.
+
+    ``BIT_BYTES`` (the byte route) also trims the address arithmetic: page and row by unsigned division (``t >= 0``),
+    offsets in 32 bits unless ``WIDE_OFFSETS`` (an offset into a cache or scale tensor may pass ``2^31 - 1``), and
+    one offset per token for K and V (and one for their scales) when they share their strides (``SHARED_OFFSETS``)."""
     t_ok = t < end
-    page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-    row = t % PAGE
+    if BIT_BYTES:
+        tp = (t.to(tl.uint32, bitcast=True) // PAGE).to(tl.int32, bitcast=True)
+        page = tl.load(table_row + tp, mask=t_ok, other=0)
+        row = t - tp * PAGE
+        if WIDE_OFFSETS:
+            page = page.to(tl.int64)
+        k_off = page * stride_kb + row * stride_kt
+        ks_off = page * stride_ksb + row * stride_kst
+        if SHARED_OFFSETS:
+            v_off = k_off
+            vs_off = ks_off
+        else:
+            v_off = page * stride_vb + row * stride_vt
+            vs_off = page * stride_vsb + row * stride_vst
+    else:
+        page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+        row = t % PAGE
     kv_mask = t_ok[:, None] & d_ok[None, :]
     if FACTORED:
-        if BITS:
+        if BIT_BYTES:
+            k = _load_e4m3_bytes(k_head, k_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
+            k_s = tl.load(ks_head + ks_off, mask=t_ok, other=0.0)  # (BLOCK_N,)
+        elif BITS:
             k = _load_e4m3_bits(k_head, page, row, t_ok, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, q.dtype,
                                  not WHILE_LOOP)
         else:
             k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_kt + d[None, :], mask=kv_mask,
                         other=0.0).to(q.dtype)  # exact
-        k_s = tl.load(ks_head + page * stride_ksb + row * stride_kst, mask=t_ok, other=0.0)  # (BLOCK_N,)
+        if not BIT_BYTES:
+            k_s = tl.load(ks_head + page * stride_ksb + row * stride_kst, mask=t_ok, other=0.0)  # (BLOCK_N,)
     else:
         k = _load_kv_rows(k_head, ks_head, page, row, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
                           q.dtype, FP8)  # (BLOCK_N, BLOCK_D)
@@ -188,13 +255,17 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FACTORED:
-        if BITS:
+        if BIT_BYTES:
+            v = _load_e4m3_bytes(v_head, v_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
+            v_s = tl.load(vs_head + vs_off, mask=t_ok, other=0.0)
+        elif BITS:
             v = _load_e4m3_bits(v_head, page, row, t_ok, stride_vb, stride_vt, HEAD_DIM, BLOCK_D, q.dtype,
                                  not WHILE_LOOP)
         else:
             v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vt + d[None, :], mask=kv_mask,
                         other=0.0).to(q.dtype)  # exact
-        v_s = tl.load(vs_head + page * stride_vsb + row * stride_vst, mask=t_ok, other=0.0)
+        if not BIT_BYTES:
+            v_s = tl.load(vs_head + page * stride_vsb + row * stride_vst, mask=t_ok, other=0.0)
         p = p * v_s[None, :]  # exact (v_s = 2^e) unless below 2^-126
     else:
         v = _load_kv_rows(v_head, vs_head, page, row, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
@@ -214,12 +285,18 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
                          stride_ts, stride_os, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, FACTORED: tl.constexpr, BITS: tl.constexpr,
+                         FP8: tl.constexpr, FACTORED: tl.constexpr, BITS: tl.constexpr, BIT_BYTES: tl.constexpr,
+                         SHARED_OFFSETS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEAD_MAJOR: tl.constexpr,
                          WHILE_LOOP: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_MAJOR:  # grid (Hkv, S, splits): the KV heads of a sequence are neighbouring programs
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:  # grid (S, Hkv, splits)
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -249,14 +326,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
                                          stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED, BITS,
-                                         HEAD_DIM, BLOCK_D, WHILE_LOOP)
+                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, BLOCK_D, WHILE_LOOP)
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
                                          stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED, BITS,
-                                         HEAD_DIM, BLOCK_D, WHILE_LOOP)
+                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, BLOCK_D, WHILE_LOOP)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -330,6 +407,12 @@ def _words_aligned(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor) -> 
                for t in (k_cache_layer, v_cache_layer))
 
 
+def _wide_offsets(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset into one of ``tensors`` (its largest: every index at its last value) can pass
+    ``2^31 - 1``, the largest 32-bit int."""
+    return any(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) > 2 ** 31 - 1 for t in tensors)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
@@ -353,14 +436,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """The decode kernel's launch: tokens per tile, Triton warps and pipeline stages, and the context-split policy
-    (:func:`choose_num_splits`'s ``waves`` and ``max_splits``)."""
+    """The decode kernel's launch: tokens per tile, Triton warps and pipeline stages, the context-split policy
+    (:func:`choose_num_splits`'s ``waves`` and ``max_splits``) and a cap on registers per thread (``maxnreg``; 0: the
+    compiler's choice)."""
 
     block_n: int
     num_warps: int
     num_stages: int
     split_waves: float
     max_splits: int
+    max_registers: int = 0
 
 
 BF16_LAUNCH = DecodeLaunch(block_n=BLOCK_N, num_warps=4, num_stages=2, split_waves=2.0, max_splits=16)
@@ -375,7 +460,8 @@ def launch_config(fp8: bool, factored: bool) -> DecodeLaunch:
     knobs = tuning.current()
     return DecodeLaunch(block_n=knobs.kv_decode_block_n or (FP8_BLOCK_N if factored else BLOCK_N),
                         num_warps=knobs.kv_decode_num_warps, num_stages=knobs.kv_decode_num_stages,
-                        split_waves=knobs.kv_decode_split_waves, max_splits=knobs.kv_decode_max_splits)
+                        split_waves=knobs.kv_decode_split_waves, max_splits=knobs.kv_decode_max_splits,
+                        max_registers=knobs.kv_decode_max_registers)
 
 
 def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
@@ -407,11 +493,17 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
     fp8 = check_kv_cache("paged_decode", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
     # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
-    factored = fp8 and q.dtype != torch.float16 and tuning.current().kv_decode_factored
-    bits = factored and tuning.current().kv_decode_bit_convert and _words_aligned(k_cache_layer, v_cache_layer)
+    knobs = tuning.current()
+    factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
+    bit_bytes = factored and knobs.kv_decode_bit_convert and knobs.kv_decode_bit_tile == "bytes"  # any alignment
+    bits = bit_bytes or (factored and knobs.kv_decode_bit_convert and _words_aligned(k_cache_layer, v_cache_layer))
+    head_major = fp8 and knobs.kv_decode_head_major and num_seqs <= _MAX_GRID_Y
     launch = launch_config(fp8, factored)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
+    # the byte route's offsets: one for K and V (and their scales) where the strides agree, 32 bits where they fit
+    shared_offsets = k_cache_layer.stride() == v_cache_layer.stride() and k_scale.stride() == v_scale.stride()
+    wide_offsets = _wide_offsets(k_cache_layer, v_cache_layer, k_scale, v_scale)
     if block_n is None:
         block_n = launch.block_n
     if block_n < 16 or block_n & (block_n - 1):
@@ -432,7 +524,8 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
-    _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
+    grid = (num_kv_heads, num_seqs, splits) if head_major else (num_seqs, num_kv_heads, splits)
+    _paged_decode_kernel[grid](
         q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, ctx, out, part_acc, part_ml,
         float(softmax_scale) * _LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
@@ -440,9 +533,9 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
         v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BITS=bits,
-        WHILE_LOOP=_INTERPRETED,
-        num_warps=launch.num_warps, num_stages=launch.num_stages)
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BITS=bits, BIT_BYTES=bit_bytes,
+        SHARED_OFFSETS=shared_offsets, WIDE_OFFSETS=wide_offsets, HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,

@@ -37,6 +37,7 @@ from typing import Iterator, Mapping
 from jetrl.quant.formats import BLOCK_SIZE
 
 GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
+KV_DECODE_BIT_TILES = ("words", "bytes")  # the forms of the decode attention's E4M3 bit conversion
 DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (the routing bounds pick which M go)
 
 
@@ -205,12 +206,24 @@ class KernelTuning:
     and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
     instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
     attention to summation order. On by default (faster on the H200, BENCHMARKS.md); off, Triton's conversion.
+    ``kv_decode_bit_tile``, its form (:data:`KV_DECODE_BIT_TILES`): ``"words"`` (the default) reads each tile as
+    int32 words and joins the converted pairs into rows (rows of whole words only; else Triton's conversion), so
+    Triton converts K straight into the dot's registers but gives both dots operands of ``kWidth`` 4 (register
+    shuffles of q and p); ``"bytes"`` converts a tile of bytes 4 at a time in a call Triton cannot see through, so
+    both converted tiles reach their dots through shared memory with the operands of a BF16 cache (fewer
+    instructions per tile; any cache layout). ``kv_decode_head_major`` launches the decode grid with the KV heads of
+    a sequence as neighbouring programs (off: the sequences of a head), so that the heads sharing a scale sector
+    (the scales are (block, token, head)) and a block-table row read them from L2 close together. The same tiles go
+    into the same dots either way: head-major gives the same bits, the byte route the same attention to summation
+    order (on the GPU its MMA operand layout may round the accumulation apart).
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
     tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
     two up to 16) and ``kv_decode_num_stages`` (>= 1) of the Triton launch, and the context split
     (``choose_num_splits``): ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims
-    for, at most ``kv_decode_max_splits`` splits (>= 1). Any values give the attention over the dequantized cache
+    for, at most ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread
+    (Triton's ``maxnreg``; 0, the default: the compiler's choice; 128 or less lets 4 programs of 4 warps share an SM,
+    where the shared memory allows, at the cost of spills). Any values give the attention over the dequantized cache
     to summation order (the tile and the split set that order); ``bench/attention.py`` sweeps them.
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
@@ -283,11 +296,14 @@ class KernelTuning:
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
+    kv_decode_bit_tile: str = "words"
+    kv_decode_head_major: bool = False
     kv_decode_block_n: int = 0
     kv_decode_num_warps: int = 4
     kv_decode_num_stages: int = 2
     kv_decode_split_waves: float = 2.0
     kv_decode_max_splits: int = 16
+    kv_decode_max_registers: int = 0
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -318,7 +334,10 @@ class KernelTuning:
         if self.exact_attention_stacked and not _pow2(tiles):
             raise ValueError(f"KernelTuning.exact_attention_stacked (stacked tiles) needs a power-of-two "
                              f"exact_attention_tiles_per_program (the rows of one dot), got {tiles}")
-        for name in ("kv_decode_factored", "kv_decode_bit_convert"):
+        if self.kv_decode_bit_tile not in KV_DECODE_BIT_TILES:
+            raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
+                             f"got {self.kv_decode_bit_tile!r}")
+        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
@@ -328,6 +347,10 @@ class KernelTuning:
             raise ValueError(f"KernelTuning.kv_decode_num_warps must be a power of two in 1..16, "
                              f"got {self.kv_decode_num_warps!r}")
         self._check_ints(("kv_decode_num_stages", "kv_decode_max_splits"), 1)
+        regs = self.kv_decode_max_registers
+        if isinstance(regs, bool) or not isinstance(regs, int) or not (regs == 0 or 24 <= regs <= 255):
+            raise ValueError(f"KernelTuning.kv_decode_max_registers must be 0 (the compiler's choice) or an int in "
+                             f"24..255, got {regs!r}")
         waves = self.kv_decode_split_waves
         if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not 0 < waves < float("inf"):
             raise ValueError(f"KernelTuning.kv_decode_split_waves must be a positive finite number, got {waves!r}")

@@ -1,0 +1,240 @@
+"""Variants of the FP8-cache decode kernel behind the tuning's ``kv_decode_bit_tile`` and ``kv_decode_head_major``.
+
+* the fields' checks and defaults (today's kernel: int32 words, sequence-major grid);
+* the byte-tile conversion is torch's ``.to`` for every E4M3 code but NaN, into bf16 and fp32: under the
+  interpreter (Triton's integer ops) and on the GPU (the PTX);
+* under the Triton interpreter (a child, tiny shapes): the byte-tile conversion, the head-major grid and both
+  together are bit for bit the default route (the same tiles into the same dots; the interpreter runs the byte
+  route's integer fallback, which gives the PTX's values, checked on the GPU): fp32 and bf16 queries, partial pages,
+  a one-token context, GQA group 3, context splits, 16-token and default tiles (the head-major grid on the 3-split
+  launch); and a cache whose rows are not
+  whole 4-byte words, which the word route hands to Triton's conversion while the byte route converts it itself;
+* compiled for the H200 (sm_90a) on this machine: the byte route gives both dots bf16 operands of ``kWidth`` 2
+  (the BF16-cache kernel's; what removes the register shuffles of q and p) and reads no shared memory a byte at a
+  time;
+* the register cap (``kv_decode_max_registers``, Triton's ``maxnreg``): its checks, and a launch that takes it;
+* on the GPU at the 8B head shapes: every variant, and the byte route at launches that fit 4 programs per SM,
+  within the tolerances of the reference and of the default route.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import re
+
+import pytest
+import torch
+
+from interpreted import run_interpreted
+from test_decode_attention_bits import _compile, _converted_bits, e4m3_codes
+from test_kv_fp8_kernels import _SHARED, TOL, _decode_case, rel_err
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install triton) ")
+
+VARIANTS = {"bytes": {"kv_decode_bit_tile": "bytes"}, "head-major": {"kv_decode_head_major": True},
+            "bytes-head-major": {"kv_decode_bit_tile": "bytes", "kv_decode_head_major": True}}
+# launches worth measuring with the byte route (the interpreter ignores stages and registers): 4 programs of 4 warps
+# per SM where registers are capped at 128 (no staged copies at 1 stage; 64-token tiles)
+GPU_VARIANTS = dict(VARIANTS, **{
+    "bytes-s1-r128": {"kv_decode_bit_tile": "bytes", "kv_decode_num_stages": 1, "kv_decode_max_registers": 128},
+    "bytes-n64-r128": {"kv_decode_bit_tile": "bytes", "kv_decode_block_n": 64, "kv_decode_max_registers": 128}})
+
+_CHILD = r'''
+import json, sys
+import torch
+from jetrl.models.attention import paged_attention_reference
+from jetrl.quant import reference as R
+from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.paged_attention_triton import paged_decode
+sys.path.insert(0, "tests/quant")
+from e4m3_bits_kernel import convert_bytes
+''' + "\n".join(inspect.getsource(f) for f in [*_SHARED, e4m3_codes, _converted_bits]) \
+    + f"\nVARIANTS = {VARIANTS!r}\n" + r'''
+out = {}
+for dtype in (torch.bfloat16, torch.float32):
+    out[f"convert-{str(dtype)[6:]}"] = [_converted_bits(convert_bytes(codes, dtype, False), codes)
+                                        for codes in map(e4m3_codes, range(4))]
+g = torch.Generator().manual_seed(0)
+contexts, page, hq, hkv, d = [1, 37, 130], 8, 6, 2, 32  # a one-token context, partial pages, GQA group 3
+meta, kd, ks, vd, vs = paged_case(g, contexts, [1] * len(contexts), page, hkv, d, shared_blocks=1)
+for dtype in (torch.float32, torch.bfloat16):
+    q = torch.randn(len(contexts), hq, d, generator=g).to(dtype)
+    ref = paged_attention_reference(q.float(), dequantize_kv_ref(kd, ks, torch.float32),
+                                    dequantize_kv_ref(vd, vs, torch.float32), meta, d ** -0.5)
+    for splits, block_n in ((1, 16), (3, 16), (2, None)):  # None: the default FP8 tile (128 tokens)
+        with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=True):
+            base = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n)
+            for name, knobs in VARIANTS.items():
+                if name != "bytes" and splits != 3:  # the grid order on the split launch only (the interpreter is slow)
+                    continue
+                with tuning.override(**knobs):
+                    run = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n)
+                r = {"bitwise": same_bits(run, base)}
+                if dtype == torch.float32:
+                    r["err"] = rel_err(run, ref)
+                out[f"{name}-{str(dtype)[6:]}-splits{splits}-tile{block_n}"] = r
+
+# rows 2 bytes apart from a word boundary: the word route falls back to Triton's conversion, the bytes convert
+pad = lambda x: torch.nn.functional.pad(x.view(torch.uint8), (2, 2)).view(torch.float8_e4m3fn)[..., 2:2 + d]
+kdu, vdu = pad(kd), pad(vd)
+q = torch.randn(len(contexts), hq, d, generator=g).to(torch.bfloat16)
+runs = []
+for knobs in ({"kv_decode_bit_convert": False}, {"kv_decode_bit_tile": "bytes"}):
+    with tuning.override(kv_decode_factored=True, **knobs):
+        runs.append(paged_decode(q, kdu, vdu, meta, d ** -0.5, ks, vs, num_splits=2, block_n=16))
+out["unaligned"] = {"bitwise": same_bits(*runs), "offset": kdu.data_ptr() % 4}
+with tuning.override(kv_decode_bit_tile="bytes", kv_decode_max_registers=128):  # a launch option Triton takes
+    out["max-registers"] = same_bits(runs[1], paged_decode(q, kdu, vdu, meta, d ** -0.5, ks, vs, num_splits=2,
+                                                           block_n=16))
+json.dump(out, sys.stdout)
+'''
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_interpreted(_CHILD, "decode attention: the kernel's variants", timeout=600)
+
+
+def test_byte_conversion_is_torchs_for_every_e4m3_value(interpreted):
+    assert interpreted["convert-bfloat16"] == interpreted["convert-float32"] == [True] * 4, interpreted
+
+
+def test_variants_are_the_default_route_bit_for_bit(interpreted):
+    cases = {name: r for name, r in interpreted.items()
+             if name not in ("unaligned", "max-registers") and not name.startswith("convert-")}
+    assert len(cases) == 2 * (3 + len(VARIANTS) - 1), sorted(cases)
+    for name, r in cases.items():
+        assert r["bitwise"], (name, r)
+        assert r.get("err", 0.0) < TOL["float32"], (name, r)
+
+
+def test_byte_route_converts_rows_that_are_not_whole_words(interpreted):
+    assert interpreted["unaligned"] == {"bitwise": True, "offset": 2}, interpreted["unaligned"]
+    assert interpreted["max-registers"] is True
+
+
+def test_fields():
+    from jetrl.quant.kernels import tuning
+
+    assert tuning.current().kv_decode_bit_tile == "words" and tuning.current().kv_decode_head_major is False
+    assert tuning.KV_DECODE_BIT_TILES == ("words", "bytes")
+    for bad in ("byte", "", None):
+        with pytest.raises(ValueError, match=r"kv_decode_bit_tile must be one of \('words', 'bytes'\)"):
+            with tuning.override(kv_decode_bit_tile=bad):
+                pass
+    for bad in (1, "true", None):
+        with pytest.raises(ValueError, match="kv_decode_head_major must be a bool"):
+            with tuning.override(kv_decode_head_major=bad):
+                pass
+    assert tuning.current().kv_decode_max_registers == 0
+    for bad in (16, 256, 128.0, True, -1):
+        with pytest.raises(ValueError, match=r"kv_decode_max_registers must be 0 \(the compiler's choice\) or an int"):
+            with tuning.override(kv_decode_max_registers=bad):
+                pass
+    from jetrl.quant.kernels.paged_attention_triton import launch_config
+
+    with tuning.override(kv_decode_max_registers=128):
+        assert launch_config(True, True).max_registers == 128 and launch_config(False, False).max_registers == 0
+    assert launch_config(True, True).max_registers == 0
+
+
+def test_wide_offsets_decision():
+    """The byte route's offsets are 32-bit unless an element offset into the cache or the scales can pass 2^31 - 1
+    (checked on the meta device: no memory)."""
+    from jetrl.quant.kernels.paged_attention_triton import _wide_offsets
+
+    def pool(blocks, dtype=torch.float8_e4m3fn):
+        return torch.empty(blocks, 16, 8, 128, dtype=dtype, device="meta")
+
+    edge = 2 ** 31 // (16 * 8 * 128)  # blocks of 16 x 8 x 128 elements: the last element of `edge` blocks is 2^31 - 1
+    assert not _wide_offsets(pool(edge), torch.empty(edge, 16, 8, device="meta"))
+    assert _wide_offsets(pool(edge + 1)) and _wide_offsets(pool(4), pool(edge + 1))
+    assert _wide_offsets(pool(edge + 1)[:, :, :, :64])  # a view: its strides, not its size, decide
+    assert _wide_offsets(torch.empty(2 ** 28 + 1, 8, device="meta"))  # scales of 2^31 + 8 elements
+
+
+# ------------------------------------------------------------------------------------------------------------
+# CPU: the kernel compiled for the H200 (sm_90a), no GPU needed
+
+
+@pytest.fixture(scope="module")
+def byte_route():
+    try:
+        return _compile(True, bit_bytes=True)
+    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
+        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+
+
+def test_byte_route_feeds_the_dots_as_a_bf16_cache_does(byte_route):
+    """Both dots take bf16 operands of ``kWidth`` 2 (the word route's join makes Triton 3.6 pick 4 for both dots,
+    and shuffle q and p between registers), no shared memory is read a byte at a time, and the conversion is the
+    word route's: a prmt (0x9180 and 0xB3A2 kinds) and a packed multiply per pair of values."""
+    widths = re.findall(r"dot_op<\{opIdx = (\d), parent = #mma\d*, kWidth = (\d+)\}>", byte_route.asm["ttgir"])
+    assert widths and {w for _, w in widths} == {"2"} and {i for i, _ in widths} == {"0", "1"}, set(widths)
+    ptx = byte_route.asm["ptx"]
+    assert not re.search(r"ld\.shared(\.v\d)?\.[bu]8", ptx)
+    prmts, fmas = len(re.findall(r"prmt\.b32 [^;]*0x9180;", ptx)), len(re.findall(r"fma\.rn\.bf16x2", ptx))
+    assert prmts > 0 and fmas == 2 * prmts, (prmts, fmas)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: the variants at the Llama-3.1-8B head shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_byte_conversion_on_the_gpu_is_torchs_for_every_e4m3_value(dtype):
+    from e4m3_bits_kernel import convert_bytes
+
+    for shift in range(4):
+        codes = e4m3_codes(shift, "cuda")
+        assert _converted_bits(convert_bytes(codes, dtype, True), codes), shift
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(GPU_VARIANTS))
+@pytest.mark.parametrize("num_seqs", [1, 5, 64])
+def test_variants_at_8b_shapes(num_seqs, variant):
+    from jetrl.models.attention import paged_attention_reference
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.paged_attention_triton import paged_decode
+
+    q, meta, kd, ks, vd, vs = _decode_case(num_seqs)
+    kq, vq = kd.float() * ks[..., None], vd.float() * vs[..., None]
+    ref = paged_attention_reference(q.float(), kq, vq, meta, q.shape[-1] ** -0.5)
+    for kw in ({}, {"num_splits": 3}, {"block_n": 64}, {"block_n": 256}):
+        a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
+        with tuning.override(**GPU_VARIANTS[variant]):
+            b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
+        assert b.dtype == torch.bfloat16 and torch.isfinite(b).all(), kw
+        assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (kw, rel_err(b, ref), rel_err(b, a))
+        if variant == "head-major":  # the same program bodies, launched in another order: the same bits
+            assert torch.equal(b, a), kw
+
+
+@pytest.mark.gpu
+def test_byte_route_with_64_bit_offsets():
+    """A pool of more than 2^31 bytes, the sequences' pages at its far end: the byte route takes 64-bit offsets
+    (32-bit ones would wrap) and attends as the default route does."""
+    from jetrl.models.attention import paged_attention_reference
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.paged_attention_triton import _wide_offsets, paged_decode
+
+    q, meta, kd, ks, vd, vs = _decode_case(5)
+    used = kd.shape[0]
+    far = 2 ** 31 // (kd[0].numel()) + 16  # the first block past 2^31 bytes (plus a margin)
+    big = [torch.empty((far + used,) + x.shape[1:], dtype=x.dtype, device="cuda") for x in (kd, ks, vd, vs)]
+    for b, x in zip(big, (kd, ks, vd, vs)):
+        b[far:] = x
+    kq, vq = kd.float() * ks[..., None], vd.float() * vs[..., None]
+    ref = paged_attention_reference(q.float(), kq, vq, meta, q.shape[-1] ** -0.5)
+    meta = dataclasses.replace(meta, block_tables=torch.where(meta.block_tables >= 0, meta.block_tables + far, -1))
+    kd, ks, vd, vs = big
+    assert _wide_offsets(kd, vd)
+    with tuning.override(kv_decode_bit_tile="bytes"):
+        b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)
+    a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)
+    assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (rel_err(b, ref), rel_err(b, a))
