@@ -11,16 +11,17 @@ and 64 x 768. Rows per setting:
   in registers (``kv_decode_factored=false``), the tuning's default launch;
 * ``kv8-factored``: the FP8 cache, E4M3 tiles into the dots through Triton's conversion
   (``kv_decode_bit_convert=false``), scales on the fp32 side, default launch;
-* ``kv8-bits``: the factored route with the E4M3 tiles converted by bit operations (``kv_decode_bit_convert=true``,
-  the default route), default launch;
+* ``kv8-bits``: the factored route with the E4M3 tiles converted by bit operations (``kv_decode_bit_convert=true``)
+  read as int32 words (``kv_decode_bit_tile=words``), default launch;
 * ``kv8-bytes``: the same conversion on tiles of bytes (``kv_decode_bit_tile=bytes``), default launch;
 * ``kv8-bits-hm``, ``kv8-bytes-hm``: those two on the head-major grid (``kv_decode_head_major=true``);
+  ``kv8-bytes-hm`` is the default route;
 * the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves``,
   ``--max-splits`` and ``--max-registers``, or the configs listed by ``--configs`` (the tuning's ``kv_decode_*``
   launch fields), on each route of ``--grid-routes`` (a route's name without ``kv8-``).
 
 ``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored`` and
-``kv8-bits``; ``bf16`` always runs, every ratio is against it).
+``kv8-bytes-hm``; ``bf16`` always runs, every ratio is against it).
 
 Every row is first checked against ``jetrl.models.attention.paged_attention_reference`` in fp32 over the same
 (dequantized) cache: a relative error norm above the GPU tests' tolerance (1e-2 in bf16) marks the row ``failed``
@@ -65,7 +66,7 @@ ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False},
                 "kv8-bits-hm": dict(_BITS, kv_decode_bit_tile="words", kv_decode_head_major=True),
                 "kv8-bytes": dict(_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=False),
                 "kv8-bytes-hm": dict(_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=True)}
-ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bits")  # the default rows
+ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bytes-hm")  # the default rows (the last: the default route)
 GRID_ROUTES = {r.removeprefix("kv8-"): r for r in ROUTE_TUNING if r != "bf16"}
 SETTINGS = "256x768,64x4352,64x768"
 TINY_SETTINGS = "3x40,2x100"
@@ -384,8 +385,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--routes", default=",".join(ROUTES),
                         help=f"routes of the default-launch rows, comma-separated, from {','.join(ROUTE_TUNING)} "
                              f"(default {','.join(ROUTES)}; bf16 always runs)")
-    parser.add_argument("--grid-routes", default="bits", help="routes the grid runs on: bits (the default route), "
-                                                               f"{', '.join(r for r in GRID_ROUTES if r != 'bits')}, "
+    parser.add_argument("--grid-routes", default="bytes-hm", help="routes the grid runs on: bytes-hm (the default "
+                                                                   "route), "
+                                                                   f"{', '.join(r for r in GRID_ROUTES if r != 'bytes-hm')}, "
                                                                "several comma-separated, or none")
     parser.add_argument("--block-n", default=None, help="tokens per FP8 tile (0: the route's own; default 64,128,256;"
                                                          " --tiny 16,32)")

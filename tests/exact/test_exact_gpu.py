@@ -67,7 +67,7 @@ def test_exact_matmul_is_batch_invariant(n, k, dtype):
     torch.testing.assert_close(full[:64].float(), x[:64].float() @ w.float().t(), rtol=2e-2, atol=2e-2)
 
 
-# Exact mode's split-K at the 8B weight shapes: the default split per (N, K) (S = 8, 2, 8, 8, 2) and forced ones
+# Exact mode's split-K at the 8B weight shapes: the default split per (N, K) (S = 4, 1, 4, 8, 2) and forced ones
 SPLIT_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (4096, 1024)]
 SPLIT_ROWS = (1, 2, 3, 17, 64, 100, 128, 129, 200, 256, 511)  # both sides of exact_split_max_m (128)
 
@@ -109,7 +109,7 @@ def test_exact_split_k_at_8b_shapes(path, n, k):
         assert exact_config(n, k).split_k == 1
         assert torch.equal(fn(512), unsplit())
     default = exact_config(n, k).split_k  # the heuristic's
-    assert default == {(4096, 4096): 8, (14336, 4096): 2, (4096, 14336): 8, (1024, 4096): 8, (4096, 1024): 2}[(n, k)]
+    assert default == {(4096, 4096): 4, (14336, 4096): 1, (4096, 14336): 4, (1024, 4096): 8, (4096, 1024): 2}[(n, k)]
     for forced in (0, 2, 4):  # 0: the heuristic's split
         with tuning.override(exact_split_k=forced):
             full = fn(512)

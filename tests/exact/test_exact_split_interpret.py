@@ -125,12 +125,12 @@ def test_exact_gemm_split_k(interpreted, what):
 
 
 def test_exact_split_heuristic_at_8b_shapes():
-    """The documented defaults: ceil(N / tile) * S reaches the 132 programs where K allows it, S <= 8, at least 4
+    """The documented defaults: ceil(N / tile) * S reaches the 112 programs where K allows it, S <= 8, at least 4
     K blocks per split; never a function of M (the method takes no M)."""
     assert tuning.current().exact_split_k == 0  # the heuristic is the default
     t = tuning.current()
-    expected = {(4096, 4096): 8, (1024, 4096): 8, (6144, 4096): 4, (14336, 4096): 2, (28672, 4096): 1,
-                (4096, 14336): 8, (128256, 4096): 1, (4096, 1024): 2, (1024, 512): 1, (4096, 100): 1}
+    expected = {(4096, 4096): 4, (1024, 4096): 8, (6144, 4096): 4, (14336, 4096): 1, (28672, 4096): 1,
+                (4096, 14336): 4, (128256, 4096): 1, (4096, 1024): 2, (1024, 512): 1, (4096, 100): 1}
     assert {shape: t.exact_split(*shape) for shape in expected} == expected
 
 
@@ -141,7 +141,8 @@ def test_exact_on_cublas_only_from_its_rows_and_only_unsplit():
     assert t.exact_cublas_min_m == 256
     assert t.exact_on_cublas(256, 28672, 4096) and t.exact_on_cublas(8192, 128256, 4096)
     assert not t.exact_on_cublas(255, 28672, 4096)  # decode-sized: the Triton kernel
-    assert not t.exact_on_cublas(8192, 4096, 4096)  # S = 8
+    assert not t.exact_on_cublas(8192, 4096, 4096)  # S = 4
+    assert t.exact_on_cublas(8192, 14336, 4096)  # an 8B model's gate and up projections: 112 tiles, S = 1
     with tuning.override(exact_split_k=1):
         assert tuning.current().exact_on_cublas(8192, 4096, 4096)
     with tuning.override(exact_cublas_min_m=0):

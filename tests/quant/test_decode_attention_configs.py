@@ -59,12 +59,12 @@ def test_launch_defaults_are_the_pinned_launch_and_leave_the_bf16_cache_alone():
                                                             launch_config)
 
     assert BF16_LAUNCH == DecodeLaunch(block_n=BLOCK_N, num_warps=4, num_stages=2, split_waves=2.0, max_splits=16)
-    assert launch_config(True, True) == DecodeLaunch(FP8_BLOCK_N, 4, 2, 2.0, 16)
-    assert launch_config(True, False) == DecodeLaunch(BLOCK_N, 4, 2, 2.0, 16)
+    assert launch_config(True, True) == DecodeLaunch(FP8_BLOCK_N, 4, 1, 2.0, 16, 128)
+    assert launch_config(True, False) == DecodeLaunch(BLOCK_N, 4, 1, 2.0, 16, 128)
     assert launch_config(False, False) == BF16_LAUNCH
     with tuning.override(kv_decode_block_n=32, kv_decode_num_warps=8, kv_decode_num_stages=3,
                          kv_decode_split_waves=0.5, kv_decode_max_splits=4):
-        assert launch_config(True, True) == DecodeLaunch(32, 8, 3, 0.5, 4) == launch_config(True, False)
+        assert launch_config(True, True) == DecodeLaunch(32, 8, 3, 0.5, 4, 128) == launch_config(True, False)
         assert launch_config(False, False) == BF16_LAUNCH
     # the fields take the command line's types (bench/common.parse_tuning reads a value as the default's type)
     assert {f: type(getattr(tuning.current(), f)) for f in FIELDS} == {

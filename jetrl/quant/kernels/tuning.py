@@ -206,12 +206,12 @@ class KernelTuning:
     and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
     instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
     attention to summation order. On by default (faster on the H200, BENCHMARKS.md); off, Triton's conversion.
-    ``kv_decode_bit_tile``, its form (:data:`KV_DECODE_BIT_TILES`): ``"words"`` (the default) reads each tile as
+    ``kv_decode_bit_tile``, its form (:data:`KV_DECODE_BIT_TILES`): ``"words"`` reads each tile as
     int32 words and joins the converted pairs into rows (rows of whole words only; else Triton's conversion), so
     Triton converts K straight into the dot's registers but gives both dots operands of ``kWidth`` 4 (register
     shuffles of q and p); ``"bytes"`` converts a tile of bytes 4 at a time in a call Triton cannot see through, so
     both converted tiles reach their dots through shared memory with the operands of a BF16 cache (fewer
-    instructions per tile; any cache layout). ``kv_decode_head_major`` launches the decode grid with the KV heads of
+    instructions per tile; any cache layout; the default). ``kv_decode_head_major`` (on by default) launches the decode grid with the KV heads of
     a sequence as neighbouring programs (off: the sequences of a head), so that the heads sharing a scale sector
     (the scales are (block, token, head)) and a block-table row read them from L2 close together. The same tiles go
     into the same dots either way: head-major gives the same bits, the byte route the same attention to summation
@@ -219,11 +219,13 @@ class KernelTuning:
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
     tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
-    two up to 16) and ``kv_decode_num_stages`` (>= 1) of the Triton launch, and the context split
+    two up to 16) and ``kv_decode_num_stages`` (>= 1; 1 by default: a second stage adds no overlap to this loop,
+    only shared memory) of the Triton launch, and the context split
     (``choose_num_splits``): ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims
     for, at most ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread
-    (Triton's ``maxnreg``; 0, the default: the compiler's choice; 128 or less lets 4 programs of 4 warps share an SM,
-    where the shared memory allows, at the cost of spills). Any values give the attention over the dequantized cache
+    (Triton's ``maxnreg``; 0: the compiler's choice; 128, the default, lets 4 programs of 4 warps share an SM
+    where the shared memory allows, at the cost of a few spills). The defaults are the fastest launch of the H200
+    sweep in BENCHMARKS.md. Any values give the attention over the dequantized cache
     to summation order (the tile and the split set that order); ``bench/attention.py`` sweeps them.
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
@@ -231,8 +233,10 @@ class KernelTuning:
     ``exact_num_stages``, and the K split (:meth:`exact_split`): ``exact_split_k`` (0, the default: the heuristic
     below; a positive count forces that many splits on every weight, at most one per 128-wide K block; 1 is the one
     in-order K walk of the first exact kernel, ``tuning.override(exact_split_k=1)``),
-    ``exact_split_programs`` (the program count a split aims for: the H200's 132 SMs, a constant of the GPU class
-    so that the bits do not depend on the device a side runs on), ``exact_max_split`` and
+    ``exact_split_programs`` (the program count a split aims for, a constant so that the bits do not depend on the
+    device a side runs on: 112, most of an H200's 132 SMs, so that a weight of 112 column tiles or more, such as an
+    8B model's gate and up projections, walks K unsplit and trains on cuBLAS, see ``exact_cublas_min_m``),
+    ``exact_max_split`` and
     ``exact_min_kb_per_split``. These fix the arithmetic, never chosen by M; the rollout and the trainer must run
     the same values (any values are batch-invariant, but two different ones are two different reduction orders).
     ``exact_split_max_m`` only picks the schedule: up to that many rows the splits run as separate programs
@@ -281,7 +285,7 @@ class KernelTuning:
     exact_num_warps: int = 4
     exact_num_stages: int = 3
     exact_split_k: int = 0
-    exact_split_programs: int = 132
+    exact_split_programs: int = 112
     exact_max_split: int = 8
     exact_min_kb_per_split: int = 4
     exact_split_max_m: int = 128
@@ -296,14 +300,14 @@ class KernelTuning:
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
-    kv_decode_bit_tile: str = "words"
-    kv_decode_head_major: bool = False
+    kv_decode_bit_tile: str = "bytes"
+    kv_decode_head_major: bool = True
     kv_decode_block_n: int = 0
     kv_decode_num_warps: int = 4
-    kv_decode_num_stages: int = 2
+    kv_decode_num_stages: int = 1
     kv_decode_split_waves: float = 2.0
     kv_decode_max_splits: int = 16
-    kv_decode_max_registers: int = 0
+    kv_decode_max_registers: int = 128
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
