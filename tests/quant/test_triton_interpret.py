@@ -35,6 +35,8 @@ def inputs():
     g = torch.Generator().manual_seed(7)
     for (m, k) in [(1, 1), (7, 5), (130, 300), (256, 256), (3, 129)]:
         for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            if (m, k) == (256, 256) and dtype != torch.float16:
+                continue  # whole 128 x 128 blocks: one dtype is enough (130 x 300 covers every dtype; time)
             # mixed magnitudes along K, fresh randoms; then special rows
             x = torch.randn(m, k, generator=g) * torch.logspace(-5, 5, k)
             if dtype == torch.float16:
