@@ -69,6 +69,12 @@ class Fp8Backend(Protocol):
         """:meth:`gemm` computing each row of ``a`` identically whatever M is (exact mode, :mod:`jetrl.quant.exact`)."""
         ...
 
+    def grouped_gemm_exact(self, a: Fp8Tensor, weights: list[Fp8Tensor],
+                           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+        """``cat([gemm_exact(a, w)], dim=1)``, the same bits, in fewer launches; or ``None`` where the backend does not
+        group these operands (the caller then runs the layers one by one)."""
+        ...
+
     def matmul_exact(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Batch-invariant ``x @ w.T`` in x's dtype, x (M, K) and w (N, K) 16/32-bit floats (exact mode)."""
         ...
@@ -106,6 +112,10 @@ class ReferenceBackend:
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return reference.gemm_exact(a, b, out_dtype)
+
+    def grouped_gemm_exact(self, a: Fp8Tensor, weights: list[Fp8Tensor],
+                           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+        return torch.cat([self.gemm_exact(a, w, out_dtype) for w in weights], dim=1)
 
     def matmul_exact(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return reference.matmul_exact(x, w)

@@ -267,19 +267,25 @@ def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: to
                          x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> list[torch.Tensor]:
     """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up).
 
-    In a no-grad step with FP8 on this side and ``x_fp8`` given, the backend's ``grouped_gemm`` computes them
-    together, each output a column slice of one buffer: the CUDA backend in one launch for decode-sized inputs
-    (the same FP8 operands; the K-split of the sum may differ from a lone call's, so values agree to output
-    rounding), the reference as the layers' own GEMMs. Where the backend does not group (``None``), each layer
-    runs as usual. ``exact`` never groups: each layer runs its batch-invariant forward.
+    In a no-grad step with FP8 on this side and ``x_fp8`` given, the backend computes them together, each
+    output a column slice of one buffer (the reference as the layers' own GEMMs): fast mode through
+    ``grouped_gemm`` (the CUDA backend in one launch for decode-sized inputs, the same FP8 operands; the K split
+    of the sum may differ from a lone call's, so values agree to output rounding), ``exact`` through
+    ``grouped_gemm_exact`` (the bits of each layer's own exact GEMM; the CUDA backend groups decode-sized inputs
+    whose weights share exact mode's K split, e.g. gate and up). Where the backend does not group (``None``),
+    each layer runs as usual (``exact``: its batch-invariant forward).
     """
-    if exact:
-        return [call_linear(m, x, x_fp8, exact=True) for m in modules]
     if x_fp8 is not None and not torch.is_grad_enabled() and 2 <= len(modules) <= 3 and x.dim() == 2:
         if fp8_input_scaling(*modules) is not None and tuple(x_fp8.shape) == tuple(x.shape):
             weights = [m._cached_weights(with_transpose=False)[0] for m in modules]
-            biases = [m.bias for m in modules]
-            out = get_backend(x.device).grouped_gemm(x_fp8, weights, biases, out_dtype=x.dtype)
+            backend = get_backend(x.device)
+            if exact:
+                out = backend.grouped_gemm_exact(x_fp8, weights, out_dtype=x.dtype)
+                if out is not None and any(m.bias is not None for m in modules):  # as FP8Linear adds its bias
+                    out = torch.cat([y + m.bias.to(y.dtype) if m.bias is not None else y for m, y in
+                                     zip(modules, out.split([m.out_features for m in modules], dim=1))], dim=1)
+            else:
+                out = backend.grouped_gemm(x_fp8, weights, [m.bias for m in modules], out_dtype=x.dtype)
             if out is not None:
                 return list(out.split([m.out_features for m in modules], dim=1))
-    return [call_linear(m, x, x_fp8) for m in modules]
+    return [call_linear(m, x, x_fp8, exact=exact) for m in modules]

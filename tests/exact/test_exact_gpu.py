@@ -285,10 +285,11 @@ CUBLAS_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 @pytest.mark.parametrize("n,k", CUBLAS_SHAPES)
 def test_exact_gemm_on_cublas_gives_the_triton_bits(n, k):
-    """``exact_cublas_min_m`` is a schedule: with K unsplit (``exact_split_k=1``), cuBLAS's blockwise GEMM from 256
-    rows on gives, row for row, the bits of the Triton kernel's in-order walk for every M (fresh scales that are not
-    powers of two, so the scale products round: the order of the scale application is tested too), and the rows of
-    decode-sized M (the Triton kernel) agree with it; with the shape's default split it is not used where S > 1."""
+    """``exact_cublas_min_m`` is a schedule: with K unsplit (``exact_split_k=1``), cuBLAS's blockwise GEMM from 65
+    rows (the default) on gives, row for row, the bits of the Triton kernel's in-order walk for every M (fresh scales
+    that are not powers of two, so the scale products round: the order of the scale application is tested too),
+    and the rows of decode-sized M (the decode kernel) agree with it; with the shape's default split it is not used
+    where S > 1."""
     from jetrl.quant.kernels import tuning
 
     g = torch.Generator(device="cuda").manual_seed(n + 7 * k)
@@ -296,12 +297,54 @@ def test_exact_gemm_on_cublas_gives_the_triton_bits(n, k):
     x = torch.randn(4096, k, device="cuda", generator=g, dtype=torch.bfloat16)
     x = x * torch.rand(4096, 1, device="cuda", generator=g) * 4  # rows of different magnitudes
     qx = quantize_tensor(x, ACT)
-    with tuning.override(exact_split_k=1, exact_cublas_min_m=0):
+    with tuning.override(exact_split_k=1, exact_cublas_min_m=0, exact_decode_max_m=0):
         triton_bits = exact_fp8_gemm(qx, w)
-    with tuning.override(exact_split_k=1, exact_cublas_min_m=256):
-        assert tuning.current().exact_on_cublas(4096, n, k) and not tuning.current().exact_on_cublas(255, n, k)
+    with tuning.override(exact_split_k=1):
+        assert tuning.current().exact_cublas_min_m == 65
+        assert tuning.current().exact_on_cublas(65, n, k) and not tuning.current().exact_on_cublas(64, n, k)
         assert torch.equal(exact_fp8_gemm(qx, w), triton_bits)
-        for m in (1, 17, 64, 255, 256, 257, 1000):
+        for m in (1, 17, 64, 65, 100, 128, 129, 200, 255, 256, 257, 1000):
             assert torch.equal(exact_fp8_gemm(quantize_tensor(x[:m], ACT), w), triton_bits[:m]), m
     split = tuning.current().exact_split(n, k)
     assert tuning.current().exact_on_cublas(4096, n, k) == (split == 1)
+
+
+# Exact mode's decode schedule (the split-K decode kernel at exact mode's split): the 8B model's weights as the
+# model runs them (q/o, k/v, gate/up alone and grouped, down; q/k/v, whose splits differ, are not grouped)
+DECODE_SCHEDULE_CASES = [((4096,), 4096), ((1024,), 4096), ((14336,), 4096), ((14336, 14336), 4096),
+                         ((4096,), 14336), ((1024, 1024), 4096)]
+
+
+@pytest.mark.parametrize("split_k", [0, 1])
+@pytest.mark.parametrize("widths,k", DECODE_SCHEDULE_CASES)
+def test_exact_decode_schedule_gives_the_triton_bits(widths, k, split_k):
+    """``exact_decode_max_m`` is a schedule: up to 64 rows (the default) exact mode's FP8 GEMM runs on the split-K
+    decode kernel, alone or as one grouped launch, and gives the exact Triton kernel's bits for every M, with the
+    shapes' default K split and unsplit (fresh fp32 scales that are not powers of two)."""
+    from jetrl.quant import get_backend
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.cuda_backend import exact_gemm_path
+
+    g = torch.Generator(device="cuda").manual_seed(sum(widths) + k + split_k)
+    ws = [quantize_tensor(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02, WEIGHT)
+          for n in widths]
+    x = torch.randn(64, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = x * torch.rand(64, 1, device="cuda", generator=g) * 4
+    be = get_backend(x.device)
+    with tuning.override(exact_split_k=split_k):
+        assert tuning.current().exact_decode_max_m == 64
+        for m in (1, 2, 3, 16, 17, 31, 33, 48, 64):
+            qx = quantize_tensor(x[:m], ACT)
+            with tuning.override(exact_decode_max_m=0, exact_cublas_min_m=0):
+                ref = torch.cat([be.gemm_exact(qx, w) for w in ws], dim=1)
+                assert all(exact_gemm_path(qx, w) == "triton" for w in ws)
+            assert all(exact_gemm_path(qx, w) == "decode" for w in ws)
+            single = torch.cat([be.gemm_exact(qx, w) for w in ws], dim=1)
+            assert torch.equal(single, ref), m
+            grouped = be.grouped_gemm_exact(qx, ws)
+            splits = {tuning.current().exact_split(n, k) for n in widths}
+            assert (grouped is not None) == (len(splits) == 1), splits
+            if grouped is not None:
+                assert torch.equal(grouped, ref), m
+        assert exact_gemm_path(quantize_tensor(torch.cat([x, x]), ACT), ws[0]) != "decode"  # 128 rows
+        assert be.grouped_gemm_exact(quantize_tensor(torch.cat([x, x]), ACT), ws) is None

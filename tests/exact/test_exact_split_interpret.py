@@ -138,9 +138,9 @@ def test_exact_on_cublas_only_from_its_rows_and_only_unsplit():
     """cuBLAS's schedule (``exact_cublas_min_m``) takes an exact FP8 GEMM from that many rows on, and only where the
     weight's K is walked in one range: cuBLAS has no split to match. 0 turns it off."""
     t = tuning.current()
-    assert t.exact_cublas_min_m == 256
-    assert t.exact_on_cublas(256, 28672, 4096) and t.exact_on_cublas(8192, 128256, 4096)
-    assert not t.exact_on_cublas(255, 28672, 4096)  # decode-sized: the Triton kernel
+    assert t.exact_cublas_min_m == 65  # past the decode schedule's rows (exact_decode_max_m)
+    assert t.exact_on_cublas(65, 28672, 4096) and t.exact_on_cublas(8192, 128256, 4096)
+    assert not t.exact_on_cublas(64, 28672, 4096)  # decode-sized: the decode kernel
     assert not t.exact_on_cublas(8192, 4096, 4096)  # S = 4
     assert t.exact_on_cublas(8192, 14336, 4096)  # an 8B model's gate and up projections: 112 tiles, S = 1
     with tuning.override(exact_split_k=1):
@@ -149,6 +149,35 @@ def test_exact_on_cublas_only_from_its_rows_and_only_unsplit():
         assert not tuning.current().exact_on_cublas(8192, 28672, 4096)
     with pytest.raises(ValueError, match="exact_cublas_min_m"):
         tuning.KernelTuning(exact_cublas_min_m=-1)
+
+
+def test_exact_decode_config_is_the_decode_tiles_at_the_exact_split():
+    """``exact_decode_max_m`` (64 by default): up to that many rows exact mode's FP8 GEMM runs the decode kernel
+    with the tiles it would run in fast mode, exact mode's K split (never the decode policy's, which follows M) and
+    one K block per loop trip; weights that share an input run as one launch only if their splits agree; above
+    the bound, or at 0, the schedule is off."""
+    t = tuning.current()
+    assert t.exact_decode_max_m == 64
+    for m in (1, 17, 33, 64):
+        for widths, k in (((4096,), 4096), ((1024,), 4096), ((14336,), 4096), ((4096,), 14336),
+                          ((14336, 14336), 4096), ((1024, 1024), 4096)):
+            cfg = t.exact_decode_config(m, widths, k, sm_count=132)
+            tiles = t.decode_config(m, sum(widths), k, 132, grouped=len(widths) > 1)
+            assert cfg.split_k == t.exact_split(widths[0], k) and cfg.k_unroll == 1, (m, widths, cfg)
+            assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.block_m, cfg.tma) == \
+                (tiles.block_n, tiles.num_warps, tiles.num_stages, tiles.block_m, tiles.tma)
+    # the split is the weight's, whatever the row count and the device's SMs
+    assert {t.exact_decode_config(m, (4096,), 14336, sm).split_k for m in (1, 64) for sm in (78, 132)} == {4}
+    assert t.exact_decode_config(64, (4096, 1024, 1024), 4096, 132) is None  # q/k/v: S = 4, 8, 8
+    assert t.exact_decode_config(65, (4096,), 4096, 132) is None
+    assert t.exact_decode_config(64, (), 4096, 132) is None
+    with tuning.override(exact_decode_max_m=0):
+        assert tuning.current().exact_decode_config(1, (4096,), 4096, 132) is None
+    with tuning.override(exact_decode_max_m=256):
+        assert tuning.current().exact_decode_config(256, (4096,), 4096, 132).split_k == 4
+    for bad in (-1, 257, True):
+        with pytest.raises(ValueError, match="exact_decode_max_m"):
+            tuning.KernelTuning(exact_decode_max_m=bad)
 
 
 @pytest.mark.parametrize("forced", [0, 1, 2, 3, 5, 8, 64])

@@ -14,10 +14,12 @@ backend (quantization bit for bit, GEMMs to output rounding):
   grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
-* exact mode's ``gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs of
-  :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape); from the tuning's
-  ``exact_cublas_min_m`` rows on, an FP8 weight whose K is not split runs on cuBLAS's blockwise GEMM instead,
-  which computes the same bits (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_on_cublas`);
+* exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
+  of :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape), with two
+  schedules that compute the same bits (:func:`exact_gemm_path`): up to the tuning's ``exact_decode_max_m``
+  rows the split-K decode kernel at exact mode's split (gate and up in one launch), and from
+  ``exact_cublas_min_m`` rows on, for an FP8 weight whose K is not split, cuBLAS's blockwise GEMM
+  (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_decode_config`, ``exact_on_cublas``);
 * ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention, the
   seeded sampler, exact mode's attention and the FP8 KV-cache write run their kernels of this folder (the
   seam's :func:`~jetrl.quant.backend.choose_impl`, over :data:`~jetrl.quant.backend.FUSED_OPS`).
@@ -69,6 +71,27 @@ def decode_max_m(n: int, k: int, grouped: bool = False) -> int:
     """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
     launch), by the tuning object's bounds (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.decode_rows`)."""
     return tuning.current().decode_rows(n, k, grouped)
+
+
+def _exact_decode_config(a: Fp8Tensor, weights: list[Fp8Tensor]):
+    return tuning.current().exact_decode_config(a.shape[0], tuple(w.shape[0] for w in weights), a.shape[1],
+                                                dk._sm_count(a.data.device))
+
+
+def exact_gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
+    """Which kernel runs exact mode's ``a @ b.T`` (every one computes the same bits, see the tuning's doc):
+    ``"decode"`` (the split-K decode kernel at exact mode's split, up to ``exact_decode_max_m`` rows),
+    ``"cublas"`` (a weight walked unsplit, from ``exact_cublas_min_m`` rows on) or ``"triton"`` (the exact
+    kernel)."""
+    if b.block != WEIGHT or a.block != ACT:
+        return "triton"
+    m, n, k = a.shape[0], b.shape[0], b.shape[1]
+    if _exact_decode_config(a, [b]) is not None:
+        return "decode"
+    if (tuning.current().exact_on_cublas(m, n, k) and scaled_mm.is_available(a.data.device)
+            and scaled_mm.supports(a, b)):
+        return "cublas"
+    return "triton"
 
 
 def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None) -> str:
@@ -163,11 +186,29 @@ class CudaBackend:
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)
         _check_cuda(a.data, "the left operand")
+        path = exact_gemm_path(a, b)
+        if path == "decode":  # the exact kernel's bits (tuning's doc, exact_decode_max_m)
+            cfg = _exact_decode_config(a, [b])
+            return dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, out_dtype, config=cfg)
+        if path == "cublas":  # the in-order walk's bits (tuning's doc, exact_cublas_min_m)
+            return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)
         rows = 128 if b.block == WEIGHT else 1
-        if (b.block == WEIGHT and tuning.current().exact_on_cublas(a.shape[0], b.shape[0], b.shape[1])
-                and scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)):
-            return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)  # the in-order walk's bits (tuning's doc)
         return gemm_exact_triton.exact_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
+
+    def grouped_gemm_exact(self, a: Fp8Tensor, weights: list[Fp8Tensor],
+                           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+        """``cat([gemm_exact(a, w)])`` in one decode-kernel launch where the decode schedule takes these weights
+        (decode-sized ``a``, 128x128-block weights of one K split); ``None`` otherwise."""
+        if (a.block != ACT or not 1 <= len(weights) <= 3 or any(w.block != WEIGHT for w in weights)
+                or a.data.device.type != "cuda"):
+            return None
+        cfg = _exact_decode_config(a, weights)
+        if cfg is None:
+            return None
+        for w in weights:
+            reference.check_gemm_operands(a, w)
+        return dk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, None) for w in weights], out_dtype,
+                                          config=cfg)
 
     def matmul_exact(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         _check_cuda(x, "the input")

@@ -149,6 +149,7 @@ DECODE_SHAPE_CONFIGS: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = Ma
     (32, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, num_stages=4, tma=True),
     (32, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=8, num_stages=4, tma=True),
     (64, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, tma=True),
+    (64, 28672, 4096, True): DecodeGemmConfig(block_n=64, split_k=1, tma=True),  # gate/up, one launch
     (64, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=4, k_unroll=2, tma=True),
     # Qwen2-1.5B: o, down, grouped q/k/v, grouped gate/up
     (32, 1536, 1536, False): DecodeGemmConfig(block_n=64, split_k=3, num_stages=4, tma=True),
@@ -251,8 +252,16 @@ class KernelTuning:
     walked in one range (:meth:`exact_split` is 1) multiplies on cuBLAS's blockwise GEMM, the fast path's
     (:meth:`exact_on_cublas`). Its arithmetic is the in-order walk's: each 128-wide K block's MMA sum from zero,
     scaled by ``sa * sb`` into one fp32 accumulator, K blocks in order, one rounding at the end. It has no
-    split-K at those sizes, so it gives the Triton kernel's bits; the GPU tests check it at the 8B shapes,
-    and every RL step's ``mismatch/logp_abs_diff_max`` would show a drift.
+    split-K at those sizes, so it gives the Triton kernel's bits; the GPU tests check it at the 8B shapes (at
+    a few rows cuBLAS may split K, e.g. for 4096 x 14336 up to 17 rows, so the default, 65, starts past the decode
+    kernel's rows), and every RL step's ``mismatch/logp_abs_diff_max`` would show a drift.
+    ``exact_decode_max_m`` (0: never; at most 256) is a schedule too: up to that many rows an exact FP8 GEMM runs
+    on the fast path's split-K decode kernel (:mod:`~jetrl.quant.kernels.gemm_decode_triton`, its tiles, TMA and
+    grouped launches), forced to exact mode's K split and one K block per loop trip
+    (:meth:`exact_decode_config`). That kernel's arithmetic is the exact kernel's: each split's K blocks walked in
+    order from zero with ``acc += dot * (sa * sb)``, the partials summed in split order, one rounding; the swapped
+    MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The GPU tests check the
+    bits at the 8B shapes; weights that share an input and a split (gate and up) run as one grouped launch.
     ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
     (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
@@ -295,7 +304,8 @@ class KernelTuning:
     exact_wide_mm_block_n: int = 256
     exact_wide_num_warps: int = 8
     exact_wide_num_stages: int = 3
-    exact_cublas_min_m: int = 256
+    exact_cublas_min_m: int = 65
+    exact_decode_max_m: int = 64
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
@@ -322,7 +332,10 @@ class KernelTuning:
             if getattr(self, name) > BLOCK_SIZE:
                 raise ValueError(f"KernelTuning.{name} must be at most {BLOCK_SIZE}, got {getattr(self, name)}")
         self._check_ints(("exact_split_k", "exact_split_programs", "exact_min_kb_per_split", "exact_split_max_m",
-                          "exact_wide_min_m", "exact_cublas_min_m"), 0)
+                          "exact_wide_min_m", "exact_cublas_min_m", "exact_decode_max_m"), 0)
+        if self.exact_decode_max_m > DECODE_GEMM_MAX_M:
+            raise ValueError(f"KernelTuning.exact_decode_max_m must be at most {DECODE_GEMM_MAX_M} (the decode "
+                             f"GEMM's rows), got {self.exact_decode_max_m}")
         self._check_ints(("exact_wide_num_stages",), 1)
         for name, low, high in (("exact_wide_block_m", 16, 256), ("exact_wide_block_n", 16, 256),
                                 ("exact_wide_mm_block_n", 16, 256), ("exact_wide_num_warps", 1, 16)):
@@ -422,6 +435,19 @@ class KernelTuning:
         the same bits as the Triton kernel's single in-order K walk; see ``exact_cublas_min_m``): from
         ``exact_cublas_min_m`` rows on, where the weight's K is not split."""
         return bool(self.exact_cublas_min_m) and m >= self.exact_cublas_min_m and self.exact_split(n, k) == 1
+
+    def exact_decode_config(self, m: int, widths: tuple[int, ...], k: int, sm_count: int) -> DecodeGemmConfig | None:
+        """The decode GEMM's config that runs exact FP8 GEMMs of ``m`` rows on weights of ``widths`` rows and K
+        columns sharing their input (one width: a lone GEMM; more: one grouped launch), or ``None`` where that
+        schedule does not apply: above ``exact_decode_max_m`` rows, or weights whose K splits
+        (:meth:`exact_split`) differ. :meth:`decode_config`'s tiles with the exact split and ``k_unroll`` 1."""
+        if not self.exact_decode_max_m or m > self.exact_decode_max_m or not widths:
+            return None
+        splits = {self.exact_split(n, k) for n in widths}
+        if len(splits) != 1:
+            return None
+        tiles = self.decode_config(m, sum(widths), k, sm_count, grouped=len(widths) > 1)
+        return dataclasses.replace(tiles, split_k=splits.pop(), k_unroll=1)
 
     def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
         """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
