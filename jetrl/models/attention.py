@@ -55,6 +55,7 @@ the first slot of its first block instead of producing NaN.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,9 @@ class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # (N,) int64: flat slot (block_id * block_size + offset) of each new token
     max_query_len: int
     max_context_len: int
+    # exact mode's attention kernel: its program numbering for this step, made once for every layer by
+    # plan_exact_attention (None: each call numbers its own; the kernel checks that it fits the call)
+    exact_tiles: tuple | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -462,6 +466,19 @@ def exact_attention(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer:
     return exact_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale, v_scale)
 
 
+def plan_exact_attention(meta: PagedAttentionMetadata, q_like: torch.Tensor, num_heads: int,
+                         num_kv_heads: int) -> PagedAttentionMetadata:
+    """``meta`` with exact mode's attention kernel's program numbering for ``q_like.shape[0]`` query rows (and
+    ``num_heads`` query heads over ``num_kv_heads`` KV heads) made once, for every layer of a forward to read,
+    where :func:`exact_attention` runs the kernel on tensors like ``q_like``; ``meta`` itself otherwise. A
+    schedule: the kernel computes the same numbering per call without it."""
+    if choose_impl(q_like, None, op="exact_attention") != "triton" or q_like.shape[0] == 0:
+        return meta
+    from jetrl.quant.kernels.exact_attention_triton import number_tiles
+
+    return dataclasses.replace(meta, exact_tiles=number_tiles(meta, q_like.shape[0], num_heads, num_kv_heads))
+
+
 def packed_as_paged(cu_seqlens: list[int], device: torch.device | str) -> PagedAttentionMetadata:
     """Packed sequences (``cu_seqlens``: S+1 host offsets) as paged metadata over a cache of one-token blocks:
     the packed K (N, Hkv, D) viewed as (N, 1, Hkv, D), sequence s's position j in block ``cu[s] + j``."""
@@ -516,5 +533,5 @@ def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 __all__ = [
     "quantize_kv", "dequantize_kv", "fake_quantize_kv", "PagedAttentionMetadata", "PagedKVCache", "write_kv",
     "paged_attention_reference", "paged_attention", "varlen_attention", "sdpa_backends", "SDPA_BACKENDS", "exact_attention",
-    "exact_attention_reference", "exact_varlen_attention", "packed_as_paged",
+    "exact_attention_reference", "exact_varlen_attention", "packed_as_paged", "plan_exact_attention",
 ]

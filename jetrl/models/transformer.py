@@ -44,6 +44,7 @@ from jetrl.models.attention import (
     fake_quantize_kv,
     packed_as_paged,
     paged_attention,
+    plan_exact_attention,
     varlen_attention,
     write_kv,
 )
@@ -315,6 +316,9 @@ class DecoderLM(nn.Module):
         """
         if kv_cache.num_layers != self.config.num_hidden_layers:
             raise ValueError(f"kv_cache has {kv_cache.num_layers} layers, the model {self.config.num_hidden_layers}")
+        if exact:  # the attention kernel's program numbering, once for all layers
+            meta = plan_exact_attention(meta, input_ids, self.config.num_attention_heads,
+                                        self.config.num_key_value_heads)
 
         def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
             k_layer, v_layer, k_scale, v_scale = kv_cache.layer(layer_idx)
@@ -342,7 +346,8 @@ def _packed_attend(cu_seqlens: list[int], exact: bool = False, kv_fp8: bool = Fa
             k, v = fake_quantize_kv(k), fake_quantize_kv(v)
         if exact:
             if q.device not in metas and q.shape[0]:
-                metas[q.device] = packed_as_paged(cu_seqlens, q.device)
+                metas[q.device] = plan_exact_attention(packed_as_paged(cu_seqlens, q.device), q, q.shape[1],
+                                                       k.shape[1])
             return exact_varlen_attention(q, k, v, cu_seqlens, softmax_scale, metas.get(q.device))
         return varlen_attention(q, k, v, cu_seqlens, softmax_scale)
     return attend

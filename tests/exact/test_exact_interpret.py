@@ -24,7 +24,8 @@ import torch
 from jetrl.quant import ACT, WEIGHT, quantize_tensor
 from jetrl.quant import reference as R
 from jetrl.quant.kernels import gemm_exact_triton as E
-from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
+import dataclasses
+from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd, number_tiles
 from jetrl.models.attention import (PagedAttentionMetadata, exact_attention_reference, packed_as_paged)
 
 out = {}
@@ -89,6 +90,12 @@ for dtype in (torch.float32, torch.float16):
         meta.block_tables[i:i + 1], torch.zeros(1, dtype=torch.long), 1, lengths[i]), 0.25)[0]
         for i, r in enumerate(last.tolist())])  # the same rows alone, through the packed rows' one-token pages
     out[f"attn-{dtype}-paged-bitwise"] = bool(torch.equal(decode, alone))
+    # the program numbering made once per forward (plan_exact_attention) is a schedule: the same bits
+    planned = exact_attention_fwd(q, k[:, None], v[:, None], dataclasses.replace(
+        meta, exact_tiles=number_tiles(meta, cu[-1], 4, 2)), 0.25)
+    planned_decode = exact_attention_fwd(q[last], kc, vc, dataclasses.replace(
+        dmeta, exact_tiles=number_tiles(dmeta, 4, 4, 2)), 0.25)
+    out[f"attn-{dtype}-planned-bitwise"] = bool(torch.equal(planned, packed) and torch.equal(planned_decode, decode))
     # a prefill chunk of the last 10 rows of the 70-token sequence: its tile walks 2 chunks, so rows 60-63
     # (keys < 64) walk one fully masked chunk; alone, rows 60-61 walk one chunk
     chunk = exact_attention_fwd(q[cu[2] + 60:cu[3]], kc, vc, PagedAttentionMetadata(
@@ -118,7 +125,7 @@ def test_exact_gemms_match_references(interpreted):
 
 
 
-@pytest.mark.parametrize("what", ["-close", "prefill-close", "paged-bitwise", "masked-chunk-bitwise"])
+@pytest.mark.parametrize("what", ["-close", "prefill-close", "paged-bitwise", "masked-chunk-bitwise", "planned-bitwise"])
 def test_exact_attention_kernel(interpreted, what):
     results = {k: v for k, v in interpreted.items() if k.startswith("attn") and k.endswith(what)}
     assert len(results) == (4 if what == "-close" else 2) and all(results.values()), results

@@ -336,14 +336,13 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    block_q = max(1, ROWS_PER_PROGRAM // group_p2)
-    num_seqs = meta.query_start_loc.shape[0] - 1
-    settings = tuning.current()
-    tiles_per_program = settings.exact_attention_tiles_per_program  # checked by KernelTuning
-    if num_rows <= num_seqs:  # a decode step's shape: the one-tile kernel (more tiles would only add registers)
-        tiles_per_program = 1
-    stacked = tiles_per_program > 1 and settings.exact_attention_stacked
-    tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, block_q * tiles_per_program)
+    block_q, tiles_per_program = _schedule(meta, num_rows, num_heads, num_kv_heads)
+    stacked = tiles_per_program > 1 and tuning.current().exact_attention_stacked
+    rows_per_program = block_q * tiles_per_program
+    if meta.exact_tiles is not None and tuple(meta.exact_tiles[:2]) == (rows_per_program, num_rows):
+        tile_seq, tile_start = meta.exact_tiles[2:]  # numbered once for every layer (number_tiles)
+    else:
+        tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, rows_per_program)
     tables = meta.block_tables
     args = (q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens,
             tile_seq, tile_start, out, float(softmax_scale) * _LOG2E,
@@ -363,6 +362,26 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     else:
         _exact_attention_tiles_kernel[grid](*args, **consts, TILES=tiles_per_program)
     return out
+
+
+def _schedule(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(query rows per tile, tiles per program) of the kernel for this step: a tile holds
+    :data:`ROWS_PER_PROGRAM` rows x heads of a KV head's group; decode-shaped steps run one tile per program."""
+    block_q = max(1, ROWS_PER_PROGRAM // triton.next_power_of_2(num_heads // num_kv_heads))
+    tiles_per_program = tuning.current().exact_attention_tiles_per_program  # checked by KernelTuning
+    if num_rows <= meta.query_start_loc.shape[0] - 1:  # a decode step (more tiles would only add registers)
+        tiles_per_program = 1
+    return block_q, tiles_per_program
+
+
+def number_tiles(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple:
+    """The kernel's program numbering for a step of ``num_rows`` query rows over ``meta``, as the
+    ``exact_tiles`` of :class:`~jetrl.models.attention.PagedAttentionMetadata`: (rows per program, ``num_rows``,
+    sequence per program, first row per program). Numbered once per forward, it saves every layer the dozen small
+    kernels of :func:`_number_tiles` (no host sync either way)."""
+    block_q, tiles_per_program = _schedule(meta, num_rows, num_heads, num_kv_heads)
+    rows_per_program = block_q * tiles_per_program
+    return (rows_per_program, num_rows, *_number_tiles(meta.query_start_loc, num_rows, rows_per_program))
 
 
 def _number_tiles(query_start_loc: torch.Tensor, num_rows: int, rows_per_program: int
@@ -386,4 +405,4 @@ def _number_tiles(query_start_loc: torch.Tensor, num_rows: int, rows_per_program
     return torch.where(valid, seq_c, -1).to(torch.int32), start.to(torch.int32)
 
 
-__all__ = ["exact_attention_fwd", "ROWS_PER_PROGRAM", "MAX_TILES_PER_PROGRAM"]
+__all__ = ["exact_attention_fwd", "number_tiles", "ROWS_PER_PROGRAM", "MAX_TILES_PER_PROGRAM"]
