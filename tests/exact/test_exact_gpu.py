@@ -67,7 +67,7 @@ def test_exact_matmul_is_batch_invariant(n, k, dtype):
     torch.testing.assert_close(full[:64].float(), x[:64].float() @ w.float().t(), rtol=2e-2, atol=2e-2)
 
 
-# Exact mode's split-K at the 8B weight shapes: the default split per (N, K) (S = 4, 1, 4, 8, 2) and forced ones
+# Exact mode's split-K at the 8B weight shapes: the default split per (N, K) (S = 1, 1, 4, 1, 1) and forced ones
 SPLIT_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (4096, 1024)]
 SPLIT_ROWS = (1, 2, 3, 17, 64, 100, 128, 129, 200, 256, 511)  # both sides of exact_split_max_m (128)
 
@@ -109,7 +109,7 @@ def test_exact_split_k_at_8b_shapes(path, n, k):
         assert exact_config(n, k).split_k == 1
         assert torch.equal(fn(512), unsplit())
     default = exact_config(n, k).split_k  # the heuristic's
-    assert default == {(4096, 4096): 4, (14336, 4096): 1, (4096, 14336): 4, (1024, 4096): 8, (4096, 1024): 2}[(n, k)]
+    assert default == {(4096, 4096): 1, (14336, 4096): 1, (4096, 14336): 4, (1024, 4096): 1, (4096, 1024): 1}[(n, k)]
     for forced in (0, 2, 4):  # 0: the heuristic's split
         with tuning.override(exact_split_k=forced):
             full = fn(512)
@@ -310,28 +310,29 @@ def test_exact_gemm_on_cublas_gives_the_triton_bits(n, k):
 
 
 # Exact mode's decode schedule (the split-K decode kernel at exact mode's split): the 8B model's weights as the
-# model runs them (q/o, k/v, gate/up alone and grouped, down; q/k/v, whose splits differ, are not grouped)
+# model runs them (q/o, k/v, gate/up alone and grouped, q/k/v grouped, down)
 DECODE_SCHEDULE_CASES = [((4096,), 4096), ((1024,), 4096), ((14336,), 4096), ((14336, 14336), 4096),
-                         ((4096,), 14336), ((1024, 1024), 4096)]
+                         ((4096,), 14336), ((4096, 1024, 1024), 4096)]
 
 
-@pytest.mark.parametrize("split_k", [0, 1])
+@pytest.mark.parametrize("split", [dict(), dict(exact_split_k=1), dict(exact_min_kb_per_split=4)])
 @pytest.mark.parametrize("widths,k", DECODE_SCHEDULE_CASES)
-def test_exact_decode_schedule_gives_the_triton_bits(widths, k, split_k):
+def test_exact_decode_schedule_gives_the_triton_bits(widths, k, split):
     """``exact_decode_max_m`` is a schedule: up to 64 rows (the default) exact mode's FP8 GEMM runs on the split-K
-    decode kernel, alone or as one grouped launch, and gives the exact Triton kernel's bits for every M, with the
-    shapes' default K split and unsplit (fresh fp32 scales that are not powers of two)."""
+    decode kernel, alone or as one grouped launch (where the weights' splits agree), and gives the exact Triton
+    kernel's bits for every M, with the shapes' default K split, unsplit, and split in up to 8 (fresh fp32 scales
+    that are not powers of two)."""
     from jetrl.quant import get_backend
     from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.cuda_backend import exact_gemm_path
 
-    g = torch.Generator(device="cuda").manual_seed(sum(widths) + k + split_k)
+    g = torch.Generator(device="cuda").manual_seed(sum(widths) + k + len(split))
     ws = [quantize_tensor(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02, WEIGHT)
           for n in widths]
     x = torch.randn(64, k, device="cuda", generator=g, dtype=torch.bfloat16)
     x = x * torch.rand(64, 1, device="cuda", generator=g) * 4
     be = get_backend(x.device)
-    with tuning.override(exact_split_k=split_k):
+    with tuning.override(**split):
         assert tuning.current().exact_decode_max_m == 64
         for m in (1, 2, 3, 16, 17, 31, 33, 48, 64):
             qx = quantize_tensor(x[:m], ACT)

@@ -125,13 +125,20 @@ def test_exact_gemm_split_k(interpreted, what):
 
 
 def test_exact_split_heuristic_at_8b_shapes():
-    """The documented defaults: ceil(N / tile) * S reaches the 112 programs where K allows it, S <= 8, at least 4
-    K blocks per split; never a function of M (the method takes no M)."""
+    """The documented defaults: ceil(N / tile) * S reaches the 112 programs where K allows it, S <= 8, at least 28
+    K blocks per split (only long K splits: the 8B model's down projection); never a function of M (the method
+    takes no M). With 4 K blocks per split (the earlier default) the short-K weights split too."""
     assert tuning.current().exact_split_k == 0  # the heuristic is the default
     t = tuning.current()
-    expected = {(4096, 4096): 4, (1024, 4096): 8, (6144, 4096): 4, (14336, 4096): 1, (28672, 4096): 1,
-                (4096, 14336): 4, (128256, 4096): 1, (4096, 1024): 2, (1024, 512): 1, (4096, 100): 1}
+    expected = {(4096, 4096): 1, (1024, 4096): 1, (6144, 4096): 1, (14336, 4096): 1, (28672, 4096): 1,
+                (4096, 14336): 4, (128256, 4096): 1, (4096, 1024): 1, (1024, 512): 1, (4096, 100): 1,
+                (1536, 8960): 2, (8960, 1536): 1}
     assert {shape: t.exact_split(*shape) for shape in expected} == expected
+    with tuning.override(exact_min_kb_per_split=4):
+        t = tuning.current()
+        expected = {(4096, 4096): 4, (1024, 4096): 8, (6144, 4096): 4, (14336, 4096): 1, (4096, 14336): 4,
+                    (4096, 1024): 2}
+        assert {shape: t.exact_split(*shape) for shape in expected} == expected
 
 
 def test_exact_on_cublas_only_from_its_rows_and_only_unsplit():
@@ -141,10 +148,10 @@ def test_exact_on_cublas_only_from_its_rows_and_only_unsplit():
     assert t.exact_cublas_min_m == 65  # past the decode schedule's rows (exact_decode_max_m)
     assert t.exact_on_cublas(65, 28672, 4096) and t.exact_on_cublas(8192, 128256, 4096)
     assert not t.exact_on_cublas(64, 28672, 4096)  # decode-sized: the decode kernel
-    assert not t.exact_on_cublas(8192, 4096, 4096)  # S = 4
-    assert t.exact_on_cublas(8192, 14336, 4096)  # an 8B model's gate and up projections: 112 tiles, S = 1
+    assert not t.exact_on_cublas(8192, 4096, 14336)  # S = 4
+    assert t.exact_on_cublas(8192, 14336, 4096) and t.exact_on_cublas(8192, 4096, 4096)  # S = 1
     with tuning.override(exact_split_k=1):
-        assert tuning.current().exact_on_cublas(8192, 4096, 4096)
+        assert tuning.current().exact_on_cublas(8192, 4096, 14336)
     with tuning.override(exact_cublas_min_m=0):
         assert not tuning.current().exact_on_cublas(8192, 28672, 4096)
     with pytest.raises(ValueError, match="exact_cublas_min_m"):
@@ -168,13 +175,15 @@ def test_exact_decode_config_is_the_decode_tiles_at_the_exact_split():
                 (tiles.block_n, tiles.num_warps, tiles.num_stages, tiles.block_m, tiles.tma)
     # the split is the weight's, whatever the row count and the device's SMs
     assert {t.exact_decode_config(m, (4096,), 14336, sm).split_k for m in (1, 64) for sm in (78, 132)} == {4}
-    assert t.exact_decode_config(64, (4096, 1024, 1024), 4096, 132) is None  # q/k/v: S = 4, 8, 8
+    assert t.exact_decode_config(64, (4096, 1024, 1024), 4096, 132).split_k == 1  # q/k/v in one launch
+    with tuning.override(exact_min_kb_per_split=4):  # q/k/v: S = 4, 8, 8
+        assert tuning.current().exact_decode_config(64, (4096, 1024, 1024), 4096, 132) is None
     assert t.exact_decode_config(65, (4096,), 4096, 132) is None
     assert t.exact_decode_config(64, (), 4096, 132) is None
     with tuning.override(exact_decode_max_m=0):
         assert tuning.current().exact_decode_config(1, (4096,), 4096, 132) is None
     with tuning.override(exact_decode_max_m=256):
-        assert tuning.current().exact_decode_config(256, (4096,), 4096, 132).split_k == 4
+        assert tuning.current().exact_decode_config(256, (4096,), 14336, 132).split_k == 4
     for bad in (-1, 257, True):
         with pytest.raises(ValueError, match="exact_decode_max_m"):
             tuning.KernelTuning(exact_decode_max_m=bad)

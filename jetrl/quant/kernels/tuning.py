@@ -235,11 +235,13 @@ class KernelTuning:
     below; a positive count forces that many splits on every weight, at most one per 128-wide K block; 1 is the one
     in-order K walk of the first exact kernel, ``tuning.override(exact_split_k=1)``),
     ``exact_split_programs`` (the program count a split aims for, a constant so that the bits do not depend on the
-    device a side runs on: 112, most of an H200's 132 SMs, so that a weight of 112 column tiles or more, such as an
-    8B model's gate and up projections, walks K unsplit and trains on cuBLAS, see ``exact_cublas_min_m``),
-    ``exact_max_split`` and
-    ``exact_min_kb_per_split``. These fix the arithmetic, never chosen by M; the rollout and the trainer must run
-    the same values (any values are batch-invariant, but two different ones are two different reduction orders).
+    device a side runs on: 112, most of an H200's 132 SMs), ``exact_max_split`` and ``exact_min_kb_per_split``
+    (28 128-wide K blocks at least per split: a weight with K up to 7,168 walks K unsplit, and such weights train
+    on cuBLAS, see ``exact_cublas_min_m``, and decode as one grouped launch where they share an input, q/k/v and
+    gate/up; an 8B model's down projection, K = 14,336, splits in 4, so that its decode streams the weight with
+    enough programs; BENCHMARKS.md has the RL step of both choices). These fix the arithmetic, never chosen by M;
+    the rollout and the trainer must run the same values (any values are batch-invariant, but two different ones
+    are two different reduction orders).
     ``exact_split_max_m`` only picks the schedule: up to that many rows the splits run as separate programs
     (partials through a workspace), above it one program walks all splits of its tile; both give the same bits.
     ``exact_wide_min_m`` (0: never) is a schedule as well: from that many rows on (prefill and the trainer's
@@ -296,7 +298,7 @@ class KernelTuning:
     exact_split_k: int = 0
     exact_split_programs: int = 112
     exact_max_split: int = 8
-    exact_min_kb_per_split: int = 4
+    exact_min_kb_per_split: int = 28
     exact_split_max_m: int = 128
     exact_wide_min_m: int = 256
     exact_wide_block_m: int = 128
