@@ -149,7 +149,6 @@ DECODE_SHAPE_CONFIGS: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = Ma
     (32, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, num_stages=4, tma=True),
     (32, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=8, num_stages=4, tma=True),
     (64, 28672, 4096, False): DecodeGemmConfig(block_n=64, split_k=1, tma=True),
-    (64, 28672, 4096, True): DecodeGemmConfig(block_n=64, split_k=1, tma=True),  # gate/up, one launch
     (64, 4096, 14336, False): DecodeGemmConfig(block_n=64, split_k=4, k_unroll=2, tma=True),
     # Qwen2-1.5B: o, down, grouped q/k/v, grouped gate/up
     (32, 1536, 1536, False): DecodeGemmConfig(block_n=64, split_k=3, num_stages=4, tma=True),
