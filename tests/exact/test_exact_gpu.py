@@ -69,7 +69,7 @@ def test_exact_matmul_is_batch_invariant(n, k, dtype):
 
 # Exact mode's split-K at the 8B weight shapes: the default split per (N, K) (S = 1, 1, 4, 1, 1) and forced ones
 SPLIT_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (4096, 1024)]
-SPLIT_ROWS = (1, 2, 3, 17, 64, 100, 128, 129, 200, 256, 511)  # both sides of exact_split_max_m (128)
+SPLIT_ROWS = (1, 2, 3, 17, 64, 100, 128, 129, 200, 256, 257, 511)  # both sides of exact_split_max_m (256)
 
 
 def _split_operands(path: str, n: int, k: int):

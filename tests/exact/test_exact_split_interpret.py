@@ -29,8 +29,8 @@ from jetrl.quant.kernels import gemm_exact_triton as E, tuning
 out = {}
 g = torch.Generator().manual_seed(0)
 ROWS = (1, 3, 64, 130)
-FULL = 136  # 3 row tiles; with the default exact_split_max_m (128) M = 1, 3, 64 run the splits as separate
-            # programs (workspace + reduction), M = 130 and 136 one program per tile walking its splits
+FULL = 136  # 3 row tiles; with exact_split_max_m = 128 (set below; the default is 256) M = 1, 3, 64 run the splits
+            # as separate programs (workspace + reduction), M = 130 and 136 one program per tile walking its splits
 
 def cases(name, fn, ref, k, splits_list, bound):
     """fn(m, over) -> the first m rows through the kernel under tuning.override(**over)."""
@@ -38,7 +38,7 @@ def cases(name, fn, ref, k, splits_list, bound):
         s1 = fn(FULL, {})
     out[f"{name}-s1-equals-unsplit"] = bool(torch.equal(s1, ref))
     for splits in splits_list:
-        over = dict(exact_split_k=splits)
+        over = dict(exact_split_k=splits, exact_split_max_m=128)
         with tuning.override(**over):
             cfg = E.exact_config(8, k)
         out[f"{name}-s{splits}-config"] = cfg.split_k == splits

@@ -241,8 +241,9 @@ class KernelTuning:
     enough programs; BENCHMARKS.md has the RL step of both choices). These fix the arithmetic, never chosen by M;
     the rollout and the trainer must run the same values (any values are batch-invariant, but two different ones
     are two different reduction orders).
-    ``exact_split_max_m`` only picks the schedule: up to that many rows the splits run as separate programs
-    (partials through a workspace), above it one program walks all splits of its tile; both give the same bits.
+    ``exact_split_max_m`` only picks the schedule: up to that many rows (256, a decode batch's most) the splits
+    run as separate programs (partials through a workspace), above it one program walks all splits of its tile;
+    both give the same bits.
     ``exact_wide_min_m`` (0: never) is a schedule as well: from that many rows on (prefill and the trainer's
     packed passes) the walking schedule runs ``exact_wide_block_m`` x ``exact_wide_block_n`` tiles
     (``exact_wide_mm_block_n`` wide on the 16/32-bit path, e.g. the LM head) with ``exact_wide_num_warps`` and
@@ -298,7 +299,7 @@ class KernelTuning:
     exact_split_programs: int = 112
     exact_max_split: int = 8
     exact_min_kb_per_split: int = 28
-    exact_split_max_m: int = 128
+    exact_split_max_m: int = 256
     exact_wide_min_m: int = 256
     exact_wide_block_m: int = 128
     exact_wide_block_n: int = 128
