@@ -187,12 +187,6 @@ def test_exact_decode_config_is_the_decode_tiles_at_the_exact_split():
     for bad in (-1, 257, True):
         with pytest.raises(ValueError, match="exact_decode_max_m"):
             tuning.KernelTuning(exact_decode_max_m=bad)
-    with tuning.override(exact_decode_block_n=32):  # a schedule: the tile, never the split
-        cfg = tuning.current().exact_decode_config(64, (4096,), 14336, 132)
-        assert (cfg.block_n, cfg.split_k, cfg.k_unroll) == (32, 4, 1)
-    for bad in (8, 48, 512):
-        with pytest.raises(ValueError, match="exact_decode_block_n"):
-            tuning.KernelTuning(exact_decode_block_n=bad)
 
 
 @pytest.mark.parametrize("forced", [0, 1, 2, 3, 5, 8, 64])

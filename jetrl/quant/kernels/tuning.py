@@ -264,7 +264,6 @@ class KernelTuning:
     order from zero with ``acc += dot * (sa * sb)``, the partials summed in split order, one rounding; the swapped
     MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The GPU tests check the
     bits at the 8B shapes; weights that share an input and a split (gate and up) run as one grouped launch.
-    ``exact_decode_block_n`` (0: the decode config's) sets that schedule's weight rows per program.
     ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
     (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
@@ -309,7 +308,6 @@ class KernelTuning:
     exact_wide_num_stages: int = 3
     exact_cublas_min_m: int = 65
     exact_decode_max_m: int = 64
-    exact_decode_block_n: int = 0
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     kv_decode_factored: bool = True
@@ -337,9 +335,6 @@ class KernelTuning:
                 raise ValueError(f"KernelTuning.{name} must be at most {BLOCK_SIZE}, got {getattr(self, name)}")
         self._check_ints(("exact_split_k", "exact_split_programs", "exact_min_kb_per_split", "exact_split_max_m",
                           "exact_wide_min_m", "exact_cublas_min_m", "exact_decode_max_m"), 0)
-        if self.exact_decode_block_n and not (_pow2(self.exact_decode_block_n) and 16 <= self.exact_decode_block_n <= 256):
-            raise ValueError(f"KernelTuning.exact_decode_block_n must be 0 (the decode config's tile) or a power of two "
-                             f"in 16..256, got {self.exact_decode_block_n!r}")
         if self.exact_decode_max_m > DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.exact_decode_max_m must be at most {DECODE_GEMM_MAX_M} (the decode "
                              f"GEMM's rows), got {self.exact_decode_max_m}")
@@ -454,8 +449,6 @@ class KernelTuning:
         if len(splits) != 1:
             return None
         tiles = self.decode_config(m, sum(widths), k, sm_count, grouped=len(widths) > 1)
-        if self.exact_decode_block_n:
-            tiles = dataclasses.replace(tiles, block_n=self.exact_decode_block_n)
         return dataclasses.replace(tiles, split_k=splits.pop(), k_unroll=1)
 
     def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
