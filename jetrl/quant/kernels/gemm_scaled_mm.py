@@ -1,4 +1,4 @@
-"""cuBLAS blockwise FP8 GEMM through ``torch.nn.functional.scaled_mm`` (``torch._scaled_mm``) on sm_90.
+"""cuBLAS blockwise FP8 GEMM through ``torch.nn.functional.scaled_mm`` on sm_90.
 
 cuBLAS (12.9+) multiplies E4M3 operands with fp32 block scales on Hopper for two pairings, which are
 exactly jetrl's three GEMMs:
@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from jetrl.quant.formats import ACT, E4M3, WEIGHT, Fp8Tensor
 
-_SCALING = getattr(F, "ScalingType", None)
+# the blockwise recipes by name (``F.scaled_mm`` with ``F.ScalingType``: torch >= 2.11, the project's floor)
+_ACT_RECIPE = F.ScalingType.BlockWise1x128
+_TILE_RECIPE = F.ScalingType.BlockWise128x128
 
 
 def _round_up(x: int, m: int) -> int:
@@ -86,11 +88,7 @@ def _pad_rows(data: torch.Tensor, scale: torch.Tensor, rows: int) -> tuple[torch
 
 def _call(a: torch.Tensor, b_t: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, b_is_tile: bool,
           out_dtype: torch.dtype) -> torch.Tensor:
-    if _SCALING is not None and hasattr(F, "scaled_mm"):
-        recipe_b = _SCALING.BlockWise128x128 if b_is_tile else _SCALING.BlockWise1x128
-        return F.scaled_mm(a, b_t, sa, _SCALING.BlockWise1x128, sb, recipe_b, output_dtype=out_dtype)
-    # older entry point: the recipe is inferred from the scale shapes
-    return torch._scaled_mm(a, b_t, sa, sb, out_dtype=out_dtype)
+    return F.scaled_mm(a, b_t, sa, _ACT_RECIPE, sb, _TILE_RECIPE if b_is_tile else _ACT_RECIPE, output_dtype=out_dtype)
 
 
 def blockwise_scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
