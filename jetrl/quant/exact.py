@@ -19,9 +19,12 @@ whatever the other rows are.
   K is cut into S contiguous ranges (S from the weight's (N, K), never from M, so
   that decode's few rows can fill the GPU, :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`), each range summed in order from zero,
   the S partials added in the fixed order 0..S-1 without atomics. What must not vary with M is the arithmetic
-  (the K blocks, S, the order of every sum); how the work is spread over programs and tiles may, and does (the
-  splits as separate programs for decode, one program walking them for training, larger tiles from
-  ``exact_wide_min_m`` rows on), since every schedule adds the same fp32 partials in the same order.
+  (the K blocks, S, the order of every sum); how the work is spread over programs, tiles and kernels may, and
+  does (the splits as separate programs for decode, one program walking them for training, larger tiles from
+  ``exact_wide_min_m`` rows on; up to ``exact_decode_max_m`` rows the fast path's split-K decode kernel run at
+  this split, q/k/v and gate/up as one launch each; an unsplit weight on cuBLAS from ``exact_cublas_min_m``
+  rows on), since every schedule adds the same fp32 partials in the same order (the GPU tests check each one
+  bitwise against the exact kernel).
 * **Attention** (:func:`jetrl.models.attention.exact_attention`): one function for prefill, paged decode and
   the packed training forward, walking each sequence's keys in fixed chunks of :data:`EXACT_KV_CHUNK`
   positions from position 0 with an online softmax.
