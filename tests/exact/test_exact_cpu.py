@@ -312,3 +312,27 @@ def test_engine_rejects_exact_under_fp8_rollout():
     model = build_model(DecoderConfig(**CONFIG), dtype=torch.bfloat16, recipe="fp8-rollout", seed=0)
     with pytest.raises(ValueError, match="exact mode needs the same precision"):
         RolloutEngine(model, num_blocks=8, block_size=4, progress=False, exact=True)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linears_sharing_an_input_group_to_their_own_exact_bits(bias):
+    """q/k/v (and gate/up) in exact mode: a no-grad step hands the shared FP8 input to the backend's
+    ``grouped_gemm_exact``; each layer's slice, bias added as FP8Linear adds it, is bitwise that layer's own exact
+    forward (the reference backend groups by concatenation, the CUDA one in one decode-kernel launch)."""
+    from jetrl.quant import FP8Linear, call_linear, linears_shared_input
+
+    g = torch.Generator().manual_seed(7)
+    mods = [FP8Linear(256, n, bias=bias, dtype=torch.bfloat16) for n in (256, 128, 128)]
+    for m in mods:
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.05)
+            if bias:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g))
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    x_fp8 = quantize_tensor(x, ACT)
+    with torch.no_grad():
+        grouped = linears_shared_input(mods, x, x_fp8, exact=True)
+        alone = [call_linear(m, x, x_fp8, exact=True) for m in mods]
+    assert [tuple(y.shape) for y in grouped] == [(5, 256), (5, 128), (5, 128)]
+    for y, ref in zip(grouped, alone):
+        assert torch.isfinite(ref).all() and torch.equal(y, ref)
