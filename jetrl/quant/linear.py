@@ -279,13 +279,14 @@ def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: to
         if fp8_input_scaling(*modules) is not None and tuple(x_fp8.shape) == tuple(x.shape):
             weights = [m._cached_weights(with_transpose=False)[0] for m in modules]
             backend = get_backend(x.device)
+            widths = [m.out_features for m in modules]
             if exact:
                 out = backend.grouped_gemm_exact(x_fp8, weights, out_dtype=x.dtype)
-                if out is not None and any(m.bias is not None for m in modules):  # as FP8Linear adds its bias
-                    out = torch.cat([y + m.bias.to(y.dtype) if m.bias is not None else y for m, y in
-                                     zip(modules, out.split([m.out_features for m in modules], dim=1))], dim=1)
+                if out is not None:  # each bias added as FP8Linear adds it
+                    return [y + m.bias.to(y.dtype) if m.bias is not None else y
+                            for m, y in zip(modules, out.split(widths, dim=1))]
             else:
                 out = backend.grouped_gemm(x_fp8, weights, [m.bias for m in modules], out_dtype=x.dtype)
-            if out is not None:
-                return list(out.split([m.out_features for m in modules], dim=1))
+                if out is not None:
+                    return list(out.split(widths, dim=1))
     return [call_linear(m, x, x_fp8, exact=exact) for m in modules]

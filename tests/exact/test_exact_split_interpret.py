@@ -214,3 +214,23 @@ def test_exact_split_settings_are_checked():
                 dict(exact_wide_num_warps=True), dict(exact_wide_mm_block_n=384)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             tuning.KernelTuning(**bad)
+
+
+def test_exact_gemm_path_routes_by_rows_and_blocks():
+    """The CUDA backend's route for exact mode's FP8 GEMM (plain CPU tensors: only the choice is checked here;
+    the kernels' equal bits are GPU tests): decode-sized rows to the decode kernel, the rest to the exact kernel
+    where cuBLAS is not there (it is not on a CPU), 1x128 right operands always to the exact kernel."""
+    import torch
+
+    from jetrl.quant import ACT, WEIGHT, quantize_tensor
+    from jetrl.quant.kernels.cuda_backend import exact_gemm_path
+
+    g = torch.Generator().manual_seed(3)
+    w = quantize_tensor(torch.randn(256, 512, generator=g), WEIGHT)
+    x = torch.randn(80, 512, generator=g)
+    rows = {m: exact_gemm_path(quantize_tensor(x[:m], ACT), w) for m in (1, 64, 65, 80)}
+    assert rows == {1: "decode", 64: "decode", 65: "triton", 80: "triton"}
+    assert exact_gemm_path(quantize_tensor(x[:8], ACT), quantize_tensor(torch.randn(256, 512, generator=g), ACT)) \
+        == "triton"
+    with tuning.override(exact_decode_max_m=0):
+        assert exact_gemm_path(quantize_tensor(x[:8], ACT), w) == "triton"
