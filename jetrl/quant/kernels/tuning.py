@@ -255,7 +255,7 @@ class KernelTuning:
     (:meth:`exact_on_cublas`). Its arithmetic is the in-order walk's: each 128-wide K block's MMA sum from zero,
     scaled by ``sa * sb`` into one fp32 accumulator, K blocks in order, one rounding at the end. It has no
     split-K at those sizes, so it gives the Triton kernel's bits; the GPU tests check it at the 8B shapes (at
-    a few rows cuBLAS may split K, e.g. for 4096 x 14336 up to 17 rows, so the default, 65, starts past the decode
+    a few rows cuBLAS may split K for some shapes, see BENCHMARKS.md, so the default, 65, starts past the decode
     kernel's rows), and every RL step's ``mismatch/logp_abs_diff_max`` would show a drift.
     ``exact_decode_max_m`` (0: never; at most 256) is a schedule too: up to that many rows an exact FP8 GEMM runs
     on the fast path's split-K decode kernel (:mod:`~jetrl.quant.kernels.gemm_decode_triton`, its tiles, TMA and
