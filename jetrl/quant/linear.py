@@ -272,7 +272,7 @@ def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: to
     ``grouped_gemm`` (the CUDA backend in one launch for decode-sized inputs, the same FP8 operands; the K split
     of the sum may differ from a lone call's, so values agree to output rounding), ``exact`` through
     ``grouped_gemm_exact`` (the bits of each layer's own exact GEMM; the CUDA backend groups decode-sized inputs
-    whose weights share exact mode's K split, e.g. gate and up). Where the backend does not group (``None``),
+    whose weights share exact mode's K split, e.g. q/k/v and gate/up). Where the backend does not group (``None``),
     each layer runs as usual (``exact``: its batch-invariant forward).
     """
     if x_fp8 is not None and not torch.is_grad_enabled() and 2 <= len(modules) <= 3 and x.dim() == 2:

@@ -17,7 +17,7 @@ backend (quantization bit for bit, GEMMs to output rounding):
 * exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
   of :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape), with two
   schedules that compute the same bits (:func:`exact_gemm_path`): up to the tuning's ``exact_decode_max_m``
-  rows the split-K decode kernel at exact mode's split (gate and up in one launch), and from
+  rows the split-K decode kernel at exact mode's split (q/k/v and gate/up each in one launch), and from
   ``exact_cublas_min_m`` rows on, for an FP8 weight whose K is not split, cuBLAS's blockwise GEMM
   (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_decode_config`, ``exact_on_cublas``);
 * ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention, the

@@ -263,7 +263,7 @@ class KernelTuning:
     (:meth:`exact_decode_config`). That kernel's arithmetic is the exact kernel's: each split's K blocks walked in
     order from zero with ``acc += dot * (sa * sb)``, the partials summed in split order, one rounding; the swapped
     MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The GPU tests check the
-    bits at the 8B shapes; weights that share an input and a split (gate and up) run as one grouped launch.
+    bits at the 8B shapes; weights that share an input and a split (q/k/v, gate/up) run as one grouped launch.
     ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
     (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
