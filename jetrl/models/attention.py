@@ -400,8 +400,9 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     Same visibility rule as :func:`paged_attention_reference`. Each row walks its sequence's logical key
     positions ``0, 1, ...`` in chunks of ``EXACT_KV_CHUNK`` (the last chunk padded, every chunk the same
     shape), with an online softmax in fp32: per chunk, scores ``sum_d(q * k) * scale`` (masked ones
-    ``-inf``), ``m' = max(m, max(s))``, ``l = l * exp(m - m') + sum(exp(s - m'))``, ``acc = acc * exp(m - m') +
-    sum(exp(s - m') * v)``; the output is ``acc / l`` in q's dtype. A masked position contributes exact zeros
+    ``-inf``), ``m' = max(m, max(s))``, probabilities ``p = exp(s - m')`` rounded to q's dtype, ``l = l * exp(m -
+    m') + sum(p)``, ``acc = acc * exp(m - m') + sum(p * v)``; the output is ``acc / l`` in q's dtype. (The kernel
+    computes both sums as MMAs, so that its decode schedule, with the MMA's operands swapped, gets the same bits.) A masked position contributes exact zeros
     and a chunk past a row's last key leaves its state unchanged (``exp(0) = 1``), so the result depends on the
     row's own keys only: not on the batch, the other rows, the table width or the block size. No host syncs.
     An FP8 cache (``k_scale``/``v_scale`` given): each chunk's keys and values are dequantized to ``q``'s dtype
@@ -444,7 +445,7 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])  # masked positions: exactly 0
+        p = torch.exp(s - m_new[..., None]).to(q.dtype).float()  # masked positions: exactly 0
         l = l * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + (p[..., None] * v).sum(-2)
         m = m_new

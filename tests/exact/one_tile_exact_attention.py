@@ -1,7 +1,8 @@
 """Exact mode's attention kernel as it was before the multi-tile schedule, kept verbatim (its module docstring
-aside) as the reference the kernel must reproduce bit for bit for every ``exact_attention_tiles_per_program``: one
-program per (tile of up to 16 query rows at GQA group 4, KV head), one program per query row in the grid. Test-only;
-used by test_exact_tiles_interpret.py and test_exact_tiles_gpu.py."""
+aside; its chunk update has since made the row sum an MMA over the rounded probabilities, as the kernel's
+specification now says) as the reference the kernel must reproduce bit for bit for every
+``exact_attention_tiles_per_program``: one program per (tile of up to 16 query rows at GQA group 4, KV head), one
+program per query row in the grid. Test-only; used by test_exact_tiles_interpret.py and test_exact_tiles_gpu.py."""
 
 from __future__ import annotations
 
@@ -99,14 +100,18 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
     s = tl.where(t[None, :] < limit[:, None], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p = tl.exp2(s - m_new[:, None]).to(k.dtype)
     v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
                       q.dtype, FP8)
+    ones = tl.full((p.shape[1], 16), 1.0, p.dtype)
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        row_sum = tl.dot(p, ones, input_precision="ieee")
+        pv = tl.dot(p, v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        row_sum = tl.dot(p, ones)
+        pv = tl.dot(p, v)
+    l_i = l_i * alpha + tl.max(row_sum, 1)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i, acc
 
 

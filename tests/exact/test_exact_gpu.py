@@ -124,18 +124,21 @@ def test_exact_split_k_at_8b_shapes(path, n, k):
 
 def _wide(bm: int, bn: int, warps: int, stages: int) -> dict:
     return dict(exact_wide_min_m=200, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
+                exact_wide_num_warps=warps, exact_wide_num_stages=stages, exact_wide_tma=False)
 
 
-# The wide schedule's tiles that must not change a bit (bench/kernels.py --sections exact-gemm times them)
-SCHEDULES = [_wide(128, 128, 8, 3), _wide(128, 256, 8, 3), _wide(64, 256, 4, 3), _wide(256, 128, 8, 3)]
+# The wide schedule's tiles that must not change a bit (bench/kernels.py --sections exact-gemm times them), and the
+# TMA walk of the decode-sized tiles (exact_wide_tma, the FP8 path's default)
+SCHEDULES = [_wide(128, 128, 8, 3), _wide(128, 256, 8, 3), _wide(64, 256, 4, 3), _wide(256, 128, 8, 3),
+             dict(exact_wide_min_m=200, exact_wide_tma=True),
+             dict(exact_wide_min_m=200, exact_wide_tma=True, exact_block_n=64, exact_num_stages=4)]
 
 
 @pytest.mark.parametrize("path", ["fp8", "bf16"])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)])
 def test_exact_gemm_schedules_give_the_same_bits(path, n, k):
-    """The wide schedule (larger tiles and more warps from ``exact_wide_min_m`` rows on) is a schedule: every
-    candidate gives, for all 512 rows, the bits of the decode-sized tiles, with the shape's default K split and
+    """The wide schedule (larger tiles and more warps from ``exact_wide_min_m`` rows on, or the TMA walk) is a
+    schedule: every candidate gives, for all 512 rows, the bits of the decode-sized tiles, with the shape's default K split and
     with none (S = 1), and the rows of M = 100..511 (below and above the wide threshold) agree with them."""
     from jetrl.quant.kernels import tuning
 

@@ -67,6 +67,38 @@ def test_fp8_paged_prefill_and_decode_bits_do_not_depend_on_tiles_per_program():
         _all_tiles_equal_one_tile(q, kd, vd, meta, ks, vs)
 
 
+@pytest.mark.parametrize("heads", [32, 40])  # GQA groups 4 (Llama 8B) and 5 (Qwen2.5-32B) over 8 KV heads
+def test_swapped_decode_gives_the_training_forwards_bits(heads):
+    """A decode step on the swapped kernel (``exact_decode_attention_swapped``, one query row per program, keys as
+    the MMA's rows) gives each row the bits the packed training forward (the one-tile kernel) gives it as the last
+    row of its sequence, at every pipeline depth, and so does the tile kernel's decode schedule; contexts from one
+    key to 1,280, partial and whole chunks."""
+    from one_tile_exact_attention import one_tile_exact_attention
+
+    from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    lengths = [1, 15, 16, 17, 63, 64, 65, 300, 777, 1280]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    bf = dict(device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(cu[-1], heads, 128, **bf), torch.randn(cu[-1], 8, 128, **bf) * 2,
+               torch.randn(cu[-1], 8, 128, **bf))
+    packed = packed_as_paged(cu, "cuda")
+    want = one_tile_exact_attention(q, k[:, None], v[:, None], packed, 0.088)
+    last = torch.tensor(cu[1:], device="cuda") - 1
+    meta = PagedAttentionMetadata(torch.arange(len(lengths) + 1, dtype=torch.int32, device="cuda"),
+                                  packed.context_lens, packed.block_tables,
+                                  torch.zeros(len(lengths), dtype=torch.long, device="cuda"), 1, max(lengths))
+    assert torch.isfinite(want).all()
+    for over in (dict(exact_decode_attention_stages=1), {}, dict(exact_decode_attention_stages=3),
+                 dict(exact_decode_attention_swapped=False)):
+        with tuning.override(**over):
+            got = exact_attention_fwd(q[last], k[:, None], v[:, None], meta, 0.088)
+        assert torch.equal(got, want[last]), (over, (got.float() - want[last].float()).abs().max())
+
+
 @pytest.fixture(scope="module")
 def jet_8b():
     from test_exact_gpu import LLAMA8B_2_BLOCKS

@@ -103,3 +103,34 @@ def test_default_kernel_compiles_to_the_measured_kernels_instructions(one_tile, 
     new = _instructions(E._exact_attention_kernel, fp8)
     assert new == _instructions(old._exact_attention_kernel, fp8)
     assert any(line.startswith("wgmma.mma_async") for line in new)  # the comparison saw the dots
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_kernel_runs_hopper_mma_with_swapped_operands(fp8):
+    """The swapped decode kernel (one query row per program) must issue Hopper MMAs, as the tile kernel does: a
+    64-row ``wgmma`` with the heads as 16 columns for the scores (K = 128), the row sum and ``V^T @ P^T`` (K =
+    64), and no ``mma.sync``, whose accumulation would not give the tile kernel's bits."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jetrl.quant.kernels import exact_attention_triton as E
+
+    kernel = E._exact_decode_kernel
+    types = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv" if fp8 else "*bf16", "v_ptr": "*fp8e4nv" if fp8 else "*bf16",
+             "ks_ptr": "*fp32" if fp8 else "*bf16", "vs_ptr": "*fp32" if fp8 else "*bf16", "tables_ptr": "*i32",
+             "qsl_ptr": "*i32", "ctx_ptr": "*i32", "tile_seq_ptr": "*i32", "tile_start_ptr": "*i32",
+             "out_ptr": "*bf16", "scale_log2": "fp32"}
+    consts = dict(GROUP=4, COLS=E.DECODE_MIN_COLS, HEAD_DIM=128, PAGE=16, BLOCK_D=128, BLOCK_N=64, IEEE=False,
+                  FP8=fp8, WHILE_LOOP=False)
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+    try:
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
+        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx)
+    # scores: K = 128 in 8 steps; row sum: K = 64 in 4; V^T @ P^T: 128 rows (two 64-row MMAs) x K = 64 in 4 steps
+    assert Counter(wgmma) == Counter({"m64n16k16": 8 + 4 + 2 * 4}), Counter(wgmma)
+    assert "mma.sync" not in ptx

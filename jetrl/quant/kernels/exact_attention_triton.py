@@ -66,6 +66,9 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 ROWS_PER_PROGRAM = 64  # MMA rows of every program: query rows x their group's heads (padded to a power of two)
+ROW_SUM_COLS = tl.constexpr(16)  # columns of the ones the row sums multiply (the narrowest Hopper MMA of 64 rows)
+DECODE_MIN_COLS = 16  # the swapped decode kernel's MMA columns: its query heads, padded to at least this many
+_MMA_ROWS = tl.constexpr(ROWS_PER_PROGRAM)
 MAX_TILES_PER_PROGRAM = tuning.EXACT_MAX_TILES_PER_PROGRAM  # the most tiles one program takes (each its own state)
 
 
@@ -118,6 +121,96 @@ def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl
 
 
 @triton.jit
+def _exact_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl_ptr, ctx_ptr, tile_seq_ptr,
+                         tile_start_ptr, out_ptr, scale_log2,
+                         stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                         stride_ts, stride_on, stride_oh,
+                         GROUP: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
+                         WHILE_LOOP: tl.constexpr):
+    """One program: ONE query row x the GROUP heads of one KV head, with the MMAs' operands swapped (the decode
+    schedule, see the module doc): the chunk's keys are the MMA rows and the heads its ``COLS`` columns, so a
+    decode token pays for a 64 x COLS product per chunk instead of the tile's 64 x 64. The same elementwise
+    steps as :func:`_scores_update` and :func:`_acc_update`, transposed."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(tile_seq_ptr + pid)
+    if seq < 0:  # past the last row (the grid is an upper bound, fixed without a host sync)
+        return
+    row = tl.load(tile_start_ptr + pid)
+    seq_end = tl.load(qsl_ptr + seq + 1)
+    ctx = tl.load(ctx_ptr + seq)
+    limit = tl.maximum(ctx - (seq_end - 1 - row), 1)  # the row's visible keys: positions < limit
+    c = tl.arange(0, COLS)
+    c_ok = c < GROUP
+    heads = kv_head * GROUP + c
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    qt = tl.load(q_ptr + row.to(tl.int64) * stride_qn + heads[None, :] * stride_qh + d[:, None],
+                 mask=c_ok[None, :] & d_ok[:, None], other=0.0)  # (BLOCK_D, COLS)
+    m_i = tl.full([COLS], float("-inf"), tl.float32)
+    l_i = tl.zeros([COLS], tl.float32)
+    acc = tl.zeros([BLOCK_D, COLS], tl.float32)
+    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+    k_head = k_ptr + kv_head * stride_kh
+    v_head = v_ptr + kv_head * stride_vh
+    ks_head = ks_ptr + kv_head * stride_ksh  # unused unless FP8
+    vs_head = vs_ptr + kv_head * stride_vsh
+    n = tl.arange(0, BLOCK_N)
+    if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
+        t0 = 0
+        while t0 < limit:
+            m_i, l_i, acc = _decode_chunk(qt, m_i, l_i, acc, t0 + n, limit, d, d_ok, table_row, k_head, v_head,
+                                          ks_head, vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
+                                          stride_ksb, stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
+            t0 += BLOCK_N
+    else:
+        for t0 in range(0, limit, BLOCK_N):
+            m_i, l_i, acc = _decode_chunk(qt, m_i, l_i, acc, t0 + n, limit, d, d_ok, table_row, k_head, v_head,
+                                          ks_head, vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
+                                          stride_ksb, stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
+    out = acc / l_i[None, :]
+    tl.store(out_ptr + row.to(tl.int64) * stride_on + heads[None, :] * stride_oh + d[:, None],
+             out.to(out_ptr.dtype.element_ty), mask=c_ok[None, :] & d_ok[:, None])
+
+
+@triton.jit
+def _decode_chunk(qt, m_i, l_i, acc, t, limit, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
+                  stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+                  PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
+    """:func:`_attend_chunk` for one query row, transposed: scores ``K @ q^T`` (BLOCK_N, COLS), the row sum
+    ``ones @ p^T`` and ``V^T @ p^T``: each element the same products, summed in the same K order, as the tile
+    kernel's (the MMA's per-element arithmetic does not depend on which operand holds the rows)."""
+    t_ok = t < limit
+    page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
+    slot = t % PAGE
+    kv_mask = t_ok[:, None] & d_ok[None, :]
+    k = _load_kv_rows(k_head, ks_head, page, slot, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
+                      qt.dtype, FP8)
+    if IEEE:
+        st = tl.dot(k, qt, input_precision="ieee")
+    else:
+        st = tl.dot(k, qt)  # (BLOCK_N, COLS), fp32 accumulation
+    st = tl.where(t[:, None] < limit, st * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 0))
+    alpha = tl.exp2(m_i - m_new)
+    pt = tl.exp2(st - m_new[None, :]).to(k.dtype)  # (BLOCK_N, COLS)
+    v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
+                      qt.dtype, FP8)
+    ones = tl.full((_MMA_ROWS, pt.shape[0]), 1.0, pt.dtype)
+    if IEEE:
+        row_sum = tl.dot(ones, pt, input_precision="ieee")
+        pv = tl.dot(tl.trans(v), pt, input_precision="ieee")
+    else:
+        row_sum = tl.dot(ones, pt)
+        pv = tl.dot(tl.trans(v), pt)  # (BLOCK_D, COLS)
+    l_i = l_i * alpha + tl.max(row_sum, 0)  # every row is the column sum
+    acc = acc * alpha[None, :] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
                   stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                   PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
@@ -131,10 +224,10 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
     kv_mask = t_ok[:, None] & d_ok[None, :]
     k = _load_kv_rows(k_head, ks_head, page, slot, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
                       q.dtype, FP8)
-    m_new, l_i, alpha, p = _scores_update(q, m_i, l_i, k, t, limit, scale_log2, IEEE)
+    m_new, alpha, p = _scores_update(q, m_i, k, t, limit, scale_log2, IEEE)
     v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
                       q.dtype, FP8)
-    acc = _acc_update(acc, alpha, p, v, IEEE)
+    l_i, acc = _acc_update(l_i, acc, alpha, p, v, IEEE)
     return m_new, l_i, acc
 
 
@@ -255,8 +348,8 @@ def _tiles_chunk(t0, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_hea
 def _tile_update(q, m_i, l_i, acc, k, v, t, limit, scale_log2, IEEE: tl.constexpr):
     """The one-tile kernel's update of one tile's state by one chunk (:func:`_attend_chunk`'s math, on K/V already
     loaded): returns (m, l, acc)."""
-    m_new, l_i, alpha, p = _scores_update(q, m_i, l_i, k, t, limit, scale_log2, IEEE)
-    acc = _acc_update(acc, alpha, p, v, IEEE)
+    m_new, alpha, p = _scores_update(q, m_i, k, t, limit, scale_log2, IEEE)
+    l_i, acc = _acc_update(l_i, acc, alpha, p, v, IEEE)
     return m_new, l_i, acc
 
 
@@ -288,9 +381,9 @@ def _store_out(out_ptr, acc, l_i, rows, heads, row_ok, d, d_ok, stride_on, strid
 
 
 @triton.jit
-def _scores_update(q, m_i, l_i, k, t, limit, scale_log2, IEEE: tl.constexpr):
-    """Scores of one chunk (keys ``t >= limit`` masked to -inf) and the online-softmax update of (m, l):
-    returns (m_new, l_new, alpha, p)."""
+def _scores_update(q, m_i, k, t, limit, scale_log2, IEEE: tl.constexpr):
+    """Scores of one chunk (keys ``t >= limit`` masked to -inf) and the online softmax's new maximum: returns
+    (m_new, alpha = exp2(m - m_new), p = exp2(s - m_new) rounded to the values' dtype)."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -298,18 +391,24 @@ def _scores_update(q, m_i, l_i, k, t, limit, scale_log2, IEEE: tl.constexpr):
     s = tl.where(t[None, :] < limit[:, None], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return m_new, l_i, alpha, p
+    p = tl.exp2(s - m_new[:, None]).to(k.dtype)
+    return m_new, alpha, p
 
 
 @triton.jit
-def _acc_update(acc, alpha, p, v, IEEE: tl.constexpr):
+def _acc_update(l_i, acc, alpha, p, v, IEEE: tl.constexpr):
+    """``l = l * alpha + rowsum(p)``, ``acc = acc * alpha + p @ v``: both sums are MMAs over the rounded
+    probabilities (the row sum as ``p @ ones``), so the decode kernel's swapped MMAs give the same bits."""
+    ones = tl.full((p.shape[1], ROW_SUM_COLS), 1.0, p.dtype)
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        row_sum = tl.dot(p, ones, input_precision="ieee")
+        pv = tl.dot(p, v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc
+        row_sum = tl.dot(p, ones)
+        pv = tl.dot(p, v)
+    l_i = l_i * alpha + tl.max(row_sum, 1)  # every column is the row sum
+    acc = acc * alpha[:, None] + pv
+    return l_i, acc
 
 
 def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
@@ -336,7 +435,7 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    block_q, tiles_per_program = _schedule(meta, num_rows, num_heads, num_kv_heads)
+    block_q, tiles_per_program, swapped = _schedule(meta, num_rows, num_heads, num_kv_heads)
     stacked = tiles_per_program > 1 and tuning.current().exact_attention_stacked
     rows_per_program = block_q * tiles_per_program
     if meta.exact_tiles is not None and tuple(meta.exact_tiles[:2]) == (rows_per_program, num_rows):
@@ -350,10 +449,15 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
             v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
             k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
             v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1))
-    consts = dict(GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, PAGE=page, BLOCK_Q=block_q,
-                  BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=EXACT_KV_CHUNK, IEEE=q.dtype == torch.float32,
-                  FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
     grid = (tile_seq.shape[0], num_kv_heads)
+    common = dict(GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_D=triton.next_power_of_2(head_dim),
+                  BLOCK_N=EXACT_KV_CHUNK, IEEE=q.dtype == torch.float32, FP8=fp8, WHILE_LOOP=_INTERPRETED,
+                  num_warps=4)
+    if swapped:  # one query row per program, the MMAs' operands swapped
+        _exact_decode_kernel[grid](*args, **common, COLS=max(DECODE_MIN_COLS, group_p2),
+                                   num_stages=tuning.current().exact_decode_attention_stages)
+        return out
+    consts = dict(common, GROUP_P2=group_p2, BLOCK_Q=block_q, num_stages=2)
     if stacked:  # T tiles as one tile of T * BLOCK_Q rows, one warpgroup of 4 warps per 64 MMA rows
         _exact_attention_kernel[grid](*args, **dict(consts, BLOCK_Q=block_q * tiles_per_program,
                                                     num_warps=4 * tiles_per_program))
@@ -364,14 +468,18 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     return out
 
 
-def _schedule(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple[int, int]:
-    """(query rows per tile, tiles per program) of the kernel for this step: a tile holds
-    :data:`ROWS_PER_PROGRAM` rows x heads of a KV head's group; decode-shaped steps run one tile per program."""
+def _schedule(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple[int, int, bool]:
+    """(query rows per tile, tiles per program, swapped) of the kernel for this step. A step of at most one row
+    per sequence on average (a decode step) runs the swapped decode kernel, one row per program, where the tuning
+    says so (``exact_decode_attention_swapped``); otherwise a tile holds :data:`ROWS_PER_PROGRAM` rows x heads of
+    a KV head's group, and decode-shaped steps run one tile per program."""
+    t = tuning.current()
+    decode = num_rows <= meta.query_start_loc.shape[0] - 1
+    if decode and t.exact_decode_attention_swapped:
+        return 1, 1, True
     block_q = max(1, ROWS_PER_PROGRAM // triton.next_power_of_2(num_heads // num_kv_heads))
-    tiles_per_program = tuning.current().exact_attention_tiles_per_program  # checked by KernelTuning
-    if num_rows <= meta.query_start_loc.shape[0] - 1:  # a decode step (more tiles would only add registers)
-        tiles_per_program = 1
-    return block_q, tiles_per_program
+    tiles_per_program = 1 if decode else t.exact_attention_tiles_per_program  # more would only add registers
+    return block_q, tiles_per_program, False
 
 
 def number_tiles(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple:
@@ -379,7 +487,7 @@ def number_tiles(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tupl
     ``exact_tiles`` of :class:`~jetrl.models.attention.PagedAttentionMetadata`: (rows per program, ``num_rows``,
     sequence per program, first row per program). Numbered once per forward, it saves every layer the dozen small
     kernels of :func:`_number_tiles` (no host sync either way)."""
-    block_q, tiles_per_program = _schedule(meta, num_rows, num_heads, num_kv_heads)
+    block_q, tiles_per_program, _ = _schedule(meta, num_rows, num_heads, num_kv_heads)
     rows_per_program = block_q * tiles_per_program
     return (rows_per_program, num_rows, *_number_tiles(meta.query_start_loc, num_rows, rows_per_program))
 

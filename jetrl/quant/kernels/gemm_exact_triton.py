@@ -27,7 +27,10 @@ the same order, so they give the same bits; with S = 1 the kernel is the single 
 before split-K, bit for bit. From ``exact_wide_min_m`` rows on, the walking schedule also takes larger tiles and
 more warps (``exact_wide_*``; wider ones on the 16-bit path, which runs the LM head; fp32 operands keep the
 small tiles). The decode-sized 64-row tiles underfeed the tensor cores at training sizes, and a tile's extent is
-not part of a row's arithmetic (next paragraph).
+not part of a row's arithmetic (next paragraph). With ``exact_wide_tma`` (the default) the FP8 walk instead keeps
+the decode-sized tiles and loads them through TMA descriptors (:func:`_exact_gemm_tma_kernel`): without the
+pointer tensors a 64 x 128 tile of 4 warps leaves registers for two programs per SM, whose MMAs and scale
+epilogues then overlap (Triton waits for each block's MMA before scaling it).
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
 reduce along K per row, whatever the instruction's M and N extent or the warps sharing the tile), so a row's bits
@@ -129,6 +132,55 @@ def _exact_gemm_kernel(
                  total.to(c_ptr.dtype.element_ty), mask=mn_ok)
 
 
+@triton.jit
+def _k_range_partial_tma(a_desc, b_desc, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0, n0, kb_start, kb_end,
+                         stride_asm, stride_ask, stride_bsn, stride_bsk,
+                         B_SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """:func:`_k_range_partial` with the operands' tiles loaded through TMA descriptors (zero-filled past the
+    edges, as the masked loads are): the same K blocks in the same order, the same ``acc += dot * (sa * sb)``."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb_start, kb_end):
+        a = a_desc.load([m0, kb * 128])
+        b = b_desc.load([n0, kb * 128])
+        sa = tl.load(as_ptr + rm * stride_asm + kb * stride_ask, mask=m_ok, other=0.0)
+        sb = tl.load(bs_ptr + (rn // B_SCALE_ROWS) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _exact_gemm_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N,
+                           stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                           NUM_KB: tl.constexpr, SPLIT_KB: tl.constexpr, SPLITS: tl.constexpr,
+                           B_SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           GROUP_M: tl.constexpr):
+    """The walking schedule of :func:`_exact_gemm_kernel` (FP8, one program per output tile adding its ranges'
+    partials in order) with TMA loads: the pointer tensors of the plain kernel do not occupy registers, so
+    64-row tiles of 4 warps run two programs per SM."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_size
+    pid_n = (pid % group) // group_size
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    total = _k_range_partial_tma(a_desc, b_desc, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0, n0, 0, SPLIT_KB,
+                                 stride_asm, stride_ask, stride_bsn, stride_bsk, B_SCALE_ROWS, BLOCK_M, BLOCK_N)
+    for split in range(1, SPLITS):
+        total += _k_range_partial_tma(a_desc, b_desc, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0, n0, split * SPLIT_KB,
+                                      tl.minimum(split * SPLIT_KB + SPLIT_KB, NUM_KB), stride_asm, stride_ask,
+                                      stride_bsn, stride_bsk, B_SCALE_ROWS, BLOCK_M, BLOCK_N)
+    tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn,
+             total.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def _exact_reduce_kernel(ws_ptr, c_ptr, M, N, stride_cm, stride_cn, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr):
@@ -192,6 +244,9 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
     if not across and t.exact_wide_min_m and m >= t.exact_wide_min_m and a.dtype != torch.float32:
         block_m, block_n = t.exact_wide_block_m, t.exact_wide_block_n if fp8 else t.exact_wide_mm_block_n
         warps, stages = t.exact_wide_num_warps, t.exact_wide_num_stages
+    if (fp8 and not across and t.exact_wide_tma and t.exact_wide_min_m and m >= t.exact_wide_min_m
+            and _tma_ok(a) and _tma_ok(b)):
+        return _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows, cfg, num_kb, split_kb)
     ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a.device) if across else out
     scales = (a_scale, b_scale) if fp8 else (out, out)  # unused without FP8
     strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0, 0)
@@ -206,6 +261,30 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
         _exact_reduce_kernel[(_cdiv(m, _REDUCE_BLOCK_M), _cdiv(n, _REDUCE_BLOCK_N))](
             ws, out, m, n, out.stride(0), out.stride(1), SPLITS=cfg.split_k, BLOCK_M=_REDUCE_BLOCK_M,
             BLOCK_N=_REDUCE_BLOCK_N, num_warps=4)
+    return out
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA reads a row-major 2-D tile source: unit column stride, 16-byte aligned rows and base."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0 and t.shape[1] % 16 == 0)
+
+
+def _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows: int, cfg: ExactGemmConfig, num_kb: int,
+                split_kb: int) -> torch.Tensor:
+    """The walking schedule with TMA loads (``exact_wide_tma``): the decode-sized tiles of ``cfg``, two programs
+    per SM where the plain kernel's wide tiles fit one."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, n = a.shape[0], b.shape[0]
+    a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, BLOCK])
+    b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
+    tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
+    _exact_gemm_tma_kernel[(tiles,)](
+        a_desc, b_desc, out, a_scale, b_scale, m, n, out.stride(0), out.stride(1),
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -269,6 +269,14 @@ class KernelTuning:
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
     steps always run that one); ``exact_attention_stacked`` runs them as one tile of T x 64 rows with one
     4-warp group per 64 rows instead of T dots in 4 warps. Every value of both gives the same bits.
+    ``exact_decode_attention_swapped`` (on) runs a decode step's exact attention (at most one query row per
+    sequence) on the swapped decode kernel: one row per program, the chunk's keys as the MMA's 64 rows and the
+    row's heads as its columns, a quarter of the tile kernel's MMA work at GQA group 4; it computes the tile
+    kernel's bits (the GPU tests check it), with ``exact_decode_attention_stages`` pipeline stages.
+    ``exact_wide_tma`` (on): from ``exact_wide_min_m`` rows on, the walking schedule's FP8 GEMMs run the
+    decode-sized ``exact_block_*`` tiles, warps and stages with TMA loads instead of the ``exact_wide_*`` tiles
+    with pointer loads, where the layouts allow (no pointer tensors in registers, so two programs share an SM); the
+    same bits.
     """
 
     gemm: str = "auto"
@@ -310,6 +318,9 @@ class KernelTuning:
     exact_decode_max_m: int = 64
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
+    exact_decode_attention_swapped: bool = True
+    exact_decode_attention_stages: int = 2
+    exact_wide_tma: bool = True
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
     kv_decode_bit_tile: str = "bytes"
@@ -353,6 +364,10 @@ class KernelTuning:
         if self.exact_attention_stacked and not _pow2(tiles):
             raise ValueError(f"KernelTuning.exact_attention_stacked (stacked tiles) needs a power-of-two "
                              f"exact_attention_tiles_per_program (the rows of one dot), got {tiles}")
+        for name in ("exact_decode_attention_swapped", "exact_wide_tma", "exact_attention_stacked"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_ints(("exact_decode_attention_stages",), 1)
         if self.kv_decode_bit_tile not in KV_DECODE_BIT_TILES:
             raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
                              f"got {self.kv_decode_bit_tile!r}")
