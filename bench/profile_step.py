@@ -17,7 +17,7 @@ benchmarks (:class:`bench.common.Arm`), each run under its own kernel tuning. Th
 Every part runs eagerly under ``torch.profiler`` (GPU time per kernel is what a CUDA graph replays) and is timed
 (CUDA events; ``score``/``update``/``train`` per call; ``score`` also split into the decoder blocks and the LM
 head). Kernels are grouped by kind (:func:`kind_of`): exact mode's GEMMs (the batch-invariant Triton GEMM and its
-split-K reduction) and exact attention (its one- and multi-tile kernels) apart from the fast GEMMs and attention,
+split-K reduction) and exact attention (its one- and multi-tile kernels and its swapped decode kernel) apart from the fast GEMMs and attention,
 then FP8 quantization, the LM head's log-softmax, norm, copies, elementwise, other. With an exact arm and its fast
 arm in one run, a table per part sets all arms side by side by kind, with each exact arm's kernel sum and wall time
 over its fast arm's.
@@ -50,7 +50,7 @@ except ModuleNotFoundError:
 # fast attention); the LM head's log-softmax before "softmax"
 KINDS = (
     ("exact gemm", ("_exact_gemm", "_exact_reduce")),
-    ("exact attention", ("_exact_attention",)),
+    ("exact attention", ("_exact_attention", "_exact_decode_kernel")),
     ("lm-head logprobs", ("_logprob_", "log_softmax", "logsoftmax", "softmaxforward", "softmaxbackward")),
     ("attention", ("paged_decode", "merge_splits", "flash", "attention", "fmha", "sdpa", "softmax")),
     ("fp8 quant", ("quant", "requant", "_act_", "_token_")),

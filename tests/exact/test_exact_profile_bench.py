@@ -25,6 +25,8 @@ def one_thread():
     ("_exact_reduce_kernel", "exact gemm"),  # the split-K sum, not a norm's reduction
     ("_exact_attention_kernel", "exact attention"),
     ("_exact_attention_tiles_kernel", "exact attention"),
+    ("_exact_decode_kernel", "exact attention"),  # the swapped decode schedule
+    ("_exact_gemm_tma_kernel", "exact gemm"),
     ("_logprob_stats_kernel", "lm-head logprobs"),
     ("void (anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, (anonymous namespace)::"
      "LogSoftMaxForwardEpilogue>", "lm-head logprobs"),

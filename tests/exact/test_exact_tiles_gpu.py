@@ -92,7 +92,7 @@ def test_swapped_decode_gives_the_training_forwards_bits(heads):
                                   packed.context_lens, packed.block_tables,
                                   torch.zeros(len(lengths), dtype=torch.long, device="cuda"), 1, max(lengths))
     assert torch.isfinite(want).all()
-    for over in (dict(exact_decode_attention_stages=1), {}, dict(exact_decode_attention_stages=3),
+    for over in ({}, dict(exact_decode_attention_stages=2), dict(exact_decode_attention_stages=3),
                  dict(exact_decode_attention_swapped=False)):
         with tuning.override(**over):
             got = exact_attention_fwd(q[last], k[:, None], v[:, None], meta, 0.088)

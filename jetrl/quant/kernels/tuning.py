@@ -319,7 +319,7 @@ class KernelTuning:
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     exact_decode_attention_swapped: bool = True
-    exact_decode_attention_stages: int = 2
+    exact_decode_attention_stages: int = 1
     exact_wide_tma: bool = True
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
