@@ -27,7 +27,9 @@ whatever the other rows are.
   bitwise against the exact kernel).
 * **Attention** (:func:`jetrl.models.attention.exact_attention`): one function for prefill, paged decode and
   the packed training forward, walking each sequence's keys in fixed chunks of :data:`EXACT_KV_CHUNK`
-  positions from position 0 with an online softmax.
+  positions from position 0 with an online softmax whose two sums (the probabilities', and their products with
+  V) are MMAs. A decode step runs the kernel with the MMA's operands swapped (keys as rows, heads as columns),
+  which gives the same bits with a fraction of the work.
 * **Row-wise ops** (RMSNorm with its residual add, SwiGLU, RoPE, the 1x128 quantization) read one row each;
   they stay as they are (tests prove their batch invariance).
 * **The LM head's log-probabilities** (:func:`jetrl.models.logprobs.exact_logprobs_from_logits`): one function

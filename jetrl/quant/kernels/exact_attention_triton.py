@@ -13,6 +13,21 @@ or the trainer's packed forward (a "cache" of one-token pages, :func:`jetrl.mode
 The tiles are numbered on the device (no host sync; :func:`_number_tiles`, the grid an upper bound from shapes
 alone), so decode steps stay capturable in CUDA graphs.
 
+**The chunk update** (:func:`_scores_update`, :func:`_acc_update`): scores ``q @ k^T`` (fp32 accumulation),
+masked, ``m' = max(m, rowmax(s))``, ``p = exp2(s - m')`` rounded to the values' dtype, then ``l = l * alpha +
+rowsum(p)`` and ``acc = acc * alpha + p @ v``, both sums MMAs (the row sum as ``p @ ones``). Every reduction is
+thus an MMA or a maximum, never a ``tl.sum`` whose order follows the register layout, which is what lets the
+decode schedule below compute the same bits.
+
+**Swapped decode** (:func:`_exact_decode_kernel`, ``exact_decode_attention_swapped``, the default): a step with at
+most one query row per sequence on average runs one program per (query row, KV head) with the MMA's operands
+swapped: ``K @ q^T`` with the chunk's 64 keys as the MMA's rows and the group's heads as its columns (padded to
+:data:`DECODE_MIN_COLS`), ``ones @ p^T`` and ``V^T @ p^T``. A Hopper MMA computes each element from the same
+products, summed in the same K order, whichever operand holds the rows (the FP8 GEMMs' decode kernel relies on the
+same property), so each row gets the tile kernel's bits while a decode token pays for a 64 x 16 product per chunk
+instead of the tile's 64 x 64. The GPU tests check it against the packed training forward; the CPU tests check
+that it compiles to Hopper MMAs only (a ``mma.sync`` would accumulate differently).
+
 An FP8 cache (E4M3 K/V with power-of-two per-(token, KV head) scales) is dequantized chunk by chunk in registers
 exactly like ``jetrl.models.attention.dequantize_kv`` (the fp32 product rounded to q's dtype, a rounding that with a
 bf16 or fp32 query changes nothing), and the unchanged math follows: the rollout reading its FP8 cache and the
