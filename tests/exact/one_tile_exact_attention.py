@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from jetrl.quant.kernels.paged_attention_triton import _LOG2E, _load_kv_rows, check_kv_cache
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 from jetrl.quant.reference import EXACT_KV_CHUNK
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -160,7 +161,7 @@ def one_tile_exact_attention(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cac
         v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, PAGE=page, BLOCK_Q=block_q,
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=EXACT_KV_CHUNK, IEEE=q.dtype == torch.float32,
-        FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2)
+        FP8=fp8, WHILE_LOOP=_INTERPRETED, num_warps=4, num_stages=2, **COMPILE_OPTIONS)
     return out
 
 

@@ -138,8 +138,9 @@ SCHEDULES = [_wide(128, 128, 8, 3), _wide(128, 256, 8, 3), _wide(64, 256, 4, 3),
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)])
 def test_exact_gemm_schedules_give_the_same_bits(path, n, k):
     """The wide schedule (larger tiles and more warps from ``exact_wide_min_m`` rows on, or the TMA walk) is a
-    schedule: every candidate gives, for all 512 rows, the bits of the decode-sized tiles, with the shape's default K split and
-    with none (S = 1), and the rows of M = 100..511 (below and above the wide threshold) agree with them."""
+    schedule: every candidate gives, for all 512 rows, the bits of the decode-sized tiles, with the shape's default
+    K split and with none (S = 1), and the rows of M = 100..511 (below and above the wide threshold) agree with
+    them."""
     from jetrl.quant.kernels import tuning
 
     fn, _, _, _ = _split_operands(path, n, k)

@@ -16,6 +16,8 @@ import importlib.util
 import json
 
 import pytest
+
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 import torch
 
 import jetrl.models as jm
@@ -252,7 +254,8 @@ def _compiled(xdtype: str, aligned_vocab: bool, aligned_scalars: bool = True) ->
     aligned = ["x_ptr"] + scalars * aligned_scalars + ["V", "stride_x"] * aligned_vocab  # varies with the rows
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=K.EXACT_NUM_WARPS))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=K.EXACT_NUM_WARPS, **COMPILE_OPTIONS))
     layouts = sorted(set(re.findall(r"#ttg\.blocked<[^>]*>", compiled.asm["ttgir"])))
     ops = []
     for line in compiled.asm["ptx"].splitlines():

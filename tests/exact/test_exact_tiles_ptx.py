@@ -11,6 +11,8 @@ from collections import Counter
 
 import pytest
 
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton) ")
 
@@ -38,7 +40,7 @@ def _ptx_ops(tiles: int, stacked: bool) -> Counter:
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4 * (tiles if stacked else 1), num_stages=2))
+                              options=dict(num_warps=4 * (tiles if stacked else 1), num_stages=2, **COMPILE_OPTIONS))
     ptx = compiled.asm["ptx"]
     return Counter({op: len(re.findall(re.escape(op) + r"\b", ptx)) for op in OPS})
 
@@ -78,7 +80,8 @@ def _instructions(kernel, fp8: bool) -> list[str]:
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=4, num_stages=2, **COMPILE_OPTIONS)).asm["ptx"]
     out = []
     for line in ptx.splitlines():
         line = line.strip()
@@ -127,7 +130,8 @@ def test_decode_kernel_runs_hopper_mma_with_swapped_operands(fp8):
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
     try:
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=4, num_stages=2, **COMPILE_OPTIONS)).asm["ptx"]
     except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
         pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx)

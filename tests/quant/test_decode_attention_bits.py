@@ -20,6 +20,8 @@ import inspect
 import re
 
 import pytest
+
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 import torch
 
 from interpreted import run_interpreted
@@ -153,7 +155,8 @@ def _compile(bits: bool, block_n: int = 128, bit_bytes: bool = False):
              if n in ptrs and n != "scale_log2" or ints.get(n, 1) % 16 == 0}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=4, num_stages=2, **COMPILE_OPTIONS))
 
 
 OPS = {"e4m3 cvt": r"cvt\.rn\.f16x2\.e4m3x2", "f16->bf16 cvt": r"cvt\.(rn\.)?bf16\.f16", "byte ld.shared":

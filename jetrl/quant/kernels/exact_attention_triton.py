@@ -76,6 +76,7 @@ import triton.language as tl
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.paged_attention_triton import _LOG2E, _load_kv_rows, check_kv_cache
 from jetrl.quant.reference import EXACT_KV_CHUNK
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -470,16 +471,16 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
                   num_warps=4)
     if swapped:  # one query row per program, the MMAs' operands swapped
         _exact_decode_kernel[grid](*args, **common, COLS=max(DECODE_MIN_COLS, group_p2),
-                                   num_stages=tuning.current().exact_decode_attention_stages)
+                                   num_stages=tuning.current().exact_decode_attention_stages, **COMPILE_OPTIONS)
         return out
     consts = dict(common, GROUP_P2=group_p2, BLOCK_Q=block_q, num_stages=2)
     if stacked:  # T tiles as one tile of T * BLOCK_Q rows, one warpgroup of 4 warps per 64 MMA rows
         _exact_attention_kernel[grid](*args, **dict(consts, BLOCK_Q=block_q * tiles_per_program,
-                                                    num_warps=4 * tiles_per_program))
+                                                    num_warps=4 * tiles_per_program), **COMPILE_OPTIONS)
     elif tiles_per_program == 1:
-        _exact_attention_kernel[grid](*args, **consts)
+        _exact_attention_kernel[grid](*args, **consts, **COMPILE_OPTIONS)
     else:
-        _exact_attention_tiles_kernel[grid](*args, **consts, TILES=tiles_per_program)
+        _exact_attention_tiles_kernel[grid](*args, **consts, TILES=tiles_per_program, **COMPILE_OPTIONS)
     return out
 
 

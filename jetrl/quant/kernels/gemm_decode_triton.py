@@ -20,6 +20,7 @@ import triton.language as tl
 
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv, cast_rne
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 from jetrl.quant.kernels.tuning import DECODE_GEMM_MAX_M, DecodeGemmConfig, DecodePolicy  # noqa: F401 (re-exported)
 
 
@@ -290,6 +291,6 @@ def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
         KB_PER_SPLIT=kb_per_split, SPLIT_K=split, B_SCALE_ROWS=b_scale_rows,
         NUM_GROUPS=len(weights), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         M_TILES=m_tiles, K_UNROLL=cfg.k_unroll, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS
     )
     return out

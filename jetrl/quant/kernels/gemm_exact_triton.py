@@ -52,6 +52,7 @@ import triton.language as tl
 
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 
 @triton.jit
@@ -256,11 +257,11 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), *strides,
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, ACROSS=across, BLOCK_K=block_k, FP8=fp8,
         B_SCALE_ROWS=b_scale_rows, IEEE=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-        GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages)
+        GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages, **COMPILE_OPTIONS)
     if across:
         _exact_reduce_kernel[(_cdiv(m, _REDUCE_BLOCK_M), _cdiv(n, _REDUCE_BLOCK_N))](
             ws, out, m, n, out.stride(0), out.stride(1), SPLITS=cfg.split_k, BLOCK_M=_REDUCE_BLOCK_M,
-            BLOCK_N=_REDUCE_BLOCK_N, num_warps=4)
+            BLOCK_N=_REDUCE_BLOCK_N, num_warps=4, **COMPILE_OPTIONS)
     return out
 
 
@@ -284,7 +285,7 @@ def _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows: int, cfg: ExactGemmCo
         a_desc, b_desc, out, a_scale, b_scale, m, n, out.stride(0), out.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
     return out
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 
 @triton.jit
@@ -106,6 +107,6 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torc
         a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1), out.stride(0), out.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         NUM_KB=_cdiv(k, BLOCK), B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS
     )
     return out

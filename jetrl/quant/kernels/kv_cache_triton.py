@@ -25,6 +25,7 @@ import triton.language as tl
 
 from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 
 @triton.jit
@@ -117,7 +118,7 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
         v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0),
         v_scale.stride(1), v_scale.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d >= 1024 else 1)
+        num_warps=4 if block_h * block_d >= 1024 else 1, **COMPILE_OPTIONS)
 
 
 __all__ = ["write_kv_fp8"]

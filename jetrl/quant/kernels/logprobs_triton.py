@@ -33,6 +33,7 @@ import triton.language as tl
 
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import cast_rne
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 STATS_BLOCK_V = 4096
 GRAD_BLOCK_V = 2048
@@ -120,7 +121,7 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
         _logprob_stats_kernel[(rows,)](logits, targets, out[0], out[1], out[2], out[0], vocab, logits.stride(0),
                                        float(temperature), SCALE=float(temperature) != 1.0, EXACT=False,
                                        NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V), BLOCK_V=STATS_BLOCK_V,
-                                       num_warps=tuning.current().logprob_stats_num_warps)
+                                       num_warps=tuning.current().logprob_stats_num_warps, **COMPILE_OPTIONS)
     return out[0], out[1], out[2]
 
 
@@ -151,7 +152,7 @@ def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
         _logprob_stats_kernel[(rows,)](logits, targets.to(torch.int64).contiguous(), out[0], out[1], out[2],
                                        temperature.to(torch.float32).contiguous(), vocab, vocab, 1.0,
                                        SCALE=True, EXACT=True, NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V),
-                                       BLOCK_V=STATS_BLOCK_V, num_warps=EXACT_NUM_WARPS)
+                                       BLOCK_V=STATS_BLOCK_V, num_warps=EXACT_NUM_WARPS, **COMPILE_OPTIONS)
     return out[0], out[1], out[2]
 
 
@@ -170,7 +171,7 @@ def logprob_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
             dummy if grad_entropy is None else grad_entropy.float().contiguous(),
             vocab, logits.stride(0), float(temperature), SCALE=float(temperature) != 1.0,
             HAS_GLP=grad_logprob is not None, HAS_GENT=grad_entropy is not None, BLOCK_V=GRAD_BLOCK_V,
-            num_warps=tuning.current().logprob_grad_num_warps,
+            num_warps=tuning.current().logprob_grad_num_warps, **COMPILE_OPTIONS
         )
     return logits
 

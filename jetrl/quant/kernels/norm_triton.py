@@ -32,6 +32,7 @@ import triton.language as tl
 from jetrl.quant.formats import ACT, BLOCK_SIZE, E4M3, Fp8Tensor
 from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3
 from jetrl.quant.kernels.quantize_triton import cast_rne as _cast  # RNE to bf16 under the interpreter too
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 
 # Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register at
@@ -264,7 +265,7 @@ def rms_norm_forward(
             m, d, eps,
             HAS_RES=residual is not None, QUANT=quantize, POW2=pow2_scale,
             BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, QG=min(BLOCK_SIZE, block_d),
-            num_warps=num_warps,
+            num_warps=num_warps, **COMPILE_OPTIONS
         )
     fp8 = Fp8Tensor(q_data, q_scale.t(), ACT) if quantize else None
     return out, h, rstd, fp8
@@ -309,7 +310,7 @@ def rms_norm_backward(
         dw_partial if dw_partial is not None else rstd,
         m, d,
         HAS_GRES=grad_h is not None, COMPUTE_DW=compute_dweight,
-        BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, TILES=tiles, num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, TILES=tiles, num_warps=num_warps, **COMPILE_OPTIONS
     )
     dw = dw_partial.sum(0).to(weight.dtype) if dw_partial is not None else None
     return dh, dw

@@ -85,6 +85,7 @@ import triton.language as tl
 from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import cast_rne
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -535,12 +536,13 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BITS=bits, BIT_BYTES=bit_bytes,
         SHARED_OFFSETS=shared_offsets, WIDE_OFFSETS=wide_offsets, HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
-        num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None)
+        num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None,
+        **COMPILE_OPTIONS)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
-            num_warps=4)
+            num_warps=4, **COMPILE_OPTIONS)
     return out
 
 

@@ -37,6 +37,7 @@ import torch
 
 from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 NUM_WARPS = 4  # one column of the 128-wide tile per thread
 
@@ -168,7 +169,7 @@ def _token(src: torch.Tensor, scale: torch.Tensor | None, pow2_scale: bool):
         s = scale if scale is not None else tok_scale  # an unused pointer without HAS_SCALE
         _kernels()[0][(_cdiv(m, BLOCK), _cdiv(k, BLOCK))](
             src, m, k, src.stride(0), s, s.stride(0), s.stride(1), tok, tok_scale, POW2=pow2_scale,
-            HAS_SCALE=scale is not None, VEC=_vec(src.dtype), num_warps=NUM_WARPS)
+            HAS_SCALE=scale is not None, VEC=_vec(src.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS)
     return tok.t(), tok_scale
 
 
@@ -201,5 +202,5 @@ def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False):
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
     if m and k:
         _kernels()[1][(_cdiv(m, BLOCK), kb)](x, m, k, x.stride(0), data, scale_buf, tok, tok_scale, POW2=pow2_scale,
-                                            VEC=_vec(x.dtype), num_warps=NUM_WARPS)
+                                            VEC=_vec(x.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS)
     return data, scale_buf.t(), tok.t(), tok_scale

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from jetrl.quant.formats import AMAX_EPS, E4M3, E4M3_MAX
 from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 BLOCK = 128
 _EPS = tl.constexpr(AMAX_EPS)
@@ -297,6 +298,7 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False):
         _quantize_rows_cols_kernel[(_cdiv(m, cfg.act_block_m), kb)](
             x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, m,
             POW2=pow2_scale, ROWS=True, BLOCK_M=cfg.act_block_m, BLOCK_K=BLOCK, num_warps=cfg.act_num_warps,
+            **COMPILE_OPTIONS
         )
     return data, scale_buf.t()
 
@@ -312,6 +314,7 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
         _quantize_rows_cols_kernel[(_cdiv(m, BLOCK), _cdiv(k, cfg.token_block_k))](
             x, m, k, x.stride(0), x.stride(1), tok, tok_scale, 1, 1,
             POW2=pow2_scale, ROWS=False, BLOCK_M=BLOCK, BLOCK_K=cfg.token_block_k, num_warps=cfg.token_num_warps,
+            **COMPILE_OPTIONS
         )
     return tok.t(), tok_scale
 
@@ -333,7 +336,7 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
     if n and k:
         _quantize_weight_kernel[(_cdiv(n, BLOCK), _cdiv(k, BLOCK))](
             w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale,
-            POW2=pow2_scale, EMIT_T=emit_t, num_warps=tuning.current().weight_num_warps,
+            POW2=pow2_scale, EMIT_T=emit_t, num_warps=tuning.current().weight_num_warps, **COMPILE_OPTIONS
         )
     return data, scale, data_t
 
@@ -349,5 +352,6 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
         _requantize_act_to_token_kernel[(_cdiv(m, BLOCK), _cdiv(k, cfg.requant_block_k))](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
             tok, tok_scale, POW2=pow2_scale, BLOCK_K=cfg.requant_block_k, num_warps=cfg.requant_num_warps,
+            **COMPILE_OPTIONS
         )
     return tok.t(), tok_scale

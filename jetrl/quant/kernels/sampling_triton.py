@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
+
 from triton.language.extra import libdevice
 
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -117,7 +119,8 @@ def seeded_sample(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torc
     block_v = min(block_v, triton.next_power_of_2(v))
     _seeded_gumbel_sample_kernel[(b,)](
         logits, logits.stride(0), temperature.float().contiguous(), seed_lo.contiguous(), seed_hi.contiguous(),
-        sample_index.contiguous(), position.contiguous(), tokens, logprobs, V=v, BLOCK_V=block_v, num_warps=8)
+        sample_index.contiguous(), position.contiguous(), tokens, logprobs, V=v, BLOCK_V=block_v, num_warps=8,
+        **COMPILE_OPTIONS)
     return tokens, logprobs
 
 

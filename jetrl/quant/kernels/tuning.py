@@ -43,6 +43,14 @@ DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (
 
 EXACT_MAX_TILES_PER_PROGRAM = 4  # the most tiles one program of exact mode's multi-tile attention takes
 
+# Compile options of the kernel launches. Floating-point contraction (``a * b + c`` as one fma) is part of a
+# kernel's arithmetic: the bitwise contracts (the quantization kernels against the CPU reference, exact mode's
+# GEMMs against cuBLAS and against each other, its decode kernels against its tile kernels) were established with
+# it on. Triton's default for it is read from TRITON_DEFAULT_FP_FUSION and is announced to change, so every launch
+# states it: these options, or ``enable_fp_fusion=False`` where a kernel matches a reference without fma (SwiGLU,
+# RoPE).
+COMPILE_OPTIONS = MappingProxyType({"enable_fp_fusion": True})
+
 
 @dataclass(frozen=True)
 class DecodeGemmConfig:
