@@ -251,11 +251,12 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
 # first: the bits every other one is checked against)
 def _exact_wide(bm: int, bn: int, warps: int, stages: int) -> dict:
     return dict(exact_wide_min_m=1, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
+                exact_wide_num_warps=warps, exact_wide_num_stages=stages, exact_wide_tma=False)
 
 
 EXACT_SCHEDULES = {
     "decode-tiles": dict(exact_wide_min_m=0),
+    "tma-decode-tiles": dict(exact_wide_min_m=1, exact_wide_tma=True),  # the default walk (FP8 only)
     "128x128w8s3": _exact_wide(128, 128, 8, 3),
     "128x128w8s4": _exact_wide(128, 128, 8, 4),
     "128x256w8s3": _exact_wide(128, 256, 8, 3),
