@@ -117,6 +117,40 @@ def test_programs_cover_every_row_once(rows_per_program):
     assert bool((covered == 1).all())
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (40, 8), (8, 8)])
+def test_schedule_swaps_decode_steps_only(heads, kv_heads):
+    """A step of at most one row per sequence runs the swapped decode kernel, one row per program, and its
+    program numbering (made once per forward) says so; prefill and training tiles keep 64 MMA rows; the tuning
+    switch turns the swap off. ``_schedule`` returns (rows per tile, tiles per program, swapped)."""
+    from jetrl.models.attention import PagedAttentionMetadata
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.exact_attention_triton import _schedule, number_tiles
+
+    def meta(rows_per_seq):
+        qsl = torch.tensor([0] + torch.tensor(rows_per_seq).cumsum(0).tolist(), dtype=torch.int32)
+        n = len(rows_per_seq)
+        return PagedAttentionMetadata(qsl, torch.full((n,), 300, dtype=torch.int32),
+                                      torch.zeros(n, 20, dtype=torch.int32),
+                                      torch.zeros(int(qsl[-1]), dtype=torch.long), max(rows_per_seq), 300), int(qsl[-1])
+
+    block_q = 64 // triton_next_pow2(heads // kv_heads)
+    decode, n = meta([1, 1, 1, 1, 1])
+    assert _schedule(decode, n, heads, kv_heads) == (1, 1, True)
+    assert number_tiles(decode, n, heads, kv_heads)[:2] == (1, n)
+    mixed, n = meta([2, 0, 1, 0, 1])  # rows <= sequences: still a per-row schedule, every row its own program
+    assert _schedule(mixed, n, heads, kv_heads) == (1, 1, True)
+    with tuning.override(exact_decode_attention_swapped=False):
+        assert _schedule(decode, 5, heads, kv_heads) == (block_q, 1, False)
+    prefill, n = meta([7, 300, 1])
+    with tuning.override(exact_attention_tiles_per_program=2):
+        assert _schedule(prefill, n, heads, kv_heads) == (block_q, 2, False)
+    assert _schedule(prefill, n, heads, kv_heads) == (block_q, 1, False)
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
 @pytest.mark.parametrize("bad", [dict(exact_attention_tiles_per_program=0), dict(exact_attention_tiles_per_program=5),
                                  dict(exact_attention_tiles_per_program=True),
                                  dict(exact_attention_tiles_per_program=3, exact_attention_stacked=True)])
