@@ -1,6 +1,6 @@
 """Shared test setup: the ``gpu`` marker skips with a reason where no CUDA GPU is present, the ``slow`` tests run
-last, and the Triton-interpreter children of the selected tests start right after collection (they run
-alongside the suite)."""
+last, and the Triton-interpreter children of the selected tests are queued right after collection (they run
+alongside the suite, at the lowest CPU priority)."""
 
 import os
 
@@ -16,10 +16,24 @@ import torch  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def _interpreted_children(item) -> tuple[str, ...]:
+    """The Triton-interpreter children of ``item``'s module (its ``_CHILD``: one snippet or a tuple of them, run
+    by ``tests/interpreted.py``); none for a module without."""
+    import interpreted
+
+    module = getattr(item, "module", None)
+    if getattr(module, "run_interpreted", None) is not interpreted.run_interpreted:
+        return ()
+    child = getattr(module, "_CHILD", None)
+    children = (child,) if isinstance(child, str) else child
+    return children if isinstance(children, tuple) and all(isinstance(c, str) for c in children) else ()
+
+
 def pytest_collection_modifyitems(config, items):
-    # the `slow` tests run last: by then the interpreter children are done and a slow test's child run of
-    # `jetrl` has both cores to itself (see its thread count in tests/cli/test_commands.py)
-    items.sort(key=lambda item: "slow" in item.keywords)  # stable: the order within each group is kept
+    # the modules that wait for an interpreter child run after the others, so this process has work of its own
+    # while the children run; the `slow` tests run last: by then the interpreter children are done and a slow
+    # test's child run of `jetrl` has both cores to itself (see its thread count in tests/cli/test_commands.py)
+    items.sort(key=lambda item: ("slow" in item.keywords, bool(_interpreted_children(item))))  # stable
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run scripts/gpu_check.sh on the H200")
@@ -29,18 +43,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Start the Triton-interpreter children of the selected CPU tests now, so they run alongside the suite
+    """Queue the Triton-interpreter children of the selected CPU tests now, so they run alongside the suite
     (see ``tests/interpreted.py``). Under pytest-xdist each worker starts its own when it needs them."""
     if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
         return
     import interpreted
 
     for item in session.items:
-        module = getattr(item, "module", None)
-        child = getattr(module, "_CHILD", None)
-        if isinstance(child, str) and getattr(module, "run_interpreted", None) is interpreted.run_interpreted \
-                and "gpu" not in item.keywords:
-            interpreted.prestart(child)
+        if "gpu" not in item.keywords:
+            for child in _interpreted_children(item):
+                interpreted.prestart(child)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -192,10 +192,16 @@ def test_bench_list(capsys):
     assert "fp8" in capsys.readouterr().out
 
 
-def test_python_m_jetrl_help():
-    done = subprocess.run([sys.executable, "-m", "jetrl", "--help"], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
-    assert done.returncode == 0 and "train" in done.stdout
+def test_python_m_jetrl_help(monkeypatch, capsys):
+    """``python -m jetrl --help`` runs the package's ``__main__`` as ``-m`` does (runpy), in this process: a child
+    would pay a cold torch import for it, and test_default_run_improves_the_policy starts ``python -m jetrl`` in a
+    fresh interpreter anyway."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["jetrl", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("jetrl", run_name="__main__", alter_sys=True)
+    assert exit_info.value.code == 0 and "train" in capsys.readouterr().out
 
 
 def test_example_configs_load_and_default_matches_the_packaged_one():

@@ -21,6 +21,8 @@ import torch
 from jetrl.models import build_model, token_logprobs
 from jetrl.quant import fused_impl
 
+SEQ_A, SEQ_B = 5, 7  # two packed sequences of a few tokens (each kernel's own tests cover many rows)
+
 base = dict(model_type="qwen3", vocab_size=300, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=512,
             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
@@ -28,16 +30,17 @@ shapes = {"qwen3": base}  # Qwen3 runs every fused op (incl. the q/k norms over 
 out = {}
 for name, shape in shapes.items():
     for recipe in ("bf16", "jet"):
-        ids = torch.randint(2, 300, (40,), generator=torch.Generator().manual_seed(5))
-        pos = torch.cat([torch.arange(16), torch.arange(24)])
-        cu = torch.tensor([0, 16, 40])
+        # few tokens: the interpreter runs the RoPE kernel once per token and head group
+        ids = torch.randint(2, 300, (SEQ_A + SEQ_B,), generator=torch.Generator().manual_seed(5))
+        pos = torch.cat([torch.arange(SEQ_A), torch.arange(SEQ_B)])
+        cu = torch.tensor([0, SEQ_A, SEQ_A + SEQ_B])
         targets = torch.roll(ids, -1)
         runs = {}
         for impl in ("reference", "triton"):
             model = build_model(shape, dtype=torch.bfloat16, recipe=recipe, seed=3)
             with fused_impl(impl):
-                hidden = model.forward_packed(ids, pos, cu, 24)
-                lp, _ = token_logprobs(model, ids, pos, cu, 24, targets)
+                hidden = model.forward_packed(ids, pos, cu, SEQ_B)
+                lp, _ = token_logprobs(model, ids, pos, cu, SEQ_B, targets)
                 lp.sum().backward()
             grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
             runs[impl] = (hidden.detach().float(), lp.detach(), grads)

@@ -1,8 +1,9 @@
 """The Triton quantization kernels on CPU, under the Triton interpreter, bitwise against the reference.
 
 The interpreter is switched on by ``TRITON_INTERPRET=1`` before Triton is imported, so the kernels run
-in a child process and this process (and every other test) keeps its ordinary Triton, if any. The child
-runs all cases once and reports, per case, whether FP8 bytes and scales equal the reference's.
+in child processes and this process (and every other test) keeps its ordinary Triton, if any. Three children
+run side by side, the quantization cases of each scale rounding (``pow2`` false, true) and the GEMMs, and report
+per case whether FP8 bytes and scales (or the GEMM's outputs) equal the reference's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton) ")
 
 
-_CHILD = r'''
+_COMMON = r'''
 import json, sys
 import torch
 from jetrl.quant import reference as R
@@ -31,6 +32,10 @@ def same(a, b):
         a, b = a.view(torch.uint8), b.view(torch.uint8)
     return a.shape == b.shape and bool(torch.equal(a, b))
 
+'''
+
+# the quantization kernels on every case, for the scale roundings in POW2S
+_QUANT = _COMMON + r'''
 def inputs():
     g = torch.Generator().manual_seed(7)
     for (m, k) in [(1, 1), (7, 5), (130, 300), (256, 256), (3, 129)]:
@@ -64,7 +69,7 @@ def inf_blocks_match():
     x[5, 7], x[9, 200], x[5, 8] = float("inf"), -float("inf"), -0.0
     keep = ~torch.isinf(x)
     ok = True
-    for pow2 in (False, True):
+    for pow2 in POW2S:
         ra, rsa = R.quantize(x, (1, 128), pow2)
         rt, rst = R.quantize(x, (128, 1), pow2)
         rw, rsw = R.quantize(x, (128, 128), pow2)
@@ -79,7 +84,7 @@ def inf_blocks_match():
 INF_OK = inf_blocks_match()
 results = {}
 for name, x in inputs():
-    for pow2 in (False, True):
+    for pow2 in POW2S:
         key = f"{name}-pow2={pow2}"
         r = {}
         ra, rsa = R.quantize(x, (1, 128), pow2)
@@ -87,6 +92,7 @@ for name, x in inputs():
         rw, rsw = R.quantize(x, (128, 128), pow2)
         d, s = T.quantize_act_1x128(x, pow2)
         r["act"] = same(d, ra) and same(s, rsa)
+        r["nan_free"] = not bool(torch.isnan(d.float()).any())
         td, ts = T.quantize_token_128x1(x, pow2)
         r["token"] = same(td, rt) and same(ts, rst)
         d, s, dt = T.quantize_weight_128x128(x, pow2, emit_t=True)
@@ -95,7 +101,6 @@ for name, x in inputs():
         rq = R.requantize(qa, (128, 1), pow2)
         d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2)
         r["requant"] = same(d, rq.data) and same(s, rq.scale)
-        r["nan_free"] = not bool(torch.isnan(T.quantize_act_1x128(x, pow2)[0].float()).any())
         # other tiles and warps from the tuning object (the benchmark sweep's): a subset of the cases keeps this fast
         ok = True
         for bk in ((64, 128) if name in NARROW_CASES else ()):
@@ -130,6 +135,10 @@ for name, x in inputs():
         r["signed_zeros_and_inf_blocks"] = ok
         results[key] = r
 
+json.dump({"quant": results}, sys.stdout)
+'''
+
+_GEMM = _COMMON + r'''
 # GEMM: the Triton blockwise GEMM against dequantize-then-fp32-matmul
 g = torch.Generator().manual_seed(3)
 gemm = {}
@@ -197,13 +206,20 @@ sep = torch.cat([D.fp8_decode_gemm(a.data, a.scale, d, s, 128, torch.bfloat16, c
 gemm["grouped-tma-unrolled"] = bool(torch.equal(out, sep)) and len(made) == 4 + 4 + 3 * 2
 TensorDescriptor.from_tensor = _from_tensor
 gemm["decode-counters-reset"] = int(D._locks(torch.device("cpu")).abs().sum()) == 0
-json.dump({"quant": results, "gemm": gemm}, sys.stdout)
+json.dump({"gemm": gemm}, sys.stdout)
 '''
+
+# one child per scale rounding and one for the GEMMs: they run side by side (tests/interpreted.py)
+_CHILD = (*(_QUANT.replace("POW2S", f"({pow2},)") for pow2 in (False, True)), _GEMM)
 
 
 @pytest.fixture(scope="module")
 def interpreted():
-    return run_interpreted(_CHILD, "kernels")
+    *quant, gemm = _CHILD
+    results = {"quant": {}, "gemm": run_interpreted(gemm, "GEMM kernels")["gemm"]}
+    for child in quant:
+        results["quant"].update(run_interpreted(child, "quantization kernels")["quant"])
+    return results
 
 
 KERNELS = ("act", "token", "weight", "requant", "nan_free", "tuned_tiles", "signed_zeros_and_inf_blocks")
