@@ -114,11 +114,8 @@ def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl
     m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
-    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    ks_head = ks_ptr + kv_head * stride_ksh  # unused unless FP8
-    vs_head = vs_ptr + kv_head * stride_vsh
+    table_row, k_head, v_head, ks_head, vs_head = _sequence_and_head(
+        tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh, stride_ksh, stride_vsh)
     end = tl.max(limit, 0)  # the tile's furthest key; chunks past a row's own end leave its state unchanged
     n = tl.arange(0, BLOCK_N)
     if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
@@ -168,11 +165,8 @@ def _exact_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl_pt
     m_i = tl.full([COLS], float("-inf"), tl.float32)
     l_i = tl.zeros([COLS], tl.float32)
     acc = tl.zeros([BLOCK_D, COLS], tl.float32)
-    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    ks_head = ks_ptr + kv_head * stride_ksh  # unused unless FP8
-    vs_head = vs_ptr + kv_head * stride_vsh
+    table_row, k_head, v_head, ks_head, vs_head = _sequence_and_head(
+        tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh, stride_ksh, stride_vsh)
     n = tl.arange(0, BLOCK_N)
     if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
         t0 = 0
@@ -300,11 +294,8 @@ def _exact_attention_tiles_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_pt
     else:
         rows3, heads3, ok3, limit3, q3, end3 = rows0, heads0, ok0, limit0, q0, end0
     m3, l3, acc3 = m0, l0, acc0
-    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    ks_head = ks_ptr + kv_head * stride_ksh  # unused unless FP8
-    vs_head = vs_ptr + kv_head * stride_vsh
+    table_row, k_head, v_head, ks_head, vs_head = _sequence_and_head(
+        tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh, stride_ksh, stride_vsh)
     n = tl.arange(0, BLOCK_N)
     if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
         t0 = 0
@@ -367,6 +358,15 @@ def _tile_update(q, m_i, l_i, acc, k, v, t, limit, scale_log2, IEEE: tl.constexp
     m_new, alpha, p = _scores_update(q, m_i, k, t, limit, scale_log2, IEEE)
     l_i, acc = _acc_update(l_i, acc, alpha, p, v, IEEE)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _sequence_and_head(tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh,
+                       stride_ksh, stride_vsh):
+    """The block-table row of sequence ``seq`` and the K, V (and, for an FP8 cache, their scales') pointers of
+    KV head ``kv_head``: (table row, k, v, k scale, v scale)."""
+    return (tables_ptr + seq.to(tl.int64) * stride_ts, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+            ks_ptr + kv_head * stride_ksh, vs_ptr + kv_head * stride_vsh)
 
 
 @triton.jit

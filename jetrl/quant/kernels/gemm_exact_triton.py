@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.gemm_triton import grouped_tile
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
@@ -98,14 +99,7 @@ def _exact_gemm_kernel(
     ``ACROSS``: program (tile, split) writes its range's fp32 partial to the workspace ``ws`` (SPLITS, M, N), and
     :func:`_exact_reduce_kernel` sums them; otherwise the program walks all ranges of its tile itself and adds
     each partial to the running total in the same order (one split: the single in-order walk, as before split-K)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_size
-    pid_n = (pid % group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,14 +152,7 @@ def _exact_gemm_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N,
     """The walking schedule of :func:`_exact_gemm_kernel` (FP8, one program per output tile adding its ranges'
     partials in order) with TMA loads: the pointer tensors of the plain kernel do not occupy registers, so
     64-row tiles of 4 warps run two programs per SM."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_size
-    pid_n = (pid % group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     rm = m0 + tl.arange(0, BLOCK_M)

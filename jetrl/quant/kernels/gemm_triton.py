@@ -18,6 +18,18 @@ from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` in grouped order: GROUP_M row tiles walk the column tiles
+    together, so neighbouring programs share operand tiles in L2. An order only: no result depends on it."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % group) % group_size, (pid % group) // group_size
+
+
+@triton.jit
 def _blockwise_fp8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
     M, N, K,
@@ -32,14 +44,7 @@ def _blockwise_fp8_gemm_kernel(
     BLOCK_K is 128 (one scale block); one program owns one output tile and walks all of K in order
     (no split-K, no atomics), so the result is deterministic and independent of the batch size M.
     """
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % group_size
-    pid_n = (pid % group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,7 +111,7 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torc
         a_data, b_data, out, a_scale, b_scale, m, n, k,
         a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1), out.stride(0), out.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
-        NUM_KB=_cdiv(k, BLOCK), B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS
+        NUM_KB=_cdiv(k, BLOCK), B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS
     )
     return out
