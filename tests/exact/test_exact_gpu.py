@@ -319,14 +319,13 @@ DECODE_SCHEDULE_CASES = [((4096,), 4096), ((1024,), 4096), ((14336,), 4096), ((1
                          ((4096,), 14336), ((4096, 1024, 1024), 4096)]
 
 
-@pytest.mark.parametrize("split", [dict(), dict(exact_split_k=1), dict(exact_min_kb_per_split=4),
-                                   dict(exact_decode_block_m=16), dict(exact_decode_block_m=32)])
+@pytest.mark.parametrize("split", [dict(), dict(exact_split_k=1), dict(exact_min_kb_per_split=4)])
 @pytest.mark.parametrize("widths,k", DECODE_SCHEDULE_CASES)
 def test_exact_decode_schedule_gives_the_triton_bits(widths, k, split):
     """``exact_decode_max_m`` is a schedule: up to 64 rows (the default) exact mode's FP8 GEMM runs on the split-K
     decode kernel, alone or as one grouped launch (where the weights' splits agree), and gives the exact Triton
     kernel's bits for every M, with the shapes' default K split, unsplit, and split in up to 8 (fresh fp32 scales
-    that are not powers of two), and with the tokens cut into row tiles of 16 or 32 (``exact_decode_block_m``)."""
+    that are not powers of two)."""
     from jetrl.quant import get_backend
     from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.cuda_backend import exact_gemm_path

@@ -272,12 +272,6 @@ class KernelTuning:
     order from zero with ``acc += dot * (sa * sb)``, the partials summed in split order, one rounding; the swapped
     MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The GPU tests check the
     bits at the 8B shapes; weights that share an input and a split (q/k/v, gate/up) run as one grouped launch.
-    ``exact_decode_block_m`` (0: the decode config's) sets that schedule's tokens per row tile for a lone weight
-    walked unsplit (an 8B model's o): below M, the tokens are cut into row tiles, which multiplies the programs
-    that such a weight's column tiles alone leave too few of (o: 64 programs of 64 weight rows at one tile).
-    Grouped launches and split weights have programs enough and keep the decode config's tile. The tokens are the
-    swapped MMA's columns, whose count changes no element's arithmetic, so the bits stay the exact kernel's (the
-    GPU tests check 16 and 32).
     ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
     (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
@@ -330,7 +324,6 @@ class KernelTuning:
     exact_wide_num_stages: int = 3
     exact_cublas_min_m: int = 65
     exact_decode_max_m: int = 64
-    exact_decode_block_m: int = 0
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     exact_decode_attention_swapped: bool = True
@@ -383,10 +376,6 @@ class KernelTuning:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         self._check_ints(("exact_decode_attention_stages",), 1)
-        bm = self.exact_decode_block_m
-        if isinstance(bm, bool) or not isinstance(bm, int) or not (bm == 0 or (_pow2(bm) and 16 <= bm <= 256)):
-            raise ValueError(f"KernelTuning.exact_decode_block_m must be 0 (the decode config's row tile) or a power "
-                             f"of two in 16..256, got {bm!r}")
         if self.kv_decode_bit_tile not in KV_DECODE_BIT_TILES:
             raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
                              f"got {self.kv_decode_bit_tile!r}")
@@ -476,18 +465,14 @@ class KernelTuning:
         """The decode GEMM's config that runs exact FP8 GEMMs of ``m`` rows on weights of ``widths`` rows and K
         columns sharing their input (one width: a lone GEMM; more: one grouped launch), or ``None`` where that
         schedule does not apply: above ``exact_decode_max_m`` rows, or weights whose K splits
-        (:meth:`exact_split`) differ. :meth:`decode_config`'s tiles with the exact split and ``k_unroll`` 1, and
-        ``exact_decode_block_m`` tokens per row tile where that is set and applies (a lone unsplit weight)."""
+        (:meth:`exact_split`) differ. :meth:`decode_config`'s tiles with the exact split and ``k_unroll`` 1."""
         if not self.exact_decode_max_m or m > self.exact_decode_max_m or not widths:
             return None
         splits = {self.exact_split(n, k) for n in widths}
         if len(splits) != 1:
             return None
         tiles = self.decode_config(m, sum(widths), k, sm_count, grouped=len(widths) > 1)
-        split = splits.pop()
-        if self.exact_decode_block_m and len(widths) == 1 and split == 1:
-            tiles = dataclasses.replace(tiles, block_m=self.exact_decode_block_m)
-        return dataclasses.replace(tiles, split_k=split, k_unroll=1)
+        return dataclasses.replace(tiles, split_k=splits.pop(), k_unroll=1)
 
     def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
         """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
