@@ -113,6 +113,7 @@ class Setting:
     dtype: str
     device: str
     old_logprobs_from_update: bool = False  # no separate old_logprob pass (see AlgorithmConfig)
+    rollout_logprobs: bool = False  # use_rollout_logprobs: exact arms skip the old_logprob pass (see AlgorithmConfig)
 
     @property
     def num_sequences(self) -> int:
@@ -240,7 +241,8 @@ def build_run_config(recipe: str, setting: Setting, steps: int, exact: bool = Fa
         data=DataConfig(prompts_per_step=setting.prompts, max_prompt_tokens=setting.prompt_len),
         rollout=RolloutConfig(n=setting.n, temperature=1.0, max_tokens=setting.new_tokens, ignore_eos=True),
         algorithm=AlgorithmConfig(kl_coef=1e-3 if setting.reference else 0.0, micro_batch_size=setting.micro_batch,
-                                  old_logprobs_from_update=setting.old_logprobs_from_update),
+                                  old_logprobs_from_update=setting.old_logprobs_from_update,
+                                  use_rollout_logprobs=setting.rollout_logprobs),
         optim=OptimConfig(lr=1e-6),
         trainer=TrainerConfig(steps=steps, seed=0),
     )
@@ -386,7 +388,9 @@ def format_table(results: dict[str, RecipeResult], ratios: dict[str, dict[str, f
 def mismatch_line(results: dict[str, RecipeResult]) -> str:
     """Every arm's rollout/training mismatch (|dlogp| mean and max of the last timed step), side by side."""
     parts = [f"{n} {r.step_metrics.get('mismatch/logp_abs_diff_mean', float('nan')):.2e} / "
-             f"{r.step_metrics.get('mismatch/logp_abs_diff_max', float('nan')):.2e}" for n, r in results.items()]
+             f"{r.step_metrics.get('mismatch/logp_abs_diff_max', float('nan')):.2e}"
+             + (f" (over {r.step_metrics['mismatch/checked_frac']:.0%} of the tokens)"
+                if "mismatch/checked_frac" in r.step_metrics else "") for n, r in results.items()]
     return "rollout/training mismatch |dlogp| mean / max: " + ", ".join(parts)
 
 
@@ -439,6 +443,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every block's activations")
     parser.add_argument("--old-logprobs-from-update", action="store_true",
                         help="take the old log-probs from the update's own forward (no old_logprob pass)")
+    parser.add_argument("--rollout-logprobs", action="store_true",
+                        help="the engine's log-probs are the old ones (use_rollout_logprobs) in every arm; exact "
+                             "arms then skip the old_logprob pass, fast arms still run it for the mismatch metrics")
     parser.add_argument("--memory-budget", type=float, default=0.9,
                         help="KV-cache fraction of free GPU memory (capped at what the batch needs)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -490,6 +497,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
         prompt_len=args.prompt_len or (8 if tiny else 256), new_tokens=args.new_tokens or (8 if tiny else 1024),
         micro_batch=micro_batch, reference=not args.no_reference, checkpointing=not args.no_checkpointing,
         old_logprobs_from_update=args.old_logprobs_from_update,
+        rollout_logprobs=args.rollout_logprobs,
         dtype="bfloat16" if device.type == "cuda" else "float32", device=str(device))
     full_layers = base_shape["num_hidden_layers"]
     depth = (f"{setting.num_layers} of {full_layers} blocks (fewer than the full model: see the doc)"
@@ -500,7 +508,8 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
           f"{setting.new_tokens} new tokens (EOS ignored), micro-batch {micro_batch}, reference model "
           f"{'on' if setting.reference else 'off'}, activation checkpointing "
           f"{'on' if setting.checkpointing else 'off'}"
-          f"{', old log-probs from the update' if setting.old_logprobs_from_update else ''}; "
+          f"{', old log-probs from the update' if setting.old_logprobs_from_update else ''}"
+          f"{', old log-probs from the rollout' if setting.rollout_logprobs else ''}; "
           f"{args.warmup} warm-up"
           f"{f' ({args.warmup_new_tokens} new tokens)' if args.warmup_new_tokens and args.warmup else ''}"
           f" + {args.steps} timed steps", flush=True)

@@ -188,7 +188,9 @@ class AlgorithmConfig(_Section):
     kl_estimator: str = "k3"              # a name in jetrl.rl.losses.KL_ESTIMATORS
     entropy_coef: float = 0.0
     tis_cap: float | None = None          # truncated importance sampling cap C (>= 1); None disables
-    use_rollout_logprobs: bool = False    # verl's "bypass": the engine's logprobs are the old logprobs
+    # verl's "bypass": the engine's logprobs are the old logprobs. In exact mode they are the trainer's bit for bit,
+    # so the old_logprob pass is skipped too; the update's first mini-batch checks them (mismatch/checked_frac)
+    use_rollout_logprobs: bool = False
     # One optimizer step per RL step (ppo_epochs 1, one mini-batch): the policy has not moved when the update's
     # forwards run, so their detached log-probs are the old ones and the separate old_logprob pass is skipped
     old_logprobs_from_update: bool = False

@@ -103,7 +103,8 @@ def timing_metrics(seconds: Mapping[str, float], tokens_per_phase: Mapping[str, 
 def step_metrics(batch: "RolloutBatch", train_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
                  actor: Mapping[str, float], seconds: Mapping[str, float], *, generated_tokens: float,
                  ppo_epochs: int, tis_cap: float | None = None,
-                 engine_stats: Mapping[str, float] | None = None) -> dict[str, float]:
+                 engine_stats: Mapping[str, float] | None = None,
+                 checked: torch.Tensor | None = None) -> dict[str, float]:
     """One RL step's metrics (flat ``group/name`` keys), assembled from what its phases produced.
 
     Args:
@@ -117,10 +118,20 @@ def step_metrics(batch: "RolloutBatch", train_logprobs: torch.Tensor, ref_logpro
             sequence, the update ``ppo_epochs`` times.
         tis_cap: the truncated-IS cap, for the ``mismatch/tis_*`` statistics.
         engine_stats: the rollout engine's ``last_stats``.
+        checked: ``(S, R)`` bool, the tokens whose training-side log-prob was computed, where not all were
+            (exact mode without the old_logprob pass: the update's first mini-batch); the ``mismatch/*``
+            statistics are then over those tokens, and ``mismatch/checked_frac`` is their share of the valid
+            tokens. ``train_logprobs`` holds the engine's elsewhere.
     """
     scored_tokens = float(sum(t.numel() for t in batch.tokens))
     metrics = batch_metrics(batch)
-    metrics.update(logprob_metrics(batch.rollout_logprobs, train_logprobs, batch.mask, ref_logprobs, tis_cap))
+    mask = batch.mask if checked is None else batch.mask & checked
+    metrics.update(logprob_metrics(batch.rollout_logprobs, train_logprobs, mask, ref_logprobs, tis_cap))
+    if ref_logprobs is not None and checked is not None:  # the KL estimate over every valid token
+        metrics["kl_ref/k3"] = float(aggregate(kl_penalty(train_logprobs, ref_logprobs, batch.mask, "k3"),
+                                               batch.mask))
+    if checked is not None:
+        metrics["mismatch/checked_frac"] = float(mask.sum()) / max(float(batch.mask.sum()), 1.0)
     metrics.update(actor)
     metrics.update(timing_metrics(seconds, {"rollout": generated_tokens, "old_logprob": scored_tokens,
                                             "reference": scored_tokens, "update": scored_tokens * ppo_epochs}))

@@ -14,7 +14,10 @@ One :meth:`Trainer.step`, in order (each phase timed):
    optimizer step per RL step) this pass is skipped: the update's own forwards run before the policy
    moves, so their detached log-probs are the old ones (the same policy, without a second forward). Either
    way the training-side and the engine's log-probs are compared (:mod:`jetrl.rl.mismatch`): in ``jet``
-   they agree up to summation order.
+   they agree up to summation order. In exact mode they agree bit for bit, so ``use_rollout_logprobs``
+   skips this pass too (it would recompute the engine's bits): the check then runs on the update's first
+   mini-batch, whose forwards come before the first optimizer step (``mismatch/checked_frac`` says which
+   share of the tokens that is; all of them with one mini-batch).
 4. **reference** -- with ``kl_coef > 0``, a frozen copy of the initial policy in the same recipe scores
    the tokens for the KL penalty.
 5. **update** -- ``ppo_epochs`` passes over the batch in shuffled mini-batches; each mini-batch is one
@@ -138,6 +141,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.parallel = parallel if parallel is not None else ParallelContext(device=self.device)
         self.update_logprobs: torch.Tensor | None = None  # set by update() when it makes the old log-probs
+        self.update_logprob_mask: torch.Tensor | None = None  # the tokens update() recorded them for
         alg, opt = config.algorithm, config.optim
         world = self.parallel.world_size
         if config.data.prompts_per_step % world or config.mini_batch_size % world:
@@ -299,20 +303,26 @@ class Trainer:
         return micros + [None] * (most - len(micros))
 
     def update(self, batch: RolloutBatch, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None,
-               is_weights: torch.Tensor | None) -> dict[str, float]:
+               is_weights: torch.Tensor | None, record_first: bool = False) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; one guarded optimizer step per mini-batch.
 
         ``old_lp`` None (``old_logprobs_from_update``, validated to mean a single optimizer step): each
         micro-batch's own log-probs, detached, are its old log-probs, and its TIS weights come from them;
-        the (S, R) training-side log-probs are left in :attr:`update_logprobs` for the step's metrics."""
+        the (S, R) training-side log-probs are left in :attr:`update_logprobs` for the step's metrics.
+        ``record_first`` (exact mode without the old_logprob pass) records the first mini-batch's log-probs,
+        taken before the first optimizer step, the same way; :attr:`update_logprob_mask` marks the tokens
+        recorded (every valid token when ``old_lp`` is None)."""
         alg = self.config.algorithm
-        own_lp = torch.zeros_like(batch.rollout_logprobs) if old_lp is None else None
+        record = old_lp is None or record_first
+        own_lp = torch.zeros_like(batch.rollout_logprobs) if record else None
+        recorded = torch.zeros_like(batch.mask) if record else None
         S, mini = batch.num_sequences, self.config.mini_batch_size // self.parallel.world_size  # this rank's share
         gen = torch.Generator().manual_seed(_seed_for(self.config.trainer.seed, self.step_count, 0xB17C4))
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         extremes = {"actor/ratio_max": -math.inf, "actor/ratio_min": math.inf}
         grad_norms, num_applied = [], 0
+        num_applied_or_tried = 0  # optimizer steps taken (or skipped) so far: 0 while the policy is the old one
 
         def add(key: str, value: float, weight: float) -> None:
             sums[key] = sums.get(key, 0.0) + value * weight
@@ -340,9 +350,11 @@ class Trainer:
                     if is_padding:  # the collectives of a forward/backward, no gradient
                         (lp.sum() * 0.0).backward()
                         continue
-                    if own_lp is not None:  # the policy has not moved yet: these are the old log-probs
-                        old = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))
-                        own_lp[micro] = old
+                    if own_lp is not None and num_applied_or_tried == 0:  # the policy has not moved yet
+                        own_lp[micro] = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))
+                        recorded[micro] = mask
+                    if old_lp is None:  # these are the old log-probs
+                        old = own_lp[micro]
                         w = (truncated_is_weights(old, batch.rollout_logprobs[micro], mask, alg.tis_cap)
                              if alg.tis_cap is not None else None)
                     else:
@@ -369,6 +381,7 @@ class Trainer:
                 mini_pg_loss, num_nonfinite = self.parallel.sum([mini_pg_loss, 0.0 if loss_finite else 1.0])
                 add("actor/pg_loss", mini_pg_loss, 1.0)
                 result = self.stepper.step(loss_is_finite=num_nonfinite == 0)
+                num_applied_or_tried += 1
                 grad_norms.append(result.grad_norm)
                 num_applied += result.applied
                 add("actor/lr", result.lr, 1.0)
@@ -385,6 +398,7 @@ class Trainer:
         out["actor/num_updates"] = float(num_applied)
         out["actor/num_skipped_total"] = float(self.stepper.num_skipped)
         self.update_logprobs = own_lp
+        self.update_logprob_mask = recorded
         return out
 
     # ------------------------------------------------------------------ the step
@@ -404,8 +418,13 @@ class Trainer:
             completions, generated = self.rollout(items, first)
         with timer.phase("reward"):
             batch = self.build_batch(items, completions)
-        train_lp = old_lp = None
-        if not alg.old_logprobs_from_update:
+        train_lp = old_lp = checked = None
+        # exact mode: the engine's log-probs are the trainer's bit for bit, so with use_rollout_logprobs the
+        # old_logprob pass would only recompute them; the update's first mini-batch checks them instead
+        skip_pass = self.config.exact and alg.use_rollout_logprobs
+        if skip_pass:
+            old_lp = batch.rollout_logprobs
+        elif not alg.old_logprobs_from_update:
             with timer.phase("old_logprob"):
                 train_lp = self.score(self.model, batch)
             old_lp = batch.rollout_logprobs if alg.use_rollout_logprobs else train_lp
@@ -417,28 +436,33 @@ class Trainer:
         if alg.tis_cap is not None and train_lp is not None:
             is_weights = truncated_is_weights(train_lp, batch.rollout_logprobs, batch.mask, alg.tis_cap)
         with timer.phase("update"):
-            actor = self.update(batch, old_lp, ref_lp, is_weights)
+            actor = self.update(batch, old_lp, ref_lp, is_weights, record_first=skip_pass)
         if train_lp is None:
             train_lp = self.update_logprobs
+            if skip_pass:  # checked on the first mini-batch's tokens; the others keep the engine's (same) bits
+                checked = self.update_logprob_mask
+                train_lp = torch.where(checked, train_lp, batch.rollout_logprobs)
         with timer.phase("weight_refresh"):
             refresh_rollout_weights(self.model)
         self.step_count += 1
-        batch, train_lp, ref_lp, generated = self._global_view(batch, train_lp, ref_lp, generated)
+        batch, train_lp, ref_lp, generated, checked = self._global_view(batch, train_lp, ref_lp, generated, checked)
         timer.seconds = dict(zip(timer.seconds, self.parallel.max(list(timer.seconds.values()))))
         return step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
                             ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
-                            engine_stats=getattr(self.engine, "last_stats", None))
+                            engine_stats=getattr(self.engine, "last_stats", None), checked=checked)
 
     def _global_view(self, batch: RolloutBatch, train_lp: torch.Tensor, ref_lp: torch.Tensor | None,
-                     generated: float) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor | None, float]:
-        """The step's batch, log-probs and generated-token count over every rank (rank order, on the CPU),
-        for the metrics; unchanged on one rank."""
+                     generated: float, checked: torch.Tensor | None = None
+                     ) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor | None, float, torch.Tensor | None]:
+        """The step's batch, log-probs, generated-token count and checked-token mask over every rank (rank
+        order, on the CPU), for the metrics; unchanged on one rank."""
         if not self.parallel.is_distributed:
-            return batch, train_lp, ref_lp, generated
+            return batch, train_lp, ref_lp, generated, checked
         mine = dict(tokens=batch.tokens, prompt_lens=batch.prompt_lens, response_lens=batch.response_lens,
                     truncated=batch.truncated, rewards=batch.rewards.cpu(), advantages=batch.advantages.cpu(),
                     mask=batch.mask.cpu(), rollout_lp=batch.rollout_logprobs.cpu(), train_lp=train_lp.cpu(),
                     ref_lp=None if ref_lp is None else ref_lp.cpu(), generated=generated,
+                    checked=None if checked is None else checked.cpu(),
                     num_reward_errors=batch.num_reward_errors, num_reward_timeouts=batch.num_reward_timeouts)
         parts = self.parallel.gather_objects(mine)
         R = max(p["mask"].shape[1] for p in parts)
@@ -456,7 +480,7 @@ class Trainer:
                               num_reward_errors=sum(p["num_reward_errors"] for p in parts),
                               num_reward_timeouts=sum(p["num_reward_timeouts"] for p in parts))
         return (merged, cat("train_lp"), None if ref_lp is None else cat("ref_lp"),
-                float(sum(p["generated"] for p in parts)))
+                float(sum(p["generated"] for p in parts)), None if checked is None else cat("checked"))
 
 
 __all__ = ["Trainer", "PromptItem", "PromptSource", "RolloutBatch", "RewardFn"]

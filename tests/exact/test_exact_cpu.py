@@ -301,6 +301,32 @@ def test_rl_step_mismatch_is_zero(recipe, dtype, extra):
     assert math.isfinite(metrics["actor/pg_loss"])
 
 
+@pytest.mark.parametrize("minis", [1, 3], ids=["one-mini-batch", "three-mini-batches"])
+def test_exact_bypass_skips_the_old_logprob_pass_and_updates_the_same(minis):
+    """Exact mode with ``use_rollout_logprobs``: the engine's log-probs are the trainer's bit for bit, so the
+    old_logprob pass is skipped. The update takes the same old log-probs (the same bits), so the weights after two
+    steps are bitwise those of a run with the pass; the mismatch check runs on the first mini-batch's tokens (its
+    forwards precede the first optimizer step) and is zero."""
+    extra = ("--algorithm.kl_coef=0.1", "--algorithm.tis_cap=2.0", f"--algorithm.mini_batch_size={9 // minis}")
+    runs = {}
+    for bypass in (False, True):
+        torch.manual_seed(0)
+        trainer = _trainer("jet", torch.bfloat16, (*extra, f"--algorithm.use_rollout_logprobs={bypass}"))
+        steps = [trainer.step() for _ in range(2)]
+        runs[bypass] = (steps, [p.detach().clone() for p in trainer.model.parameters()])
+    (with_pass, w_pass), (bypassed, w_bypass) = runs[False], runs[True]
+    for a, b in zip(w_pass, w_bypass):
+        assert torch.equal(a, b)
+    for full, skipped in zip(with_pass, bypassed):
+        assert "time/old_logprob" in full and "time/old_logprob" not in skipped
+        assert "mismatch/checked_frac" not in full
+        assert skipped["mismatch/logp_abs_diff_max"] == 0.0 == full["mismatch/logp_abs_diff_max"]
+        frac = skipped["mismatch/checked_frac"]
+        assert (frac == 1.0) if minis == 1 else (0.0 < frac < 1.0), frac
+        for key in ("actor/pg_loss", "actor/kl_ref", "kl_ref/k3", "actor/grad_norm", "mismatch/is_ratio_max"):
+            assert skipped[key] == full[key], (key, skipped[key], full[key])
+
+
 def test_config_exact_field():
     assert load_config(None, ["--recipe=jet", "--exact=true"]).exact is True
     assert load_config(None, ["--recipe=bf16"]).exact is False

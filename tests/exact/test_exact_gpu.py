@@ -265,14 +265,17 @@ class _Prompts:
         return [PromptItem(p, "") for p in _prompts(self.per_step, seed=3)]
 
 
+@pytest.mark.parametrize("bypass", [False, True], ids=["old-logprob-pass", "rollout-logprobs"])
 @pytest.mark.parametrize("recipe,kv_fp8", ARMS, ids=ARM_IDS)
-def test_one_rl_step_has_zero_mismatch(models_8b, recipe, kv_fp8):
+def test_one_rl_step_has_zero_mismatch(models_8b, recipe, kv_fp8, bypass):
+    """Zero mismatch in one RL step: against the old_logprob pass, or (``use_rollout_logprobs``, which skips that
+    pass in exact mode) against the update's forwards before the optimizer step (one mini-batch: every token)."""
     from jetrl.config import load_config
     from jetrl.rl.trainer import Trainer
 
     cfg = load_config(None, [f"--recipe={recipe}", "--exact=true", "--data.prompts_per_step=8", "--rollout.n=4",
                              "--rollout.max_tokens=32", "--algorithm.micro_batch_size=8", "--optim.lr=1e-6",
-                             f"--kv_fp8={str(kv_fp8).lower()}"])
+                             f"--kv_fp8={str(kv_fp8).lower()}", f"--algorithm.use_rollout_logprobs={bypass}"])
     model = models_8b[recipe]
     engine = RolloutEngine(model, max_num_seqs=32, max_model_len=512, memory_budget=0.2, progress=False,
                            exact=True, kv_fp8=cfg.kv_fp8)
@@ -281,6 +284,8 @@ def test_one_rl_step_has_zero_mismatch(models_8b, recipe, kv_fp8):
     metrics = trainer.step()
     assert metrics["mismatch/logp_abs_diff_max"] == 0.0, metrics["mismatch/logp_abs_diff_max"]
     assert math.isfinite(metrics["actor/pg_loss"])
+    assert ("time/old_logprob" in metrics) != bypass
+    assert metrics.get("mismatch/checked_frac", 1.0) == 1.0
 
 
 # The 8B weights (q/k/v fused, o, gate/up fused, down) with K walked in one range: cuBLAS's schedule

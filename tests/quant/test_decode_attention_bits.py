@@ -124,6 +124,15 @@ def test_field_and_fallback():
 # CPU: the kernel compiled for the H200 (sm_90a), no GPU needed
 
 
+def skip_without_sm90_compiler() -> None:
+    """Skip (only) where the installed Triton has no NVIDIA backend to compile for sm_90a offline; any other
+    failure of a compile test (a kernel's signature changed, an assertion) is a failure, not a skip."""
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend: cannot compile for sm_90a here")
+
+
 def _ptx(bits: bool, block_n: int = 128) -> str:
     return _compile(bits, block_n).asm["ptx"]
 
@@ -138,10 +147,12 @@ def _compile(bits: bool, block_n: int = 128, bit_bytes: bool = False):
 
     from jetrl.quant.kernels import paged_attention_triton as P
 
+    skip_without_sm90_compiler()
+
     kernel = P._paged_decode_kernel
     names = kernel.arg_names
     consts = dict(GROUP=4, HEAD_DIM=128, PAGE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n, IEEE=False,
-                  FP8=True, FACTORED=True, BITS=bits, BIT_BYTES=bit_bytes,
+                  FP8=True, FACTORED=True, BITS=bits, BIT_BYTES=bit_bytes, SHARED_OFFSETS=True, WIDE_OFFSETS=False,
                   HEAD_MAJOR=False, WHILE_LOOP=False, stride_ksh=1, stride_vsh=1)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "tables_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
@@ -171,10 +182,7 @@ def _counts(ptx: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled():
-    try:
-        return {bits: _counts(_ptx(bits)) for bits in (False, True)}
-    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
-        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+    return {bits: _counts(_ptx(bits)) for bits in (False, True)}
 
 
 def test_bit_route_compiles_without_conversions_or_byte_loads(compiled):
