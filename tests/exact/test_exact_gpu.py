@@ -330,7 +330,8 @@ def test_exact_decode_schedule_gives_the_triton_bits(widths, k, split):
     """``exact_decode_max_m`` is a schedule: up to 64 rows (the default) exact mode's FP8 GEMM runs on the split-K
     decode kernel, alone or as one grouped launch (where the weights' splits agree), and gives the exact Triton
     kernel's bits for every M, with the shapes' default K split, unsplit, and split in up to 8 (fresh fp32 scales
-    that are not powers of two)."""
+    that are not powers of two), with the decode configs' K unroll where it keeps the split's boundaries (the 8B
+    down projection's 2)."""
     from jetrl.quant import get_backend
     from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.cuda_backend import exact_gemm_path

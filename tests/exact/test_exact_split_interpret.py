@@ -160,19 +160,27 @@ def test_exact_on_cublas_only_from_its_rows_and_only_unsplit():
 
 def test_exact_decode_config_is_the_decode_tiles_at_the_exact_split():
     """``exact_decode_max_m`` (64 by default): up to that many rows exact mode's FP8 GEMM runs the decode kernel
-    with the tiles it would run in fast mode, exact mode's K split (never the decode policy's, which follows M) and
-    one K block per loop trip; weights that share an input run as one launch only if their splits agree; above
-    the bound, or at 0, the schedule is off."""
+    with the tiles it would run in fast mode, exact mode's K split (never the decode policy's, which follows M), the
+    fast config's K blocks per loop trip only where they divide a split's blocks (else the decode kernel would round
+    the split's boundaries); weights that share an input run as one launch only if their splits agree; above the
+    bound, or at 0, the schedule is off."""
     t = tuning.current()
     assert t.exact_decode_max_m == 64
+    unrolled = set()
     for m in (1, 17, 33, 64):
         for widths, k in (((4096,), 4096), ((1024,), 4096), ((14336,), 4096), ((4096,), 14336),
-                          ((14336, 14336), 4096), ((1024, 1024), 4096)):
+                          ((14336, 14336), 4096), ((1024, 1024), 4096), ((4096,), 14464)):
             cfg = t.exact_decode_config(m, widths, k, sm_count=132)
             tiles = t.decode_config(m, sum(widths), k, 132, grouped=len(widths) > 1)
-            assert cfg.split_k == t.exact_split(widths[0], k) and cfg.k_unroll == 1, (m, widths, cfg)
+            split = t.exact_split(widths[0], k)
+            split_kb = -(-(-(-k // 128)) // split)  # exact mode's K blocks per split
+            assert cfg.split_k == split, (m, widths, cfg)
+            assert cfg.k_unroll == (tiles.k_unroll if split_kb % tiles.k_unroll == 0 else 1), (m, widths, cfg)
+            assert split_kb % cfg.k_unroll == 0
+            unrolled.add(cfg.k_unroll)
             assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.block_m, cfg.tma) == \
                 (tiles.block_n, tiles.num_warps, tiles.num_stages, tiles.block_m, tiles.tma)
+    assert unrolled == {1, 2}  # the 8B down projection keeps its fast config's unroll
     # the split is the weight's, whatever the row count and the device's SMs
     assert {t.exact_decode_config(m, (4096,), 14336, sm).split_k for m in (1, 64) for sm in (78, 132)} == {4}
     assert t.exact_decode_config(64, (4096, 1024, 1024), 4096, 132).split_k == 1  # q/k/v in one launch

@@ -267,11 +267,13 @@ class KernelTuning:
     kernel's rows), and every RL step's ``mismatch/logp_abs_diff_max`` would show a drift.
     ``exact_decode_max_m`` (0: never; at most 256) is a schedule too: up to that many rows an exact FP8 GEMM runs
     on the fast path's split-K decode kernel (:mod:`~jetrl.quant.kernels.gemm_decode_triton`, its tiles, TMA and
-    grouped launches), forced to exact mode's K split and one K block per loop trip
-    (:meth:`exact_decode_config`). That kernel's arithmetic is the exact kernel's: each split's K blocks walked in
-    order from zero with ``acc += dot * (sa * sb)``, the partials summed in split order, one rounding; the swapped
-    MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The GPU tests check the
-    bits at the 8B shapes; weights that share an input and a split (q/k/v, gate/up) run as one grouped launch.
+    grouped launches), forced to exact mode's K split (:meth:`exact_decode_config`; the decode config's K blocks per
+    loop trip where they divide a split's blocks, so that the split boundaries stay exact mode's, else one). That
+    kernel's arithmetic is the exact kernel's: each split's K blocks walked in order from zero with ``acc += dot *
+    (sa * sb)``, the partials summed in split order, one rounding (an unrolled loop adds the same blocks in the same
+    order); the swapped MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The
+    GPU tests check the bits at the 8B shapes; weights that share an input and a split (q/k/v, gate/up) run as one
+    grouped launch.
     ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
     (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
     per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
@@ -465,14 +467,19 @@ class KernelTuning:
         """The decode GEMM's config that runs exact FP8 GEMMs of ``m`` rows on weights of ``widths`` rows and K
         columns sharing their input (one width: a lone GEMM; more: one grouped launch), or ``None`` where that
         schedule does not apply: above ``exact_decode_max_m`` rows, or weights whose K splits
-        (:meth:`exact_split`) differ. :meth:`decode_config`'s tiles with the exact split and ``k_unroll`` 1."""
+        (:meth:`exact_split`) differ. :meth:`decode_config`'s tiles with the exact split, its ``k_unroll`` where
+        that divides a split's K blocks (the decode kernel rounds a split up to whole loop trips, which would move
+        the boundaries) and 1 otherwise."""
         if not self.exact_decode_max_m or m > self.exact_decode_max_m or not widths:
             return None
         splits = {self.exact_split(n, k) for n in widths}
         if len(splits) != 1:
             return None
+        split = splits.pop()
         tiles = self.decode_config(m, sum(widths), k, sm_count, grouped=len(widths) > 1)
-        return dataclasses.replace(tiles, split_k=splits.pop(), k_unroll=1)
+        kb = -(-k // BLOCK_SIZE)
+        unroll = tiles.k_unroll if (-(-kb // split)) % tiles.k_unroll == 0 else 1
+        return dataclasses.replace(tiles, split_k=split, k_unroll=unroll)
 
     def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
         """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
