@@ -256,7 +256,10 @@ def _exact_wide(bm: int, bn: int, warps: int, stages: int) -> dict:
 
 EXACT_SCHEDULES = {
     "decode-tiles": dict(exact_wide_min_m=0),
-    "tma-decode-tiles": dict(exact_wide_min_m=1, exact_wide_tma=True),  # the default walk (FP8 only)
+    "tma-decode-tiles": dict(exact_wide_min_m=1, exact_wide_tma=True),  # the default walk (FP8 only): row scales
+    "tma-outer-scale": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_row_scale=False),
+    "tma-s4": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_num_stages=4),
+    "tma-128x128w8": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_block_m=128, exact_num_warps=8),
     "128x128w8s3": _exact_wide(128, 128, 8, 3),
     "128x128w8s4": _exact_wide(128, 128, 8, 4),
     "128x256w8s3": _exact_wide(128, 256, 8, 3),

@@ -131,7 +131,9 @@ def _wide(bm: int, bn: int, warps: int, stages: int) -> dict:
 # TMA walk of the decode-sized tiles (exact_wide_tma, the FP8 path's default)
 SCHEDULES = [_wide(128, 128, 8, 3), _wide(128, 256, 8, 3), _wide(64, 256, 4, 3), _wide(256, 128, 8, 3),
              dict(exact_wide_min_m=200, exact_wide_tma=True),
-             dict(exact_wide_min_m=200, exact_wide_tma=True, exact_num_stages=4)]
+             dict(exact_wide_min_m=200, exact_wide_tma=True, exact_num_stages=4),
+             dict(exact_wide_min_m=200, exact_wide_tma=True, exact_row_scale=False),
+             dict(exact_wide_min_m=200, exact_wide_tma=True, exact_block_m=128, exact_num_warps=8)]
 
 
 @pytest.mark.parametrize("path", ["fp8", "bf16"])

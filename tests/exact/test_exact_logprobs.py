@@ -22,6 +22,7 @@ import torch
 
 import jetrl.models as jm
 from interpreted import run_interpreted
+from sm90_compile import skip_without_sm90_compiler
 from jetrl.models.logprobs import exact_logprobs_from_logits
 from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample
 
@@ -269,12 +270,8 @@ def _compiled(xdtype: str, aligned_vocab: bool, aligned_scalars: bool = True) ->
 def test_kernel_sums_fp32_and_16bit_logits_in_one_order(aligned_vocab):
     """The sampler reads fp32 logits, the trainer's chunked head bf16 ones (the same values): the exact kernel must
     compile both to the same register layout and the same fp32 instruction sequence, i.e. the same bits."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (pip install triton)")
-    try:
-        want = _compiled("fp32", aligned_vocab)
-    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
-        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+    skip_without_sm90_compiler()
+    want = _compiled("fp32", aligned_vocab)
     assert len(want[0]) == 1 and want[1].count("ex2.approx.f32") >= 2, want
     for dtype in ("bf16", "fp16"):
         assert _compiled(dtype, aligned_vocab) == want, dtype

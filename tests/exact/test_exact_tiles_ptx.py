@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
+from sm90_compile import skip_without_sm90_compiler
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton) ")
@@ -47,10 +48,8 @@ def _ptx_ops(tiles: int, stacked: bool) -> Counter:
 
 @pytest.fixture(scope="module")
 def one_tile():
-    try:
-        return _ptx_ops(1, False)
-    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
-        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+    skip_without_sm90_compiler()
+    return _ptx_ops(1, False)
 
 
 def test_one_tile_kernel_runs_hopper_mma(one_tile):
@@ -129,11 +128,9 @@ def test_decode_kernel_runs_hopper_mma_with_swapped_operands(fp8):
     names = kernel.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
-    try:
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=4, num_stages=2, **COMPILE_OPTIONS)).asm["ptx"]
-    except Exception as exc:  # noqa: BLE001 - a Triton without the NVIDIA backend's offline compiler
-        pytest.skip(f"cannot compile for sm_90a here: {exc!r:.200}")
+    skip_without_sm90_compiler()
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=2, **COMPILE_OPTIONS)).asm["ptx"]
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.bf16\.bf16", ptx)
     # scores: K = 128 in 8 steps; row sum: K = 64 in 4; V^T @ P^T: 128 rows (two 64-row MMAs) x K = 64 in 4 steps
     assert Counter(wgmma) == Counter({"m64n16k16": 8 + 4 + 2 * 4}), Counter(wgmma)

@@ -25,6 +25,7 @@ from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 import torch
 
 from interpreted import run_interpreted
+from sm90_compile import skip_without_sm90_compiler
 from test_kv_fp8_kernels import _SHARED, TOL, _decode_case, rel_err
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -122,15 +123,6 @@ def test_field_and_fallback():
 
 # ------------------------------------------------------------------------------------------------------------
 # CPU: the kernel compiled for the H200 (sm_90a), no GPU needed
-
-
-def skip_without_sm90_compiler() -> None:
-    """Skip (only) where the installed Triton has no NVIDIA backend to compile for sm_90a offline; any other
-    failure of a compile test (a kernel's signature changed, an assertion) is a failure, not a skip."""
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("this Triton has no NVIDIA backend: cannot compile for sm_90a here")
 
 
 def _ptx(bits: bool, block_n: int = 128) -> str:

@@ -30,7 +30,8 @@ small tiles). The decode-sized 64-row tiles underfeed the tensor cores at traini
 not part of a row's arithmetic (next paragraph). With ``exact_wide_tma`` (the default) the FP8 walk instead keeps
 the decode-sized tiles and loads them through TMA descriptors (:func:`_exact_gemm_tma_kernel`): without the
 pointer tensors a 64 x 128 tile of 4 warps leaves registers for two programs per SM, whose MMAs and scale
-epilogues then overlap (Triton waits for each block's MMA before scaling it).
+epilogues then overlap (Triton waits for each block's MMA before scaling it); a tile inside one 128-row weight scale
+block scales each row by one factor (``exact_row_scale``, the same fp32 products as the outer product of scales).
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
 reduce along K per row, whatever the instruction's M and N extent or the warps sharing the tile), so a row's bits
@@ -130,16 +131,25 @@ def _exact_gemm_kernel(
 @triton.jit
 def _k_range_partial_tma(a_desc, b_desc, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0, n0, kb_start, kb_end,
                          stride_asm, stride_ask, stride_bsn, stride_bsk,
-                         B_SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         B_SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         ROW_SCALE: tl.constexpr):
     """:func:`_k_range_partial` with the operands' tiles loaded through TMA descriptors (zero-filled past the
-    edges, as the masked loads are): the same K blocks in the same order, the same ``acc += dot * (sa * sb)``."""
+    edges, as the masked loads are): the same K blocks in the same order, the same ``acc += dot * (sa * sb)``.
+
+    ``ROW_SCALE`` (the tile's columns inside one 128-row weight scale block): ``sb`` is one value per K block, so
+    ``sa * sb`` is a per-row factor, each product the same fp32 ``sa[m] * sb`` as the outer product's: the same
+    ``acc += dot * s`` per element with BLOCK_M multiplies per K block instead of BLOCK_M x BLOCK_N."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(kb_start, kb_end):
         a = a_desc.load([m0, kb * 128])
         b = b_desc.load([n0, kb * 128])
         sa = tl.load(as_ptr + rm * stride_asm + kb * stride_ask, mask=m_ok, other=0.0)
-        sb = tl.load(bs_ptr + (rn // B_SCALE_ROWS) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        if ROW_SCALE:
+            sb1 = tl.load(bs_ptr + (n0 // B_SCALE_ROWS) * stride_bsn + kb * stride_bsk)
+            acc += tl.dot(a, tl.trans(b)) * (sa * sb1)[:, None]
+        else:
+            sb = tl.load(bs_ptr + (rn // B_SCALE_ROWS) * stride_bsn + kb * stride_bsk, mask=n_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
     return acc
 
 
@@ -148,7 +158,7 @@ def _exact_gemm_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N,
                            stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
                            NUM_KB: tl.constexpr, SPLIT_KB: tl.constexpr, SPLITS: tl.constexpr,
                            B_SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           GROUP_M: tl.constexpr):
+                           GROUP_M: tl.constexpr, ROW_SCALE: tl.constexpr):
     """The walking schedule of :func:`_exact_gemm_kernel` (FP8, one program per output tile adding its ranges'
     partials in order) with TMA loads: the pointer tensors of the plain kernel do not occupy registers, so
     64-row tiles of 4 warps run two programs per SM."""
@@ -160,11 +170,12 @@ def _exact_gemm_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N,
     m_ok = rm < M
     n_ok = rn < N
     total = _k_range_partial_tma(a_desc, b_desc, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0, n0, 0, SPLIT_KB,
-                                 stride_asm, stride_ask, stride_bsn, stride_bsk, B_SCALE_ROWS, BLOCK_M, BLOCK_N)
+                                 stride_asm, stride_ask, stride_bsn, stride_bsk, B_SCALE_ROWS, BLOCK_M, BLOCK_N,
+                                 ROW_SCALE)
     for split in range(1, SPLITS):
         total += _k_range_partial_tma(a_desc, b_desc, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0, n0, split * SPLIT_KB,
                                       tl.minimum(split * SPLIT_KB + SPLIT_KB, NUM_KB), stride_asm, stride_ask,
-                                      stride_bsn, stride_bsk, B_SCALE_ROWS, BLOCK_M, BLOCK_N)
+                                      stride_bsn, stride_bsk, B_SCALE_ROWS, BLOCK_M, BLOCK_N, ROW_SCALE)
     tl.store(c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :] * stride_cn,
              total.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -272,7 +283,9 @@ def _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows: int, cfg: ExactGemmCo
         a_desc, b_desc, out, a_scale, b_scale, m, n, out.stride(0), out.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
+        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        ROW_SCALE=tuning.current().exact_row_scale and b_scale_rows % cfg.block_n == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
     return out
 
 

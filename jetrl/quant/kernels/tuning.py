@@ -286,7 +286,10 @@ class KernelTuning:
     ``exact_wide_tma`` (on): from ``exact_wide_min_m`` rows on, the walking schedule's FP8 GEMMs run the
     decode-sized ``exact_block_*`` tiles, warps and stages with TMA loads instead of the ``exact_wide_*`` tiles
     with pointer loads, where the layouts allow (no pointer tensors in registers, so two programs share an SM); the
-    same bits.
+    same bits. ``exact_row_scale`` (on): in that TMA walk, a tile whose columns lie in one 128-row weight
+    scale block multiplies each K block's MMA result by one factor per row, ``sa[m] * sb``, instead of the outer
+    product ``sa[:, None] * sb[None, :]`` whose entries are those same fp32 products: the same ``acc += dot * s``
+    per element, a multiply per row instead of one per element (faster on the H200, BENCHMARKS.md).
     """
 
     gemm: str = "auto"
@@ -326,6 +329,7 @@ class KernelTuning:
     exact_wide_num_stages: int = 3
     exact_cublas_min_m: int = 65
     exact_decode_max_m: int = 64
+    exact_row_scale: bool = True
     exact_attention_tiles_per_program: int = 1
     exact_attention_stacked: bool = False
     exact_decode_attention_swapped: bool = True
@@ -374,7 +378,7 @@ class KernelTuning:
         if self.exact_attention_stacked and not _pow2(tiles):
             raise ValueError(f"KernelTuning.exact_attention_stacked (stacked tiles) needs a power-of-two "
                              f"exact_attention_tiles_per_program (the rows of one dot), got {tiles}")
-        for name in ("exact_decode_attention_swapped", "exact_wide_tma", "exact_attention_stacked"):
+        for name in ("exact_decode_attention_swapped", "exact_wide_tma", "exact_attention_stacked", "exact_row_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         self._check_ints(("exact_decode_attention_stages",), 1)
