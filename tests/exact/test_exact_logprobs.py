@@ -162,6 +162,11 @@ from_half = exact_logprobs_from_logits(half, targets, temps, impl="triton")
 from_half32 = exact_logprobs_from_logits(half.float(), targets, temps, impl="triton")
 out["strided_same"] = all(torch.equal(a, b) for a, b in zip(strided, full))
 out["bf16_same_as_its_fp32"] = all(torch.equal(a, b) for a, b in zip(from_half, from_half32))
+# temperature 1 skips the division: the same bits as dividing logits * 2 by 2 (both exact: the same z)
+at_one = K.exact_logprob_stats(logits, targets, torch.ones(rows))
+at_two = K.exact_logprob_stats(logits * 2, targets, torch.full((rows,), 2.0))
+out["t1_skip_is_the_division"] = all(torch.equal(a, b) for a, b in zip(at_one, at_two))
+out["t1_row_in_a_mixed_launch"] = all(torch.equal(a[7], b[7]) for a, b in zip(full, at_one))
 # the trainer's chunked function through the kernels == the sampler's on the same logits, bf16 and fp32 models
 cfg = dict(model_type="llama", vocab_size=5000, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
@@ -218,6 +223,12 @@ def test_kernel_is_the_dispatch_and_close_to_the_reference(interpreted):
 def test_kernel_is_batch_invariant_and_copies_change_no_bit(interpreted):
     assert all(interpreted["batch_invariant"]), interpreted["batch_invariant"]
     assert interpreted["strided_same"] and interpreted["bf16_same_as_its_fp32"]
+
+
+def test_temperature_one_skips_the_division_bitwise(interpreted):
+    """A row at temperature 1 skips the division: its bits equal those of the division path on the same values
+    (logits * 2 at temperature 2: both z exact), alone and in a launch whose other rows divide."""
+    assert interpreted["t1_skip_is_the_division"] and interpreted["t1_row_in_a_mixed_launch"]
 
 
 def test_trainer_through_the_kernel_is_the_sampler_bitwise(interpreted):
@@ -277,3 +288,24 @@ def test_kernel_sums_fp32_and_16bit_logits_in_one_order(aligned_vocab):
         assert _compiled(dtype, aligned_vocab) == want, dtype
     # the outputs, targets and temperatures of a slice of rows start anywhere: the same arithmetic
     assert _compiled("bf16", aligned_vocab, aligned_scalars=False)[1] == want[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_temperature_one_skip_on_the_gpu(dtype):
+    """On the H200 at the 8B vocabulary: a row at temperature 1 gives the division path's bits (logits * 2 at
+    temperature 2), alone and inside a launch of mixed temperatures."""
+    from jetrl.quant.kernels import logprobs_triton as K
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 64, 128256
+    logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).to(dtype)
+    targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+    at_one = K.exact_logprob_stats(logits, targets, torch.ones(rows, device="cuda"))
+    at_two = K.exact_logprob_stats(logits * 2, targets, torch.full((rows,), 2.0, device="cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(at_one, at_two))
+    temps = torch.rand(rows, device="cuda", generator=g) + 0.3
+    temps[::3] = 1.0
+    mixed = K.exact_logprob_stats(logits, targets, temps)
+    assert all(torch.equal(a[::3], b[::3]) for a, b in zip(mixed, at_one))
+    assert all(bool(torch.isfinite(t).all()) for t in mixed)

@@ -41,16 +41,9 @@ EXACT_NUM_WARPS = 8  # exact mode's statistics kernel: fixed, so a tuning settin
 
 
 @triton.jit
-def _logprob_stats_kernel(x_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, temp_ptr, V, stride_x, temp,
-                          SCALE: tl.constexpr, EXACT: tl.constexpr, NUM_BLOCKS: tl.constexpr,
-                          BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    if EXACT:  # exact mode: each row's own temperature
-        temp = tl.load(temp_ptr + row)
-    x_row = x_ptr + row.to(tl.int64) * stride_x
-    cols = tl.arange(0, BLOCK_V)
-    if EXACT:  # at most 4 contiguous logits per thread, whatever their dtype: the same register layout, so the
-        cols = tl.max_contiguous(cols, 4)  # same order of every sum, for fp32 and 16-bit logits
+def _stats_loop(x_row, cols, V, temp, SCALE: tl.constexpr, NUM_BLOCKS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The row's online log-sum-exp over its vocabulary in blocks of ``BLOCK_V``: the running maximum ``m``,
+    ``s = sum exp(z - m)`` and ``w = sum exp(z - m) * z``, with ``z = logit / temp`` (``SCALE``) or the logit."""
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)  # sum exp(z - m)
     w = tl.zeros((), tl.float32)  # sum exp(z - m) * z
@@ -66,6 +59,27 @@ def _logprob_stats_kernel(x_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, temp_ptr, V, s
         s = s * alpha + tl.sum(e, axis=0)
         w = w * alpha + tl.sum(tl.where(ok, e * z, 0.0), axis=0)
         m = m_new
+    return m, s, w
+
+
+@triton.jit
+def _logprob_stats_kernel(x_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, temp_ptr, V, stride_x, temp,
+                          SCALE: tl.constexpr, EXACT: tl.constexpr, NUM_BLOCKS: tl.constexpr,
+                          BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    if EXACT:  # exact mode: each row's own temperature
+        temp = tl.load(temp_ptr + row)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    cols = tl.arange(0, BLOCK_V)
+    if EXACT:  # at most 4 contiguous logits per thread, whatever their dtype: the same register layout, so the
+        cols = tl.max_contiguous(cols, 4)  # same order of every sum, for fp32 and 16-bit logits
+    if EXACT:  # a row at temperature 1 skips the division (x / 1.0 == x exactly: the same z, the same sums)
+        if temp == 1.0:
+            m, s, w = _stats_loop(x_row, cols, V, temp, False, NUM_BLOCKS, BLOCK_V)
+        else:
+            m, s, w = _stats_loop(x_row, cols, V, temp, True, NUM_BLOCKS, BLOCK_V)
+    else:
+        m, s, w = _stats_loop(x_row, cols, V, temp, SCALE, NUM_BLOCKS, BLOCK_V)
     lse = m + tl.log(s)
     ent = lse - w / s
     tgt = tl.load(t_ptr + row)
@@ -138,7 +152,9 @@ def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
     the cap a 16-bit row would load 8 per thread, fp32 4, and sum in another order): the sampler's fp32 logits and
     the trainer's bf16 logits of the same values give the same bits. Rows must have unit stride with ``stride ==
     vocab`` and a 16-byte-aligned start (the alignment also sets the layout); a tensor that is not is copied first,
-    which changes no value. The division by the temperature always runs (``x / 1.0 == x`` exactly)."""
+    which changes no value. A row at temperature 1 skips the division of its logits (``x / 1.0 == x`` exactly, so
+    the same values and sums: a runtime branch per row, not a compile-time choice, so the rows of one launch may
+    differ in temperature)."""
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"exact_logprob_stats: logits must be fp32, bf16 or fp16, got {logits.dtype}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1] or temperature.shape != logits.shape[:1]:
