@@ -77,3 +77,19 @@ def test_hsdp_2x2_runs_a_step():
     for r in ranks:
         assert max_rel_diff(params[0], r[0][0]) < 1e-5
         assert_metrics_close(metrics[0], r[1][0])
+
+
+def test_two_ranks_exact_bypass_checks_the_first_mini_batch_of_every_rank():
+    """Exact mode with ``use_rollout_logprobs`` on two ranks: no old_logprob pass, the same update as with the pass
+    (bitwise), and the mismatch check gathered from both ranks' first mini-batches (two mini-batches: a share of the
+    tokens, zero mismatch)."""
+    base = ["--exact=true", "--algorithm.micro_batch_size=2", "--algorithm.mini_batch_size=4"]
+    with_pass = run_ranks(_steps, 2, "bf16", [*base, "--algorithm.use_rollout_logprobs=false"], 1)
+    bypass = run_ranks(_steps, 2, "bf16", [*base, "--algorithm.use_rollout_logprobs=true"], 1)
+    for full, skipped in zip(with_pass, bypass):
+        assert all(torch.equal(full[0][-1][k], skipped[0][-1][k]) for k in full[0][-1])
+        m_full, m_skip = full[1][0], skipped[1][0]
+        assert "time/old_logprob" in m_full and "time/old_logprob" not in m_skip
+        assert m_skip["mismatch/logp_abs_diff_max"] == 0.0 == m_full["mismatch/logp_abs_diff_max"]
+        assert 0.0 < m_skip["mismatch/checked_frac"] < 1.0, m_skip["mismatch/checked_frac"]
+        assert m_skip["actor/pg_loss"] == m_full["actor/pg_loss"]

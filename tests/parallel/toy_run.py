@@ -21,7 +21,7 @@ def make_trainer(recipe="bf16", overrides=(), parallel=None, reward_fn=low_token
 
     cfg = load_config(None, [f"--recipe={recipe}", *BASE, *overrides])
     model = build_model(DecoderConfig(**MODEL), dtype=torch.float32, recipe=recipe, seed=0)
-    engine = RolloutEngine(model, max_num_seqs=16, num_blocks=64, block_size=4, progress=False)
+    engine = RolloutEngine(model, max_num_seqs=16, num_blocks=64, block_size=4, progress=False, exact=cfg.exact)
     return Trainer(cfg, model, engine, ToyPrompts(cfg.data.prompts_per_step), reward_fn, decode, parallel=parallel)
 
 
