@@ -78,12 +78,18 @@ def batch_metrics(batch: "RolloutBatch") -> dict[str, float]:
 
 
 def logprob_metrics(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tensor, mask: torch.Tensor,
-                    ref_logprobs: torch.Tensor | None = None, tis_cap: float | None = None) -> dict[str, float]:
+                    ref_logprobs: torch.Tensor | None = None, tis_cap: float | None = None,
+                    checked: torch.Tensor | None = None) -> dict[str, float]:
     """``mismatch/*``: the rollout's against the training side's log-probs of the same ``(S, R)`` tokens
     (see :func:`jetrl.rl.mismatch.mismatch_metrics`); with ``ref_logprobs``, ``kl_ref/k3``: the k3
-    estimate of KL(policy || reference) averaged over the valid tokens."""
-    mm = mismatch_metrics(rollout_logprobs, train_logprobs, mask, tis_cap=tis_cap)
+    estimate of KL(policy || reference) averaged over the valid tokens. ``checked`` ((S, R) bool): the tokens
+    whose training-side log-prob was computed, where not all were; the ``mismatch/*`` statistics are then over
+    those, and ``mismatch/checked_frac`` is their share of the valid tokens."""
+    checked_mask = mask if checked is None else mask & checked
+    mm = mismatch_metrics(rollout_logprobs, train_logprobs, checked_mask, tis_cap=tis_cap)
     out = {f"mismatch/{k}": v for k, v in mm.items() if k != "num_tokens"}
+    if checked is not None:
+        out["mismatch/checked_frac"] = float(checked_mask.sum()) / max(float(mask.sum()), 1.0)
     if ref_logprobs is not None:
         out["kl_ref/k3"] = float(aggregate(kl_penalty(train_logprobs, ref_logprobs, mask, "k3"), mask))
     return out
@@ -119,19 +125,13 @@ def step_metrics(batch: "RolloutBatch", train_logprobs: torch.Tensor, ref_logpro
         tis_cap: the truncated-IS cap, for the ``mismatch/tis_*`` statistics.
         engine_stats: the rollout engine's ``last_stats``.
         checked: ``(S, R)`` bool, the tokens whose training-side log-prob was computed, where not all were
-            (exact mode without the old_logprob pass: the update's first mini-batch); the ``mismatch/*``
-            statistics are then over those tokens, and ``mismatch/checked_frac`` is their share of the valid
-            tokens. ``train_logprobs`` holds the engine's elsewhere.
+            (exact mode without the old_logprob pass: the update's first mini-batch; see
+            :func:`logprob_metrics`). ``train_logprobs`` holds the engine's elsewhere.
     """
     scored_tokens = float(sum(t.numel() for t in batch.tokens))
     metrics = batch_metrics(batch)
-    mask = batch.mask if checked is None else batch.mask & checked
-    metrics.update(logprob_metrics(batch.rollout_logprobs, train_logprobs, mask, ref_logprobs, tis_cap))
-    if ref_logprobs is not None and checked is not None:  # the KL estimate over every valid token
-        metrics["kl_ref/k3"] = float(aggregate(kl_penalty(train_logprobs, ref_logprobs, batch.mask, "k3"),
-                                               batch.mask))
-    if checked is not None:
-        metrics["mismatch/checked_frac"] = float(mask.sum()) / max(float(batch.mask.sum()), 1.0)
+    metrics.update(logprob_metrics(batch.rollout_logprobs, train_logprobs, batch.mask, ref_logprobs, tis_cap,
+                                   checked))
     metrics.update(actor)
     metrics.update(timing_metrics(seconds, {"rollout": generated_tokens, "old_logprob": scored_tokens,
                                             "reference": scored_tokens, "update": scored_tokens * ppo_epochs}))

@@ -322,7 +322,7 @@ class Trainer:
         weights: dict[str, float] = {}
         extremes = {"actor/ratio_max": -math.inf, "actor/ratio_min": math.inf}
         grad_norms, num_applied = [], 0
-        num_applied_or_tried = 0  # optimizer steps taken (or skipped) so far: 0 while the policy is the old one
+        optimizer_steps = 0  # taken or skipped so far: while 0, the policy is the one that made the rollout
 
         def add(key: str, value: float, weight: float) -> None:
             sums[key] = sums.get(key, 0.0) + value * weight
@@ -350,7 +350,7 @@ class Trainer:
                     if is_padding:  # the collectives of a forward/backward, no gradient
                         (lp.sum() * 0.0).backward()
                         continue
-                    if own_lp is not None and num_applied_or_tried == 0:  # the policy has not moved yet
+                    if own_lp is not None and optimizer_steps == 0:  # the policy has not moved yet
                         own_lp[micro] = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))
                         recorded[micro] = mask
                     if old_lp is None:  # these are the old log-probs
@@ -381,7 +381,7 @@ class Trainer:
                 mini_pg_loss, num_nonfinite = self.parallel.sum([mini_pg_loss, 0.0 if loss_finite else 1.0])
                 add("actor/pg_loss", mini_pg_loss, 1.0)
                 result = self.stepper.step(loss_is_finite=num_nonfinite == 0)
-                num_applied_or_tried += 1
+                optimizer_steps += 1
                 grad_norms.append(result.grad_norm)
                 num_applied += result.applied
                 add("actor/lr", result.lr, 1.0)
