@@ -189,7 +189,8 @@ class AlgorithmConfig(_Section):
     entropy_coef: float = 0.0
     tis_cap: float | None = None          # truncated importance sampling cap C (>= 1); None disables
     # verl's "bypass": the engine's logprobs are the old logprobs. In exact mode they are the trainer's bit for bit,
-    # so the old_logprob pass is skipped too; the update's first mini-batch checks them (mismatch/checked_frac)
+    # so the old_logprob pass is skipped too (and tis_cap has nothing to correct: every weight would be 1); the
+    # update's first mini-batch checks them (mismatch/checked_frac) and a difference is warned about
     use_rollout_logprobs: bool = False
     # One optimizer step per RL step (ppo_epochs 1, one mini-batch): the policy has not moved when the update's
     # forwards run, so their detached log-probs are the old ones and the separate old_logprob pass is skipped

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 import torch
 
 from jetrl.rl.advantages import num_zero_variance_groups
-from jetrl.rl.losses import aggregate, kl_penalty
+from jetrl.rl.losses import _as_bool_mask, aggregate, kl_penalty
 from jetrl.rl.mismatch import mismatch_metrics
 
 if TYPE_CHECKING:
@@ -85,11 +85,14 @@ def logprob_metrics(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tensor
     estimate of KL(policy || reference) averaged over the valid tokens. ``checked`` ((S, R) bool): the tokens
     whose training-side log-prob was computed, where not all were; the ``mismatch/*`` statistics are then over
     those, and ``mismatch/checked_frac`` is their share of the valid tokens."""
-    checked_mask = mask if checked is None else mask & checked
+    checked_mask = mask if checked is None else _as_bool_mask(mask) & _as_bool_mask(checked)
     mm = mismatch_metrics(rollout_logprobs, train_logprobs, checked_mask, tis_cap=tis_cap)
     out = {f"mismatch/{k}": v for k, v in mm.items() if k != "num_tokens"}
     if checked is not None:
-        out["mismatch/checked_frac"] = float(checked_mask.sum()) / max(float(mask.sum()), 1.0)
+        valid, seen = float(_as_bool_mask(mask).sum()), float(checked_mask.sum())
+        out["mismatch/checked_frac"] = seen / max(valid, 1.0)
+        if seen == 0 < valid:  # nothing was checked: not a zero mismatch
+            out.update({k: math.nan for k in out if k != "mismatch/checked_frac"})
     if ref_logprobs is not None:
         out["kl_ref/k3"] = float(aggregate(kl_penalty(train_logprobs, ref_logprobs, mask, "k3"), mask))
     return out

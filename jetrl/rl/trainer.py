@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -144,6 +145,11 @@ class Trainer:
         self.update_logprob_mask: torch.Tensor | None = None  # the tokens update() recorded them for
         alg, opt = config.algorithm, config.optim
         world = self.parallel.world_size
+        engine_exact = getattr(engine, "exact", config.exact)  # an engine that does not say is taken at its config
+        if bool(engine_exact) != config.exact:
+            raise ValueError(f"the run config has exact: {str(config.exact).lower()} but the rollout engine was built "
+                             f"with exact={bool(engine_exact)}: build it with RolloutEngine(..., exact=config.exact), "
+                             "or the rollout and the trainer compute log-probabilities differently")
         if config.data.prompts_per_step % world or config.mini_batch_size % world:
             raise ValueError(f"data.prompts_per_step ({config.data.prompts_per_step}) and the mini-batch "
                              f"({config.mini_batch_size} sequences) must be multiples of the number of ranks ({world})")
@@ -447,9 +453,15 @@ class Trainer:
         self.step_count += 1
         batch, train_lp, ref_lp, generated, checked = self._global_view(batch, train_lp, ref_lp, generated, checked)
         timer.seconds = dict(zip(timer.seconds, self.parallel.max(list(timer.seconds.values()))))
-        return step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
-                            ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
-                            engine_stats=getattr(self.engine, "last_stats", None), checked=checked)
+        metrics = step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
+                               ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
+                               engine_stats=getattr(self.engine, "last_stats", None), checked=checked)
+        if skip_pass and metrics["mismatch/logp_abs_diff_max"] != 0.0:  # the bypass's premise failed: say so
+            warnings.warn(f"exact mode: the engine's log-probabilities differ from the trainer's (max |dlogp| "
+                          f"{metrics['mismatch/logp_abs_diff_max']:.3g} on the checked tokens), but "
+                          "use_rollout_logprobs took them as the old ones without truncated importance sampling; "
+                          "set algorithm.use_rollout_logprobs: false to recompute them", RuntimeWarning, stacklevel=2)
+        return metrics
 
     def _global_view(self, batch: RolloutBatch, train_lp: torch.Tensor, ref_lp: torch.Tensor | None,
                      generated: float, checked: torch.Tensor | None = None

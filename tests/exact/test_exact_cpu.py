@@ -327,6 +327,19 @@ def test_exact_bypass_skips_the_old_logprob_pass_and_updates_the_same(minis):
             assert skipped[key] == full[key], (key, skipped[key], full[key])
 
 
+@pytest.mark.parametrize("config_exact", [True, False])
+def test_trainer_rejects_an_engine_built_otherwise(config_exact):
+    """The run config's ``exact`` and the engine's must agree (an exact run trusting a fast engine's log-probs, or the
+    reverse, would compare two different computations)."""
+    from jetrl.rl.trainer import Trainer
+
+    cfg = load_config(None, ["--recipe=bf16", f"--exact={str(config_exact).lower()}"])
+    model = build_model(DecoderConfig(**CONFIG), dtype=torch.float32, recipe="bf16", seed=0)
+    engine = RolloutEngine(model, max_num_seqs=4, num_blocks=16, block_size=4, progress=False, exact=not config_exact)
+    with pytest.raises(ValueError, match="exact"):
+        Trainer(cfg, model, engine, _Prompts(3), _reward, _decode)
+
+
 def test_config_exact_field():
     assert load_config(None, ["--recipe=jet", "--exact=true"]).exact is True
     assert load_config(None, ["--recipe=bf16"]).exact is False

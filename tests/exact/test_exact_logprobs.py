@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -244,12 +245,10 @@ def test_kernel_gradients_match_the_reference_path(interpreted):
             assert all(e < (1e-5 if "float32" in key else 1e-2) for e in errs), (key, errs)
 
 
-def _compiled(xdtype: str, aligned_vocab: bool, aligned_scalars: bool = True) -> tuple[list[str], list[str]]:
+def _compiled_ptx(xdtype: str, aligned_vocab: bool, aligned_scalars: bool = True) -> tuple[str, str]:
     """Exact mode's specialization of the statistics kernel compiled for the H200 (sm_90a) on this CPU machine:
     its register layouts (TTGIR) and its sequence of fp32 arithmetic and shuffle instructions (PTX, loads and
     widenings left out)."""
-    import re
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -268,9 +267,17 @@ def _compiled(xdtype: str, aligned_vocab: bool, aligned_scalars: bool = True) ->
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=K.EXACT_NUM_WARPS, **COMPILE_OPTIONS))
-    layouts = sorted(set(re.findall(r"#ttg\.blocked<[^>]*>", compiled.asm["ttgir"])))
+    return compiled.asm["ttgir"], compiled.asm["ptx"]
+
+
+def _compiled(xdtype: str, aligned_vocab: bool, aligned_scalars: bool = True) -> tuple[list[str], list[str]]:
+    """Exact mode's specialization of the statistics kernel compiled for the H200 (sm_90a) on this CPU machine:
+    its register layouts (TTGIR) and its sequence of fp32 arithmetic and shuffle instructions (PTX, loads and
+    widenings left out)."""
+    ttgir, ptx = _compiled_ptx(xdtype, aligned_vocab, aligned_scalars)
+    layouts = sorted(set(re.findall(r"#ttg\.blocked<[^>]*>", ttgir)))
     ops = []
-    for line in compiled.asm["ptx"].splitlines():
+    for line in ptx.splitlines():
         op = line.strip().split(" ")[0] if line.strip() else ""
         if any(t in op for t in (".f32", "shfl", "ex2", "lg2")) and not op.startswith(("ld.", "cvt.")):
             ops.append(op)
@@ -288,6 +295,19 @@ def test_kernel_sums_fp32_and_16bit_logits_in_one_order(aligned_vocab):
         assert _compiled(dtype, aligned_vocab) == want, dtype
     # the outputs, targets and temperatures of a slice of rows start anywhere: the same arithmetic
     assert _compiled("bf16", aligned_vocab, aligned_scalars=False)[1] == want[1]
+
+
+def test_kernel_branches_on_temperature_one():
+    """The temperature-1 skip is compiled in, not only correct (``x / 1.0 == x`` makes a kernel that always divides
+    pass the bitwise tests too): the row's temperature is compared with 1.0 (``0f3F800000``), and the vocabulary
+    loop exists twice. Per thread, each copy takes one exponential per logit it holds plus one for the rescale;
+    only one copy divides, one division per logit plus the target logit's. So two copies give twice as many
+    exponentials as divisions, one copy as many."""
+    skip_without_sm90_compiler()
+    _, ptx = _compiled_ptx("bf16", True)
+    assert re.search(r"setp\.(eq|neu)\.f32\s+%p\d+, %r\d+, 0f3F800000;", ptx), "no comparison with 1.0"
+    divisions, exps = len(re.findall(r"\bdiv\.rn\.f32\b", ptx)), len(re.findall(r"\bex2\.approx", ptx))
+    assert divisions > 1 and exps == 2 * divisions, (divisions, exps)
 
 
 @pytest.mark.gpu

@@ -164,6 +164,10 @@ def test_exact_decode_config_is_the_decode_tiles_at_the_exact_split():
     fast config's K blocks per loop trip only where they divide a split's blocks (else the decode kernel would round
     the split's boundaries); weights that share an input run as one launch only if their splits agree; above the
     bound, or at 0, the schedule is off."""
+    pytest.importorskip("triton")
+    from jetrl.quant.kernels import gemm_exact_triton as E
+    from jetrl.quant.kernels.gemm_decode_triton import split_blocks
+
     t = tuning.current()
     assert t.exact_decode_max_m == 64
     unrolled = set()
@@ -172,11 +176,11 @@ def test_exact_decode_config_is_the_decode_tiles_at_the_exact_split():
                           ((14336, 14336), 4096), ((1024, 1024), 4096), ((4096,), 14464)):
             cfg = t.exact_decode_config(m, widths, k, sm_count=132)
             tiles = t.decode_config(m, sum(widths), k, 132, grouped=len(widths) > 1)
-            split = t.exact_split(widths[0], k)
-            split_kb = -(-(-(-k // 128)) // split)  # exact mode's K blocks per split
-            assert cfg.split_k == split, (m, widths, cfg)
-            assert cfg.k_unroll == (tiles.k_unroll if split_kb % tiles.k_unroll == 0 else 1), (m, widths, cfg)
-            assert split_kb % cfg.k_unroll == 0
+            exact = E.exact_config(widths[0], k)  # the exact kernel's split: the bits the decode kernel must keep
+            assert cfg.split_k == exact.split_k == t.exact_split(widths[0], k), (m, widths, cfg)
+            # the decode kernel's own split of K (whole unrolled loop trips) lands on the exact kernel's boundaries
+            assert split_blocks(-(-k // 128), cfg.split_k, cfg.k_unroll) == (exact.split_kb, exact.split_k), cfg
+            assert cfg.k_unroll in (tiles.k_unroll, 1), (m, widths, cfg)
             unrolled.add(cfg.k_unroll)
             assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.block_m, cfg.tma) == \
                 (tiles.block_n, tiles.num_warps, tiles.num_stages, tiles.block_m, tiles.tma)

@@ -55,6 +55,27 @@ def test_logprob_metrics_hand_computed():
     assert "mismatch/tis_weight_mean" not in logprob_metrics(batch.rollout_logprobs, train, batch.mask)
 
 
+def test_logprob_metrics_over_checked_tokens():
+    """``checked`` (exact mode without the old-logprob pass): the mismatch over the checked tokens only, their share
+    of the valid tokens, the KL over every valid token; nothing checked reads NaN, not a zero mismatch."""
+    batch = _batch()
+    train = batch.rollout_logprobs.clone()
+    train[0, 0] = LOG_QUARTER  # a difference on row 0, which is not checked
+    ref = train.clone()
+    ref[1, 0] = LOG_QUARTER
+    checked = torch.zeros_like(batch.mask)
+    checked[1:] = True  # rows 1-3: 3 of the 6 valid tokens
+    m = logprob_metrics(batch.rollout_logprobs, train, batch.mask, ref, checked=checked.float())  # 0/1 masks too
+    assert m["mismatch/logp_abs_diff_max"] == 0.0 and m["mismatch/checked_frac"] == 0.5
+    assert m["kl_ref/k3"] == logprob_metrics(batch.rollout_logprobs, train, batch.mask, ref)["kl_ref/k3"]
+    checked[0, 0] = True
+    m = logprob_metrics(batch.rollout_logprobs, train, batch.mask, checked=checked)
+    assert m["mismatch/logp_abs_diff_max"] == pytest.approx(math.log(2)) and m["mismatch/checked_frac"] == 4 / 6
+    none = logprob_metrics(batch.rollout_logprobs, train, batch.mask, checked=torch.zeros_like(batch.mask))
+    assert none["mismatch/checked_frac"] == 0.0
+    assert all(math.isnan(v) for k, v in none.items() if k != "mismatch/checked_frac"), none
+
+
 def test_timing_metrics_only_for_phases_that_ran():
     m = timing_metrics({"rollout": 2.0, "reward": 0.5, "update": 4.0},
                        {"rollout": 100.0, "old_logprob": 50.0, "update": 80.0})

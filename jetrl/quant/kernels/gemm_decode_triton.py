@@ -176,6 +176,14 @@ def _store_decode_tile(c_ptrs, acc, c_mask, bias_ptr, rn, n_ok, HAS_BIAS: tl.con
     tl.store(c_ptrs, c, mask=c_mask)
 
 
+def split_blocks(num_kb: int, split_k: int, k_unroll: int) -> tuple[int, int]:
+    """(128-wide K blocks per split, splits) of a K of ``num_kb`` blocks asked to split ``split_k`` ways: every split
+    whole loop trips of ``k_unroll`` blocks (the last one the rest), none empty."""
+    split = max(1, min(split_k, num_kb))
+    kb_per_split = _cdiv(_cdiv(num_kb, split), k_unroll) * k_unroll
+    return kb_per_split, _cdiv(num_kb, kb_per_split)
+
+
 _LOCKS: dict[tuple[str, int | None], torch.Tensor] = {}
 _LOCK_SLOTS = 1 << 14
 
@@ -261,10 +269,7 @@ def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
     if 0 < cfg.block_m < m:
         block_m, m_tiles = cfg.block_m, _cdiv(m, cfg.block_m)
     tiles = sum(_cdiv(n, cfg.block_n) for n in ns) * m_tiles
-    num_kb = _cdiv(k, BLOCK)
-    split = max(1, min(cfg.split_k, num_kb))
-    kb_per_split = _cdiv(_cdiv(num_kb, split), cfg.k_unroll) * cfg.k_unroll  # whole loop iterations per split
-    split = _cdiv(num_kb, kb_per_split)  # no empty split
+    kb_per_split, split = split_blocks(_cdiv(k, BLOCK), cfg.split_k, cfg.k_unroll)
     if split > 1:
         if tiles > _LOCK_SLOTS:
             raise ValueError(f"fp8_decode_gemm: {tiles} output tiles exceed the {_LOCK_SLOTS} counters")

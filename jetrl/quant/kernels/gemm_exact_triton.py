@@ -215,9 +215,8 @@ def exact_config(n: int, k: int) -> ExactGemmConfig:
     bound decode's padding waste), 128-wide N tiles, narrower ones for narrow weights (more programs), and the K
     split of :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`."""
     t = tuning.current()
-    split = t.exact_split(n, k)
     return ExactGemmConfig(t.exact_block_m, t.exact_tile_n(n), t.exact_num_warps, t.exact_num_stages,
-                           split_k=split, split_kb=_cdiv(_cdiv(k, BLOCK), split))
+                           split_k=t.exact_split(n, k), split_kb=t.exact_split_kb(n, k))
 
 
 _REDUCE_BLOCK_M, _REDUCE_BLOCK_N = 32, 128

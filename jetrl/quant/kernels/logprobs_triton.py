@@ -152,9 +152,9 @@ def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
     the cap a 16-bit row would load 8 per thread, fp32 4, and sum in another order): the sampler's fp32 logits and
     the trainer's bf16 logits of the same values give the same bits. Rows must have unit stride with ``stride ==
     vocab`` and a 16-byte-aligned start (the alignment also sets the layout); a tensor that is not is copied first,
-    which changes no value. A row at temperature 1 skips the division of its logits (``x / 1.0 == x`` exactly, so
-    the same values and sums: a runtime branch per row, not a compile-time choice, so the rows of one launch may
-    differ in temperature)."""
+    which changes no value. A row at temperature 1 skips the division in its pass over the vocabulary (``x / 1.0
+    == x`` exactly, so the same values and sums; a runtime branch per row, so the rows of one launch may differ in
+    temperature); the target's logit is divided either way."""
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"exact_logprob_stats: logits must be fp32, bf16 or fp16, got {logits.dtype}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1] or temperature.shape != logits.shape[:1]:

@@ -461,6 +461,11 @@ class KernelTuning:
                 split *= 2
         return -(-kb // -(-kb // split))
 
+    def exact_split_kb(self, n: int, k: int) -> int:
+        """128-wide K blocks per split of an (N, K) weight (:meth:`exact_split`; the last split the rest)."""
+        kb = -(-k // BLOCK_SIZE)
+        return -(-kb // self.exact_split(n, k))
+
     def exact_on_cublas(self, m: int, n: int, k: int) -> bool:
         """Whether an exact FP8 GEMM of ``m`` rows on an (N, K) weight runs on cuBLAS's blockwise GEMM (a schedule:
         the same bits as the Triton kernel's single in-order K walk; see ``exact_cublas_min_m``): from
@@ -481,8 +486,7 @@ class KernelTuning:
             return None
         split = splits.pop()
         tiles = self.decode_config(m, sum(widths), k, sm_count, grouped=len(widths) > 1)
-        kb = -(-k // BLOCK_SIZE)
-        unroll = tiles.k_unroll if (-(-kb // split)) % tiles.k_unroll == 0 else 1
+        unroll = tiles.k_unroll if self.exact_split_kb(widths[0], k) % tiles.k_unroll == 0 else 1
         return dataclasses.replace(tiles, split_k=split, k_unroll=unroll)
 
     def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
