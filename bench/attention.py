@@ -15,13 +15,17 @@ and 64 x 768. Rows per setting:
   read as int32 words (``kv_decode_bit_tile=words``), default launch;
 * ``kv8-bytes``: the same conversion on tiles of bytes (``kv_decode_bit_tile=bytes``), default launch;
 * ``kv8-bits-hm``, ``kv8-bytes-hm``: those two on the head-major grid (``kv_decode_head_major=true``);
-  ``kv8-bytes-hm`` is the default route;
+  ``kv8-bytes-hm`` is the Triton kernel's default route (every ``kv8-`` route above runs the Triton kernel:
+  ``kv_decode_streams=false``);
+* ``kv8-streams``: the Gluon warp-stream kernel (:mod:`jetrl.quant.kernels.paged_attention_gluon`), the default for
+  an FP8 cache where it applies, at the tuning's ``kv_decode_stream_*`` launch (``--tuning`` sets them; the grid
+  below is the Triton kernel's);
 * the grid: every combination of ``--block-n``, ``--num-warps``, ``--num-stages``, ``--split-waves``,
   ``--max-splits`` and ``--max-registers``, or the configs listed by ``--configs`` (the tuning's ``kv_decode_*``
   launch fields), on each route of ``--grid-routes`` (a route's name without ``kv8-``).
 
-``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored`` and
-``kv8-bytes-hm``; ``bf16`` always runs, every ratio is against it).
+``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored``,
+``kv8-bytes-hm`` and, on the GPU, ``kv8-streams``; ``bf16`` always runs, every ratio is against it).
 
 Every row is first checked against ``jetrl.models.attention.paged_attention_reference`` in fp32 over the same
 (dequantized) cache: a relative error norm above the GPU tests' tolerance (1e-2 in bf16) marks the row ``failed``
@@ -60,14 +64,17 @@ except ModuleNotFoundError:  # python bench/attention.py: bench/ itself is on sy
     from common import add_tuning_argument, device_description, parse_tuning, sync, write_report  # type: ignore
 
 _BITS = {"kv_decode_factored": True, "kv_decode_bit_convert": True}
-ROUTE_TUNING = {"bf16": {}, "kv8-inreg": {"kv_decode_factored": False},
-                "kv8-factored": {"kv_decode_factored": True, "kv_decode_bit_convert": False},
-                "kv8-bits": dict(_BITS, kv_decode_bit_tile="words", kv_decode_head_major=False),
-                "kv8-bits-hm": dict(_BITS, kv_decode_bit_tile="words", kv_decode_head_major=True),
-                "kv8-bytes": dict(_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=False),
-                "kv8-bytes-hm": dict(_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=True)}
-ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bytes-hm")  # the default rows (the last: the default route)
-GRID_ROUTES = {r.removeprefix("kv8-"): r for r in ROUTE_TUNING if r != "bf16"}
+_TRITON = {"kv_decode_streams": False}  # the Triton kernel's routes (the Gluon kernel takes FP8 steps by default)
+ROUTE_TUNING = {"bf16": {}, "kv8-inreg": dict(_TRITON, kv_decode_factored=False),
+                "kv8-factored": dict(_TRITON, kv_decode_factored=True, kv_decode_bit_convert=False),
+                "kv8-bits": dict(_TRITON, **_BITS, kv_decode_bit_tile="words", kv_decode_head_major=False),
+                "kv8-bits-hm": dict(_TRITON, **_BITS, kv_decode_bit_tile="words", kv_decode_head_major=True),
+                "kv8-bytes": dict(_TRITON, **_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=False),
+                "kv8-bytes-hm": dict(_TRITON, **_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=True),
+                "kv8-streams": {"kv_decode_streams": True}}
+ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bytes-hm")  # the default rows (--tiny: CPU, Triton only)
+GPU_ROUTES = (*ROUTES, "kv8-streams")  # the default rows on the GPU (the last: the default route)
+GRID_ROUTES = {r.removeprefix("kv8-"): r for r in ROUTE_TUNING if r not in ("bf16", "kv8-streams")}
 SETTINGS = "256x768,64x4352,64x768"
 TINY_SETTINGS = "3x40,2x100"
 
@@ -326,14 +333,31 @@ def run_row(shape: Shape, case: Case, route: str, config: Config | None, device:
     else:
         fn = lambda: paged_decode(case.q, case.k, case.v, case.meta, scale)  # noqa: E731
     with tuning.override(**settings):
-        launch = launch_config(fp8, fp8 and shape.dtype != torch.float16 and tuning.current().kv_decode_factored)
-        splits = choose_num_splits(case.num_seqs, shape.num_kv_heads, case.context, case.q.device, launch.block_n,
-                                   launch.split_waves, launch.max_splits)
+        knobs = tuning.current()
+        if route == "kv8-streams":  # the Gluon kernel's launch (tuning's kv_decode_stream_*)
+            from jetrl.quant.kernels.decode_splits import sm_count
+            from jetrl.quant.kernels.paged_attention_gluon import num_splits
+            from jetrl.quant.kernels.paged_attention_triton import _streams_apply
+
+            if not _streams_apply(case.q, case.kd, case.vd, case.ks, case.vs):
+                return {"setting": f"{case.num_seqs}x{case.context}", "route": route, "config": "-",
+                        "grid": False, "splits": 0, "status": "error",
+                        "error": "the Gluon kernel does not apply here (CPU, no Gluon, or shapes it does not take)"}
+            launch = {"num_warps": knobs.kv_decode_stream_warps, "num_stages": knobs.kv_decode_stream_stages,
+                      "split_waves": knobs.kv_decode_stream_waves, "max_splits": knobs.kv_decode_stream_max_splits}
+            name = "w{num_warps}s{num_stages}x{split_waves:g}m{max_splits}".format(**launch)
+            splits = num_splits(case.num_seqs, shape.num_kv_heads, case.context, sm_count(case.q.device),
+                                launch["num_warps"], launch["split_waves"], launch["max_splits"])
+        else:
+            triton_launch = launch_config(fp8, fp8 and shape.dtype != torch.float16 and knobs.kv_decode_factored)
+            launch = asdict(triton_launch)
+            name = Config(triton_launch.block_n, triton_launch.num_warps, triton_launch.num_stages,
+                          triton_launch.split_waves, triton_launch.max_splits, triton_launch.max_registers).name
+            splits = choose_num_splits(case.num_seqs, shape.num_kv_heads, case.context, case.q.device,
+                                       triton_launch.block_n, triton_launch.split_waves, triton_launch.max_splits)
         result = measure(fn, case.ref8 if fp8 else case.ref, shape.tolerance, device, calls, replays)
-    row = {"setting": f"{case.num_seqs}x{case.context}", "route": route,
-           "config": Config(launch.block_n, launch.num_warps, launch.num_stages, launch.split_waves,
-                            launch.max_splits, launch.max_registers).name,
-           "grid": config is not None, **asdict(launch), "splits": splits,
+    row = {"setting": f"{case.num_seqs}x{case.context}", "route": route, "config": name,
+           "grid": config is not None, **launch, "splits": splits,
            "bytes": bytes_moved(shape, case.num_seqs, case.context, fp8), **result}
     if "us" in row:
         row["gbps"] = row["bytes"] / row["us"] / 1e3
@@ -382,9 +406,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default=None, help=f"SEQSxCONTEXT comma list (default {SETTINGS}; "
                                                           f"--tiny: {TINY_SETTINGS})")
-    parser.add_argument("--routes", default=",".join(ROUTES),
+    parser.add_argument("--routes", default=None,
                         help=f"routes of the default-launch rows, comma-separated, from {','.join(ROUTE_TUNING)} "
-                             f"(default {','.join(ROUTES)}; bf16 always runs)")
+                             f"(default {','.join(GPU_ROUTES)}; --tiny {','.join(ROUTES)}; bf16 always runs)")
     parser.add_argument("--grid-routes", default="bytes-hm", help="routes the grid runs on: bytes-hm (the default "
                                                                    "route), "
                                                                    f"{', '.join(r for r in GRID_ROUTES if r != 'bytes-hm')}, "
@@ -424,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
         if unknown:
             raise ValueError(f"--grid-routes: unknown route(s) {unknown}; choose from {list(GRID_ROUTES)} or none")
         grid_routes = [GRID_ROUTES[r] for r in names]
-        routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+        routes = [r.strip() for r in (args.routes or ",".join(ROUTES if tiny else GPU_ROUTES)).split(",") if r.strip()]
         unknown = sorted(set(routes) - set(ROUTE_TUNING))
         if unknown:
             raise ValueError(f"--routes: unknown route(s) {unknown}; choose from {list(ROUTE_TUNING)}")

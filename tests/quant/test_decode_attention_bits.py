@@ -216,9 +216,9 @@ def test_paged_decode_bit_route_at_8b_shapes(num_seqs):
     kq, vq = kd.float() * ks[..., None], vd.float() * vs[..., None]
     ref = paged_attention_reference(q.float(), kq, vq, meta, q.shape[-1] ** -0.5)
     for kw in ({}, {"num_splits": 3}, {"block_n": 64}, {"block_n": 256}):
-        with tuning.override(kv_decode_factored=True):
+        with tuning.override(kv_decode_factored=True, kv_decode_streams=False):
             a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
-        with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=True):
+        with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=True, kv_decode_streams=False):
             b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
         assert b.dtype == torch.bfloat16 and torch.isfinite(b).all(), kw
         # the same tiles into the same dots: apart only where the MMA's accumulation order differs

@@ -146,7 +146,7 @@ def test_fields():
 def test_wide_offsets_decision():
     """The byte route's offsets are 32-bit unless an element offset into the cache or the scales can pass 2^31 - 1
     (checked on the meta device: no memory)."""
-    from jetrl.quant.kernels.paged_attention_triton import _wide_offsets
+    from jetrl.quant.kernels.decode_splits import cache_offsets_wide as _wide_offsets
 
     def pool(blocks, dtype=torch.float8_e4m3fn):
         return torch.empty(blocks, 16, 8, 128, dtype=dtype, device="meta")
@@ -205,8 +205,9 @@ def test_variants_at_8b_shapes(num_seqs, variant):
     kq, vq = kd.float() * ks[..., None], vd.float() * vs[..., None]
     ref = paged_attention_reference(q.float(), kq, vq, meta, q.shape[-1] ** -0.5)
     for kw in ({}, {"num_splits": 3}, {"block_n": 64}, {"block_n": 256}):
-        a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
-        with tuning.override(**GPU_VARIANTS[variant]):
+        with tuning.override(kv_decode_streams=False):  # the Triton kernel's variants
+            a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
+        with tuning.override(kv_decode_streams=False, **GPU_VARIANTS[variant]):
             b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
         assert b.dtype == torch.bfloat16 and torch.isfinite(b).all(), kw
         assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (kw, rel_err(b, ref), rel_err(b, a))
@@ -220,7 +221,8 @@ def test_byte_route_with_64_bit_offsets():
     (32-bit ones would wrap) and attends as the default route does."""
     from jetrl.models.attention import paged_attention_reference
     from jetrl.quant.kernels import tuning
-    from jetrl.quant.kernels.paged_attention_triton import _wide_offsets, paged_decode
+    from jetrl.quant.kernels.decode_splits import cache_offsets_wide as _wide_offsets
+    from jetrl.quant.kernels.paged_attention_triton import paged_decode
 
     q, meta, kd, ks, vd, vs = _decode_case(5)
     used = kd.shape[0]
@@ -233,7 +235,7 @@ def test_byte_route_with_64_bit_offsets():
     meta = dataclasses.replace(meta, block_tables=torch.where(meta.block_tables >= 0, meta.block_tables + far, -1))
     kd, ks, vd, vs = big
     assert _wide_offsets(kd, vd)
-    with tuning.override(kv_decode_bit_tile="bytes"):
+    with tuning.override(kv_decode_bit_tile="bytes", kv_decode_streams=False):
         b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)
-    a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)
+    a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)  # the default: the Gluon kernel
     assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (rel_err(b, ref), rel_err(b, a))

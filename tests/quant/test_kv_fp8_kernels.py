@@ -428,10 +428,11 @@ def _decode_case(num_seqs: int, q_lens=None):
 @pytest.mark.parametrize("factored", [False, True])
 @pytest.mark.parametrize("num_seqs", sorted(DECODE_BATCHES))
 def test_paged_decode_fp8_at_8b_shapes(num_seqs, factored):
-    """Both routes of the decode kernel over an FP8 cache (``kv_decode_factored``) at the 8B head shapes."""
+    """Both routes of the Triton decode kernel over an FP8 cache (``kv_decode_factored``) at the 8B head shapes (the
+    Gluon kernel, the default where it applies, is tests/quant/test_decode_attention_streams.py's)."""
     from jetrl.quant.kernels import tuning
 
-    with tuning.override(kv_decode_factored=factored):
+    with tuning.override(kv_decode_factored=factored, kv_decode_streams=False):
         _paged_decode_fp8_at_8b_shapes(num_seqs)
 
 
@@ -462,10 +463,11 @@ def _paged_decode_fp8_at_8b_shapes(num_seqs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_paged_decode_fp8_group_of_6_long_split_contexts(dtype, factored):
     """GQA group 6 (12 query heads on 2 KV heads, padded to 16 MMA rows) at head_dim 128: contexts of one token,
-    partial pages and up to 6000 tokens split across programs, bf16 and fp32 (IEEE dots) queries; both routes."""
+    partial pages and up to 6000 tokens split across programs, bf16 and fp32 (IEEE dots) queries; both routes of the
+    Triton kernel."""
     from jetrl.quant.kernels import tuning
 
-    with tuning.override(kv_decode_factored=factored):
+    with tuning.override(kv_decode_factored=factored, kv_decode_streams=False):
         _paged_decode_fp8_group_of_6(dtype)
 
 

@@ -84,12 +84,12 @@ import triton.language as tl
 
 from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits_kernel, sm_count
 from jetrl.quant.kernels.quantize_triton import cast_rne
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_SM_COUNT: dict[int, int] = {}
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the sequences of a head-major launch)
 
 
@@ -348,27 +348,6 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
         tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_os, stride_oh, num_heads,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    sp_ok = sp < NUM_SPLITS
-    base = (seq * num_heads + head) * NUM_SPLITS + sp  # (BLOCK_S,)
-    m = tl.load(part_ml_ptr + base * 2, mask=sp_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + base * 2 + 1, mask=sp_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(sp_ok & (m > float("-inf")), tl.exp2(m - m_max), 0.0)  # (BLOCK_S,)
-    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
-    total = tl.sum(w * l, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # (BLOCK_D,)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
 def check_kv_cache(what: str, q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
     """Check a paged K/V cache layer for the attention kernels; returns whether it is FP8.
@@ -401,26 +380,24 @@ def check_kv_cache(what: str, q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     return True
 
 
+def _streams_apply(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k_scale: torch.Tensor,
+                   v_scale: torch.Tensor) -> bool:
+    """Whether the Gluon kernel (:mod:`jetrl.quant.kernels.paged_attention_gluon`) takes this FP8-cache decode step:
+    the installed Triton has Gluon and the kernel supports the shapes (imported only then)."""
+    from jetrl.quant.kernels.quantize_gluon import available
+
+    if not (q.is_cuda and available()):
+        return False
+    from jetrl.quant.kernels.paged_attention_gluon import supports
+
+    return supports(q, k_cache_layer, v_cache_layer, k_scale, v_scale)
+
+
 def _words_aligned(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor) -> bool:
     """Whether an FP8 cache's rows can be read as int32 words (the bit conversion's bf16 form): head_dim, the block,
     token and KV-head strides and both base addresses multiples of 4 bytes."""
     return all(t.shape[-1] % 4 == 0 and all(t.stride(i) % 4 == 0 for i in range(3)) and t.data_ptr() % 4 == 0
                for t in (k_cache_layer, v_cache_layer))
-
-
-def _wide_offsets(*tensors: torch.Tensor) -> bool:
-    """Whether an element offset into one of ``tensors`` (its largest: every index at its last value) can pass
-    ``2^31 - 1``, the largest 32-bit int."""
-    return any(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) > 2 ** 31 - 1 for t in tensors)
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
@@ -430,7 +407,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     splits than ``block_n``-token tiles in the longest context. The defaults are the BF16-cache kernel's; over an
     FP8 cache :func:`paged_decode` passes the tuning's ``kv_decode_split_waves`` and ``kv_decode_max_splits``."""
     programs = max(num_seqs * num_kv_heads, 1)
-    want = -(-math.ceil(waves * _sm_count(device)) // programs)
+    want = -(-math.ceil(waves * sm_count(device)) // programs)
     tiles = max(-(-max(max_context_len, 1) // block_n), 1)
     return int(max(1, min(want, max_splits, tiles)))
 
@@ -480,7 +457,9 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     (``jetrl.models.attention.dequantize_kv``) to summation order, within ``2^-126`` terms (the module doc). With
     an fp16 query each tile is dequantized in registers: bit for bit this function over the dequantized cache.
     The tuning's ``kv_decode_bit_convert`` converts the E4M3 tiles of the factored route by bit operations instead
-    of Triton's conversion (the same values; the module doc).
+    of Triton's conversion (the same values; the module doc). Where the tuning's ``kv_decode_streams`` is on and
+    :func:`jetrl.quant.kernels.paged_attention_gluon.supports` holds, an FP8-cache step runs on that Gluon kernel
+    instead (``num_splits`` kept; an explicit ``block_n``, a tile of this kernel, keeps this kernel).
     """
     if meta.max_query_len != 1:
         raise ValueError("paged_decode handles decode steps only (one new token per sequence)")
@@ -493,8 +472,16 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
         raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
     fp8 = check_kv_cache("paged_decode", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
-    # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     knobs = tuning.current()
+    if fp8 and block_n is None and knobs.kv_decode_streams and _streams_apply(q, k_cache_layer, v_cache_layer,
+                                                                             k_scale, v_scale):
+        from jetrl.quant.kernels.paged_attention_gluon import paged_decode_streams
+
+        return paged_decode_streams(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale, v_scale,
+                                    num_warps=knobs.kv_decode_stream_warps, stages=knobs.kv_decode_stream_stages,
+                                    waves=knobs.kv_decode_stream_waves,
+                                    max_splits=knobs.kv_decode_stream_max_splits, splits=num_splits)
+    # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
     bit_bytes = factored and knobs.kv_decode_bit_convert and knobs.kv_decode_bit_tile == "bytes"  # any alignment
     bits = bit_bytes or (factored and knobs.kv_decode_bit_convert and _words_aligned(k_cache_layer, v_cache_layer))
@@ -504,7 +491,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
     # the byte route's offsets: one for K and V (and their scales) where the strides agree, 32 bits where they fit
     shared_offsets = k_cache_layer.stride() == v_cache_layer.stride() and k_scale.stride() == v_scale.stride()
-    wide_offsets = _wide_offsets(k_cache_layer, v_cache_layer, k_scale, v_scale)
+    wide_offsets = cache_offsets_wide(k_cache_layer, v_cache_layer, k_scale, v_scale)
     if block_n is None:
         block_n = launch.block_n
     if block_n < 16 or block_n & (block_n - 1):
@@ -539,7 +526,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None,
         **COMPILE_OPTIONS)
     if splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
+        merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
             HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
             num_warps=4, **COMPILE_OPTIONS)

@@ -235,6 +235,14 @@ class KernelTuning:
     where the shared memory allows, at the cost of a few spills). The defaults are the fastest launch of the H200
     sweep in BENCHMARKS.md. Any values give the attention over the dequantized cache
     to summation order (the tile and the split set that order); ``bench/attention.py`` sweeps them.
+    ``kv_decode_streams`` (on by default; faster on the H200, BENCHMARKS.md) runs an FP8-cache decode step on the
+    Gluon kernel of :mod:`~jetrl.quant.kernels.paged_attention_gluon` wherever it applies (bf16 queries,
+    ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8 query heads per KV head, a Triton with Gluon),
+    and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams per
+    program (a power of two up to 8), ``kv_decode_stream_stages`` ring slots of 16-token tiles (>= 2: the tile
+    read and ``stages - 1`` in flight), and a context split aiming at ``kv_decode_stream_waves`` programs per SM,
+    at most ``kv_decode_stream_max_splits`` splits. The same attention over the dequantized cache, to summation
+    order.
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
     tiles (``exact_narrow_block_n`` for weights of at most ``exact_narrow_n`` rows), ``exact_num_warps``,
@@ -345,6 +353,11 @@ class KernelTuning:
     kv_decode_split_waves: float = 2.0
     kv_decode_max_splits: int = 16
     kv_decode_max_registers: int = 128
+    kv_decode_streams: bool = True
+    kv_decode_stream_warps: int = 1
+    kv_decode_stream_stages: int = 3
+    kv_decode_stream_waves: float = 8.0
+    kv_decode_stream_max_splits: int = 64
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -385,7 +398,7 @@ class KernelTuning:
         if self.kv_decode_bit_tile not in KV_DECODE_BIT_TILES:
             raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
                              f"got {self.kv_decode_bit_tile!r}")
-        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major"):
+        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
@@ -399,9 +412,18 @@ class KernelTuning:
         if isinstance(regs, bool) or not isinstance(regs, int) or not (regs == 0 or 24 <= regs <= 255):
             raise ValueError(f"KernelTuning.kv_decode_max_registers must be 0 (the compiler's choice) or an int in "
                              f"24..255, got {regs!r}")
-        waves = self.kv_decode_split_waves
-        if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not 0 < waves < float("inf"):
-            raise ValueError(f"KernelTuning.kv_decode_split_waves must be a positive finite number, got {waves!r}")
+        for name in ("kv_decode_split_waves", "kv_decode_stream_waves"):
+            waves = getattr(self, name)
+            if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not 0 < waves < float("inf"):
+                raise ValueError(f"KernelTuning.{name} must be a positive finite number, got {waves!r}")
+        if not (_pow2(self.kv_decode_stream_warps) and self.kv_decode_stream_warps <= 8):
+            raise ValueError(f"KernelTuning.kv_decode_stream_warps must be a power of two in 1..8, "
+                             f"got {self.kv_decode_stream_warps!r}")
+        self._check_ints(("kv_decode_stream_max_splits",), 1)
+        stages = self.kv_decode_stream_stages
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
+            raise ValueError(f"KernelTuning.kv_decode_stream_stages must be an int >= 2 (ring slots: the tile read "
+                             f"and at least one in flight), got {stages!r}")
         bounds = [p.max_m for p in self.decode_policies]
         if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")

@@ -1,0 +1,58 @@
+"""What the paged decode-attention kernels share: the merge of a step's context splits (flash-decoding's second
+kernel), the GPU's SM count their split policies aim at, and whether 32-bit offsets reach every element.
+
+Used by :mod:`~jetrl.quant.kernels.paged_attention_triton` and :mod:`~jetrl.quant.kernels.paged_attention_gluon`;
+imported lazily with them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+@triton.jit
+def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_os, stride_oh, num_heads,
+                        HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """Merge a decode step's context splits: partials ``acc`` (S, Hq, NUM_SPLITS, BLOCK_D) and ``(m, l)`` (S, Hq,
+    NUM_SPLITS, 2), fp32 and contiguous, ``m`` a split's running maximum in log2 units (``-inf``: the split held no
+    token) and ``l`` its sum of ``exp2(s - m)``; writes ``out[seq, head] = sum_j w_j acc_j / sum_j w_j l_j`` with
+    ``w_j = exp2(m_j - max m)``. One program per (sequence, query head)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sp_ok = sp < NUM_SPLITS
+    base = (seq * num_heads + head) * NUM_SPLITS + sp  # (BLOCK_S,)
+    m = tl.load(part_ml_ptr + base * 2, mask=sp_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + base * 2 + 1, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(sp_ok & (m > float("-inf")), tl.exp2(m - m_max), 0.0)  # (BLOCK_S,)
+    acc = tl.load(part_acc_ptr + base[:, None] * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    total = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # (BLOCK_D,)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def cache_offsets_wide(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset into one of ``tensors`` (its largest: every index at its last value) can pass
+    ``2^31 - 1``, the largest 32-bit int."""
+    return any(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) > 2 ** 31 - 1 for t in tensors)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached per device); 4 on the CPU (the interpreter's stand-in)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+__all__ = ["merge_splits_kernel", "sm_count", "cache_offsets_wide"]
