@@ -65,7 +65,8 @@ def test_head_dim_permutations_are_the_relabelling_chains():
                                             torch.arange(2), indexing="ij")
     token = (2 * tp + tbit).permute(1, 3, 4, 0, 2).reshape(128, 16)
     byte = (4 * word + 2 * i1 + i0).permute(1, 3, 4, 0, 2).reshape(128, 16)
-    assert torch.equal(token, torch.arange(16).expand(128, 16)) and torch.equal(byte, torch.arange(128)[:, None].expand(128, 16))
+    assert torch.equal(token, torch.arange(16).expand(128, 16))
+    assert torch.equal(byte, torch.arange(128)[:, None].expand(128, 16))
 
 
 def _shapes(hq=32, hkv=8, d=128, page=16, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, seqs=4):
@@ -146,7 +147,7 @@ def _compile(warps: int, stages: int, splits: int, group: int):
 
     streams = _streams()
     skip_without_sm90_compiler()
-    kernel = streams._decode_kernel
+    kernel = streams._paged_decode_streams_kernel
     names = kernel.arg_names
     consts = dict(GROUP=group, PAGE=16, NUM_SPLITS=splits, W=warps, STAGES=stages, WIDE=False, stride_sh=1)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",

@@ -190,11 +190,11 @@ def _copy_tile(tile, slot, start, end, table_row, k_head, v_head, ks_head, vs_he
 
 
 @gluon.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-                   scale_log2, tokens_per_split, stride_qs, stride_qh, stride_kb, stride_kt, stride_kh,
-                   stride_sb, stride_st, stride_sh, stride_ts, stride_os, stride_oh,
-                   GROUP: gl.constexpr, PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr, W: gl.constexpr,
-                   STAGES: gl.constexpr, WIDE: gl.constexpr):
+def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr,
+                                 part_ml_ptr, scale_log2, tokens_per_split, stride_qs, stride_qh, stride_kb,
+                                 stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_ts, stride_os,
+                                 stride_oh, GROUP: gl.constexpr, PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                                 W: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr):
     """One program per (KV head, sequence, split): the split's 16-token tiles round-robin over ``W`` warp streams,
     ``STAGES - 1`` tiles in flight per warp, the streams merged at the end. ``k_ptr``/``v_ptr`` are the caches as
     int32 words (their strides in words); the scales' strides in elements. Writes the normalized output, or with
@@ -356,7 +356,7 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
     k_words = k_cache_layer.view(torch.int32)
     v_words = v_cache_layer.view(torch.int32)
     tables = meta.block_tables
-    _decode_kernel[(num_kv_heads, num_seqs, splits)](
+    _paged_decode_streams_kernel[(num_kv_heads, num_seqs, splits)](
         q, k_words, v_words, k_scale, v_scale, tables, meta.context_lens, out, part_acc, part_ml,
         float(softmax_scale) * _LOG2E, per_split, q.stride(0), q.stride(1), k_words.stride(0), k_words.stride(1),
         k_words.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), tables.stride(0),
