@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--routes", default=None,
                         help=f"routes of the default-launch rows, comma-separated, from {','.join(ROUTE_TUNING)} "
                              f"(default {','.join(GPU_ROUTES)}; --tiny {','.join(ROUTES)}; bf16 always runs)")
-    parser.add_argument("--grid-routes", default="bytes-hm", help="routes the grid runs on: bytes-hm (the default "
-                                                                   "route), "
+    parser.add_argument("--grid-routes", default="bytes-hm", help="routes of the Triton kernel the grid runs on: "
+                                                                   "bytes-hm (its default route), "
                                                                    f"{', '.join(r for r in GRID_ROUTES if r != 'bytes-hm')}, "
                                                                "several comma-separated, or none")
     parser.add_argument("--block-n", default=None, help="tokens per FP8 tile (0: the route's own; default 64,128,256;"

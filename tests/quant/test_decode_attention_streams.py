@@ -16,6 +16,7 @@ MMA's registers.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 
@@ -44,29 +45,33 @@ def _streams():
 # CPU: the permutations, the shapes, the split, the fields
 
 
-def test_head_dim_permutations_are_the_relabelling_chains():
+def _relabelled(split, order):
+    """What each position of a 128-long row holds after the kernel's relabelling (reshape to ``split``, permute to
+    ``order``): the byte index it came from."""
+    return torch.arange(128).reshape(split).permute(order).reshape(128)
+
+
+def test_head_dim_permutations_match_the_kernels_relabellings():
     """The kernel loads q at byte ``32r + 4c + 2j1 + j0`` for k-slot ``16c + 8j1 + 2r + j0`` and stores output row
-    ``16i + 8h + q`` to head_dim ``16q + 2i + h``. Those are its reshape/permute chains (copied here from
-    ``_scores`` and ``_accumulate``) read backwards, and bijections of 0..127."""
+    ``16i + 8h + q`` to head_dim ``16q + 2i + h``: formulas written out in the kernel. They must be what its
+    relabellings of the converted K and V bytes (the module's ``K_SPLIT``/``K_ORDER`` and ``V_SPLIT``/``V_ORDER``,
+    which the kernel's reshapes and permutes use) put at each k-slot and row, and bijections of 0..127."""
+    streams = _streams()
     slot = torch.arange(128)
-    q_byte = 32 * ((slot // 2) % 4) + 4 * (slot // 16) + 2 * ((slot // 8) % 2) + slot % 2  # the kernel's formula
-    # _scores: bytes in order -> (r, c, j1, j0) -> (c, j1, r, j0): what each k-slot holds
-    chain = torch.arange(128).reshape(4, 8, 2, 2).permute(1, 2, 0, 3).reshape(128)
-    assert torch.equal(chain, q_byte)
-    assert torch.equal(q_byte.sort().values, slot)
-    row = torch.arange(128)
-    out_d = 16 * (row % 8) + 2 * (row // 16) + (row // 8) % 2  # the kernel's store formula
-    # _accumulate: bytes in order -> (q, i, h) -> (i, h, q): what each A-operand row holds
-    chain = torch.arange(128).reshape(8, 8, 2).permute(1, 2, 0).reshape(128)
-    assert torch.equal(chain, out_d)
-    assert torch.equal(out_d.sort().values, row)
-    # the V words' relabelling: (tp, word, tbit, i1, i0) of the converted pairs -> (byte, token)
-    tp, word, tbit, i1, i0 = torch.meshgrid(torch.arange(8), torch.arange(32), torch.arange(2), torch.arange(2),
-                                            torch.arange(2), indexing="ij")
-    token = (2 * tp + tbit).permute(1, 3, 4, 0, 2).reshape(128, 16)
-    byte = (4 * word + 2 * i1 + i0).permute(1, 3, 4, 0, 2).reshape(128, 16)
-    assert torch.equal(token, torch.arange(16).expand(128, 16))
-    assert torch.equal(byte, torch.arange(128)[:, None].expand(128, 16))
+    q_byte = 32 * ((slot // 2) % 4) + 4 * (slot // 16) + 2 * ((slot // 8) % 2) + slot % 2  # the kernel's q load
+    assert torch.equal(_relabelled(streams.K_SPLIT, streams.K_ORDER), q_byte)
+    out_d = 16 * (slot % 8) + 2 * (slot // 16) + (slot // 8) % 2  # the kernel's output store
+    assert torch.equal(_relabelled(streams.V_SPLIT, streams.V_ORDER), out_d)
+    for perm in (q_byte, out_d):
+        assert torch.equal(perm.sort().values, slot)
+    # the kernel's reshape/permute constants are these
+    def values(*names):
+        return [getattr(streams, n).value for n in names]
+
+    assert values("_KS0", "_KS1", "_KS2", "_KS3") == list(streams.K_SPLIT)
+    assert values("_KO0", "_KO1", "_KO2", "_KO3") == [2 + i for i in streams.K_ORDER]
+    assert values("_VS0", "_VS1", "_VS2") == list(streams.V_SPLIT)
+    assert values("_VO0", "_VO1", "_VO2") == [1 + i for i in streams.V_ORDER]
 
 
 def _shapes(hq=32, hkv=8, d=128, page=16, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, seqs=4):
@@ -132,13 +137,20 @@ def test_tuning_fields():
         with pytest.raises(ValueError, match=re.escape(message)):
             with tuning.override(**{name: bad}):
                 pass
+    # the ring must fit in shared memory: 8 warps x 5 slots of 4,224 bytes do, 8 x 6 do not
+    assert tuning.STREAM_SLOT_BYTES == 4224
+    with tuning.override(kv_decode_stream_warps=8, kv_decode_stream_stages=5):
+        pass
+    with pytest.raises(ValueError, match="a ring of 6 slots for 8 warps is 202752 bytes"):
+        with tuning.override(kv_decode_stream_warps=8, kv_decode_stream_stages=6):
+            pass
 
 
 # ------------------------------------------------------------------------------------------------------------
 # CPU: compiled for the H200 (sm_90a)
 
 
-def _compile(warps: int, stages: int, splits: int, group: int):
+def _compile(warps: int, stages: int, splits: int, group: int, page: int = 16, wide: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -149,13 +161,13 @@ def _compile(warps: int, stages: int, splits: int, group: int):
     skip_without_sm90_compiler()
     kernel = streams._paged_decode_streams_kernel
     names = kernel.arg_names
-    consts = dict(GROUP=group, PAGE=16, NUM_SPLITS=splits, W=warps, STAGES=stages, WIDE=False, stride_sh=1)
+    consts = dict(GROUP=group, PAGE=page, NUM_SPLITS=splits, W=warps, STAGES=stages, WIDE=wide, stride_sh=1)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "tables_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
             "part_ml_ptr": "*fp32", "scale_log2": "fp32"}
     # the runtime's specialization at the 8B head shapes: strides in int32 words, ints divisible by 16 marked so
-    ints = dict(tokens_per_split=768, stride_qs=4096, stride_qh=128, stride_kb=4096, stride_kt=256, stride_kh=32,
-                stride_sb=128, stride_st=8, stride_ts=48, stride_os=4096, stride_oh=128)
+    ints = dict(stride_qs=4096, stride_qh=128, stride_kb=256 * page, stride_kt=256, stride_kh=32,
+                stride_sb=8 * page, stride_st=8, stride_ts=48, stride_os=4096, stride_oh=128)
     assert set(names) == set(consts) | set(ptrs) | set(ints), set(names) ^ (set(consts) | set(ptrs) | set(ints))
     signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -165,9 +177,14 @@ def _compile(warps: int, stages: int, splits: int, group: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, **COMPILE_OPTIONS))
 
 
-@pytest.mark.parametrize("warps, stages, splits, group", [(1, 3, 1, 4), (2, 2, 3, 8), (4, 4, 1, 1), (1, 3, 5, 5)])
-def test_compiles_for_sm90_to_register_operands(warps, stages, splits, group):
-    ptx = _compile(warps, stages, splits, group).asm["ptx"]
+@pytest.mark.parametrize("warps, stages, splits, group, page, wide", [
+    (1, 3, 1, 4, 16, False), (2, 2, 3, 8, 16, False), (4, 4, 1, 1, 64, False), (1, 3, 5, 5, 32, True),
+    (8, 5, 1, 4, 16, False),  # the largest ring the tuning admits
+])
+def test_compiles_for_sm90_to_register_operands(warps, stages, splits, group, page, wide):
+    compiled = _compile(warps, stages, splits, group, page, wide)
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.shared <= 232448  # an H200 SM's shared memory per block
     # one 16-token tile per warp: scores 16 x 16 over 128 (2 x 8 steps) and output 128 x 8 over 16 (8 steps)
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)) == 24
     # the conversion: per thread and tile 16 K words (2 prmts each) and 8 pairs of V words (4 prmts each), one
@@ -229,8 +246,8 @@ def test_against_the_reference_and_the_triton_kernel(name):
     ref = _reference(q, meta, kq, vq)
     with tuning.override(kv_decode_streams=False):
         triton_out = paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs)
-    for warps, stages in ((1, 3), (1, 2), (2, 4), (4, 3)):
-        for splits in (None, 1, 3):
+    for warps, stages in ((1, 3), (1, 2), (2, 4), (4, 3), (8, 2)):
+        for splits in (None, 0, 1, 3):
             out = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, num_warps=warps,
                                                stages=stages, waves=8.0, max_splits=64, splits=splits)
             what = (warps, stages, splits)
@@ -240,59 +257,111 @@ def test_against_the_reference_and_the_triton_kernel(name):
 
 @pytest.mark.gpu
 def test_rows_past_the_context_change_nothing():
-    """Every pool row no sequence holds is set to NaN bytes (0x7F, 0xFF) and NaN scales: the tiles past a context
-    (read from their page, or from page 0 past the table) are masked in the scores and weighted by 0, so the
-    output's bits do not move."""
+    """Every pool row no sequence holds is set to NaN bytes (0x7F, 0xFF) and NaN scales, page 0 among them (a tile
+    past a sequence's pages reads page 0): those tiles and the rows past a context in a sequence's last page are
+    masked in the scores and weighted by 0, so the output's bits do not move."""
     streams = _streams()
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, meta, kd, ks, vd, vs, kq, vq = _case(gen, [1, 20, 1000, 47], 32, 8, 16)
+    # a pool with one more block in front (block 0, held by no sequence)
+    kd, ks, vd, vs = (torch.cat([x[:1], x]) for x in (kd, ks, vd, vs))
+    meta = dataclasses.replace(meta, block_tables=torch.where(meta.block_tables >= 0, meta.block_tables + 1, -1))
     clean = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, num_warps=2, stages=3, waves=8.0,
-                                         max_splits=64)
+                                         max_splits=64, splits=3)
     held = torch.zeros(kd.shape[0] * kd.shape[1], dtype=torch.bool, device="cuda")
     for s, ctx in enumerate(meta.context_lens.tolist()):
         pos = torch.arange(ctx, device="cuda")
         held[meta.block_tables[s, pos // 16].long() * 16 + pos % 16] = True
     free = ~held.view(kd.shape[:2])
+    assert free[0].all()  # page 0: no sequence's
     for data, code in ((kd, 0x7F), (vd, 0xFF)):
         data.view(torch.uint8)[free] = code
     for scale in (ks, vs):
         scale[free] = float("nan")
     dirty = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, num_warps=2, stages=3, waves=8.0,
-                                         max_splits=64)
+                                         max_splits=64, splits=3)
     assert torch.equal(dirty, clean)
     assert rel_err(clean, _reference(q, meta, kq, vq)) < TOL
 
 
 @pytest.mark.gpu
-def test_default_dispatch_and_graph_replay():
-    """``paged_decode`` runs this kernel by default over an FP8 cache at the 8B shapes (bitwise its direct call at
-    the tuning's launch), an explicit ``block_n`` keeps the Triton kernel, and a CUDA-graph replay gives the
-    eager bits."""
-    from jetrl.quant.kernels import tuning
+def test_splits_follow_each_sequences_own_context():
+    """A CUDA-graph decode step's metadata gives the longest possible context, not the batch's: each split's share
+    comes from the sequence's own length, so the result is the same attention (against the reference) whatever
+    ``max_context_len`` says, and every split holds tokens."""
+    streams = _streams()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, meta, kd, ks, vd, vs, kq, vq = _case(gen, [700, 33, 1, 1500], 32, 8, 16)
+    ref = _reference(q, meta, kq, vq)
+    padded = dataclasses.replace(meta, max_context_len=16384)
+    for splits in (None, 4, 64):
+        out = streams.paged_decode_streams(q, kd, vd, padded, 128 ** -0.5, ks, vs, num_warps=1, stages=3,
+                                           waves=8.0, max_splits=64, splits=splits)
+        assert rel_err(out, ref) < TOL, splits
+
+
+@pytest.mark.gpu
+def test_offsets_past_32_bits():
+    """Caches of more than 2^31 int32 words (8 GiB each), the sequences' pages at their far end: the kernel takes
+    64-bit offsets (32-bit ones would wrap) and attends as over the small pool."""
+    from jetrl.quant.kernels.decode_splits import cache_offsets_wide
+
+    streams = _streams()
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, meta, kd, ks, vd, vs, kq, vq = _case(gen, [900, 17, 2500], 32, 8, 16)
+    used = kd.shape[0]
+    far = 2 ** 33 // kd[0].numel() + 16  # the first block past 2^33 bytes (plus a margin)
+    big = [torch.empty((far + used,) + x.shape[1:], dtype=x.dtype, device="cuda") for x in (kd, ks, vd, vs)]
+    for b, x in zip(big, (kd, ks, vd, vs)):
+        b[far:] = x
+    meta = dataclasses.replace(meta, block_tables=torch.where(meta.block_tables >= 0, meta.block_tables + far, -1))
+    kd, ks, vd, vs = big
+    assert cache_offsets_wide(kd.view(torch.int32), vd.view(torch.int32))
+    out = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, num_warps=1, stages=3, waves=8.0,
+                                       max_splits=64)
+    assert rel_err(out, _reference(q, meta, kq, vq)) < TOL
+    del big, kd, vd
+
+
+@pytest.mark.gpu
+def test_default_dispatch_and_graph_replay(monkeypatch):
+    """``paged_decode`` over an FP8 cache at the 8B shapes calls this kernel at the tuning's launch, and the Triton
+    kernel with ``kv_decode_streams`` off or an explicit ``block_n``; a CUDA graph captured on one query replays on
+    another and gives that one's eager bits."""
+    from jetrl.quant.kernels import paged_attention_gluon, tuning
     from jetrl.quant.kernels.paged_attention_triton import paged_decode
 
     streams = _streams()
     gen = torch.Generator(device="cuda").manual_seed(4)
     q, meta, kd, ks, vd, vs, _, _ = _case(gen, [300, 1, 2500], 32, 8, 16)
-    knobs = tuning.current()
-    direct = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, num_warps=knobs.kv_decode_stream_warps,
-                                          stages=knobs.kv_decode_stream_stages, waves=knobs.kv_decode_stream_waves,
-                                          max_splits=knobs.kv_decode_stream_max_splits)
+    calls = []
+    real = paged_attention_gluon.paged_decode_streams
+    monkeypatch.setattr(paged_attention_gluon, "paged_decode_streams",
+                        lambda *args, **kw: calls.append(kw) or real(*args, **kw))
     eager = paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs)
-    assert torch.equal(eager, direct)
+    knobs = tuning.current()
+    assert calls == [dict(num_warps=knobs.kv_decode_stream_warps, stages=knobs.kv_decode_stream_stages,
+                          waves=knobs.kv_decode_stream_waves, max_splits=knobs.kv_decode_stream_max_splits,
+                          splits=None)]
     with tuning.override(kv_decode_streams=False):
-        assert not torch.equal(paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs), eager)  # another kernel's order
-    assert not torch.equal(paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs, block_n=64), eager)
+        paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs)
+    paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs, block_n=64)
+    assert len(calls) == 1  # neither took this kernel
+    monkeypatch.undo()
+    assert streams.supports(q, kd, vd, ks, vs)
+    other = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    want = paged_decode(other, kd, vd, meta, 128 ** -0.5, ks, vs)
+    static_q = q.clone()
     out = torch.empty_like(eager)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        out.copy_(paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs))
+        out.copy_(paged_decode(static_q, kd, vd, meta, 128 ** -0.5, ks, vs))
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out.copy_(paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs))
-    out.zero_()
+        out.copy_(paged_decode(static_q, kd, vd, meta, 128 ** -0.5, ks, vs))
+    static_q.copy_(other)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert torch.equal(out, want) and not torch.equal(want, eager)

@@ -1,16 +1,23 @@
 """Decode attention over an FP8 paged KV cache in Gluon: each warp an independent stream of 16-token tiles.
 
-The Triton decode kernel (:mod:`jetrl.quant.kernels.paged_attention_triton`) reads an FP8 cache at about 60% of
-copy bandwidth: its E4M3 tiles pass through registers (converted) and shared memory (for the MMA's operand
-layout) with barriers between, and its softmax reduces across the warps of a program every tile. This kernel
-removes all three per-tile costs, for the common case (bf16 queries, ``head_dim`` 128, pages of a multiple of 16
-tokens, at most 8 query heads per KV head):
+The Triton decode kernel (:mod:`jetrl.quant.kernels.paged_attention_triton`) reads an FP8 cache well below copy
+bandwidth (BENCHMARKS.md): its E4M3 tiles pass through registers (converted) and shared memory (for the MMA's
+operand layout), and its softmax reduces across the warps of a program every tile. This kernel removes those
+per-tile costs, for the common case (bf16 queries, ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8
+query heads per KV head):
 
-* **Warps as streams.** A program of ``W`` warps owns one (sequence, KV head, context split). Warp ``w`` takes the
-  16-token tiles ``w, w + W, w + 2W, ...`` of the split and keeps its own online softmax (``m``, ``l`` and the
-  output accumulator); the warps are merged once, at the end. Nothing in the loop crosses warps.
+* **Warps as streams.** A program of ``W`` warps (1 by default) owns one (sequence, KV head, context split). Warp
+  ``w`` takes the 16-token tiles ``w, w + W, w + 2W, ...`` of the split and keeps its own online softmax (``m``,
+  ``l`` and the output accumulator); the warps are merged once, at the end. No softmax or accumulator value
+  crosses warps in the loop.
 * **Copies in flight.** Each tile's K and V bytes and scales go global -> shared memory by ``cp.async`` into a ring
-  of ``STAGES`` slots, ``STAGES - 1`` tiles ahead of the math; a thread reads back exactly the bytes it copied.
+  of ``STAGES`` slots, ``STAGES - 1`` tiles ahead of the math. A thread reads back the K and V words it copied; the
+  scales are copied one per lane and read in the MMA's layout, so each slot is read after the block-wide barrier
+  the compiler places after the copies' wait (and another before a slot is refilled): at one warp per program,
+  the default, those barriers hold up no other warp.
+* **Splits per sequence.** A split's share of a sequence's context is computed in the kernel from that sequence's
+  own length (``ceil(context / NUM_SPLITS)``, whole tiles), so a CUDA-graph decode step, whose host side knows
+  only the longest possible context, still spreads every sequence's tokens over all its splits.
 * **Operands straight into the MMA's registers.** A head_dim permutation lets the bit conversion of the E4M3 bytes
   land in ``mma.m16n8k16``'s operand registers with no layout conversion:
 
@@ -60,6 +67,17 @@ _LOG2E = 1.4426950408889634
 _MAX_GRID_Y = 65535  # the grid is (KV heads, sequences, splits)
 T = gl.constexpr(TILE)  # the same constants inside the kernels
 D = gl.constexpr(HEAD_DIM)
+
+# The relabellings, as (split, order) of a 128-byte row: reshape the byte index to ``split`` (row-major), permute to
+# ``order``, flatten. K: byte 32r + 4c + 2j1 + j0 -> k-slot 16c + 8j1 + 2r + j0 (the scores' B operand registers).
+K_SPLIT, K_ORDER = (4, 8, 2, 2), (1, 2, 0, 3)
+# V: byte 16q + 2i + h -> A-operand row 16i + 8h + q (the output product's rows)
+V_SPLIT, V_ORDER = (8, 8, 2), (1, 2, 0)
+# the same as the kernels' constants: the split's sizes, and the order's dimensions behind (w, t) for K, (w) for V
+_KS0, _KS1, _KS2, _KS3 = (gl.constexpr(n) for n in K_SPLIT)
+_KO0, _KO1, _KO2, _KO3 = (gl.constexpr(2 + i) for i in K_ORDER)
+_VS0, _VS1, _VS2 = (gl.constexpr(n) for n in V_SPLIT)
+_VO0, _VO1, _VO2 = (gl.constexpr(1 + i) for i in V_ORDER)
 
 # Triton renamed the copy (3.6: async_copy_global_to_shared; later releases: async_load, the old name raising)
 _async_copy = (async_copy.async_load if "async_load" in async_copy.__all__
@@ -127,8 +145,8 @@ def _scores(kw, k_s, t_ok, q_op, scale_log2, W: gl.constexpr):
     b_op: gl.constexpr = _layouts(W)[2]
     b0, b1, b2, b3 = _bytes_to_bf16(kw)
     k = gl.join(gl.join(b0, b2), gl.join(b1, b3)).reshape([W, T, D])  # (w, t, byte) in byte order
-    # byte 32r + 4c + 2j1 + j0 -> k-slot 16c + 8j1 + 2r + j0: the B operand's registers as they are
-    k = k.reshape([W, T, 4, 8, 2, 2]).permute(0, 1, 3, 4, 2, 5).reshape([W, T, D])
+    # byte -> k-slot (K_SPLIT, K_ORDER): the B operand's registers as they are
+    k = k.reshape([W, T, _KS0, _KS1, _KS2, _KS3]).permute(0, 1, _KO0, _KO1, _KO2, _KO3).reshape([W, T, D])
     k = gl.convert_layout(k.permute(0, 2, 1), b_op, assert_trivial=True)
     s = mma_v2(q_op, k, gl.zeros([W, 16, T], gl.float32, mma))
     s = s * gl.expand_dims(k_s * scale_log2, 1)  # exact: k_s is a power of two (the module doc)
@@ -147,8 +165,8 @@ def _accumulate(acc, vw, p, W: gl.constexpr):
     v = gl.join(gl.join(gl.join(v0, v1), gl.join(v4, v5)), gl.join(gl.join(v2, v3), gl.join(v6, v7)))
     # (w, tp, word, t bit, i1, i0): token 2tp + tbit, byte 4word + 2i1 + i0 -> (w, byte, token)
     v = v.permute(0, 2, 4, 5, 1, 3).reshape([W, D, T])
-    # byte 16q + 2i + h -> row 16i + 8h + q: the A operand's registers as they are
-    v = v.reshape([W, 8, 8, 2, T]).permute(0, 2, 3, 1, 4).reshape([W, D, T])
+    # byte -> row (V_SPLIT, V_ORDER): the A operand's registers as they are
+    v = v.reshape([W, _VS0, _VS1, _VS2, T]).permute(0, _VO0, _VO1, _VO2, 4).reshape([W, D, T])
     v = gl.convert_layout(v, a_op, assert_trivial=True)
     return mma_v2(v, p_op, acc)
 
@@ -191,7 +209,7 @@ def _copy_tile(tile, slot, start, end, table_row, k_head, v_head, ks_head, vs_he
 
 @gluon.jit
 def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr,
-                                 part_ml_ptr, scale_log2, tokens_per_split, stride_qs, stride_qh, stride_kb,
+                                 part_ml_ptr, scale_log2, stride_qs, stride_qh, stride_kb,
                                  stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_ts, stride_os,
                                  stride_oh, GROUP: gl.constexpr, PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr,
                                  W: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr):
@@ -211,8 +229,9 @@ def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr
     lv: gl.constexpr = _word_layouts(W)[1]
 
     ctx = gl.load(ctx_ptr + seq)
-    start = split * tokens_per_split
-    end = gl.minimum(ctx, start + tokens_per_split)
+    per_split = gl.cdiv(gl.cdiv(ctx, NUM_SPLITS), T) * T  # this sequence's share, whole tiles (each in one page)
+    start = split * per_split
+    end = gl.minimum(ctx, start + per_split)  # a split past the context runs no tile and writes l = 0
     table_row = tables_ptr + seq * stride_ts
     k_head = k_ptr + kv_head * stride_kh
     v_head = v_ptr + kv_head * stride_kh
@@ -223,7 +242,7 @@ def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr
     ql: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [W, 1, 1], [2, 1, 0])
     g = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ql)))
     slot_k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, ql)))
-    byte = 32 * ((slot_k // 2) % 4) + 4 * (slot_k // 16) + 2 * ((slot_k // 8) % 2) + slot_k % 2
+    byte = 32 * ((slot_k // 2) % 4) + 4 * (slot_k // 16) + 2 * ((slot_k // 8) % 2) + slot_k % 2  # K_SPLIT, K_ORDER
     wq = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, ql)))
     g3 = gl.expand_dims(gl.expand_dims(g, 0), 2) + gl.expand_dims(gl.expand_dims(wq * 0, 1), 2)  # (W, 16, 1)
     q = gl.load(q_ptr + seq * stride_qs + (kv_head * GROUP + g3) * stride_qh
@@ -281,7 +300,7 @@ def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr
     o = gl.sum(acc * gl.expand_dims(weight, 1), 0)  # (128, 8): (row, head)
     ol: gl.constexpr = gl.SliceLayout(0, mma)
     row = gl.arange(0, D, layout=gl.SliceLayout(1, ol))
-    d = 16 * (row % 8) + 2 * (row // 16) + (row // 8) % 2  # the head_dim of each output row
+    d = 16 * (row % 8) + 2 * (row // 16) + (row // 8) % 2  # the head_dim of each output row: V_SPLIT, V_ORDER
     head = gl.arange(0, 8, layout=gl.SliceLayout(0, ol))
     heads = kv_head * GROUP + head
     l_all = gl.convert_layout(l_all, gl.SliceLayout(0, ol))
@@ -335,17 +354,17 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
                          softmax_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, *, num_warps: int,
                          stages: int, waves: float, max_splits: int, splits: int | None = None) -> torch.Tensor:
     """Decode attention of q (S, Hq, 128) bf16 over the FP8 paged cache -> (S, Hq, 128) bf16, where
-    :func:`supports` holds: ``num_warps`` warp streams per program, ``stages`` ring slots (>= 2), the context split
-    from :func:`num_splits` unless ``splits`` is given. No host synchronisation (the grid depends on shapes and
+    :func:`supports` holds: ``num_warps`` warp streams per program, ``stages`` ring slots (>= 2), ``splits`` context
+    splits per sequence (None or 0: :func:`num_splits`). No host synchronisation (the grid depends on shapes and
     ``meta.max_context_len``): a decode step using it can be captured in a CUDA graph."""
     num_seqs, num_heads, _ = q.shape
     num_kv_heads = k_cache_layer.shape[2]
     group = num_heads // num_kv_heads
-    if splits is None:
+    if not splits:
         splits = num_splits(num_seqs, num_kv_heads, int(meta.max_context_len), sm_count(q.device), num_warps,
                             waves, max_splits)
-    per_split = -(-max(int(meta.max_context_len), 1) // splits)
-    per_split = -(-per_split // TILE) * TILE  # whole tiles: every tile lies in one page
+    elif splits < 0:
+        raise ValueError(f"paged_decode_streams: splits must be positive (or None/0: the default), got {splits}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     if splits > 1:
@@ -358,10 +377,11 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
     tables = meta.block_tables
     _paged_decode_streams_kernel[(num_kv_heads, num_seqs, splits)](
         q, k_words, v_words, k_scale, v_scale, tables, meta.context_lens, out, part_acc, part_ml,
-        float(softmax_scale) * _LOG2E, per_split, q.stride(0), q.stride(1), k_words.stride(0), k_words.stride(1),
+        float(softmax_scale) * _LOG2E, q.stride(0), q.stride(1), k_words.stride(0), k_words.stride(1),
         k_words.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, PAGE=k_cache_layer.shape[1], NUM_SPLITS=splits, W=num_warps,
-        STAGES=stages, WIDE=cache_offsets_wide(k_words, v_words), num_warps=num_warps, **COMPILE_OPTIONS)
+        STAGES=stages, WIDE=cache_offsets_wide(k_words, v_words, k_scale, v_scale), num_warps=num_warps,
+        **COMPILE_OPTIONS)
     if splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=HEAD_DIM, NUM_SPLITS=splits,

@@ -8,7 +8,13 @@ sequence's single query sees cache positions ``< context_lens[s]``), read direct
 * it walks the sequence's tokens ``BLOCK_N`` at a time, gathering each token's row through the block
   table (one contiguous ``head_dim`` row per token), with an online (flash) softmax in fp32;
 * when the batch alone cannot fill the GPU, the context is split across programs (flash-decoding) and a
-  second small kernel merges the partial results by their log-sum-exp.
+  second small kernel merges the partial results by their log-sum-exp
+  (:func:`jetrl.quant.kernels.decode_splits.merge_splits_kernel`).
+
+Over an FP8 cache, :func:`paged_decode` hands the step to the Gluon kernel of
+:mod:`jetrl.quant.kernels.paged_attention_gluon` wherever that one applies (bf16 queries, ``head_dim`` 128, pages of a
+multiple of 16 tokens, at most 8 query heads per KV head; the tuning's ``kv_decode_streams``): this kernel reads an
+FP8 cache well below copy bandwidth (BENCHMARKS.md), that one near it. Everything below is this kernel.
 
 **An FP8 cache** (E4M3 K/V, one power-of-two fp32 scale ``2^e`` per token and KV head, written by
 ``jetrl.models.attention.quantize_kv``) is read without dequantizing it. Each E4M3 tile is converted to q's dtype

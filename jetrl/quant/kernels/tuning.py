@@ -37,6 +37,10 @@ from typing import Iterator, Mapping
 from jetrl.quant.formats import BLOCK_SIZE
 
 GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
+# the Gluon decode kernel's ring slot per warp: a 16-token tile's K and V rows (16 x 128 bytes each) and their fp32
+# scales; the ring's bound leaves an H200 SM's 227 KiB of shared memory room for the kernel's other buffers
+STREAM_SLOT_BYTES = 2 * 16 * 128 + 2 * 16 * 4
+STREAM_RING_MAX_BYTES = 192 * 1024
 KV_DECODE_BIT_TILES = ("words", "bytes")  # the forms of the decode attention's E4M3 bit conversion
 DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (the routing bounds pick which M go)
 
@@ -240,7 +244,8 @@ class KernelTuning:
     ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8 query heads per KV head, a Triton with Gluon),
     and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams per
     program (a power of two up to 8), ``kv_decode_stream_stages`` ring slots of 16-token tiles (>= 2: the tile
-    read and ``stages - 1`` in flight), and a context split aiming at ``kv_decode_stream_waves`` programs per SM,
+    read and ``stages - 1`` in flight; ``stages x warps`` slots of :data:`STREAM_SLOT_BYTES` within
+    :data:`STREAM_RING_MAX_BYTES`), and a context split aiming at ``kv_decode_stream_waves`` programs per SM,
     at most ``kv_decode_stream_max_splits`` splits. The same attention over the dequantized cache, to summation
     order.
 
@@ -424,6 +429,11 @@ class KernelTuning:
         if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
             raise ValueError(f"KernelTuning.kv_decode_stream_stages must be an int >= 2 (ring slots: the tile read "
                              f"and at least one in flight), got {stages!r}")
+        ring = stages * self.kv_decode_stream_warps * STREAM_SLOT_BYTES
+        if ring > STREAM_RING_MAX_BYTES:
+            raise ValueError(f"KernelTuning.kv_decode_stream_stages x kv_decode_stream_warps: a ring of {stages} "
+                             f"slots for {self.kv_decode_stream_warps} warps is {ring} bytes of shared memory, more "
+                             f"than the {STREAM_RING_MAX_BYTES} a program may use")
         bounds = [p.max_m for p in self.decode_policies]
         if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
