@@ -344,8 +344,10 @@ def run_row(shape: Shape, case: Case, route: str, config: Config | None, device:
                         "grid": False, "splits": 0, "status": "error",
                         "error": "the Gluon kernel does not apply here (CPU, no Gluon, or shapes it does not take)"}
             launch = {"num_warps": knobs.kv_decode_stream_warps, "num_stages": knobs.kv_decode_stream_stages,
-                      "split_waves": knobs.kv_decode_stream_waves, "max_splits": knobs.kv_decode_stream_max_splits}
-            name = "w{num_warps}s{num_stages}x{split_waves:g}m{max_splits}".format(**launch)
+                      "split_waves": knobs.kv_decode_stream_waves, "max_splits": knobs.kv_decode_stream_max_splits,
+                      "max_registers": knobs.kv_decode_stream_max_registers}
+            name = "w{num_warps}s{num_stages}x{split_waves:g}m{max_splits}".format(**launch) + (
+                f"r{launch['max_registers']}" if launch["max_registers"] else "")
             splits = num_splits(case.num_seqs, shape.num_kv_heads, case.context, sm_count(case.q.device),
                                 launch["num_warps"], launch["split_waves"], launch["max_splits"])
         else:

@@ -123,7 +123,8 @@ def test_tuning_fields():
 
     knobs = tuning.current()
     assert (knobs.kv_decode_streams, knobs.kv_decode_stream_warps, knobs.kv_decode_stream_stages,
-            knobs.kv_decode_stream_waves, knobs.kv_decode_stream_max_splits) == (True, 1, 3, 8.0, 64)
+            knobs.kv_decode_stream_waves, knobs.kv_decode_stream_max_splits,
+            knobs.kv_decode_stream_max_registers) == (True, 1, 3, 8.0, 64, 128)
     for name, bad, message in [
         ("kv_decode_streams", 1, "kv_decode_streams must be a bool"),
         ("kv_decode_stream_warps", 3, "power of two in 1..8, got 3"),
@@ -133,6 +134,7 @@ def test_tuning_fields():
         ("kv_decode_stream_waves", 0.0, "kv_decode_stream_waves must be a positive finite number"),
         ("kv_decode_stream_waves", float("nan"), "kv_decode_stream_waves must be a positive finite number"),
         ("kv_decode_stream_max_splits", 0, "kv_decode_stream_max_splits must be a positive int"),
+        ("kv_decode_stream_max_registers", 16, "kv_decode_stream_max_registers must be 0 (the compiler's choice)"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             with tuning.override(**{name: bad}):
@@ -263,6 +265,7 @@ def test_rows_past_the_context_change_nothing():
     streams = _streams()
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, meta, kd, ks, vd, vs, kq, vq = _case(gen, [1, 20, 1000, 47], 32, 8, 16)
+    ref = _reference(q, meta, kq, vq)
     # a pool with one more block in front (block 0, held by no sequence)
     kd, ks, vd, vs = (torch.cat([x[:1], x]) for x in (kd, ks, vd, vs))
     meta = dataclasses.replace(meta, block_tables=torch.where(meta.block_tables >= 0, meta.block_tables + 1, -1))
@@ -281,7 +284,7 @@ def test_rows_past_the_context_change_nothing():
     dirty = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, num_warps=2, stages=3, waves=8.0,
                                          max_splits=64, splits=3)
     assert torch.equal(dirty, clean)
-    assert rel_err(clean, _reference(q, meta, kq, vq)) < TOL
+    assert rel_err(clean, ref) < TOL
 
 
 @pytest.mark.gpu
@@ -309,6 +312,7 @@ def test_offsets_past_32_bits():
     streams = _streams()
     gen = torch.Generator(device="cuda").manual_seed(6)
     q, meta, kd, ks, vd, vs, kq, vq = _case(gen, [900, 17, 2500], 32, 8, 16)
+    ref = _reference(q, meta, kq, vq)
     used = kd.shape[0]
     far = 2 ** 33 // kd[0].numel() + 16  # the first block past 2^33 bytes (plus a margin)
     big = [torch.empty((far + used,) + x.shape[1:], dtype=x.dtype, device="cuda") for x in (kd, ks, vd, vs)]
@@ -319,7 +323,7 @@ def test_offsets_past_32_bits():
     assert cache_offsets_wide(kd.view(torch.int32), vd.view(torch.int32))
     out = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, num_warps=1, stages=3, waves=8.0,
                                        max_splits=64)
-    assert rel_err(out, _reference(q, meta, kq, vq)) < TOL
+    assert rel_err(out, ref) < TOL
     del big, kd, vd
 
 
@@ -342,7 +346,7 @@ def test_default_dispatch_and_graph_replay(monkeypatch):
     knobs = tuning.current()
     assert calls == [dict(num_warps=knobs.kv_decode_stream_warps, stages=knobs.kv_decode_stream_stages,
                           waves=knobs.kv_decode_stream_waves, max_splits=knobs.kv_decode_stream_max_splits,
-                          splits=None)]
+                          splits=None, max_registers=knobs.kv_decode_stream_max_registers)]
     with tuning.override(kv_decode_streams=False):
         paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs)
     paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs, block_n=64)

@@ -352,10 +352,12 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count:
 
 def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
                          softmax_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, *, num_warps: int,
-                         stages: int, waves: float, max_splits: int, splits: int | None = None) -> torch.Tensor:
+                         stages: int, waves: float, max_splits: int, splits: int | None = None,
+                         max_registers: int = 0) -> torch.Tensor:
     """Decode attention of q (S, Hq, 128) bf16 over the FP8 paged cache -> (S, Hq, 128) bf16, where
     :func:`supports` holds: ``num_warps`` warp streams per program, ``stages`` ring slots (>= 2), ``splits`` context
-    splits per sequence (None or 0: :func:`num_splits`). No host synchronisation (the grid depends on shapes and
+    splits per sequence (None or 0: :func:`num_splits`), at most ``max_registers`` registers per thread (0: the
+    compiler's choice). No host synchronisation (the grid depends on shapes and
     ``meta.max_context_len``): a decode step using it can be captured in a CUDA graph."""
     num_seqs, num_heads, _ = q.shape
     num_kv_heads = k_cache_layer.shape[2]
@@ -381,7 +383,7 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
         k_words.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, PAGE=k_cache_layer.shape[1], NUM_SPLITS=splits, W=num_warps,
         STAGES=stages, WIDE=cache_offsets_wide(k_words, v_words, k_scale, v_scale), num_warps=num_warps,
-        **COMPILE_OPTIONS)
+        maxnreg=max_registers or None, **COMPILE_OPTIONS)
     if splits > 1:
         merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=HEAD_DIM, NUM_SPLITS=splits,

@@ -486,7 +486,8 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         return paged_decode_streams(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale, v_scale,
                                     num_warps=knobs.kv_decode_stream_warps, stages=knobs.kv_decode_stream_stages,
                                     waves=knobs.kv_decode_stream_waves,
-                                    max_splits=knobs.kv_decode_stream_max_splits, splits=num_splits)
+                                    max_splits=knobs.kv_decode_stream_max_splits, splits=num_splits,
+                                    max_registers=knobs.kv_decode_stream_max_registers)
     # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
     bit_bytes = factored and knobs.kv_decode_bit_convert and knobs.kv_decode_bit_tile == "bytes"  # any alignment

@@ -245,8 +245,9 @@ class KernelTuning:
     and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams per
     program (a power of two up to 8), ``kv_decode_stream_stages`` ring slots of 16-token tiles (>= 2: the tile
     read and ``stages - 1`` in flight; ``stages x warps`` slots of :data:`STREAM_SLOT_BYTES` within
-    :data:`STREAM_RING_MAX_BYTES`), and a context split aiming at ``kv_decode_stream_waves`` programs per SM,
-    at most ``kv_decode_stream_max_splits`` splits. The same attention over the dequantized cache, to summation
+    :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM,
+    at most ``kv_decode_stream_max_splits`` splits, and at most ``kv_decode_stream_max_registers`` registers per
+    thread (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same attention over the dequantized cache, to summation
     order.
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
@@ -363,6 +364,7 @@ class KernelTuning:
     kv_decode_stream_stages: int = 3
     kv_decode_stream_waves: float = 8.0
     kv_decode_stream_max_splits: int = 64
+    kv_decode_stream_max_registers: int = 128
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -413,10 +415,11 @@ class KernelTuning:
             raise ValueError(f"KernelTuning.kv_decode_num_warps must be a power of two in 1..16, "
                              f"got {self.kv_decode_num_warps!r}")
         self._check_ints(("kv_decode_num_stages", "kv_decode_max_splits"), 1)
-        regs = self.kv_decode_max_registers
-        if isinstance(regs, bool) or not isinstance(regs, int) or not (regs == 0 or 24 <= regs <= 255):
-            raise ValueError(f"KernelTuning.kv_decode_max_registers must be 0 (the compiler's choice) or an int in "
-                             f"24..255, got {regs!r}")
+        for name in ("kv_decode_max_registers", "kv_decode_stream_max_registers"):
+            regs = getattr(self, name)
+            if isinstance(regs, bool) or not isinstance(regs, int) or not (regs == 0 or 24 <= regs <= 255):
+                raise ValueError(f"KernelTuning.{name} must be 0 (the compiler's choice) or an int in 24..255, "
+                                 f"got {regs!r}")
         for name in ("kv_decode_split_waves", "kv_decode_stream_waves"):
             waves = getattr(self, name)
             if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not 0 < waves < float("inf"):
