@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
+
 _SM_COUNTS: dict[int, int] = {}
 
 
@@ -39,6 +41,28 @@ def merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_os, stride_oh
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def split_partials(out: torch.Tensor, splits: int, block_d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partials a decode step of ``splits`` context splits writes for :func:`merge_splits`, ``out`` (S, Hq, D)
+    its output: ``acc`` (S, Hq, splits, block_d) and ``(m, l)`` (S, Hq, splits, 2), fp32; unsplit, ``out`` twice
+    (a kernel argument it never touches)."""
+    if splits == 1:
+        return out, out
+    num_seqs, num_heads = out.shape[:2]
+    return (torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=out.device),
+            torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=out.device))
+
+
+def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, splits: int,
+                 block_d: int) -> None:
+    """Write ``out`` (S, Hq, D) from the partials of :func:`split_partials` (nothing to do unsplit)."""
+    if splits == 1:
+        return
+    num_seqs, num_heads, head_dim = out.shape
+    merge_splits_kernel[(num_seqs, num_heads)](
+        part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4, **COMPILE_OPTIONS)
+
+
 def cache_offsets_wide(*tensors: torch.Tensor) -> bool:
     """Whether an element offset into one of ``tensors`` (its largest: every index at its last value) can pass
     ``2^31 - 1``, the largest 32-bit int."""
@@ -55,4 +79,4 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-__all__ = ["merge_splits_kernel", "sm_count", "cache_offsets_wide"]
+__all__ = ["merge_splits_kernel", "split_partials", "merge_splits", "sm_count", "cache_offsets_wide"]

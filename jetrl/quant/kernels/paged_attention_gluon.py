@@ -51,13 +51,12 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from jetrl.quant.formats import E4M3
-from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits_kernel, sm_count
+from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits, sm_count, split_partials
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 TILE = 16  # tokens per warp per loop trip: one m16n8k16 step of the output product
@@ -216,7 +215,7 @@ def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr
     """One program per (KV head, sequence, split): the split's 16-token tiles round-robin over ``W`` warp streams,
     ``STAGES - 1`` tiles in flight per warp, the streams merged at the end. ``k_ptr``/``v_ptr`` are the caches as
     int32 words (their strides in words); the scales' strides in elements. Writes the normalized output, or with
-    splits the partials (acc, m, l) of ``decode_splits.merge_splits_kernel``."""
+    splits the partials (acc, m, l) of ``decode_splits.merge_splits``."""
     kv_head = gl.program_id(0)
     seq = gl.program_id(1)
     split = gl.program_id(2)
@@ -369,11 +368,7 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
         raise ValueError(f"paged_decode_streams: splits must be positive (or None/0: the default), got {splits}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
-    if splits > 1:
-        part_acc = torch.empty(num_seqs, num_heads, splits, HEAD_DIM, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = split_partials(out, splits, HEAD_DIM)
     k_words = k_cache_layer.view(torch.int32)
     v_words = v_cache_layer.view(torch.int32)
     tables = meta.block_tables
@@ -384,10 +379,7 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
         out.stride(0), out.stride(1), GROUP=group, PAGE=k_cache_layer.shape[1], NUM_SPLITS=splits, W=num_warps,
         STAGES=stages, WIDE=cache_offsets_wide(k_words, v_words, k_scale, v_scale), num_warps=num_warps,
         maxnreg=max_registers or None, **COMPILE_OPTIONS)
-    if splits > 1:
-        merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads, HEAD_DIM=HEAD_DIM, NUM_SPLITS=splits,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=HEAD_DIM, num_warps=4, **COMPILE_OPTIONS)
+    merge_splits(part_acc, part_ml, out, splits, HEAD_DIM)
     return out
 
 

@@ -90,7 +90,7 @@ import triton.language as tl
 
 from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels import tuning
-from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits_kernel, sm_count
+from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits, sm_count, split_partials
 from jetrl.quant.kernels.quantize_triton import cast_rne
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
@@ -514,11 +514,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     tables = meta.block_tables
     ctx = meta.context_lens
     out = torch.empty_like(q)
-    if splits > 1:
-        part_acc = torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = split_partials(out, splits, block_d)
     grid = (num_kv_heads, num_seqs, splits) if head_major else (num_seqs, num_kv_heads, splits)
     _paged_decode_kernel[grid](
         q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, ctx, out, part_acc, part_ml,
@@ -532,11 +528,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         SHARED_OFFSETS=shared_offsets, WIDE_OFFSETS=wide_offsets, HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
         num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None,
         **COMPILE_OPTIONS)
-    if splits > 1:
-        merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
-            num_warps=4, **COMPILE_OPTIONS)
+    merge_splits(part_acc, part_ml, out, splits, block_d)
     return out
 
 
