@@ -5,6 +5,13 @@ over enough programs to keep every SM busy, and reduces the partials determinist
 Operands and scales are laid out as for :func:`jetrl.quant.kernels.gemm_triton.blockwise_fp8_gemm`.
 Imported lazily by the CUDA backend, like every Triton module of jetrl.
 
+**Programmatic dependent launch.** On the GPU the kernel is launched as a programmatic dependent of the kernel
+before it (``tuning.decode_gemm_pdl``): the kernels that feed a decode GEMM (the fused norm, SwiGLU and the
+activation quantizer) let their dependents launch as soon as all their programs have started, so the GEMM's
+programs are placed and set up while that kernel runs; their first instruction waits (``griddepcontrol.wait``)
+until it has finished and its writes are visible. Nothing is read or written before that wait, so the result is
+the same bits.
+
 Tuning knobs (:class:`~jetrl.quant.kernels.tuning.DecodeGemmConfig`): weight rows per program, K splits,
 warps, pipeline stages, K blocks per loop iteration, TMA (tensor-descriptor) loads, and row tiles for M > 64.
 The tuning object (:mod:`jetrl.quant.kernels.tuning`) holds the per-row-count policies that turn them into the
@@ -17,6 +24,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from triton.language.extra.cuda import gdc_wait
 
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv, cast_rne
@@ -34,6 +43,7 @@ def _fp8_decode_gemm_kernel(
     KB_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, B_SCALE_ROWS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     M_TILES: tl.constexpr, K_UNROLL: tl.constexpr, USE_TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """C = A @ B^T for a small M (decode): weight-bandwidth bound, so the kernel is built around streaming B.
 
@@ -49,7 +59,10 @@ def _fp8_decode_gemm_kernel(
     column tiles follow one another and their outputs lie side by side in C. With ``HAS_BIAS`` the BF16
     result gets the bias added after rounding, as ``F.linear``-style ``y + bias`` would. With ``USE_TMA``
     the ``b*_ptr`` and ``a_ptr`` arguments are tensor descriptors (TMA loads, zero-filled out of bounds).
+    ``PDL``: launched as a programmatic dependent; the kernel waits for the kernel before it first (module doc).
     """
+    if PDL:
+        gdc_wait()  # the kernel before has finished: its writes (A, A's scales) are visible from here on
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = pid // M_TILES
@@ -289,13 +302,14 @@ def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
         j = i if i < len(weights) else 0
         _, sc, bias = weights[j]
         groups += [w_args[j], sc, bias if has_bias else out, ns[i] if i < len(weights) else 0]
+    pdl = tuning.early_dependents(a_data.device)
     _fp8_decode_gemm_kernel[(tiles, split)](
         a_arg, out, a_scale, ws, locks, *groups, m, k,
         a_data.stride(0), a_data.stride(1), b0.stride(0), b0.stride(1), out.stride(0), out.stride(1),
         a_scale.stride(0), a_scale.stride(1), bs0.stride(0), bs0.stride(1),
         KB_PER_SPLIT=kb_per_split, SPLIT_K=split, B_SCALE_ROWS=b_scale_rows,
         NUM_GROUPS=len(weights), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        M_TILES=m_tiles, K_UNROLL=cfg.k_unroll, USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS
+        M_TILES=m_tiles, K_UNROLL=cfg.k_unroll, USE_TMA=use_tma, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS, **({"launch_pdl": True} if pdl else {})
     )
     return out

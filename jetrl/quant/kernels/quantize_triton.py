@@ -35,6 +35,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from jetrl.quant.formats import AMAX_EPS, E4M3, E4M3_MAX
 from jetrl.quant.kernels import tuning
@@ -203,10 +204,13 @@ def _quantize_rows_cols_kernel(
     x_ptr, M, K, stride_xm, stride_xk,
     out_ptr, scale_ptr, stride_sm, stride_sk,
     POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr = False,
 ):
     """One tile of x quantized per row (``ROWS``: 1x128, BLOCK_K == 128; data (M, K) row-major, scales at
     ``stride_sm``/``stride_sk``) or per column (128x1, BLOCK_M == 128; the E4M3 tile transposed and stored
     into a row-major (K, M) buffer, scales a row-major (Mb, K) buffer)."""
+    if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -298,7 +302,7 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False):
         _quantize_rows_cols_kernel[(_cdiv(m, cfg.act_block_m), kb)](
             x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, m,
             POW2=pow2_scale, ROWS=True, BLOCK_M=cfg.act_block_m, BLOCK_K=BLOCK, num_warps=cfg.act_num_warps,
-            **COMPILE_OPTIONS
+            LAUNCH_DEPS=tuning.early_dependents(x.device), **COMPILE_OPTIONS
         )
     return data, scale_buf.t()
 

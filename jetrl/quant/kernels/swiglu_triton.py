@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels import tuning
@@ -66,9 +67,12 @@ def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, q_ptr, scale_ptr,
     M, K, stride_gm, stride_um,
     POW2: tl.constexpr, QUANTIZE: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr,
 ):
     """One (BLOCK_M, 128) tile: ``out = rnd(rnd(silu(gate)) * up)`` and its 1x128 FP8 (data row-major
     (M, K), scales into a (Kb, M) buffer)."""
+    if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -145,7 +149,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
             gate, up, out, data if quantize else out, scale_buf if quantize else out,
             m, k, gate.stride(0), up.stride(0),
             POW2=pow2_scale, QUANTIZE=quantize, IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m,
-            num_warps=4, enable_fp_fusion=False,
+            LAUNCH_DEPS=tuning.early_dependents(gate.device), num_warps=4, enable_fp_fusion=False,
         )
     if quantize:
         return out, data, scale_buf.t()

@@ -32,9 +32,12 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 from jetrl.quant.formats import BLOCK_SIZE
+
+if TYPE_CHECKING:
+    import torch
 
 GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 # the Gluon decode kernel's ring slot per warp: a 16-token tile's K and V rows (16 x 128 bytes each) and their fp32
@@ -196,7 +199,11 @@ class KernelTuning:
       only); the default comes from ``JETRL_FP8_GEMM``;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
-    * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`).
+    * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
+    * ``decode_gemm_pdl`` (on): on the GPU the decode GEMM is a programmatic dependent launch of the kernel before
+      it, and the kernels that feed it (fused norm, SwiGLU, activation quantizer) let it launch as soon as all
+      their programs have started; the GEMM waits for their writes before it reads anything. The same bits either
+      way (:mod:`~jetrl.quant.kernels.gemm_decode_triton`).
 
     Quantization kernels (same bytes for every value):
 
@@ -313,6 +320,7 @@ class KernelTuning:
     decode_policies: tuple[DecodePolicy, ...] = DECODE_POLICIES
     decode_shape_configs: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = field(
         default_factory=lambda: DECODE_SHAPE_CONFIGS)
+    decode_gemm_pdl: bool = True
     gluon: bool = True
     act_block_m: int = 32
     act_num_warps: int = 4
@@ -405,7 +413,8 @@ class KernelTuning:
         if self.kv_decode_bit_tile not in KV_DECODE_BIT_TILES:
             raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
                              f"got {self.kv_decode_bit_tile!r}")
-        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams"):
+        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams",
+                     "decode_gemm_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
@@ -534,6 +543,12 @@ class KernelTuning:
 
 _DEFAULT = KernelTuning(gemm=os.environ.get("JETRL_FP8_GEMM", "auto"))
 _CURRENT: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("jetrl_kernel_tuning", default=_DEFAULT)
+
+
+def early_dependents(device: torch.device) -> bool:
+    """Whether a kernel feeding the decode GEMM on ``device`` lets its programmatic dependents launch as soon as all
+    its programs have started (``decode_gemm_pdl`` on a GPU; the interpreter has no such launch)."""
+    return device.type == "cuda" and current().decode_gemm_pdl
 
 
 def current() -> KernelTuning:
