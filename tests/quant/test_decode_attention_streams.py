@@ -407,8 +407,7 @@ def test_default_dispatch_and_graph_replay(monkeypatch):
     knobs = tuning.current()
     assert calls == [dict(num_warps=knobs.kv_decode_stream_warps, stages=knobs.kv_decode_stream_stages,
                           waves=knobs.kv_decode_stream_waves, max_splits=knobs.kv_decode_stream_max_splits,
-                          splits=None, max_registers=knobs.kv_decode_stream_max_registers,
-                          fused_merge=knobs.kv_decode_stream_fused_merge)]
+                          splits=None, max_registers=knobs.kv_decode_stream_max_registers)]
     with tuning.override(kv_decode_streams=False):
         paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs)
     paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs, block_n=64)
