@@ -26,8 +26,6 @@ import torch
 from sm90_compile import skip_without_sm90_compiler
 from test_kv_fp8_kernels import dequantize_kv_ref, paged_case, rel_err
 
-from jetrl.quant.kernels.decode_splits import split_counters
-
 gluon_missing = importlib.util.find_spec("triton") is None
 
 
@@ -154,8 +152,7 @@ def test_tuning_fields():
 # CPU: compiled for the H200 (sm_90a)
 
 
-def _compile(warps: int, stages: int, splits: int, group: int, page: int = 16, wide: bool = False,
-             merge: bool = False, max_registers: int | None = None):
+def _compile(warps: int, stages: int, splits: int, group: int, page: int = 16, wide: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -166,11 +163,10 @@ def _compile(warps: int, stages: int, splits: int, group: int, page: int = 16, w
     skip_without_sm90_compiler()
     kernel = streams._paged_decode_streams_kernel
     names = kernel.arg_names
-    consts = dict(GROUP=group, PAGE=page, NUM_SPLITS=splits, W=warps, STAGES=stages, WIDE=wide, MERGE=merge,
-                  stride_sh=1)
+    consts = dict(GROUP=group, PAGE=page, NUM_SPLITS=splits, W=warps, STAGES=stages, WIDE=wide, stride_sh=1)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*i32", "v_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "tables_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
-            "part_ml_ptr": "*fp32", "counter_ptr": "*i32", "scale_log2": "fp32"}
+            "part_ml_ptr": "*fp32", "scale_log2": "fp32"}
     # the runtime's specialization at the 8B head shapes: strides in int32 words, ints divisible by 16 marked so
     ints = dict(stride_qs=4096, stride_qh=128, stride_kb=256 * page, stride_kt=256, stride_kh=32,
                 stride_sb=8 * page, stride_st=8, stride_ts=48, stride_os=4096, stride_oh=128)
@@ -180,8 +176,7 @@ def _compile(warps: int, stages: int, splits: int, group: int, page: int = 16, w
              if n in ptrs and n != "scale_log2" or ints.get(n, 1) % 16 == 0}
     src = GluonASTSource(fn=kernel, signature=signature,
                          constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, maxnreg=max_registers, **COMPILE_OPTIONS))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, **COMPILE_OPTIONS))
 
 
 @pytest.mark.parametrize("warps, stages, splits, group, page, wide", [
@@ -203,40 +198,6 @@ def test_compiles_for_sm90_to_register_operands(warps, stages, splits, group, pa
     # K and V words copied 16 bytes at a time (4 copies each per thread and tile: a warp's tile is 16 tokens of
     # 128 bytes), in the prologue's STAGES - 1 tiles and in the loop's
     assert len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)) == 8 * stages
-
-
-def _resources(cubin: bytes) -> str:
-    """``cuobjdump -res-usage`` of a cubin: its registers and local (spill) memory."""
-    import os
-    import subprocess
-    import tempfile
-
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-
-
-@pytest.mark.parametrize("warps, splits", [(1, 3), (2, 64)])
-def test_fused_merge_compiles_to_one_counted_arrival(warps, splits):
-    """With the splits merged in the kernel: after its partials, a CTA barrier, then one acq_rel atomic add on the
-    group's counter at GPU scope (by one thread, its result shared), the merge's loads past L1, the counter's reset;
-    no MMA added, and within the register cap without spilling."""
-    compiled = _compile(warps, 3, splits, 4, merge=True, max_registers=128)
-    ptx = compiled.asm["ptx"]
-    adds = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add\.u32", ptx)]
-    assert len(adds) == 1
-    last_store = max(m.start() for m in re.finditer(r"st\.global", ptx[:adds[0]]))
-    assert "bar.sync" in ptx[last_store:adds[0]]  # every thread's partial stored before the count
-    assert len(re.findall(r"atom\.global\.gpu\.relaxed\.exch\.b32", ptx[adds[0]:])) == 1
-    assert re.search(r"ld\.global\.cg", ptx[adds[0]:]) and not re.search(r"ld\.global\.cg", ptx[:adds[0]])
-    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16", ptx)) == 24
-    usage = _resources(compiled.asm["cubin"])
-    assert "LOCAL:0" in usage and int(re.search(r"REG:(\d+)", usage).group(1)) <= 128, usage
-    assert "atom" not in _compile(warps, 3, splits, 4, merge=False).asm["ptx"]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -288,34 +249,12 @@ def test_against_the_reference_and_the_triton_kernel(name):
     with tuning.override(kv_decode_streams=False):
         triton_out = paged_decode(q, kd, vd, meta, 128 ** -0.5, ks, vs)
     for warps, stages in ((1, 3), (1, 2), (2, 4), (4, 3), (8, 2)):
-        for splits, fused in ((None, True), (0, False), (1, True), (3, True), (3, False)):
+        for splits in (None, 0, 1, 3):
             out = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, num_warps=warps,
-                                               stages=stages, waves=8.0, max_splits=64, splits=splits,
-                                               fused_merge=fused)
-            what = (warps, stages, splits, fused)
+                                               stages=stages, waves=8.0, max_splits=64, splits=splits)
+            what = (warps, stages, splits)
             assert out.dtype == torch.bfloat16 and torch.isfinite(out).all(), what
             assert rel_err(out, ref) < TOL and rel_err(out, triton_out) < TOL, (what, rel_err(out, ref))
-    assert int(split_counters(q.device, 1).abs().sum()) == 0  # every group's counter reset by its merge
-
-
-@pytest.mark.gpu
-def test_fused_merge_does_not_depend_on_the_last_arrival():
-    """The last split to arrive merges all of them in split order: the same bits call after call (the arrival
-    order varies), and the merge kernel's result to summation order."""
-    from jetrl.quant.kernels.decode_splits import split_counters
-
-    streams = _streams()
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    q, meta, kd, ks, vd, vs, kq, vq = _case(gen, list(range(7, 3000, 97)), 32, 8, 16)
-    ref = _reference(q, meta, kq, vq)
-    for splits in (2, 17, 64):
-        kw = dict(num_warps=1, stages=3, waves=8.0, max_splits=64, splits=splits)
-        first = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, **kw)
-        for _ in range(4):
-            assert torch.equal(streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, **kw), first)
-        second_kernel = streams.paged_decode_streams(q, kd, vd, meta, 128 ** -0.5, ks, vs, fused_merge=False, **kw)
-        assert rel_err(first, ref) < TOL and rel_err(first, second_kernel) < TOL, splits
-    assert int(split_counters(q.device, 1).abs().sum()) == 0
 
 
 @pytest.mark.gpu

@@ -1,6 +1,5 @@
 """What the paged decode-attention kernels share: the merge of a step's context splits (flash-decoding's second
-kernel), the arrival counters of a kernel that merges its own splits, the GPU's SM count their split policies aim
-at, and whether 32-bit offsets reach every element.
+kernel), the GPU's SM count their split policies aim at, and whether 32-bit offsets reach every element.
 
 Used by :mod:`~jetrl.quant.kernels.paged_attention_triton` and :mod:`~jetrl.quant.kernels.paged_attention_gluon`;
 imported lazily with them.
@@ -15,8 +14,6 @@ import triton.language as tl
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 _SM_COUNTS: dict[int, int] = {}
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-COUNTER_SLOTS = 1 << 16
 
 
 @triton.jit
@@ -66,20 +63,6 @@ def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tenso
         BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, num_warps=4, **COMPILE_OPTIONS)
 
 
-def split_counters(device: torch.device, groups: int) -> torch.Tensor | None:
-    """Zeroed int32 arrival counters, one per (sequence, KV head) group of a decode step that merges its own splits
-    (the last split program of a group to arrive merges it and resets its counter to 0, so the buffer is zero
-    again after every step and every graph replay); ``None`` where ``groups`` exceeds :data:`COUNTER_SLOTS` (the
-    caller then merges with :func:`merge_splits`). One buffer per device, allocated once: steps on one device must
-    not run concurrently on different streams."""
-    if groups > COUNTER_SLOTS:
-        return None
-    key = (device.type, device.index)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 def cache_offsets_wide(*tensors: torch.Tensor) -> bool:
     """Whether an element offset into one of ``tensors`` (its largest: every index at its last value) can pass
     ``2^31 - 1``, the largest 32-bit int."""
@@ -96,5 +79,4 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-__all__ = ["merge_splits_kernel", "split_partials", "merge_splits", "split_counters", "sm_count",
-           "cache_offsets_wide", "COUNTER_SLOTS"]
+__all__ = ["merge_splits_kernel", "split_partials", "merge_splits", "sm_count", "cache_offsets_wide"]

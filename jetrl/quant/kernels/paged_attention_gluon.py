@@ -18,9 +18,6 @@ query heads per KV head):
 * **Splits per sequence.** A split's share of a sequence's context is computed in the kernel from that sequence's
   own length (``ceil(context / NUM_SPLITS)``, whole tiles), so a CUDA-graph decode step, whose host side knows
   only the longest possible context, still spreads every sequence's tokens over all its splits.
-* **Splits merged in the kernel.** Each split writes its partial (output, maximum, sum) and counts itself in an
-  atomic counter of its (sequence, KV head); the last split to arrive merges all of them, in split order, and
-  resets the counter. No second kernel; the result does not depend on which split came last.
 * **Operands straight into the MMA's registers.** A head_dim permutation lets the bit conversion of the E4M3 bytes
   land in ``mma.m16n8k16``'s operand registers with no layout conversion:
 
@@ -59,8 +56,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from jetrl.quant.formats import E4M3
-from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits, sm_count, split_counters, \
-    split_partials
+from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits, sm_count, split_partials
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 TILE = 16  # tokens per warp per loop trip: one m16n8k16 step of the output product
@@ -85,8 +81,6 @@ _VO0, _VO1, _VO2 = (gl.constexpr(1 + i) for i in V_ORDER)
 # Triton renamed the copy (3.6: async_copy_global_to_shared; later releases: async_load, the old name raising)
 _async_copy = (async_copy.async_load if "async_load" in async_copy.__all__
                else async_copy.async_copy_global_to_shared)
-# and the CTA barrier (3.6: thread_barrier; later releases: barrier)
-_cta_barrier = gl.barrier if "barrier" in dir(gl) else gl.thread_barrier
 
 
 @gluon.constexpr_function
@@ -214,17 +208,14 @@ def _copy_tile(tile, slot, start, end, table_row, k_head, v_head, ks_head, vs_he
 
 @gluon.jit
 def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr,
-                                 part_ml_ptr, counter_ptr, scale_log2, stride_qs, stride_qh, stride_kb,
+                                 part_ml_ptr, scale_log2, stride_qs, stride_qh, stride_kb,
                                  stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_ts, stride_os,
                                  stride_oh, GROUP: gl.constexpr, PAGE: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                                 W: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
-                                 MERGE: gl.constexpr):
+                                 W: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr):
     """One program per (KV head, sequence, split): the split's 16-token tiles round-robin over ``W`` warp streams,
     ``STAGES - 1`` tiles in flight per warp, the streams merged at the end. ``k_ptr``/``v_ptr`` are the caches as
     int32 words (their strides in words); the scales' strides in elements. Writes the normalized output, or with
-    splits the partials (acc, m, l) of ``decode_splits.merge_splits``; with ``MERGE`` the last split program of a
-    (sequence, KV head) to count itself in ``counter_ptr`` (zeroed int32, one per group) merges them into the
-    output and zeroes its counter."""
+    splits the partials (acc, m, l) of ``decode_splits.merge_splits``."""
     kv_head = gl.program_id(0)
     seq = gl.program_id(1)
     split = gl.program_id(2)
@@ -323,40 +314,6 @@ def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr
                  mask=gl.expand_dims(head < GROUP, 0))
         gl.store(part_ml_ptr + base * 2, gl.where(l_all > 0, m_all, float("-inf")), mask=head < GROUP)
         gl.store(part_ml_ptr + base * 2 + 1, l_all, mask=head < GROUP)
-        if MERGE:
-            counter = counter_ptr + seq * num_kv_heads + kv_head
-            _cta_barrier()  # every thread's partial stored before the count below (CTA-scope order)
-            arrived = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")  # releases ours, acquires the others'
-            if arrived == NUM_SPLITS - 1:
-                _merge_group(part_acc_ptr, part_ml_ptr, out_ptr, base - split, d, heads, head < GROUP, seq,
-                             stride_os, stride_oh, NUM_SPLITS, ol)
-                gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next step (and replay)
-
-
-@gluon.jit
-def _merge_group(part_acc_ptr, part_ml_ptr, out_ptr, base0, d, heads, h_ok, seq, stride_os, stride_oh,
-                 NUM_SPLITS: gl.constexpr, OL: gl.constexpr):
-    """The merge of ``decode_splits.merge_splits_kernel`` for one (sequence, KV head), in the layout the partials
-    were written in: ``out = sum_j w_j acc_j / sum_j w_j l_j`` with ``w_j = exp2(m_j - max m)``, splits in order.
-    ``base0`` (per head, ``SliceLayout(0, OL)``) indexes split 0; ``d`` the head_dim of each output row
-    (``SliceLayout(1, OL)``). The partials are read past L1 (``.cg``): other programs wrote them."""
-    m_max = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, OL))
-    for j in range(NUM_SPLITS):
-        m_max = gl.maximum(m_max, gl.load(part_ml_ptr + (base0 + j) * 2, mask=h_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
-    m_max = gl.where(m_max == float("-inf"), 0.0, m_max)
-    total = gl.zeros([8], gl.float32, gl.SliceLayout(0, OL))
-    acc = gl.zeros([D, 8], gl.float32, OL)
-    for j in range(NUM_SPLITS):
-        m_j = gl.load(part_ml_ptr + (base0 + j) * 2, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
-        l_j = gl.load(part_ml_ptr + (base0 + j) * 2 + 1, mask=h_ok, other=0.0, cache_modifier=".cg")
-        w_j = gl.where(m_j > float("-inf"), gl.exp2(m_j - m_max), 0.0)
-        total += w_j * l_j
-        acc += gl.expand_dims(w_j, 0) * gl.load(part_acc_ptr + gl.expand_dims(base0 + j, 0) * D + gl.expand_dims(d, 1),
-                                                mask=gl.expand_dims(h_ok, 0), other=0.0, cache_modifier=".cg")
-    out = acc / gl.expand_dims(gl.where(total > 0, total, 1.0), 0)
-    gl.store(out_ptr + seq * stride_os + gl.expand_dims(heads, 0) * stride_oh + gl.expand_dims(d, 1),
-             out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h_ok, 0))
 
 
 def supports(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k_scale: torch.Tensor,
@@ -395,14 +352,11 @@ def num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count:
 def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
                          softmax_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, *, num_warps: int,
                          stages: int, waves: float, max_splits: int, splits: int | None = None,
-                         max_registers: int = 0, fused_merge: bool = True) -> torch.Tensor:
+                         max_registers: int = 0) -> torch.Tensor:
     """Decode attention of q (S, Hq, 128) bf16 over the FP8 paged cache -> (S, Hq, 128) bf16, where
     :func:`supports` holds: ``num_warps`` warp streams per program, ``stages`` ring slots (>= 2), ``splits`` context
     splits per sequence (None or 0: :func:`num_splits`), at most ``max_registers`` registers per thread (0: the
-    compiler's choice); split partials merged by the kernel's last split per (sequence, KV head) with
-    ``fused_merge`` (where :func:`~jetrl.quant.kernels.decode_splits.split_counters` has a counter for each), else
-    by the merge kernel. Calls on one device must not run concurrently on different streams (the counters are
-    shared). No host synchronisation (the grid depends on shapes and
+    compiler's choice). No host synchronisation (the grid depends on shapes and
     ``meta.max_context_len``): a decode step using it can be captured in a CUDA graph."""
     num_seqs, num_heads, _ = q.shape
     num_kv_heads = k_cache_layer.shape[2]
@@ -415,19 +369,17 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     part_acc, part_ml = split_partials(out, splits, HEAD_DIM)
-    counters = split_counters(q.device, num_seqs * num_kv_heads) if splits > 1 and fused_merge else None
     k_words = k_cache_layer.view(torch.int32)
     v_words = v_cache_layer.view(torch.int32)
     tables = meta.block_tables
     _paged_decode_streams_kernel[(num_kv_heads, num_seqs, splits)](
         q, k_words, v_words, k_scale, v_scale, tables, meta.context_lens, out, part_acc, part_ml,
-        counters if counters is not None else meta.context_lens, float(softmax_scale) * _LOG2E, q.stride(0), q.stride(1), k_words.stride(0), k_words.stride(1),
+        float(softmax_scale) * _LOG2E, q.stride(0), q.stride(1), k_words.stride(0), k_words.stride(1),
         k_words.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, PAGE=k_cache_layer.shape[1], NUM_SPLITS=splits, W=num_warps,
-        STAGES=stages, WIDE=cache_offsets_wide(k_words, v_words, k_scale, v_scale), MERGE=counters is not None,
-        num_warps=num_warps, maxnreg=max_registers or None, **COMPILE_OPTIONS)
-    if counters is None:
-        merge_splits(part_acc, part_ml, out, splits, HEAD_DIM)
+        STAGES=stages, WIDE=cache_offsets_wide(k_words, v_words, k_scale, v_scale), num_warps=num_warps,
+        maxnreg=max_registers or None, **COMPILE_OPTIONS)
+    merge_splits(part_acc, part_ml, out, splits, HEAD_DIM)
     return out
 
 

@@ -487,8 +487,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
                                     num_warps=knobs.kv_decode_stream_warps, stages=knobs.kv_decode_stream_stages,
                                     waves=knobs.kv_decode_stream_waves,
                                     max_splits=knobs.kv_decode_stream_max_splits, splits=num_splits,
-                                    max_registers=knobs.kv_decode_stream_max_registers,
-                                    fused_merge=knobs.kv_decode_stream_fused_merge)
+                                    max_registers=knobs.kv_decode_stream_max_registers)
     # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
     bit_bytes = factored and knobs.kv_decode_bit_convert and knobs.kv_decode_bit_tile == "bytes"  # any alignment

@@ -254,10 +254,8 @@ class KernelTuning:
     read and ``stages - 1`` in flight; ``stages x warps`` slots of :data:`STREAM_SLOT_BYTES` within
     :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM,
     at most ``kv_decode_stream_max_splits`` splits, and at most ``kv_decode_stream_max_registers`` registers per
-    thread (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM);
-    ``kv_decode_stream_fused_merge`` (on) merges the context splits in that kernel (the last split of a sequence's
-    KV head to finish merges them) instead of a second kernel. The same attention over the dequantized cache, to
-    summation order.
+    thread (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same attention over the dequantized cache, to summation
+    order.
 
     Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
     tiles (``exact_narrow_block_n`` for weights of at most ``exact_narrow_n`` rows), ``exact_num_warps``,
@@ -375,7 +373,6 @@ class KernelTuning:
     kv_decode_stream_waves: float = 8.0
     kv_decode_stream_max_splits: int = 64
     kv_decode_stream_max_registers: int = 128
-    kv_decode_stream_fused_merge: bool = True
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -417,7 +414,7 @@ class KernelTuning:
             raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
                              f"got {self.kv_decode_bit_tile!r}")
         for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams",
-                     "decode_gemm_pdl", "kv_decode_stream_fused_merge"):
+                     "decode_gemm_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
