@@ -18,8 +18,10 @@ import pytest
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, KernelTuning, early_dependents
 from sm90_compile import skip_without_sm90_compiler
 
+# loads, stores and atomics on global memory (TMA and cp.async copies included); a kernel's parameters are no one's
+# writes, so ld.param may come first
 _MEMORY = re.compile(r"^\s*(?:@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async\.bulk\.tensor|"
-                     r"cp\.async\.(?:ca|cg)|ld\.param.*\.u64.*desc)", re.M)
+                     r"cp\.async\.(?:ca|cg)|ld\.volatile|ld\.acquire|ld\.relaxed)", re.M)
 
 
 def _compile(fn, consts: dict, types: dict, warps: int = 4, stages: int = 3) -> str:
