@@ -370,7 +370,7 @@ class KernelTuning:
     kv_decode_streams: bool = True
     kv_decode_stream_warps: int = 1
     kv_decode_stream_stages: int = 3
-    kv_decode_stream_waves: float = 8.0
+    kv_decode_stream_waves: float = 6.0
     kv_decode_stream_max_splits: int = 64
     kv_decode_stream_max_registers: int = 128
 
