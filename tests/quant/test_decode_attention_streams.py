@@ -124,7 +124,7 @@ def test_tuning_fields():
     knobs = tuning.current()
     assert (knobs.kv_decode_streams, knobs.kv_decode_stream_warps, knobs.kv_decode_stream_stages,
             knobs.kv_decode_stream_waves, knobs.kv_decode_stream_max_splits,
-            knobs.kv_decode_stream_max_registers) == (True, 1, 3, 8.0, 64, 128)
+            knobs.kv_decode_stream_max_registers) == (True, 1, 3, 6.0, 64, 128)
     for name, bad, message in [
         ("kv_decode_streams", 1, "kv_decode_streams must be a bool"),
         ("kv_decode_stream_warps", 3, "power of two in 1..8, got 3"),
