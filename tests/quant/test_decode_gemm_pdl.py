@@ -91,3 +91,21 @@ def test_pdl_field_checked_and_only_on_the_gpu():
     with pytest.raises(ValueError, match="decode_gemm_pdl"):
         KernelTuning(decode_gemm_pdl=1)
     assert not early_dependents(torch.device("cpu"))  # the interpreter has no programmatic launch
+
+
+@pytest.mark.parametrize("capability, pdl, want", [((8, 0), True, False), ((8, 9), True, False), ((9, 0), True, True),
+                                                   ((10, 0), True, True), ((9, 0), False, False)])
+def test_pdl_only_from_hopper_on(monkeypatch, capability, pdl, want):
+    """``griddepcontrol`` is sm_90's: on an Ampere or Ada GPU neither the feeding kernels' trigger nor the GEMM's
+    wait is compiled (the bf16 recipe runs the fused norm and SwiGLU there too)."""
+    import torch
+
+    from jetrl.quant.kernels import tuning
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    tuning._hopper_or_later.cache_clear()
+    try:
+        with tuning.override(decode_gemm_pdl=pdl):
+            assert early_dependents(torch.device("cuda", 0)) is want
+    finally:
+        tuning._hopper_or_later.cache_clear()

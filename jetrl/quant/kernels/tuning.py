@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -547,8 +548,20 @@ _CURRENT: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("jetrl_k
 
 def early_dependents(device: torch.device) -> bool:
     """Whether a kernel feeding the decode GEMM on ``device`` lets its programmatic dependents launch as soon as all
-    its programs have started (``decode_gemm_pdl`` on a GPU; the interpreter has no such launch)."""
-    return device.type == "cuda" and current().decode_gemm_pdl
+    its programs have started, and the GEMM launches as one: ``decode_gemm_pdl`` on a GPU of compute capability 9.0
+    or later (``griddepcontrol`` is Hopper's; the interpreter has no such launch)."""
+    if device.type != "cuda" or not current().decode_gemm_pdl:
+        return False
+    import torch
+
+    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int) -> bool:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def current() -> KernelTuning:
