@@ -108,6 +108,9 @@ def test_caches_of_other_strides_are_not_taken():
     (256, 8, 768, 1, 8.0, 64, 1),  # 2,048 programs already past 8 per SM of 132
     (64, 8, 768, 1, 8.0, 64, 3),  # ceil(1056 / 512)
     (64, 8, 4352, 1, 8.0, 64, 3),
+    (64, 8, 4352, 1, 6.0, 64, 2),  # the default waves: ceil(792 / 512)
+    (256, 8, 768, 1, 6.0, 64, 1),
+    (16, 8, 4352, 1, 6.0, 64, 7),  # ceil(792 / 128)
     (1, 8, 8000, 1, 8.0, 64, 64),  # the cap
     (1, 8, 40, 1, 8.0, 64, 3),  # no more splits than 16-token tiles
     (1, 8, 40, 2, 8.0, 64, 2),  # ... rounds of 2 warps' tiles

@@ -18,10 +18,10 @@ import pytest
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, KernelTuning, early_dependents
 from sm90_compile import skip_without_sm90_compiler
 
-# loads, stores and atomics on global memory (TMA and cp.async copies included); a kernel's parameters are no one's
-# writes, so ld.param may come first
-_MEMORY = re.compile(r"^\s*(?:@%p\d+\s+)?(ld\.global|st\.global|atom\.|red\.|cp\.async\.bulk\.tensor|"
-                     r"cp\.async\.(?:ca|cg)|ld\.volatile|ld\.acquire|ld\.relaxed)", re.M)
+# loads, stores, atomics and prefetches of global memory (TMA, bulk and cp.async copies included), predicated or not;
+# a kernel's parameters are no one's writes, so ld.param may come first
+_MEMORY = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld\.global|ld\.weak|ld\.volatile|ld\.acquire|ld\.relaxed|st\.global|"
+                     r"atom\.|red\.|cp\.async|cp\.reduce\.async|prefetch)", re.M)
 
 
 def _compile(fn, consts: dict, types: dict, warps: int = 4, stages: int = 3) -> str:
@@ -83,14 +83,50 @@ def test_feeding_kernels_trigger_their_dependents():
         on = _compile(fn, consts | {"LAUNCH_DEPS": True}, types)
         off = _compile(fn, consts | {"LAUNCH_DEPS": False}, types)
         assert on.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol" not in off, fn.__name__
+        trigger = on.index("griddepcontrol.launch_dependents")
+        assert not _MEMORY.search(on[:trigger]), fn.__name__  # at the start, before the kernel's first access
 
 
-def test_pdl_field_checked_and_only_on_the_gpu():
+def test_pdl_field_checked_and_only_on_the_gpu(monkeypatch):
     import torch
 
     with pytest.raises(ValueError, match="decode_gemm_pdl"):
         KernelTuning(decode_gemm_pdl=1)
-    assert not early_dependents(torch.device("cpu"))  # the interpreter has no programmatic launch
+    assert not early_dependents(torch.device("cpu"))
+    # the interpreter has no programmatic launch, on CUDA tensors either (the capability is not even asked)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: pytest.fail("capability asked"))
+    assert not early_dependents(torch.device("cuda", 0))
+
+
+class _Recorder:
+    """Stands in for the Triton kernel: records the launch keywords of each call."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.launches.append(kw)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_launch_flag_and_wait_travel_together(monkeypatch, on):
+    """Where PDL is on, the kernel is compiled with its wait (``PDL``) and launched with ``launch_pdl``; where off,
+    neither: a launch attribute without the wait would let the GEMM read its input early."""
+    import torch
+
+    from jetrl.quant.kernels import gemm_decode_triton as dk
+    from jetrl.quant.kernels import tuning
+
+    recorder = _Recorder()
+    monkeypatch.setattr(dk, "_fp8_decode_gemm_kernel", recorder)
+    monkeypatch.setattr(tuning, "early_dependents", lambda device: on)
+    a = torch.zeros(16, 256, dtype=torch.float8_e4m3fn)
+    w = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    dk.fp8_decode_gemm(a, torch.ones(16, 2), w, torch.ones(1, 2), 128)
+    dk.fp8_decode_gemm_grouped(a, torch.ones(16, 2), [(w, torch.ones(1, 2), None)] * 2)
+    assert [kw["PDL"] for kw in recorder.launches] == [on, on]
+    assert [kw.get("launch_pdl", False) for kw in recorder.launches] == [on, on]
 
 
 @pytest.mark.parametrize("capability, pdl, want", [((8, 0), True, False), ((8, 9), True, False), ((9, 0), True, True),

@@ -5,12 +5,12 @@ over enough programs to keep every SM busy, and reduces the partials determinist
 Operands and scales are laid out as for :func:`jetrl.quant.kernels.gemm_triton.blockwise_fp8_gemm`.
 Imported lazily by the CUDA backend, like every Triton module of jetrl.
 
-**Programmatic dependent launch.** On the GPU the kernel is launched as a programmatic dependent of the kernel
-before it (``tuning.decode_gemm_pdl``): the kernels that feed a decode GEMM (the fused norm, SwiGLU and the
-activation quantizer) let their dependents launch as soon as all their programs have started, so the GEMM's
-programs are placed and set up while that kernel runs; their first instruction waits (``griddepcontrol.wait``)
-until it has finished and its writes are visible. Nothing is read or written before that wait, so the result is
-the same bits.
+**Programmatic dependent launch.** On a Hopper or later GPU the kernel is launched as a programmatic dependent of
+the kernel before it (``tuning.decode_gemm_pdl``, :func:`~jetrl.quant.kernels.tuning.early_dependents`): the
+kernels that feed a decode GEMM (the fused norm, SwiGLU and the activation quantizer) let their dependents launch
+as soon as all their programs have started, so the GEMM's programs are placed and set up while that kernel runs;
+their first instruction waits (``griddepcontrol.wait``) until it has finished and its writes are visible. Nothing
+is read or written before that wait, so the result is the same bits.
 
 Tuning knobs (:class:`~jetrl.quant.kernels.tuning.DecodeGemmConfig`): weight rows per program, K splits,
 warps, pipeline stages, K blocks per loop iteration, TMA (tensor-descriptor) loads, and row tiles for M > 64.

@@ -201,8 +201,8 @@ class KernelTuning:
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
-    * ``decode_gemm_pdl`` (on): on the GPU the decode GEMM is a programmatic dependent launch of the kernel before
-      it, and the kernels that feed it (fused norm, SwiGLU, activation quantizer) let it launch as soon as all
+    * ``decode_gemm_pdl`` (on): on a Hopper or later GPU the decode GEMM is a programmatic dependent launch of the
+      kernel before it, and the kernels that feed it (fused norm, SwiGLU, activation quantizer) let it launch as soon as all
       their programs have started; the GEMM waits for their writes before it reads anything. The same bits either
       way (:mod:`~jetrl.quant.kernels.gemm_decode_triton`).
 
@@ -549,8 +549,9 @@ _CURRENT: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("jetrl_k
 def early_dependents(device: torch.device) -> bool:
     """Whether a kernel feeding the decode GEMM on ``device`` lets its programmatic dependents launch as soon as all
     its programs have started, and the GEMM launches as one: ``decode_gemm_pdl`` on a GPU of compute capability 9.0
-    or later (``griddepcontrol`` is Hopper's; the interpreter has no such launch)."""
-    if device.type != "cuda" or not current().decode_gemm_pdl:
+    or later (``griddepcontrol`` is Hopper's), not under ``TRITON_INTERPRET=1`` (the interpreter has no such launch,
+    on CPU or CUDA tensors)."""
+    if device.type != "cuda" or not current().decode_gemm_pdl or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
     import torch
 
