@@ -50,6 +50,23 @@ KV8_SUFFIX = "+kv8"  # an arm ``<recipe>+kv8``: the recipe with the FP8 KV cache
 EXACT_SUFFIX = "-exact"  # an arm ``<recipe>[+kv8]-exact``: the same in exact on-policy mode
 TUNING_MARK = "@"  # an arm ``<...>@KEY=VALUE``: a field of the kernels' tuning object, for that arm only
 TUNING_SEP = ";"  # between an arm's tuning settings (the arm list itself is comma-separated)
+ARM_SYNTAX = f"<recipe>[{KV8_SUFFIX}][{EXACT_SUFFIX}][{TUNING_MARK}KEY=VALUE[{TUNING_SEP}KEY=VALUE...]]"
+DEFAULT_ARMS = "bf16,jet"  # the benchmarks' default arms (plain recipes, so also a default recipe list)
+
+
+def recipe_names() -> str:
+    """The precision recipes of :data:`jetrl.quant.recipe.RECIPES`, comma-separated, for help texts."""
+    from jetrl.quant.recipe import RECIPES
+
+    return ", ".join(RECIPES)
+
+
+def arms_help(example: str, default: str | None = None) -> str:
+    """The help text of a benchmark's ``--arms``: the arm grammar (:data:`ARM_SYNTAX`), the recipes, an
+    ``example`` arm with its own kernel tuning, and ``default`` where argparse does not show it."""
+    default_text = f"; default {default}" if default else ""
+    return (f"comma list of {ARM_SYNTAX} (recipes {recipe_names()}; after {TUNING_MARK} the arm's own kernel "
+            f"tuning, e.g. {example}{default_text})")
 
 
 @dataclass(frozen=True)
@@ -136,8 +153,8 @@ def parse_arm(name: str) -> Arm:
     kv_fp8 = base.endswith(KV8_SUFFIX)
     recipe = base[:-len(KV8_SUFFIX)] if kv_fp8 else base
     if recipe not in RECIPES:
-        raise ValueError(f"arm {name!r}: unknown recipe {recipe!r}; an arm is <recipe>[{KV8_SUFFIX}][{EXACT_SUFFIX}]"
-                         f"[{TUNING_MARK}KEY=VALUE[{TUNING_SEP}KEY=VALUE...]] with a recipe of {list(RECIPES)}")
+        raise ValueError(f"arm {name!r}: unknown recipe {recipe!r}; an arm is {ARM_SYNTAX} with a recipe of "
+                         f"{list(RECIPES)}")
     spec = RECIPES[recipe]
     try:
         kv_fp8_train(spec, kv_fp8)
@@ -230,8 +247,9 @@ def write_report(report: dict, path: str | None, out_name: str) -> None:
 
 
 __all__ = ["write_report", "LLAMA31_8B", "QWEN25_32B", "TINY_LLAMA", "Arm", "parse_arm", "parse_arms", "fast_arm_of",
-           "KV8_SUFFIX", "EXACT_SUFFIX", "TUNING_MARK", "TUNING_SEP", "add_tuning_argument", "parse_tuning",
-           "with_layers", "sync", "random_prompts", "device_description", "reset_peak_memory", "peak_memory_gib"]
+           "KV8_SUFFIX", "EXACT_SUFFIX", "TUNING_MARK", "TUNING_SEP", "ARM_SYNTAX", "DEFAULT_ARMS", "recipe_names",
+           "arms_help", "add_tuning_argument", "parse_tuning", "with_layers", "sync", "random_prompts",
+           "device_description", "reset_peak_memory", "peak_memory_gib"]
 
 
 def add_tuning_argument(parser) -> None:

@@ -374,7 +374,9 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
     from jetrl.quant.kernels import gemm_decode_triton as dk
     from jetrl.quant.kernels import gemm_triton
     from jetrl.quant.kernels.cuda_backend import CudaBackend
+    from jetrl.quant.kernels.tuning import GEMM_CHOICES
 
+    fp8_paths = tuple(c for c in GEMM_CHOICES if c != "auto")  # the FP8 GEMM paths "auto" routes between
     be = CudaBackend()
     for n, k in nk_list:
         copies = _rotation(n, k)
@@ -410,7 +412,7 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
             row["auto_with_quant_us"] = per_gemm(lambda i: be.gemm(be.quantize(x, (1, 128)), qws[i]))
             row["speedup_auto"] = row["bf16_us"] / row["auto_us"]
             fp8 = {kk: v for kk, v in row.items() if kk.endswith("_us") and v is not None
-                   and kk.startswith(("cublas", "triton", "decode"))}
+                   and kk.startswith(fp8_paths)}
             best = min(fp8, key=fp8.get)
             row["best_fp8"] = best
             row["speedup_best_fp8"] = row["bf16_us"] / fp8[best]

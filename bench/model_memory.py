@@ -22,9 +22,10 @@ import torch
 from jetrl.models import DecoderConfig, build_model, token_logprobs
 
 try:  # repository root on sys.path (python -m bench.model_memory, the tests)
-    from bench.common import LLAMA31_8B, TINY_LLAMA, peak_memory_gib, reset_peak_memory, sync
+    from bench.common import DEFAULT_ARMS, LLAMA31_8B, TINY_LLAMA, peak_memory_gib, reset_peak_memory, sync
 except ModuleNotFoundError:  # python bench/model_memory.py: bench/ itself is on sys.path
-    from common import LLAMA31_8B, TINY_LLAMA, peak_memory_gib, reset_peak_memory, sync  # type: ignore[no-redef]
+    from common import (DEFAULT_ARMS, LLAMA31_8B, TINY_LLAMA, peak_memory_gib,  # type: ignore[no-redef]
+                        reset_peak_memory, sync)
 
 
 @dataclass
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a 2-layer, hidden-256 model (CPU smoke run)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--recipes", default="bf16,jet", help="comma-separated precision recipes")
+    parser.add_argument("--recipes", default=DEFAULT_ARMS, help="comma-separated precision recipes")
     parser.add_argument("--num-seqs", type=int, default=None, help="packed sequences per step (8; tiny: 2)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (2048; tiny: 64)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (5; tiny: 2)")

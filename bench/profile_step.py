@@ -39,11 +39,11 @@ from collections import defaultdict
 import torch
 
 try:
-    from bench.common import LLAMA31_8B, TINY_LLAMA, add_tuning_argument, fast_arm_of, parse_arms, parse_tuning, \
-        with_layers
+    from bench.common import DEFAULT_ARMS, LLAMA31_8B, TINY_LLAMA, add_tuning_argument, arms_help, fast_arm_of, \
+        parse_arms, parse_tuning, with_layers
 except ModuleNotFoundError:
-    from common import LLAMA31_8B, TINY_LLAMA, add_tuning_argument, fast_arm_of, parse_arms, \
-        parse_tuning, with_layers  # type: ignore[no-redef]
+    from common import DEFAULT_ARMS, LLAMA31_8B, TINY_LLAMA, add_tuning_argument, arms_help, fast_arm_of, \
+        parse_arms, parse_tuning, with_layers  # type: ignore[no-redef]
 
 # (kind, name fragments), first match wins: exact mode's Triton kernels before the generic words their names
 # contain (``_exact_reduce_kernel`` is the exact GEMM's split-K sum, not a norm; ``_exact_attention_*`` is not the
@@ -60,6 +60,8 @@ KINDS = (
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
 )
 PARTS = ("decode", "train", "score", "update")
+EXACT_ARMS = "jet,jet-exact"  # the default arms under --exact
+DEFAULT_PARTS, EXACT_PARTS = "decode,train", "score,update"  # the default parts, without and with --exact
 
 
 def kind_of(name: str) -> str:
@@ -68,14 +70,6 @@ def kind_of(name: str) -> str:
         if any(k in low for k in keys):
             return kind
     return "other"
-
-
-def _device_time(evt) -> float:
-    for attr in ("self_device_time_total", "self_cuda_time_total"):
-        value = getattr(evt, attr, None)
-        if value is not None:
-            return float(value)
-    return 0.0
 
 
 def profile(fn, steps: int, device: torch.device) -> dict[str, tuple[float, int]]:
@@ -97,9 +91,9 @@ def profile(fn, steps: int, device: torch.device) -> dict[str, tuple[float, int]
             if evt.key.startswith("aten::") and evt.self_cpu_time_total > 0:
                 out[evt.key] = (float(evt.self_cpu_time_total) / steps, evt.count // steps)
             continue
-        if getattr(evt, "device_type", None) is not None and "CUDA" not in str(evt.device_type):
+        if "CUDA" not in str(evt.device_type):
             continue
-        t = _device_time(evt)
+        t = float(evt.self_device_time_total)
         if t <= 0 or evt.key.startswith(("aten::", "cuda", "Memcpy", "Memset")) and "kernel" not in evt.key.lower():
             continue
         out[evt.key] = (t / steps, evt.count // steps)
@@ -222,13 +216,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--arms", "--recipes", dest="arms", default=None,
-                   help="comma list of <recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]] (default bf16,jet; with "
-                        "--exact jet,jet-exact)")
+                   help=arms_help("jet-exact@exact_attention_tiles_per_program=2",
+                                  default=f"{DEFAULT_ARMS}, with --exact {EXACT_ARMS}"))
     p.add_argument("--exact", action="store_true",
-                   help="exact mode's training side against fast mode: arms jet,jet-exact and parts score,update "
+                   help=f"exact mode's training side against fast mode: arms {EXACT_ARMS} and parts {EXACT_PARTS} "
                         "unless --arms/--parts say otherwise")
-    p.add_argument("--parts", default=None, help=f"comma list of {','.join(PARTS)} (default decode,train; with "
-                                                 "--exact score,update)")
+    p.add_argument("--parts", default=None, help=f"comma list of {','.join(PARTS)} (default {DEFAULT_PARTS}; with "
+                                                 f"--exact {EXACT_PARTS})")
     p.add_argument("--batch", type=int, default=64, help="decode: sequences")
     p.add_argument("--context", type=int, default=768, help="decode: cached tokens per sequence")
     p.add_argument("--train-tokens", type=int, default=8192, help="train: packed tokens")
@@ -252,10 +246,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     run_tuning = parse_tuning(p, args.tuning)
     try:
-        arms = parse_arms(args.arms or ("jet,jet-exact" if args.exact else "bf16,jet"))
+        arms = parse_arms(args.arms or (EXACT_ARMS if args.exact else DEFAULT_ARMS))
     except ValueError as exc:
         p.error(str(exc))
-    parts = [s.strip() for s in (args.parts or ("score,update" if args.exact else "decode,train")).split(",")
+    parts = [s.strip() for s in (args.parts or (EXACT_PARTS if args.exact else DEFAULT_PARTS)).split(",")
              if s.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:

@@ -23,16 +23,16 @@ recipe) weigh more, so the jet/bf16 speed-ups are somewhat below what the full d
 
 Reported next to the measured jet/bf16 speed-ups: Jet-RL's published 8B numbers and jetrl's targets.
 
-**Arms** (``--arms``, alias ``--recipes``; default ``bf16,jet``):
+**Arms** (``--arms``, alias ``--recipes``; default :data:`bench.common.DEFAULT_ARMS`):
 ``<recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]]`` (see :class:`bench.common.Arm`). ``--kv-fp8`` adds
 ``jet+kv8``: ``jet`` with the run config's ``kv_fp8: true``, so the engine stores K and V in an E4M3 cache (one fp32
 scale per token per KV head) and the training forwards (old log-probs, reference, update) attend over the same
-quantized K and V. Its end-to-end speed-up over ``bf16`` is set against issue 17's target (1.5x) and NeMo-RL's
-published 8B number (FP8 linears, KV cache and attention: 1.48x). After ``@``, fields of the kernels' tuning object
-(:mod:`jetrl.quant.kernels.tuning`) for that arm alone: the arm's whole run (model, engine and CUDA graphs, trainer,
-warm-up and timed steps) is inside ``tuning.override`` of them, nested in the run's ``--tuning`` (the arm's settings
-win), so two kernel routes are measured in one process against one ``bf16`` arm, e.g. exact mode's split-K heuristic
-against its single K walk::
+quantized K and V. Its end-to-end speed-up over ``bf16`` is set against issue 17's target (:data:`JETRL_KV8_TARGETS`)
+and NeMo-RL's published 8B number (FP8 linears, KV cache and attention: :data:`NEMO_RL_REPORTED`). After ``@``,
+fields of the kernels' tuning object (:mod:`jetrl.quant.kernels.tuning`) for that arm alone: the arm's whole run
+(model, engine and CUDA graphs, trainer, warm-up and timed steps) is inside ``tuning.override`` of them, nested in
+the run's ``--tuning`` (the arm's settings win), so two kernel routes are measured in one process against one
+``bf16`` arm, e.g. exact mode's split-K heuristic against its single K walk::
 
     PYTHONPATH=$PWD python3 bench/rl_step.py --arms 'bf16,jet-exact,jet-exact@exact_split_k=0'
 
@@ -48,7 +48,7 @@ weights in every decode step and the FP8 cache pays most. The step's memory grow
 parameters, then weigh over half as much as the 1.74B of the FP8 blocks, so the training phases gain less than at
 full depth). Its warm-up step generates 256 tokens (``--warmup-new-tokens``: it compiles the kernels and captures
 the CUDA graphs, which the engine sizes for the full length from the start), the timed step the full 4,096.
-Command for issue 17's row, three arms, roughly three minutes of GPU time by a bytes/FLOPs estimate::
+Command for issue 17's row, three arms::
 
     PYTHONPATH=$PWD python3 bench/rl_step.py --long --kv-fp8
 
@@ -57,9 +57,9 @@ log-probabilities equal the trainer's bitwise, see :mod:`jetrl.quant.exact`), ru
 then also gives each phase's cost of exact ``jet`` over fast ``jet`` (``jet-exact/jet``, seconds over seconds),
 and the mismatch line shows every arm's rollout/training |dlogp| side by side (``jet-exact``: 0 by construction).
 
-GPU: ``python bench/rl_step.py`` (about 2-3 minutes per recipe on an H200); ``--prompts``, ``--n``,
-``--new-tokens``, ``--prompt-len``, ``--layers``, ``--no-reference`` change the setting. The results go to
-``$OUT/rl_step.json`` when ``OUT`` is set (and to ``--json PATH``). CPU smoke run: ``--tiny``.
+GPU: ``python bench/rl_step.py``; ``--prompts``, ``--n``, ``--new-tokens``, ``--prompt-len``, ``--layers``,
+``--no-reference`` change the setting. The results go to ``$OUT/rl_step.json`` when ``OUT`` is set (and to
+``--json PATH``). CPU smoke run: ``--tiny``.
 """
 
 from __future__ import annotations
@@ -74,13 +74,13 @@ from typing import Any
 import torch
 
 try:  # repository root on sys.path (python -m bench.rl_step, the tests)
-    from bench.common import (LLAMA31_8B, TINY_LLAMA, add_tuning_argument, device_description, fast_arm_of,
-                              parse_arm, parse_arms, parse_tuning, peak_memory_gib, random_prompts,
-                              reset_peak_memory, with_layers, write_report)
+    from bench.common import (DEFAULT_ARMS, LLAMA31_8B, TINY_LLAMA, add_tuning_argument, arms_help,
+                              device_description, fast_arm_of, parse_arm, parse_arms, parse_tuning, peak_memory_gib,
+                              random_prompts, reset_peak_memory, with_layers, write_report)
 except ModuleNotFoundError:  # python bench/rl_step.py: bench/ itself is on sys.path
-    from common import (LLAMA31_8B, TINY_LLAMA, add_tuning_argument,  # type: ignore[no-redef]
-                        device_description, fast_arm_of, parse_arm, parse_arms, parse_tuning, peak_memory_gib,
-                        random_prompts, reset_peak_memory, with_layers, write_report)
+    from common import (DEFAULT_ARMS, LLAMA31_8B, TINY_LLAMA, add_tuning_argument,  # type: ignore[no-redef]
+                        arms_help, device_description, fast_arm_of, parse_arm, parse_arms, parse_tuning,
+                        peak_memory_gib, random_prompts, reset_peak_memory, with_layers, write_report)
 
 PHASES = ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh")
 # Jet-RL's reported speed-ups of jet over BF16 at 8B, and the targets jetrl sets itself (issue 6).
@@ -417,9 +417,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2-layer model, 2 prompts x 2, 8 tokens")
     parser.add_argument("--device", default=None, help="default: cuda when available (required unless --tiny)")
-    parser.add_argument("--arms", "--recipes", dest="recipes", default="bf16,jet",
-                        help="comma list of <recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]], recipes bf16, "
-                             "fp8-rollout, jet; after @ the arm's own kernel tuning, e.g. jet-exact@exact_split_k=0")
+    parser.add_argument("--arms", "--recipes", dest="recipes", default=DEFAULT_ARMS,
+                        help=arms_help("jet-exact@exact_split_k=0"))
     parser.add_argument("--kv-fp8", action="store_true",
                         help="also run jet with the FP8 KV cache (the arm jet+kv8), after the arms")
     parser.add_argument("--exact", action="store_true",

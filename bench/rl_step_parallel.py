@@ -65,7 +65,8 @@ if __package__ in (None, ""):  # python bench/rl_step_parallel.py / torchrun: ma
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.comm_overlap import COLLECTIVES, collective_kind, is_nccl, length, overlap_summary  # noqa: E402
-from bench.common import LLAMA31_8B, TINY_LLAMA, device_description, with_layers, write_report  # noqa: E402
+from bench.common import (DEFAULT_ARMS, LLAMA31_8B, TINY_LLAMA, device_description, recipe_names,  # noqa: E402
+                          with_layers, write_report)
 from bench.rl_step import (PHASES, RandomPrompts, Setting, _check_step, build_run_config, decode_ids,  # noqa: E402
                            even_token_reward, parameter_counts, speedups)
 
@@ -324,7 +325,7 @@ def format_report(results: dict[str, dict[str, Any]], ratios: dict[str, dict[str
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2-layer model, 2 prompts x 2, 8 tokens")
-    parser.add_argument("--recipes", default="bf16,jet", help="comma list of bf16, fp8-rollout, jet")
+    parser.add_argument("--recipes", default=DEFAULT_ARMS, help=f"comma list of {recipe_names()}")
     parser.add_argument("--layers", type=int, default=None, help="decoder blocks (8B default: 32)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step, all ranks (16; tiny: 2)")
     # not "--n": torchrun would take it for an abbreviation of its own options

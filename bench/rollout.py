@@ -67,16 +67,13 @@ too) and the rollout/training |dlogp| mean and max are printed side by side (``j
 
 **GPU time.** ``--plan`` prints each run's estimated GPU seconds (from the bytes model above at assumed
 efficiencies: :class:`PlanAssumptions`) without touching a GPU; ``--max-seconds S`` skips the runs that would end
-after ``S`` seconds by that estimate (they show as skipped). The issue-17 table in one process, about five
-minutes by that estimate::
+after ``S`` seconds by that estimate (they show as skipped). The issue-17 table in one process::
 
     PYTHONPATH=$PWD python3 bench/rollout.py --shape 8b,32b --window 256 --max-seconds 330
 
 (8B: ``b64``, ``b256``, ``b64-8k``; 32B: ``b64``, ``b64-2k``; every setting over 256 decode steps at its mean
-context). Its estimate, the three arms of a setting together: 8B ``b64`` 23 s, ``b256`` 40 s, ``b64-8k`` 54 s;
-32B ``b64`` 48 s, ``b64-2k`` 64 s; building the weights 5 s and 19 s, starting 40 s: 294 s in all. The
-default, ``--shape 8b``, runs ``b64`` and ``b256`` whole (end to end, comparable with earlier runs) and
-``b64-8k`` over a 1,024-token window: about four minutes; ``--shape 32b`` alone about as long.
+context); add ``--plan`` for its estimate, per setting and in all. The default, ``--shape 8b``, runs ``b64`` and
+``b256`` whole (end to end, comparable with earlier runs) and ``b64-8k`` over a 1,024-token window.
 The ``transformers.generate`` comparison (``--hf``, static cache, a second copy of the weights: 8B and 1.5B only)
 is off by default. CPU smoke run: ``python bench/rollout.py --tiny``. ``--json PATH`` saves the results.
 """
@@ -93,11 +90,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 try:  # repository root on sys.path (python -m bench.rollout, the tests)
-    from bench.common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument, fast_arm_of,
-                              parse_arms, parse_tuning, random_prompts, sync)
+    from bench.common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument, arms_help,
+                              fast_arm_of, parse_arms, parse_tuning, random_prompts, sync)
 except ModuleNotFoundError:  # python bench/rollout.py: bench/ itself is on sys.path
     from common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument,  # type: ignore[no-redef]
-                        fast_arm_of, parse_arms, parse_tuning, random_prompts, sync)
+                        arms_help, fast_arm_of, parse_arms, parse_tuning, random_prompts, sync)
 
 SHAPES = {
     "8b": LLAMA31_8B,
@@ -638,9 +635,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--settings", default=None,
                         help=f"comma list of {list(SETTINGS)} (default per shape: {DEFAULT_SETTINGS})")
     parser.add_argument("--arms", "--recipes", dest="arms", default=DEFAULT_ARMS,
-                        help="comma list of <recipe>[+kv8][-exact][@KEY=VALUE[;KEY=VALUE...]] (recipes bf16, "
-                             "fp8-rollout, jet; after @ the arm's own kernel tuning, e.g. "
-                             "jet+kv8@kv_decode_factored=true)")
+                        help=arms_help("jet+kv8@kv_decode_factored=true"))
     parser.add_argument("--exact", action="store_true", help="also run jet in exact mode (the arm jet-exact)")
     parser.add_argument("--mismatch", action="store_true",
                         help="score every arm's completions with the training forward (implied by --exact)")

@@ -2,10 +2,15 @@
 
 ``jetrl`` alone runs ``jetrl train`` on the embedded default: RL of the packaged tiny model on its
 arithmetic task, a few minutes on a CPU. Every command's work lives in a library function of the stage
-that owns it (:func:`jetrl.rl.run`, :func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`,
-:func:`jetrl.evaluate.generate_texts`, :func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`),
-so scripts and tests call those; this module only turns arguments into their inputs and their results
-into text. Choice lists (recipes, tasks, dataset formats, dtypes) come from the registries that own them.
+that owns it (:func:`jetrl.train_job.train_and_evaluate` around :func:`jetrl.rl.run`,
+:func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`, :func:`jetrl.evaluate.generate_texts`,
+:func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`; ``jetrl:NAME`` paths through
+:func:`jetrl.asset_files.resolve_asset`), so scripts and tests call those; this module only turns
+arguments into their inputs and their results into text. ``jetrl bench`` is dispatch alone: it runs a
+script of the source checkout's ``bench/`` folder by name. Choice lists of library settings (recipes,
+tasks, dataset formats, dtypes) come from the registries that own them; the one choice of the CLI's own,
+``--resume``'s ``auto``/``must`` (its spelling of :func:`jetrl.rl.run`'s ``require_checkpoint``), is
+defined here.
 
 User errors (a missing file, a bad config key, an unknown dataset column, a tokenizer that lacks a
 needed special token or belongs to another model, an output folder that holds another run) print one
@@ -26,7 +31,6 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -34,25 +38,23 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, resolve_asset
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset, read_prompts
 from jetrl.data.reward_pool import RewardFailureError
-from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, held_out_accuracy, load_policy
+from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
 from jetrl.models import check_eos, export_model, resolve_device
 from jetrl.parallel import launched_rank
-from jetrl.plotting import default_plot_path, plot_runs, summarize_run
-from jetrl.progress import Progress
+from jetrl.plotting import default_plot_path, plot_runs
 from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
-from jetrl.rl.checkpoint import latest_checkpoint
 from jetrl.rl.loop import check_model, prepare_output_dir, run
-from jetrl.sft.train import SFTConfig, run_sft
+from jetrl.sft.train import SFT_DTYPES, SFTConfig, run_sft
+from jetrl.train_job import train_and_evaluate
 
-ASSET_PREFIX = "jetrl:"
-EMBEDDED_MODEL = "jetrl:tiny-arith"
-DEFAULT_CONFIG = "jetrl:tiny_default.yaml"
 USAGE_ERROR = 2
 RUN_FAILED = 1
+RESUME_MODES = ("auto", "must")  # jetrl train --resume[=MODE]; "must": run(..., require_checkpoint=True)
 
 
 class UsageError(ValueError):
@@ -60,24 +62,6 @@ class UsageError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-def assets_dir() -> Path:
-    """The folder of packaged assets (the embedded model and its default config)."""
-    return Path(__file__).resolve().parent / "assets"
-
-
-def resolve_asset(path: str | os.PathLike) -> str:
-    """``jetrl:NAME`` -> the packaged asset ``NAME``; any other path is returned unchanged."""
-    path = os.fspath(path)
-    if not path.startswith(ASSET_PREFIX):
-        return path
-    name = path[len(ASSET_PREFIX):]
-    target = assets_dir() / name
-    if not target.exists():
-        available = sorted(p.name for p in assets_dir().iterdir() if not p.name.startswith(("_", ".")))
-        raise UsageError(f"no packaged asset {name!r}; available: {', '.join(available)}")
-    return str(target)
-
 
 def _existing(path: str, what: str, hint: str) -> str:
     path = resolve_asset(path)
@@ -162,22 +146,6 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
     return config
 
 
-def _step_reporter(total: int, bar: Progress, log: bool):
-    """``on_step`` for :func:`jetrl.rl.run`: the latest reward and length on the bar, or a log line per step."""
-    t0, shown = time.perf_counter(), 0
-
-    def on_step(step: int, metrics: dict[str, float]) -> None:
-        nonlocal shown
-        reward, length = metrics.get("reward/mean", float("nan")), metrics.get("response/length_mean", float("nan"))
-        bar.set_postfix(reward=f"{reward:.3f}", len=f"{length:.0f}")
-        bar.update(step - shown)  # a resumed run starts past 0
-        shown = step
-        if log:
-            print(f"step {step}/{total}  reward {reward:.3f}  length {length:.0f}  {time.perf_counter() - t0:.0f}s",
-                  file=sys.stderr)
-    return on_step
-
-
 def _cmd_train(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     config = _train_config(args)
@@ -200,26 +168,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"jetrl train: {config.recipe} recipe, model {config.model.path}, "
           f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
           file=sys.stderr)
-    before = None
-    if num_eval and not config.trainer.resume:
-        print(f"greedy accuracy on {num_eval} held-out problems before training ...", file=sys.stderr)
-        before = held_out_accuracy(config.model.path, config, num_eval, progress=not args.no_progress)
-    with Progress(config.trainer.steps, "train", unit="step", enabled=not args.no_progress) as bar:
-        run(config, on_step=_step_reporter(config.trainer.steps, bar, log=args.no_progress),
-            require_checkpoint=args.resume == "must")
-    out = Path(config.trainer.output_dir)
-    plot = plot_runs([out], out / "curves.png")
-    rows = summarize_run(out)
-    if num_eval:
-        final = latest_checkpoint(out / "checkpoints")
-        print(f"greedy accuracy on {num_eval} held-out problems after training ...", file=sys.stderr)
-        after = held_out_accuracy(str(final / "model"), config, num_eval, progress=not args.no_progress)
-        (out / "eval.json").write_text(json.dumps({"seed": EVAL_SEED, "num_examples": num_eval, "greedy_accuracy_before":
-                                                   before, "greedy_accuracy_after": after, "checkpoint": str(final)}))
-        shown = f"{before:.3f} -> {after:.3f}" if before is not None else f"{after:.3f}"
-        rows.insert(1, (f"greedy accuracy, {num_eval} held-out problems", shown))
-    rows += [("metrics", str(out / "metrics.jsonl")), ("checkpoints", str(out / "checkpoints")), ("plot", str(plot))]
-    print(_table(rows, title="jetrl train: summary"))
+    result = train_and_evaluate(config, num_eval, require_checkpoint=args.resume == "must",
+                                progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+    print(_table(result.rows(), title="jetrl train: summary"))
     return 0
 
 
@@ -264,9 +215,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
     print(_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe})"))
     if args.output:
-        with open(args.output, "w") as f:
-            for s in result.samples:
-                f.write(json.dumps(s) + "\n")
+        write_samples(result.samples, args.output)
         print(f"samples written to {args.output}", file=sys.stderr)
     return 0
 
@@ -384,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=_positive, default=None, help="run at most N RL steps (sets trainer.steps)")
     p.add_argument("--output-dir", default=None, help="where metrics, checkpoints and plots go")
     p.add_argument("--recipe", default=None, choices=list(RECIPES), help="precision recipe")
-    p.add_argument("--resume", nargs="?", const="auto", default=None, choices=["auto", "must"],
+    p.add_argument("--resume", nargs="?", const="auto", default=None, choices=list(RESUME_MODES),
                    help="continue from the latest complete checkpoint in the output dir (none there: a warning and "
                    "a fresh start; --resume=must: an error)")
     p.add_argument("--overwrite", action="store_true", help="delete the output dir's previous run (checkpoints, "
@@ -405,9 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
     p.add_argument("--eval-examples", type=int, default=200, help="unseen problems for the final greedy accuracy")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (to tune --steps)")
-    p.add_argument("--save-dtype", default="float32", help="dtype of the saved weights (float32 or bfloat16)")
+    p.add_argument("--save-dtype", default="float32",
+                   help=f"dtype of the saved weights ({' or '.join(SFT_DTYPES)})")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    p.add_argument("--dtype", default="float32", choices=list(SFT_DTYPES),
                    help="training parameters (bfloat16 keeps fp32 master weights)")
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
                    help="packed forwards instead of padded batches (default: packed on CUDA only)")

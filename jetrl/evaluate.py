@@ -16,12 +16,15 @@ pass@k uses the unbiased estimator of Chen et al. (2021): with ``n`` samples of 
 draws one sample per prompt, so its accuracy is pass@1.
 
 :func:`held_out_accuracy` is the before/after check of an RL run on a built-in task (problems drawn with
-another seed than the training prompts); :func:`generate_texts` is what ``jetrl generate`` prints.
+another seed than the training prompts); :func:`generate_texts` is what ``jetrl generate`` prints;
+:func:`write_samples` writes the samples an evaluation kept (``keep_samples``) as JSONL.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -155,6 +158,13 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
         reward_errors=failures[0], reward_timeouts=failures[1])
 
 
+def write_samples(samples: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
+    """Write ``samples`` (:attr:`EvalResult.samples`) to ``path``, one JSON object a line."""
+    with open(path, "w") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+
+
 def _check_context(model: torch.nn.Module, ids: Sequence[Sequence[int]], max_tokens: int,
                    names: Sequence[Any]) -> None:
     """Every prompt plus ``max_tokens`` new tokens must fit in the model's ``max_position_embeddings``."""
@@ -224,4 +234,5 @@ def load_policy(path: str, recipe: str, device: str | None, dtype: str, max_toke
     model = load_model(folder, dtype=getattr(torch, dtype), device=device, recipe=recipe)
     return model, tokenizer
 
-__all__ = ["load_policy", "EVAL_SEED", "EvalResult", "evaluate", "pass_at_k", "held_out_accuracy", "generate_texts"]
+__all__ = ["load_policy", "EVAL_SEED", "EvalResult", "evaluate", "pass_at_k", "held_out_accuracy", "generate_texts",
+           "write_samples"]

@@ -27,7 +27,11 @@ ALLOWED = {
     # master-weight AdamW
     "sft": {"quant", "models", "data", "evaluate", "jetrl.rl.checkpoint", "jetrl.rl.optim"},
     "plotting": set(),
-    "cli": {"quant", "models", "parallel", "rollout", "data", "config", "rl", "evaluate", "sft", "plotting"},
+    "asset_files": set(),
+    # an RL run with its held-out check and plot: the RL loop plus what rl itself may not import
+    "train_job": {"config", "evaluate", "plotting", "jetrl.rl.loop", "jetrl.rl.checkpoint"},
+    "cli": {"quant", "models", "parallel", "rollout", "data", "config", "rl", "evaluate", "sft", "plotting",
+            "asset_files", "train_job"},
     "__main__": {"cli"},
 }
 NOT_CODE = {"__init__.py", "assets", "__pycache__"}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, overload
 
 from jetrl.data.prompt import Prompt
-from jetrl.data.sources import FileType, read_rows
+from jetrl.data.sources import FILE_TYPES, FileType, read_rows
 from jetrl.data.templates import TemplateConfig, render_prompt
 
 
@@ -107,8 +107,8 @@ class DatasetConfig:
             self.columns = ColumnMap(**self.columns)
         if isinstance(self.template, dict):
             self.template = TemplateConfig(**self.template)
-        if self.file_type not in ("auto", "jsonl", "parquet"):
-            raise ValueError(f"file_type must be 'auto', 'jsonl' or 'parquet', got {self.file_type!r}")
+        if self.file_type not in FILE_TYPES:
+            raise ValueError(f"file_type must be one of {', '.join(map(repr, FILE_TYPES))}, got {self.file_type!r}")
         if self.max_examples is not None and (not isinstance(self.max_examples, int) or self.max_examples < 1):
             raise ValueError(f"max_examples must be a positive int or None, got {self.max_examples!r}")
 

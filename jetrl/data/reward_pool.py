@@ -33,13 +33,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from jetrl.data.rewards import RewardFn, resolve_reward, warm_up
 
 MAX_ERROR_MESSAGES = 10
 MAX_MESSAGE_CHARS = 500  # an error message is kept (and printed) as an excerpt of at most this many characters
 MAX_STARTUP_DEATHS = 3  # consecutive worker deaths before start-up before the pool gives up
+
+StartMethod = Literal["forkserver", "spawn"]
+START_METHODS: tuple[str, ...] = get_args(StartMethod)
 
 
 @dataclass
@@ -53,7 +56,7 @@ class RewardPoolConfig:
     num_workers: int = 2
     timeout_s: float = 10.0
     chunk_size: int = 16
-    start_method: Literal["forkserver", "spawn"] = "forkserver"
+    start_method: StartMethod = "forkserver"
     startup_timeout_s: float = 120.0
     max_abs_reward: float | None = None
 
@@ -70,8 +73,10 @@ class RewardPoolConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-        if self.start_method not in ("forkserver", "spawn"):
-            raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {self.start_method!r}")
+        if self.start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method must be one of {', '.join(map(repr, START_METHODS))}, got {self.start_method!r}"
+            )
 
 
 @dataclass

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 FileType = Literal["auto", "jsonl", "parquet"]
+FILE_TYPES: tuple[str, ...] = get_args(FileType)
 
 _SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 
@@ -35,7 +36,7 @@ def read_rows(path: str | Path, file_type: FileType = "auto") -> tuple[list[dict
     elif kind == "parquet":
         rows = _read_parquet(path)
     else:
-        raise ValueError(f"file_type must be 'auto', 'jsonl' or 'parquet', got {file_type!r}")
+        raise ValueError(f"file_type must be one of {', '.join(map(repr, FILE_TYPES))}, got {file_type!r}")
     columns: dict[str, None] = {}
     for row in rows:
         columns.update(dict.fromkeys(row))

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from jetrl.data.prompt import Prompt
+
+ChatMode = Literal["auto", "always", "never"]
+CHAT_MODES: tuple[str, ...] = get_args(ChatMode)
 
 
 @dataclass
@@ -29,15 +32,17 @@ class TemplateConfig:
     instruction: str = "{prompt}"
     system_prompt: str | None = None
     plain_template: str = "{prompt}"
-    chat: Literal["auto", "always", "never"] = "auto"
+    chat: ChatMode = "auto"
 
     def __post_init__(self) -> None:
         for name in ("instruction", "plain_template"):
             value = getattr(self, name)
             if not isinstance(value, str) or "{prompt}" not in value:
                 raise ValueError(f"TemplateConfig.{name} must be a string containing '{{prompt}}', got {value!r}")
-        if self.chat not in ("auto", "always", "never"):
-            raise ValueError(f"TemplateConfig.chat must be 'auto', 'always' or 'never', got {self.chat!r}")
+        if self.chat not in CHAT_MODES:
+            raise ValueError(
+                f"TemplateConfig.chat must be one of {', '.join(map(repr, CHAT_MODES))}, got {self.chat!r}"
+            )
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -91,13 +96,15 @@ def render_prompt(prompt: Prompt, tokenizer: Any = None, config: TemplateConfig 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """Token ids of a rendered prompt. The tokenizer adds its special tokens (its BOS) unless the text
-    already starts with the BOS token, as chat templates write it (Llama 3): never two BOS tokens."""
+    already starts with the BOS token, as chat templates write it (Llama 3): never two BOS tokens.
+    ``tokenizer`` is a ``transformers`` tokenizer (what :func:`jetrl.models.load_tokenizer` returns), whose
+    ``encode`` gives the list of ids."""
     bos = getattr(tokenizer, "bos_token", None)
     if isinstance(bos, str) and bos and text.startswith(bos):
-        enc = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
     else:
-        enc = tokenizer.encode(text)
-    return list(getattr(enc, "ids", enc))
+        ids = tokenizer.encode(text)
+    return list(ids)
 
 
 def decode_completion(tokenizer: Any, ids: Sequence[int]) -> str:

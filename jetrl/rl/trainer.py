@@ -46,7 +46,7 @@ import copy
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -58,6 +58,9 @@ from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
 from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler
+
+if TYPE_CHECKING:
+    from jetrl.rollout import RolloutEngine
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,8 @@ class Trainer:
             keeps working on the same, now sharded, module).
     """
 
-    def __init__(self, config: RunConfig, model: nn.Module, engine: Any, prompts: PromptSource, reward_fn: RewardFn,
-                 decode: Callable[[list[int]], str], ref_model: nn.Module | None = None,
+    def __init__(self, config: RunConfig, model: nn.Module, engine: RolloutEngine, prompts: PromptSource,
+                 reward_fn: RewardFn, decode: Callable[[list[int]], str], ref_model: nn.Module | None = None,
                  parallel: ParallelContext | None = None) -> None:
         self.config = config
         self.model = model
@@ -145,10 +148,9 @@ class Trainer:
         self.update_logprob_mask: torch.Tensor | None = None  # the tokens update() recorded them for
         alg, opt = config.algorithm, config.optim
         world = self.parallel.world_size
-        engine_exact = getattr(engine, "exact", config.exact)  # an engine that does not say is taken at its config
-        if bool(engine_exact) != config.exact:
+        if engine.exact != config.exact:
             raise ValueError(f"the run config has exact: {str(config.exact).lower()} but the rollout engine was built "
-                             f"with exact={bool(engine_exact)}: build it with RolloutEngine(..., exact=config.exact), "
+                             f"with exact={engine.exact}: build it with RolloutEngine(..., exact=config.exact), "
                              "or the rollout and the trainer compute log-probabilities differently")
         if config.data.prompts_per_step % world or config.mini_batch_size % world:
             raise ValueError(f"data.prompts_per_step ({config.data.prompts_per_step}) and the mini-batch "
@@ -455,7 +457,7 @@ class Trainer:
         timer.seconds = dict(zip(timer.seconds, self.parallel.max(list(timer.seconds.values()))))
         metrics = step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
                                ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
-                               engine_stats=getattr(self.engine, "last_stats", None), checked=checked)
+                               engine_stats=self.engine.last_stats, checked=checked)
         if skip_pass and metrics["mismatch/logp_abs_diff_max"] != 0.0:  # the bypass's premise failed: say so
             warnings.warn(f"exact mode: the engine's log-probabilities differ from the trainer's (max |dlogp| "
                           f"{metrics['mismatch/logp_abs_diff_max']:.3g} on the checked tokens), but "

@@ -7,8 +7,9 @@ stays shared for the whole generation (nobody writes into it again); the last, p
 is copied on the first write by each holder but the last one (copy-on-write), so each sample continues
 its own tail without touching the others'.
 
-The manager only does bookkeeping; the engine performs the block copies it returns, on every layer,
-before the forward that writes into the new blocks.
+The manager only does bookkeeping: it returns the (source, destination) block pairs to copy, which the
+scheduler hands on in its step output; the model runner performs the copies (``ModelRunner._copy_blocks``),
+on every layer, before the forward that writes into the new blocks.
 """
 
 from __future__ import annotations

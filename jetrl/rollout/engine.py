@@ -30,7 +30,7 @@ import torch
 
 from jetrl.progress import Progress
 from jetrl.rollout.block_manager import BlockManager
-from jetrl.rollout.model_runner import LaunchedStep, ModelRunner, config_value
+from jetrl.rollout.model_runner import LaunchedStep, ModelRunner
 from jetrl.rollout.sampling import SamplingParams
 from jetrl.rollout.scheduler import Scheduler, SchedulerOutput
 from jetrl.rollout.sequence import Completion, Sequence
@@ -109,14 +109,13 @@ class RolloutEngine:
                 raise ValueError(f"RolloutEngine: {name} must be a positive int, got {value!r}")
         self.model = model
         self.tokenizer = tokenizer
-        config = model.config
-        self.vocab_size = int(config_value(config, "vocab_size"))
-        config_len = int(config_value(config, "max_position_embeddings", default=4096))
-        self.max_model_len = int(max_model_len) if max_model_len is not None else config_len
+        config = model.config  # a DecoderConfig
+        self.vocab_size = config.vocab_size
+        self.max_model_len = int(max_model_len) if max_model_len is not None else config.max_position_embeddings
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         # DecoderConfig.eos_token_ids is [] (not None) when the config names none: fall back then too
-        eos = config_value(config, "eos_token_ids", "eos_token_id") or None
+        eos = config.eos_token_ids or None
         if eos is None and tokenizer is not None:
             eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or ()))

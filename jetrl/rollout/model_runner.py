@@ -13,8 +13,8 @@ cache is its ``kv_fp8`` flag: E4M3 pools plus fp32 scale pools, see :mod:`jetrl.
 
 - ``allocate_kv_cache() -> int`` -- make the KV cache if there is none; returns the number of usable blocks
   (the engine's :class:`~jetrl.rollout.block_manager.BlockManager` hands out block ids ``0 .. n-1``).
-- ``begin(seqs)`` -- a ``generate`` call starts with these sequences: drop the CUDA graphs if the
-  weights moved to new storage, and start a host mirror of the sequences' block tables.
+- ``begin(seqs)`` -- a ``generate`` call starts with these sequences: drop the CUDA graphs if what they
+  depend on changed (see **CUDA graphs** below), and start a host mirror of the sequences' block tables.
 - ``launch(out, prev) -> LaunchedStep`` -- queue one :class:`~jetrl.rollout.scheduler.SchedulerOutput`
   (block copies, inputs, forward, sampling, the copy of the sampled tokens to the host) without waiting for
   the device. Decode inputs that are still placeholders (sampled by ``prev``, the step launched before and
@@ -31,8 +31,10 @@ step computes logits only at the rows that sample (the last row of a chunk that 
 
 **CUDA graphs.** On CUDA the decode step (one token per sequence) runs as a CUDA graph per batch size of a
 candidate set; a batch is padded to the next candidate with rows that write into a scratch block no sequence
-owns (the pool's last block). A size is captured the first time a step needs it. The graphs are dropped and
-captured again only when a parameter or a cached FP8 weight moves to new storage: a new weight version is
+owns (the pool's last block). A size is captured the first time a step needs it. Besides ``free_cache``, the
+graphs are dropped and captured again only when what they depend on changes: a parameter, or a cached FP8
+weight or its scale, moves to new storage; the recipe swaps the linear layers for new modules; or the kernel
+tuning in force changes (a graph replays the kernels chosen when it was captured). A new weight version is
 re-quantized into the same FP8 buffers, so graphs survive optimizer steps in ``jet``, but a sharded model's
 weights, gathered for each rollout, move every step. ``graph_captures`` and ``graph_capture_seconds`` count
 the work.
@@ -64,15 +66,6 @@ from jetrl.rollout.sequence import Sequence
 
 DEFAULT_CPU_BUDGET_BYTES = 256 * 2 ** 20
 DEFAULT_GPU_FRACTION = 0.5
-
-
-def config_value(config, *names, default=None):
-    """The first of ``names`` that ``config`` sets (not None): reads jetrl and Hugging Face configs alike."""
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return default
 
 
 class LaunchedStep:
@@ -168,7 +161,8 @@ class ModelRunner:
     """Runs ``model`` for the rollout engine over a paged KV cache (see the module doc for the interface).
 
     Args:
-        model: a jetrl decoder with ``forward_paged`` and ``config``, already in its precision recipe.
+        model: a jetrl decoder with ``forward_paged`` and ``config`` (a :class:`~jetrl.models.DecoderConfig`),
+            already in its precision recipe.
         max_model_len: context limit in tokens (sizes the block tables and the graphs' attention).
         block_size: tokens per KV block.
         max_num_seqs: most sequences in one decode step (the largest captured graph; caps the pool size).
@@ -192,12 +186,10 @@ class ModelRunner:
         self.model = model
         self.exact = bool(exact)
         self.kv_fp8 = bool(kv_fp8)
-        config = model.config
-        self.num_layers = int(config_value(config, "num_hidden_layers"))
-        num_heads = int(config_value(config, "num_attention_heads"))
-        self.num_kv_heads = int(config_value(config, "num_key_value_heads", default=num_heads))
-        self.head_dim = int(config_value(config, "head_dim",
-                                         default=config_value(config, "hidden_size", default=0) // num_heads))
+        config = model.config  # a DecoderConfig: head_dim is set (hidden_size // num_attention_heads by default)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -469,4 +461,4 @@ class ModelRunner:
         return [int(t) for t in step.host[0].tolist()], step.host[1].tolist()
 
 
-__all__ = ["ModelRunner", "LaunchedStep", "config_value"]
+__all__ = ["ModelRunner", "LaunchedStep"]

@@ -198,7 +198,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None, 
     (:func:`jetrl.quant.backend.choose_impl`: CUDA tensors under the CUDA backend; ``impl`` forces
     ``"reference"`` or ``"triton"``), a batch of seeded (and greedy) rows without truncation runs as one Triton
     kernel (:mod:`jetrl.quant.kernels.sampling_triton`: the same tokens, the log-probabilities up to fp32
-    summation order) instead of some fifty tensor ops over (B, V).
+    summation order) instead of the reference's many tensor ops over (B, V).
 
     ``exact`` (exact on-policy mode): the log-probabilities come from
     :func:`jetrl.models.logprobs.exact_logprobs_from_logits`, the trainer's function in exact mode (with the same

@@ -17,8 +17,8 @@ Two layouts of a step's sequences, the same loss (to fp32 rounding; a test check
   task) waste most of a padded batch; packing wastes nothing.
 * **padded** (``packing=False``, the default elsewhere): right-padded to the longest sequence, one
   ``(B, T)`` causal batch (:func:`answer_loss`). Causal attention never lets a real token see the
-  padding after it; for the short (~45-token) arithmetic sequences on CPU one batched attention call per
-  layer is about 2.5x faster than the per-sequence varlen path.
+  padding after it; for short sequences (the ~45-token arithmetic ones) on CPU one batched attention call
+  per layer is faster than the per-sequence varlen path.
 
 Precision: ``dtype="float32"`` trains fp32 parameters; ``dtype="bfloat16"`` trains BF16 parameters with
 fp32 master weights and moments (:class:`jetrl.rl.optim.MasterWeightAdamW`, the RL trainer's optimizer),
@@ -54,6 +54,8 @@ import torch
 from jetrl.progress import Progress
 from jetrl.sft.tokenizer import save_char_tokenizer
 
+SFT_DTYPES = ("float32", "bfloat16")  # training parameter and saved-weight dtypes (``dtype``, ``save_dtype``)
+
 
 @dataclass
 class SFTConfig:
@@ -87,7 +89,7 @@ class SFTConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0                      # weight init
-    save_dtype: str = "float32"        # "float32" | "bfloat16"
+    save_dtype: str = "float32"        # one of SFT_DTYPES
     log_every: int = 50
     device: str = "cpu"
     eval_every: int = 0                # > 0: greedy accuracy on the eval set every N steps (for tuning the budget)
@@ -95,7 +97,7 @@ class SFTConfig:
     keep_checkpoints: bool = False     # keep <output_dir>/checkpoints after the final model is written
     packing: bool | None = None        # True: packed forwards; False: padded batches; None: packed on CUDA only
     micro_batch_tokens: int = 65536    # packing: at most this many tokens per forward (one micro-batch)
-    dtype: str = "float32"             # training parameter dtype: "float32" | "bfloat16" (fp32 master weights)
+    dtype: str = "float32"             # training parameter dtype, one of SFT_DTYPES (bfloat16: fp32 master weights)
 
     def __post_init__(self) -> None:
         if isinstance(self.difficulty, list):
@@ -114,8 +116,9 @@ class SFTConfig:
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("sft: warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
         for name in ("save_dtype", "dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(f"sft: {name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+            if getattr(self, name) not in SFT_DTYPES:
+                raise ValueError(f"sft: {name} must be {' or '.join(map(repr, SFT_DTYPES))}, "
+                                 f"got {getattr(self, name)!r}")
         if self.packing not in (None, True, False):
             raise ValueError(f"sft: packing must be True, False or None (auto), got {self.packing!r}")
         if self.train_seed == self.eval_seed:
@@ -410,5 +413,5 @@ def _max_new_tokens(config: SFTConfig) -> int:
     return int(longest * 1.5) + 8
 
 
-__all__ = ["SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack", "pack_examples",
-           "packed_answer_loss", "lr_at", "format_duration"]
+__all__ = ["SFT_DTYPES", "SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack",
+           "pack_examples", "packed_answer_loss", "lr_at", "format_duration"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jetrl.cli import DEFAULT_CONFIG, EMBEDDED_MODEL, main, resolve_asset
+from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, resolve_asset
+from jetrl.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ def test_pass_at_k_hand_values():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from jetrl.cli import EMBEDDED_MODEL, resolve_asset
+    from jetrl.asset_files import EMBEDDED_MODEL, resolve_asset
     from jetrl.models import load_model, load_tokenizer
 
     path = resolve_asset(EMBEDDED_MODEL)

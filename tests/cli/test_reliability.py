@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetrl.cli import EMBEDDED_MODEL, main, resolve_asset
+from jetrl.asset_files import EMBEDDED_MODEL, resolve_asset
+from jetrl.cli import main
 from jetrl.data import read_prompts
 
 # a short run of the embedded model: one step of 4 prompts x 2 samples

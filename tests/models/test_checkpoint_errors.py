@@ -223,7 +223,7 @@ def test_exported_weights_get_the_mode_of_the_other_files(ckpt, tmp_path):
 def test_fp8_export_warns_about_shapes_external_engines_cannot_read(ckpt, tmp_path):
     import warnings
 
-    from jetrl.cli import EMBEDDED_MODEL, resolve_asset
+    from jetrl.asset_files import EMBEDDED_MODEL, resolve_asset
 
     # the embedded tiny model: 128-wide, with a 352-wide MLP
     with pytest.warns(UserWarning, match=r"FP8 layers have weights that are not whole 128x128 blocks .*"

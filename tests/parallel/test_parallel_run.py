@@ -6,7 +6,7 @@ from launch import run_ranks
 
 
 def _train(rank, out):
-    from jetrl.cli import DEFAULT_CONFIG, EMBEDDED_MODEL, resolve_asset
+    from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, resolve_asset
     from jetrl.rl.loop import run
 
     return run(resolve_asset(DEFAULT_CONFIG), [

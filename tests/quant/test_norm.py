@@ -167,7 +167,10 @@ def fp8_same(t, out):
     return (t["q"].data.shape == data.shape and torch.equal(t["q"].data.view(torch.uint8), data.view(torch.uint8))
             and torch.equal(t["q"].scale, scale))
 
-def run(shape, dtype, wdtype, with_res, quantize, pow2, zero_row, noncontig, grads="all"):
+def run(shape, dtype, wdtype, with_res, quantize, pow2, zero_row, noncontig, grads="all", tiles=None):
+    """Triton against the reference. ``tiles`` (forward, backward ``max_tile``) drives the kernel wrappers
+    directly with those tile limits (rows longer than them walked in chunks); None: through ``rms_norm``
+    and its autograd function, with the default tiles."""
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
     r = torch.randn(shape, generator=g).to(dtype)
     w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(wdtype)
@@ -180,6 +183,10 @@ def run(shape, dtype, wdtype, with_res, quantize, pow2, zero_row, noncontig, gra
     g_res = torch.randn(shape, generator=g).to(dtype)
     res = {}
     for impl in ("triton", "reference"):
+        if impl == "triton" and tiles is not None:
+            assert grads == "all" and not noncontig
+            res[impl] = run_tiled(x, r if with_res else None, w, quantize, pow2, g_out, g_res, tiles)
+            continue
         xi, ri, wi = (t.clone().requires_grad_() for t in (x, r, w))
         if grads == "weight":
             xi.requires_grad_(False)
@@ -206,16 +213,29 @@ def run(shape, dtype, wdtype, with_res, quantize, pow2, zero_row, noncontig, gra
             rep[k + "_nan"] = bool(torch.isnan(t[k].float()).any()) if t[k] is not None else True
     return rep
 
+def run_tiled(x, r, w, quantize, pow2, g_out, g_res, tiles):
+    """The kernels' forward and backward with explicit tile limits, fed the gradients that autograd of
+    ``(out.float() * g_out.float()).sum() + (residual.float() * g_res.float()).sum()`` passes to them."""
+    shape, d = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, d)
+    r2 = r.reshape(-1, d) if r is not None else None
+    out, h, rstd, q = NT.rms_norm_forward(x2, r2, w, EPS, quantize, pow2, max_tile=tiles[0])
+    dh, dw = NT.rms_norm_backward(g_out.reshape(-1, d).to(out.dtype), g_res.reshape(-1, d) if r is not None else None,
+                                  h if r is not None else x2, w, rstd, max_tile=tiles[1])
+    return dict(out=out.view(shape), h=h.view(shape) if h is not None else None, q=q, pow2=pow2,
+                dx=dh.view(shape), dr=dh.view(shape) if r is not None else None, dw=dw)
+
 cases = {}
-for tiles in ((16384, 8192), (128, 128)):  # whole rows in registers / rows walked in 128-wide chunks
-    NT.MAX_FWD_TILE, NT.MAX_BWD_TILE = tiles
+for tiles in (None, (128, 128)):  # whole rows in registers (defaults) / rows walked in 128-wide chunks
+    label = "default" if tiles is None else tiles[0]
     for shape in [(1, 5), (7, 128), (33, 200), (3, 300), (40, 64), (2, 3, 136)]:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for with_res in (True, False):
                 q = shape[-1] != 64 or with_res
-                key = f"tile{tiles[0]}-{shape}-{str(dtype)[6:]}-res{int(with_res)}"
-                cases[key] = run(shape, dtype, dtype, with_res, q, dtype == torch.float16, False, False)
-    cases[f"tile{tiles[0]}-zero-row-pow2"] = run((5, 260), torch.bfloat16, torch.bfloat16, True, True, True, True, False)
+                key = f"tile{label}-{shape}-{str(dtype)[6:]}-res{int(with_res)}"
+                cases[key] = run(shape, dtype, dtype, with_res, q, dtype == torch.float16, False, False, tiles=tiles)
+    cases[f"tile{label}-zero-row-pow2"] = run((5, 260), torch.bfloat16, torch.bfloat16, True, True, True, True, False,
+                                              tiles=tiles)
 cases["weight-fp32-x-bf16"] = run((9, 200), torch.bfloat16, torch.float32, True, True, False, False, False)
 cases["noncontiguous-rows"] = run((6, 130), torch.bfloat16, torch.bfloat16, True, True, False, False, True)
 cases["weight-grad-only"] = run((12, 96), torch.float32, torch.float32, True, False, False, False, False, "weight")
@@ -240,6 +260,23 @@ o = rms_norm(x, torch.randn(64), EPS, torch.randn(0, 64), quantize=True, impl="t
 empty = o.out.shape == (0, 64) and o.residual.shape == (0, 64) and tuple(o.out_fp8.scale.shape) == (0, 1)
 json.dump({"cases": cases, "empty": empty}, sys.stdout)
 '''
+
+
+@needs_triton
+def test_tile_limits_are_parameters_defaulting_to_the_module_constants():
+    import inspect
+
+    from jetrl.quant.kernels import norm_triton as NT
+
+    for fn, default in ((NT.rms_norm_forward, NT.MAX_FWD_TILE), (NT.rms_norm_backward, NT.MAX_BWD_TILE)):
+        param = inspect.signature(fn).parameters["max_tile"]
+        assert param.kind is param.KEYWORD_ONLY and param.default == default
+    x, w = torch.randn(2, 256), torch.ones(256)
+    for bad in (64, 192, 0, 128.0, True):  # below one 1x128 group, not a power of two, not an int
+        with pytest.raises(ValueError, match="max_tile"):
+            NT.rms_norm_forward(x, None, w, EPS, max_tile=bad)
+        with pytest.raises(ValueError, match="max_tile"):
+            NT.rms_norm_backward(x, None, x, w, torch.ones(2), max_tile=bad)
 
 
 @pytest.fixture(scope="module")

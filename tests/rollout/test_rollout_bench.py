@@ -185,8 +185,8 @@ def test_tiny_runs_the_settings_it_is_given(bench):
 
 
 def test_plan_of_the_issue_table(bench, capsys):
-    """The documented command's runs, their estimates (as the module doc quotes them), and the KV each needs
-    against the pool it gets."""
+    """The documented command's runs, their estimates (the doc points to ``--plan`` for them), and the KV each
+    needs against the pool it gets."""
     argv = "--shape 8b,32b --window 256 --max-seconds 330".split()
     assert "bench/rollout.py --shape 8b,32b --window 256 --max-seconds 330" in bench.__doc__
     total, rows = bench.plan(bench._parse(argv))
@@ -196,14 +196,7 @@ def test_plan_of_the_issue_table(bench, capsys):
     assert not any(r.preempts for r in rows)
     assert total == pytest.approx(bench.PlanAssumptions().start_seconds + sum(r.seconds for r in rows))
     assert total < 330  # the run fits its own cap by the estimate: nothing is skipped on an H200 at that pace
-    per = {}
-    for r in rows:
-        per[(r.shape, r.setting)] = per.get((r.shape, r.setting), 0.0) + r.seconds
-    quoted = (f"8B ``b64`` {per['8b', 'b64']:.0f} s, ``b256`` {per['8b', 'b256']:.0f} s, ``b64-8k`` "
-              f"{per['8b', 'b64-8k']:.0f} s; 32B ``b64`` {per['32b', 'b64']:.0f} s, ``b64-2k`` "
-              f"{per['32b', 'b64-2k']:.0f} s; building the weights {per['8b', None]:.0f} s and {per['32b', None]:.0f} "
-              f"s, starting {bench.PlanAssumptions().start_seconds:.0f} s: {total:.0f} s in all")
-    assert quoted in " ".join(bench.__doc__.split())
+    assert "--plan" in bench.__doc__  # the doc points to the estimate instead of quoting it
     # at 32B, 64 x (256 + 3,072) tokens of BF16 KV fit next to the BF16 weights but not next to the FP8 weight
     # cache as well; the FP8 KV cache holds them
     _, rows = bench.plan(bench._parse(["--shape", "32b", "--settings", "b64", "--new-tokens", "3072", "--window", "0"]))

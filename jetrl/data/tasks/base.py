@@ -15,13 +15,14 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 from jetrl.data.datasets import PromptDataset
 from jetrl.data.prompt import Prompt
 from jetrl.data.templates import TemplateConfig
 
 Style = Literal["compact", "natural"]
+STYLES: tuple[str, ...] = get_args(Style)
 
 # Every character the compact prompts and worked solutions of the built-in tasks use.
 COMPACT_ALPHABET = "0123456789+-*/=()>,# \n"
@@ -65,8 +66,8 @@ class Task(ABC):
                 f"{self.name}: difficulty must lie in [{self.min_difficulty}, {self.max_difficulty}] "
                 f"(low <= high), got {difficulty!r}"
             )
-        if style not in ("compact", "natural"):
-            raise ValueError(f"{self.name}: style must be 'compact' or 'natural', got {style!r}")
+        if style not in STYLES:
+            raise ValueError(f"{self.name}: style must be one of {', '.join(map(repr, STYLES))}, got {style!r}")
         self.difficulty_range = (low, high)
         self.seed = int(seed)
         self.style = style

@@ -20,6 +20,8 @@ module                         what it holds
 ``rope_triton``                RoPE of q and k in one launch, forward and backward
 ``logprobs_triton``            the LM head's per-token log-probabilities and entropies, and their gradient
 ``paged_attention_triton``     paged decode attention (flash-decoding splits), over a BF16 or FP8 K/V cache
+``paged_attention_gluon``      Gluon paged decode attention over an FP8 K/V cache (warps as streams of tiles)
+``decode_splits``              the decode attention kernels' split merge, SM count and 32-bit offset check
 ``exact_attention_triton``     exact mode's one attention forward (prefill, paged decode, packed training)
 ``kv_cache_triton``            the FP8 K/V cache write: quantize new tokens' K/V per (token, head), scatter
 ``sampling_triton``            the seeded Gumbel-max sampler for rows without truncation

@@ -12,8 +12,9 @@ per-head q/k norm over ``head_dim``), in fp32 as :func:`jetrl.quant.norm.rms_nor
   bitwise ``reference.quantize`` of the stored ``out``. Scales are a (Kb, M) buffer returned as its
   (M, Kb) view, the layout :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128` gives the GEMMs.
 
-Rows up to ``MAX_FWD_TILE`` (``MAX_BWD_TILE`` in the backward) elements stay in registers; longer rows are
-walked in chunks of that size (a first pass for the sum of squares, a second one recomputing ``h``).
+Rows up to ``max_tile`` elements (a keyword of :func:`rms_norm_forward` / :func:`rms_norm_backward`, by
+default ``MAX_FWD_TILE`` / ``MAX_BWD_TILE``) stay in registers; longer rows are walked in chunks of that size
+(a first pass for the sum of squares, a second one recomputing ``h``).
 
 Backward (fp32): ``dn = g * w``, ``n = h * rstd``, ``dh = rstd * (dn - n * mean(dn * n)) (+ grad of the
 residual output)``; ``dweight`` = per-program partial sums of ``g * normed`` (fp32), summed by torch.
@@ -37,7 +38,8 @@ from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, early_dependents
 
 
 # Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register at
-# about 8 elements per thread (16 warps). The backward holds more live tensors per element.
+# about 8 elements per thread (16 warps). The backward holds more live tensors per element. Constants: the
+# defaults of the wrappers' ``max_tile`` keyword (pass a smaller one, e.g. to test the chunked path).
 MAX_FWD_TILE = 8192
 MAX_BWD_TILE = 4096
 # elements per program for short rows (e.g. the per-head norm over head_dim): rows are grouped up to this
@@ -222,6 +224,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _check_max_tile(max_tile: int) -> None:
+    """A tile is a power of two of at least one 1x128 quantization group."""
+    if (isinstance(max_tile, bool) or not isinstance(max_tile, int) or max_tile < BLOCK_SIZE
+            or max_tile & (max_tile - 1)):
+        raise ValueError(f"max_tile must be a power-of-two int >= {BLOCK_SIZE}, got {max_tile!r}")
+
+
 def _tile(m: int, d: int, max_tile: int, rows_tile: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_D, NUM_CHUNKS, num_warps): whole rows when they fit ``max_tile``, short rows
     grouped up to ``rows_tile`` elements per program, long rows walked in chunks."""
@@ -242,10 +251,12 @@ def _check_rows(t: torch.Tensor, name: str) -> None:
 
 def rms_norm_forward(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    quantize: bool = False, pow2_scale: bool = False,
+    quantize: bool = False, pow2_scale: bool = False, *, max_tile: int = MAX_FWD_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Fp8Tensor | None]:
     """Fused forward on (M, D) rows. Returns ``(out, h, rstd, out_fp8)``: ``h`` the new residual stream
-    (None without ``residual``), ``rstd`` (M,) fp32, ``out_fp8`` only with ``quantize``."""
+    (None without ``residual``), ``rstd`` (M,) fp32, ``out_fp8`` only with ``quantize``. ``max_tile``: the
+    longest row held in registers (a power of two >= 128); longer rows are walked in chunks of that size."""
+    _check_max_tile(max_tile)
     x = x if x.is_contiguous() else x.contiguous()
     _check_rows(x, "x")
     if residual is not None:
@@ -262,7 +273,7 @@ def rms_norm_forward(
         q_data = torch.empty((m, d), dtype=E4M3, device=device)
         q_scale = torch.empty((_cdiv(d, BLOCK_SIZE), m), dtype=torch.float32, device=device)
     if m:
-        block_m, block_d, chunks, num_warps = _tile(m, d, MAX_FWD_TILE, ROWS_TILE_FWD)
+        block_m, block_d, chunks, num_warps = _tile(m, d, max_tile, ROWS_TILE_FWD)
         _rms_norm_fwd_kernel[(_cdiv(m, block_m),)](
             x, residual if residual is not None else x, weight, out, h if h is not None else x, rstd,
             q_data if quantize else out, q_scale if quantize else rstd,
@@ -289,10 +300,12 @@ def _programs(device: torch.device) -> int:
 
 def rms_norm_backward(
     grad_out: torch.Tensor, grad_h: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor,
-    rstd: torch.Tensor, compute_dweight: bool = True,
+    rstd: torch.Tensor, compute_dweight: bool = True, *, max_tile: int = MAX_BWD_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused backward. ``grad_h`` is the grad of the returned residual stream (None if unused). Returns ``(grad_h_total, grad_weight)``: the gradient of ``x``
-    (and of the input residual), in h's dtype, and of ``weight`` in its dtype (None unless asked)."""
+    (and of the input residual), in h's dtype, and of ``weight`` in its dtype (None unless asked). ``max_tile``
+    as in :func:`rms_norm_forward` (default ``MAX_BWD_TILE``)."""
+    _check_max_tile(max_tile)
     m, d = h.shape
     grad_out = grad_out.contiguous()
     if grad_h is not None:
@@ -301,7 +314,7 @@ def rms_norm_backward(
     if m == 0:
         dw = torch.zeros((d,), dtype=weight.dtype, device=h.device) if compute_dweight else None
         return dh, dw
-    block_m, block_d, chunks, num_warps = _tile(m, d, MAX_BWD_TILE, ROWS_TILE_BWD)
+    block_m, block_d, chunks, num_warps = _tile(m, d, max_tile, ROWS_TILE_BWD)
     # a power-of-two number of row tiles per program keeps the number of compiled variants small
     tiles = triton.next_power_of_2(_cdiv(_cdiv(m, block_m), _programs(h.device)))
     programs = _cdiv(_cdiv(m, block_m), tiles)

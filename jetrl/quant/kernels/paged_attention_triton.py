@@ -58,19 +58,19 @@ layouts differ, so the accumulation may round apart; under the interpreter they 
 4-byte rows (head_dim, the block, token and head strides and the base addresses multiples of 4 bytes, as every
 cache this package allocates); a cache that is not falls back to Triton's conversion.
 
-**Forms of the bit conversion** (the tuning's ``kv_decode_bit_tile``). ``"words"`` (the default, above) joins the
+**Forms of the bit conversion** (the tuning's ``kv_decode_bit_tile``). ``"words"`` (the form above) joins the
 converted pairs into rows (``tl.join``/``reshape``), which lets Triton convert K straight into the dot's registers
 but makes it size both dots' operands for 8-bit data (``kWidth`` 4: a join halves the width it infers), so on Triton
 3.6 q and p reach the MMAs through 64-bit shared loads and register moves that reassemble the operand quads; the
-converted V tile goes through shared memory to a transposing ``ldmatrix``. ``"bytes"`` (:func:`_load_e4m3_bytes`)
-converts a tile of bytes, 4 per inline-PTX call into two bf16x2 registers, a call declared impure so that Triton
-neither sees through it (both dots get the BF16 cache's ``kWidth`` 2: ``ldmatrix`` for q, p, K and V, no moves) nor
-moves it into the dot's layout (where V would be read a byte at a time): both converted tiles go through shared
-memory as a BF16 cache's tiles do. It also trims the address arithmetic (unsigned page and row, 32-bit offsets where
-the tensors allow, one offset per token for K and V) and needs no alignment. ``kv_decode_head_major`` launches the
-KV heads of a sequence as neighbouring programs, so that a 32-byte sector of scales (8 heads of one token) and a
-block-table row are read from DRAM once while the heads that share them run; ``kv_decode_max_registers`` caps the
-registers (``maxnreg``) so that more programs share an SM. None of these changes the tiles or the dots: the
+converted V tile goes through shared memory to a transposing ``ldmatrix``. ``"bytes"`` (the default,
+:func:`_load_e4m3_bytes`) converts a tile of bytes, 4 per inline-PTX call into two bf16x2 registers, a call declared
+impure so that Triton neither sees through it (both dots get the BF16 cache's ``kWidth`` 2: ``ldmatrix`` for q, p, K
+and V, no moves) nor moves it into the dot's layout (where V would be read a byte at a time): both converted tiles go
+through shared memory as a BF16 cache's tiles do. It also trims the address arithmetic (unsigned page and row, 32-bit
+offsets where the tensors allow, one offset per token for K and V) and needs no alignment. ``kv_decode_head_major``
+launches the KV heads of a sequence as neighbouring programs, so that a 32-byte sector of scales (8 heads of one
+token) and a block-table row are read from DRAM once while the heads that share them run; ``kv_decode_max_registers``
+caps the registers (``maxnreg``) so that more programs share an SM. None of these changes the tiles or the dots: the
 launch order and the register cap keep every bit, the byte route keeps the attention to summation order (under the
 interpreter bit for bit the word route's; on the GPU the MMA's operand layout differs).
 

@@ -1,9 +1,10 @@
 """One-kernel sampling for seeded (and greedy) rows without top-k/top-p truncation.
 
 The PyTorch sampler (:func:`jetrl.rollout.sampling.sample`) builds the counter-based noise of seeded rows
-with about forty int64 tensor ops over the whole (B, V) logits, then the Gumbel transform, the argmax and
-a full log-softmax: at a 128K vocabulary that is over a millisecond per decode step, more than a small
-model's whole forward. This kernel does the same in one pass over the logits, one program per row:
+with a chain of int64 tensor ops over the whole (B, V) logits, then the Gumbel transform, the argmax and
+a full log-softmax: many small kernel launches per decode step, each reading and writing all (B, V)
+elements, so at a large vocabulary the sampler costs a noticeable share of a small model's decode step
+(BENCHMARKS.md has the numbers). This kernel does the same in one pass over the logits, one program per row:
 
 * ``scaled = logits / T`` (IEEE division; T = 1 for greedy rows), an online max / sum-of-exponentials of
   ``scaled`` for the log-probability ``scaled[token] - logsumexp(scaled)``;

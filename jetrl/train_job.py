@@ -1,0 +1,106 @@
+"""An RL run with its held-out check, as ``jetrl train`` does it: :func:`train_and_evaluate`.
+
+Around :func:`jetrl.rl.loop.run` it adds what a finished run is judged by: greedy accuracy on held-out
+problems of the run's built-in task before training (:func:`jetrl.evaluate.held_out_accuracy`; skipped
+when the run resumes, whose starting weights are not the configured model's) and after it (on the newest
+complete checkpoint), written to ``<output_dir>/eval.json``; the run's curves in
+``<output_dir>/curves.png`` (:func:`jetrl.plotting.plot_runs`); and its summary rows
+(:func:`jetrl.plotting.summarize_run`). It is a separate module because the RL stage imports neither
+the evaluation nor the plotting.
+
+Under torchrun only rank 0 calls it, after preparing the output folder
+(:func:`jetrl.rl.loop.prepare_output_dir`); the other ranks call :func:`jetrl.rl.loop.run` with the
+same config.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from jetrl.config import RunConfig
+from jetrl.evaluate import EVAL_SEED, held_out_accuracy
+from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
+from jetrl.progress import Progress
+from jetrl.rl.checkpoint import latest_checkpoint
+from jetrl.rl.loop import CHECKPOINT_SUBDIR, run
+
+PLOT_FILE = "curves.png"
+EVAL_FILE = "eval.json"
+
+
+@dataclass
+class TrainJobResult:
+    """Where a run's outputs went, its summary rows and, with a held-out check, the accuracies.
+
+    ``accuracy_before`` is None when it was not measured (a resumed run, or no check); ``checkpoint`` is
+    the checkpoint whose accuracy is ``accuracy_after``."""
+
+    output_dir: Path
+    plot: Path
+    summary: list[tuple[str, str]] = field(default_factory=list)
+    num_eval: int = 0
+    accuracy_before: float | None = None
+    accuracy_after: float | None = None
+    checkpoint: Path | None = None
+
+    def rows(self) -> list[tuple[str, str]]:
+        """(name, value) pairs for a summary table: the run's summary, the held-out accuracy, the outputs."""
+        rows = list(self.summary)
+        if self.num_eval:
+            before, after = self.accuracy_before, self.accuracy_after
+            shown = f"{before:.3f} -> {after:.3f}" if before is not None else f"{after:.3f}"
+            rows.insert(1, (f"greedy accuracy, {self.num_eval} held-out problems", shown))
+        out = self.output_dir
+        return rows + [("metrics", str(out / METRICS_FILE)), ("checkpoints", str(out / CHECKPOINT_SUBDIR)),
+                       ("plot", str(self.plot))]
+
+
+def _step_reporter(total: int, bar: Progress, log: Callable[[str], None] | None):
+    """``on_step`` for :func:`jetrl.rl.loop.run`: the latest reward and length on the bar, and with ``log`` a
+    line per step."""
+    t0, shown = time.perf_counter(), 0
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        nonlocal shown
+        reward, length = metrics.get("reward/mean", float("nan")), metrics.get("response/length_mean", float("nan"))
+        bar.set_postfix(reward=f"{reward:.3f}", len=f"{length:.0f}")
+        bar.update(step - shown)  # a resumed run starts past 0
+        shown = step
+        if log is not None:
+            log(f"step {step}/{total}  reward {reward:.3f}  length {length:.0f}  {time.perf_counter() - t0:.0f}s")
+    return on_step
+
+
+def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoint: bool = False,
+                       progress: bool = True, log: Callable[[str], None] = print) -> TrainJobResult:
+    """Run RL as configured, with greedy accuracy on ``num_eval`` held-out problems before and after.
+
+    ``num_eval`` > 0 needs a built-in task (``data.task``); the problems are drawn with
+    :data:`jetrl.evaluate.EVAL_SEED`. ``require_checkpoint`` is :func:`jetrl.rl.loop.run`'s. ``progress``
+    shows bars over the evaluations and the steps; without it each step is a ``log`` line. ``log`` also
+    announces each evaluation."""
+    before = None
+    if num_eval and not config.trainer.resume:
+        log(f"greedy accuracy on {num_eval} held-out problems before training ...")
+        before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)
+    with Progress(config.trainer.steps, "train", unit="step", enabled=progress) as bar:
+        run(config, on_step=_step_reporter(config.trainer.steps, bar, log=None if progress else log),
+            require_checkpoint=require_checkpoint)
+    out = Path(config.trainer.output_dir)
+    plot = plot_runs([out], out / PLOT_FILE)
+    result = TrainJobResult(output_dir=out, plot=plot, summary=summarize_run(out), num_eval=num_eval)
+    if num_eval:
+        final = latest_checkpoint(out / CHECKPOINT_SUBDIR)
+        log(f"greedy accuracy on {num_eval} held-out problems after training ...")
+        after = held_out_accuracy(str(final / "model"), config, num_eval, progress=progress)
+        (out / EVAL_FILE).write_text(json.dumps({"seed": EVAL_SEED, "num_examples": num_eval, "greedy_accuracy_before":
+                                                 before, "greedy_accuracy_after": after, "checkpoint": str(final)}))
+        result.accuracy_before, result.accuracy_after, result.checkpoint = before, after, final
+    return result
+
+
+__all__ = ["TrainJobResult", "train_and_evaluate", "PLOT_FILE", "EVAL_FILE"]
