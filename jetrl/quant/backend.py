@@ -218,10 +218,6 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @contextlib.contextmanager
 def fused_impl(impl: str | None) -> Iterator[None]:
     """Run the fused ops of this block with ``impl`` (``None``: the automatic choice)."""
@@ -247,8 +243,12 @@ def choose_impl(x: torch.Tensor, impl: str | None, *, op: str, eligible: bool = 
         impl = _FORCED.get()
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS} or None (automatic), got {impl!r}")
-    if impl == "triton" and not x.is_cuda and not _interpreting():
-        raise ValueError(f"{op}: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {x.device}")
+    if impl == "triton" and not x.is_cuda:
+        from jetrl.quant.kernels.tuning import interpreting  # kernels are imported lazily (tests/test_layering.py)
+
+        if not interpreting():
+            raise ValueError(f"{op}: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on "
+                             f"{x.device}")
     if impl is not None:
         return impl
     if not (eligible and x.is_cuda and triton_installed()):

@@ -67,7 +67,6 @@ registers there. T is a schedule, never a result: the rollout and the trainer ma
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -78,7 +77,7 @@ from jetrl.quant.kernels.paged_attention_triton import _LOG2E, _load_kv_rows, ch
 from jetrl.quant.reference import EXACT_KV_CHUNK
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = tuning.interpreting()
 
 
 ROWS_PER_PROGRAM = 64  # MMA rows of every program: query rows x their group's heads (padded to a power of two)

@@ -81,7 +81,6 @@ so a decode step using it can be captured in a CUDA graph. Imported lazily by th
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -95,7 +94,7 @@ from jetrl.quant.kernels.quantize_triton import cast_rne
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 _LOG2E = 1.4426950408889634
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = tuning.interpreting()
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the sequences of a head-major launch)
 
 

@@ -30,7 +30,6 @@ the kernels on CPU tensors (the tests do).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -47,7 +46,7 @@ _FP8_MAX = tl.constexpr(E4M3_MAX)
 _RCP_FP8_MAX = tl.constexpr(float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)))  # RN_fp32(1/448)
 # The interpreter's fp32 -> E4M3 cast mis-rounds subnormals; there the kernels round to the E4M3 grid in
 # fp32 first (exact, RNE), on the GPU the hardware's RNE cast does it directly.
-_SOFT_ROUND = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_SOFT_ROUND = tl.constexpr(tuning.interpreting())
 
 
 # --------------------------------------------------------------------------------------------------

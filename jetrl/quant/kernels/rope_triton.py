@@ -20,15 +20,15 @@ the bf16 grid in fp32 (exact, ties to even), so the cast that follows is exact.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
+from jetrl.quant.kernels.tuning import interpreting
 
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERPRET = tl.constexpr(interpreting())
 MAX_TILE = 2048  # elements per half-tile (BLOCK_H * BLOCK_HALF): registers for four fp32 tiles at 4 warps
 
 

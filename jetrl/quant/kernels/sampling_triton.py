@@ -21,17 +21,16 @@ Imported lazily; ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, interpreting
 
 from triton.language.extra import libdevice
 
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERPRET = tl.constexpr(interpreting())
 
 
 @triton.jit

@@ -23,7 +23,6 @@ ties to even) and the cast that follows is exact.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -42,7 +41,7 @@ BLOCK_K = 128  # one 1x128 scale block per program along the columns
 # (its default), i.e. ``(dy * s) * fma(x, 1 - s, 1)``: the tuning object's ``silu_bwd_fma`` (True) says so;
 # False computes the product and the sum apart.
 _BLOCK_K = tl.constexpr(BLOCK_K)
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+_INTERPRET = tl.constexpr(tuning.interpreting())
 
 
 @triton.jit

@@ -546,12 +546,19 @@ _DEFAULT = KernelTuning(gemm=os.environ.get("JETRL_FP8_GEMM", "auto"))
 _CURRENT: contextvars.ContextVar[KernelTuning] = contextvars.ContextVar("jetrl_kernel_tuning", default=_DEFAULT)
 
 
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in the interpreter (``TRITON_INTERPRET=1``, read now): the CPU tests' mode,
+    in which a kernel module picks the interpreter's stand-ins (NumPy math, no inline PTX, no programmatic launch).
+    Triton reads the variable when it is imported, so a process sets it before that."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def early_dependents(device: torch.device) -> bool:
     """Whether a kernel feeding the decode GEMM on ``device`` lets its programmatic dependents launch as soon as all
     its programs have started, and the GEMM launches as one: ``decode_gemm_pdl`` on a GPU of compute capability 9.0
     or later (``griddepcontrol`` is Hopper's), not under ``TRITON_INTERPRET=1`` (the interpreter has no such launch,
     on CPU or CUDA tensors)."""
-    if device.type != "cuda" or not current().decode_gemm_pdl or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if device.type != "cuda" or not current().decode_gemm_pdl or interpreting():
         return False
     import torch
 
