@@ -22,6 +22,7 @@ from typing import Sequence
 
 import yaml
 
+# the file the RL loop writes (jetrl.rl.metrics.METRICS_FILE: the same name; plotting imports nothing of jetrl)
 METRICS_FILE = "metrics.jsonl"
 
 # (metric key, panel title, log scale)

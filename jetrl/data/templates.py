@@ -104,7 +104,10 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
         ids = tokenizer.encode(text, add_special_tokens=False)
     else:
         ids = tokenizer.encode(text)
-    return list(ids)
+    if not isinstance(ids, list):  # e.g. a raw ``tokenizers.Tokenizer``, whose encode gives an Encoding
+        raise TypeError(f"encode_prompt needs a transformers tokenizer (jetrl.models.load_tokenizer), whose encode "
+                        f"returns a list of ids; {type(tokenizer).__name__}.encode returned {type(ids).__name__}")
+    return ids
 
 
 def decode_completion(tokenizer: Any, ids: Sequence[int]) -> str:

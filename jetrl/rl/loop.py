@@ -51,14 +51,16 @@ from jetrl.models import check_tokenizer, resolve_checkpoint, resolve_device
 from jetrl.models.config import DecoderConfig
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, init_parallel, is_sharded, load_sharded, save_sharded
 from jetrl.rl.checkpoint import checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from jetrl.rl.metrics import MetricsLogger
+from jetrl.rl.metrics import METRICS_FILE, TENSORBOARD_SUBDIR, MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
 FP8_MODEL_SUBDIR = "model_fp8"  # with trainer.export_fp8: the block-FP8 export of the same weights
+EVAL_FILE = "eval.json"  # ``jetrl train``'s held-out accuracy before and after (jetrl.train_job)
+PLOT_FILE = "curves.png"  # ``jetrl train``'s plot of the run's curves (jetrl.train_job)
 # what a run writes into its output folder besides config.yaml (``overwrite`` deletes them)
-RUN_OUTPUTS = (CHECKPOINT_SUBDIR, "metrics.jsonl", "tensorboard", "eval.json", "curves.png")
+RUN_OUTPUTS = (CHECKPOINT_SUBDIR, METRICS_FILE, TENSORBOARD_SUBDIR, EVAL_FILE, PLOT_FILE)
 
 
 def seed_everything(seed: int) -> None:
@@ -356,4 +358,4 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
 
 
 __all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards",
-           "prepare_output_dir", "check_model", "RUN_OUTPUTS"]
+           "prepare_output_dir", "check_model", "RUN_OUTPUTS", "EVAL_FILE", "PLOT_FILE"]

@@ -239,13 +239,17 @@ class TensorBoardWriter:
             self._writer.close()
 
 
+METRICS_FILE = "metrics.jsonl"  # a run's per-step metrics, one JSON object a line (jetrl.plotting reads it)
+TENSORBOARD_SUBDIR = "tensorboard"
+
+
 class MetricsLogger:
     """Fans one step's metrics out to the JSONL log and, optionally, TensorBoard."""
 
     def __init__(self, output_dir: str | Path, tensorboard: bool = False, resume_cursor: int | None = None,
-                 filename: str = "metrics.jsonl") -> None:
+                 filename: str = METRICS_FILE) -> None:
         self.jsonl = JsonlWriter(Path(output_dir) / filename, resume_cursor=resume_cursor)
-        self.tensorboard = TensorBoardWriter(Path(output_dir) / "tensorboard") if tensorboard else None
+        self.tensorboard = TensorBoardWriter(Path(output_dir) / TENSORBOARD_SUBDIR) if tensorboard else None
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **metrics}
@@ -291,5 +295,5 @@ class PhaseTimer:
         self.seconds.clear()
 
 
-__all__ = ["step_metrics", "batch_metrics", "logprob_metrics", "timing_metrics", "ENGINE_STATS", "JsonlWriter",
-           "read_jsonl", "TensorBoardWriter", "MetricsLogger", "PhaseTimer"]
+__all__ = ["METRICS_FILE", "TENSORBOARD_SUBDIR", "step_metrics", "batch_metrics", "logprob_metrics", "timing_metrics",
+           "ENGINE_STATS", "JsonlWriter", "read_jsonl", "TensorBoardWriter", "MetricsLogger", "PhaseTimer"]

@@ -6,17 +6,15 @@ program per query row in the grid. Test-only; used by test_exact_tiles_interpret
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from jetrl.quant.kernels.paged_attention_triton import _LOG2E, _load_kv_rows, check_kv_cache
-from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, interpreting
 from jetrl.quant.reference import EXACT_KV_CHUNK
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRETED = interpreting()
 
 
 ROWS_PER_PROGRAM = 64  # MMA rows of every program: query rows x their group's heads (padded to a power of two)

@@ -237,6 +237,8 @@ for tiles in (None, (128, 128)):  # whole rows in registers (defaults) / rows wa
     cases[f"tile{label}-zero-row-pow2"] = run((5, 260), torch.bfloat16, torch.bfloat16, True, True, True, True, False,
                                               tiles=tiles)
 cases["weight-fp32-x-bf16"] = run((9, 200), torch.bfloat16, torch.float32, True, True, False, False, False)
+cases["tile128-weight-fp32-x-bf16"] = run((9, 200), torch.bfloat16, torch.float32, True, True, False, False, False,
+                                          tiles=(128, 128))
 cases["noncontiguous-rows"] = run((6, 130), torch.bfloat16, torch.bfloat16, True, True, False, False, True)
 cases["weight-grad-only"] = run((12, 96), torch.float32, torch.float32, True, False, False, False, False, "weight")
 cases["residual-output-only"] = run((12, 96), torch.bfloat16, torch.bfloat16, True, False, False, False, False,

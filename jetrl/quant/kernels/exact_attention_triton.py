@@ -67,7 +67,6 @@ registers there. T is a schedule, never a result: the rollout and the trainer ma
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -30,7 +30,6 @@ the kernels on CPU tensors (the tests do).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

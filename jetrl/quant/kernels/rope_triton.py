@@ -20,7 +20,6 @@ the bf16 grid in fp32 (exact, ties to even), so the cast that follows is exact.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

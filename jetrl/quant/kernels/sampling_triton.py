@@ -21,7 +21,6 @@ Imported lazily; ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -23,7 +23,6 @@ ties to even) and the cast that follows is exact.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
