@@ -45,9 +45,17 @@ class Fp8Backend(Protocol):
     name: str
     fused_kernels: bool  # whether the ops of FUSED_OPS run their kernels on this backend's devices
 
-    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor: ...
+    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False, *,
+                 whole_blocks: bool = False) -> Fp8Tensor:
+        """``x`` per ``block``. ``whole_blocks``: the quantization of ``x`` with zero rows appended up to a multiple
+        of ``block[0]`` (the same bytes and scales on x's rows: zeros move no block's maximum), so that a GEMM
+        contracting over the rows (WGrad, over tokens) sees whole 128-row blocks whatever x's row count."""
+        ...
 
-    def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor: ...
+    def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False, *,
+                   whole_blocks: bool = False) -> Fp8Tensor:
+        """``t`` re-quantized per ``block`` (``whole_blocks`` as in :meth:`quantize`)."""
+        ...
 
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor: ...
 
@@ -55,8 +63,10 @@ class Fp8Backend(Protocol):
         """W per 128x128 tile and W^T's quantized form with row-major data (the values of the first's ``t()``)."""
         ...
 
-    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
-        """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad)."""
+    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False, *,
+                               whole_blocks: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad; ``whole_blocks`` for the 128x1 one, as in
+        :meth:`quantize`)."""
         ...
 
     def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
@@ -86,11 +96,13 @@ class ReferenceBackend:
     name = "reference"
     fused_kernels = False
 
-    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
-        return reference.quantize_tensor(x, block, pow2_scale)
+    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False, *,
+                 whole_blocks: bool = False) -> Fp8Tensor:
+        return reference.quantize_tensor(x, block, pow2_scale, whole_blocks=whole_blocks)
 
-    def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
-        return reference.requantize(t, block, pow2_scale)
+    def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False, *,
+                   whole_blocks: bool = False) -> Fp8Tensor:
+        return reference.requantize(t, block, pow2_scale, whole_blocks=whole_blocks)
 
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return reference.gemm(a, b, out_dtype)
@@ -99,8 +111,9 @@ class ReferenceBackend:
         q = self.quantize(w, WEIGHT, pow2_scale)
         return q, Fp8Tensor(q.data.t().contiguous(), q.scale.t(), WEIGHT)
 
-    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
-        return self.quantize(x, ACT, pow2_scale), self.quantize(x, TOKEN, pow2_scale)
+    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False, *,
+                               whole_blocks: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+        return self.quantize(x, ACT, pow2_scale), self.quantize(x, TOKEN, pow2_scale, whole_blocks=whole_blocks)
 
     def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:

@@ -9,7 +9,10 @@ step, and jetrl runs all three in E4M3 with fp32 block scales:
   scales, no re-quantization) give W^T's quantized form, so DGrad reads *the same* FP8 weight as Fprop.
 * **WGrad** ``dW = dy^T @ x``: the contraction runs over tokens, so both operands are grouped by 128
   tokens: dy quantized per (128, 1), and the *FP8* input saved by Fprop re-quantized to (128, 1). The
-  BF16 input is never saved: activations live in FP8 between forward and backward.
+  BF16 input is never saved: activations live in FP8 between forward and backward. Both operands are
+  made with zero token rows up to a multiple of 128 (``whole_blocks``): the same bytes on the real tokens,
+  zeros that add nothing to dW, and a contraction of whole blocks, which the fast blockwise GEMM needs, at
+  any token count.
 
 Gradients flow between ops in BF16; the master weight stays BF16 (its gradient is in its dtype).
 
@@ -71,7 +74,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         qg = qg_tok = None
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            qg, qg_tok = backend.quantize_act_and_token(grad_out, ctx.pow2_scale)  # one read of grad_out
+            # one read of grad_out; the 128x1 operands of WGrad have zero rows to a multiple of 128 tokens
+            qg, qg_tok = backend.quantize_act_and_token(grad_out, ctx.pow2_scale, whole_blocks=True)
         if ctx.needs_input_grad[0]:  # DGrad: dy (1x128) @ W  ==  dy @ (W^T as 128x128 tiles)^T
             if qg is None:
                 qg = backend.quantize(grad_out, ACT, ctx.pow2_scale)
@@ -81,10 +85,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 qw_t = Fp8Tensor(w_data, w_scale, WEIGHT).t()  # (K, N)
             grad_x = backend.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # (M, K)
         if ctx.needs_input_grad[1]:  # WGrad: dy^T @ x, both grouped by 128 tokens
+            # both operands are quantized with zero rows up to M' (M rounded up to 128): the same bytes and
+            # scales on the M tokens, and zeros add nothing to dW, so the GEMM's contraction runs over whole
+            # 128-token blocks (cuBLAS's blockwise rule) whatever the micro-batch's token count
             if qg_tok is None:
-                qg_tok = backend.quantize(grad_out, TOKEN, ctx.pow2_scale)
-            qg_tok = qg_tok.t()  # (N, M), 1x128 along M
-            qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, ctx.pow2_scale).t()  # (K, M)
+                qg_tok = backend.quantize(grad_out, TOKEN, ctx.pow2_scale, whole_blocks=True)
+            qg_tok = qg_tok.t()  # (N, M'), 1x128 along M'
+            qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, ctx.pow2_scale,
+                                        whole_blocks=True).t()  # (K, M')
             grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = grad_out.float().sum(0).to(ctx.bias_dtype)

@@ -24,7 +24,7 @@ from jetrl.quant.formats import (
     scale_shape,
 )
 
-__all__ = ["quantize", "quantize_tensor", "dequantize", "expand_scale", "requantize", "gemm",
+__all__ = ["quantize", "quantize_tensor", "pad_to_whole_blocks", "dequantize", "expand_scale", "requantize", "gemm",
            "check_gemm_operands", "compute_scale", "round_scale_to_pow2", "gemm_exact", "matmul_exact",
            "row_invariant_matmul", "EXACT_ROW_CHUNK", "EXACT_KV_CHUNK"]
 
@@ -92,18 +92,30 @@ def quantize(x: torch.Tensor, block: Block = ACT, pow2_scale: bool = False) -> t
     return data, scale
 
 
-def quantize_tensor(x: torch.Tensor, block: Block = ACT, pow2_scale: bool = False) -> Fp8Tensor:
-    """:func:`quantize` returning an :class:`Fp8Tensor`."""
-    data, scale = quantize(x, block, pow2_scale)
-    return Fp8Tensor(data, scale, check_block(block))
+def pad_to_whole_blocks(x: torch.Tensor, block: Block) -> torch.Tensor:
+    """``x`` (M, K) with zero rows appended up to a multiple of ``block[0]`` rows.
+
+    Quantizing the result gives x's own bytes and scales on its rows (the zeros move no block's maximum,
+    exactly like :func:`quantize`'s padding of a partial block) and zeros past them: WGrad's 128x1 operands
+    take this form so that its GEMM, which contracts over the rows (tokens), sees whole 128-row blocks."""
+    rows = -(-x.shape[0] // block[0]) * block[0]
+    return F.pad(x, (0, 0, 0, rows - x.shape[0])) if rows != x.shape[0] else x
 
 
-def requantize(t: Fp8Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
+def quantize_tensor(x: torch.Tensor, block: Block = ACT, pow2_scale: bool = False, *,
+                    whole_blocks: bool = False) -> Fp8Tensor:
+    """:func:`quantize` returning an :class:`Fp8Tensor`; ``whole_blocks``: that of ``pad_to_whole_blocks(x, block)``."""
+    block = check_block(block)
+    data, scale = quantize(pad_to_whole_blocks(x, block) if whole_blocks else x, block, pow2_scale)
+    return Fp8Tensor(data, scale, block)
+
+
+def requantize(t: Fp8Tensor, block: Block, pow2_scale: bool = False, *, whole_blocks: bool = False) -> Fp8Tensor:
     """Re-quantize an FP8 tensor with another block shape: dequantize in fp32, then quantize.
 
     WGrad uses this to turn the saved (1, 128) activation into (128, 1) token groups.
     """
-    return quantize_tensor(t.dequantize(), block, pow2_scale)
+    return quantize_tensor(t.dequantize(), block, pow2_scale, whole_blocks=whole_blocks)
 
 
 def check_gemm_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:

@@ -438,3 +438,57 @@ def test_fp8_linear_cuda_equals_reference_backend(cuda_backend, shape, bias):
 def test_cuda_backend_rejects_cpu_tensors(cuda_backend):
     with pytest.raises(ValueError, match="CUDA tensors"):
         cuda_backend.quantize(torch.randn(4, 128), ACT)
+
+
+UNALIGNED_TOKENS = (1, 3, 127, 129, 1001, 15288)
+
+
+@pytest.mark.parametrize("gluon", [True, False])
+@pytest.mark.parametrize("m", UNALIGNED_TOKENS)
+def test_whole_block_token_operands_bitwise(cuda_backend, m, gluon):
+    """WGrad's 128x1 operands at any token count: the reference of the zero-padded input (x's own bytes and scales,
+    zeros past them), by both kernel families, and grad_out's 1x128 blocking unchanged beside them."""
+    x = _input(m, 384, torch.bfloat16, seed=m)
+    ref_tok = R.quantize_tensor(x, TOKEN, whole_blocks=True)
+    qa = R.quantize_tensor(x, ACT)
+    with tuning.override(gluon=gluon):
+        _same(cuda_backend.quantize(x, TOKEN, whole_blocks=True), ref_tok)
+        _same(cuda_backend.requantize(qa, TOKEN, whole_blocks=True), R.requantize(qa, TOKEN, whole_blocks=True))
+        act, tok = cuda_backend.quantize_act_and_token(x, whole_blocks=True)
+    _same(act, qa)
+    _same(tok, ref_tok)
+    assert tok.shape[0] % 128 == 0
+
+
+@pytest.mark.parametrize("m", UNALIGNED_TOKENS)
+def test_fp8_linear_takes_cublas_for_every_gemm_at_any_token_count(cuda_backend, m, monkeypatch):
+    """Fprop, DGrad and WGrad of a training step at an unaligned token count all run cuBLAS's blockwise GEMM on the
+    producers' buffers: no Triton fallback GEMM, no padded copy of an operand; the result is the reference
+    backend's to output rounding."""
+    from jetrl.quant.kernels import gemm_scaled_mm, gemm_triton
+
+    calls = {"cublas": 0}
+    real = gemm_scaled_mm.blockwise_scaled_mm
+    monkeypatch.setattr(gemm_triton, "blockwise_fp8_gemm", lambda *a, **k: pytest.fail("Triton fallback GEMM"))
+    monkeypatch.setattr(gemm_scaled_mm, "_pad_rows", lambda *a, **k: pytest.fail("padded copy of an operand"))
+    monkeypatch.setattr(gemm_scaled_mm, "blockwise_scaled_mm",
+                        lambda *a, **k: calls.__setitem__("cublas", calls["cublas"] + 1) or real(*a, **k))
+    torch.manual_seed(m)
+    layer = FP8Linear(1536, 896, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
+    with tuning.override(gemm="cublas" if m <= 64 else "auto"):  # small M otherwise takes the decode GEMM
+        xi = x.clone().requires_grad_()
+        layer(xi).backward(gy)
+    assert calls["cublas"] == 3
+    got = (xi.grad.float(), layer.weight.grad.float().clone())
+    monkeypatch.undo()
+    layer.weight.grad = None
+    with use_backend("reference"):
+        layer.invalidate_weight_cache()
+        xr = x.clone().requires_grad_()
+        layer(xr).backward(gy)
+    for out, ref, what in zip(got, (xr.grad.float(), layer.weight.grad.float()), ("grad_input", "grad_weight")):
+        assert torch.isfinite(out).all(), what
+        rel = float((out - ref).norm() / ref.norm())
+        assert rel < 4e-3, f"{what}: relative error {rel:.2e} between backends"

@@ -56,10 +56,10 @@ def act_and_token_path(x: torch.Tensor) -> str:
     return "triton-two-kernels"
 
 
-def _quantize_token(x: torch.Tensor, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_token(x: torch.Tensor, pow2_scale: bool, whole_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if uses_gluon(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return quantize_gluon.quantize_token_128x1(x, pow2_scale)
-    return tk.quantize_token_128x1(x, pow2_scale)
+        return quantize_gluon.quantize_token_128x1(x, pow2_scale, whole_blocks)
+    return tk.quantize_token_128x1(x, pow2_scale, whole_blocks)
 
 
 def _check_cuda(x: torch.Tensor, what: str) -> None:
@@ -122,14 +122,17 @@ class CudaBackend:
     name = "cuda"
     fused_kernels = True
 
-    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
+    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False, *,
+                 whole_blocks: bool = False) -> Fp8Tensor:
         reference._check_input(x)
         _check_cuda(x, "the input")
         block = check_block(block)
         if block == ACT:
             data, scale = tk.quantize_act_1x128(x, pow2_scale)
         elif block == TOKEN:
-            data, scale = _quantize_token(x, pow2_scale)
+            data, scale = _quantize_token(x, pow2_scale, whole_blocks)
+        elif whole_blocks and x.shape[0] % 128:
+            return self.quantize(reference.pad_to_whole_blocks(x, block), block, pow2_scale)
         else:
             data, scale, _ = tk.quantize_weight_128x128(x, pow2_scale)
         return Fp8Tensor(data, scale, block)
@@ -139,29 +142,34 @@ class CudaBackend:
         reference._check_input(w, "the weight")
         _check_cuda(w, "the weight")
         data, scale, data_t = tk.quantize_weight_128x128(w, pow2_scale, emit_t=True)
-        return Fp8Tensor(data, scale, WEIGHT), Fp8Tensor(data_t, scale.t(), WEIGHT)
+        scale_t = tk.tile_scale_buffer(scale.shape[1], scale.shape[0], w.device)  # W^T's in cuBLAS's layout too
+        scale_t.copy_(scale.t())
+        return Fp8Tensor(data, scale, WEIGHT), Fp8Tensor(data_t, scale_t, WEIGHT)
 
-    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
+    def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False, *,
+                               whole_blocks: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
         """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad), by :func:`act_and_token_path`."""
         reference._check_input(x)
         _check_cuda(x, "the input")
         if act_and_token_path(x) == "gluon-one-pass":
-            data, scale, tok, tok_scale = quantize_gluon.quantize_act_and_token(x, pow2_scale)
+            data, scale, tok, tok_scale = quantize_gluon.quantize_act_and_token(x, pow2_scale, whole_blocks)
         else:
             data, scale = tk.quantize_act_1x128(x, pow2_scale)
-            tok, tok_scale = tk.quantize_token_128x1(x, pow2_scale)
+            tok, tok_scale = tk.quantize_token_128x1(x, pow2_scale, whole_blocks)
         return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)
 
-    def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False) -> Fp8Tensor:
+    def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False, *,
+                   whole_blocks: bool = False) -> Fp8Tensor:
         block = check_block(block)
         _check_cuda(t.data, "the FP8 tensor")
         if t.block == ACT and block == TOKEN:
             if uses_gluon(t.data):
-                data, scale = quantize_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale)
+                data, scale = quantize_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale, whole_blocks)
             else:
-                data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale)
+                data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale, whole_blocks)
             return Fp8Tensor(data, scale, TOKEN)
-        return self.quantize(t.dequantize(), block, pow2_scale)  # rare pairs: same arithmetic, unfused
+        # rare pairs: same arithmetic, unfused
+        return self.quantize(t.dequantize(), block, pow2_scale, whole_blocks=whole_blocks)
 
     def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:

@@ -8,11 +8,14 @@ exactly jetrl's three GEMMs:
 
 The layout rules live here and nowhere else (callers pass :class:`Fp8Tensor` pairs in jetrl's layout):
 
-* ``a`` (M, K) row-major; its (M, K/128) scales "outer-dim-major" (stride (1, M)); M a multiple of 4
-  (rows are zero-padded here otherwise);
+* ``a`` (M, K) row-major; its (M, K/128) scales "outer-dim-major" (stride (1, M)); M a multiple of 4.
+  jetrl's 1x128 producers allocate M rounded up to 4 rows (``quantize_triton.act_buffers``), and the GEMM
+  runs on those buffers' padded views: the extra rows are read as they are and the output rows they make
+  are dropped (rows of a product are independent). Other operands are zero-padded here (a copy);
 * ``b`` (N, K) row-major, handed to cuBLAS as the column-major ``b.T``; 1x128 scales (N, K/128)
   outer-dim-major; 128x128 scales as a (L4, N/128) view of a row-major (N/128, L4) buffer whose
-  K/128 dim is zero-padded to L4, a multiple of 4;
+  K/128 dim is zero-padded to L4, a multiple of 4 (the weight quantizer allocates it so, once per weight
+  version; other scales are padded here, a copy per call);
 * K a multiple of 128 and N a multiple of 16 (128 for 128x128 ``b``): other shapes go to the Triton
   GEMM (see :func:`supports`).
 
@@ -65,10 +68,19 @@ def _outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
+def _fits(t: torch.Tensor, shape: tuple[int, int], stride: tuple[int, int]) -> bool:
+    """Whether ``t``'s storage holds the ``as_strided(shape, stride)`` view from ``t``'s offset."""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
+    return all(n > 0 for n in shape) and last * t.element_size() <= t.untyped_storage().nbytes()
+
+
 def _tile_scale(scale: torch.Tensor) -> torch.Tensor:
-    """(R/128, K/128) 128x128 scales -> cuBLAS's (L4, R/128) view with L4 = K/128 padded to 4."""
+    """(R/128, K/128) 128x128 scales -> cuBLAS's (L4, R/128) view with L4 = K/128 padded to 4: no copy where the
+    scale is a view of a row-major (R/128, L4) buffer (as the weight quantizer makes it)."""
     rb, kb = scale.shape
     l4 = _round_up(kb, 4)
+    if scale.stride() == (l4, 1) and _fits(scale, (rb, l4), (l4, 1)):
+        return scale.as_strided((rb, l4), (l4, 1)).t()
     if l4 != kb:
         padded = scale.new_zeros((rb, l4))
         padded[:, :kb] = scale
@@ -76,8 +88,19 @@ def _tile_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.contiguous().t()
 
 
+def _rows_view(data: torch.Tensor, scale: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A 1x128 operand of M rows as ``rows`` rows without a copy, where its buffers were allocated that long
+    (row-major data, scales a view of a (K/128, rows) buffer); None otherwise. The extra rows hold whatever the
+    buffers hold: they only make output rows that are dropped."""
+    k, kb = data.shape[1], scale.shape[1]
+    if (data.stride() != (k, 1) or scale.stride() != (1, rows) or not _fits(data, (rows, k), (k, 1))
+            or not _fits(scale, (rows, kb), (1, rows))):
+        return None
+    return data.as_strided((rows, k), (k, 1)), scale.as_strided((rows, kb), (1, rows))
+
+
 def _pad_rows(data: torch.Tensor, scale: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-pad a 1x128 operand to ``rows`` rows (data rows 0, scales 1)."""
+    """Zero-pad a 1x128 operand to ``rows`` rows (data rows 0, scales 1): a copy."""
     m, k = data.shape
     padded = data.new_zeros((rows, k))
     padded[:m] = data
@@ -97,10 +120,14 @@ def blockwise_scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = tor
         raise ValueError(f"cuBLAS blockwise GEMM does not support a {tuple(a.shape)} {a.block} x "
                          f"b {tuple(b.shape)} {b.block}; K must be a multiple of 128, N of 16 (128 for tiles)")
     m = a.shape[0]
-    a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
-    a_scale = _outer_dim_major(a.scale)
-    if m % 4:
-        a_data, a_scale = _pad_rows(a_data, a_scale, _round_up(m, 4))
+    view = _rows_view(a.data, a.scale, _round_up(m, 4)) if m % 4 else None
+    if view is not None:
+        a_data, a_scale = view
+    else:
+        a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
+        a_scale = _outer_dim_major(a.scale)
+        if m % 4:
+            a_data, a_scale = _pad_rows(a_data, a_scale, _round_up(m, 4))
     b_data = b.data if b.data.is_contiguous() else b.data.contiguous()
     if b.block == WEIGHT:
         b_scale = _tile_scale(b.scale)

@@ -9,8 +9,8 @@ per-head q/k norm over ``head_dim``), in fp32 as :func:`jetrl.quant.norm.rms_nor
   squares), so ``out`` may differ from the reference by one ulp where a value sits on a rounding edge;
 * ``normed = dtype(h * rstd)``, ``out = out_dtype(weight * normed)``;
 * optionally ``out``'s 1x128 E4M3 quantization with the helpers of :mod:`jetrl.quant.kernels.quantize_triton`,
-  bitwise ``reference.quantize`` of the stored ``out``. Scales are a (Kb, M) buffer returned as its
-  (M, Kb) view, the layout :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128` gives the GEMMs.
+  bitwise ``reference.quantize`` of the stored ``out``, in the layout
+  :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128` gives the GEMMs (``act_buffers``).
 
 Rows up to ``max_tile`` elements (a keyword of :func:`rms_norm_forward` / :func:`rms_norm_backward`, by
 default ``MAX_FWD_TILE`` / ``MAX_BWD_TILE``) stay in registers; longer rows are walked in chunks of that size
@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from jetrl.quant.formats import ACT, BLOCK_SIZE, E4M3, Fp8Tensor
-from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3
+from jetrl.quant.formats import ACT, BLOCK_SIZE, Fp8Tensor
+from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3, act_buffers
 from jetrl.quant.kernels.quantize_triton import cast_rne as _cast  # RNE to bf16 under the interpreter too
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, early_dependents
 
@@ -75,7 +75,7 @@ def _rstd(sum_sq, D, eps):
 
 @triton.jit
 def _normalize_store(
-    h, rstd, x_ptr, w_ptr, out_ptr, q_ptr, qs_ptr, rows, cols, row_ok, col_ok, M, D, chunk,
+    h, rstd, x_ptr, w_ptr, out_ptr, q_ptr, qs_ptr, rows, cols, row_ok, col_ok, QS_M, D, chunk,
     QUANT: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, QG: tl.constexpr,
 ):
     """Store ``out = weight * dtype(h * rstd)`` for one (BLOCK_M, BLOCK_D) tile and its 1x128 FP8."""
@@ -92,7 +92,7 @@ def _normalize_store(
         q = tl.reshape(_quantize_e4m3(o, scale[:, :, None], POW2), (BLOCK_M, BLOCK_D))
         tl.store(q_ptr + offs, q, mask=mask)
         grp = chunk * (BLOCK_D // QG) + tl.arange(0, BLOCK_D // QG)
-        tl.store(qs_ptr + grp[None, :].to(tl.int64) * M + rows[:, None], scale,
+        tl.store(qs_ptr + grp[None, :].to(tl.int64) * QS_M + rows[:, None], scale,
                  mask=row_ok[:, None] & (grp[None, :] * QG < D))
 
 
@@ -103,13 +103,13 @@ def _normalize_store(
 @triton.jit
 def _rms_norm_fwd_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, rstd_ptr, q_ptr, qs_ptr,
-    M, D, eps,
+    M, D, eps, QS_M,
     HAS_RES: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr, QG: tl.constexpr,
     LAUNCH_DEPS: tl.constexpr,
 ):
     """One tile of BLOCK_M rows: residual add, sum of squares, rstd, normalise, weight, FP8. Inputs and
-    outputs are row-major (M, D) with row stride D."""
+    outputs are row-major (M, D) with row stride D; the FP8 scales go to a (Db, QS_M) buffer."""
     if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -123,7 +123,7 @@ def _rms_norm_fwd_kernel(
         h = _load_h(x_ptr, r_ptr, h_ptr, rows[:, None] * D + cols0[None, :], mask, HAS_RES, True)
         rstd = _rstd(tl.sum(h * h, axis=1), D, eps)
         tl.store(rstd_ptr + rows, rstd, mask=row_ok)
-        _normalize_store(h, rstd, x_ptr, w_ptr, out_ptr, q_ptr, qs_ptr, rows, cols0, row_ok, col_ok, M, D, 0,
+        _normalize_store(h, rstd, x_ptr, w_ptr, out_ptr, q_ptr, qs_ptr, rows, cols0, row_ok, col_ok, QS_M, D, 0,
                          QUANT, POW2, BLOCK_M, BLOCK_D, QG)
     else:
         sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -139,7 +139,7 @@ def _rms_norm_fwd_kernel(
             col_ok = cols < D
             mask = row_ok[:, None] & col_ok[None, :]
             h = _load_h(x_ptr, r_ptr, h_ptr, rows[:, None] * D + cols[None, :], mask, HAS_RES, False)
-            _normalize_store(h, rstd, x_ptr, w_ptr, out_ptr, q_ptr, qs_ptr, rows, cols, row_ok, col_ok, M, D, c,
+            _normalize_store(h, rstd, x_ptr, w_ptr, out_ptr, q_ptr, qs_ptr, rows, cols, row_ok, col_ok, QS_M, D, c,
                              QUANT, POW2, BLOCK_M, BLOCK_D, QG)
 
 
@@ -270,19 +270,18 @@ def rms_norm_forward(
     rstd = torch.empty((m,), dtype=torch.float32, device=device)
     q_data = q_scale = None
     if quantize:
-        q_data = torch.empty((m, d), dtype=E4M3, device=device)
-        q_scale = torch.empty((_cdiv(d, BLOCK_SIZE), m), dtype=torch.float32, device=device)
+        q_data, q_scale = act_buffers(m, d, device)
     if m:
         block_m, block_d, chunks, num_warps = _tile(m, d, max_tile, ROWS_TILE_FWD)
         _rms_norm_fwd_kernel[(_cdiv(m, block_m),)](
             x, residual if residual is not None else x, weight, out, h if h is not None else x, rstd,
             q_data if quantize else out, q_scale if quantize else rstd,
-            m, d, eps,
+            m, d, eps, q_scale.shape[1] if quantize else m,
             HAS_RES=residual is not None, QUANT=quantize, POW2=pow2_scale,
             BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, QG=min(BLOCK_SIZE, block_d),
             LAUNCH_DEPS=early_dependents(device), num_warps=num_warps, **COMPILE_OPTIONS
         )
-    fp8 = Fp8Tensor(q_data, q_scale.t(), ACT) if quantize else None
+    fp8 = Fp8Tensor(q_data, q_scale[:, :m].t(), ACT) if quantize else None
     return out, h, rstd, fp8
 
 

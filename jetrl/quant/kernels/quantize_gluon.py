@@ -36,7 +36,7 @@ import functools
 import torch
 
 from jetrl.quant.formats import E4M3
-from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv
+from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv, act_buffers, token_rows
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 NUM_WARPS = 4  # one column of the 128-wide tile per thread
@@ -73,10 +73,11 @@ def _kernels():
         return tile, rm, rk, mask
 
     @gluon.jit
-    def tile_to_token(smem, s_smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2: gl.constexpr,
+    def tile_to_token(smem, s_smem, OUT_M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2: gl.constexpr,
                       HAS_SCALE: gl.constexpr):
         """Quantize the (128, 128) tile in shared memory per 128x1 (one block per column) and write it
-        transposed. HAS_SCALE: the tile is 1x128 FP8, dequantized first with the row scales in s_smem."""
+        transposed into the row-major (K, OUT_M) buffer (rows of the tile past the input's M hold zeros).
+        HAS_SCALE: the tile is 1x128 FP8, dequantized first with the row scales in s_smem."""
         col_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[128, 1], threads_per_warp=[1, 32],
                                                     warps_per_cta=[1, 4], order=[1, 0])
         rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, col_layout))
@@ -98,14 +99,15 @@ def _kernels():
         yt = out_smem.load(line_layout)
         rk_o = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, line_layout))
         rm_o = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, line_layout))
-        gl.store(tok_ptr + rk_o[:, None].to(gl.int64) * M + rm_o[None, :], yt,
-                 mask=(rk_o[:, None] < K) & (rm_o[None, :] < M))
+        gl.store(tok_ptr + rk_o[:, None].to(gl.int64) * OUT_M + rm_o[None, :], yt,
+                 mask=(rk_o[:, None] < K) & (rm_o[None, :] < OUT_M))
 
     @gluon.jit
-    def token_kernel(x_ptr, M, K, stride_xm, s_ptr, stride_sm, stride_sk, tok_ptr, tok_scale_ptr,
+    def token_kernel(x_ptr, M, K, stride_xm, s_ptr, stride_sm, stride_sk, tok_ptr, tok_scale_ptr, OUT_M,
                      POW2: gl.constexpr, HAS_SCALE: gl.constexpr, VEC: gl.constexpr):
-        """x (M, K) per 128x1, one (128, 128) tile per program. HAS_SCALE: x is 1x128 FP8 with row scales s
-        (re-quantization), else a float tensor. VEC: elements of x per 16 bytes."""
+        """x (M, K) per 128x1, one (128, 128) tile per program, into a (K, OUT_M) buffer (OUT_M >= M: zero rows
+        appended). HAS_SCALE: x is 1x128 FP8 with row scales s (re-quantization), else a float tensor. VEC:
+        elements of x per 16 bytes."""
         pid_m = gl.program_id(0)
         pid_k = gl.program_id(1)
         tile, _, _, _ = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
@@ -120,11 +122,11 @@ def _kernels():
         else:
             s_smem = smem  # unused
         smem.store(tile)
-        tile_to_token(smem, s_smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, HAS_SCALE)
+        tile_to_token(smem, s_smem, OUT_M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, HAS_SCALE)
 
     @gluon.jit
-    def act_and_token_kernel(x_ptr, M, K, stride_xm, act_ptr, act_scale_ptr, tok_ptr, tok_scale_ptr,
-                             POW2: gl.constexpr, VEC: gl.constexpr):
+    def act_and_token_kernel(x_ptr, M, K, stride_xm, act_ptr, act_scale_ptr, ACT_SCALE_M, tok_ptr, tok_scale_ptr,
+                             OUT_M, POW2: gl.constexpr, VEC: gl.constexpr):
         """x (M, K) per 128x1 and per 1x128 from one read: the tile goes through shared memory to the column
         quantization, then its rows are read back 32 at a time, 32 values of a row per thread (4 lanes per
         row: two shuffles per row maximum, and each row's scale computed in 4 lanes, not 128 / VEC)."""
@@ -133,7 +135,7 @@ def _kernels():
         tile, _, _, _ = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
         smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         smem.store(tile)
-        tile_to_token(smem, smem, M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
+        tile_to_token(smem, smem, OUT_M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
         row_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 32], threads_per_warp=[8, 4],
                                                     warps_per_cta=[4, 1], order=[1, 0])
         rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, row_layout))
@@ -144,7 +146,7 @@ def _kernels():
             row_recip, row_scale_r = _recip_scale(row_scale)
             qa = _to_e4m3_recip(x, row_recip[:, None], row_scale_r[:, None], POW2)
             gl.store(act_ptr + rm[:, None].to(gl.int64) * K + rk[None, :], qa, mask=(rm[:, None] < M) & (rk[None, :] < K))
-            gl.store(act_scale_ptr + pid_k * M + rm, row_scale, mask=rm < M)  # a (Kb, M) buffer
+            gl.store(act_scale_ptr + pid_k * ACT_SCALE_M + rm, row_scale, mask=rm < M)  # a (Kb, ACT_SCALE_M) buffer
 
     return token_kernel, act_and_token_kernel
 
@@ -161,46 +163,53 @@ def _check_input(x: torch.Tensor, what: str, floats_only: bool = True) -> None:
         raise ValueError(f"the Gluon {what} kernel needs rows with unit stride, got strides {tuple(x.stride())}")
 
 
-def _token(src: torch.Tensor, scale: torch.Tensor | None, pow2_scale: bool):
+def _token(src: torch.Tensor, scale: torch.Tensor | None, pow2_scale: bool, whole_blocks: bool):
     m, k = src.shape
-    tok = torch.empty((k, m), dtype=E4M3, device=src.device)
+    out_m = token_rows(m, whole_blocks)
+    tok = torch.empty((k, out_m), dtype=E4M3, device=src.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=src.device)
     if m and k:
         s = scale if scale is not None else tok_scale  # an unused pointer without HAS_SCALE
         _kernels()[0][(_cdiv(m, BLOCK), _cdiv(k, BLOCK))](
-            src, m, k, src.stride(0), s, s.stride(0), s.stride(1), tok, tok_scale, POW2=pow2_scale,
+            src, m, k, src.stride(0), s, s.stride(0), s.stride(1), tok, tok_scale, out_m, POW2=pow2_scale,
             HAS_SCALE=scale is not None, VEC=_vec(src.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS)
+    elif out_m:
+        tok.zero_()
     return tok.t(), tok_scale
 
 
-def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False):
+def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
+                            whole_blocks: bool = False):
     """Same contract and bytes as :func:`jetrl.quant.kernels.quantize_triton.requantize_act_to_token`: 1x128 FP8
-    (data (M, K) with unit column stride, scale (M, Kb)) to 128x1. Returns the (M, K) view of a row-major
-    (K, M) data buffer and (Mb, K) row-major scales."""
+    (data (M, K) with unit column stride, scale (M, Kb)) to 128x1. Returns the (M', K) view of a row-major
+    (K, M') data buffer and (Mb, K) row-major scales (M' = ``token_rows(M, whole_blocks)``)."""
     _check_input(data, "re-quantization", floats_only=False)
-    return _token(data, scale, pow2_scale)
+    return _token(data, scale, pow2_scale, whole_blocks)
 
 
-def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
+def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, whole_blocks: bool = False):
     """Same contract and bytes as :func:`jetrl.quant.kernels.quantize_triton.quantize_token_128x1` for a bf16, fp16 or
     fp32 x (M, K) with unit column stride."""
     _check_input(x, "128x1")
-    return _token(x, None, pow2_scale)
+    return _token(x, None, pow2_scale, whole_blocks)
 
 
-def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False):
-    """x (M, K) per 1x128 and per 128x1 from one kernel, with the contract and bytes of
-    ``jetrl.quant.kernels.quantize_triton.quantize_act_1x128(x, emit_token=True)``: returns ``(data, scale, tok_data,
-    tok_scale)``, data (M, K) row-major, scale the (M, Kb) view of a (Kb, M) buffer, tok_data the (M, K) view
-    of a row-major (K, M) buffer, tok_scale (Mb, K) row-major. bf16, fp16 or fp32 x with unit column stride."""
+def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False, whole_blocks: bool = False):
+    """x (M, K) per 1x128 and per 128x1 from one kernel, with the bytes of
+    :func:`~jetrl.quant.kernels.quantize_triton.quantize_act_1x128` and
+    :func:`~jetrl.quant.kernels.quantize_triton.quantize_token_128x1` (``whole_blocks`` for the latter): returns
+    ``(data, scale, tok_data, tok_scale)`` in their layouts. bf16, fp16 or fp32 x with unit column stride."""
     _check_input(x, "1x128 + 128x1")
     m, k = x.shape
     kb = _cdiv(k, BLOCK)
-    data = torch.empty((m, k), dtype=E4M3, device=x.device)
-    scale_buf = torch.empty((kb, m), dtype=torch.float32, device=x.device)
-    tok = torch.empty((k, m), dtype=E4M3, device=x.device)
+    data, scale_buf = act_buffers(m, k, x.device)
+    out_m = token_rows(m, whole_blocks)
+    tok = torch.empty((k, out_m), dtype=E4M3, device=x.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
     if m and k:
-        _kernels()[1][(_cdiv(m, BLOCK), kb)](x, m, k, x.stride(0), data, scale_buf, tok, tok_scale, POW2=pow2_scale,
-                                            VEC=_vec(x.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS)
-    return data, scale_buf.t(), tok.t(), tok_scale
+        _kernels()[1][(_cdiv(m, BLOCK), kb)](x, m, k, x.stride(0), data, scale_buf, scale_buf.shape[1], tok,
+                                            tok_scale, out_m, POW2=pow2_scale, VEC=_vec(x.dtype),
+                                            num_warps=NUM_WARPS, **COMPILE_OPTIONS)
+    elif out_m:
+        tok.zero_()
+    return data, scale_buf[:, :m].t(), tok.t(), tok_scale

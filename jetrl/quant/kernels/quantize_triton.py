@@ -200,13 +200,13 @@ def _quantize_e4m3(x, scale, POW2: tl.constexpr):
 @triton.jit
 def _quantize_rows_cols_kernel(
     x_ptr, M, K, stride_xm, stride_xk,
-    out_ptr, scale_ptr, stride_sm, stride_sk,
+    out_ptr, scale_ptr, stride_sm, stride_sk, OUT_M,
     POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     LAUNCH_DEPS: tl.constexpr = False,
 ):
     """One tile of x quantized per row (``ROWS``: 1x128, BLOCK_K == 128; data (M, K) row-major, scales at
     ``stride_sm``/``stride_sk``) or per column (128x1, BLOCK_M == 128; the E4M3 tile transposed and stored
-    into a row-major (K, M) buffer, scales a row-major (Mb, K) buffer)."""
+    into a row-major (K, OUT_M) buffer, rows M..OUT_M of x read as zeros; scales a row-major (Mb, K) buffer)."""
     if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -224,15 +224,15 @@ def _quantize_rows_cols_kernel(
     else:
         scale_t = _block_scale(tl.max(tl.abs(x), axis=0), POW2)  # (BLOCK_K,)
         q_t = tl.trans(_quantize_e4m3(x, scale_t[None, :], POW2))  # (BLOCK_K, BLOCK_M): row-major store
-        tl.store(out_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
-                 mask=(rk[:, None] < K) & (rm[None, :] < M))
+        tl.store(out_ptr + rk[:, None].to(tl.int64) * OUT_M + rm[None, :], q_t,
+                 mask=(rk[:, None] < K) & (rm[None, :] < OUT_M))
         tl.store(scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
 
 
 @triton.jit
 def _quantize_weight_kernel(
     w_ptr, N, K, stride_wn, stride_wk,
-    q_ptr, q_t_ptr, scale_ptr,
+    q_ptr, q_t_ptr, scale_ptr, stride_sn,
     POW2: tl.constexpr, EMIT_T: tl.constexpr,
 ):
     """One 128x128 tile of W: one scale, the data row-major (N, K) and optionally W^T row-major (K, N),
@@ -252,19 +252,20 @@ def _quantize_weight_kernel(
         q_t = _quantize_e4m3(tl.trans(w_in).to(tl.float32), scale, POW2)
         tl.store(q_t_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], q_t,
                  mask=(rk[:, None] < K) & (rn[None, :] < N))
-    tl.store(scale_ptr + pid_n * tl.cdiv(K, 128) + pid_k, scale)
+    tl.store(scale_ptr + pid_n * stride_sn + pid_k, scale)
 
 
 @triton.jit
 def _requantize_act_to_token_kernel(
     q_ptr, M, K, stride_qm, stride_qk, s_ptr, stride_sm, stride_sk,
-    tok_ptr, tok_scale_ptr,
+    tok_ptr, tok_scale_ptr, OUT_M,
     POW2: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Re-quantize a 1x128 FP8 tensor into 128x1 blocks: transpose the E4M3 input tile, dequantize it in
     registers (``data * scale`` in fp32, as the reference does), then quantize per 128 rows per column,
     reducing along the transposed tile's rows; data written transposed. BLOCK_K divides 128, so a tile's
-    columns share one 1x128 source scale per row."""
+    columns share one 1x128 source scale per row. The output is a row-major (K, OUT_M) buffer; rows M..OUT_M
+    of the input read as zeros."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = pid_m * 128 + tl.arange(0, 128)
@@ -275,8 +276,8 @@ def _requantize_act_to_token_kernel(
     xt = tl.trans(q).to(tl.float32) * s[None, :]  # (BLOCK_K k, 128 m); masked lanes are 0 * 0
     scale_t = _block_scale(tl.max(tl.abs(xt), axis=1), POW2)
     q_t = _quantize_e4m3(xt, scale_t[:, None], POW2)
-    tl.store(tok_ptr + rk[:, None].to(tl.int64) * M + rm[None, :], q_t,
-             mask=(rk[:, None] < K) & (rm[None, :] < M))
+    tl.store(tok_ptr + rk[:, None].to(tl.int64) * OUT_M + rm[None, :], q_t,
+             mask=(rk[:, None] < K) & (rm[None, :] < OUT_M))
     tl.store(tok_scale_ptr + pid_m * K + rk, scale_t, mask=rk < K)
 
 
@@ -288,37 +289,68 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def act_rows(m: int) -> int:
+    """Rows allocated for a 1x128 operand of ``m`` rows: ``m`` rounded up to 4, cuBLAS's blockwise rule for the
+    left operand (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`). The rows past ``m`` are never written: a GEMM reads
+    them as they are and drops the output rows they make (rows of a product are independent)."""
+    return -(-m // 4) * 4
+
+
+def act_buffers(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty 1x128 buffers for ``m`` rows: the (m, k) E4M3 data, a view of an (act_rows(m), k) row-major buffer, and
+    the (Kb, act_rows(m)) scale buffer (callers return its ``[:, :m].t()``: the (m, Kb) outer-dim-major view)."""
+    rows = act_rows(m)
+    data = torch.empty((rows, k), dtype=E4M3, device=device)[:m]
+    return data, torch.empty((_cdiv(k, BLOCK), rows), dtype=torch.float32, device=device)
+
+
+def token_rows(m: int, whole_blocks: bool) -> int:
+    """Rows of a 128x1 result for ``m`` input rows: ``m``, or with ``whole_blocks`` ``m`` rounded up to 128 (the
+    quantization of x with zero rows appended: the same bytes and scales on x's rows, zeros past them)."""
+    return -(-m // BLOCK) * BLOCK if whole_blocks else m
+
+
 def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False):
-    """Quantize x (M, K) per 1x128. Returns ``(data, scale)``: data (M, K) row-major, scale the (M, Kb) view
-    of a (Kb, M) buffer (the layout cuBLAS reads)."""
+    """Quantize x (M, K) per 1x128. Returns ``(data, scale)``: data (M, K) row-major, scale the (M, Kb)
+    outer-dim-major view of a (Kb, M') buffer (the layout cuBLAS reads), both with :func:`act_rows` rows
+    allocated (:func:`act_buffers`)."""
     m, k = x.shape
-    kb = _cdiv(k, BLOCK)
-    data = torch.empty((m, k), dtype=E4M3, device=x.device)
-    scale_buf = torch.empty((kb, m), dtype=torch.float32, device=x.device)
+    data, scale_buf = act_buffers(m, k, x.device)
     if m and k:
         cfg = tuning.current()
-        _quantize_rows_cols_kernel[(_cdiv(m, cfg.act_block_m), kb)](
-            x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, m,
+        _quantize_rows_cols_kernel[(_cdiv(m, cfg.act_block_m), scale_buf.shape[0])](
+            x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, scale_buf.shape[1], m,
             POW2=pow2_scale, ROWS=True, BLOCK_M=cfg.act_block_m, BLOCK_K=BLOCK, num_warps=cfg.act_num_warps,
             LAUNCH_DEPS=tuning.early_dependents(x.device), **COMPILE_OPTIONS
         )
-    return data, scale_buf.t()
+    return data, scale_buf[:, :m].t()
 
 
-def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False):
-    """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M, K) view of a row-major (K, M)
-    data buffer and the (Mb, K) row-major scales."""
+def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, whole_blocks: bool = False):
+    """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M', K) view of a row-major (K, M')
+    data buffer and the (Mb, K) row-major scales, M' = :func:`token_rows` (``whole_blocks``: zero rows to a
+    multiple of 128, so a GEMM contracting over the rows sees whole blocks)."""
     m, k = x.shape
-    tok = torch.empty((k, m), dtype=E4M3, device=x.device)
+    out_m = token_rows(m, whole_blocks)
+    tok = torch.empty((k, out_m), dtype=E4M3, device=x.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
     if m and k:
         cfg = tuning.current()
         _quantize_rows_cols_kernel[(_cdiv(m, BLOCK), _cdiv(k, cfg.token_block_k))](
-            x, m, k, x.stride(0), x.stride(1), tok, tok_scale, 1, 1,
+            x, m, k, x.stride(0), x.stride(1), tok, tok_scale, 1, 1, out_m,
             POW2=pow2_scale, ROWS=False, BLOCK_M=BLOCK, BLOCK_K=cfg.token_block_k, num_warps=cfg.token_num_warps,
             **COMPILE_OPTIONS
         )
+    elif out_m:
+        tok.zero_()
     return tok.t(), tok_scale
+
+
+def tile_scale_buffer(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """A (rows, cols) fp32 128x128-scale tensor: the view of a zeroed row-major (rows, cols rounded up to 4)
+    buffer, the layout cuBLAS's blockwise GEMM reads (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`), made once per
+    weight version instead of padded per GEMM."""
+    return torch.zeros((rows, -(-cols // 4) * 4), dtype=torch.float32, device=device)[:, :cols]
 
 
 def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: bool = False):
@@ -334,26 +366,31 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
         return data, scale, data.t().contiguous()
     data = torch.empty((n, k), dtype=E4M3, device=w.device)
     data_t = torch.empty((k, n), dtype=E4M3, device=w.device) if emit_t else None
-    scale = torch.empty((_cdiv(n, BLOCK), _cdiv(k, BLOCK)), dtype=torch.float32, device=w.device)
+    scale = tile_scale_buffer(_cdiv(n, BLOCK), _cdiv(k, BLOCK), w.device)
     if n and k:
         _quantize_weight_kernel[(_cdiv(n, BLOCK), _cdiv(k, BLOCK))](
-            w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale,
+            w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale, scale.stride(0),
             POW2=pow2_scale, EMIT_T=emit_t, num_warps=tuning.current().weight_num_warps, **COMPILE_OPTIONS
         )
     return data, scale, data_t
 
 
-def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False):
+def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
+                            whole_blocks: bool = False):
     """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory.
-    Returns the (M, K) view of a row-major (K, M) data buffer and (Mb, K) row-major scales."""
+    Returns the (M', K) view of a row-major (K, M') data buffer and (Mb, K) row-major scales, M' =
+    :func:`token_rows` (``whole_blocks``: zero rows to a multiple of 128)."""
     m, k = data.shape
-    tok = torch.empty((k, m), dtype=E4M3, device=data.device)
+    out_m = token_rows(m, whole_blocks)
+    tok = torch.empty((k, out_m), dtype=E4M3, device=data.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=data.device)
     if m and k:
         cfg = tuning.current()
         _requantize_act_to_token_kernel[(_cdiv(m, BLOCK), _cdiv(k, cfg.requant_block_k))](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
-            tok, tok_scale, POW2=pow2_scale, BLOCK_K=cfg.requant_block_k, num_warps=cfg.requant_num_warps,
+            tok, tok_scale, out_m, POW2=pow2_scale, BLOCK_K=cfg.requant_block_k, num_warps=cfg.requant_num_warps,
             **COMPILE_OPTIONS
         )
+    elif out_m:
+        tok.zero_()
     return tok.t(), tok_scale

@@ -29,9 +29,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels import tuning
-from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3
+from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3, act_buffers
 from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
 
 
@@ -63,12 +62,12 @@ def _cast(x, dtype: tl.constexpr, IS_BF16: tl.constexpr):
 @triton.jit
 def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, q_ptr, scale_ptr,
-    M, K, stride_gm, stride_um,
+    M, K, stride_gm, stride_um, SCALE_M,
     POW2: tl.constexpr, QUANTIZE: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
     LAUNCH_DEPS: tl.constexpr,
 ):
     """One (BLOCK_M, 128) tile: ``out = rnd(rnd(silu(gate)) * up)`` and its 1x128 FP8 (data row-major
-    (M, K), scales into a (Kb, M) buffer)."""
+    (M, K), scales into a (Kb, SCALE_M) buffer)."""
     if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -86,7 +85,7 @@ def _swiglu_fwd_kernel(
         x = out.to(tl.float32)  # masked lanes are silu(0) * 0 = 0, like the reference's zero padding
         scale = _block_scale(tl.max(tl.abs(x), axis=1), POW2)  # (BLOCK_M,)
         tl.store(q_ptr + rows * K + rk[None, :], _quantize_e4m3(x, scale[:, None], POW2), mask=mask)
-        tl.store(scale_ptr + pid_k * M + rm, scale, mask=rm < M)
+        tl.store(scale_ptr + pid_k * SCALE_M + rm, scale, mask=rm < M)
 
 
 @triton.jit
@@ -131,26 +130,26 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
     """``silu(gate) * up`` for 2-D (M, K) ``gate``/``up`` with unit column stride (any row stride).
 
     Returns ``(out, data, scale)``: ``out`` (M, K) contiguous in gate's dtype; with ``quantize`` the 1x128
-    E4M3 ``data`` (M, K) and fp32 ``scale`` as the (M, Kb) view of a (Kb, M) buffer (the layout of
-    :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128`), else ``None, None``.
+    E4M3 ``data`` (M, K) and fp32 ``scale`` (M, Kb) in the layout of
+    :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128` (:func:`~jetrl.quant.kernels.quantize_triton.act_buffers`),
+    else ``None, None``.
     """
     m, k = gate.shape
     out = torch.empty((m, k), dtype=gate.dtype, device=gate.device)
     data = scale_buf = None
     if quantize:
-        data = torch.empty((m, k), dtype=E4M3, device=gate.device)
-        scale_buf = torch.empty((_cdiv(k, BLOCK_K), m), dtype=torch.float32, device=gate.device)
+        data, scale_buf = act_buffers(m, k, gate.device)
     if m and k:
         block_m = _block_m(m)
         grid = (_cdiv(m, block_m), _cdiv(k, BLOCK_K))
         _swiglu_fwd_kernel[grid](
             gate, up, out, data if quantize else out, scale_buf if quantize else out,
-            m, k, gate.stride(0), up.stride(0),
+            m, k, gate.stride(0), up.stride(0), scale_buf.shape[1] if quantize else m,
             POW2=pow2_scale, QUANTIZE=quantize, IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m,
             LAUNCH_DEPS=tuning.early_dependents(gate.device), num_warps=4, enable_fp_fusion=False,
         )
     if quantize:
-        return out, data, scale_buf.t()
+        return out, data, scale_buf[:, :m].t()
     return out, None, None
 
 
