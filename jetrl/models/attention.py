@@ -361,13 +361,47 @@ def paged_attention(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer:
     return paged_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale, v_scale)
 
 
+def flash_varlen_eligible(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`varlen_attention` runs the packed rows in one flash-attention launch: CUDA tensors of
+    compute capability 8.0 or later, q and k/v in bf16 or fp16, a head size that is a multiple of 8 up to 256."""
+    head_dim = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
+            and head_dim % 8 == 0 and head_dim <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Block-diagonal causal attention over packed rows in one launch each way: the flash-attention kernels
+    PyTorch ships (``aten::_flash_attention_forward`` / ``_backward``, the kernels behind SDPA's flash backend and
+    ``torch.nn.attention.varlen``), over the (S+1,) int32 offsets ``cu``. Query heads share their KV head in
+    the kernel (GQA), so K and V are never expanded."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len: int, softmax_scale: float):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.max_len, ctx.softmax_scale = max_len, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, seed, offset,
+            scale=ctx.softmax_scale)
+        return dq, dk, dv, None, None, None
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
-                     softmax_scale: float) -> torch.Tensor:
+                     softmax_scale: float, cu_seqlens_device: torch.Tensor | None = None) -> torch.Tensor:
     """Block-diagonal causal attention over packed rows: q (N, Hq, D), k/v (N, Hkv, D) -> (N, Hq, D).
 
-    ``cu_seqlens`` is a host list (S+1 offsets; the caller syncs once per forward, not per layer). Each
-    sequence runs one causal SDPA on its own rows, so the cost is sum(len^2), never N^2, and nothing is
-    padded.
+    ``cu_seqlens`` is a host list (S+1 offsets; the caller syncs once per forward, not per layer). Where
+    :func:`flash_varlen_eligible` holds, all sequences run in one flash-attention launch (forward and backward:
+    :class:`_FlashVarlen`) over ``cu_seqlens_device``, the same offsets as an int32 tensor on q's device (made
+    here when not given; a caller attending several layers makes it once). Elsewhere, and as its reference,
+    each sequence runs one causal SDPA on its own rows. Either way the cost is sum(len^2), never N^2, and
+    nothing is padded.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads % num_kv_heads:
@@ -375,6 +409,19 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     if any(n < 0 for n in lengths) or cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0]:
         raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({q.shape[0]}), got {cu_seqlens}")
+    if q.shape[0] and flash_varlen_eligible(q, k):
+        if cu_seqlens_device is None:
+            cu_seqlens_device = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+        return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_device, max(lengths),
+                                  float(softmax_scale))
+    return varlen_attention_reference(q, k, v, cu_seqlens, softmax_scale)
+
+
+def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
+                               softmax_scale: float) -> torch.Tensor:
+    """:func:`varlen_attention` as one causal SDPA per sequence (any device and dtype): its reference."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     gqa = num_heads != num_kv_heads
     with sdpa_backends(q):
         if len(set(lengths)) == 1:  # equal lengths (the plain (B, T) batch): one batched SDPA

@@ -340,6 +340,7 @@ class DecoderLM(nn.Module):
 def _packed_attend(cu_seqlens: list[int], exact: bool = False, kv_fp8: bool = False) -> Attend:
     metas: dict = {}  # exact mode: the packing as paged metadata, made by the first layer, read by all (and
     # by the recomputation of checkpointed blocks): its host-to-device copies once per forward, not per layer
+    offsets: dict = {}  # the same for the flash path's device offsets
 
     def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
         if kv_fp8:  # the values an FP8 KV cache holds, straight-through gradient
@@ -349,7 +350,9 @@ def _packed_attend(cu_seqlens: list[int], exact: bool = False, kv_fp8: bool = Fa
                 metas[q.device] = plan_exact_attention(packed_as_paged(cu_seqlens, q.device), q, q.shape[1],
                                                        k.shape[1])
             return exact_varlen_attention(q, k, v, cu_seqlens, softmax_scale, metas.get(q.device))
-        return varlen_attention(q, k, v, cu_seqlens, softmax_scale)
+        if q.is_cuda and q.device not in offsets:
+            offsets[q.device] = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+        return varlen_attention(q, k, v, cu_seqlens, softmax_scale, offsets.get(q.device))
     return attend
 
 
