@@ -1,0 +1,306 @@
+"""``jetrl train`` as a user runs it, once per recipe: median step and phase times, their ratios to ``bf16``, peak memory.
+
+What a user does: a HuggingFace checkpoint of a Qwen2.5 model, the shipped ``examples/gsm8k_qwen2.5_jet.yaml``
+with GSM8K prompts, a reward plugged in as ``data.reward=module:function``, and ``jetrl train --recipe R``. This
+script does the same through the same code (:func:`jetrl.rl.loop.run`, what ``jetrl train`` calls), so every
+phase runs on the real data path: prompts of every length, responses of every length, micro-batches packed by
+token count (so token counts are never multiples of 128), the reward pool, the metrics.
+
+* **The checkpoint**: a Qwen2.5 shape (``--shape``: ``qwen2.5-0.5b``, ``-1.5b``, ``-3b``, ``-7b``; ``--layers`` for
+  fewer blocks where memory or disk requires), random weights, written in HuggingFace format with a byte-level BPE
+  tokenizer trained here on the prompts (no download).
+* **The prompts**: GSM8K's train split (``--data``, default the shared copy when present), else generated
+  GSM8K-like rows of realistic lengths.
+* **The responses**: random weights never pick the end-of-text token, so every sample would run to
+  ``rollout.max_tokens``. The run instead stops a sample at any of ``vocab / --mean-response`` token ids
+  (``rollout.stop_token_ids``): near-uniform sampling then ends a response after about ``--mean-response``
+  tokens, geometrically distributed and capped at ``max_tokens``, as real responses vary. The measured lengths
+  are in the report.
+* **The reward**: :func:`coin_reward`, a fixed pseudo-random 0/1 of the completion text, so advantages are not
+  all zero (random weights score nothing on GSM8K).
+
+Each recipe runs ``--steps`` RL steps; the report gives medians over steps 2 and later (step 1 compiles kernels
+and captures CUDA graphs). The run stops before its final checkpoint (a 1.5B model's is 21 GB). JSON to
+``$OUT/train_run.json`` when ``OUT`` is set and to ``--json``. GPU::
+
+    PYTHONPATH=$PWD python bench/train_run.py --shape qwen2.5-1.5b
+
+CPU smoke run (the tests): ``--tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:  # repository root on sys.path (python -m bench.train_run, the tests)
+    from bench.common import device_description, peak_memory_gib, reset_peak_memory, write_report
+except ModuleNotFoundError:  # python bench/train_run.py: bench/ itself is on sys.path
+    from common import device_description, peak_memory_gib, reset_peak_memory, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "gsm8k_qwen2.5_jet.yaml"
+SHARED_GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+_QWEN25 = dict(model_type="qwen2", rms_norm_eps=1e-6, max_position_embeddings=32768, rope_theta=1000000.0,
+               bos_token_id=151643, eos_token_id=151645)
+# Qwen2.5 as published (the instruct models' config.json fields that shape the compute)
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(_QWEN25, vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(_QWEN25, vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(_QWEN25, vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                       num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN25, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    # CPU smoke size: the same family, head_dim 64, widths multiples of the 128-wide FP8 blocks
+    "tiny": dict(_QWEN25, vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=0,
+                 eos_token_id=0, max_position_embeddings=4096),
+}
+RECIPES = ("bf16", "fp8-rollout", "jet")
+PHASES = ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh")
+EOS = "<|endoftext|>"
+
+
+def coin_reward(completion_text: str, reference_answer: str) -> float:
+    """A fixed pseudo-random 0/1 of the completion (the same text always scores the same)."""
+    return float(zlib.crc32(completion_text.encode("utf-8", "replace")) & 1)
+
+
+# ------------------------------------------------------------------------------------------------ the inputs
+
+def gsm8k_rows(path: Path | None, count: int, seed: int) -> list[dict[str, str]]:
+    """GSM8K rows (question, answer): the file's when it exists, else generated ones of GSM8K's lengths (questions
+    of 20-90 words, answers ending in ``#### N``)."""
+    if path is not None and path.is_file():
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return rows[:count] if count else rows
+    rng = random.Random(seed)
+    words = ("apples", "Tom", "buys", "each", "costs", "dollars", "how", "many", "more", "than", "twice", "the",
+             "store", "sells", "week", "she", "has", "left", "after", "giving", "friends", "total", "of", "and")
+    rows = []
+    for _ in range(count or 2000):
+        question = " ".join(rng.choice(words) if rng.random() > 0.15 else str(rng.randint(2, 500))
+                            for _ in range(rng.randint(20, 90))) + "?"
+        answer = f"{rng.randint(2, 90)} + {rng.randint(2, 90)} = {rng.randint(4, 180)}\n#### {rng.randint(1, 999)}"
+        rows.append({"question": question, "answer": answer})
+    return rows
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, folder: Path):
+    """A byte-level BPE (GPT-2 / Qwen style) trained on ``texts``, saved into ``folder`` with ``EOS`` as its
+    end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS,
+                                   clean_up_tokenization_spaces=False, model_max_length=32768)
+    fast.save_pretrained(os.fspath(folder))
+    return fast
+
+
+def make_checkpoint(shape: dict, folder: Path, texts: list[str], tokenizer_vocab: int, device: torch.device):
+    """A HuggingFace folder: random weights of ``shape`` (BF16) and a tokenizer trained on ``texts``, whose
+    end-of-text id becomes the model's ``eos_token_id``. Returns the tokenizer."""
+    from jetrl.models import build_model, save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(texts, min(tokenizer_vocab, shape["vocab_size"]), folder)
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    shape = dict(shape, eos_token_id=eos, bos_token_id=eos)
+    model = build_model(shape, dtype=torch.bfloat16, device=device, recipe="bf16", seed=0)
+    save_model(model, folder)
+    del model
+    return tokenizer
+
+
+def stop_ids(vocab_size: int, mean_response: int, avoid: set[int], seed: int) -> list[int]:
+    """``vocab_size / mean_response`` token ids (none of ``avoid``): under near-uniform sampling a response stops
+    at one of them after about ``mean_response`` tokens."""
+    count = max(1, round(vocab_size / max(1, mean_response)))
+    pool = [i for i in range(vocab_size) if i not in avoid]
+    return sorted(random.Random(seed).sample(pool, min(count, len(pool))))
+
+
+# ------------------------------------------------------------------------------------------------ one recipe
+
+class _Enough(Exception):
+    """Raised from the step callback after the last timed step: the run ends before its final checkpoint."""
+
+
+def run_recipe(recipe: str, base: Any, steps: int, out_root: Path) -> dict[str, Any]:
+    """``jetrl train`` (:func:`jetrl.rl.loop.run`) of ``base`` in ``recipe`` for ``steps`` steps; every step's
+    metrics, the peak memory and the wall time."""
+    from jetrl.rl.loop import run
+
+    config = dataclasses.replace(base, recipe=recipe,
+                                 trainer=dataclasses.replace(base.trainer, output_dir=os.fspath(out_root / recipe),
+                                                             steps=steps + 1))
+    device = torch.device(config.model.device)
+    reset_peak_memory(device)
+    steps_seen: list[dict[str, float]] = []
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        steps_seen.append(dict(metrics))
+        print(f"  {recipe} step {step}: {metrics['time/step_wall']:.2f} s (rollout {metrics['time/rollout']:.2f}, "
+              f"update {metrics['time/update']:.2f}; response length {metrics['response/length_mean']:.0f})",
+              flush=True)
+        if step >= steps:
+            raise _Enough
+
+    start = time.perf_counter()
+    try:
+        run(config, on_step=on_step)
+    except _Enough:
+        pass
+    wall = time.perf_counter() - start
+    peak = peak_memory_gib(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"recipe": recipe, "steps": steps_seen, "peak_gib": peak, "wall_s": wall}
+
+
+def summarize(result: dict[str, Any], skip: int = 1) -> dict[str, float]:
+    """Medians over the steps after the first ``skip`` (all of them when there are no more)."""
+    timed = result["steps"][skip:] or result["steps"]
+    keys = ["time/step_wall", "time/step"] + [f"time/{p}" for p in PHASES]
+    keys += ["response/length_mean", "response/length_max", "response/truncation_rate", "response/num_tokens",
+             "mismatch/logp_abs_diff_mean"]
+    out = {}
+    for key in keys:
+        values = [m[key] for m in timed if key in m]
+        if values:
+            out[key] = statistics.median(values)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+def build_base_config(args, folder: Path, data: Path, vocab_size: int, avoid: set[int]):
+    from jetrl.config import load_config
+
+    overrides = [f"--model.path={folder}", f"--model.device={args.device}", f"--data.path={data}",
+                 f"--data.prompts_per_step={args.prompts}", f"--rollout.n={args.n}",
+                 f"--rollout.max_tokens={args.max_tokens}", f"--algorithm.mini_batch_size={args.mini_batch}",
+                 f"--algorithm.max_tokens_per_micro_batch={args.micro_tokens}",
+                 "--data.reward=bench.train_run:coin_reward", "--trainer.checkpoint_every=0",
+                 "--trainer.seed=0", "--rollout.progress=false"]
+    if args.device == "cpu":
+        overrides += ["--model.dtype=float32"]
+    config = load_config(args.config, overrides)
+    return dataclasses.replace(config, rollout=dataclasses.replace(
+        config.rollout, stop_token_ids=stop_ids(vocab_size, args.mean_response, avoid, seed=1)))
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--steps", type=int, default=None,
+                        help="RL steps per recipe (default 3, --tiny 2); medians over steps 2 and later")
+    parser.add_argument("--config", default=os.fspath(EXAMPLE), help="the run config (default: the shipped example)")
+    parser.add_argument("--data", default=os.fspath(SHARED_GSM8K),
+                        help="GSM8K train.jsonl (generated rows when missing)")
+    parser.add_argument("--prompts", type=int, default=32, help="data.prompts_per_step")
+    parser.add_argument("--n", type=int, default=8, help="rollout.n")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="rollout.max_tokens")
+    parser.add_argument("--mean-response", type=int, default=300, help="mean response length aimed at")
+    parser.add_argument("--mini-batch", type=int, default=128, help="algorithm.mini_batch_size")
+    parser.add_argument("--micro-tokens", type=int, default=16384, help="algorithm.max_tokens_per_micro_batch")
+    parser.add_argument("--tokenizer-vocab", type=int, default=8192)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--workdir", default=None, help="checkpoint and run folders (default: a temporary one)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shape, 2 steps, small batch")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.shape, args.device, args.prompts, args.n = "tiny", "cpu", 2, 2
+        args.steps = 2 if args.steps is None else args.steps
+        args.max_tokens, args.mean_response, args.mini_batch, args.micro_tokens = 24, 12, 4, 1024
+        args.tokenizer_vocab = 600
+    args.steps = 3 if args.steps is None else args.steps
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown or "bf16" not in recipes:
+        parser.error(f"--recipes: choose among {', '.join(RECIPES)}, bf16 included (the baseline); got {unknown}")
+    shape = dict(SHAPES[args.shape])
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    device = torch.device(args.device)
+    rows = gsm8k_rows(Path(args.data) if args.data else None, 0 if not args.tiny else 200, seed=0)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        root = Path(tmp)
+        data = root / "gsm8k.jsonl"
+        with open(data, "w") as f:
+            for row in rows:
+                f.write(json.dumps({"question": row["question"], "answer": row["answer"]}) + "\n")
+        folder = root / "checkpoint"
+        start = time.perf_counter()
+        tokenizer = make_checkpoint(shape, folder, [r["question"] + "\n" + r["answer"] for r in rows],
+                                    args.tokenizer_vocab, device)
+        print(f"checkpoint {args.shape} ({shape['num_hidden_layers']} blocks) written in "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        avoid = set(tokenizer.all_special_ids)
+        base = build_base_config(args, folder, data, shape["vocab_size"], avoid)
+        results = {}
+        for recipe in recipes:
+            print(f"{recipe}:", flush=True)
+            results[recipe] = run_recipe(recipe, base, args.steps, root / "runs")
+    report = {"benchmark": "train_run", "shape": args.shape, "layers": shape["num_hidden_layers"],
+              "device": device_description(device), "torch": torch.__version__,
+              "setting": {k: getattr(args, k) for k in ("prompts", "n", "max_tokens", "mean_response", "mini_batch",
+                                                        "micro_tokens", "steps", "config")},
+              "data": "gsm8k" if Path(args.data).is_file() else "generated",
+              "recipes": {r: {"median": summarize(res), "peak_gib": res["peak_gib"], "wall_s": res["wall_s"],
+                              "steps": res["steps"]} for r, res in results.items()}}
+    base_med = report["recipes"]["bf16"]["median"]
+    for recipe, entry in report["recipes"].items():
+        med = entry["median"]
+        entry["vs_bf16"] = {key.removeprefix("time/"): base_med[key] / med[key]
+                            for key in med if key.startswith("time/") and key in base_med and med[key] > 0}
+    print_table(report)
+    write_report(report, args.json, "train_run.json")
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    cols = ("step_wall", "rollout", "old_logprob", "update")
+    print(f"\n{report['shape']} ({report['layers']} blocks), {report['device']}, data {report['data']}; "
+          "medians of steps 2+, bf16 / recipe in parentheses (> 1: faster than bf16)")
+    print(f"{'recipe':<12}" + "".join(f"{c:>22}" for c in cols) + f"{'peak GiB':>10}{'resp len':>10}")
+    for recipe, entry in report["recipes"].items():
+        med, ratio = entry["median"], entry["vs_bf16"]
+        cells = "".join(f"{med.get('time/' + c, float('nan')):>12.2f} s ({ratio.get(c, float('nan')):.2f}x)"
+                        for c in cols)
+        peak = entry["peak_gib"] if entry["peak_gib"] is not None else float("nan")
+        print(f"{recipe:<12}{cells}{peak:>10.1f}{med.get('response/length_mean', float('nan')):>10.0f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

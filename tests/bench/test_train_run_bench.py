@@ -1,0 +1,49 @@
+"""bench/train_run.py on CPU: ``jetrl train``'s own loop per recipe on a tiny Qwen2.5-shaped HF checkpoint, with a
+trained tokenizer, GSM8K-like prompts and responses of varying length; the report's medians and ratios."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import train_run
+
+
+def test_stop_ids_give_the_mean_length():
+    ids = train_run.stop_ids(151936, 300, avoid={0, 5}, seed=1)
+    assert len(ids) == round(151936 / 300) and not {0, 5} & set(ids) and ids == sorted(set(ids))
+
+
+def test_coin_reward_is_a_fixed_coin():
+    texts = [f"answer {i}" for i in range(200)]
+    scores = [train_run.coin_reward(t, "") for t in texts]
+    assert set(scores) == {0.0, 1.0} and scores == [train_run.coin_reward(t, "x") for t in texts]
+    assert 60 < sum(scores) < 140
+
+
+def test_generated_rows_when_the_data_is_missing(tmp_path):
+    rows = train_run.gsm8k_rows(tmp_path / "missing.jsonl", 50, seed=0)
+    assert len(rows) == 50 and all(r["answer"].split("#### ")[1].isdigit() for r in rows)
+    lengths = {len(r["question"].split()) for r in rows}
+    assert min(lengths) >= 20 and max(lengths) > min(lengths)  # of every length
+
+
+def test_tiny_run_reports_every_recipe(tmp_path):
+    path = tmp_path / "report.json"
+    report = train_run.main(["--tiny", "--recipes", "bf16,jet", "--steps", "1", "--json", str(path),
+                             "--workdir", str(tmp_path), "--data", str(tmp_path / "none.jsonl")])
+    assert json.loads(path.read_text())["recipes"].keys() == {"bf16", "jet"}
+    for recipe in ("bf16", "jet"):
+        entry = report["recipes"][recipe]
+        assert len(entry["steps"]) == 1
+        med = entry["median"]
+        assert med["time/update"] > 0 and med["time/rollout"] > 0 and med["response/num_tokens"] > 0
+        assert entry["vs_bf16"]["step_wall"] > 0
+    assert report["recipes"]["bf16"]["vs_bf16"]["update"] == pytest.approx(1.0)
+    assert report["data"] == "generated"
+
+
+def test_recipes_need_the_baseline():
+    with pytest.raises(SystemExit):
+        train_run.main(["--tiny", "--recipes", "jet"])
