@@ -157,7 +157,8 @@ def compare(part: str, results: dict, arms) -> None:
     for k in kinds:
         print(f"{k:<18}" + "".join(f"{r['by_kind'].get(k, (0.0,))[0]:>12.1f}" for r in res))
     print(f"{'kernel sum':<18}" + "".join(f"{r['total_us']:>12.1f}" for r in res))
-    for key, text in (("wall_ms", "wall ms/call"), ("blocks_wall_ms", " blocks ms"), ("head_wall_ms", " head ms"),
+    for key, text in (("wall_ms", "wall ms/call"), ("host_ms", "host ms/call"), ("blocks_wall_ms", " blocks ms"),
+                      ("head_wall_ms", " head ms"),
                       ("graph_us", "graph us")):
         if all(key in r for r in res):
             print(f"{text:<18}" + "".join(f"{r[key]:>12.2f}" for r in res))
@@ -234,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=None, help="profiled and timed calls per part (default 5 decode, "
                                                            "2 otherwise)")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also run each part once under cProfile and print its N costliest host functions")
     p.add_argument("--json", default=None)
     p.add_argument("--shape", default=None, metavar="JSON",
                    help='model-config fields over the 8B shape (or --tiny\'s), e.g. \'{"hidden_size": 1024, '
@@ -354,12 +357,39 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
+def host_ms(fn, steps: int, device: torch.device) -> float:
+    """Milliseconds per call that the host spends issuing ``fn``'s work (the GPU's queue drained first, waited for
+    after): near :func:`wall_ms` when the host, not the GPU, sets the pace."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    seconds = time.perf_counter() - t0
+    _sync(device)
+    return seconds * 1e3 / steps
+
+
+def host_profile(fn, top: int) -> None:
+    """One call of ``fn`` under cProfile: the ``top`` host functions by own time (where the host time goes)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def _timed_part(fn, title: str, args, dev: torch.device, layers: int) -> dict:
     steps = args.steps or 2
     kernels = profile(fn, steps=steps, device=dev)
     res = summarize(title, kernels, layers, args.top)
     res["wall_ms"] = wall_ms(fn, steps, dev)
-    print(f"wall {res['wall_ms']:.2f} ms per call")
+    res["host_ms"] = host_ms(fn, steps, dev)
+    print(f"wall {res['wall_ms']:.2f} ms per call, host {res['host_ms']:.2f} ms issuing it")
+    if args.host_profile:
+        host_profile(fn, args.host_profile)
     return res
 
 

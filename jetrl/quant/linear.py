@@ -95,7 +95,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                         whole_blocks=True).t()  # (K, M')
             grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = grad_out.float().sum(0).to(ctx.bias_dtype)
+            grad_b = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # fp32 sums, no fp32 copy of grad_out
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 

@@ -462,33 +462,44 @@ def test_whole_block_token_operands_bitwise(cuda_backend, m, gluon):
 
 @pytest.mark.parametrize("m", UNALIGNED_TOKENS)
 def test_fp8_linear_takes_cublas_for_every_gemm_at_any_token_count(cuda_backend, m, monkeypatch):
-    """Fprop, DGrad and WGrad of a training step at an unaligned token count all run cuBLAS's blockwise GEMM on the
-    producers' buffers: no Triton fallback GEMM, no padded copy of an operand; the result is the reference
-    backend's to output rounding."""
-    from jetrl.quant.kernels import gemm_scaled_mm, gemm_triton
+    """Fprop, DGrad and WGrad of a training step at an unaligned token count run the fast routes on the producers'
+    buffers: WGrad on cuBLAS's blockwise GEMM (its contraction is over tokens), Fprop and DGrad on cuBLAS or, at a
+    decode-sized M, the decode GEMM; no Triton fallback GEMM, no padded copy of an operand. The result is the
+    reference backend's to output rounding."""
+    from jetrl.quant.kernels import gemm_decode_triton, gemm_scaled_mm, gemm_triton
 
-    calls = {"cublas": 0}
-    real = gemm_scaled_mm.blockwise_scaled_mm
+    calls = {"cublas": [], "decode": 0}
+    real_mm, real_decode = gemm_scaled_mm.blockwise_scaled_mm, gemm_decode_triton.fp8_decode_gemm
+
+    def cublas(a, b, *args, **kw):
+        calls["cublas"].append(b.block)
+        return real_mm(a, b, *args, **kw)
+
+    def decode(*args, **kw):
+        calls["decode"] += 1
+        return real_decode(*args, **kw)
+
     monkeypatch.setattr(gemm_triton, "blockwise_fp8_gemm", lambda *a, **k: pytest.fail("Triton fallback GEMM"))
     monkeypatch.setattr(gemm_scaled_mm, "_pad_rows", lambda *a, **k: pytest.fail("padded copy of an operand"))
-    monkeypatch.setattr(gemm_scaled_mm, "blockwise_scaled_mm",
-                        lambda *a, **k: calls.__setitem__("cublas", calls["cublas"] + 1) or real(*a, **k))
+    monkeypatch.setattr(gemm_scaled_mm, "blockwise_scaled_mm", cublas)
+    monkeypatch.setattr(gemm_decode_triton, "fp8_decode_gemm", decode)
     torch.manual_seed(m)
-    layer = FP8Linear(1536, 896, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = FP8Linear(1536, 896, bias=True, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16)
     gy = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
-    with tuning.override(gemm="cublas" if m <= 64 else "auto"):  # small M otherwise takes the decode GEMM
-        xi = x.clone().requires_grad_()
-        layer(xi).backward(gy)
-    assert calls["cublas"] == 3
-    got = (xi.grad.float(), layer.weight.grad.float().clone())
+    xi = x.clone().requires_grad_()
+    layer(xi).backward(gy)
+    assert calls["cublas"].count(ACT) == 1  # WGrad
+    assert len(calls["cublas"]) + calls["decode"] == 3
+    got = (xi.grad.float(), layer.weight.grad.float().clone(), layer.bias.grad.float().clone())
     monkeypatch.undo()
-    layer.weight.grad = None
+    layer.weight.grad = layer.bias.grad = None
     with use_backend("reference"):
         layer.invalidate_weight_cache()
         xr = x.clone().requires_grad_()
         layer(xr).backward(gy)
-    for out, ref, what in zip(got, (xr.grad.float(), layer.weight.grad.float()), ("grad_input", "grad_weight")):
+    refs = (xr.grad.float(), layer.weight.grad.float(), layer.bias.grad.float())
+    for out, ref, what in zip(got, refs, ("grad_input", "grad_weight", "grad_bias")):
         assert torch.isfinite(out).all(), what
         rel = float((out - ref).norm() / ref.norm())
         assert rel < 4e-3, f"{what}: relative error {rel:.2e} between backends"
