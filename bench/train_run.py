@@ -47,9 +47,9 @@ from typing import Any
 import torch
 
 try:  # repository root on sys.path (python -m bench.train_run, the tests)
-    from bench.common import device_description, peak_memory_gib, reset_peak_memory, write_report
+    from bench.common import device_description, reset_peak_memory, write_report
 except ModuleNotFoundError:  # python bench/train_run.py: bench/ itself is on sys.path
-    from common import device_description, peak_memory_gib, reset_peak_memory, write_report
+    from common import device_description, reset_peak_memory, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "gsm8k_qwen2.5_jet.yaml"
@@ -176,7 +176,8 @@ def run_recipe(recipe: str, base: Any, steps: int, out_root: Path) -> dict[str, 
     except _Enough:
         pass
     wall = time.perf_counter() - start
-    peak = peak_memory_gib(device)
+    # the trainer resets the device's peak counter per phase (memory/*): the run's peak is the largest of those
+    peak = max((m.get("memory/peak_gib", 0.0) for m in steps_seen), default=None) if device.type == "cuda" else None
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -187,6 +188,7 @@ def summarize(result: dict[str, Any], skip: int = 1) -> dict[str, float]:
     """Medians over the steps after the first ``skip`` (all of them when there are no more)."""
     timed = result["steps"][skip:] or result["steps"]
     keys = ["time/step_wall", "time/step"] + [f"time/{p}" for p in PHASES]
+    keys += [k for k in timed[-1] if k.startswith("memory/")]
     keys += ["response/length_mean", "response/length_max", "response/truncation_rate", "response/num_tokens",
              "mismatch/logp_abs_diff_mean"]
     out = {}

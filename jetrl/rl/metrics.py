@@ -267,12 +267,15 @@ class MetricsLogger:
 
 
 class PhaseTimer:
-    """Accumulates wall-clock seconds per phase: ``with timer.phase("rollout"): ...``."""
+    """Accumulates wall-clock seconds per phase: ``with timer.phase("rollout"): ...``; on a GPU also each phase's
+    peak of allocated memory (:meth:`memory_metrics`; the device's peak counter is reset as a phase starts)."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         device = torch.device(device) if device is not None else None
         self._cuda = device is not None and device.type == "cuda"
+        self._device = device
         self.seconds: dict[str, float] = {}
+        self.peak_bytes: dict[str, int] = {}
 
     def _sync(self) -> None:
         if self._cuda:
@@ -281,18 +284,31 @@ class PhaseTimer:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self._sync()
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self._device)
         start = time.perf_counter()
         try:
             yield
         finally:
             self._sync()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            if self._cuda:
+                peak = torch.cuda.max_memory_allocated(self._device)
+                self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
 
     def metrics(self, prefix: str = "time/") -> dict[str, float]:
         return {f"{prefix}{k}": v for k, v in self.seconds.items()}
 
+    def memory_metrics(self) -> dict[str, float]:
+        """``memory/<phase>_peak_gib`` per phase and ``memory/peak_gib`` (their maximum); empty off the GPU."""
+        out = {f"memory/{k}_peak_gib": v / 2 ** 30 for k, v in self.peak_bytes.items()}
+        if out:
+            out["memory/peak_gib"] = max(out.values())
+        return out
+
     def reset(self) -> None:
         self.seconds.clear()
+        self.peak_bytes.clear()
 
 
 __all__ = ["METRICS_FILE", "TENSORBOARD_SUBDIR", "step_metrics", "batch_metrics", "logprob_metrics", "timing_metrics",

@@ -458,6 +458,7 @@ class Trainer:
         metrics = step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
                                ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
                                engine_stats=self.engine.last_stats, checked=checked)
+        metrics.update(timer.memory_metrics())
         if skip_pass and metrics["mismatch/logp_abs_diff_max"] != 0.0:  # the bypass's premise failed: say so
             warnings.warn(f"exact mode: the engine's log-probabilities differ from the trainer's (max |dlogp| "
                           f"{metrics['mismatch/logp_abs_diff_max']:.3g} on the checked tokens), but "
