@@ -50,9 +50,9 @@ from jetrl.models.attention import (
 )
 from jetrl.models.config import DecoderConfig
 from jetrl.models.rope import apply_rope, apply_rope_qk
-from jetrl.quant import call_linear, fp8_input_scaling, linears_shared_input
+from jetrl.quant import call_linear, fp8_input_scaling, grouped_linear, linears_shared_input
 from jetrl.quant.norm import NormOutput, rms_norm
-from jetrl.quant.swiglu import swiglu
+from jetrl.quant.swiglu import swiglu, swiglu_packed
 
 # attend(layer_idx, q (N, Hq, D), k (N, Hkv, D), v (N, Hkv, D), softmax_scale) -> (N, Hq, D)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -160,10 +160,15 @@ class MLP(nn.Module):
         return self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, x_fp8=None, exact: bool = False) -> torch.Tensor:
-        gate, up = linears_shared_input(self.input_projections(), x, x_fp8, exact=exact)
-        # silu(gate) * up in one kernel, which also quantizes it for an FP8 down projection
+        # silu(gate) * up in one kernel, which also quantizes it for an FP8 down projection; gate and up side by side
+        # where their FP8 GEMMs run as one (so the backward's d(gate, up) is one buffer, no concatenation)
         scaling = fp8_input_scaling(self.down_proj)
-        act, act_fp8 = swiglu(gate, up, quantize=scaling is not None, pow2_scale=bool(scaling))
+        gate_up = grouped_linear(self.input_projections(), x, x_fp8, exact=exact)
+        if gate_up is not None:
+            act, act_fp8 = swiglu_packed(gate_up, quantize=scaling is not None, pow2_scale=bool(scaling))
+        else:
+            gate, up = (call_linear(m, x, x_fp8, exact=exact) for m in self.input_projections())
+            act, act_fp8 = swiglu(gate, up, quantize=scaling is not None, pow2_scale=bool(scaling))
         return call_linear(self.down_proj, act, act_fp8, exact=exact)
 
 

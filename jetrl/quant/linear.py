@@ -42,11 +42,18 @@ from jetrl.quant.side import current_side
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
-    """Fprop/DGrad/WGrad in FP8; saves the FP8 input and the FP8 weight, nothing in BF16."""
+    """Fprop/DGrad/WGrad in FP8; saves the FP8 input and the FP8 weight, nothing in BF16.
+
+    ``params`` are the weights of one linear, or of several linears that read the same input (q/k/v, gate/up),
+    then their biases (all or none); the FP8 weight ``w_data`` / ``w_scale`` holds them side by side along the
+    output dim, so the group runs as one linear of their summed width: one GEMM each way, one quantization of
+    grad_out, one re-quantization of the saved input. The output is (M, sum of widths); the gradients are split
+    back per weight and bias."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_data, w_scale, pow2_scale: bool, wt_data=None, xq_data=None,
-                xq_scale=None, exact: bool = False):  # x: (M, K)
+    def forward(ctx, x, w_data, w_scale, pow2_scale: bool, wt_data, wt_scale, xq_data, xq_scale, exact: bool,
+                num_weights: int, *params):  # x: (M, K)
+        weights, biases = params[:num_weights], params[num_weights:]
         backend = get_backend(x.device)
         if xq_data is not None:  # x's 1x128 quantization, made by the op that produced x (a fused kernel)
             qx = Fp8Tensor(xq_data, xq_scale, ACT)
@@ -55,36 +62,42 @@ class _Fp8LinearFunction(torch.autograd.Function):
         qw = Fp8Tensor(w_data, w_scale, WEIGHT)
         # exact mode: each row's sum in the same order whatever M is (the backward stays the fast one)
         y = (backend.gemm_exact if exact else backend.gemm)(qx, qw, out_dtype=x.dtype)  # (M, N)
-        if bias is not None:
+        if biases:
+            bias = biases[0] if len(biases) == 1 else torch.cat(biases)
             y = y + bias.to(y.dtype)
-        # wt_data: a row-major copy of W^T's FP8 data (same values as w_data.t()), cached with the weight
+        # wt_data / wt_scale: W^T's FP8 form with row-major data (same values as w_data.t()), cached with the weight
         # when a grad-enabled forward made it (the backend's quantize_weight_pair); DGrad reads it
-        ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data)
+        ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data, wt_scale)
         ctx.pow2_scale = pow2_scale
         ctx.x_dtype = x.dtype
-        ctx.weight_dtype = weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.widths = [w.shape[0] for w in weights]
+        ctx.weight_dtypes = [w.dtype for w in weights]
+        ctx.bias_dtypes = [b.dtype for b in biases]
         return y
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out: (M, N)
-        x_data, x_scale, w_data, w_scale, wt_data = ctx.saved_tensors
+        x_data, x_scale, w_data, w_scale, wt_data, wt_scale = ctx.saved_tensors
         backend = get_backend(grad_out.device)
         grad_out = grad_out.contiguous()
-        grad_x = grad_w = grad_b = None
+        num_weights = len(ctx.widths)
+        needs_w = any(ctx.needs_input_grad[10:10 + num_weights])
+        grad_x = None
+        grad_ws: list[torch.Tensor | None] = [None] * num_weights
+        grad_bs: list[torch.Tensor | None] = [None] * len(ctx.bias_dtypes)
         qg = qg_tok = None
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[0] and needs_w:
             # one read of grad_out; the 128x1 operands of WGrad have zero rows to a multiple of 128 tokens
             qg, qg_tok = backend.quantize_act_and_token(grad_out, ctx.pow2_scale, whole_blocks=True)
         if ctx.needs_input_grad[0]:  # DGrad: dy (1x128) @ W  ==  dy @ (W^T as 128x128 tiles)^T
             if qg is None:
                 qg = backend.quantize(grad_out, ACT, ctx.pow2_scale)
             if wt_data is not None:
-                qw_t = Fp8Tensor(wt_data, w_scale.t(), WEIGHT)  # (K, N), row-major data
+                qw_t = Fp8Tensor(wt_data, wt_scale, WEIGHT)  # (K, N), row-major data
             else:
                 qw_t = Fp8Tensor(w_data, w_scale, WEIGHT).t()  # (K, N)
             grad_x = backend.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # (M, K)
-        if ctx.needs_input_grad[1]:  # WGrad: dy^T @ x, both grouped by 128 tokens
+        if needs_w:  # WGrad: dy^T @ x, both grouped by 128 tokens
             # both operands are quantized with zero rows up to M' (M rounded up to 128): the same bytes and
             # scales on the M tokens, and zeros add nothing to dW, so the GEMM's contraction runs over whole
             # 128-token blocks (cuBLAS's blockwise rule) whatever the micro-batch's token count
@@ -93,10 +106,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             qg_tok = qg_tok.t()  # (N, M'), 1x128 along M'
             qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, ctx.pow2_scale,
                                         whole_blocks=True).t()  # (K, M')
-            grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = grad_out.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # fp32 sums, no fp32 copy of grad_out
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+            dtype = ctx.weight_dtypes[0]
+            grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=dtype)  # (N, K)
+            grad_ws = [g if g.dtype == d else g.to(d) for g, d in zip(grad_w.split(ctx.widths), ctx.weight_dtypes)]
+        if grad_bs and any(ctx.needs_input_grad[10 + num_weights:]):
+            grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 sums, no fp32 copy of grad_out
+            grad_bs = [g.to(d) for g, d in zip(grad_b.split(ctx.widths), ctx.bias_dtypes)]
+        return (grad_x, None, None, None, None, None, None, None, None, None, *grad_ws, *grad_bs)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
@@ -109,10 +125,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x's 1x128 quantization (bitwise what the backend would compute from x), so x is not read again.
     ``exact``: Fprop through the backend's batch-invariant ``gemm_exact`` (see :mod:`jetrl.quant.exact`).
     """
-    wt_data = qweight_t.data if qweight_t is not None else None
+    return fp8_linear_group(x, [weight], [bias] if bias is not None else [], qweight, pow2_scale, qweight_t, x_fp8,
+                            exact)
+
+
+def fp8_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], qweight: Fp8Tensor,
+                     pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None,
+                     x_fp8: Fp8Tensor | None = None, exact: bool = False) -> torch.Tensor:
+    """The linears of ``weights`` (and ``biases``: one each, or none) on the same ``x`` (M, K), side by side:
+    (M, sum of their widths), from ``qweight``, their FP8 weights stacked along the output dim (and
+    ``qweight_t`` its transpose); gradients flow to each weight and bias. See :func:`fp8_linear`."""
+    wt_data, wt_scale = (qweight_t.data, qweight_t.scale) if qweight_t is not None else (None, None)
     xq_data, xq_scale = (x_fp8.data, x_fp8.scale) if x_fp8 is not None else (None, None)
-    return _Fp8LinearFunction.apply(x, weight, bias, qweight.data, qweight.scale, pow2_scale, wt_data, xq_data,
-                                    xq_scale, bool(exact))
+    return _Fp8LinearFunction.apply(x, qweight.data, qweight.scale, pow2_scale, wt_data, wt_scale, xq_data, xq_scale,
+                                    bool(exact), len(weights), *weights, *biases)
 
 
 def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | None:
@@ -145,6 +171,9 @@ class FP8Linear(nn.Linear):
         self._qweight_key: tuple | None = None
         self._qweight: Fp8Tensor | None = None
         self._qweight_t: Fp8Tensor | None = None
+        self._cache_epoch = 0  # moved by invalidate_weight_cache: every cache keyed on this layer goes stale
+        # FP8 weights of groups this layer leads (linears sharing its input: q/k/v, gate/up), by member ids
+        self._group_caches: dict[tuple[int, ...], _WeightCache] = {}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **options) -> "FP8Linear":
@@ -170,12 +199,33 @@ class FP8Linear(nn.Linear):
         return self.fp8_rollout if current_side() == "rollout" else self.fp8_train
 
     def invalidate_weight_cache(self) -> None:
-        """Mark the quantized weight stale (call after changing the weight behind autograd's back).
+        """Mark the quantized weight stale (call after changing the weight behind autograd's back), also in the
+        groups it belongs to (:func:`grouped_linear`).
 
         The next use re-quantizes into the same buffers, so their addresses stay fixed and CUDA graphs
         captured by the rollout engine stay valid across optimizer steps.
         """
         self._qweight_key = None
+        self._cache_epoch += 1
+
+    def weight_key(self) -> tuple:
+        """What the quantized weight depends on: the weight's storage and version, the scaling, the backend."""
+        w = self.weight
+        return (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
+                selected_backend_name(), self._cache_epoch)
+
+    def has_cached_weights(self) -> bool:
+        """Whether this layer holds quantized weights of its own or of a group it leads (what an eager refresh
+        re-quantizes)."""
+        return self._qweight is not None or any(c.qweight is not None for c in self._group_caches.values())
+
+    def refresh_cached_weights(self) -> None:
+        """Re-quantize the weights this layer held (its own, its groups'), into the same buffers."""
+        if self._qweight is not None:
+            self.quantized_weight()
+        for members in list(self._group_caches.values()):
+            if members.qweight is not None:
+                _group_weights(members.modules, with_transpose=False)
 
     def quantized_weight(self) -> Fp8Tensor:
         """The (128, 128)-block FP8 weight for the current weight version, quantized at most once."""
@@ -191,8 +241,7 @@ class FP8Linear(nn.Linear):
 
     def _cached_weights(self, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
         w = self.weight
-        key = (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
-               selected_backend_name())
+        key = self.weight_key()
         stale_q = stale_t = None
         if self._qweight_key != key:
             stale_q, stale_t = self._qweight, self._qweight_t
@@ -271,30 +320,119 @@ def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = No
     return module(x, x_fp8=x_fp8)
 
 
+class _WeightCache:
+    """The FP8 weights of a group of linears sharing an input, stacked along the output dim: W (sum N, K) and, once a
+    grad-enabled forward asked for it, W^T with row-major data; with the member layers (for re-quantization)."""
+
+    def __init__(self, modules: tuple[FP8Linear, ...]) -> None:
+        self.modules = modules
+        self.key: tuple | None = None
+        self.qweight: Fp8Tensor | None = None
+        self.qweight_t: Fp8Tensor | None = None
+
+
+def groupable(modules: tuple[nn.Module, ...] | list[nn.Module]) -> bool:
+    """Whether these linears can run as one stacked FP8 linear: 2 or 3 :class:`FP8Linear` running FP8 on this
+    side with one scaling, the same input width, dtype and device, widths of whole 128-row weight tiles (so the
+    stacked weight's tiles are the members' tiles), and biases on all or none."""
+    if not 2 <= len(modules) <= 3 or fp8_input_scaling(*modules) is None:
+        return False
+    first = modules[0]
+    w0 = first.weight
+    return all(m.in_features == first.in_features and m.out_features % 128 == 0 and m.weight.dtype == w0.dtype
+               and m.weight.device == w0.device and (m.bias is None) == (first.bias is None) for m in modules)
+
+
+def _group_weights(modules: tuple[FP8Linear, ...], with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """The stacked FP8 weight of ``modules`` (and its transpose with ``with_transpose``) for their current weights,
+    quantized at most once per weight version, in the same buffers across versions (stable addresses for the
+    rollout's CUDA graphs). Tiles never straddle two members (widths of whole tiles), so each member's rows are
+    bitwise that member's own quantization."""
+    first = modules[0]
+    ids = tuple(id(m) for m in modules)
+    cache = first._group_caches.get(ids)
+    if cache is None:
+        cache = first._group_caches[ids] = _WeightCache(tuple(modules))
+    key = tuple(m.weight_key() for m in modules)
+    stale_q = stale_t = None
+    if cache.key != key:
+        stale_q, stale_t = cache.qweight, cache.qweight_t
+        cache.qweight = cache.qweight_t = None
+        cache.key = key
+    need_t = with_transpose and cache.qweight_t is None
+    if cache.qweight is None or need_t:
+        backend = get_backend(first.weight.device)
+        with torch.no_grad():
+            stacked = torch.cat([m.weight.detach() for m in modules])
+            if need_t:  # W and W^T from one read (W's bytes rewritten, the same, where it was already made)
+                qweight, qweight_t = backend.quantize_weight_pair(stacked, first.pow2_scale)
+                cache.qweight_t = _write_into(stale_t, qweight_t)
+            else:
+                qweight = backend.quantize(stacked, WEIGHT, first.pow2_scale)
+            cache.qweight = _write_into(cache.qweight if cache.qweight is not None else stale_q, qweight)
+    return cache.qweight, cache.qweight_t
+
+
+def _member_weights(qweight: Fp8Tensor, modules: tuple[FP8Linear, ...]) -> list[Fp8Tensor]:
+    """Each member's rows of the stacked FP8 weight (views: whole tiles, so data and scales slice cleanly)."""
+    out, row = [], 0
+    for m in modules:
+        n = m.out_features
+        out.append(Fp8Tensor(qweight.data[row:row + n], qweight.scale[row // 128:(row + n) // 128], WEIGHT))
+        row += n
+    return out
+
+
+def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
+                   x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> torch.Tensor | None:
+    """The outputs of linears that read the same 2-D input (q/k/v, gate/up) side by side, (M, sum of widths), from
+    one FP8 computation; ``None`` where they do not run grouped (the caller then runs them one by one).
+
+    * Fast mode, :func:`groupable` layers: one stacked FP8 linear (:func:`fp8_linear_group`: one GEMM each way,
+      grad_out quantized once, the saved input re-quantized once; gradients split back to each layer), from the
+      group's stacked FP8 weight (:func:`_group_weights`), with or without grad. A decode-sized no-grad input with
+      ``x_fp8`` goes to the backend's ``grouped_gemm`` (the CUDA backend's one decode launch) over each member's
+      rows of that weight.
+    * ``exact``: a no-grad input with ``x_fp8`` through ``grouped_gemm_exact`` (the bits of each layer's own exact
+      GEMM; the CUDA backend groups decode-sized inputs whose weights share exact mode's K split), over the members'
+      own weights; otherwise ``None`` (each layer runs its batch-invariant forward).
+    ``x_fp8``: x's 1x128 quantization with the layers' scaling (a fused producer's), else the layers quantize x.
+    """
+    if x.dim() != 2 or fp8_input_scaling(*modules) is None or not 2 <= len(modules) <= 3:
+        return None
+    if x_fp8 is not None and tuple(x_fp8.shape) != tuple(x.shape):
+        raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x.shape)}, got {tuple(x_fp8.shape)}")
+    backend = get_backend(x.device)
+    if exact:
+        if torch.is_grad_enabled() or x_fp8 is None:
+            return None
+        weights = [m._cached_weights(with_transpose=False)[0] for m in modules]
+        out = backend.grouped_gemm_exact(x_fp8, weights, out_dtype=x.dtype)
+        if out is None:
+            return None
+        if modules[0].bias is None:
+            return out
+        return torch.cat([y + m.bias.to(y.dtype) if m.bias is not None else y  # each bias as FP8Linear adds it
+                          for m, y in zip(modules, out.split([m.out_features for m in modules], dim=1))], dim=1)
+    if not groupable(modules):
+        return None
+    modules = tuple(modules)
+    grad = torch.is_grad_enabled()
+    qweight, qweight_t = _group_weights(modules, with_transpose=grad)
+    if not grad and x_fp8 is not None:
+        out = backend.grouped_gemm(x_fp8, _member_weights(qweight, modules), [m.bias for m in modules],
+                                   out_dtype=x.dtype)
+        if out is not None:
+            return out
+    biases = [m.bias for m in modules] if modules[0].bias is not None else []
+    return fp8_linear_group(x, [m.weight for m in modules], biases, qweight, modules[0].pow2_scale, qweight_t, x_fp8)
+
+
 def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
                          x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> list[torch.Tensor]:
-    """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up).
-
-    In a no-grad step with FP8 on this side and ``x_fp8`` given, the backend computes them together, each
-    output a column slice of one buffer (the reference as the layers' own GEMMs): fast mode through
-    ``grouped_gemm`` (the CUDA backend in one launch for decode-sized inputs, the same FP8 operands; the K split
-    of the sum may differ from a lone call's, so values agree to output rounding), ``exact`` through
-    ``grouped_gemm_exact`` (the bits of each layer's own exact GEMM; the CUDA backend groups decode-sized inputs
-    whose weights share exact mode's K split, e.g. q/k/v and gate/up). Where the backend does not group (``None``),
-    each layer runs as usual (``exact``: its batch-invariant forward).
-    """
-    if x_fp8 is not None and not torch.is_grad_enabled() and 2 <= len(modules) <= 3 and x.dim() == 2:
-        if fp8_input_scaling(*modules) is not None and tuple(x_fp8.shape) == tuple(x.shape):
-            weights = [m._cached_weights(with_transpose=False)[0] for m in modules]
-            backend = get_backend(x.device)
-            widths = [m.out_features for m in modules]
-            if exact:
-                out = backend.grouped_gemm_exact(x_fp8, weights, out_dtype=x.dtype)
-                if out is not None:  # each bias added as FP8Linear adds it
-                    return [y + m.bias.to(y.dtype) if m.bias is not None else y
-                            for m, y in zip(modules, out.split(widths, dim=1))]
-            else:
-                out = backend.grouped_gemm(x_fp8, weights, [m.bias for m in modules], out_dtype=x.dtype)
-                if out is not None:
-                    return list(out.split(widths, dim=1))
+    """``[m(x) for m in modules]`` for linears that read the same input (q/k/v, gate/up): column slices of
+    :func:`grouped_linear`'s output where they run grouped, else each layer on its own (:func:`call_linear`)."""
+    out = grouped_linear(modules, x, x_fp8, exact=exact)
+    if out is not None:
+        return list(out.split([m.out_features for m in modules], dim=1))
     return [call_linear(m, x, x_fp8, exact=exact) for m in modules]

@@ -125,13 +125,15 @@ def fp8_linears(model: nn.Module) -> list[FP8Linear]:
 
 def refresh_fp8_weights(model: nn.Module, eager: bool = False) -> int:
     """Drop every cached quantized weight (after an update the version counter may not show, e.g. a
-    fused optimizer or a weight load through ``.data``); with ``eager`` re-quantize now. Returns the
-    number of layers refreshed."""
+    fused optimizer or a weight load through ``.data``); with ``eager`` re-quantize now what was cached (each
+    layer's own weight, the stacked weights of the groups it leads), into the same buffers. Returns the number
+    of layers refreshed."""
     layers = fp8_linears(model)
-    for layer in layers:
+    for layer in layers:  # every layer first: a group is stale once any of its members is
         layer.invalidate_weight_cache()
-        if eager:
-            layer.quantized_weight()
+    if eager:
+        for layer in layers:
+            layer.refresh_cached_weights()
     return len(layers)
 
 

@@ -1,0 +1,109 @@
+"""Linears sharing an input (q/k/v, gate/up) as one stacked FP8 linear (CPU, reference backend): the members'
+rows of the stacked weight are their own quantization bitwise, outputs and gradients equal the layers run one by
+one, the buffers stay put across weight versions, and an eager refresh re-quantizes the group alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetrl.quant import FP8Linear, grouped_linear, linears_shared_input, refresh_fp8_weights
+from jetrl.quant import reference as R
+from jetrl.quant.formats import WEIGHT
+from jetrl.quant.linear import _group_weights, _member_weights, groupable
+
+
+def _layers(widths, k=256, bias=True, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for n in widths:
+        layer = FP8Linear(k, n, bias=bias, dtype=dtype)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+            if bias:
+                layer.bias.copy_(torch.randn(n, generator=g) * 0.1)
+        layers.append(layer)
+    return tuple(layers)
+
+
+def _close(a, b, what):
+    assert torch.isfinite(a).all(), what
+    rel = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    # the same FP8 operands and fp32 products, summed in another blocking (one GEMM of the stacked width, or
+    # three DGrads added): fp32 rounding, far below 1e-5 relative
+    assert rel < 1e-5, f"{what}: relative difference {rel:.2e}"
+
+
+@pytest.mark.parametrize("widths, bias", [((384, 128, 128), True), ((256, 256), False)])
+@pytest.mark.parametrize("m", [1, 77, 300])
+def test_stacked_linear_equals_the_layers_one_by_one(widths, bias, m):
+    layers = _layers(widths, bias=bias, seed=m)
+    assert groupable(layers)
+    g = torch.Generator().manual_seed(100 + m)
+    x = torch.randn(m, 256, generator=g)
+    dys = [torch.randn(m, n, generator=g) for n in widths]
+    # one by one
+    x1 = x.clone().requires_grad_()
+    outs1 = [layer(x1) for layer in layers]
+    sum(float(0) + (o * dy).sum() for o, dy in zip(outs1, dys)).backward()
+    ref = ([o.detach() for o in outs1], x1.grad, [l.weight.grad.clone() for l in layers],
+           [l.bias.grad.clone() for l in layers] if bias else [])
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    # stacked
+    x2 = x.clone().requires_grad_()
+    outs2 = linears_shared_input(layers, x2)
+    assert len(outs2) == len(widths) and all(o.shape == (m, n) for o, n in zip(outs2, widths))
+    sum((o * dy).sum() for o, dy in zip(outs2, dys)).backward()
+    for a, b in zip(outs2, ref[0]):
+        _close(a.detach(), b, "output")
+    _close(x2.grad, ref[1], "grad_input")
+    for layer, gw in zip(layers, ref[2]):
+        _close(layer.weight.grad, gw, "grad_weight")
+    for layer, gb in zip(layers, ref[3]):
+        _close(layer.bias.grad, gb, "grad_bias")
+
+
+def test_members_rows_are_their_own_quantization_and_buffers_stay():
+    layers = _layers((384, 128, 128))
+    qw, qw_t = _group_weights(layers, with_transpose=True)
+    for layer, member in zip(layers, _member_weights(qw, layers)):
+        own = R.quantize_tensor(layer.weight.detach(), WEIGHT)
+        assert torch.equal(member.data.view(torch.uint8), own.data.view(torch.uint8))
+        assert torch.equal(member.scale, own.scale)
+    assert torch.equal(qw_t.data.view(torch.uint8), qw.data.t().contiguous().view(torch.uint8))
+    pointers = (qw.data.data_ptr(), qw.scale.data_ptr(), qw_t.data.data_ptr())
+    with torch.no_grad():
+        layers[1].weight.mul_(2.0)  # a new weight version of one member: the group re-quantizes, in place
+    qw2, qw2_t = _group_weights(layers, with_transpose=True)
+    assert (qw2.data.data_ptr(), qw2.scale.data_ptr(), qw2_t.data.data_ptr()) == pointers
+    member = _member_weights(qw2, layers)[1]
+    assert torch.equal(member.data.view(torch.uint8), R.quantize_tensor(layers[1].weight.detach(), WEIGHT).data.view(torch.uint8))
+    # the layers' own caches were never made: the group's weight is the only FP8 copy
+    assert all(layer._qweight is None for layer in layers)
+
+
+def test_eager_refresh_requantizes_the_group_only():
+    layers = _layers((256, 256), bias=False)
+    model = torch.nn.ModuleList(layers)
+    x = torch.randn(5, 256)
+    with torch.no_grad():
+        before = grouped_linear(layers, x)
+        for layer in layers:
+            layer.weight.data.mul_(-1.0)  # behind autograd's back: the version counter does not move
+    assert refresh_fp8_weights(model, eager=True) == 2
+    cache = next(iter(layers[0]._group_caches.values()))
+    assert cache.key == tuple(layer.weight_key() for layer in layers)  # fresh: made by the refresh
+    with torch.no_grad():
+        after = grouped_linear(layers, x)
+    assert torch.allclose(after, -before, rtol=1e-6, atol=1e-7)
+    assert all(layer._qweight is None for layer in layers)
+
+
+def test_not_grouped_where_the_layers_differ():
+    assert not groupable(_layers((384, 100)))  # a width that is not whole tiles
+    mixed = _layers((256, 256))
+    mixed[1].fp8_train = mixed[1].fp8_rollout = False
+    assert not groupable(mixed)
+    assert grouped_linear(mixed, torch.randn(3, 256)) is None
+    assert not groupable(_layers((256,)))
