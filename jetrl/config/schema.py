@@ -6,11 +6,11 @@ is loaded: a wrong type names the expected type, and range or cross-field constr
 ``n < 1``, batch sizes that do not divide) say which fields disagree. Reading files and ``--a.b=value``
 overrides, and writing a resolved config, is :mod:`jetrl.config.loader`'s job.
 
-Fields that name one of several implementations (the precision recipe, the advantage and KL estimators,
-the loss aggregation, the LR schedule) are checked against the registry of the stage that owns the
-implementations, so adding one there makes it valid here. Those registries sit beside torch code, so they
-are imported on first use: unknown keys, wrong types and out-of-range values are reported without
-importing torch.
+Fields that name one of several implementations are checked against one list of names per kind: the
+advantage and KL estimators, the loss aggregation and the LR schedule against :mod:`jetrl.config.choices`
+(the RL stage builds its registries from those names, and refuses a registry that differs), the precision
+recipe against :data:`jetrl.quant.recipe.RECIPES`, a layer below, imported on first use: unknown keys,
+wrong types and out-of-range values are reported without importing torch.
 
 Batch sizes, in sequences (a sequence is one prompt plus one sampled completion)::
 
@@ -30,6 +30,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from jetrl.config.choices import CHOICES
+
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid (raised before any model is loaded)."""
@@ -43,25 +45,18 @@ DTYPES = ("bfloat16", "float32", "float16")  # parameter dtypes of the policy (t
 
 
 def registered_names(kind: str) -> list[str]:
-    """The names a stage's registry holds, in its order: ``kind`` is ``"recipe"``, ``"advantage_estimator"``,
-    ``"kl_estimator"``, ``"loss_aggregation"`` or ``"lr_schedule"``.
+    """The names a choice field takes, in the owning registry's order: ``kind`` is ``"recipe"``,
+    ``"advantage_estimator"``, ``"kl_estimator"``, ``"loss_aggregation"`` or ``"lr_schedule"``.
 
-    The registries live with the functions they name (and so import torch): they are imported here, on first
-    use, rather than at the top of this module.
+    The RL stage's names are :data:`jetrl.config.choices.CHOICES` (its registries are built from them); the
+    recipes are :data:`jetrl.quant.recipe.RECIPES`, a layer below, imported on first use (it imports torch).
     """
     if kind == "recipe":
-        from jetrl.quant.recipe import RECIPES as names
-    elif kind == "advantage_estimator":
-        from jetrl.rl.advantages import ADVANTAGE_ESTIMATORS as names
-    elif kind == "kl_estimator":
-        from jetrl.rl.losses import KL_ESTIMATORS as names
-    elif kind == "loss_aggregation":
-        from jetrl.rl.losses import AGGREGATIONS as names
-    elif kind == "lr_schedule":
-        from jetrl.rl.optim import LR_SCHEDULES as names
-    else:
+        from jetrl.quant.recipe import RECIPES
+        return list(RECIPES)
+    if kind not in CHOICES:
         raise ValueError(f"no registry of {kind!r}")
-    return list(names)
+    return list(CHOICES[kind])
 
 
 def _choice(section: str, name: str, value: str, choices: Sequence[str]) -> None:
@@ -179,13 +174,13 @@ class AlgorithmConfig(_Section):
     """Advantages, the clipped policy loss and its regularisers, and how a batch is split for updates."""
 
     _name = "algorithm"
-    advantage_estimator: str = "grpo"     # a name in jetrl.rl.advantages.ADVANTAGE_ESTIMATORS
+    advantage_estimator: str = "grpo"     # a name in jetrl.config.choices.CHOICES
     std_normalize: bool = True            # False = Dr. GRPO
     clip_low: float = 0.2
     clip_high: float = 0.2                # DAPO's clip-higher uses e.g. 0.28
-    agg: str = "token"                    # a name in jetrl.rl.losses.AGGREGATIONS
+    agg: str = "token"                    # a name in jetrl.config.choices.CHOICES
     kl_coef: float = 0.0                  # > 0 loads a frozen reference model in the same recipe
-    kl_estimator: str = "k3"              # a name in jetrl.rl.losses.KL_ESTIMATORS
+    kl_estimator: str = "k3"              # a name in jetrl.config.choices.CHOICES
     entropy_coef: float = 0.0
     tis_cap: float | None = None          # truncated importance sampling cap C (>= 1); None disables
     # verl's "bypass": the engine's logprobs are the old logprobs. In exact mode they are the trainer's bit for bit,
@@ -235,7 +230,7 @@ class OptimConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    schedule: str = "constant"            # after warm-up; a name in jetrl.rl.optim.LR_SCHEDULES
+    schedule: str = "constant"            # after warm-up; a name in jetrl.config.choices.CHOICES
     min_lr_ratio: float = 0.0             # floor of cosine/linear decay, as a fraction of lr
     grad_clip: float | None = 1.0         # max global grad norm; None disables clipping
     max_consecutive_nonfinite: int = 3    # non-finite steps skipped in a row before the run stops

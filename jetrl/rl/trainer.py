@@ -55,6 +55,7 @@ from jetrl.config import RunConfig
 from jetrl.data.reward_pool import RewardResult
 from jetrl.parallel import ParallelContext, full_weights, refresh_rollout_weights, shard_model
 from jetrl.rl.advantages import compute_advantages
+from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
 from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler
@@ -81,28 +82,6 @@ class PromptSource(Protocol):
 
 # (completion texts, references) -> rewards, or a RewardResult (the reward pool's: rewards + per-sample status)
 RewardFn = Callable[[list[str], list[str]], "Sequence[float] | RewardResult"]
-
-
-@dataclass
-class RolloutBatch:
-    """The rollout of one step as sequences (prompt-major: prompt p's samples are rows p*n .. p*n+n-1).
-
-    Response tensors are (S, R) with R the longest response; ``mask`` marks real response tokens."""
-
-    tokens: list[torch.Tensor]        # per sequence: prompt + response ids, (L_s,) int64
-    prompt_lens: list[int]
-    response_lens: list[int]
-    mask: torch.Tensor                # (S, R) bool
-    rollout_logprobs: torch.Tensor    # (S, R) fp32, 0 where masked
-    rewards: torch.Tensor             # (P, n) fp32
-    advantages: torch.Tensor          # (S,) fp32
-    truncated: list[bool]             # finish_reason == "length"
-    num_reward_errors: int = 0        # samples whose reward raised, was non-finite or out of bounds (scored 0)
-    num_reward_timeouts: int = 0      # samples whose reward ran past the pool's timeout (scored 0)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.tokens)
 
 
 def _seed_for(*parts: int) -> int:
