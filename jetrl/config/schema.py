@@ -42,6 +42,8 @@ class ConfigTypeError(ConfigError, TypeError):
 
 
 DTYPES = ("bfloat16", "float32", "float16")  # parameter dtypes of the policy (torch attribute names)
+WEIGHTS_ONLY = ("none", "final", "all")  # trainer.weights_only: which checkpoints hold the policy only
+ON_DISK_FULL = ("error", "skip")  # trainer.on_disk_full: too little free space for a checkpoint
 
 
 def registered_names(kind: str) -> list[str]:
@@ -270,6 +272,12 @@ class TrainerConfig(_Section):
     # set it only for checkpoints you trust (current checkpoints load with torch.load(weights_only=True))
     allow_pickle: bool = False
     export_fp8: bool = False              # also write each checkpoint's policy as block-FP8 (model_fp8/)
+    # which checkpoints hold the policy only (its HuggingFace folder model/, without the sharded weights and the
+    # optimizer state: not resumable): "none", the "final" one, or "all" of them
+    weights_only: str = "none"
+    # before each checkpoint its size is estimated and compared with the free space: too little is an error
+    # ("error"), or a warning and the run goes on without that checkpoint ("skip")
+    on_disk_full: str = "error"
 
     def validate(self) -> None:
         _at_least("trainer", "steps", self.steps, 1)
@@ -277,6 +285,8 @@ class TrainerConfig(_Section):
         _at_least("trainer", "checkpoint_every", self.checkpoint_every, 0)
         _at_least("trainer", "keep_last", self.keep_last, 1)
         _at_least("trainer", "log_every", self.log_every, 1)
+        _choice("trainer", "weights_only", self.weights_only, WEIGHTS_ONLY)
+        _choice("trainer", "on_disk_full", self.on_disk_full, ON_DISK_FULL)
         if not self.output_dir:
             raise ConfigError("trainer.output_dir must not be empty")
 
@@ -541,4 +551,5 @@ def to_dict(config: Any) -> dict[str, Any]:
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
     "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
+    "WEIGHTS_ONLY", "ON_DISK_FULL",
 ]
