@@ -6,11 +6,11 @@ is loaded: a wrong type names the expected type, and range or cross-field constr
 ``n < 1``, batch sizes that do not divide) say which fields disagree. Reading files and ``--a.b=value``
 overrides, and writing a resolved config, is :mod:`jetrl.config.loader`'s job.
 
-Fields that name one of several implementations (the precision recipe, the advantage and KL estimators,
-the loss aggregation, the LR schedule) are checked against the registry of the stage that owns the
-implementations, so adding one there makes it valid here. Those registries sit beside torch code, so they
-are imported on first use: unknown keys, wrong types and out-of-range values are reported without
-importing torch.
+Fields that name one of several implementations are checked against one list of names per kind: the
+advantage and KL estimators, the loss aggregation and the LR schedule against :mod:`jetrl.config.choices`
+(the RL stage builds its registries from those names, and refuses a registry that differs), the precision
+recipe against :data:`jetrl.quant.recipe.RECIPES`, a layer below, imported on first use: unknown keys,
+wrong types and out-of-range values are reported without importing torch.
 
 Batch sizes, in sequences (a sequence is one prompt plus one sampled completion)::
 
@@ -30,6 +30,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from jetrl.config.choices import CHOICES
+
 
 class ConfigError(ValueError):
     """A configuration value or key is invalid (raised before any model is loaded)."""
@@ -40,28 +42,23 @@ class ConfigTypeError(ConfigError, TypeError):
 
 
 DTYPES = ("bfloat16", "float32", "float16")  # parameter dtypes of the policy (torch attribute names)
+WEIGHTS_ONLY = ("none", "final", "all")  # trainer.weights_only: which checkpoints hold the policy only
+ON_DISK_FULL = ("error", "skip")  # trainer.on_disk_full: too little free space for a checkpoint
 
 
 def registered_names(kind: str) -> list[str]:
-    """The names a stage's registry holds, in its order: ``kind`` is ``"recipe"``, ``"advantage_estimator"``,
-    ``"kl_estimator"``, ``"loss_aggregation"`` or ``"lr_schedule"``.
+    """The names a choice field takes, in the owning registry's order: ``kind`` is ``"recipe"``,
+    ``"advantage_estimator"``, ``"kl_estimator"``, ``"loss_aggregation"`` or ``"lr_schedule"``.
 
-    The registries live with the functions they name (and so import torch): they are imported here, on first
-    use, rather than at the top of this module.
+    The RL stage's names are :data:`jetrl.config.choices.CHOICES` (its registries are built from them); the
+    recipes are :data:`jetrl.quant.recipe.RECIPES`, a layer below, imported on first use (it imports torch).
     """
     if kind == "recipe":
-        from jetrl.quant.recipe import RECIPES as names
-    elif kind == "advantage_estimator":
-        from jetrl.rl.advantages import ADVANTAGE_ESTIMATORS as names
-    elif kind == "kl_estimator":
-        from jetrl.rl.losses import KL_ESTIMATORS as names
-    elif kind == "loss_aggregation":
-        from jetrl.rl.losses import AGGREGATIONS as names
-    elif kind == "lr_schedule":
-        from jetrl.rl.optim import LR_SCHEDULES as names
-    else:
+        from jetrl.quant.recipe import RECIPES
+        return list(RECIPES)
+    if kind not in CHOICES:
         raise ValueError(f"no registry of {kind!r}")
-    return list(names)
+    return list(CHOICES[kind])
 
 
 def _choice(section: str, name: str, value: str, choices: Sequence[str]) -> None:
@@ -179,13 +176,13 @@ class AlgorithmConfig(_Section):
     """Advantages, the clipped policy loss and its regularisers, and how a batch is split for updates."""
 
     _name = "algorithm"
-    advantage_estimator: str = "grpo"     # a name in jetrl.rl.advantages.ADVANTAGE_ESTIMATORS
+    advantage_estimator: str = "grpo"     # a name in jetrl.config.choices.CHOICES
     std_normalize: bool = True            # False = Dr. GRPO
     clip_low: float = 0.2
     clip_high: float = 0.2                # DAPO's clip-higher uses e.g. 0.28
-    agg: str = "token"                    # a name in jetrl.rl.losses.AGGREGATIONS
+    agg: str = "token"                    # a name in jetrl.config.choices.CHOICES
     kl_coef: float = 0.0                  # > 0 loads a frozen reference model in the same recipe
-    kl_estimator: str = "k3"              # a name in jetrl.rl.losses.KL_ESTIMATORS
+    kl_estimator: str = "k3"              # a name in jetrl.config.choices.CHOICES
     entropy_coef: float = 0.0
     tis_cap: float | None = None          # truncated importance sampling cap C (>= 1); None disables
     # verl's "bypass": the engine's logprobs are the old logprobs. In exact mode they are the trainer's bit for bit,
@@ -235,7 +232,7 @@ class OptimConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    schedule: str = "constant"            # after warm-up; a name in jetrl.rl.optim.LR_SCHEDULES
+    schedule: str = "constant"            # after warm-up; a name in jetrl.config.choices.CHOICES
     min_lr_ratio: float = 0.0             # floor of cosine/linear decay, as a fraction of lr
     grad_clip: float | None = 1.0         # max global grad norm; None disables clipping
     max_consecutive_nonfinite: int = 3    # non-finite steps skipped in a row before the run stops
@@ -275,6 +272,12 @@ class TrainerConfig(_Section):
     # set it only for checkpoints you trust (current checkpoints load with torch.load(weights_only=True))
     allow_pickle: bool = False
     export_fp8: bool = False              # also write each checkpoint's policy as block-FP8 (model_fp8/)
+    # which checkpoints hold the policy only (its HuggingFace folder model/, without the sharded weights and the
+    # optimizer state: not resumable): "none", the "final" one, or "all" of them
+    weights_only: str = "none"
+    # before each checkpoint its size is estimated and compared with the free space: too little is an error
+    # ("error"), or a warning and the run goes on without that checkpoint ("skip")
+    on_disk_full: str = "error"
 
     def validate(self) -> None:
         _at_least("trainer", "steps", self.steps, 1)
@@ -282,6 +285,8 @@ class TrainerConfig(_Section):
         _at_least("trainer", "checkpoint_every", self.checkpoint_every, 0)
         _at_least("trainer", "keep_last", self.keep_last, 1)
         _at_least("trainer", "log_every", self.log_every, 1)
+        _choice("trainer", "weights_only", self.weights_only, WEIGHTS_ONLY)
+        _choice("trainer", "on_disk_full", self.on_disk_full, ON_DISK_FULL)
         if not self.output_dir:
             raise ConfigError("trainer.output_dir must not be empty")
 
@@ -546,4 +551,5 @@ def to_dict(config: Any) -> dict[str, Any]:
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
     "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
+    "WEIGHTS_ONLY", "ON_DISK_FULL",
 ]

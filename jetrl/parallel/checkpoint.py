@@ -19,7 +19,8 @@ for. So :func:`save_sharded` accepts tensors only (no pickled entries are ever w
 (:func:`check_metadata`), refusing any other global and any non-tensor entry, before DCP reads it.
 
 Both functions are collective: every rank calls them with the same folder (on a file system every rank
-sees). One process without a process group is the one-rank case. Atomicity (a checkpoint counts only
+sees). One process without a process group is the one-rank case. A failed write (a full disk) is a
+:class:`ShardedWriteError` on every rank, naming the ranks that failed. Atomicity (a checkpoint counts only
 when complete) is the caller's: :mod:`jetrl.rl.checkpoint` writes into a temporary folder and renames it.
 """
 
@@ -34,6 +35,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 SHARDED_SUBDIR = "sharded"  # the DCP folder inside a checkpoint
 
@@ -48,7 +50,11 @@ def save_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
         state["optim"] = optimizer_state
     _check_tensors_only(state)
     with _one_process_is_intended():
-        dcp.save(state, checkpoint_id=str(folder), no_dist=not _distributed())
+        try:
+            dcp.save(state, checkpoint_id=str(folder), no_dist=not _distributed())
+        except CheckpointException as e:  # a BaseException, which carries every failed rank's traceback
+            raise ShardedWriteError(f"writing {folder} failed on rank(s) {sorted(e.failures)}: "
+                                    f"{_first_failure(e)}") from e
 
 
 def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str, Any] | None = None) -> None:
@@ -71,6 +77,19 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     set_model_state_dict(model, state["model"])
     if optimizer_state is not None:
         _copy_into(optimizer_state, state["optim"])
+
+
+class ShardedWriteError(RuntimeError):
+    """A sharded save failed on some rank (a full disk, an I/O error): the message names the ranks and the
+    first one's error; the traceback DCP gathered is the cause."""
+
+
+def _first_failure(error: Any) -> str:
+    """``Type: first line`` of the lowest failed rank's exception in DCP's ``CheckpointException``."""
+    wrapped = error.failures[min(error.failures)]
+    exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    line = next((x for x in str(exc).splitlines() if x.strip()), "")
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 class UnsafeCheckpointError(ValueError):
@@ -150,4 +169,4 @@ def _copy_into(target: dict[str, Any], loaded: dict[str, Any]) -> None:
             target[key].copy_(value)
 
 
-__all__ = ["save_sharded", "load_sharded", "check_metadata", "UnsafeCheckpointError", "SHARDED_SUBDIR"]
+__all__ = ["save_sharded", "load_sharded", "check_metadata", "UnsafeCheckpointError", "ShardedWriteError", "SHARDED_SUBDIR"]

@@ -1,7 +1,8 @@
 """The RL algorithm of jetrl: advantages and losses as pure tensor functions, the trainer and the loop.
 
 ``Trainer`` and ``run`` import the models and the rollout engine, so they load lazily: the pure parts
-(advantages, losses, mismatch metrics, checkpoints) import nothing beyond torch.
+(advantages, losses, mismatch metrics, checkpoints) import nothing beyond torch and the config's
+choice names.
 """
 
 from jetrl.rl.advantages import (

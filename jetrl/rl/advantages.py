@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from jetrl.config.choices import choice_registry
+
 
 def _check_rewards(rewards: torch.Tensor) -> None:
     if not isinstance(rewards, torch.Tensor):
@@ -87,13 +89,14 @@ def batch_baseline_advantages(rewards: torch.Tensor, std_normalize: bool = False
     return adv
 
 
-# name -> estimator(rewards, std_normalize, eps): the one list of estimator names (the config checks
-# algorithm.advantage_estimator against it). RLOO's leave-one-out baseline takes no std normalisation.
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor, bool, float], torch.Tensor]] = {
-    "grpo": group_advantages,
-    "rloo": lambda rewards, std_normalize, eps: rloo_advantages(rewards),
-    "reinforce": batch_baseline_advantages,
-}
+# name -> estimator(rewards, std_normalize, eps), for the names of jetrl.config.choices (the config checks
+# algorithm.advantage_estimator against them). RLOO's leave-one-out baseline takes no std normalisation.
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor, bool, float], torch.Tensor]] = choice_registry(
+    "advantage_estimator", {
+        "grpo": group_advantages,
+        "rloo": lambda rewards, std_normalize, eps: rloo_advantages(rewards),
+        "reinforce": batch_baseline_advantages,
+    })
 
 
 def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_normalize: bool = True,

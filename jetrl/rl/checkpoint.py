@@ -142,8 +142,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_dir_name(step)
-    for stale in root.glob(f".tmp-{name}-*"):  # left by a run killed while saving this step
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale_temporaries(root)
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
     try:
@@ -196,6 +195,17 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
     if keep_last is not None:
         prune_checkpoints(root, keep_last)
     return final
+
+
+def remove_stale_temporaries(root: str | Path) -> list[Path]:
+    """Delete the ``.tmp-step_*`` folders under ``root`` (left by a save that was killed or failed: never a
+    checkpoint, but they hold disk space); returns them. The folder belongs to one run, so no other save is
+    under way there."""
+    root = Path(root)
+    stale = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def _remove_checkpoint(path: Path) -> None:
@@ -353,5 +363,5 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint", "prune_checkpoints",
-    "list_checkpoints", "LoadedCheckpoint", "rng_state", "set_rng_state", "checkpoint_dir_name", "MARKER",
+    "list_checkpoints", "remove_stale_temporaries", "LoadedCheckpoint", "rng_state", "set_rng_state", "checkpoint_dir_name", "MARKER",
 ]

@@ -6,7 +6,10 @@ checkpoint in ``trainer.output_dir``: model, optimizer, scheduler, RNG states, d
 metrics log (truncated to the checkpoint's cursor) are restored, so a run killed at any moment loses
 only the steps since its last checkpoint and then reproduces them. Resume verifies every file of the
 checkpoint against the SHA-256 its marker recorded; a damaged checkpoint is skipped with a warning and
-the previous complete one is used.
+the previous complete one is used. Before each checkpoint its size is compared with the free disk space
+(too little: an error naming both, or with ``trainer.on_disk_full: skip`` a warning and no checkpoint); a
+write that fails anyway leaves nothing behind but the previous checkpoint (:func:`save_trainer_checkpoint`).
+``trainer.weights_only`` saves the final checkpoint, or all of them, as the policy alone.
 
 A sample whose reward fails (raises, hangs, returns a non-number, a non-finite value or one beyond the
 reward pool's ``max_abs_reward``) scores 0.0 and is counted per step in ``reward/errors`` and
@@ -33,6 +36,7 @@ with its rank and aborts the process group, so the whole job exits instead of ha
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import sys
@@ -45,12 +49,15 @@ import numpy as np
 import torch
 
 from jetrl.config import ConfigError, RunConfig, load_config, save_config
+from jetrl.config.schema import ON_DISK_FULL
 from jetrl.data import build_prompt_dataset
 from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardPoolConfig, RewardResult
 from jetrl.models import check_tokenizer, resolve_checkpoint, resolve_device
 from jetrl.models.config import DecoderConfig
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, init_parallel, is_sharded, load_sharded, save_sharded
-from jetrl.rl.checkpoint import checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from jetrl.rl.checkpoint import (
+    checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint, remove_stale_temporaries, save_checkpoint,
+)
 from jetrl.rl.metrics import METRICS_FILE, TENSORBOARD_SUBDIR, MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
 
@@ -74,11 +81,12 @@ def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def _write_model_state(trainer: Trainer, folder: Path, hf_format: bool, export_fp8: bool) -> None:
-    """Every rank, together: the sharded model + optimizer state (DCP), then the HuggingFace exports,
-    written by rank 0 from the gathered full weights."""
-    save_sharded(folder / SHARDED_SUBDIR, trainer.model,
-                 trainer.optimizer.state_by_name(_parameter_names(trainer.model)))
+def _write_model_state(trainer: Trainer, folder: Path, hf_format: bool, export_fp8: bool, weights_only: bool) -> None:
+    """Every rank, together: the sharded model + optimizer state (DCP; not for ``weights_only``), then the
+    HuggingFace exports, written by rank 0 from the gathered full weights."""
+    if not weights_only:
+        save_sharded(folder / SHARDED_SUBDIR, trainer.model,
+                     trainer.optimizer.state_by_name(_parameter_names(trainer.model)))
     if hf_format or export_fp8:
         from jetrl.models import save_model as save_hf
 
@@ -90,30 +98,111 @@ def _write_model_state(trainer: Trainer, folder: Path, hf_format: bool, export_f
                     save_hf(trainer.model, folder / FP8_MODEL_SUBDIR, fp8=True)
 
 
+class CheckpointSpaceError(OSError):
+    """The disk holding the checkpoints has less free space than the next checkpoint needs."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed; nothing of it was kept, and the previous complete one is still there."""
+
+
+def _nbytes(tensors: Any) -> int:
+    """Bytes of the tensors in a (nested dict of) tensor(s), at their global shape (a DTensor counts whole)."""
+    if isinstance(tensors, dict):
+        return sum(_nbytes(v) for v in tensors.values())
+    return tensors.numel() * tensors.element_size()
+
+
+def checkpoint_size(trainer: Trainer, hf_format: bool = True, export_fp8: bool = False,
+                    weights_only: bool = False) -> int:
+    """An upper estimate of the bytes :func:`save_trainer_checkpoint` writes for ``trainer`` (over all ranks).
+
+    Per parameter of ``b`` bytes (4 fp32, 2 bf16): the sharded weights ``b``, the AdamW state (two fp32
+    moments, plus an fp32 master copy for 16-bit parameters) 8 or 12, the HuggingFace export ``b``, and with
+    ``export_fp8`` the block-FP8 export, counted as ``b`` (it takes about 1). ``weights_only``: the exports
+    alone. Then 2 % and 16 MiB for the metadata, tokenizer files and the small state files."""
+    model = trainer.model
+    weights = sum(_nbytes(p) for p in model.parameters()) + sum(_nbytes(b) for b in model.buffers())
+    total = weights * (int(hf_format or weights_only) + int(export_fp8))
+    if not weights_only:
+        total += weights + _nbytes(trainer.optimizer.state_by_name(_parameter_names(model)))
+    return int(total * 1.02) + (16 << 20)
+
+
+def _free_bytes(folder: Path) -> int:
+    """Free bytes on the file system of ``folder`` (or of its nearest existing parent)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    return shutil.disk_usage(existing).free
+
+
+def _size_text(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
+
+
 def save_trainer_checkpoint(trainer: Trainer, root: str | Path, metrics_cursor: int | None,
-                            keep_last: int | None = None, hf_format: bool = True, export_fp8: bool = False) -> Path:
-    """Checkpoint everything a resume needs (see :mod:`jetrl.rl.checkpoint`); called by every rank.
+                            keep_last: int | None = None, hf_format: bool = True, export_fp8: bool = False,
+                            weights_only: bool = False, on_disk_full: str = "error") -> Path | None:
+    """Checkpoint everything a resume needs (see :mod:`jetrl.rl.checkpoint`); called by every rank. Returns
+    the checkpoint's folder, or None when it was skipped for lack of space.
 
     The model and optimizer tensors go through ``torch.distributed.checkpoint`` into ``sharded/`` (each
     rank writes its slices; any number of ranks can load them). ``hf_format`` also writes the model as a
     HuggingFace folder (``model/``) and ``export_fp8`` as a block-FP8 one (``model_fp8/``, the layout vLLM
-    and SGLang load, holding exactly the FP8 weights the rollout engine used), from rank 0. Rank 0 runs
-    the atomic protocol (temporary folder, marker, rename) and tells the other ranks the folder to write
-    into; nobody returns before the checkpoint is complete."""
-    par = trainer.parallel
-    if not par.is_main:
-        folder = Path(par.broadcast_object(None))
-        _write_model_state(trainer, folder, hf_format, export_fp8)
-        par.barrier()  # rank 0 finishes the marker and the rename
-        return Path(root) / checkpoint_dir_name(trainer.step_count)
-    state = {**trainer.state_dict(), "metrics_cursor": metrics_cursor}
+    and SGLang load, holding exactly the FP8 weights the rollout engine used), from rank 0.
+    ``weights_only``: the policy alone (``model/`` and with ``export_fp8`` ``model_fp8/``), without the
+    sharded weights, the optimizer and the scheduler: not resumable (:func:`resume_trainer` says so).
 
-    def save_model(folder: Path) -> None:
-        par.broadcast_object(str(folder))
-        _write_model_state(trainer, folder, hf_format, export_fp8)
+    Disk space: first, stale temporary folders of failed saves are removed, and the checkpoint's size
+    (:func:`checkpoint_size`) is compared with the free space of ``root``'s disk (the previous checkpoints
+    are pruned only after the new one is complete, so it needs its whole size). Too little is a
+    :class:`CheckpointSpaceError` naming both, or with ``on_disk_full="skip"`` a warning, and nothing is
+    written. A write that fails anyway (a full disk, an I/O error) is a :class:`CheckpointWriteError`:
+    the temporary folder is gone, no ``step_*`` folder appeared, and the previous complete checkpoint is
+    what a resume picks.
 
-    path = save_checkpoint(root, trainer.step_count, save_model=save_model, scheduler=trainer.scheduler,
-                           trainer_state=state, keep_last=keep_last)
+    Rank 0 runs the atomic protocol (temporary folder, marker, rename) and tells the other ranks the
+    folder to write into; nobody returns before the checkpoint is complete."""
+    if on_disk_full not in ON_DISK_FULL:
+        raise ValueError(f"on_disk_full must be one of {list(ON_DISK_FULL)}, got {on_disk_full!r}")
+    par, root, step = trainer.parallel, Path(root), trainer.step_count
+    problem = None
+    if par.is_main:
+        remove_stale_temporaries(root)
+        needed, free = checkpoint_size(trainer, hf_format, export_fp8, weights_only), _free_bytes(root)
+        if free < needed:
+            problem = (f"checkpoint step {step} needs about {_size_text(needed)} in {root}, which has "
+                       f"{_size_text(free)} free")
+    problem = par.broadcast_object(problem)
+    if problem is not None:
+        if on_disk_full == "skip":
+            warnings.warn(f"{problem}: not written; the run goes on (trainer.on_disk_full=skip)", RuntimeWarning,
+                          stacklevel=2)
+            return None
+        raise CheckpointSpaceError(f"{problem}: free some space, keep fewer checkpoints (trainer.keep_last), save "
+                                   f"the policy only (trainer.weights_only=final or all), or go on without "
+                                   f"checkpoints that do not fit (trainer.on_disk_full=skip)")
+    try:
+        if not par.is_main:
+            folder = Path(par.broadcast_object(None))
+            _write_model_state(trainer, folder, hf_format, export_fp8, weights_only)
+            par.barrier()  # rank 0 finishes the marker and the rename
+            return root / checkpoint_dir_name(step)
+        state = {**trainer.state_dict(), "metrics_cursor": metrics_cursor, "weights_only": weights_only}
+
+        def save_model(folder: Path) -> None:
+            par.broadcast_object(str(folder))
+            _write_model_state(trainer, folder, hf_format, export_fp8, weights_only)
+
+        path = save_checkpoint(root, step, save_model=save_model,
+                               scheduler=None if weights_only else trainer.scheduler, trainer_state=state,
+                               keep_last=keep_last)
+    except Exception as e:
+        cause = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        previous = latest_checkpoint(root, checksums=False) if par.is_main else None
+        kept = f"the previous checkpoint {previous} is kept" if previous else "there is no earlier checkpoint"
+        raise CheckpointWriteError(f"checkpoint step {step} could not be written in {root} ({type(e).__name__}: "
+                                   f"{cause[:300]}; {_size_text(_free_bytes(root))} free): nothing of it was "
+                                   f"kept, {kept}") from e
     par.barrier()
     return path
 
@@ -127,6 +216,10 @@ def resume_trainer(trainer: Trainer, root: str | Path, allow_pickle: bool = Fals
     path = latest_checkpoint(root, checksums=True)
     if path is None:
         return None
+    if json.loads((path / "trainer_state.json").read_text()).get("weights_only"):
+        raise ValueError(f"{path} holds the policy only (trainer.weights_only), without the optimizer state a "
+                         f"resume needs: start a new run from its {MODEL_SUBDIR}/ folder (model.path), or delete it "
+                         f"to resume from an earlier full checkpoint")
     if (path / SHARDED_SUBDIR).is_dir():
         load_sharded(path / SHARDED_SUBDIR, trainer.model,
                      trainer.optimizer.state_by_name(_parameter_names(trainer.model)))
@@ -346,10 +439,12 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
                 logger.log(step, metrics)
             if on_step is not None and parallel.is_main:
                 on_step(step, metrics)
-            every = config.trainer.checkpoint_every
-            if (every and step % every == 0) or step == config.trainer.steps:
+            every, final = config.trainer.checkpoint_every, step == config.trainer.steps
+            if (every and step % every == 0) or final:
+                weights_only = config.trainer.weights_only == "all" or (config.trainer.weights_only == "final" and final)
                 save_trainer_checkpoint(trainer, ckpt_root, logger.cursor() if logger is not None else None,
-                                        keep_last=config.trainer.keep_last, export_fp8=config.trainer.export_fp8)
+                                        keep_last=config.trainer.keep_last, export_fp8=config.trainer.export_fp8,
+                                        weights_only=weights_only, on_disk_full=config.trainer.on_disk_full)
     finally:
         if logger is not None:
             logger.close()
@@ -357,5 +452,6 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     return metrics
 
 
-__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards",
+__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "checkpoint_size", "CheckpointSpaceError",
+           "CheckpointWriteError", "DatasetPrompts", "seed_everything", "guarded_rewards",
            "prepare_output_dir", "check_model", "RUN_OUTPUTS", "EVAL_FILE", "PLOT_FILE"]

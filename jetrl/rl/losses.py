@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from jetrl.config.choices import choice_registry
+
 # exp() of a log-ratio beyond this is clamped: keeps k3 and importance ratios finite for tokens whose
 # probabilities differ by more than e^20 (such tokens are clipped anyway)
 MAX_LOG_RATIO = 20.0
@@ -84,11 +86,11 @@ def _sequence_sum_norm(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | fl
     return v.sum() / max(seqs * length, 1)
 
 
-# agg name -> reduction of the masked values (B, T) given the batch's denominators (see the module doc); the one
-# list of aggregation names (the config checks algorithm.agg against it)
-AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+# agg name -> reduction of the masked values (B, T) given the batch's denominators (see the module doc), for the
+# names of jetrl.config.choices (the config checks algorithm.agg against them)
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = choice_registry("loss_aggregation", {
     "token": _token_mean, "sequence": _sequence_mean, "sequence-sum-norm": _sequence_sum_norm,
-}
+})
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, num_tokens: int | float | None = None,
@@ -141,9 +143,10 @@ def _kl_k3(log_r: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_r) - 1.0 - log_r
 
 
-# name -> per-token estimate from log r = logp_ref - logp (see :func:`kl_penalty`); the one list of KL
-# estimator names (the config checks algorithm.kl_estimator against it)
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
+# name -> per-token estimate from log r = logp_ref - logp (see :func:`kl_penalty`), for the names of
+# jetrl.config.choices (the config checks algorithm.kl_estimator against them)
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = choice_registry(
+    "kl_estimator", {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3})
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,

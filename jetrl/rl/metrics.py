@@ -31,16 +31,14 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from jetrl.rl.advantages import num_zero_variance_groups
+from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import _as_bool_mask, aggregate, kl_penalty
 from jetrl.rl.mismatch import mismatch_metrics
-
-if TYPE_CHECKING:
-    from jetrl.rl.trainer import RolloutBatch
 
 # the engine's stats a step reports, and their names: KV-cache pressure (preemptions, and the pool's capacity in
 # tokens, which an FP8 KV cache about doubles), decode speed, and the host time and the time spent capturing the
@@ -52,7 +50,7 @@ ENGINE_STATS = (("preemptions", "rollout/preemptions"),
                 ("graph_capture_seconds", "time/rollout_graph_capture"))
 
 
-def batch_metrics(batch: "RolloutBatch") -> dict[str, float]:
+def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     """Rewards (``(P, n)``), response lengths and truncation, and advantages of one rollout batch.
 
     ``reward/accuracy`` counts rewards >= 1; ``reward/zero_variance_*`` the prompts whose samples all got
@@ -109,7 +107,7 @@ def timing_metrics(seconds: Mapping[str, float], tokens_per_phase: Mapping[str, 
     return out
 
 
-def step_metrics(batch: "RolloutBatch", train_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
+def step_metrics(batch: RolloutBatch, train_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
                  actor: Mapping[str, float], seconds: Mapping[str, float], *, generated_tokens: float,
                  ppo_epochs: int, tis_cap: float | None = None,
                  engine_stats: Mapping[str, float] | None = None,

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from jetrl.config.choices import CHOICES
 from jetrl.quant import refresh_fp8_weights
 
 
@@ -132,7 +133,7 @@ class MasterWeightAdamW:
             self.params[i].copy_(saved)
 
 
-LR_SCHEDULES = ("constant", "cosine", "linear")  # the decay after warm-up (config: optim.schedule)
+LR_SCHEDULES = CHOICES["lr_schedule"]  # the decay after warm-up (config: optim.schedule)
 
 
 class LRSchedule:

@@ -20,9 +20,9 @@ One :meth:`Trainer.step`, in order (each phase timed):
    share of the tokens that is; all of them with one mini-batch).
 4. **reference** -- with ``kl_coef > 0``, a frozen copy of the initial policy in the same recipe scores
    the tokens for the KL penalty.
-5. **update** -- ``ppo_epochs`` passes over the batch in shuffled mini-batches; each mini-batch is one
-   optimizer step, accumulated over micro-batches (a fixed number of sequences, or packed up to a token
-   budget). Micro-batches run ``model.forward_packed`` on the concatenated sequences (no padding) and the
+5. **update** -- ``ppo_epochs`` passes over the batch in shuffled mini-batches (stratified over blocks of
+   whole prompt groups, :mod:`jetrl.rl.minibatch`); each mini-batch is one optimizer step, accumulated over
+   micro-batches (a fixed number of sequences, or packed up to a token budget). Micro-batches run ``model.forward_packed`` on the concatenated sequences (no padding) and the
    loss is normalised by the *mini-batch* token / sequence counts, so accumulation is exact.
 6. **weight_refresh** -- the FP8 linears re-quantize the updated BF16 weights (eagerly, so the cost is
    measured here rather than hidden in the next rollout).
@@ -31,9 +31,13 @@ One :meth:`Trainer.step`, in order (each phase timed):
 contiguous share of whole prompt groups; sampling seeds use the *global* prompt index, so the tokens do
 not depend on the number of ranks. The policy (and reference) are sharded with FSDP2; rollout runs
 inside :func:`jetrl.parallel.full_weights`. Advantages come from the gathered ``(P, n)`` rewards (exact
-for batch-level baselines too). Each rank takes ``mini_batch_size / world_size`` of its sequences per
-mini-batch; the loss normalisers (tokens and sequences of the mini-batch) are summed over ranks, and
-FSDP2 sums the gradients, so N ranks make the one-process update of the same global mini-batch. Ranks
+for batch-level baselines too). Mini-batch ``k`` of an epoch is a fixed set of sequences whatever the
+number of ranks (:mod:`jetrl.rl.minibatch`), and each rank takes its ``mini_batch_size / world_size``
+sequences of it; the loss normalisers (tokens and sequences of the mini-batch) are summed over ranks, and
+FSDP2 sums the gradients, so N ranks make the one-process update, up to the order in which gradients are
+summed. With fixed-size micro-batches that divide ``mini_batch_size / world_size`` each rank's
+micro-batches are the one process's (same sequences, same order), which also keeps ``jet``'s WGrad
+groups of 128 tokens; packed micro-batches are packed per rank. Ranks
 run the same number of forwards (FSDP2 gathers inside each): a rank with fewer micro-batches repeats its
 first one with a zero loss. The step's metrics are computed on the gathered batch (every rank's
 sequences) with the slowest rank's phase times, so they read like a one-process run's. One process is
@@ -55,8 +59,10 @@ from jetrl.config import RunConfig
 from jetrl.data.reward_pool import RewardResult
 from jetrl.parallel import ParallelContext, full_weights, refresh_rollout_weights, shard_model
 from jetrl.rl.advantages import compute_advantages
+from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
 from jetrl.rl.metrics import PhaseTimer, step_metrics
+from jetrl.rl.minibatch import mini_batch_rows
 from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler
 
 if TYPE_CHECKING:
@@ -81,28 +87,6 @@ class PromptSource(Protocol):
 
 # (completion texts, references) -> rewards, or a RewardResult (the reward pool's: rewards + per-sample status)
 RewardFn = Callable[[list[str], list[str]], "Sequence[float] | RewardResult"]
-
-
-@dataclass
-class RolloutBatch:
-    """The rollout of one step as sequences (prompt-major: prompt p's samples are rows p*n .. p*n+n-1).
-
-    Response tensors are (S, R) with R the longest response; ``mask`` marks real response tokens."""
-
-    tokens: list[torch.Tensor]        # per sequence: prompt + response ids, (L_s,) int64
-    prompt_lens: list[int]
-    response_lens: list[int]
-    mask: torch.Tensor                # (S, R) bool
-    rollout_logprobs: torch.Tensor    # (S, R) fp32, 0 where masked
-    rewards: torch.Tensor             # (P, n) fp32
-    advantages: torch.Tensor          # (S,) fp32
-    truncated: list[bool]             # finish_reason == "length"
-    num_reward_errors: int = 0        # samples whose reward raised, was non-finite or out of bounds (scored 0)
-    num_reward_timeouts: int = 0      # samples whose reward ran past the pool's timeout (scored 0)
-
-    @property
-    def num_sequences(self) -> int:
-        return len(self.tokens)
 
 
 def _seed_for(*parts: int) -> int:
@@ -324,7 +308,8 @@ class Trainer:
         record = old_lp is None or record_first
         own_lp = torch.zeros_like(batch.rollout_logprobs) if record else None
         recorded = torch.zeros_like(batch.mask) if record else None
-        S, mini = batch.num_sequences, self.config.mini_batch_size // self.parallel.world_size  # this rank's share
+        world = self.parallel.world_size
+        num_prompts = batch.num_sequences * world // self.config.rollout.n  # over every rank
         gen = torch.Generator().manual_seed(_seed_for(self.config.trainer.seed, self.step_count, 0xB17C4))
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
@@ -339,9 +324,9 @@ class Trainer:
 
         self.model.train()
         for _ in range(alg.ppo_epochs):
-            order = torch.randperm(S, generator=gen).tolist()
-            for start in range(0, S, mini):
-                rows = order[start:start + mini]
+            # mini-batch k is the same set of sequences at any number of ranks; this rank takes the ones it holds
+            for rows in mini_batch_rows(num_prompts, self.config.rollout.n, self.config.mini_batch_size, gen,
+                                        self.parallel.rank, world):
                 m = batch.mask[rows]
                 num_tokens = int(m.sum())
                 num_seqs = int((m.sum(1) > 0).sum()) if alg.agg == "sequence" else len(rows)

@@ -147,9 +147,11 @@ def test_a_valid_config_reads_the_registries_without_the_trainer():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_choice_fields_follow_the_registries_that_own_them(monkeypatch):
-    """One list per choice: the config accepts what the owning registry holds, in its order, and nothing else."""
+def test_choice_fields_follow_the_registries_that_own_them():
+    """One list per choice: the config accepts what the registry holds, in its order, and nothing else; a
+    registry whose names differ from the config's list is refused when it is built."""
     from jetrl.config import registered_names
+    from jetrl.config.choices import choice_registry
     from jetrl.quant.recipe import RECIPES
     from jetrl.rl import advantages, losses, optim
 
@@ -162,8 +164,10 @@ def test_choice_fields_follow_the_registries_that_own_them(monkeypatch):
         registered_names("optimizer")
     with pytest.raises(ConfigError, match="algorithm.kl_estimator must be one of"):
         load_config(None, ["--algorithm.kl_estimator=k4"])
-    monkeypatch.setitem(losses.KL_ESTIMATORS, "k4", losses.KL_ESTIMATORS["k3"])
-    assert load_config(None, ["--algorithm.kl_estimator=k4"]).algorithm.kl_estimator == "k4"
+    with pytest.raises(ValueError, match=r"kl_estimator registry names \['k1', 'k2', 'k3', 'k4'\]"):
+        choice_registry("kl_estimator", {**losses.KL_ESTIMATORS, "k4": losses.KL_ESTIMATORS["k3"]})
+    with pytest.raises(ValueError, match="no choice list"):
+        choice_registry("optimizer", {})
 
 
 # ------------------------------------------------------------------------------------------ reliability

@@ -301,6 +301,26 @@ def test_rl_step_mismatch_is_zero(recipe, dtype, extra):
     assert math.isfinite(metrics["actor/pg_loss"])
 
 
+@pytest.mark.parametrize("recipe,dtype,shape", [
+    ("bf16", torch.float32, (5, 3, 15, 5)), ("bf16", torch.float32, (3, 3, 3, 3)), ("bf16", torch.bfloat16, (7, 3, 21, 3)),
+    ("jet", torch.float32, (3, 3, 3, 3)), ("jet", torch.bfloat16, (5, 3, 15, 5))],
+    ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, tuple) else "P{}-n{}-mini{}-micro{}".format(*v))
+def test_exact_over_several_steps(recipe, dtype, shape):
+    """Exact mode stays exact after the weights moved: zero mismatch at every step, for every recipe and dtype,
+    with batch shapes that are not powers of two (one or several optimizer steps per RL step)."""
+    num_prompts, n, mini, micro = shape
+    trainer = _trainer(recipe, dtype, (f"--data.prompts_per_step={num_prompts}", f"--rollout.n={n}",
+                                       f"--algorithm.mini_batch_size={mini}", f"--algorithm.micro_batch_size={micro}",
+                                       "--optim.lr=1e-2"))
+    trainer.prompts = _Prompts(num_prompts)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    for step in range(3):
+        metrics = trainer.step()
+        assert metrics["mismatch/logp_abs_diff_max"] == 0.0, (step, metrics["mismatch/logp_abs_diff_max"])
+        assert metrics["actor/num_updates"] == (num_prompts * n) // mini
+    assert all(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # the policy moved
+
+
 @pytest.mark.parametrize("minis", [1, 3], ids=["one-mini-batch", "three-mini-batches"])
 def test_exact_bypass_skips_the_old_logprob_pass_and_updates_the_same(minis):
     """Exact mode with ``use_rollout_logprobs``: the engine's log-probs are the trainer's bit for bit, so the

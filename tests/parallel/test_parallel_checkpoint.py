@@ -5,7 +5,8 @@ import torch
 from launch import run_ranks
 from toy_run import assert_metrics_close, full_params, make_trainer
 
-OVERRIDES = ["--algorithm.micro_batch_size=4"]
+# two optimizer steps per RL step: each rank takes its share of the same mini-batches at either world size
+OVERRIDES = ["--algorithm.mini_batch_size=4", "--algorithm.micro_batch_size=2"]
 
 
 def _run(rank, root, resume, num_steps, save):

@@ -1,5 +1,6 @@
 """Several ranks (gloo, CPU) make the one-process update of the same global batch."""
 
+import pytest
 import torch
 
 from launch import run_ranks
@@ -32,9 +33,13 @@ def _one_process(recipe, overrides, num_steps):
     return params, metrics
 
 
-def test_two_ranks_equal_one_process_fp32():
-    # micro-batches of 4 sequences: the ranks' micro-batches hold other sequences than the one process's
-    overrides = ["--algorithm.micro_batch_size=4"]
+@pytest.mark.parametrize("overrides", [
+    # one mini-batch; micro-batches of 4 sequences: the ranks' micro-batches hold other sequences than the one process's
+    ["--algorithm.micro_batch_size=4"],
+    # two mini-batches (optimizer steps) per RL step, micro-batches of 2 (the one process's, split over the ranks)
+    ["--data.prompts_per_step=4", "--rollout.n=3", "--algorithm.mini_batch_size=6", "--algorithm.micro_batch_size=2"],
+])
+def test_two_ranks_equal_one_process_fp32(overrides):
     ranks = run_ranks(_steps, 2, "bf16", overrides, 2)
     params, metrics = _one_process("bf16", overrides, 2)
     for r in ranks:  # every rank holds the same (global) metrics and, gathered, the same weights
@@ -47,9 +52,11 @@ def test_two_ranks_equal_one_process_fp32():
 def test_two_ranks_jet_fp8_weights_bitwise():
     from jetrl.quant import WEIGHT, fp8_linears, get_backend
 
-    # jet's WGrad quantizes per 128 *tokens*, so only micro-batches of one sequence keep the FP8 groups
-    # independent of how sequences are split over ranks; the reference model is sharded too (kl_coef)
-    overrides = ["--algorithm.micro_batch_size=1", "--algorithm.kl_coef=0.1", "--rollout.n=2"]
+    # jet's WGrad quantizes per 128 *tokens* of a micro-batch: with micro-batches that divide the rank's share of
+    # a mini-batch, the ranks' micro-batches are the one process's (same sequences, same order), so the FP8
+    # groups are too; two mini-batches per step; the reference model is sharded too (kl_coef)
+    overrides = ["--data.prompts_per_step=4", "--rollout.n=2", "--algorithm.mini_batch_size=4",
+                 "--algorithm.micro_batch_size=2", "--algorithm.kl_coef=0.1"]
     ranks = run_ranks(_steps, 2, "jet", overrides, 2)
     fresh = make_trainer("jet", overrides)
     first = [(q.data, q.scale) for layer in fp8_linears(fresh.model) for q in [layer.quantized_weight()]]

@@ -11,7 +11,7 @@ from jetrl.rl.metrics import (
     JsonlWriter, MetricsLogger, PhaseTimer, batch_metrics, logprob_metrics, read_jsonl, step_metrics, timing_metrics,
 )
 from jetrl.rl.mismatch import mismatch_metrics
-from jetrl.rl.trainer import RolloutBatch
+from jetrl.rl.batch import RolloutBatch
 
 LOG_HALF, LOG_QUARTER = math.log(0.5), math.log(0.25)
 
