@@ -370,7 +370,8 @@ def host_ms(fn, steps: int, device: torch.device) -> float:
 
 
 def host_profile(fn, top: int) -> None:
-    """One call of ``fn`` under cProfile: the ``top`` host functions by own time (where the host time goes)."""
+    """One call of ``fn`` under cProfile: the ``top`` host functions by own and by cumulative time (where the host
+    time goes)."""
     import cProfile
     import pstats
 
@@ -379,6 +380,7 @@ def host_profile(fn, top: int) -> None:
     fn()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
 
 
 def _timed_part(fn, title: str, args, dev: torch.device, layers: int) -> dict:
