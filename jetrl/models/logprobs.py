@@ -238,7 +238,7 @@ def _chunk_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor,
 
 def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                          chunk_size: int | None = None, impl: str | None = None,
-                         keep_logits_bytes: int | None = None, exact: bool = False
+                         keep_logits_bytes: int | None = None, exact: bool = False, check_targets: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked fp32 log-probabilities and entropies of ``targets`` (N,) from final hidden states (N, hidden).
 
@@ -250,6 +250,8 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     ``KEEP_LOGITS_BYTES`` on the kernels' path, 0 on the PyTorch path).
     ``exact``: exact mode (see the module docstring): bitwise the rollout sampler's log-probabilities of the
     same rows; ``model`` must have ``compute_logits(hidden, exact=True)`` (a jetrl decoder).
+    ``check_targets``: check on the device that targets are inside the vocabulary (a host sync); a caller that
+    checked its ids on the host passes False.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be (N, hidden) and targets (N,), got {tuple(hidden.shape)} and "
@@ -269,8 +271,9 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
                              f"({weight.dtype}, {weight.device})")
         # exact mode: the sampler's rule (device and backend only), so both sides reach the same implementation
         chosen = choose_impl(hidden, impl, eligible=exact or hidden.dtype in _KERNEL_DTYPES, op="logprobs")
-        if chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:  # the kernels
-            raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")  # would read past a row
+        if check_targets and chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:
+            # the kernels would read past a row (a host sync: ``check_targets=False`` from a caller that checked)
+            raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")
         size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             budget = keep_logits_bytes if keep_logits_bytes is not None else (

@@ -282,7 +282,8 @@ class DecoderLM(nn.Module):
         return self.lm_head(hidden).view(batch, seq_len, -1)
 
     def forward_packed(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                       max_seqlen: int | None = None, *, exact: bool = False, kv_fp8: bool = False) -> torch.Tensor:
+                       max_seqlen: int | None = None, *, exact: bool = False, kv_fp8: bool = False,
+                       check_ids: bool = True) -> torch.Tensor:
         """Packed sequences: ids and positions (N,), ``cu_seqlens`` (S+1,) -> final hidden states (N, hidden).
 
         Attention is block-diagonal causal (a row sees its own sequence's earlier rows only). Positions
@@ -293,12 +294,14 @@ class DecoderLM(nn.Module):
         ``kv_fp8``: K (after RoPE) and V pass through :func:`~jetrl.models.attention.fake_quantize_kv` before
         attention, in the SDPA and the exact path alike: the values an FP8 KV cache gives the rollout's attention
         (with ``exact``, over an FP8 cache, bitwise the same hidden states); the gradient goes straight through
-        to the BF16 K and V.
+        to the BF16 K and V. ``check_ids``: check on the device that the ids are inside the vocabulary (a host sync);
+        a caller that checked them on the host passes False. ``cu_seqlens`` as a host list costs no sync.
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"forward_packed expects input_ids and positions of shape (N,), got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
-        _check_ids(input_ids, self.config.vocab_size)
+        if check_ids:
+            _check_ids(input_ids, self.config.vocab_size)
         cu = [int(c) for c in cu_seqlens.tolist()] if torch.is_tensor(cu_seqlens) else [int(c) for c in cu_seqlens]
         if len(cu) < 2 or cu[0] != 0 or cu[-1] != input_ids.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError(f"cu_seqlens must rise from 0 to N={input_ids.shape[0]}, got {cu}")
@@ -355,8 +358,8 @@ def _packed_attend(cu_seqlens: list[int], exact: bool = False, kv_fp8: bool = Fa
                 metas[q.device] = plan_exact_attention(packed_as_paged(cu_seqlens, q.device), q, q.shape[1],
                                                        k.shape[1])
             return exact_varlen_attention(q, k, v, cu_seqlens, softmax_scale, metas.get(q.device))
-        if q.is_cuda and q.device not in offsets:
-            offsets[q.device] = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
+        if q.is_cuda and q.device not in offsets:  # pinned and asynchronous: a pageable copy would sync the stream
+            offsets[q.device] = torch.tensor(cu_seqlens, dtype=torch.int32).pin_memory().to(q.device, non_blocking=True)
         return varlen_attention(q, k, v, cu_seqlens, softmax_scale, offsets.get(q.device))
     return attend
 

@@ -89,6 +89,32 @@ class PromptSource(Protocol):
 RewardFn = Callable[[list[str], list[str]], "Sequence[float] | RewardResult"]
 
 
+# policy_loss's metrics the update reports (each weighted by the micro-batch's tokens)
+_ACTOR_KEYS = ("num_tokens", "pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl",
+               "ratio_max", "ratio_min")
+
+
+class _Scalars:
+    """Scalars of several micro-batches (device tensors or numbers) brought to the host together: one transfer,
+    one wait for the GPU, instead of one per value (which would drain the GPU's queue each time)."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor | float] = []
+
+    def add(self, value: torch.Tensor | float) -> int:
+        """Keep ``value``; returns its position in :meth:`fetch`'s list."""
+        self.values.append(value)
+        return len(self.values) - 1
+
+    def fetch(self) -> list[float]:
+        tensors = [(i, v.detach().reshape(()).double()) for i, v in enumerate(self.values) if torch.is_tensor(v)]
+        out = [float(v) if not torch.is_tensor(v) else 0.0 for v in self.values]
+        if tensors:
+            for (i, _), value in zip(tensors, torch.stack([t.to(tensors[0][1].device) for _, t in tensors]).tolist()):
+                out[i] = value
+        return out
+
+
 def _seed_for(*parts: int) -> int:
     """A 31-bit seed mixed from integers (splitmix-style), stable across runs and platforms."""
     x = 0x9E3779B97F4A7C15
@@ -215,12 +241,15 @@ class Trainer:
         mask = torch.zeros(S, R, dtype=torch.bool)
         rollout_lp = torch.zeros(S, R, dtype=torch.float32)
         tokens, prompt_lens, response_lens = [], [], []
+        vocab_size = self.model.config.vocab_size  # checked here, so the passes over the batch need not sync for it
         for s, c in enumerate(completions):
             prompt = items[s // n].ids
             k = len(c.token_ids)
             if len(c.logprobs) != k:
                 raise RuntimeError(f"completion {s}: {k} tokens but {len(c.logprobs)} logprobs")
             tokens.append(torch.tensor(list(prompt) + list(c.token_ids), dtype=torch.long))
+            if int(tokens[-1].min()) < 0 or int(tokens[-1].max()) >= vocab_size:  # host tensors: no GPU sync
+                raise ValueError(f"sequence {s} holds token ids outside the model's vocabulary [0, {vocab_size})")
             prompt_lens.append(len(prompt))
             response_lens.append(k)
             mask[s, :k] = True
@@ -238,26 +267,36 @@ class Trainer:
         ``start + p - 1 + j``."""
         from jetrl.models import logprobs_from_hidden
 
-        ids = torch.cat([batch.tokens[s] for s in rows]).to(self.device)
         lens = [batch.tokens[s].numel() for s in rows]
-        positions = torch.cat([torch.arange(L) for L in lens]).to(self.device)
-        targets = torch.cat([torch.cat([batch.tokens[s][1:], torch.tensor([-1])]) for s in rows]).to(self.device)
         starts = [0]
         for L in lens:
             starts.append(starts[-1] + L)
-        cu = torch.tensor(starts, dtype=torch.int32, device=self.device)
         R = batch.mask.shape[1]
         offsets = torch.arange(R)
         index = torch.stack([(starts[b] + batch.prompt_lens[s] - 1 + offsets).clamp(max=starts[b + 1] - 1)
-                             for b, s in enumerate(rows)]).to(self.device)  # (b, R); masked slots clamped
+                             for b, s in enumerate(rows)])  # (b, R); masked slots clamped
+        # ids, positions, targets and the LM head's rows, made on the host and sent in one asynchronous copy
+        ids, positions, targets, flat = self._to_device(torch.cat([
+            torch.cat([batch.tokens[s] for s in rows]),
+            torch.cat([torch.arange(L) for L in lens]),
+            torch.cat([torch.cat([batch.tokens[s][1:], torch.tensor([-1])]) for s in rows]),
+            index.flatten()])).split([starts[-1], starts[-1], starts[-1], index.numel()])
         exact = self.config.exact  # exact mode: bitwise the engine's log-probs (the engine runs it too)
-        # FP8 KV cache under jet: attend over the K/V values the engine's FP8 cache held
-        hidden = model.forward_packed(ids, positions, cu, max(lens), exact=exact, kv_fp8=self.config.kv_fp8_train)
+        # FP8 KV cache under jet: attend over the K/V values the engine's FP8 cache held; the ids were checked
+        # against the vocabulary on the host (build_batch), so neither the forward nor the LM head syncs to do it
+        hidden = model.forward_packed(ids, positions, starts, max(lens), exact=exact, kv_fp8=self.config.kv_fp8_train,
+                                      check_ids=False)
         # the LM head runs on the response rows only (prompt rows predict no scored token)
-        flat = index.flatten()
         lp, ent = logprobs_from_hidden(model, hidden[flat], targets[flat], temperature=self.config.rollout.temperature,
-                                       exact=exact)
+                                       exact=exact, check_targets=False)
         return lp.view_as(index), ent.view_as(index)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the trainer's device without a stream sync: a copy from pageable memory waits for the
+        GPU's queue, one from pinned memory does not (the pinned buffer is kept until the copy is done)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def score(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
@@ -266,7 +305,7 @@ class Trainer:
         for rows in self._same_count_on_every_rank(self.micro_batches(batch, list(range(batch.num_sequences)))):
             lp, _ = self.sequence_logprobs(model, batch, rows or [0])
             if rows is not None:
-                out[rows] = lp.float()
+                out[self._to_device(torch.tensor(rows))] = lp.float()
         return torch.where(batch.mask, out, torch.zeros((), device=out.device))
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
@@ -333,44 +372,56 @@ class Trainer:
                 # the normalisers of the whole (global) mini-batch: the ranks' losses then add up to its loss
                 num_tokens, num_seqs = (int(v) for v in self.parallel.sum([num_tokens, num_seqs]))
                 norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.config.rollout.max_tokens)
-                loss_finite, mini_pg_loss = True, 0.0
+                pending = _Scalars()  # the micro-batches' metrics, fetched in one transfer before the optimizer step
+                records = []
                 micros = self.micro_batches(batch, rows)
                 for micro in self._same_count_on_every_rank(micros):
                     is_padding = micro is None
                     micro = micros[0] if is_padding else micro
-                    mask = batch.mask[micro]
                     lp, ent = self.sequence_logprobs(self.model, batch, micro)
                     if is_padding:  # the collectives of a forward/backward, no gradient
                         (lp.sum() * 0.0).backward()
                         continue
+                    idx = self._to_device(torch.tensor(micro))  # one index tensor for every gather of this micro
+                    mask = batch.mask[idx]
                     if own_lp is not None and optimizer_steps == 0:  # the policy has not moved yet
-                        own_lp[micro] = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))
-                        recorded[micro] = mask
+                        own_lp[idx] = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))
+                        recorded[idx] = mask
                     if old_lp is None:  # these are the old log-probs
-                        old = own_lp[micro]
-                        w = (truncated_is_weights(old, batch.rollout_logprobs[micro], mask, alg.tis_cap)
+                        old = own_lp[idx]
+                        w = (truncated_is_weights(old, batch.rollout_logprobs[idx], mask, alg.tis_cap)
                              if alg.tis_cap is not None else None)
                     else:
-                        old = old_lp[micro]
-                        w = is_weights[micro] if is_weights is not None else None
-                    loss, metrics = policy_loss(lp, old, batch.advantages[micro], mask, alg.clip_low,
+                        old = old_lp[idx]
+                        w = is_weights[idx] if is_weights is not None else None
+                    loss, metrics = policy_loss(lp, old, batch.advantages[idx], mask, alg.clip_low,
                                                 alg.clip_high, alg.agg, is_weights=w, **norm)
                     if alg.entropy_coef > 0:
                         loss = loss - alg.entropy_coef * aggregate(ent.float(), mask, alg.agg, **norm)
-                    ntok = float(metrics["num_tokens"])
+                    record = {key: pending.add(metrics[key]) for key in _ACTOR_KEYS}
                     if ref_lp is not None:
-                        kl_tokens = kl_penalty(lp, ref_lp[micro], mask, alg.kl_estimator)
+                        kl_tokens = kl_penalty(lp, ref_lp[idx], mask, alg.kl_estimator)
                         loss = loss + alg.kl_coef * aggregate(kl_tokens, mask, alg.agg, **norm)
-                        add("actor/kl_ref", float(masked_mean(kl_tokens, mask)), ntok)
-                    loss_finite = loss_finite and bool(torch.isfinite(loss))
+                        record["kl_ref"] = pending.add(masked_mean(kl_tokens, mask))
+                    record["finite"] = pending.add(torch.isfinite(loss))
+                    record["entropy"] = pending.add(masked_mean(ent, mask))
                     loss.backward()
-                    mini_pg_loss += float(metrics["pg_loss"])
+                    records.append(record)
+                values = pending.fetch()
+                loss_finite, mini_pg_loss = True, 0.0
+                for record in records:
+                    v = {key: values[i] for key, i in record.items()}
+                    ntok = v["num_tokens"]
+                    if "kl_ref" in v:
+                        add("actor/kl_ref", v["kl_ref"], ntok)
+                    loss_finite = loss_finite and bool(v["finite"])
+                    mini_pg_loss += v["pg_loss"]
                     for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl"):
-                        add(f"actor/{key}", float(metrics[key]), ntok)
+                        add(f"actor/{key}", v[key], ntok)
                     if ntok > 0:
-                        extremes["actor/ratio_max"] = max(extremes["actor/ratio_max"], float(metrics["ratio_max"]))
-                        extremes["actor/ratio_min"] = min(extremes["actor/ratio_min"], float(metrics["ratio_min"]))
-                    add("actor/entropy", float(masked_mean(ent, mask)), ntok)
+                        extremes["actor/ratio_max"] = max(extremes["actor/ratio_max"], v["ratio_max"])
+                        extremes["actor/ratio_min"] = min(extremes["actor/ratio_min"], v["ratio_min"])
+                    add("actor/entropy", v["entropy"], ntok)
                 mini_pg_loss, num_nonfinite = self.parallel.sum([mini_pg_loss, 0.0 if loss_finite else 1.0])
                 add("actor/pg_loss", mini_pg_loss, 1.0)
                 result = self.stepper.step(loss_is_finite=num_nonfinite == 0)
