@@ -4,7 +4,8 @@
 arithmetic task, a few minutes on a CPU. Every command's work lives in a library function of the stage
 that owns it (:func:`jetrl.train_job.train_and_evaluate` around :func:`jetrl.rl.run`,
 :func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`, :func:`jetrl.evaluate.generate_texts`,
-:func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`; ``jetrl:NAME`` paths through
+:func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`, ``jetrl config``'s
+:func:`jetrl.config.reference.commented_yaml` and :mod:`jetrl.registries`; ``jetrl:NAME`` paths through
 :func:`jetrl.asset_files.resolve_asset`), so scripts and tests call those; this module only turns
 arguments into their inputs and their results into text. ``jetrl bench`` is dispatch alone: it runs a
 script of the source checkout's ``bench/`` folder by name. Choice lists of library settings (recipes,
@@ -49,7 +50,7 @@ from jetrl.parallel import launched_rank
 from jetrl.plotting import default_plot_path, plot_runs
 from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
-from jetrl.registries import check_names, configuration_reference
+from jetrl.registries import check_config, configuration_reference
 from jetrl.rl.loop import check_model, prepare_output_dir, run
 from jetrl.sft.train import SFT_DTYPES, SFTConfig, run_sft
 from jetrl.train_job import train_and_evaluate
@@ -200,8 +201,7 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
     config = load_config(_config_file(args.config), _overrides(args.overrides))
-    config.check_complete()
-    check_names(config)
+    check_config(config)
     steps = config.rollout_batch_size // config.mini_batch_size * config.algorithm.ppo_epochs
     print(f"{args.config}: valid ({config.recipe} recipe, {config.data.prompts_per_step} prompts x "
           f"{config.rollout.n} samples = {config.rollout_batch_size} sequences per RL step, {steps} optimizer "

@@ -3,8 +3,8 @@
 The recipes, advantage and KL estimators, loss aggregations and LR schedules, dataset formats, built-in tasks and
 rewards, parameter dtypes and kernel settings each live with the code they name. :func:`registries` reads them all,
 so the configuration reference (:func:`configuration_reference`, ``docs/configuration.md``) lists the names that
-are valid now, and :func:`check_names` checks a config's names against them before anything is loaded
-(``jetrl config check``).
+are valid now, and :func:`check_config` checks a config against them before anything is loaded (``jetrl config
+check``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,17 @@ def registries() -> dict[str, Registry]:
     }
 
 
+def check_config(config: RunConfig) -> None:
+    """Everything that can be checked from a loaded config alone, without a model or data (``jetrl config
+    check``): that it is complete (:meth:`~jetrl.config.RunConfig.check_complete`) and :func:`check_names`."""
+    config.check_complete()
+    check_names(config)
+
+
 def check_names(config: RunConfig) -> None:
     """A ConfigError naming the field whose value is not a name its registry holds (or that the registry's own
-    check rejects): those the schema leaves to the stage that uses them (dataset format, task, reward) as well as those
-    it checks itself. A list field (``kernels``) is checked by the schema, entry by entry."""
+    check rejects): those the schema leaves to the stage that uses them (dataset format, task, reward) as well as
+    those it checks itself. A list field (``kernels``) is checked by the schema, entry by entry."""
     found = registries()
     for prefix, cls in sections(type(config)):
         node = section_of(config, prefix)
@@ -67,4 +74,4 @@ def configuration_reference() -> str:
     return reference_markdown(registries())
 
 
-__all__ = ["registries", "check_names", "configuration_reference"]
+__all__ = ["registries", "check_config", "check_names", "configuration_reference"]

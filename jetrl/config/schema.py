@@ -6,6 +6,10 @@ is loaded: a wrong type names the expected type, and range or cross-field constr
 ``n < 1``, batch sizes that do not divide) say which fields disagree. Reading files and ``--a.b=value``
 overrides, and writing a resolved config, is :mod:`jetrl.config.loader`'s job.
 
+Every field is declared with :func:`setting`: its default and its one-line meaning, and for a field that names
+an implementation the registry of valid names (read by :mod:`jetrl.config.reference` for
+``docs/configuration.md`` and ``jetrl config show``).
+
 Fields that name one of several implementations (the precision recipe, the advantage and KL estimators,
 the loss aggregation, the LR schedule) are checked against the registry of the stage that owns the
 implementations, so adding one there makes it valid here. Those registries sit beside torch code, so they
