@@ -389,10 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run configurations: the file plus --section.key=value overrides, as jetrl train "
                        "reads them. Every field is listed in docs/configuration.md.")
     actions = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    show = actions.add_parser("show", help="the resolved configuration as commented YAML (a valid config file)")
+    show = actions.add_parser("show", help="the resolved configuration as commented YAML (a valid config file)",
+                              usage="jetrl config show [CONFIG] [--section.key=value ...]")
     show.add_argument("config", nargs="?", default=None, help="YAML/JSON/TOML config (default: the embedded one)")
     show.set_defaults(func=_cmd_config_show, overrides=[], takes_overrides=True)
-    check = actions.add_parser("check", help="validate a config and its overrides without loading a model")
+    check = actions.add_parser("check", help="validate a config and its overrides without loading a model",
+                               usage="jetrl config check CONFIG [--section.key=value ...]")
     check.add_argument("config", help="YAML/JSON/TOML config")
     check.set_defaults(func=_cmd_config_check, overrides=[], takes_overrides=True)
     reference = actions.add_parser("reference", help="the configuration reference in Markdown "

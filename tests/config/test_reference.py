@@ -54,6 +54,7 @@ def test_every_registry_a_field_names_exists_and_all_its_names_are_listed():
     from jetrl.quant.recipe import RECIPES
     assert found["task"].names == tuple(TASKS) and found["recipe"].names == tuple(RECIPES)
     assert "exact_split_k" in found["kernel_setting"].names
+    assert "decode_max_m_by_shape" not in found["kernel_setting"].names  # a mapping: no KEY=VALUE can set it
 
 
 def test_a_field_without_a_meaning_is_an_error():
