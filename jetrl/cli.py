@@ -4,7 +4,8 @@
 arithmetic task, a few minutes on a CPU. Every command's work lives in a library function of the stage
 that owns it (:func:`jetrl.train_job.train_and_evaluate` around :func:`jetrl.rl.run`,
 :func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`, :func:`jetrl.evaluate.generate_texts`,
-:func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`; ``jetrl:NAME`` paths through
+:func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`, ``jetrl config``'s
+:func:`jetrl.config.reference.commented_yaml` and :mod:`jetrl.registries`; ``jetrl:NAME`` paths through
 :func:`jetrl.asset_files.resolve_asset`), so scripts and tests call those; this module only turns
 arguments into their inputs and their results into text. ``jetrl bench`` is dispatch alone: it runs a
 script of the source checkout's ``bench/`` folder by name. Choice lists of library settings (recipes,
@@ -40,6 +41,7 @@ from rich.table import Table
 
 from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, resolve_asset
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
+from jetrl.config.reference import commented_yaml
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset, read_prompts
 from jetrl.data.reward_pool import RewardFailureError
 from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
@@ -48,6 +50,7 @@ from jetrl.parallel import launched_rank
 from jetrl.plotting import default_plot_path, plot_runs
 from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
+from jetrl.registries import check_config, configuration_reference
 from jetrl.rl.loop import check_model, prepare_output_dir, run
 from jetrl.sft.train import SFT_DTYPES, SFTConfig, run_sft
 from jetrl.train_job import train_and_evaluate
@@ -120,15 +123,25 @@ def _set_threads(threads: int | None) -> None:
 
 # ------------------------------------------------------------------------------------------ train
 
-def _train_config(args: argparse.Namespace) -> RunConfig:
-    """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
-    path = _existing(args.config or DEFAULT_CONFIG, "config file", "give a YAML/JSON/TOML config, e.g. "
+def _config_file(path: str | None) -> str:
+    """The config file a command reads (default: the embedded one), which must exist."""
+    return _existing(path or DEFAULT_CONFIG, "config file", "give a YAML/JSON/TOML config, e.g. "
                      "examples/tiny_default.yaml")
-    overrides = list(args.overrides)
-    for item in overrides:
+
+
+def _overrides(items: Sequence[str]) -> list[str]:
+    """The ``--section.key=value`` arguments after a config file; anything else is a UsageError."""
+    for item in items:
         if not item.startswith("--") or "=" not in item:
             raise UsageError(f"unexpected argument {item!r}: overrides look like --section.key=value "
                              f"(e.g. --optim.lr=1e-5)")
+    return list(items)
+
+
+def _train_config(args: argparse.Namespace) -> RunConfig:
+    """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
+    path = _config_file(args.config)
+    overrides = _overrides(args.overrides)
     if args.max_steps is not None:
         overrides.append(f"--trainer.steps={args.max_steps}")
     if args.output_dir is not None:
@@ -171,6 +184,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = train_and_evaluate(config, num_eval, require_checkpoint=args.resume == "must",
                                 progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
     print(_table(result.rows(), title="jetrl train: summary"))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ config
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    path = _config_file(args.config)
+    overrides = _overrides(args.overrides)
+    config = load_config(path, overrides)
+    source = " ".join([args.config or DEFAULT_CONFIG, *overrides])
+    print(commented_yaml(config, title=f"jetrl config show {source}\nthe resolved configuration: every field, "
+                                       f"with its meaning (docs/configuration.md)"), end="")
+    return 0
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    config = load_config(_config_file(args.config), _overrides(args.overrides))
+    check_config(config)
+    steps = config.rollout_batch_size // config.mini_batch_size * config.algorithm.ppo_epochs
+    print(f"{args.config}: valid ({config.recipe} recipe, {config.data.prompts_per_step} prompts x "
+          f"{config.rollout.n} samples = {config.rollout_batch_size} sequences per RL step, {steps} optimizer "
+          f"step{'s' if steps > 1 else ''} each)")
+    return 0
+
+
+def _cmd_config_reference(args: argparse.Namespace) -> int:
+    print(configuration_reference(), end="")
     return 0
 
 
@@ -324,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jetrl", description="RL of LLMs with a unified FP8 precision flow. With no command: jetrl train "
         "(RL of the embedded tiny model on its arithmetic task, a few minutes on CPU).")
     parser.add_argument("--version", action="version", version=f"jetrl {_version()}")
+    parser.set_defaults(takes_overrides=False)  # whether --section.key=value arguments may follow
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("train", help="RL run from a config file (default: the embedded tiny model)",
@@ -342,7 +383,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "and after the run (built-in tasks; default 200, 0 = off)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
-    p.set_defaults(func=_cmd_train, overrides=[])
+    p.set_defaults(func=_cmd_train, overrides=[], takes_overrides=True)
+
+    p = sub.add_parser("config", help="print the resolved configuration, validate one, or print the reference",
+                       description="Run configurations: the file plus --section.key=value overrides, as jetrl train "
+                       "reads them. Every field is listed in docs/configuration.md.")
+    actions = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="the resolved configuration as commented YAML (a valid config file)",
+                              usage="jetrl config show [CONFIG] [--section.key=value ...]")
+    show.add_argument("config", nargs="?", default=None, help="YAML/JSON/TOML config (default: the embedded one)")
+    show.set_defaults(func=_cmd_config_show, overrides=[], takes_overrides=True)
+    check = actions.add_parser("check", help="validate a config and its overrides without loading a model",
+                               usage="jetrl config check CONFIG [--section.key=value ...]")
+    check.add_argument("config", help="YAML/JSON/TOML config")
+    check.set_defaults(func=_cmd_config_check, overrides=[], takes_overrides=True)
+    reference = actions.add_parser("reference", help="the configuration reference in Markdown "
+                                   "(docs/configuration.md)")
+    reference.set_defaults(func=_cmd_config_reference)
 
     p = sub.add_parser("sft", help="supervised warm-start of a tiny model on a built-in task (makes the embedded one)")
     p.add_argument("--output-dir", default="tiny-arith", help="checkpoint folder to write")
@@ -435,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train", *argv]  # the main job, on its embedded default unless a config is given
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command != "train":
+        if not args.takes_overrides:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = extra
     try:

@@ -2,7 +2,7 @@
 
 ``from jetrl.config import RunConfig, load_config`` is the usual entry; :mod:`jetrl.config.schema` holds the
 sections and their checks, :mod:`jetrl.config.loader` the YAML / JSON / TOML files and ``--a.b=value``
-overrides.
+overrides, :mod:`jetrl.config.reference` what each field means (``docs/configuration.md``, commented YAML).
 """
 
 from jetrl.config.loader import apply_override, load_config, parse_override, save_config

@@ -6,11 +6,15 @@ is loaded: a wrong type names the expected type, and range or cross-field constr
 ``n < 1``, batch sizes that do not divide) say which fields disagree. Reading files and ``--a.b=value``
 overrides, and writing a resolved config, is :mod:`jetrl.config.loader`'s job.
 
-Fields that name one of several implementations are checked against one list of names per kind: the
-advantage and KL estimators, the loss aggregation and the LR schedule against :mod:`jetrl.config.choices`
-(the RL stage builds its registries from those names, and refuses a registry that differs), the precision
-recipe against :data:`jetrl.quant.recipe.RECIPES`, a layer below, imported on first use: unknown keys,
-wrong types and out-of-range values are reported without importing torch.
+Every field is declared with :func:`setting`: its default and its one-line meaning, and for a field that names
+an implementation the registry of valid names (read by :mod:`jetrl.config.reference` for
+``docs/configuration.md`` and ``jetrl config show``).
+
+Fields that name one of several implementations (the precision recipe, the advantage and KL estimators,
+the loss aggregation, the LR schedule) are checked against one list of names per kind: the RL choices in
+:mod:`jetrl.config.choices` (the RL stage builds its registries from those names, and refuses a registry that
+differs), the precision recipe against :data:`jetrl.quant.recipe.RECIPES`, a layer below, imported on first
+use: unknown keys, wrong types and out-of-range values are reported without importing torch.
 
 Batch sizes, in sequences (a sequence is one prompt plus one sampled completion)::
 
@@ -61,16 +65,31 @@ def registered_names(kind: str) -> list[str]:
     return list(CHOICES[kind])
 
 
-def _choice(section: str, name: str, value: str, choices: Sequence[str]) -> None:
+def check_choice(key: str, value: str, choices: Sequence[str]) -> None:
+    """A ConfigError unless ``value`` is one of ``choices``, naming the field ``key`` and the closest choice."""
     if value not in choices:
         close = difflib.get_close_matches(str(value), choices, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{section + '.' if section else ''}{name} must be one of {list(choices)}, got {value!r}{hint}")
+        raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}{hint}")
+
+
+def _choice(section: str, name: str, value: str, choices: Sequence[str]) -> None:
+    check_choice(f"{section}.{name}" if section else name, value, choices)
 
 
 def _at_least(section: str, name: str, value: float, low: float) -> None:
     if value < low:
         raise ConfigError(f"{section}.{name} must be >= {low}, got {value}")
+
+
+def setting(default: Any, doc: str, registry: str | None = None) -> Any:
+    """A config field: its default, its one-line meaning and, for a field whose value names an implementation,
+    the registry that holds the valid names (``"recipe"``, ``"task"``, ...).
+
+    The meaning and the registry are the field's metadata: the configuration reference
+    (:mod:`jetrl.config.reference`, ``docs/configuration.md``) and ``jetrl config show`` read them from there."""
+    metadata = {"doc": doc} if registry is None else {"doc": doc, "registry": registry}
+    return field(default=default, metadata=metadata)
 
 
 class _Section:
@@ -94,11 +113,13 @@ class ModelConfig(_Section):
     """The policy checkpoint (a HuggingFace folder) and how to hold it."""
 
     _name = "model"
-    path: str = ""
-    tokenizer: str | None = None          # defaults to ``path``
-    dtype: str = "bfloat16"               # parameter dtype of the policy (fp32 master state lives in the optimizer)
-    device: str = "auto"                  # "auto" = cuda when available, else cpu
-    gradient_checkpointing: bool = False
+    path: str = setting("", "the policy: a HuggingFace checkpoint folder (config.json, *.safetensors, tokenizer), "
+                        "or jetrl:tiny-arith")
+    tokenizer: str | None = setting(None, "tokenizer folder; null: the one in `path`")
+    dtype: str = setting("bfloat16", "parameter dtype of the policy (the optimizer keeps fp32 master state)",
+                         registry="dtype")
+    device: str = setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    gradient_checkpointing: bool = setting(False, "recompute each decoder block in the backward pass (less memory)")
 
     def validate(self) -> None:
         _choice("model", "dtype", self.dtype, DTYPES)
@@ -111,20 +132,22 @@ class DataConfig(_Section):
     """Where prompts come from: a file (``path`` + ``format``) or a built-in task (``task``)."""
 
     _name = "data"
-    path: str | None = None               # JSONL or Parquet file
-    format: str = "custom"                # "gsm8k" | "math" | "custom"
-    task: str | None = None               # a built-in synthetic task name (instead of ``path``)
-    difficulty: int = 1                   # built-in tasks only
-    num_examples: int = 10_000            # built-in tasks only: examples generated from the seed
-    prompt_column: str | None = None      # custom files: override the column names
-    answer_column: str | None = None
-    instruction: str | None = None        # prompt template override, must contain "{prompt}"
-    system_prompt: str | None = None
-    reward: str | None = None             # reward function name; defaults to the format's / task's
-    max_examples: int | None = None
-    prompts_per_step: int = 8             # P prompts per RL step
-    shuffle: bool = True
-    max_prompt_tokens: int = 512          # longer prompts are an error, not a silent truncation
+    path: str | None = setting(None, "prompt file, JSONL or Parquet (or set `task`)")
+    format: str = setting("custom", "layout of the file at `path`: its columns, prompt template and reward",
+                          registry="dataset_format")
+    task: str | None = setting(None, "a built-in task instead of a file", registry="task")
+    difficulty: int = setting(1, "built-in tasks: reasoning steps per problem")
+    num_examples: int = setting(10_000, "built-in tasks: problems generated from the trainer's seed")
+    prompt_column: str | None = setting(None, "file column holding the prompt; null: the format's")
+    answer_column: str | None = setting(None, "file column holding the reference answer; null: the format's")
+    instruction: str | None = setting(None, "prompt template containing {prompt}; null: the format's")
+    system_prompt: str | None = setting(None, "system message for chat templates; null: none")
+    reward: str | None = setting(None, "reward function: a built-in name or package.module:function; null: the "
+                                 "format's or task's", registry="reward")
+    max_examples: int | None = setting(None, "files: use only the first N rows; null: all")
+    prompts_per_step: int = setting(8, "prompts per RL step (each sampled rollout.n times)")
+    shuffle: bool = setting(True, "shuffle the prompts every epoch")
+    max_prompt_tokens: int = setting(512, "longest prompt in tokens; a longer one is an error, not truncated")
 
     def validate(self) -> None:
         # neither set is allowed while composing a config; the loop reports it before loading data
@@ -145,15 +168,16 @@ class RolloutConfig(_Section):
     """Sampling of ``n`` completions per prompt by the rollout engine."""
 
     _name = "rollout"
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1                       # -1 disables
-    max_tokens: int = 512                 # new tokens per completion
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    progress: bool = False
-    memory_budget: float | None = None    # KV cache: fraction of free GPU memory, or bytes; None = engine default
+    n: int = setting(8, "completions sampled per prompt (the GRPO group size)")
+    temperature: float = setting(1.0, "sampling temperature (> 0)")
+    top_p: float = setting(1.0, "nucleus sampling: keep the smallest set of tokens with this much probability")
+    top_k: int = setting(-1, "sample from the k most likely tokens; -1: all")
+    max_tokens: int = setting(512, "new tokens per completion at most")
+    stop_token_ids: tuple[int, ...] = setting((), "token ids that end a completion, besides the tokenizer's EOS")
+    ignore_eos: bool = setting(False, "keep generating past EOS up to max_tokens (benchmarks)")
+    progress: bool = setting(False, "show the rollout engine's own progress bar")
+    memory_budget: float | None = setting(None, "KV cache size: a fraction of free GPU memory (<= 1) or bytes; "
+                                          "null: the engine's default")
 
     def validate(self) -> None:
         _at_least("rollout", "n", self.n, 1)
@@ -176,26 +200,31 @@ class AlgorithmConfig(_Section):
     """Advantages, the clipped policy loss and its regularisers, and how a batch is split for updates."""
 
     _name = "algorithm"
-    advantage_estimator: str = "grpo"     # a name in jetrl.config.choices.CHOICES
-    std_normalize: bool = True            # False = Dr. GRPO
-    clip_low: float = 0.2
-    clip_high: float = 0.2                # DAPO's clip-higher uses e.g. 0.28
-    agg: str = "token"                    # a name in jetrl.config.choices.CHOICES
-    kl_coef: float = 0.0                  # > 0 loads a frozen reference model in the same recipe
-    kl_estimator: str = "k3"              # a name in jetrl.config.choices.CHOICES
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None          # truncated importance sampling cap C (>= 1); None disables
-    # verl's "bypass": the engine's logprobs are the old logprobs. In exact mode they are the trainer's bit for bit,
-    # so the old_logprob pass is skipped too (and tis_cap has nothing to correct: every weight would be 1); the
-    # update's first mini-batch checks them (mismatch/checked_frac) and a difference is warned about
-    use_rollout_logprobs: bool = False
-    # One optimizer step per RL step (ppo_epochs 1, one mini-batch): the policy has not moved when the update's
-    # forwards run, so their detached log-probs are the old ones and the separate old_logprob pass is skipped
-    old_logprobs_from_update: bool = False
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None    # sequences per optimizer step; None = the whole rollout batch
-    micro_batch_size: int = 8             # sequences per forward/backward (when not packing by tokens)
-    max_tokens_per_micro_batch: int | None = None  # pack micro-batches by token count instead
+    advantage_estimator: str = setting("grpo", "how rewards become advantages", registry="advantage_estimator")
+    std_normalize: bool = setting(True, "divide advantages by the group's reward std (false: Dr. GRPO)")
+    clip_low: float = setting(0.2, "PPO ratio clip below: 1 - clip_low")
+    clip_high: float = setting(0.2, "PPO ratio clip above: 1 + clip_high (DAPO's clip-higher: e.g. 0.28)")
+    agg: str = setting("token", "how per-token losses are averaged into the loss", registry="loss_aggregation")
+    kl_coef: float = setting(0.0, "weight of the KL penalty to a frozen reference model (> 0 loads one, same "
+                             "recipe)")
+    kl_estimator: str = setting("k3", "estimator of that KL", registry="kl_estimator")
+    entropy_coef: float = setting(0.0, "weight of the entropy bonus")
+    tis_cap: float | None = setting(None, "truncated importance sampling: cap C (>= 1) of the rollout-to-trainer "
+                                    "ratio weights; null: off")
+    # verl's "bypass". In exact mode the engine's log-probs are the trainer's bit for bit, so this skips a pass
+    # that would recompute them (tis_cap then has nothing to correct); the update's first mini-batch checks them
+    # (mismatch/checked_frac) and a difference is warned about
+    use_rollout_logprobs: bool = setting(False, "take the rollout engine's log-probs as the old ones (no "
+                                         "old-logprob pass)")
+    # with one optimizer step per RL step the policy has not moved when the update's forwards run, so their
+    # detached log-probs are the old ones
+    old_logprobs_from_update: bool = setting(False, "take the old log-probs from the update's own forwards (needs "
+                                             "ppo_epochs 1 and one mini-batch)")
+    ppo_epochs: int = setting(1, "passes over the rollout batch per RL step")
+    mini_batch_size: int | None = setting(None, "sequences per optimizer step; null: the whole rollout batch")
+    micro_batch_size: int = setting(8, "sequences per forward/backward (when not packing by tokens)")
+    max_tokens_per_micro_batch: int | None = setting(None, "pack micro-batches by token count, at most this many "
+                                                     "tokens; null: by micro_batch_size")
 
     def validate(self) -> None:
         _choice("algorithm", "advantage_estimator", self.advantage_estimator,
@@ -227,15 +256,16 @@ class OptimConfig(_Section):
     """AdamW on fp32 master state, gradient clipping, learning-rate schedule, non-finite step handling."""
 
     _name = "optim"
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"            # after warm-up; a name in jetrl.config.choices.CHOICES
-    min_lr_ratio: float = 0.0             # floor of cosine/linear decay, as a fraction of lr
-    grad_clip: float | None = 1.0         # max global grad norm; None disables clipping
-    max_consecutive_nonfinite: int = 3    # non-finite steps skipped in a row before the run stops
+    lr: float = setting(1e-6, "peak learning rate")
+    betas: tuple[float, float] = setting((0.9, 0.999), "AdamW's beta1, beta2")
+    eps: float = setting(1e-8, "AdamW's epsilon")
+    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay")
+    warmup_steps: int = setting(0, "optimizer steps of linear warm-up from 0 to lr")
+    schedule: str = setting("constant", "learning-rate decay after warm-up", registry="lr_schedule")
+    min_lr_ratio: float = setting(0.0, "floor of the cosine/linear decay, as a fraction of lr")
+    grad_clip: float | None = setting(1.0, "clip the global gradient norm to this; null: no clipping")
+    max_consecutive_nonfinite: int = setting(3, "optimizer steps with a non-finite gradient skipped in a row "
+                                             "before the run stops")
 
     def validate(self) -> None:
         if not self.lr > 0:
@@ -260,24 +290,21 @@ class TrainerConfig(_Section):
     """Length of the run, seed, outputs, checkpointing and logging."""
 
     _name = "trainer"
-    steps: int = 100
-    seed: int = 0
-    output_dir: str = "runs/jetrl"
-    checkpoint_every: int = 50            # 0 = never (a final checkpoint is still written)
-    keep_last: int = 2
-    log_every: int = 1
-    tensorboard: bool = False
-    resume: bool = False                  # continue from the newest complete checkpoint (none: warn, start at 0)
-    # resume may read checkpoints of older jetrl versions, whose .pt files are pickles: unpickling runs code, so
-    # set it only for checkpoints you trust (current checkpoints load with torch.load(weights_only=True))
-    allow_pickle: bool = False
-    export_fp8: bool = False              # also write each checkpoint's policy as block-FP8 (model_fp8/)
-    # which checkpoints hold the policy only (its HuggingFace folder model/, without the sharded weights and the
-    # optimizer state: not resumable): "none", the "final" one, or "all" of them
-    weights_only: str = "none"
-    # before each checkpoint its size is estimated and compared with the free space: too little is an error
-    # ("error"), or a warning and the run goes on without that checkpoint ("skip")
-    on_disk_full: str = "error"
+    steps: int = setting(100, "RL steps")
+    seed: int = setting(0, "seed of the prompt order, sampling and (built-in tasks) the problems")
+    output_dir: str = setting("runs/jetrl", "folder of the run's metrics, checkpoints and plot")
+    checkpoint_every: int = setting(50, "a checkpoint every N steps; 0: only the final one")
+    keep_last: int = setting(2, "checkpoints kept (older ones are deleted)")
+    log_every: int = setting(1, "write metrics every N steps")
+    tensorboard: bool = setting(False, "also write TensorBoard events (when tensorboard is installed)")
+    resume: bool = setting(False, "continue from the newest complete checkpoint (none: a warning, start at step 0)")
+    # older jetrl versions wrote pickled .pt files; current checkpoints load with torch.load(weights_only=True)
+    allow_pickle: bool = setting(False, "let resume unpickle old checkpoints (runs code: only ones you trust)")
+    export_fp8: bool = setting(False, "also write each checkpoint's policy as block-FP8 (model_fp8/)")
+    weights_only: str = setting("none", "checkpoints that hold the policy alone (its HuggingFace model/ folder, no "
+                                "optimizer state: not resumable): none, the final one, or all")
+    on_disk_full: str = setting("error", "too little free space for a checkpoint (estimated first): stop with an "
+                                "error, or skip that checkpoint with a warning")
 
     def validate(self) -> None:
         _at_least("trainer", "steps", self.steps, 1)
@@ -301,10 +328,9 @@ class DistributedConfig(_Section):
     launch, when the world size is known)."""
 
     _name = "distributed"
-    shard_size: int | None = None         # ranks sharing one copy of the weights (FSDP); None = all ranks.
-    #                                       Fewer = HSDP: shard within groups of shard_size (a node),
-    #                                       replicate across the world_size / shard_size groups
-    timeout_s: float = 600.0              # a collective waiting longer (a dead or stuck rank) fails the job
+    # fewer than all ranks is HSDP: shard within groups of shard_size (a node), replicate across the groups
+    shard_size: int | None = setting(None, "ranks sharing one copy of the weights (FSDP); null: all ranks")
+    timeout_s: float = setting(600.0, "seconds a collective may wait (a dead or stuck rank) before the job fails")
 
     def validate(self) -> None:
         if self.shard_size is not None:
@@ -323,8 +349,9 @@ class RewardLimitsConfig(_Section):
     default 1.0: when every sample failed, i.e. the reward function itself is broken)."""
 
     _name = "reward"
-    max_abs: float | None = None          # None: any finite reward is accepted
-    stop_fraction: float = 1.0            # in (0, 1]
+    max_abs: float | None = setting(None, "a reward of larger magnitude is a failure; null: any finite reward "
+                                    "is accepted")
+    stop_fraction: float = setting(1.0, "stop when at least this fraction of a step's samples failed, in (0, 1]")
 
     def validate(self) -> None:
         if self.max_abs is not None and not self.max_abs > 0:
@@ -337,15 +364,17 @@ class RewardLimitsConfig(_Section):
 class RunConfig(_Section):
     """A whole RL run."""
 
-    recipe: str = "jet"                   # a name in jetrl.quant.recipe.RECIPES
-    exact: bool = False                   # exact on-policy mode: rollout log-probs == trainer's, bitwise (bf16, jet)
-    # FP8 KV cache: K and V stored as E4M3 (one fp32 scale per token and KV head) in the rollout engine, ~2x the
-    # tokens per byte; under jet the training forward attends over the same quantized K/V (fp8-rollout: the
-    # rollout side only, the comparison arm; bf16: an error)
-    kv_fp8: bool = False
-    # kernel settings for the whole run, KEY=VALUE with KEY a field of jetrl.quant.kernels.tuning.KernelTuning
-    # (its doc says what each does), e.g. ["exact_split_k=1"]; on the command line --kernels=exact_split_k=1,...
-    kernels: tuple[str, ...] = ()
+    recipe: str = setting("jet", "precision recipe: what runs in FP8 on the rollout and the training side",
+                          registry="recipe")
+    exact: bool = setting(False, "exact on-policy mode: the rollout's log-probs equal the trainer's bit for bit "
+                          "(bf16, jet)")
+    # K and V stored as E4M3 with one power-of-two fp32 scale per token and KV head; under jet the training forward
+    # attends over the same quantized K/V (fp8-rollout: the rollout side only, the comparison arm; bf16: an error)
+    kv_fp8: bool = setting(False, "FP8 KV cache in the rollout engine (jet, fp8-rollout)")
+    # KEY a field of jetrl.quant.kernels.tuning.KernelTuning (its doc says what each does); on the command line
+    # --kernels=exact_split_k=1,...
+    kernels: tuple[str, ...] = setting((), "kernel settings for the whole run, KEY=VALUE, e.g. [exact_split_k=1]",
+                                       registry="kernel_setting")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardLimitsConfig = field(default_factory=RewardLimitsConfig)
@@ -379,6 +408,14 @@ class RunConfig(_Section):
     def mini_batch_size(self) -> int:
         """Sequences per optimizer step (the whole rollout batch unless ``algorithm.mini_batch_size``)."""
         return self.algorithm.mini_batch_size or self.rollout_batch_size
+
+    def check_complete(self) -> None:
+        """What a run needs beyond :meth:`validate` (which a config still being composed must pass): prompts
+        (``data.path`` or ``data.task``) and a policy (``model.path``); a ConfigError names the missing one."""
+        if self.data.path is None and self.data.task is None:
+            raise ConfigError("no prompts: set data.path (a JSONL/Parquet file) or data.task (a built-in task)")
+        if not self.model.path:
+            raise ConfigError("model.path is empty: point it at a HuggingFace checkpoint folder")
 
     def validate(self) -> None:
         _choice("", "recipe", self.recipe, registered_names("recipe"))
@@ -551,5 +588,5 @@ def to_dict(config: Any) -> dict[str, Any]:
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
     "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
-    "WEIGHTS_ONLY", "ON_DISK_FULL",
+    "WEIGHTS_ONLY", "ON_DISK_FULL", "check_choice", "setting",
 ]

@@ -365,10 +365,7 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         config = load_config(config, overrides)
     elif overrides:
         raise ValueError("overrides apply to a config file; pass a path, or change the RunConfig directly")
-    if config.data.path is None and config.data.task is None:
-        raise ConfigError("no prompts: set data.path (a JSONL/Parquet file) or data.task (a built-in task)")
-    if not config.model.path:
-        raise ConfigError("model.path is empty: point it at a HuggingFace checkpoint folder")
+    config.check_complete()
     resolve_device(config.model.device)  # a clear error for a device this machine lacks, before any rank starts
     parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
     from jetrl.quant.kernels import tuning

@@ -591,6 +591,16 @@ def override(**changes) -> Iterator[KernelTuning]:
         _CURRENT.reset(token)
 
 
+SETTING_TYPES = (bool, int, float, str)  # the field types a KEY=VALUE setting can give (parse_settings)
+
+
+def settable_fields() -> tuple[str, ...]:
+    """The fields of :class:`KernelTuning` that :func:`parse_settings` can set from text (a config's
+    ``kernels``), in declaration order: those holding a bool, int, float or str."""
+    now = current()
+    return tuple(f.name for f in fields(KernelTuning) if type(getattr(now, f.name)) in SETTING_TYPES)
+
+
 def parse_settings(items, what: str = "kernels") -> dict:
     """``["exact_split_k=1", "kv_decode_factored=true"]`` -> the fields for :func:`override`: each value read as
     the type of its field (bool: true/false/1/0), then checked by the tuning object itself. A ``ValueError`` that
@@ -612,7 +622,7 @@ def parse_settings(items, what: str = "kernels") -> dict:
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"{what}: {key} must be true or false, got {text!r}")
             settings[key] = text.lower() in ("true", "1")
-        elif kind in (int, float, str):
+        elif kind in SETTING_TYPES:
             try:
                 settings[key] = kind(text)
             except ValueError:
