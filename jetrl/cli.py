@@ -34,7 +34,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -42,7 +41,7 @@ from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, resolve_asset
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset, read_prompts
 from jetrl.data.reward_pool import RewardFailureError
-from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
+from jetrl.evaluate import EVAL_REWARD_WORKERS, EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
 from jetrl.models import check_eos, export_model, resolve_device
 from jetrl.parallel import launched_rank
 from jetrl.plotting import default_plot_path, plot_runs
@@ -50,10 +49,13 @@ from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.rl.loop import check_model, prepare_output_dir, run
 from jetrl.sft.train import SFT_DTYPES, SFTConfig, run_sft
+from jetrl.threads import configure_threads
 from jetrl.train_job import train_and_evaluate
 
 USAGE_ERROR = 2
 RUN_FAILED = 1
+THREADS_HELP = ("torch's CPU threads (default: OMP_NUM_THREADS when set, else half the cores, fewer beside the "
+                "reward workers)")
 RESUME_MODES = ("auto", "must")  # jetrl train --resume[=MODE]; "must": run(..., require_checkpoint=True)
 
 
@@ -111,11 +113,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------ train
@@ -137,6 +134,8 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"--recipe={args.recipe}")
     if args.resume is not None:
         overrides.append("--trainer.resume=true")
+    if args.threads is not None:
+        overrides.append(f"--trainer.num_threads={args.threads}")
     config = load_config(path, overrides)
     config.model.path = resolve_asset(config.model.path) if config.model.path else config.model.path
     if config.model.tokenizer:
@@ -147,7 +146,6 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    _set_threads(args.threads)
     config = _train_config(args)
     # everything that can be checked without the weights, before the evaluation that precedes training
     resolve_device(config.model.device)
@@ -177,7 +175,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ sft
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    _set_threads(args.threads)
+    configure_threads(args.threads, EVAL_REWARD_WORKERS)
     config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
                        eval_every=args.eval_every, save_dtype=args.save_dtype, checkpoint_every=args.checkpoint_every,
@@ -204,7 +202,7 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    _set_threads(args.threads)
+    configure_threads(args.threads, EVAL_REWARD_WORKERS)
     kv_fp8_train(args.recipe, args.kv_fp8)  # a recipe that rolls out in BF16 has no FP8 cache: say so first
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
     model, tokenizer = load_policy(_model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
@@ -223,7 +221,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ generate
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    _set_threads(args.threads)
+    configure_threads(args.threads)
     prompts = read_prompts(args.prompts, resolve_asset(args.file) if args.file else None)
     if args.temperature == 0 and args.n > 1:
         raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
@@ -311,7 +309,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default bf16)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per completion")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -340,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "metrics, plot) before starting")
     p.add_argument("--eval-examples", type=int, default=None, help="greedy accuracy on N held-out problems before "
                    "and after the run (built-in tasks; default 200, 0 = off)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
     p.set_defaults(func=_cmd_train, overrides=[])
 
@@ -366,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", action="store_true", help="keep OUTPUT_DIR/checkpoints after the final model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its newest checkpoint "
                    "(none there: a warning and a fresh start)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_sft)
 

@@ -26,7 +26,7 @@ from jetrl.evaluate import EVAL_SEED, held_out_accuracy
 from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
 from jetrl.progress import Progress
 from jetrl.rl.checkpoint import latest_checkpoint
-from jetrl.rl.loop import CHECKPOINT_SUBDIR, EVAL_FILE, PLOT_FILE, run
+from jetrl.rl.loop import CHECKPOINT_SUBDIR, EVAL_FILE, PLOT_FILE, configure_run_threads, run
 
 
 @dataclass
@@ -81,6 +81,7 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
     shows bars over the evaluations and the steps; without it each step is a ``log`` line. ``log`` also
     announces each evaluation."""
     before = None
+    configure_run_threads(config)  # the evaluations compute with the run's thread count too
     if num_eval and not config.trainer.resume:
         log(f"greedy accuracy on {num_eval} held-out problems before training ...")
         before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)

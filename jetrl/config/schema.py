@@ -275,9 +275,14 @@ class TrainerConfig(_Section):
     # set it only for checkpoints you trust (current checkpoints load with torch.load(weights_only=True))
     allow_pickle: bool = False
     export_fp8: bool = False              # also write each checkpoint's policy as block-FP8 (model_fp8/)
+    # torch's CPU threads; None: OMP_NUM_THREADS when set, else half the cores, no more than the cores beside the
+    # reward workers (jetrl.threads.default_num_threads: two runs side by side do not oversubscribe the machine)
+    num_threads: int | None = None
 
     def validate(self) -> None:
         _at_least("trainer", "steps", self.steps, 1)
+        if self.num_threads is not None:
+            _at_least("trainer", "num_threads", self.num_threads, 1)
         _at_least("trainer", "seed", self.seed, 0)
         _at_least("trainer", "checkpoint_every", self.checkpoint_every, 0)
         _at_least("trainer", "keep_last", self.keep_last, 1)

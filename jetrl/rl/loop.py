@@ -53,6 +53,7 @@ from jetrl.parallel import SHARDED_SUBDIR, full_weights, init_parallel, is_shard
 from jetrl.rl.checkpoint import checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from jetrl.rl.metrics import METRICS_FILE, TENSORBOARD_SUBDIR, MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
+from jetrl.threads import configure_threads
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
@@ -260,6 +261,19 @@ class DatasetPrompts:
         self.loader.load_state_dict(state)
 
 
+def reward_pool_config(config: RunConfig) -> RewardPoolConfig:
+    """The run's reward pool: the pool's default worker count, the config's bound on a reward's magnitude."""
+    return RewardPoolConfig(max_abs_reward=config.reward.max_abs)
+
+
+def configure_run_threads(config: RunConfig) -> int:
+    """Set and return torch's CPU threads for the run: ``trainer.num_threads``, else ``OMP_NUM_THREADS`` as torch
+    read it, else the default for this machine's cores beside the run's reward workers (see
+    :func:`jetrl.threads.configure_threads`). :func:`run` calls it first; so does a caller that computes with
+    the run's config before it (``jetrl train``'s evaluation before training)."""
+    return configure_threads(config.trainer.num_threads, reward_pool_config(config).num_workers)
+
+
 def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         on_step: Callable[[int, dict[str, float]], None] | None = None,
         require_checkpoint: bool = False) -> dict[str, float]:
@@ -277,6 +291,7 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     if not config.model.path:
         raise ConfigError("model.path is empty: point it at a HuggingFace checkpoint folder")
     resolve_device(config.model.device)  # a clear error for a device this machine lacks, before any rank starts
+    configure_run_threads(config)
     parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
     from jetrl.quant.kernels import tuning
 
@@ -325,7 +340,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget, exact=config.exact,
                            kv_fp8=config.kv_fp8)
-    pool = RewardPool(reward, RewardPoolConfig(max_abs_reward=config.reward.max_abs))
+    pool = RewardPool(reward, reward_pool_config(config))
     guard = RewardFailureGuard(stop_fraction=config.reward.stop_fraction)
     trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, guard), prompts.decode, parallel=parallel)
     cursor = None
@@ -357,5 +372,5 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     return metrics
 
 
-__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards",
+__all__ = ["run", "configure_run_threads", "reward_pool_config", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards",
            "prepare_output_dir", "check_model", "RUN_OUTPUTS", "EVAL_FILE", "PLOT_FILE"]
