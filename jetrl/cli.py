@@ -16,7 +16,8 @@ User errors (a missing file, a bad config key, an unknown dataset column, a toke
 needed special token or belongs to another model, an output folder that holds another run) print one
 ``jetrl: error: ...`` line and exit with status 2; a run stopped by failing rewards
 (:class:`~jetrl.data.reward_pool.RewardFailureError`) prints one line and exits with status 1. Set
-``JETRL_DEBUG=1`` to see the traceback instead.
+``JETRL_DEBUG=1`` to see the traceback instead. Warnings (Python's ``warnings.warn`` anywhere in jetrl)
+print as one ``jetrl: warning: ...`` line each; with ``JETRL_DEBUG=1`` in Python's own format.
 
 ``jetrl train --resume`` continues from the newest complete checkpoint in the output folder; with none
 there it warns and starts from step 0, while ``--resume=must`` makes that an error. A fresh run into a
@@ -31,6 +32,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -48,7 +50,7 @@ from jetrl.plotting import default_plot_path, plot_runs
 from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.rl.loop import check_model, prepare_output_dir, run
-from jetrl.sft.train import SFT_DTYPES, SFTConfig, run_sft
+from jetrl.sft.train import SFT_DTYPES, SFT_RECIPE, SFTConfig, run_sft
 from jetrl.threads import configure_threads
 from jetrl.train_job import train_and_evaluate
 
@@ -185,7 +187,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
                      resume=args.resume)
     print(_table([("task", f"{config.task} (difficulty {config.difficulty})"), ("steps", str(result.steps)),
                   ("parameters", f"{result.num_parameters:,}"), ("final loss", f"{result.final_loss:.4f}"),
-                  (f"greedy accuracy ({config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
+                  (f"greedy accuracy ({SFT_RECIPE}, {config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
                   ("time", f"{result.seconds:.0f} s"), ("checkpoint", result.output_dir)], title="jetrl sft: summary"))
     return 0
 
@@ -211,7 +213,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                       top_p=args.top_p, max_tokens=args.max_tokens, ks=ks, seed=args.sample_seed,
                       progress=not args.no_progress, keep_samples=bool(args.output), kv_fp8=args.kv_fp8)
     mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
-    print(_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe})"))
+    print(_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe} recipe)"))
     if args.output:
         write_samples(result.samples, args.output)
         print(f"samples written to {args.output}", file=sys.stderr)
@@ -244,9 +246,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ plot, export
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    output = args.output or default_plot_path(args.runs)
+    output = Path(args.output or default_plot_path(args.runs))
+    existed = output.is_file()  # for one run, by default: the plot jetrl train wrote
     path = plot_runs(args.runs, output, labels=args.labels, smooth=args.smooth)
     print(path)
+    if existed:
+        print(f"jetrl plot: replaced the existing {path} (-o PATH writes elsewhere)", file=sys.stderr)
     return 0
 
 
@@ -402,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="reward/accuracy/length/mismatch curves of runs to a PNG")
     p.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl)")
-    p.add_argument("--output", "-o", default=None, help="PNG path (default: RUN/curves.png)")
+    p.add_argument("--output", "-o", default=None, help="PNG path (default for one run: RUN/curves.png, replacing "
+                   "the plot jetrl train wrote; for several: curves_A_vs_B.png beside the first)")
     p.add_argument("--labels", nargs="+", default=None, help="one label per run")
     p.add_argument("--smooth", type=int, default=None, help="moving-average window in steps")
     p.set_defaults(func=_cmd_plot)
@@ -423,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` while a command runs: one ``jetrl: warning: ...`` line on stderr, as errors are
+    ``jetrl: error: ...`` (``JETRL_DEBUG=1`` keeps Python's format, with the file, line and source)."""
+    print(f"jetrl: warning: {' '.join(str(message).split())}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jetrl`` console script; returns the exit status."""
     parser = build_parser()
@@ -437,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = extra
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # restores Python's warning printer when the command returns
+            if not os.environ.get("JETRL_DEBUG"):
+                warnings.showwarning = _show_warning
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("jetrl: interrupted", file=sys.stderr)
         return 130

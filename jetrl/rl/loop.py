@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -314,7 +313,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
         if require_checkpoint:
             raise FileNotFoundError(f"nothing to resume: {ckpt_root} holds no checkpoint")
         if parallel.is_main:
-            print(f"warning: nothing to resume in {ckpt_root}; starting from step 0", file=sys.stderr)
+            warnings.warn(f"nothing to resume in {ckpt_root}; starting from step 0", RuntimeWarning, stacklevel=2)
 
     from jetrl.data.rewards import RewardConfig, build_reward_fn
     from jetrl.models import load_model

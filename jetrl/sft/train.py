@@ -54,6 +54,7 @@ import torch
 from jetrl.progress import Progress
 from jetrl.sft.tokenizer import save_char_tokenizer
 
+SFT_RECIPE = "bf16"  # the precision recipe SFT trains and evaluates in (no FP8): every recipe's warm start
 SFT_DTYPES = ("float32", "bfloat16")  # training parameter and saved-weight dtypes (``dtype``, ``save_dtype``)
 
 
@@ -302,7 +303,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     train_task = config.build_task(config.train_seed)
     torch.manual_seed(config.seed)
     model = build_model(config.model_config(tokenizer), dtype=getattr(torch, config.dtype), device=config.device,
-                        seed=config.seed)
+                        recipe=SFT_RECIPE, seed=config.seed)
     model.source_path = out  # save_model copies the tokenizer files from here (they are already in place)
     num_params = sum(p.numel() for p in model.parameters())
     # AdamW (decay on matrices only) on fp32 masters; fp32 parameters are their own masters
@@ -413,5 +414,5 @@ def _max_new_tokens(config: SFTConfig) -> int:
     return int(longest * 1.5) + 8
 
 
-__all__ = ["SFT_DTYPES", "SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack",
+__all__ = ["SFT_DTYPES", "SFT_RECIPE", "SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack",
            "pack_examples", "packed_answer_loss", "lr_at", "format_duration"]

@@ -4,7 +4,6 @@ import json
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -39,11 +38,14 @@ def test_train_short_run_writes_metrics_checkpoint_and_plot(tmp_path, monkeypatc
     assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
     held_out = json.loads((out / "eval.json").read_text())
     assert held_out["num_examples"] == 8 and 0.0 <= held_out["greedy_accuracy_after"] <= 1.0
+    assert held_out["recipe"] == "jet"
     captured = capsys.readouterr()
     summary = captured.out
-    assert "reward" in summary and "curves.png" in summary and "held-out" in summary
+    assert "reward" in summary and "curves.png" in summary
+    assert "greedy accuracy (jet), 8 held-out problems" in summary  # every accuracy names its precision recipe
     assert "failed rewards (all steps)" in summary
-    assert "greedy accuracy on 8 held-out problems before training" in captured.err  # not silent while it runs
+    # not silent while it runs
+    assert "greedy accuracy (jet recipe) on 8 held-out problems before training" in captured.err
 
 
 def test_train_resume_through_the_cli_loses_no_step(tmp_path, monkeypatch):
@@ -131,7 +133,7 @@ def test_default_run_improves_the_policy(tmp_path):
 def test_eval_generate_and_export(tmp_path, capsys):
     assert main(["eval", "--num-examples", "12", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "accuracy" in out and "pass@1" in out
+    assert "accuracy" in out and "pass@1" in out and "(greedy, bf16 recipe)" in out
 
     assert main(["eval", "--num-examples", "6", "--n", "4", "--temperature", "1.0", "--k", "2", "--k", "4",
                  "--no-progress", "--output", str(tmp_path / "s.jsonl")]) == 0
@@ -158,9 +160,14 @@ def test_eval_generate_and_export(tmp_path, capsys):
 
     for fp8 in (False, True):
         folder = tmp_path / ("fp8" if fp8 else "bf16")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "20 FP8 layers have weights that are not whole 128x128 blocks")
-            assert main(["export", EMBEDDED_MODEL, str(folder)] + (["--fp8"] if fp8 else [])) == 0
+        assert main(["export", EMBEDDED_MODEL, str(folder)] + (["--fp8"] if fp8 else [])) == 0
+        # a user-facing warning is one `jetrl: warning:` line, not Python's file:line format and source line
+        err = capsys.readouterr().err.splitlines()
+        if fp8:
+            assert len(err) == 1 and err[0].startswith("jetrl: warning: 20 FP8 layers have weights that are not "
+                                                       "whole 128x128 blocks"), err
+        else:
+            assert err == []
         config = json.loads((folder / "config.json").read_text())
         assert ("quantization_config" in config) == fp8
         with safe_open(str(folder / "model.safetensors"), "pt") as f:
