@@ -50,7 +50,7 @@ from jetrl.plotting import default_plot_path, plot_runs
 from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.rl.loop import check_model, prepare_output_dir, run
-from jetrl.sft.train import SFT_DTYPES, SFT_RECIPE, SFTConfig, run_sft
+from jetrl.sft.train import SFT_DTYPES, SFT_RECIPE, SFTConfig, model_task, run_sft
 from jetrl.threads import configure_threads
 from jetrl.train_job import train_and_evaluate
 
@@ -228,7 +228,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.temperature == 0 and args.n > 1:
         raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
                          "for --n > 1")
-    model, tokenizer = load_policy(_model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
+    folder = _model_path(args.model)
+    model, tokenizer = load_policy(folder, args.recipe, args.device, args.dtype, args.max_tokens)
+    mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
+    header = sys.stderr if args.jsonl else sys.stdout  # JSON lines alone on stdout
+    print(f"jetrl generate: {args.model} ({mode}, {args.recipe} recipe)", file=header)
+    task = model_task(folder)
+    if task is not None:  # what this model answers, so that a prompt in another form is not a surprise
+        print(f"model: {task.describe()}; e.g. {task.example!r}", file=header)
     results = generate_texts(model, tokenizer, prompts, n=args.n, temperature=args.temperature, top_p=args.top_p,
                              max_tokens=args.max_tokens, seed=args.seed, raw=args.raw)
     for prompt, completions in zip(prompts, results):
@@ -391,7 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8 KV cache in the rollout engine (a recipe that rolls out in FP8: jet, fp8-rollout)")
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("generate", help="completions of prompts given as arguments or in a file")
+    embedded = model_task(resolve_asset(EMBEDDED_MODEL))
+    p = sub.add_parser("generate", help="completions of prompts given as arguments or in a file",
+                       description="Completions of prompts given as arguments or in a file." + (
+                           f" The embedded model ({EMBEDDED_MODEL}) was {embedded.describe()}. Try: jetrl generate "
+                           f"'{embedded.example}'" if embedded else ""))
     _add_model_args(p)
     p.add_argument("prompts", nargs="*", help="prompt texts")
     p.add_argument("--file", default=None, help="one prompt per line (or JSONL with 'prompt')")
