@@ -115,8 +115,6 @@ def _positive(text: str) -> int:
     return value
 
 
-
-
 # ------------------------------------------------------------------------------------------ train
 
 def _train_config(args: argparse.Namespace) -> RunConfig:

@@ -211,5 +211,5 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[s
     return output
 
 
-__all__ = ["plot_runs", "draw_runs", "default_plot_path", "load_run", "summarize_run", "RunCurves", "moving_average", "PANELS",
-           "METRICS_FILE"]
+__all__ = ["plot_runs", "draw_runs", "default_plot_path", "load_run", "summarize_run", "RunCurves", "moving_average",
+           "PANELS", "METRICS_FILE"]

@@ -1,11 +1,12 @@
 """An RL run with its held-out check, as ``jetrl train`` does it: :func:`train_and_evaluate`.
 
 Around :func:`jetrl.rl.loop.run` it adds what a finished run is judged by: greedy accuracy on held-out
-problems of the run's built-in task, in the run's precision recipe, before training (:func:`jetrl.evaluate.held_out_accuracy`; skipped
-when the run resumes, whose starting weights are not the configured model's) and after it (on the newest
-complete checkpoint), written to ``<output_dir>/eval.json``; the run's curves in
-``<output_dir>/curves.png`` (:func:`jetrl.plotting.plot_runs`); and its summary rows
-(:func:`jetrl.plotting.summarize_run`). It is a separate module because the RL stage imports neither
+problems of the run's built-in task, in the run's precision recipe, before training
+(:func:`jetrl.evaluate.held_out_accuracy`; skipped when the run resumes, whose starting weights are not the
+configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``
+with the recipe's name; the run's curves in ``<output_dir>/curves.png`` (:func:`jetrl.plotting.plot_runs`);
+and its summary rows (:func:`jetrl.plotting.summarize_run`). The run's CPU threads are set first
+(:func:`jetrl.rl.loop.configure_run_threads`), so the evaluation before training uses them too. It is a separate module because the RL stage imports neither
 the evaluation nor the plotting.
 
 Under torchrun only rank 0 calls it, after preparing the output folder

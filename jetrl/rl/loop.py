@@ -371,5 +371,5 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     return metrics
 
 
-__all__ = ["run", "configure_run_threads", "reward_pool_config", "save_trainer_checkpoint", "resume_trainer", "DatasetPrompts", "seed_everything", "guarded_rewards",
-           "prepare_output_dir", "check_model", "RUN_OUTPUTS", "EVAL_FILE", "PLOT_FILE"]
+__all__ = ["run", "configure_run_threads", "reward_pool_config", "save_trainer_checkpoint", "resume_trainer",
+           "DatasetPrompts", "seed_everything", "guarded_rewards", "prepare_output_dir", "check_model", "RUN_OUTPUTS", "EVAL_FILE", "PLOT_FILE"]

@@ -258,7 +258,7 @@ def test_allow_pickle_reaches_resume(tmp_path, monkeypatch):
                              ["--trainer.resume=true", f"--trainer.allow_pickle={str(value).lower()}",
                               f"--trainer.output_dir={tmp_path / 'run'}"])
         config.model.path = resolve_asset(config.model.path)
-        with pytest.raises(Stop):
+        with pytest.raises(Stop), pytest.warns(RuntimeWarning, match="nothing to resume"):
             loop.run(config)
         assert seen["allow_pickle"] is value
 
