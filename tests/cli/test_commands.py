@@ -131,6 +131,9 @@ def test_readme_quotes_the_default_runs_accuracy():
     assert found == [tuple(f"{a:.3f}" for a in DEFAULT_RUN_ACCURACY)], \
         f"the README should quote the main job's held-out accuracy once as {DEFAULT_RUN_ACCURACY}, found {found}"
     assert load_config(resolve_asset(DEFAULT_CONFIG)).trainer.steps == DEFAULT_RUN_STEPS
+    quoted = "{:.3f} -> {:.3f}".format(*DEFAULT_RUN_ACCURACY)
+    assert quoted in Path(resolve_asset(DEFAULT_CONFIG)).read_text()  # the config's comment
+    assert f"{DEFAULT_RUN_ACCURACY[1]:.3f} in `jet`" in (Path(resolve_asset(EMBEDDED_MODEL)) / "README.md").read_text()
 
 
 @pytest.mark.slow
