@@ -17,7 +17,8 @@ User errors (a missing file, a bad config key, an unknown dataset column, a toke
 needed special token or belongs to another model, an output folder that holds another run) print one
 ``jetrl: error: ...`` line and exit with status 2; a run stopped by failing rewards
 (:class:`~jetrl.data.reward_pool.RewardFailureError`) prints one line and exits with status 1. Set
-``JETRL_DEBUG=1`` to see the traceback instead.
+``JETRL_DEBUG=1`` to see the traceback instead. Warnings (Python's ``warnings.warn`` anywhere in jetrl)
+print as one ``jetrl: warning: ...`` line each; with ``JETRL_DEBUG=1`` in Python's own format.
 
 ``jetrl train --resume`` continues from the newest complete checkpoint in the output folder; with none
 there it warns and starts from step 0, while ``--resume=must`` makes that an error. A fresh run into a
@@ -32,10 +33,10 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Sequence
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -44,7 +45,7 @@ from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.config.reference import commented_yaml
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset, read_prompts
 from jetrl.data.reward_pool import RewardFailureError
-from jetrl.evaluate import EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
+from jetrl.evaluate import EVAL_REWARD_WORKERS, EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
 from jetrl.models import check_eos, export_model, resolve_device
 from jetrl.parallel import launched_rank
 from jetrl.plotting import default_plot_path, plot_runs
@@ -52,11 +53,14 @@ from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.registries import check_config, configuration_reference
 from jetrl.rl.loop import check_model, prepare_output_dir, run
-from jetrl.sft.train import SFT_DTYPES, SFTConfig, run_sft
+from jetrl.sft.train import SFT_DTYPES, SFT_RECIPE, SFTConfig, model_task, run_sft
+from jetrl.threads import configure_threads
 from jetrl.train_job import train_and_evaluate
 
 USAGE_ERROR = 2
 RUN_FAILED = 1
+THREADS_HELP = ("torch's CPU threads (default: OMP_NUM_THREADS when set, else half the cores, fewer beside the "
+                "reward workers)")
 RESUME_MODES = ("auto", "must")  # jetrl train --resume[=MODE]; "must": run(..., require_checkpoint=True)
 
 
@@ -114,13 +118,6 @@ def _positive(text: str) -> int:
     return value
 
 
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-
-
 # ------------------------------------------------------------------------------------------ train
 
 def _config_file(path: str | None) -> str:
@@ -150,6 +147,8 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
         overrides.append(f"--recipe={args.recipe}")
     if args.resume is not None:
         overrides.append("--trainer.resume=true")
+    if args.threads is not None:
+        overrides.append(f"--trainer.num_threads={args.threads}")
     config = load_config(path, overrides)
     config.model.path = resolve_asset(config.model.path) if config.model.path else config.model.path
     if config.model.tokenizer:
@@ -160,7 +159,6 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    _set_threads(args.threads)
     config = _train_config(args)
     # everything that can be checked without the weights, before the evaluation that precedes training
     resolve_device(config.model.device)
@@ -217,7 +215,7 @@ def _cmd_config_reference(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ sft
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    _set_threads(args.threads)
+    configure_threads(args.threads, EVAL_REWARD_WORKERS)
     config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
                        eval_every=args.eval_every, save_dtype=args.save_dtype, checkpoint_every=args.checkpoint_every,
@@ -227,7 +225,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
                      resume=args.resume)
     print(_table([("task", f"{config.task} (difficulty {config.difficulty})"), ("steps", str(result.steps)),
                   ("parameters", f"{result.num_parameters:,}"), ("final loss", f"{result.final_loss:.4f}"),
-                  (f"greedy accuracy ({config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
+                  (f"greedy accuracy ({SFT_RECIPE}, {config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
                   ("time", f"{result.seconds:.0f} s"), ("checkpoint", result.output_dir)], title="jetrl sft: summary"))
     return 0
 
@@ -244,7 +242,7 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    _set_threads(args.threads)
+    configure_threads(args.threads, EVAL_REWARD_WORKERS)
     kv_fp8_train(args.recipe, args.kv_fp8)  # a recipe that rolls out in BF16 has no FP8 cache: say so first
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
     model, tokenizer = load_policy(_model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
@@ -253,7 +251,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                       top_p=args.top_p, max_tokens=args.max_tokens, ks=ks, seed=args.sample_seed,
                       progress=not args.no_progress, keep_samples=bool(args.output), kv_fp8=args.kv_fp8)
     mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
-    print(_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe})"))
+    print(_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe} recipe)"))
     if args.output:
         write_samples(result.samples, args.output)
         print(f"samples written to {args.output}", file=sys.stderr)
@@ -263,12 +261,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ generate
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    _set_threads(args.threads)
+    configure_threads(args.threads)
     prompts = read_prompts(args.prompts, resolve_asset(args.file) if args.file else None)
     if args.temperature == 0 and args.n > 1:
         raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
                          "for --n > 1")
-    model, tokenizer = load_policy(_model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
+    folder = _model_path(args.model)
+    model, tokenizer = load_policy(folder, args.recipe, args.device, args.dtype, args.max_tokens)
+    mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
+    header = sys.stderr if args.jsonl else sys.stdout  # JSON lines alone on stdout
+    print(f"jetrl generate: {args.model} ({mode}, {args.recipe} recipe)", file=header)
+    task = model_task(folder)
+    if task is not None:  # what this model answers, so that a prompt in another form is not a surprise
+        print(f"model: {task.describe()}; e.g. {task.example!r}", file=header)
     results = generate_texts(model, tokenizer, prompts, n=args.n, temperature=args.temperature, top_p=args.top_p,
                              max_tokens=args.max_tokens, seed=args.seed, raw=args.raw)
     for prompt, completions in zip(prompts, results):
@@ -286,9 +291,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ plot, export
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    output = args.output or default_plot_path(args.runs)
+    output = Path(args.output or default_plot_path(args.runs))
+    existed = output.is_file()  # for one run, by default: the plot jetrl train wrote
     path = plot_runs(args.runs, output, labels=args.labels, smooth=args.smooth)
     print(path)
+    if existed:
+        print(f"jetrl plot: replaced the existing {path} (-o PATH writes elsewhere)", file=sys.stderr)
     return 0
 
 
@@ -351,7 +359,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "(default bf16)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per completion")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -381,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "metrics, plot) before starting")
     p.add_argument("--eval-examples", type=int, default=None, help="greedy accuracy on N held-out problems before "
                    "and after the run (built-in tasks; default 200, 0 = off)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
     p.set_defaults(func=_cmd_train, overrides=[], takes_overrides=True)
 
@@ -423,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", action="store_true", help="keep OUTPUT_DIR/checkpoints after the final model")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from its newest checkpoint "
                    "(none there: a warning and a fresh start)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_cmd_sft)
 
@@ -445,7 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8 KV cache in the rollout engine (a recipe that rolls out in FP8: jet, fp8-rollout)")
     p.set_defaults(func=_cmd_eval)
 
-    p = sub.add_parser("generate", help="completions of prompts given as arguments or in a file")
+    embedded = model_task(resolve_asset(EMBEDDED_MODEL))
+    p = sub.add_parser("generate", help="completions of prompts given as arguments or in a file",
+                       description="Completions of prompts given as arguments or in a file." + (
+                           f" The embedded model ({EMBEDDED_MODEL}) was {embedded.describe()}. Try: jetrl generate "
+                           f"'{embedded.example}'" if embedded else ""))
     _add_model_args(p)
     p.add_argument("prompts", nargs="*", help="prompt texts")
     p.add_argument("--file", default=None, help="one prompt per line (or JSONL with 'prompt')")
@@ -461,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="reward/accuracy/length/mismatch curves of runs to a PNG")
     p.add_argument("runs", nargs="+", help="run folders (holding metrics.jsonl)")
-    p.add_argument("--output", "-o", default=None, help="PNG path (default: RUN/curves.png)")
+    p.add_argument("--output", "-o", default=None, help="PNG path (default for one run: RUN/curves.png, replacing "
+                   "the plot jetrl train wrote; for several: curves_A_vs_B.png beside the first)")
     p.add_argument("--labels", nargs="+", default=None, help="one label per run")
     p.add_argument("--smooth", type=int, default=None, help="moving-average window in steps")
     p.set_defaults(func=_cmd_plot)
@@ -482,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` while a command runs: one ``jetrl: warning: ...`` line on stderr, as errors are
+    ``jetrl: error: ...`` (``JETRL_DEBUG=1`` keeps Python's format, with the file, line and source)."""
+    print(f"jetrl: warning: {' '.join(str(message).split())}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jetrl`` console script; returns the exit status."""
     parser = build_parser()
@@ -496,7 +515,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = extra
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # restores Python's warning printer when the command returns
+            if not os.environ.get("JETRL_DEBUG"):
+                warnings.showwarning = _show_warning
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("jetrl: interrupted", file=sys.stderr)
         return 130

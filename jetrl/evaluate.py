@@ -40,6 +40,7 @@ from jetrl.models.config import DecoderConfig
 from jetrl.progress import Progress
 from jetrl.rollout import RolloutEngine, SamplingParams
 
+EVAL_REWARD_WORKERS = 1  # reward processes of an evaluation (evaluate's default)
 EVAL_SEED = 12345  # task seed of held-out problems (the embedded model's README reports accuracy on it)
 
 
@@ -80,7 +81,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: str | None = None, n: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, ks: Sequence[int] = (1,),
              seed: int = 0, batch_size: int = 64, progress: bool = False, keep_samples: bool = False,
-             reward_workers: int = 1, stop_fraction: float = 1.0,
+             reward_workers: int = EVAL_REWARD_WORKERS, stop_fraction: float = 1.0,
              max_abs_reward: float | None = None, kv_fp8: bool = False) -> EvalResult:
     """Generate ``n`` completions for every prompt of ``dataset`` and score them.
 
@@ -234,5 +235,5 @@ def load_policy(path: str, recipe: str, device: str | None, dtype: str, max_toke
     model = load_model(folder, dtype=getattr(torch, dtype), device=device, recipe=recipe)
     return model, tokenizer
 
-__all__ = ["load_policy", "EVAL_SEED", "EvalResult", "evaluate", "pass_at_k", "held_out_accuracy", "generate_texts",
+__all__ = ["load_policy", "EVAL_REWARD_WORKERS", "EVAL_SEED", "EvalResult", "evaluate", "pass_at_k", "held_out_accuracy", "generate_texts",
            "write_samples"]

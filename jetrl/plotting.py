@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import yaml
 
@@ -145,9 +145,10 @@ def default_plot_path(runs: Sequence[str | Path]) -> Path:
     return folders[0].resolve().parent / f"curves_{names}.png"
 
 
-def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[str] | None = None,
-              smooth: int | None = None, title: str | None = None) -> Path:
-    """Draw the four panels for ``runs`` (folders or metrics files) into the PNG ``output``.
+def draw_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None, smooth: int | None = None,
+              title: str | None = None) -> Any:
+    """The matplotlib figure of the four panels for ``runs`` (folders or metrics files); the caller closes it
+    (``matplotlib.pyplot.close``). Steps are whole numbers, so are the x ticks.
 
     ``smooth`` is the moving-average window (default: about a tenth of the longest run, at least 1).
     """
@@ -160,6 +161,7 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[s
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     longest = max(len(c.records) for c in curves)
     window = smooth if smooth is not None else max(1, longest // 10)
@@ -183,6 +185,7 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[s
             ax.set_yscale("log")
         ax.set_title(name)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on a short run's axis
         ax.grid(alpha=0.3)
         if not drawn:
             ax.text(0.5, 0.5, f"no '{key}' logged", ha="center", va="center", transform=ax.transAxes, color="gray")
@@ -191,6 +194,16 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[s
         fig.legend(handles, names, loc="lower center", ncol=min(4, len(names)), frameon=False)
     fig.suptitle(title or "jetrl: " + ", ".join(c.label for c in curves))
     fig.tight_layout(rect=(0, 0.05 if handles else 0, 1, 1))
+    return fig
+
+
+def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[str] | None = None,
+              smooth: int | None = None, title: str | None = None) -> Path:
+    """Draw the four panels for ``runs`` (folders or metrics files; :func:`draw_runs`) into the PNG ``output``,
+    replacing a file there."""
+    fig = draw_runs(runs, labels=labels, smooth=smooth, title=title)
+    import matplotlib.pyplot as plt
+
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
@@ -198,5 +211,5 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[s
     return output
 
 
-__all__ = ["plot_runs", "default_plot_path", "load_run", "summarize_run", "RunCurves", "moving_average", "PANELS",
-           "METRICS_FILE"]
+__all__ = ["plot_runs", "draw_runs", "default_plot_path", "load_run", "summarize_run", "RunCurves", "moving_average",
+           "PANELS", "METRICS_FILE"]

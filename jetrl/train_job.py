@@ -1,11 +1,12 @@
 """An RL run with its held-out check, as ``jetrl train`` does it: :func:`train_and_evaluate`.
 
 Around :func:`jetrl.rl.loop.run` it adds what a finished run is judged by: greedy accuracy on held-out
-problems of the run's built-in task before training (:func:`jetrl.evaluate.held_out_accuracy`; skipped
-when the run resumes, whose starting weights are not the configured model's) and after it (on the newest
-complete checkpoint), written to ``<output_dir>/eval.json``; the run's curves in
-``<output_dir>/curves.png`` (:func:`jetrl.plotting.plot_runs`); and its summary rows
-(:func:`jetrl.plotting.summarize_run`). It is a separate module because the RL stage imports neither
+problems of the run's built-in task, in the run's precision recipe, before training
+(:func:`jetrl.evaluate.held_out_accuracy`; skipped when the run resumes, whose starting weights are not the
+configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``
+with the recipe's name; the run's curves in ``<output_dir>/curves.png`` (:func:`jetrl.plotting.plot_runs`);
+and its summary rows (:func:`jetrl.plotting.summarize_run`). The run's CPU threads are set first
+(:func:`jetrl.rl.loop.configure_run_threads`), so the evaluation before training uses them too. It is a separate module because the RL stage imports neither
 the evaluation nor the plotting.
 
 Under torchrun only rank 0 calls it, after preparing the output folder
@@ -26,7 +27,7 @@ from jetrl.evaluate import EVAL_SEED, held_out_accuracy
 from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
 from jetrl.progress import Progress
 from jetrl.rl.checkpoint import latest_checkpoint
-from jetrl.rl.loop import CHECKPOINT_SUBDIR, EVAL_FILE, PLOT_FILE, run
+from jetrl.rl.loop import CHECKPOINT_SUBDIR, EVAL_FILE, PLOT_FILE, configure_run_threads, run
 
 
 @dataclass
@@ -34,11 +35,12 @@ class TrainJobResult:
     """Where a run's outputs went, its summary rows and, with a held-out check, the accuracies.
 
     ``accuracy_before`` is None when it was not measured (a resumed run, or no check); ``checkpoint`` is
-    the checkpoint whose accuracy is ``accuracy_after``."""
+    the checkpoint whose accuracy is ``accuracy_after``. Both are measured in the run's precision ``recipe``."""
 
     output_dir: Path
     plot: Path
     summary: list[tuple[str, str]] = field(default_factory=list)
+    recipe: str = ""
     num_eval: int = 0
     accuracy_before: float | None = None
     accuracy_after: float | None = None
@@ -50,7 +52,7 @@ class TrainJobResult:
         if self.num_eval:
             before, after = self.accuracy_before, self.accuracy_after
             shown = f"{before:.3f} -> {after:.3f}" if before is not None else f"{after:.3f}"
-            rows.insert(1, (f"greedy accuracy, {self.num_eval} held-out problems", shown))
+            rows.insert(1, (f"greedy accuracy ({self.recipe}), {self.num_eval} held-out problems", shown))
         out = self.output_dir
         return rows + [("metrics", str(out / METRICS_FILE)), ("checkpoints", str(out / CHECKPOINT_SUBDIR)),
                        ("plot", str(self.plot))]
@@ -81,21 +83,24 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
     shows bars over the evaluations and the steps; without it each step is a ``log`` line. ``log`` also
     announces each evaluation."""
     before = None
+    configure_run_threads(config)  # the evaluations compute with the run's thread count too
     if num_eval and not config.trainer.resume:
-        log(f"greedy accuracy on {num_eval} held-out problems before training ...")
+        log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems before training ...")
         before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)
     with Progress(config.trainer.steps, "train", unit="step", enabled=progress) as bar:
         run(config, on_step=_step_reporter(config.trainer.steps, bar, log=None if progress else log),
             require_checkpoint=require_checkpoint)
     out = Path(config.trainer.output_dir)
     plot = plot_runs([out], out / PLOT_FILE)
-    result = TrainJobResult(output_dir=out, plot=plot, summary=summarize_run(out), num_eval=num_eval)
+    result = TrainJobResult(output_dir=out, plot=plot, summary=summarize_run(out), recipe=config.recipe,
+                            num_eval=num_eval)
     if num_eval:
         final = latest_checkpoint(out / CHECKPOINT_SUBDIR)
-        log(f"greedy accuracy on {num_eval} held-out problems after training ...")
+        log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems after training ...")
         after = held_out_accuracy(str(final / "model"), config, num_eval, progress=progress)
-        (out / EVAL_FILE).write_text(json.dumps({"seed": EVAL_SEED, "num_examples": num_eval, "greedy_accuracy_before":
-                                                 before, "greedy_accuracy_after": after, "checkpoint": str(final)}))
+        (out / EVAL_FILE).write_text(json.dumps({"seed": EVAL_SEED, "num_examples": num_eval, "recipe": config.recipe,
+                                                 "greedy_accuracy_before": before, "greedy_accuracy_after": after,
+                                                 "checkpoint": str(final)}))
         result.accuracy_before, result.accuracy_after, result.checkpoint = before, after, final
     return result
 

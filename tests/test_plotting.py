@@ -24,3 +24,40 @@ def test_summarize_run_means_first_and_last_steps(tmp_path):
 def test_summarize_run_needs_a_log(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics"):
         summarize_run(tmp_path)
+
+
+def _run(folder, steps: int):
+    folder.mkdir()
+    with open(folder / "metrics.jsonl", "w") as f:
+        for step in range(1, steps + 1):
+            f.write(json.dumps({"step": step, "reward/mean": step / 10, "response/length_mean": 10.0,
+                                "mismatch/logp_abs_diff_mean": 1e-3}) + "\n")
+    return folder
+
+
+def test_short_runs_have_whole_step_ticks(tmp_path):
+    """A 3-step run's x axis shows steps 1, 2, 3, not 1.25, 1.50, 1.75."""
+    import matplotlib.pyplot as plt
+
+    from jetrl.plotting import draw_runs
+
+    fig = draw_runs([_run(tmp_path / "short", 3)])
+    try:
+        for ax in fig.axes:
+            low, high = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if low <= t <= high]
+            assert ticks and all(t == int(t) for t in ticks), ticks
+    finally:
+        plt.close(fig)
+
+
+def test_jetrl_plot_says_when_it_replaces_a_file(tmp_path, capsys):
+    """`jetrl plot RUN` writes RUN/curves.png, the plot jetrl train wrote there: the output says it replaced it."""
+    from jetrl.cli import main
+
+    run = _run(tmp_path / "run", 3)
+    assert main(["plot", str(run)]) == 0
+    first = capsys.readouterr()
+    assert first.out.strip() == str(run / "curves.png") and "replaced" not in first.err
+    assert main(["plot", str(run)]) == 0
+    assert f"jetrl plot: replaced the existing {run / 'curves.png'}" in capsys.readouterr().err

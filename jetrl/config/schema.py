@@ -305,9 +305,13 @@ class TrainerConfig(_Section):
                                 "optimizer state: not resumable): none, the final one, or all")
     on_disk_full: str = setting("error", "too little free space for a checkpoint (estimated first): stop with an "
                                 "error, or skip that checkpoint with a warning")
+    num_threads: int | None = setting(None, "torch's CPU threads; null: OMP_NUM_THREADS when set, else half the cores, "
+                                      "no more than the cores beside the reward workers")
 
     def validate(self) -> None:
         _at_least("trainer", "steps", self.steps, 1)
+        if self.num_threads is not None:
+            _at_least("trainer", "num_threads", self.num_threads, 1)
         _at_least("trainer", "seed", self.seed, 0)
         _at_least("trainer", "checkpoint_every", self.checkpoint_every, 0)
         _at_least("trainer", "keep_last", self.keep_last, 1)

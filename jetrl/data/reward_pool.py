@@ -14,7 +14,7 @@ Worst case for one call: about ``ceil(n / num_workers) * timeout_s`` plus restar
 ``max_abs_reward`` (when set) is an error too: a reward of 1e30 is a bug, not a very good answer.
 
 A failed sample is never silent: :class:`RewardResult` carries each sample's status, and
-:class:`RewardFailureGuard` (what the RL loop runs after every call) prints the first failure's message
+:class:`RewardFailureGuard` (what the RL loop runs after every call) warns with the first failure's message
 once and stops the run with :class:`RewardFailureError` when too large a fraction of one call's samples
 failed.
 """
@@ -26,9 +26,9 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -364,13 +364,18 @@ class RewardPool:
                     raise RuntimeError(f"reward worker did not start within {cfg.startup_timeout_s:g} s")
 
 
+def _warn(message: str) -> None:
+    """The guard's default report: a Python warning (``jetrl`` prints it as one ``jetrl: warning:`` line)."""
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 class RewardFailureError(RuntimeError):
     """Too many of one call's samples failed to be scored (see :class:`RewardFailureGuard`)."""
 
 
 class RewardFailureGuard:
-    """Makes failed rewards visible: :meth:`check` prints the first failure's message (an excerpt) once
-    per guard, and raises :class:`RewardFailureError` when at least ``stop_fraction`` of a result's
+    """Makes failed rewards visible: :meth:`check` reports the first failure's message (an excerpt) once
+    per guard (to ``log``; by default as a :class:`RuntimeWarning`), and raises :class:`RewardFailureError` when at least ``stop_fraction`` of a result's
     samples failed (errors and timeouts together).
 
     The default ``stop_fraction=1.0`` stops only when *every* sample failed: then the reward function
@@ -383,7 +388,7 @@ class RewardFailureGuard:
                 or not 0 < stop_fraction <= 1:
             raise ValueError(f"stop_fraction must be in (0, 1], got {stop_fraction!r}")
         self.stop_fraction = float(stop_fraction)
-        self.log = log if log is not None else (lambda message: print(message, file=sys.stderr, flush=True))
+        self.log = log if log is not None else _warn
         self.has_reported = False
 
     def check(self, result: RewardResult) -> None:
@@ -399,6 +404,6 @@ class RewardFailureGuard:
             )
         if not self.has_reported:
             self.has_reported = True
-            self.log(f"warning: the reward failed for {result.num_failed} of {n} samples ({counts}); they score "
+            self.log(f"the reward failed for {result.num_failed} of {n} samples ({counts}); they score "
                      f"0.0 and are counted in reward/errors and reward/timeouts. First failure: {excerpt(first)} "
                      "(reported once)")

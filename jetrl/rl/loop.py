@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -60,6 +59,7 @@ from jetrl.rl.checkpoint import (
 )
 from jetrl.rl.metrics import METRICS_FILE, TENSORBOARD_SUBDIR, MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
+from jetrl.threads import configure_threads
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
@@ -353,6 +353,19 @@ class DatasetPrompts:
         self.loader.load_state_dict(state)
 
 
+def reward_pool_config(config: RunConfig) -> RewardPoolConfig:
+    """The run's reward pool: the pool's default worker count, the config's bound on a reward's magnitude."""
+    return RewardPoolConfig(max_abs_reward=config.reward.max_abs)
+
+
+def configure_run_threads(config: RunConfig) -> int:
+    """Set and return torch's CPU threads for the run: ``trainer.num_threads``, else ``OMP_NUM_THREADS`` as torch
+    read it, else the default for this machine's cores beside the run's reward workers (see
+    :func:`jetrl.threads.configure_threads`). :func:`run` calls it first; so does a caller that computes with
+    the run's config before it (``jetrl train``'s evaluation before training)."""
+    return configure_threads(config.trainer.num_threads, reward_pool_config(config).num_workers)
+
+
 def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         on_step: Callable[[int, dict[str, float]], None] | None = None,
         require_checkpoint: bool = False) -> dict[str, float]:
@@ -367,6 +380,7 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         raise ValueError("overrides apply to a config file; pass a path, or change the RunConfig directly")
     config.check_complete()
     resolve_device(config.model.device)  # a clear error for a device this machine lacks, before any rank starts
+    configure_run_threads(config)
     parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
     from jetrl.quant.kernels import tuning
 
@@ -389,7 +403,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
         if require_checkpoint:
             raise FileNotFoundError(f"nothing to resume: {ckpt_root} holds no checkpoint")
         if parallel.is_main:
-            print(f"warning: nothing to resume in {ckpt_root}; starting from step 0", file=sys.stderr)
+            warnings.warn(f"nothing to resume in {ckpt_root}; starting from step 0", RuntimeWarning, stacklevel=2)
 
     from jetrl.data.rewards import RewardConfig, build_reward_fn
     from jetrl.models import load_model
@@ -415,7 +429,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget, exact=config.exact,
                            kv_fp8=config.kv_fp8)
-    pool = RewardPool(reward, RewardPoolConfig(max_abs_reward=config.reward.max_abs))
+    pool = RewardPool(reward, reward_pool_config(config))
     guard = RewardFailureGuard(stop_fraction=config.reward.stop_fraction)
     trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, guard), prompts.decode, parallel=parallel)
     cursor = None
@@ -449,6 +463,6 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     return metrics
 
 
-__all__ = ["run", "save_trainer_checkpoint", "resume_trainer", "checkpoint_size", "CheckpointSpaceError",
-           "CheckpointWriteError", "DatasetPrompts", "seed_everything", "guarded_rewards",
-           "prepare_output_dir", "check_model", "RUN_OUTPUTS", "EVAL_FILE", "PLOT_FILE"]
+__all__ = ["run", "configure_run_threads", "reward_pool_config", "save_trainer_checkpoint", "resume_trainer",
+           "checkpoint_size", "CheckpointSpaceError", "CheckpointWriteError", "DatasetPrompts", "seed_everything",
+           "guarded_rewards", "prepare_output_dir", "check_model", "RUN_OUTPUTS", "EVAL_FILE", "PLOT_FILE"]

@@ -54,6 +54,8 @@ import torch
 from jetrl.progress import Progress
 from jetrl.sft.tokenizer import save_char_tokenizer
 
+SFT_METRICS_FILE = "sft_metrics.json"  # written beside the model: the run's config, loss history and accuracy
+SFT_RECIPE = "bf16"  # the precision recipe SFT trains and evaluates in (no FP8): every recipe's warm start
 SFT_DTYPES = ("float32", "bfloat16")  # training parameter and saved-weight dtypes (``dtype``, ``save_dtype``)
 
 
@@ -302,7 +304,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     train_task = config.build_task(config.train_seed)
     torch.manual_seed(config.seed)
     model = build_model(config.model_config(tokenizer), dtype=getattr(torch, config.dtype), device=config.device,
-                        seed=config.seed)
+                        recipe=SFT_RECIPE, seed=config.seed)
     model.source_path = out  # save_model copies the tokenizer files from here (they are already in place)
     num_params = sum(p.numel() for p in model.parameters())
     # AdamW (decay on matrices only) on fp32 masters; fp32 parameters are their own masters
@@ -374,7 +376,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     summary = {"config": asdict(config), "num_parameters": num_params, "history": history,
                "eval": {"seed": config.eval_seed, "num_examples": config.eval_examples, "greedy_accuracy":
                         result.accuracy}, "seconds": seconds}
-    with open(os.path.join(out, "sft_metrics.json"), "w") as f:
+    with open(os.path.join(out, SFT_METRICS_FILE), "w") as f:
         json.dump(summary, f, indent=2)
     if not config.keep_checkpoints:
         shutil.rmtree(ckpt_root, ignore_errors=True)  # the final model is written: nothing left to resume
@@ -413,5 +415,41 @@ def _max_new_tokens(config: SFTConfig) -> int:
     return int(longest * 1.5) + 8
 
 
-__all__ = ["SFT_DTYPES", "SFTConfig", "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack",
-           "pack_examples", "packed_answer_loss", "lr_at", "format_duration"]
+@dataclass(frozen=True)
+class ModelTask:
+    """The task a ``jetrl sft`` model learned (:func:`model_task`): its name, difficulty, the task's compact prompt
+    format in words, and an example prompt of the task's evaluation stream."""
+
+    name: str
+    difficulty: str
+    compact_format: str
+    example: str
+
+    def describe(self) -> str:
+        """For a user, in a line: the task, its difficulty and what a prompt is (without the example)."""
+        form = f": {self.compact_format}" if self.compact_format else ""
+        return f"trained by jetrl sft on the {self.name} task, difficulty {self.difficulty}{form}"
+
+
+def model_task(model_dir: str | os.PathLike) -> ModelTask | None:
+    """The task the model in ``model_dir`` learned, read from the ``sft_metrics.json`` that :func:`run_sft`
+    wrote beside it (``jetrl generate`` shows it); None for a folder without a readable one (a model
+    jetrl sft did not make)."""
+    try:
+        with open(os.path.join(os.fspath(model_dir), SFT_METRICS_FILE)) as f:
+            config = json.load(f)["config"]
+        from jetrl.data.tasks import get_task
+
+        difficulty = config["difficulty"]
+        difficulty = tuple(difficulty) if isinstance(difficulty, list) else difficulty
+        task = get_task(config["task"], difficulty=difficulty, seed=config["eval_seed"], style="compact",
+                        **config.get("task_options", {}))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    steps = "-".join(map(str, difficulty)) if isinstance(difficulty, tuple) else str(difficulty)
+    return ModelTask(task.name, steps, task.compact_format, task.example(0).prompt.strip())
+
+
+__all__ = ["SFT_DTYPES", "SFT_METRICS_FILE", "SFT_RECIPE", "ModelTask", "model_task", "SFTConfig", "SFTResult",
+           "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack", "pack_examples", "packed_answer_loss",
+           "lr_at", "format_duration"]

@@ -47,7 +47,8 @@ def test_counts_must_be_positive(capsys):
     assert "argument --m: must be >= 1, got 0" in _argparse_error(capsys, ["check-fp8", "--m", "0"])
     assert "argument --max-tokens: must be >= 1, got -3" in _argparse_error(capsys, ["generate", "--max-tokens",
                                                                                      "-3", "x"])
-    assert _error(capsys, ["generate", "--threads", "-1", "1+2"]) == "jetrl: error: --threads must be >= 1, got -1"
+    assert "argument --threads: must be >= 1, got -1" in _argparse_error(capsys, ["generate", "--threads", "-1", "1+2"])
+    assert "argument --threads: must be >= 1, got 0" in _argparse_error(capsys, ["train", "--threads", "0"])
 
 
 def test_bench_accepts_only_the_shipped_names(capsys, tmp_path):
@@ -132,8 +133,8 @@ def test_one_run_per_output_folder(capsys, tmp_path, monkeypatch):
     msg = _error(capsys, ["train", "--resume=must", *TINY])
     assert msg == f"jetrl: error: nothing to resume: {Path('runs/tiny-default/checkpoints')} holds no checkpoint"
     assert main(["train", "--resume", *TINY]) == 0
-    warning = "warning: nothing to resume in runs/tiny-default/checkpoints; starting from step 0"
-    assert warning in capsys.readouterr().err
+    warning = "jetrl: warning: nothing to resume in runs/tiny-default/checkpoints; starting from step 0"
+    assert warning in capsys.readouterr().err.splitlines()
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000001"]
     (out / "checkpoints" / "step_00000040").mkdir()  # a longer earlier run's newest checkpoint
     msg = _error(capsys, ["train", *TINY])
@@ -257,7 +258,7 @@ def test_allow_pickle_reaches_resume(tmp_path, monkeypatch):
                              ["--trainer.resume=true", f"--trainer.allow_pickle={str(value).lower()}",
                               f"--trainer.output_dir={tmp_path / 'run'}"])
         config.model.path = resolve_asset(config.model.path)
-        with pytest.raises(Stop):
+        with pytest.raises(Stop), pytest.warns(RuntimeWarning, match="nothing to resume"):
             loop.run(config)
         assert seen["allow_pickle"] is value
 

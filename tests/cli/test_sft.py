@@ -203,3 +203,11 @@ def test_packed_bf16_sft_learns_and_saves_fp32_masters(tmp_path):
         SFTConfig(dtype="float16")
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         SFTConfig(micro_batch_tokens=0)
+
+
+def test_sft_command_names_the_recipe_of_its_accuracy(tmp_path, capsys):
+    from jetrl.cli import main
+
+    assert main(["sft", "--output-dir", str(tmp_path / "m"), "--steps", "2", "--batch-size", "4", "--eval-examples",
+                 "2", "--checkpoint-every", "0", "--no-progress"]) == 0
+    assert "greedy accuracy (bf16, 2 unseen)" in capsys.readouterr().out

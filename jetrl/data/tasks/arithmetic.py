@@ -36,6 +36,7 @@ class ArithmeticTask(Task):
     """Left-to-right chains of + - * / with a worked solution; ``difficulty`` = number of operations."""
 
     name = "arithmetic"
+    compact_format = "a bare expression of + - * / applied left to right, no precedence"
 
     def __init__(
         self,

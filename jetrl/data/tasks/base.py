@@ -50,10 +50,11 @@ class TaskExample:
 
 
 class Task(ABC):
-    """A seeded problem generator with an answer checker. Subclasses set ``name`` and implement
-    ``_generate`` (from a private ``random.Random``) and ``check``."""
+    """A seeded problem generator with an answer checker. Subclasses set ``name`` and ``compact_format`` and
+    implement ``_generate`` (from a private ``random.Random``) and ``check``."""
 
     name: ClassVar[str]
+    compact_format: ClassVar[str] = ""  # what a compact prompt is, in words (``jetrl generate`` shows it)
     min_difficulty: ClassVar[int] = 1
     max_difficulty: ClassVar[int] = 64
 

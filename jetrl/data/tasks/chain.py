@@ -77,6 +77,7 @@ class ChainTask(Task):
     """``difficulty`` steps of halve-if-even-else-add-the-counter from a start in 1..``max_start``."""
 
     name = "chain"
+    compact_format = "a start value, ',', then the number of steps"
     max_difficulty = 2048
 
     def __init__(self, difficulty: int | tuple[int, int] = 20, seed: int = 0, style: Style = "compact",

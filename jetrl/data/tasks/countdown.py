@@ -35,6 +35,7 @@ class CountdownTask(Task):
     """Reach a target from ``difficulty + 1`` numbers in 1..``max_number`` (plus distractors)."""
 
     name = "countdown"
+    compact_format = "numbers, '>', then the target to reach with them"
     max_difficulty = 8
 
     def __init__(
