@@ -54,8 +54,8 @@ independent per token, so the *mean* gap stays tiny while the *max* is the large
 grows with the number of tokens compared, not with any change to the kernels. A bisection over the repository's
 history on a random 2-layer Qwen3-shaped model (fp32, hidden 128) gives the same bits at every commit since the
 first rollout engine: no change made the gap grow; a small test batch simply sees few flips and a large run many
-(BENCHMARKS.md has the numbers). The fused RMSNorm and SwiGLU quantization paths produce bitwise the bytes the
-unfused code produces, so they are not a cause. Exact mode removes the flips' cause, the differing orders.
+(docs/benchmark-history.md has the numbers). The fused RMSNorm and SwiGLU quantization paths produce bitwise the bytes
+the unfused code produces, so they are not a cause. Exact mode removes the flips' cause, the differing orders.
 """
 
 from __future__ import annotations

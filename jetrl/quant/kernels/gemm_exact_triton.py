@@ -39,7 +39,7 @@ are independent of its tile neighbours and of the tile's size. (The Triton inter
 sgemm, which does not promise that; the tile-size claim is checked on the GPU.) A different S (or tile) is a
 different summation order, so the rollout and the trainer must run the same tuning; both read it per weight
 shape. The cost against the fast path: the partials' round trip for decode-sized M, and no cuBLAS for large M
-(measured in BENCHMARKS.md). The settings come from the tuning object (:mod:`~jetrl.quant.kernels.tuning`,
+(measured in docs/benchmark-history.md). The settings come from the tuning object (:mod:`~jetrl.quant.kernels.tuning`,
 ``exact_*``).
 """
 

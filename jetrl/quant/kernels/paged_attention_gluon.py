@@ -1,8 +1,8 @@
 """Decode attention over an FP8 paged KV cache in Gluon: each warp an independent stream of 16-token tiles.
 
 The Triton decode kernel (:mod:`jetrl.quant.kernels.paged_attention_triton`) reads an FP8 cache well below copy
-bandwidth (BENCHMARKS.md): its E4M3 tiles pass through registers (converted) and shared memory (for the MMA's
-operand layout), and its softmax reduces across the warps of a program every tile. This kernel removes those
+bandwidth (BENCHMARKS.md, "Decode attention"): its E4M3 tiles pass through registers (converted) and shared memory (for
+the MMA's operand layout), and its softmax reduces across the warps of a program every tile. This kernel removes those
 per-tile costs, for the common case (bf16 queries, ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8
 query heads per KV head):
 

@@ -14,7 +14,8 @@ sequence's single query sees cache positions ``< context_lens[s]``), read direct
 Over an FP8 cache, :func:`paged_decode` hands the step to the Gluon kernel of
 :mod:`jetrl.quant.kernels.paged_attention_gluon` wherever that one applies (bf16 queries, ``head_dim`` 128, pages of a
 multiple of 16 tokens, at most 8 query heads per KV head; the tuning's ``kv_decode_streams``): this kernel reads an
-FP8 cache well below copy bandwidth (BENCHMARKS.md), that one near it. Everything below is this kernel.
+FP8 cache well below copy bandwidth (BENCHMARKS.md, "Decode attention"), that one near it. Everything below is this
+kernel.
 
 **An FP8 cache** (E4M3 K/V, one power-of-two fp32 scale ``2^e`` per token and KV head, written by
 ``jetrl.models.attention.quantize_kv``) is read without dequantizing it. Each E4M3 tile is converted to q's dtype
@@ -40,10 +41,10 @@ query cannot take this route (fp16's 5 exponent bits do not hold ``p * 2^e``): i
 registers to ``dequantize_kv(data, scale, float16)`` (:func:`_load_kv_rows`), bitwise the kernel over that cache.
 An FP8 tile holds :data:`FP8_BLOCK_N` = 128 tokens, a tile in q's dtype :data:`BLOCK_N` = 64: the same bytes per
 tile, half the loop trips. The factored route is the tuning's ``kv_decode_factored`` (on by default: faster on the H200,
-BENCHMARKS.md); off, every FP8 tile is dequantized in registers as for an fp16 query. The launch over an FP8 cache
-(tokens per tile, warps, pipeline stages, the context split's target waves and cap) is the tuning's ``kv_decode_*``
-fields (:func:`launch_config`; the defaults are the launch the tests pin), swept by ``bench/attention.py``; a cache in
-q's dtype keeps :data:`BF16_LAUNCH`.
+docs/benchmark-history.md); off, every FP8 tile is dequantized in registers as for an fp16 query. The launch over an FP8
+cache (tokens per tile, warps, pipeline stages, the context split's target waves and cap) is the tuning's
+``kv_decode_*`` fields (:func:`launch_config`; the defaults are the launch the tests pin), swept by
+``bench/attention.py``; a cache in q's dtype keeps :data:`BF16_LAUNCH`.
 
 **The E4M3 -> bf16 conversion** on the factored route is either bit operations (the tuning's
 ``kv_decode_bit_convert``, the default: faster on the H200, :func:`_load_e4m3_bits`) or Triton's

@@ -22,7 +22,7 @@ The one-pass grad_out kernel then reads the tile's rows back from shared memory,
 
 Whole columns with the staged output beat reading the tile twice in chunks of 16 or 32 rows and each thread
 storing its column chunk straight to memory, and the one-pass kernel's rows read back from shared memory beat
-quantizing them in the registers of the load (BENCHMARKS.md has the measurements). The arithmetic is the
+quantizing them in the registers of the load (docs/benchmark-history.md has the measurements). The arithmetic is the
 reference's, through the same device helpers as the Triton kernels: the same bytes.
 
 Gluon is experimental in Triton; this module imports it lazily (at the first launch), and

@@ -4,7 +4,7 @@ The PyTorch sampler (:func:`jetrl.rollout.sampling.sample`) builds the counter-b
 with a chain of int64 tensor ops over the whole (B, V) logits, then the Gumbel transform, the argmax and
 a full log-softmax: many small kernel launches per decode step, each reading and writing all (B, V)
 elements, so at a large vocabulary the sampler costs a noticeable share of a small model's decode step
-(BENCHMARKS.md has the numbers). This kernel does the same in one pass over the logits, one program per row:
+(docs/benchmark-history.md has the numbers). This kernel does the same in one pass over the logits, one program per row:
 
 * ``scaled = logits / T`` (IEEE division; T = 1 for greedy rows), an online max / sum-of-exponentials of
   ``scaled`` for the log-probability ``scaled[token] - logsumexp(scaled)``;

@@ -7,8 +7,8 @@ every M) and the fast decode attention over an FP8 cache (``kv_decode_factored``
 split fields: summation order, within the bounds of that kernel's doc; exact mode's attention never reads them,
 and its tile schedules keep every bit): the tiles and warps of the quantization kernels, the Gluon/Triton
 choice of the 128x1 kernels and the decode GEMM's configs all give the same bytes. The measured reasons for each
-default are in BENCHMARKS.md (the quantization-kernel tile sweep and the decode GEMM sweep); this file keeps the
-values only.
+default are in BENCHMARKS.md ("FP8 kernels": the decode GEMM sweep) and docs/benchmark-history.md (the
+quantization-kernel tile sweeps); this file keeps the values only.
 
 :func:`current` is what the kernels and the CUDA backend read at every launch; :func:`override` replaces fields
 for a block of code (tests and ``bench/kernels.py`` sweep with it)::
@@ -225,7 +225,8 @@ class KernelTuning:
     ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
     and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
     instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
-    attention to summation order. On by default (faster on the H200, BENCHMARKS.md); off, Triton's conversion.
+    attention to summation order. On by default (faster on the H200, docs/benchmark-history.md); off, Triton's
+    conversion.
     ``kv_decode_bit_tile``, its form (:data:`KV_DECODE_BIT_TILES`): ``"words"`` reads each tile as
     int32 words and joins the converted pairs into rows (rows of whole words only; else Triton's conversion), so
     Triton converts K straight into the dot's registers but gives both dots operands of ``kWidth`` 4 (register
@@ -245,9 +246,10 @@ class KernelTuning:
     for, at most ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread
     (Triton's ``maxnreg``; 0: the compiler's choice; 128, the default, lets 4 programs of 4 warps share an SM
     where the shared memory allows, at the cost of a few spills). The defaults are the fastest launch of the H200
-    sweep in BENCHMARKS.md. Any values give the attention over the dequantized cache
+    sweep in docs/benchmark-history.md. Any values give the attention over the dequantized cache
     to summation order (the tile and the split set that order); ``bench/attention.py`` sweeps them.
-    ``kv_decode_streams`` (on by default; faster on the H200, BENCHMARKS.md) runs an FP8-cache decode step on the
+    ``kv_decode_streams`` (on by default; faster on the H200, BENCHMARKS.md, "Decode attention") runs an
+    FP8-cache decode step on the
     Gluon kernel of :mod:`~jetrl.quant.kernels.paged_attention_gluon` wherever it applies (bf16 queries,
     ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8 query heads per KV head, a Triton with Gluon),
     and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams per
@@ -268,7 +270,8 @@ class KernelTuning:
     (28 128-wide K blocks at least per split: a weight with K up to 7,168 walks K unsplit, and such weights train
     on cuBLAS, see ``exact_cublas_min_m``, and decode as one grouped launch where they share an input, q/k/v and
     gate/up; an 8B model's down projection, K = 14,336, splits in 4, so that its decode streams the weight with
-    enough programs; BENCHMARKS.md has the RL step of both choices). These fix the arithmetic, never chosen by M;
+    enough programs; docs/benchmark-history.md has the RL step of both choices). These fix the arithmetic,
+    never chosen by M;
     the rollout and the trainer must run the same values (any values are batch-invariant, but two different ones
     are two different reduction orders).
     ``exact_split_max_m`` only picks the schedule: up to that many rows (256, a decode batch's most) the splits
@@ -285,7 +288,8 @@ class KernelTuning:
     (:meth:`exact_on_cublas`). Its arithmetic is the in-order walk's: each 128-wide K block's MMA sum from zero,
     scaled by ``sa * sb`` into one fp32 accumulator, K blocks in order, one rounding at the end. It has no
     split-K at those sizes, so it gives the Triton kernel's bits; the GPU tests check it at the 8B shapes (at
-    a few rows cuBLAS may split K for some shapes, see BENCHMARKS.md, so the default, 65, starts past the decode
+    a few rows cuBLAS may split K for some shapes, see docs/benchmark-history.md, so the default, 65, starts
+    past the decode
     kernel's rows), and every RL step's ``mismatch/logp_abs_diff_max`` would show a drift.
     ``exact_decode_max_m`` (0: never; at most 256) is a schedule too: up to that many rows an exact FP8 GEMM runs
     on the fast path's split-K decode kernel (:mod:`~jetrl.quant.kernels.gemm_decode_triton`, its tiles, TMA and
@@ -311,7 +315,8 @@ class KernelTuning:
     same bits. ``exact_row_scale`` (on): in that TMA walk, a tile whose columns lie in one 128-row weight
     scale block multiplies each K block's MMA result by one factor per row, ``sa[m] * sb``, instead of the outer
     product ``sa[:, None] * sb[None, :]`` whose entries are those same fp32 products: the same ``acc += dot * s``
-    per element, a multiply per row instead of one per element (faster on the H200, BENCHMARKS.md).
+    per element, a multiply per row instead of one per element (faster on the H200,
+    docs/benchmark-history.md).
     """
 
     gemm: str = "auto"
