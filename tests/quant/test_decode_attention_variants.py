@@ -119,7 +119,7 @@ def test_byte_route_converts_rows_that_are_not_whole_words(interpreted):
 def test_fields():
     from jetrl.quant.kernels import tuning
 
-    # the defaults: the H200 sweep's fastest launch (BENCHMARKS.md)
+    # the defaults: the H200 sweep's fastest launch (docs/benchmark-history.md)
     assert tuning.current().kv_decode_bit_tile == "bytes" and tuning.current().kv_decode_head_major is True
     assert tuning.current().kv_decode_num_stages == 1
     assert tuning.KV_DECODE_BIT_TILES == ("words", "bytes")
