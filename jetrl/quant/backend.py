@@ -269,6 +269,25 @@ def choose_impl(x: torch.Tensor, impl: str | None, *, op: str, eligible: bool = 
     return "triton" if get_backend(x.device).fused_kernels else "reference"
 
 
+def keeps_forward_context(cls: type) -> type:
+    """Class decorator for a ``torch.autograd.Function``: its ``backward`` runs in a copy of the context variables its
+    ``forward`` saw (the kernel tuning in force, a forced fused implementation). Autograd runs a CUDA backward on its
+    own device threads, which start with empty context variables, so without this a backward would read the
+    defaults whatever the forward ran under."""
+    forward, backward = cls.forward, cls.backward
+
+    def forward_in_context(ctx, *args):
+        ctx.forward_context = contextvars.copy_context()
+        return forward(ctx, *args)
+
+    def backward_in_context(ctx, *grads):
+        return ctx.forward_context.run(backward, ctx, *grads)
+
+    forward_in_context.__doc__, backward_in_context.__doc__ = forward.__doc__, backward.__doc__
+    cls.forward, cls.backward = staticmethod(forward_in_context), staticmethod(backward_in_context)
+    return cls
+
+
 # --------------------------------------------------------------------------------------------------
 # public FP8 operations
 

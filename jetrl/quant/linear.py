@@ -29,19 +29,19 @@ Which precision each side runs is set by the recipe (see :mod:`jetrl.quant.recip
 
 from __future__ import annotations
 
-import contextvars
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetrl.quant.backend import get_backend, selected_backend_name
+from jetrl.quant.backend import get_backend, keeps_forward_context, selected_backend_name
 from jetrl.quant.exact import exact_linear
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Fp8Tensor
 from jetrl.quant.side import current_side
 
 
+@keeps_forward_context  # the backward reads the kernel tuning the forward ran under, on autograd's CUDA threads too
 class _Fp8LinearFunction(torch.autograd.Function):
     """Fprop/DGrad/WGrad in FP8; saves the FP8 input and the FP8 weight, nothing in BF16.
 
@@ -69,9 +69,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # wt_data / wt_scale: W^T's FP8 form with row-major data (same values as w_data.t()), cached with the weight
         # when a grad-enabled forward made it (the backend's quantize_weight_pair); DGrad reads it
         ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data, wt_scale)
-        # autograd runs a CUDA backward on its own threads, which start with empty context variables: the
-        # backward runs in a copy of the forward's (the kernel tuning in force, a forced backend or implementation)
-        ctx.context = contextvars.copy_context()
         ctx.pow2_scale = pow2_scale
         ctx.x_dtype = x.dtype
         ctx.widths = [w.shape[0] for w in weights]
@@ -81,10 +78,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # grad_out: (M, N)
-        return ctx.context.run(_Fp8LinearFunction._backward, ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
         x_data, x_scale, w_data, w_scale, wt_data, wt_scale = ctx.saved_tensors
         backend = get_backend(grad_out.device)
         grad_out = grad_out.contiguous()

@@ -17,7 +17,7 @@ import torch
 
 from jetrl.quant import reference
 from jetrl.quant.formats import ACT, Fp8Tensor
-from jetrl.quant.backend import choose_impl
+from jetrl.quant.backend import choose_impl, keeps_forward_context
 
 # dtypes the kernels handle (activations and weight); anything else takes the reference path
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -87,6 +87,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+@keeps_forward_context  # the backward kernels read the forward's tuning on autograd's CUDA threads too
 class _FusedRMSNorm(torch.autograd.Function):
     """Triton forward and backward on 2-D rows. Saves ``h`` (``x`` itself, or the returned residual
     stream: no extra memory) and the per-row fp32 ``rstd``, so the backward repeats no reduction."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.quant import reference
-from jetrl.quant.backend import choose_impl
+from jetrl.quant.backend import choose_impl, keeps_forward_context
 from jetrl.quant.formats import ACT, Fp8Tensor
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,6 +59,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
+@keeps_forward_context  # the backward kernels read the forward's tuning on autograd's CUDA threads too
 class _SwiGLU(torch.autograd.Function):
     """Triton forward/backward of ``silu(gate) * up`` on 2-D inputs; the FP8 outputs carry no gradient."""
 
@@ -83,6 +84,7 @@ class _SwiGLU(torch.autograd.Function):
         return d_gate, d_up, None, None
 
 
+@keeps_forward_context  # the backward kernels read the forward's tuning on autograd's CUDA threads too
 class _SwiGLUPacked(torch.autograd.Function):
     """As :class:`_SwiGLU` for one (M, 2K) input ``cat([gate, up], -1)``; its gradient is one (M, 2K) tensor."""
 
