@@ -302,6 +302,10 @@ def print_table(report: dict[str, Any]) -> None:
                         for c in cols)
         peak = entry["peak_gib"] if entry["peak_gib"] is not None else float("nan")
         print(f"{recipe:<12}{cells}{peak:>10.1f}{med.get('response/length_mean', float('nan')):>10.0f}")
+    print("per step (s), step / update: a step far above its neighbours usually compiled a kernel variant")
+    for recipe, entry in report["recipes"].items():
+        steps = ", ".join(f"{m['time/step_wall']:.2f}/{m['time/update']:.2f}" for m in entry["steps"])
+        print(f"  {recipe:<12}{steps}")
 
 
 if __name__ == "__main__":
