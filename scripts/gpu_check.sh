@@ -14,12 +14,22 @@ status=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT/device.log"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" 2>&1 | tee -a "$OUT/device.log"
 
-# the GPU tests compile many Triton kernels: spread them over worker processes when pytest-xdist is there
+# the GPU tests compile many Triton kernels: spread them over worker processes when pytest-xdist is there; tests/exact
+# builds 8B-shaped models (about 36 GiB per worker), so it runs apart with fewer workers (more run out of memory)
 WORKERS=()
-if "$PY" -c "import xdist" 2>/dev/null; then WORKERS=(-n "${GPU_TEST_WORKERS:-6}"); fi
-"$PY" -m pytest -m gpu -q -p no:cacheprovider ${WORKERS[@]+"${WORKERS[@]}"} 2>&1 | tee "$OUT/pytest_gpu.log"
+EXACT_WORKERS=()
+if "$PY" -c "import xdist" 2>/dev/null; then
+  WORKERS=(-n "${GPU_TEST_WORKERS:-6}")
+  EXACT_WORKERS=(-n "${GPU_EXACT_TEST_WORKERS:-2}")
+fi
+"$PY" -m pytest -m gpu -q -p no:cacheprovider --ignore=tests/exact ${WORKERS[@]+"${WORKERS[@]}"} 2>&1 \
+  | tee "$OUT/pytest_gpu.log"
 test_rc=${PIPESTATUS[0]}
+"$PY" -m pytest -m gpu -q -p no:cacheprovider tests/exact ${EXACT_WORKERS[@]+"${EXACT_WORKERS[@]}"} 2>&1 \
+  | tee "$OUT/pytest_gpu_exact.log"
+exact_rc=${PIPESTATUS[0]}
 [ "$test_rc" -ne 0 ] && status=1
+[ "$exact_rc" -ne 0 ] && status=1
 
 # every script under bench/ (a file with a __main__ block; bench/common.py and other helpers are skipped), each
 # given --json and the arguments of this script only where its --help lists them
@@ -40,6 +50,7 @@ done
 
 echo
 echo "== gpu_check summary =="
-echo "pytest -m gpu: rc=$test_rc  ($(tail -n 1 "$OUT/pytest_gpu.log"))"
+echo "pytest -m gpu (all but tests/exact): rc=$test_rc  ($(tail -n 1 "$OUT/pytest_gpu.log"))"
+echo "pytest -m gpu tests/exact: rc=$exact_rc  ($(tail -n 1 "$OUT/pytest_gpu_exact.log"))"
 for name in "${!bench_rc[@]}"; do echo "bench/$name.py: rc=${bench_rc[$name]}"; done
 exit $status
