@@ -72,7 +72,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.pow2_scale = pow2_scale
         ctx.x_dtype = x.dtype
         ctx.widths = [w.shape[0] for w in weights]
-        ctx.weight_dtypes = [w.dtype for w in weights]
+        ctx.weight_dtype = weights[0].dtype  # one dtype for the group (groupable checks it)
         ctx.bias_dtypes = [b.dtype for b in biases]
         return y
 
@@ -107,9 +107,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             qg_tok = qg_tok.t()  # (N, M'), 1x128 along M'
             qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, ctx.pow2_scale,
                                         whole_blocks=True).t()  # (K, M')
-            dtype = ctx.weight_dtypes[0]
-            grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=dtype)  # (N, K)
-            grad_ws = [g if g.dtype == d else g.to(d) for g, d in zip(grad_w.split(ctx.widths), ctx.weight_dtypes)]
+            grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
+            grad_ws = list(grad_w.split(ctx.widths))
         if grad_bs and any(ctx.needs_input_grad[10 + num_weights:]):
             grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 sums, no fp32 copy of grad_out
             grad_bs = [g.to(d) for g, d in zip(grad_b.split(ctx.widths), ctx.bias_dtypes)]
