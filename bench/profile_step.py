@@ -158,7 +158,7 @@ def compare(part: str, results: dict, arms) -> None:
         print(f"{k:<18}" + "".join(f"{r['by_kind'].get(k, (0.0,))[0]:>12.1f}" for r in res))
     print(f"{'kernel sum':<18}" + "".join(f"{r['total_us']:>12.1f}" for r in res))
     for key, text in (("wall_ms", "wall ms/call"), ("host_ms", "host ms/call"), ("blocks_wall_ms", " blocks ms"),
-                      ("head_wall_ms", " head ms"),
+                      ("head_wall_ms", " head ms"), ("peak_gib", "peak GiB"),
                       ("graph_us", "graph us")):
         if all(key in r for r in res):
             print(f"{text:<18}" + "".join(f"{r[key]:>12.2f}" for r in res))
@@ -387,9 +387,15 @@ def _timed_part(fn, title: str, args, dev: torch.device, layers: int) -> dict:
     steps = args.steps or 2
     kernels = profile(fn, steps=steps, device=dev)
     res = summarize(title, kernels, layers, args.top)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     res["wall_ms"] = wall_ms(fn, steps, dev)
     res["host_ms"] = host_ms(fn, steps, dev)
-    print(f"wall {res['wall_ms']:.2f} ms per call, host {res['host_ms']:.2f} ms issuing it")
+    text = ""
+    if dev.type == "cuda":  # the model, its FP8 caches, the gradients and the pass's own peak
+        res["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        text = f", peak {res['peak_gib']:.2f} GiB allocated"
+    print(f"wall {res['wall_ms']:.2f} ms per call, host {res['host_ms']:.2f} ms issuing it{text}")
     if args.host_profile:
         host_profile(fn, args.host_profile)
     return res

@@ -302,6 +302,12 @@ def print_table(report: dict[str, Any]) -> None:
                         for c in cols)
         peak = entry["peak_gib"] if entry["peak_gib"] is not None else float("nan")
         print(f"{recipe:<12}{cells}{peak:>10.1f}{med.get('response/length_mean', float('nan')):>10.0f}")
+    print("peak GiB allocated per phase (medians)")
+    for recipe, entry in report["recipes"].items():
+        med = entry["median"]
+        phases = ", ".join(f"{key.removeprefix('memory/').removesuffix('_peak_gib')} {value:.1f}"
+                           for key, value in med.items() if key.startswith("memory/") and key.endswith("_peak_gib"))
+        print(f"  {recipe:<12}{phases}")
     print("per step (s), step / update: a step far above its neighbours usually compiled a kernel variant")
     for recipe, entry in report["recipes"].items():
         steps = ", ".join(f"{m['time/step_wall']:.2f}/{m['time/update']:.2f}" for m in entry["steps"])

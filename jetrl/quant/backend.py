@@ -63,6 +63,12 @@ class Fp8Backend(Protocol):
         """W per 128x128 tile and W^T's quantized form with row-major data (the values of the first's ``t()``)."""
         ...
 
+    def transpose_weight(self, q: Fp8Tensor) -> Fp8Tensor:
+        """W^T's quantized form with row-major data from W's (``q``: 128x128 tiles, row-major data): the bytes and
+        scales of :meth:`quantize_weight_pair`'s second result, without reading the weight again (DGrad's
+        operand when the linear keeps no W^T of its own, ``tuning.cache_weight_t``)."""
+        ...
+
     def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False, *,
                                whole_blocks: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
         """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad; ``whole_blocks`` for the 128x1 one, as in
@@ -109,7 +115,10 @@ class ReferenceBackend:
 
     def quantize_weight_pair(self, w: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
         q = self.quantize(w, WEIGHT, pow2_scale)
-        return q, Fp8Tensor(q.data.t().contiguous(), q.scale.t(), WEIGHT)
+        return q, self.transpose_weight(q)
+
+    def transpose_weight(self, q: Fp8Tensor) -> Fp8Tensor:
+        return Fp8Tensor(q.data.t().contiguous(), q.scale.t(), WEIGHT)
 
     def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False, *,
                                whole_blocks: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:

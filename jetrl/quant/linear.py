@@ -66,8 +66,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if biases:
             bias = biases[0] if len(biases) == 1 else torch.cat(biases)
             y = y + bias.to(y.dtype)
-        # wt_data / wt_scale: W^T's FP8 form with row-major data (same values as w_data.t()), cached with the weight
-        # when a grad-enabled forward made it (the backend's quantize_weight_pair); DGrad reads it
+        # wt_data / wt_scale: W^T's FP8 form with row-major data (same values as w_data.t()), where the layer caches
+        # it with the weight (tuning.cache_weight_t; the backend's quantize_weight_pair); else None, and DGrad
+        # transposes W's tiles
         ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data, wt_scale)
         ctx.pow2_scale = pow2_scale
         ctx.x_dtype = x.dtype
@@ -95,8 +96,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 qg = backend.quantize(grad_out, ACT, ctx.pow2_scale)
             if wt_data is not None:
                 qw_t = Fp8Tensor(wt_data, wt_scale, WEIGHT)  # (K, N), row-major data
-            else:
-                qw_t = Fp8Tensor(w_data, w_scale, WEIGHT).t()  # (K, N)
+            else:  # W^T not cached (tuning.cache_weight_t): a transient transpose of W's FP8 tiles, the same bytes
+                qw_t = backend.transpose_weight(Fp8Tensor(w_data, w_scale, WEIGHT))
             grad_x = backend.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # (M, K)
         if needs_w:  # WGrad: dy^T @ x, both grouped by 128 tokens
             # both operands are quantized with zero rows up to M' (M rounded up to 128): the same bytes and
@@ -113,6 +114,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 sums, no fp32 copy of grad_out
             grad_bs = [g.to(d) for g, d in zip(grad_b.split(ctx.widths), ctx.bias_dtypes)]
         return (grad_x, None, None, None, None, None, None, None, None, None, *grad_ws, *grad_bs)
+
+
+def _caches_transpose() -> bool:
+    """Whether a forward should cache W^T's FP8 form with the weight: only with grad (DGrad reads it; rollout never
+    pays its memory) and where the kernel tuning asks for it (``cache_weight_t``; else each backward transposes W's
+    FP8 tiles, :meth:`~jetrl.quant.backend.Fp8Backend.transpose_weight`)."""
+    if not torch.is_grad_enabled():
+        return False
+    from jetrl.quant.kernels.tuning import current  # CPU-only module; kernels are imported lazily (test_layering)
+
+    return current().cache_weight_t
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
@@ -232,11 +244,9 @@ class FP8Linear(nn.Linear):
         return self._cached_weights(with_transpose=False)[0]
 
     def quantized_weight_t(self) -> Fp8Tensor | None:
-        """W^T's quantized form with row-major data (DGrad reads it instead of the transposed view).
-
-        Same values as ``quantized_weight().t()``; made once per weight version, only when a
-        grad-enabled forward needs it (rollout never pays its memory).
-        """
+        """W^T's quantized form with row-major data, as DGrad reads it: same values as ``quantized_weight().t()``,
+        made once per weight version and kept with it (grad-enabled forwards keep it only with the tuning's
+        ``cache_weight_t``)."""
         return self._cached_weights(with_transpose=True)[1]
 
     def _cached_weights(self, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
@@ -253,8 +263,7 @@ class FP8Linear(nn.Linear):
                 if self._qweight is None:  # W and W^T from one read of the weight
                     self._qweight, self._qweight_t = backend.quantize_weight_pair(w.detach(), self.pow2_scale)
                 else:
-                    q = self._qweight
-                    self._qweight_t = Fp8Tensor(q.data.t().contiguous(), q.scale.t(), WEIGHT)
+                    self._qweight_t = backend.transpose_weight(self._qweight)
             elif self._qweight is None:
                 self._qweight = backend.quantize(w.detach(), WEIGHT, self.pow2_scale)
             self._qweight = _write_into(stale_q, self._qweight)
@@ -276,8 +285,7 @@ class FP8Linear(nn.Linear):
             raise FloatingPointError(f"non-finite values (NaN/Inf) in the input of {self!r}")
         lead = x.shape[:-1]
         x2d = x.reshape(math.prod(lead), self.in_features)
-        # W^T's row-major copy only matters for DGrad; no-grad forwards (rollout) read W alone
-        qweight, qweight_t = self._cached_weights(with_transpose=torch.is_grad_enabled())
+        qweight, qweight_t = self._cached_weights(with_transpose=_caches_transpose())
         if x_fp8 is not None and (x_fp8.block != ACT or tuple(x_fp8.shape) != tuple(x2d.shape)):
             raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x2d.shape)}, got "
                              f"block {x_fp8.block} and shape {tuple(x_fp8.shape)}")
@@ -418,7 +426,7 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
         return None
     modules = tuple(modules)
     grad = torch.is_grad_enabled()
-    qweight, qweight_t = _group_weights(modules, with_transpose=grad)
+    qweight, qweight_t = _group_weights(modules, with_transpose=grad and _caches_transpose())
     if not grad and x_fp8 is not None:
         out = backend.grouped_gemm(x_fp8, _member_weights(qweight, modules), [m.bias for m in modules],
                                    out_dtype=x.dtype)

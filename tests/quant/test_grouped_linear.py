@@ -138,3 +138,28 @@ def test_backward_on_another_thread_runs_under_the_forwards_context():
         thread.join()
     assert seen == ["reference", "reference"]  # DGrad and WGrad, under the forward's forced choice
     assert x.grad is not None and layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_without_a_cached_transpose_the_gradients_are_the_same_bits(grouped):
+    """``cache_weight_t`` off (the default) keeps no W^T: DGrad transposes W's FP8 tiles per backward, the bytes a
+    cached W^T holds, so every gradient is bitwise the cached run's; the caches hold one FP8 copy instead of two."""
+    from jetrl.quant.kernels import tuning
+
+    runs = {}
+    for cache in (True, False):
+        layers = _layers((256, 128), bias=True, seed=11)
+        x = torch.randn(77, 256, generator=torch.Generator().manual_seed(12), requires_grad=True)
+        with tuning.override(cache_weight_t=cache):
+            out = grouped_linear(layers, x) if grouped else torch.cat([layer(x) for layer in layers], dim=1)
+            (out * torch.linspace(-1, 1, out.shape[1])).sum().backward()
+        grads = [x.grad] + [p.grad for layer in layers for p in (layer.weight, layer.bias)]
+        assert all(torch.isfinite(g).all() for g in grads)
+        if grouped:
+            held = [c.qweight_t for c in layers[0]._group_caches.values()]
+        else:
+            held = [layer._qweight_t for layer in layers]
+        assert all((t is not None) == cache for t in held), held
+        runs[cache] = grads
+    for with_cache, without in zip(runs[True], runs[False]):
+        assert torch.equal(with_cache, without)

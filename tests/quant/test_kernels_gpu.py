@@ -81,6 +81,10 @@ def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, shape, po
     _same(qw, ref_w)
     assert qw_t.data.is_contiguous()
     _same(qw_t, ref_w.t())
+    again = cuda_backend.transpose_weight(qw)  # W^T from W's FP8 tiles (DGrad without a cached W^T)
+    assert again.data.is_contiguous()
+    _same(again, ref_w.t())
+    assert torch.equal(again.scale, qw_t.scale) and again.scale.stride() == qw_t.scale.stride()  # cuBLAS's layout
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -503,3 +507,21 @@ def test_fp8_linear_takes_cublas_for_every_gemm_at_any_token_count(cuda_backend,
         assert torch.isfinite(out).all(), what
         rel = float((out - ref).norm() / ref.norm())
         assert rel < 4e-3, f"{what}: relative error {rel:.2e} between backends"
+
+
+@pytest.mark.parametrize("m", [1, 77, 1001])
+def test_fp8_linear_without_a_cached_transpose_is_bitwise_the_cached_one(cuda_backend, m):
+    """``cache_weight_t`` off: DGrad's W^T is transposed from W's FP8 tiles in each backward; every gradient has the
+    bits of the run that caches W^T, and the layer keeps no W^T."""
+    runs = {}
+    for cache in (True, False):
+        torch.manual_seed(m)
+        layer = FP8Linear(1536, 896, bias=True, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
+        with tuning.override(cache_weight_t=cache):
+            layer(x).backward(gy)
+        assert (layer._qweight_t is not None) == cache
+        runs[cache] = (x.grad, layer.weight.grad, layer.bias.grad)
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.isfinite(a.float()).all() and torch.equal(a, b)

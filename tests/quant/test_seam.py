@@ -47,7 +47,7 @@ def test_reference_backend_resolves_every_op_to_reference(monkeypatch):
 
 def test_reference_backend_implements_the_whole_protocol_bitwise(gen):
     ops = _protocol_ops()
-    assert {"quantize", "requantize", "gemm", "quantize_weight_pair", "quantize_act_and_token",
+    assert {"quantize", "requantize", "gemm", "quantize_weight_pair", "transpose_weight", "quantize_act_and_token",
             "grouped_gemm"} <= set(ops)
     backend = seam.ReferenceBackend()
     for name in ops:
@@ -58,6 +58,8 @@ def test_reference_backend_implements_the_whole_protocol_bitwise(gen):
     assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(q.scale, ref.scale)
     assert qt.data.is_contiguous() and torch.equal(qt.data.view(torch.uint8), ref.data.t().view(torch.uint8))
     assert torch.equal(qt.scale, ref.scale.t()) and qt.block == WEIGHT
+    again = backend.transpose_weight(q)  # W^T from W's FP8 form: the pair's second result
+    assert torch.equal(again.data.view(torch.uint8), qt.data.view(torch.uint8)) and torch.equal(again.scale, qt.scale)
     act, tok = backend.quantize_act_and_token(w)
     for got, block in ((act, ACT), (tok, TOKEN)):
         ref = R.quantize_tensor(w, block)

@@ -97,6 +97,8 @@ for name, x in inputs():
         r["token"] = same(td, rt) and same(ts, rst)
         d, s, dt = T.quantize_weight_128x128(x, pow2, emit_t=True)
         r["weight"] = same(d, rw) and same(s, rsw) and same(dt, rw.t().contiguous())
+        dt2, st2 = T.transpose_weight_128x128(d, s)  # W^T from W's FP8 tiles: the emit_t bytes, the scales transposed
+        r["weight_transpose"] = dt2.is_contiguous() and same(dt2, rw.t().contiguous()) and same(st2, rsw.t())
         qa = R.quantize_tensor(x, (1, 128), pow2)
         rq = R.requantize(qa, (128, 1), pow2)
         d, s = T.requantize_act_to_token(qa.data, qa.scale, pow2)
@@ -230,7 +232,7 @@ def interpreted():
     return results
 
 
-KERNELS = ("act", "token", "token_whole_blocks", "weight", "requant", "nan_free", "tuned_tiles", "signed_zeros_and_inf_blocks")
+KERNELS = ("act", "token", "token_whole_blocks", "weight", "weight_transpose", "requant", "nan_free", "tuned_tiles", "signed_zeros_and_inf_blocks")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -8,6 +8,8 @@ backend (quantization bit for bit, GEMMs to output rounding):
   (:mod:`~jetrl.quant.kernels.quantize_gluon`) where they run (a Triton with Gluon, rows with unit stride, a
   16- or 32-bit float input), else by the Triton kernels, grad_out then as two kernels (1x128, then 128x1);
 * :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
+  :meth:`CudaBackend.transpose_weight`: that copy from W's FP8 bytes (one launch per backward where W^T is not
+  cached);
 * GEMMs, per shape class (:func:`gemm_path`): decode-sized M goes to the split-K decode GEMM
   (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
   FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
@@ -145,6 +147,14 @@ class CudaBackend:
         scale_t = tk.tile_scale_buffer(scale.shape[1], scale.shape[0], w.device)  # W^T's in cuBLAS's layout too
         scale_t.copy_(scale.t())
         return Fp8Tensor(data, scale, WEIGHT), Fp8Tensor(data_t, scale_t, WEIGHT)
+
+    def transpose_weight(self, q: Fp8Tensor) -> Fp8Tensor:
+        """W^T (K, N) row-major with its scales in cuBLAS's layout, from W's FP8 bytes: one launch."""
+        if q.block != WEIGHT:
+            raise ValueError(f"transpose_weight takes a 128x128-block weight, got block {q.block}")
+        _check_cuda(q.data, "the FP8 weight")
+        data_t, scale_t = tk.transpose_weight_128x128(q.data, q.scale)
+        return Fp8Tensor(data_t, scale_t, WEIGHT)
 
     def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False, *,
                                whole_blocks: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:

@@ -85,7 +85,7 @@ def _k_range_partial(a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, K, kb_sta
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["stride_ask"])
 def _exact_gemm_kernel(
     a_ptr, b_ptr, c_ptr, ws_ptr, as_ptr, bs_ptr,
     M, N, K,
@@ -153,7 +153,7 @@ def _k_range_partial_tma(a_desc, b_desc, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0,
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["stride_ask"])
 def _exact_gemm_tma_kernel(a_desc, b_desc, c_ptr, as_ptr, bs_ptr, M, N,
                            stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
                            NUM_KB: tl.constexpr, SPLIT_KB: tl.constexpr, SPLITS: tl.constexpr,

@@ -29,7 +29,7 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return first_m + (pid % group) % group_size, (pid % group) // group_size
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["stride_ask"])
 def _blockwise_fp8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
     M, N, K,

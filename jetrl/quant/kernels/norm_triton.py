@@ -100,7 +100,7 @@ def _normalize_store(
 # kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "QS_M"])
 def _rms_norm_fwd_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, rstd_ptr, q_ptr, qs_ptr,
     M, D, eps, QS_M,
@@ -143,7 +143,7 @@ def _rms_norm_fwd_kernel(
                              QUANT, POW2, BLOCK_M, BLOCK_D, QG)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _rms_norm_bwd_kernel(
     g_ptr, gr_ptr, h_ptr, w_ptr, rstd_ptr, dh_ptr, dw_ptr,
     M, D,

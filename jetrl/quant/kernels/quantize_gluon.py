@@ -102,7 +102,7 @@ def _kernels():
         gl.store(tok_ptr + rk_o[:, None].to(gl.int64) * OUT_M + rm_o[None, :], yt,
                  mask=(rk_o[:, None] < K) & (rm_o[None, :] < OUT_M))
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["stride_sk"])
     def token_kernel(x_ptr, M, K, stride_xm, s_ptr, stride_sm, stride_sk, tok_ptr, tok_scale_ptr, OUT_M,
                      POW2: gl.constexpr, HAS_SCALE: gl.constexpr, VEC: gl.constexpr):
         """x (M, K) per 128x1, one (128, 128) tile per program, into a (K, OUT_M) buffer (OUT_M >= M: zero rows
@@ -124,7 +124,7 @@ def _kernels():
         smem.store(tile)
         tile_to_token(smem, s_smem, OUT_M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, HAS_SCALE)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["M", "ACT_SCALE_M"])
     def act_and_token_kernel(x_ptr, M, K, stride_xm, act_ptr, act_scale_ptr, ACT_SCALE_M, tok_ptr, tok_scale_ptr,
                              OUT_M, POW2: gl.constexpr, VEC: gl.constexpr):
         """x (M, K) per 128x1 and per 1x128 from one read: the tile goes through shared memory to the column

@@ -197,7 +197,7 @@ def _quantize_e4m3(x, scale, POW2: tl.constexpr):
     return _to_e4m3_recip(x, recip, scale_r, POW2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["stride_sk"])
 def _quantize_rows_cols_kernel(
     x_ptr, M, K, stride_xm, stride_xk,
     out_ptr, scale_ptr, stride_sm, stride_sk, OUT_M,
@@ -256,6 +256,21 @@ def _quantize_weight_kernel(
 
 
 @triton.jit
+def _transpose_tiles_kernel(q_ptr, s_ptr, N, K, stride_sn, stride_sk, qt_ptr, st_ptr, stride_stk):
+    """One 128x128 tile of a 128x128-quantized W (N, K): its E4M3 bytes (as uint8) stored transposed into the
+    row-major (K, N) W^T, and its scale into W^T's (Kb, Nb) scale buffer. A tile of W^T is the transpose of a
+    tile of W, so its scale is the same number and its bytes are the same bytes (no arithmetic)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * 128 + tl.arange(0, 128)
+    rk = pid_k * 128 + tl.arange(0, 128)
+    q = tl.load(q_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K))
+    tl.store(qt_ptr + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(q),
+             mask=(rk[:, None] < K) & (rn[None, :] < N))
+    tl.store(st_ptr + pid_k * stride_stk + pid_n, tl.load(s_ptr + pid_n * stride_sn + pid_k * stride_sk))
+
+
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["stride_sk"])
 def _requantize_act_to_token_kernel(
     q_ptr, M, K, stride_qm, stride_qk, s_ptr, stride_sm, stride_sk,
     tok_ptr, tok_scale_ptr, OUT_M,
@@ -373,6 +388,22 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
             POW2=pow2_scale, EMIT_T=emit_t, num_warps=tuning.current().weight_num_warps, **COMPILE_OPTIONS
         )
     return data, scale, data_t
+
+
+def transpose_weight_128x128(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W^T's 128x128 quantization from W's (data (N, K) row-major E4M3, scale (Nb, Kb)): ``(data_t, scale_t)``, data_t
+    a row-major (K, N) copy of ``data.t()`` and scale_t the (Kb, Nb) ``scale.t()`` in cuBLAS's padded layout
+    (:func:`tile_scale_buffer`); one launch. The bytes of :func:`quantize_weight_128x128`'s ``emit_t`` copy."""
+    n, k = data.shape
+    if data.stride() != (k, 1):
+        raise ValueError(f"transpose_weight_128x128 needs row-major data, got strides {tuple(data.stride())}")
+    data_t = torch.empty((k, n), dtype=data.dtype, device=data.device)
+    scale_t = tile_scale_buffer(scale.shape[1], scale.shape[0], data.device)
+    if n and k:
+        _transpose_tiles_kernel[(_cdiv(n, BLOCK), _cdiv(k, BLOCK))](
+            data.view(torch.uint8), scale, n, k, scale.stride(0), scale.stride(1), data_t.view(torch.uint8), scale_t,
+            scale_t.stride(0), num_warps=tuning.current().weight_num_warps, **COMPILE_OPTIONS)
+    return data_t, scale_t
 
 
 def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,

@@ -59,7 +59,7 @@ def _cast(x, dtype: tl.constexpr, IS_BF16: tl.constexpr):
     return x.to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "SCALE_M"])
 def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, q_ptr, scale_ptr,
     M, K, stride_gm, stride_um, SCALE_M,
@@ -88,7 +88,7 @@ def _swiglu_fwd_kernel(
         tl.store(scale_ptr + pid_k * SCALE_M + rm, scale, mask=rm < M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _swiglu_bwd_kernel(
     grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
     M, K, stride_grm, stride_gm, stride_um, stride_dgm, stride_dum,

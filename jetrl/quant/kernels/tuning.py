@@ -216,6 +216,10 @@ class KernelTuning:
       (divides 128) and ``requant_num_warps`` of the Triton 1x128 -> 128x1 kernel; ``weight_num_warps`` of the
       128x128 kernel.
 
+    Memory: ``cache_weight_t`` (off) keeps W^T's FP8 form (1 byte per parameter) with each linear's FP8 weight
+    for the weight's version; off, each backward transposes W's FP8 tiles into a transient W^T (one launch per
+    linear: the same bytes). The training side then holds one FP8 copy of its weights, not two.
+
     Other kernels: ``silu_bwd_fma`` (SwiGLU's backward contracts ``x * (1 - s) + 1`` into one fma, as nvcc
     compiles ATen's ``silu_backward``; flip it only if the bitwise SwiGLU test says the compiler changed),
     ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
@@ -335,6 +339,7 @@ class KernelTuning:
     requant_block_k: int = 32
     requant_num_warps: int = 1
     weight_num_warps: int = 4
+    cache_weight_t: bool = False
     silu_bwd_fma: bool = True
     logprob_stats_num_warps: int = 8
     logprob_grad_num_warps: int = 8

@@ -1,0 +1,91 @@
+"""A new token count compiles nothing: every kernel of a training step and of a rollout compiles once per recipe.
+
+Triton specializes integer arguments on their divisibility by 16 (and on == 1) unless told not to. A real run's
+micro-batches and decode batches have every token count, so a kernel specialized on one (or on a stride derived
+from it) compiles again whenever the count's divisibility changes, mid-run: seconds per step (the update's
+per-step times swung 2.6 -> 5.6 s at 1.5B). The kernels therefore take token counts and the strides that follow
+them with ``do_not_specialize`` / ``do_not_specialize_on_alignment``. This test warms every path at one count and
+then runs counts of every divisibility (1, 16, 128, 1,000, 4,096, 777): no kernel may gain a compiled variant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+
+import jetrl.models as jm
+import jetrl.quant.kernels as kernels_pkg
+
+pytestmark = pytest.mark.gpu
+
+CFG = dict(model_type="qwen2", vocab_size=1000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
+           num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+
+
+def _jit_functions():
+    """Every Triton/Gluon kernel of :mod:`jetrl.quant.kernels` (module-level, and the lazily built Gluon ones)."""
+    from triton.runtime.jit import JITFunction
+
+    found = {}
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        module = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
+        values = list(vars(module).values())
+        if callable(getattr(module, "_kernels", None)):
+            values += list(module._kernels())
+        for value in values:
+            if isinstance(value, JITFunction):
+                found[f"{info.name}.{value.fn.__name__}"] = value
+    return found
+
+
+def _variants(functions) -> dict[str, int]:
+    """Compiled variants per kernel: the entries of each device's kernel cache (the tuple's first item)."""
+    return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in functions.items()}
+
+
+def _train_step(model, lengths):
+    gen = torch.Generator(device="cuda").manual_seed(sum(lengths))
+    total = sum(lengths)
+    ids = torch.randint(2, CFG["vocab_size"], (total,), device="cuda", generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lengths]).cuda()
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    lp, _ = jm.token_logprobs(model, ids, pos, cu, max(lengths), torch.roll(ids, -1))
+    assert torch.isfinite(lp).all()
+    lp.sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _rollout_forward(model, lengths):
+    """The rollout side's forward (decode-sized counts take the split-K decode GEMM)."""
+    from jetrl.quant import precision_side
+
+    total = sum(lengths)
+    ids = torch.randint(2, CFG["vocab_size"], (total,), device="cuda")
+    pos = torch.cat([torch.arange(n) for n in lengths]).cuda()
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    with torch.no_grad(), precision_side("rollout"):
+        hidden = model.forward_packed(ids, pos, cu, max(lengths))
+    assert torch.isfinite(hidden.float()).all()
+
+
+@pytest.mark.parametrize("recipe", ["jet", "bf16"])
+def test_a_new_token_count_compiles_no_kernel(recipe):
+    functions = _jit_functions()
+    assert len(functions) >= 20, sorted(functions)
+    model = jm.build_model(CFG, dtype=torch.bfloat16, device="cuda", recipe=recipe, seed=3)
+    _train_step(model, [300, 701])  # 1,001 tokens: warms every kernel of the path
+    for warm in ([3], [1, 2, 2]):
+        _rollout_forward(model, warm)
+    before = _variants(functions)
+    for lengths in ([1], [16], [100, 28], [999, 1], [4096], [777], [5, 6, 7]):
+        _train_step(model, lengths)
+    for lengths in ([1], [16], [1] * 32, [1] * 48, [7] * 5):
+        _rollout_forward(model, lengths)
+    torch.cuda.synchronize()
+    after = _variants(functions)
+    grown = {name: (before[name], after[name]) for name in functions if after[name] != before[name]}
+    assert not grown, f"kernels compiled again for another token count (before, after): {grown}"
+    assert sum(before.values()) > (5 if recipe == "jet" else 1), before  # the path ran Triton kernels at all
