@@ -4,8 +4,9 @@ Triton specializes integer arguments on their divisibility by 16 (and on == 1) u
 micro-batches and decode batches have every token count, so a kernel specialized on one (or on a stride derived
 from it) compiles again whenever the count's divisibility changes, mid-run: seconds per step (the update's
 per-step times swung 2.6 -> 5.6 s at 1.5B). The kernels therefore take token counts and the strides that follow
-them with ``do_not_specialize`` / ``do_not_specialize_on_alignment``. This test warms every path at one count and
-then runs counts of every divisibility (1, 16, 128, 1,000, 4,096, 777): no kernel may gain a compiled variant.
+them with ``do_not_specialize`` / ``do_not_specialize_on_alignment``. This test warms every path at one count per
+size class and then runs counts of every divisibility (4, 16, 48, 128, 1,000, 4,096, 777): no kernel may gain a
+compiled variant.
 """
 
 from __future__ import annotations
@@ -76,13 +77,17 @@ def test_a_new_token_count_compiles_no_kernel(recipe):
     functions = _jit_functions()
     assert len(functions) >= 20, sorted(functions)
     model = jm.build_model(CFG, dtype=torch.bfloat16, device="cuda", recipe=recipe, seed=3)
-    _train_step(model, [300, 701])  # 1,001 tokens: warms every kernel of the path
-    for warm in ([3], [1, 2, 2]):
-        _rollout_forward(model, warm)
+    # warm-up: one count per size class (small-M kernels pick their row tile by the next power of two of M, and
+    # a decode-sized M takes the decode GEMM: bounded classes, all met in a run's first rollout), then 1,001 tokens
+    for count in (1, 2, 3, 5, 9, 17, 33, 65):
+        _train_step(model, [count])
+        _rollout_forward(model, [1] * count)
+    _train_step(model, [300, 701])
     before = _variants(functions)
-    for lengths in ([1], [16], [100, 28], [999, 1], [4096], [777], [5, 6, 7]):
+    # the same classes at counts of every divisibility by 16
+    for lengths in ([4], [16], [32], [48], [100, 28], [999, 1], [4096], [777], [5, 6, 7]):
         _train_step(model, lengths)
-    for lengths in ([1], [16], [1] * 32, [1] * 48, [7] * 5):
+    for lengths in ([16], [1] * 32, [1] * 48, [7] * 5, [2, 2]):
         _rollout_forward(model, lengths)
     torch.cuda.synchronize()
     after = _variants(functions)
