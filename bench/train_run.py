@@ -307,7 +307,8 @@ def print_table(report: dict[str, Any]) -> None:
         med = entry["median"]
         phases = ", ".join(f"{key.removeprefix('memory/').removesuffix('_peak_gib')} {value:.1f}"
                            for key, value in med.items() if key.startswith("memory/") and key.endswith("_peak_gib"))
-        print(f"  {recipe:<12}{phases}")
+        held = med.get("memory/fp8_weights_gib")
+        print(f"  {recipe:<12}{phases}" + (f"; FP8 weight copies {held:.2f}" if held else ""))
     print("per step (s), step / update: a step far above its neighbours usually compiled a kernel variant")
     for recipe, entry in report["recipes"].items():
         steps = ", ".join(f"{m['time/step_wall']:.2f}/{m['time/update']:.2f}" for m in entry["steps"])

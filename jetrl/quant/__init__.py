@@ -11,7 +11,8 @@ from jetrl.quant.backend import dequantize, fused_impl, gemm, get_backend, quant
 from jetrl.quant.formats import ACT, E4M3, E4M3_MAX, TOKEN, WEIGHT, Fp8Tensor
 from jetrl.quant.linear import (FP8Linear, call_linear, fp8_input_scaling, fp8_linear, fp8_linear_group, grouped_linear,
                                 linears_shared_input)
-from jetrl.quant.recipe import RECIPES, PrecisionRecipe, apply_recipe, fp8_linears, get_recipe, refresh_fp8_weights
+from jetrl.quant.recipe import (RECIPES, PrecisionRecipe, apply_recipe, fp8_linears, fp8_weight_bytes, get_recipe,
+                                refresh_fp8_weights)
 from jetrl.quant.reference import quantize_tensor
 from jetrl.quant.side import current_side, precision_side
 
@@ -20,7 +21,7 @@ __all__ = [
     "quantize", "dequantize", "gemm", "quantize_tensor",
     "FP8Linear", "fp8_linear", "fp8_linear_group", "fp8_input_scaling", "call_linear", "linears_shared_input",
     "grouped_linear",
-    "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears", "refresh_fp8_weights",
+    "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears", "fp8_weight_bytes", "refresh_fp8_weights",
     "precision_side", "current_side",
     "get_backend", "set_backend", "use_backend", "fused_impl",
 ]

@@ -239,6 +239,13 @@ class FP8Linear(nn.Linear):
             if members.qweight is not None:
                 _group_weights(members.modules, with_transpose=False)
 
+    def cached_fp8_tensors(self) -> list[Fp8Tensor]:
+        """The FP8 weights this layer holds: its own W (and W^T), and those of the groups it leads."""
+        held = [self._qweight, self._qweight_t]
+        for cache in self._group_caches.values():
+            held += [cache.qweight, cache.qweight_t]
+        return [q for q in held if q is not None]
+
     def quantized_weight(self) -> Fp8Tensor:
         """The (128, 128)-block FP8 weight for the current weight version, quantized at most once."""
         return self._cached_weights(with_transpose=False)[0]

@@ -123,6 +123,17 @@ def fp8_linears(model: nn.Module) -> list[FP8Linear]:
     return [m for m in model.modules() if isinstance(m, FP8Linear)]
 
 
+def fp8_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the FP8 weight copies ``model``'s layers hold (data and scales, each storage counted once): what
+    an FP8 recipe keeps beyond the model's own parameters."""
+    storages = {}
+    for layer in fp8_linears(model):
+        for q in layer.cached_fp8_tensors():
+            for t in (q.data, q.scale):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def refresh_fp8_weights(model: nn.Module, eager: bool = False) -> int:
     """Drop every cached quantized weight (after an update the version counter may not show, e.g. a
     fused optimizer or a weight load through ``.data``); with ``eager`` re-quantize now what was cached (each
@@ -149,4 +160,4 @@ def check_exact(model: nn.Module) -> None:
 
 
 __all__ = ["check_exact", "kv_fp8_train", "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe",
-           "fp8_linears", "refresh_fp8_weights"]
+           "fp8_linears", "fp8_weight_bytes", "refresh_fp8_weights"]

@@ -58,6 +58,7 @@ import torch.nn as nn
 from jetrl.config import RunConfig
 from jetrl.data.reward_pool import RewardResult
 from jetrl.parallel import ParallelContext, full_weights, refresh_rollout_weights, shard_model
+from jetrl.quant.recipe import fp8_weight_bytes
 from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
@@ -495,6 +496,8 @@ class Trainer:
                                ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
                                engine_stats=self.engine.last_stats, checked=checked)
         metrics.update(timer.memory_metrics())
+        if self.device.type == "cuda":
+            metrics["memory/fp8_weights_gib"] = fp8_weight_bytes(self.model) / 2 ** 30
         if skip_pass and metrics["mismatch/logp_abs_diff_max"] != 0.0:  # the bypass's premise failed: say so
             warnings.warn(f"exact mode: the engine's log-probabilities differ from the trainer's (max |dlogp| "
                           f"{metrics['mismatch/logp_abs_diff_max']:.3g} on the checked tokens), but "

@@ -114,3 +114,21 @@ def test_kv_fp8_sides_follow_the_recipe():
     assert kv_fp8_train(get_recipe("jet", pow2_scale=True), True)
     with pytest.raises(ValueError, match="recipe 'bf16' rolls out in BF16.*'fp8-rollout', 'jet'"):
         kv_fp8_train("bf16", True)
+
+
+def test_fp8_weight_bytes_counts_the_copies_each_layer_holds():
+    """What an FP8 recipe holds beyond the parameters: one E4M3 byte per weight plus its 128x128 scales, twice where
+    W^T is cached (its scales are a view of W's on the reference backend: counted once)."""
+    from jetrl.quant import FP8Linear, fp8_weight_bytes
+    from jetrl.quant.kernels import tuning
+
+    model = torch.nn.Sequential(FP8Linear(256, 384, bias=False), FP8Linear(384, 256, bias=False))
+    assert fp8_weight_bytes(model) == 0
+    x = torch.randn(5, 256)
+    with torch.no_grad():
+        model(x)
+    data, scales = 2 * 384 * 256, 2 * (3 * 2) * 4
+    assert fp8_weight_bytes(model) == data + scales
+    with tuning.override(cache_weight_t=True):
+        model(x.requires_grad_()).sum().backward()
+    assert fp8_weight_bytes(model) == 2 * data + scales

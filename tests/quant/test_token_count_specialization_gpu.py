@@ -83,9 +83,10 @@ def test_a_new_token_count_compiles_no_kernel(recipe):
         _train_step(model, [count])
         _rollout_forward(model, [1] * count)
     _train_step(model, [300, 701])
+    _train_step(model, [2000, 2097])  # the norm backward's row tiles per program: a power of two by M's size
     before = _variants(functions)
     # the same classes at counts of every divisibility by 16
-    for lengths in ([4], [16], [32], [48], [100, 28], [999, 1], [4096], [777], [5, 6, 7]):
+    for lengths in ([4], [16], [32], [48], [100, 28], [999, 1], [4000, 96], [777], [5, 6, 7]):
         _train_step(model, lengths)
     for lengths in ([16], [1] * 32, [1] * 48, [7] * 5, [2, 2]):
         _rollout_forward(model, lengths)

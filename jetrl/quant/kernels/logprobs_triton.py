@@ -125,12 +125,19 @@ def _check(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"targets must be ({logits.shape[0]},), got {tuple(targets.shape)}")
 
 
+def _stats_buffer(rows: int, device: torch.device) -> torch.Tensor:
+    """The (3, rows) fp32 (logprob, entropy, logsumexp) output: a view of a (3, rows rounded up to 4) buffer, so each
+    of the three rows starts 16-byte aligned whatever ``rows`` is (Triton specializes pointers on their alignment:
+    a row count that moved it would compile the kernels again, mid-run)."""
+    return torch.empty((3, -(-rows // 4) * 4), dtype=torch.float32, device=device)[:, :rows]
+
+
 def logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 ``(logprob, entropy, logsumexp)`` per row of ``logits`` (rows, vocab) at ``temperature``."""
     _check(logits, targets)
     rows, vocab = logits.shape
-    out = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
+    out = _stats_buffer(rows, logits.device)
     if rows:
         _logprob_stats_kernel[(rows,)](logits, targets, out[0], out[1], out[2], out[0], vocab, logits.stride(0),
                                        float(temperature), SCALE=float(temperature) != 1.0, EXACT=False,
@@ -163,7 +170,7 @@ def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
     rows, vocab = logits.shape
     if not logits.is_contiguous() or logits.data_ptr() % 16:
         logits = logits.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned, dense
-    out = torch.empty((3, rows), dtype=torch.float32, device=logits.device)
+    out = _stats_buffer(rows, logits.device)
     if rows:
         _logprob_stats_kernel[(rows,)](logits, targets.to(torch.int64).contiguous(), out[0], out[1], out[2],
                                        temperature.to(torch.float32).contiguous(), vocab, vocab, 1.0,

@@ -334,7 +334,7 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False):
     if m and k:
         cfg = tuning.current()
         _quantize_rows_cols_kernel[(_cdiv(m, cfg.act_block_m), scale_buf.shape[0])](
-            x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, scale_buf.shape[1], m,
+            x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, scale_buf.shape[1], 0,  # OUT_M: 128x1 only
             POW2=pow2_scale, ROWS=True, BLOCK_M=cfg.act_block_m, BLOCK_K=BLOCK, num_warps=cfg.act_num_warps,
             LAUNCH_DEPS=tuning.early_dependents(x.device), **COMPILE_OPTIONS
         )
