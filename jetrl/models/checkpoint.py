@@ -262,10 +262,9 @@ def _export_tensors(model: DecoderLM, fp8: bool) -> Iterable[tuple[str, torch.Te
         module_name, _, leaf = name.rpartition(".")
         layer = quantized.get(module_name)
         if layer is not None and leaf == "weight":
-            if isinstance(layer, FP8Linear):
-                q = layer.quantized_weight()
-            else:
-                q = get_backend(param.device).quantize(param.detach(), WEIGHT, False)
+            # the bytes FP8Linear.quantized_weight() holds (its scaling), quantized here without caching a copy
+            pow2 = layer.pow2_scale if isinstance(layer, FP8Linear) else False
+            q = get_backend(param.device).quantize(param.detach(), WEIGHT, pow2)
             yield name, q.data
             yield name + SCALE_SUFFIX, q.scale.float()
         else:

@@ -281,8 +281,10 @@ class ModelRunner:
 
     def _weights_key(self) -> tuple:
         """What the captured CUDA graphs depend on: the kernel tuning in force (a graph replays the kernels chosen
-        when it was captured) and the storage of every parameter and cached FP8 weight. The graphs stay valid
-        while it is unchanged (compared with ``==``: an equal tuning object counts as unchanged)."""
+        when it was captured) and the storage of every parameter and of every FP8 weight the layers hold (brought to
+        the current weight version in place first; a grouped layer's are its group's stacked weight, so no
+        per-layer copy is made). The graphs stay valid while it is unchanged (compared with ``==``: an equal tuning
+        object counts as unchanged)."""
         from jetrl.quant.kernels import tuning
 
         ptrs: list = [tuning.current()]
@@ -291,8 +293,8 @@ class ModelRunner:
             for layer in fp8_linears(self.model):
                 ptrs.append(id(layer))  # a recipe swap replaces the modules the graphs captured
                 if layer.uses_fp8():
-                    qw = layer.quantized_weight()  # re-quantizes here if the weight version moved
-                    ptrs += [qw.data.data_ptr(), qw.scale.data_ptr()]
+                    for q in layer.current_fp8_tensors():
+                        ptrs += [q.data.data_ptr(), q.scale.data_ptr()]
         return tuple(ptrs)
 
     def _ensure_graphs(self) -> None:
@@ -331,6 +333,9 @@ class ModelRunner:
             return None
         self.graph_captures += 1
         self.graph_capture_seconds += time.perf_counter() - t0
+        # the capture ran the layers, so every FP8 weight a graph reads exists now: key the graphs on those buffers
+        # (a key taken before the first forward would name none, and the next rollout would capture again)
+        self._graph_key = self._weights_key()
         return graphs
 
     # ------------------------------------------------------------------ steps

@@ -163,3 +163,27 @@ def test_without_a_cached_transpose_the_gradients_are_the_same_bits(grouped):
         runs[cache] = grads
     for with_cache, without in zip(runs[True], runs[False]):
         assert torch.equal(with_cache, without)
+
+
+def test_current_fp8_tensors_refreshes_in_place_and_copies_nothing_new():
+    """What the rollout's CUDA graphs are keyed on: the FP8 weights the layers hold, brought to the current weight
+    version in their own buffers. A grouped member holds no copy of its own (its rows live in the group's stacked
+    weight), and asking for the current tensors must not make one (a second FP8 copy of q/k/v and gate/up)."""
+    from jetrl.quant import fp8_weight_bytes
+
+    layers = _layers((256, 128), bias=False, seed=5)
+    model = torch.nn.ModuleList(layers)
+    with torch.no_grad():
+        grouped_linear(layers, torch.randn(9, 256))
+    held = fp8_weight_bytes(model)
+    assert held == (256 + 128) * 256 + 3 * 2 * 4  # one E4M3 byte per weight, the stacked weight's scales
+    before = [q.data.data_ptr() for layer in layers for q in layer.current_fp8_tensors()]
+    assert all(layer._qweight is None for layer in layers) and fp8_weight_bytes(model) == held
+    with torch.no_grad():
+        layers[1].weight.mul_(3.0)  # a new version: the group's weight is stale
+    fresh = [q for layer in layers for q in layer.current_fp8_tensors()]
+    assert [q.data.data_ptr() for q in fresh] == before  # re-quantized in place
+    rows = _member_weights(fresh[0], layers)[1]
+    own = R.quantize_tensor(layers[1].weight.detach(), WEIGHT)
+    assert torch.equal(rows.data.view(torch.uint8), own.data.view(torch.uint8))
+    assert fp8_weight_bytes(model) == held
