@@ -4,7 +4,10 @@ Triton specializes integer arguments on their divisibility by 16 (and on == 1) u
 micro-batches and decode batches have every token count, so a kernel specialized on one (or on a stride derived
 from it) compiles again whenever the count's divisibility changes, mid-run: seconds per step (the update's
 per-step times swung 2.6 -> 5.6 s at 1.5B). The kernels therefore take token counts and the strides that follow
-them with ``do_not_specialize`` / ``do_not_specialize_on_alignment``. This test warms every path at one count per
+them with ``do_not_specialize`` / ``do_not_specialize_on_alignment``. One kernel keeps M's specialization by design:
+the split-K decode GEMM, which the rollout replays at its CUDA graphs' batch sizes (1, 2, 4, 8, then multiples of
+16), where the aligned variant is the faster one (BENCHMARKS.md); its variants are bounded (M and its scales' row
+stride divisible by 16 or not) and all of them compile in a run's first rollout. This test warms every path at one count per
 size class and then runs counts of every divisibility (4, 16, 48, 128, 1,000, 4,096, 777): no kernel may gain a
 compiled variant.
 """
@@ -82,13 +85,16 @@ def test_a_new_token_count_compiles_no_kernel(recipe):
     for count in (1, 2, 3, 5, 9, 17, 33, 65):
         _train_step(model, [count])
         _rollout_forward(model, [1] * count)
+    for count in (13, 16, 48):  # the decode GEMM's aligned and unaligned variants
+        _rollout_forward(model, [1] * count)
+        _train_step(model, [count])
     _train_step(model, [300, 701])
     _train_step(model, [2000, 2097])  # the norm backward's row tiles per program: a power of two by M's size
     before = _variants(functions)
     # the same classes at counts of every divisibility by 16
     for lengths in ([4], [16], [32], [48], [100, 28], [999, 1], [4000, 96], [777], [5, 6, 7]):
         _train_step(model, lengths)
-    for lengths in ([16], [1] * 32, [1] * 48, [7] * 5, [2, 2]):
+    for lengths in ([1] * 32, [1] * 64, [7] * 5, [2, 2], [1] * 29):
         _rollout_forward(model, lengths)
     torch.cuda.synchronize()
     after = _variants(functions)

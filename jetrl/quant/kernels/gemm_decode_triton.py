@@ -32,7 +32,7 @@ from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 from jetrl.quant.kernels.tuning import DECODE_GEMM_MAX_M, DecodeGemmConfig, DecodePolicy  # noqa: F401 (re-exported)
 
 
-@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["stride_ask"])
+@triton.jit  # M stays specialized: the rollout replays it at the CUDA graphs' sizes, multiples of 16 from 16 on
 def _fp8_decode_gemm_kernel(
     a_ptr, c_ptr, as_ptr, ws_ptr, lock_ptr,
     b0_ptr, bs0_ptr, bias0_ptr, N0, b1_ptr, bs1_ptr, bias1_ptr, N1, b2_ptr, bs2_ptr, bias2_ptr, N2,
