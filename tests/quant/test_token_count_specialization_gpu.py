@@ -7,7 +7,8 @@ per-step times swung 2.6 -> 5.6 s at 1.5B). The kernels therefore take token cou
 them with ``do_not_specialize`` / ``do_not_specialize_on_alignment``. One kernel keeps M's specialization by design:
 the split-K decode GEMM, which the rollout replays at its CUDA graphs' batch sizes (1, 2, 4, 8, then multiples of
 16), where the aligned variant is the faster one (BENCHMARKS.md); its variants are bounded (M and its scales' row
-stride divisible by 16 or not) and all of them compile in a run's first rollout. This test warms every path at one count per
+stride divisible by 16 or not, and its split-K config by M) and all of them compile in a run's first rollout, where
+the batch shrinks through every graph size. The test leaves it out (:data:`SPECIALIZED_ON_M`). This test warms every path at one count per
 size class and then runs counts of every divisibility (4, 16, 48, 128, 1,000, 4,096, 777): no kernel may gain a
 compiled variant.
 """
@@ -27,6 +28,10 @@ pytestmark = pytest.mark.gpu
 
 CFG = dict(model_type="qwen2", vocab_size=1000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+
+
+# kernels that keep M's specialization by design (see the module docstring)
+SPECIALIZED_ON_M = {"gemm_decode_triton._fp8_decode_gemm_kernel"}
 
 
 def _jit_functions():
@@ -85,7 +90,7 @@ def test_a_new_token_count_compiles_no_kernel(recipe):
     for count in (1, 2, 3, 5, 9, 17, 33, 65):
         _train_step(model, [count])
         _rollout_forward(model, [1] * count)
-    for count in (13, 16, 48):  # the decode GEMM's aligned and unaligned variants
+    for count in (13, 16, 48):
         _rollout_forward(model, [1] * count)
         _train_step(model, [count])
     _train_step(model, [300, 701])
@@ -98,6 +103,8 @@ def test_a_new_token_count_compiles_no_kernel(recipe):
         _rollout_forward(model, lengths)
     torch.cuda.synchronize()
     after = _variants(functions)
-    grown = {name: (before[name], after[name]) for name in functions if after[name] != before[name]}
+    assert SPECIALIZED_ON_M <= set(functions)
+    grown = {name: (before[name], after[name]) for name in functions
+             if after[name] != before[name] and name not in SPECIALIZED_ON_M}
     assert not grown, f"kernels compiled again for another token count (before, after): {grown}"
     assert sum(before.values()) > (5 if recipe == "jet" else 1), before  # the path ran Triton kernels at all
