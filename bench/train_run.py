@@ -196,6 +196,13 @@ def summarize(result: dict[str, Any], skip: int = 1) -> dict[str, float]:
         values = [m[key] for m in timed if key in m]
         if values:
             out[key] = statistics.median(values)
+    # response tokens per second of the step and of each phase: the recipes sample different lengths, so their
+    # steps hold different token counts; these rates compare them per token
+    for key in ["time/step_wall"] + [f"time/{p}" for p in PHASES]:
+        rates = [m["response/num_tokens"] / m[key] for m in timed
+                 if m.get(key, 0) > 0 and "response/num_tokens" in m]
+        if rates:
+            out["tokens_per_s/" + key.removeprefix("time/")] = statistics.median(rates)
     return out
 
 
@@ -286,6 +293,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         med = entry["median"]
         entry["vs_bf16"] = {key.removeprefix("time/"): base_med[key] / med[key]
                             for key in med if key.startswith("time/") and key in base_med and med[key] > 0}
+        entry["vs_bf16_per_token"] = {key.removeprefix("tokens_per_s/"): med[key] / base_med[key]
+                                      for key in med if key.startswith("tokens_per_s/") and base_med.get(key, 0) > 0}
     print_table(report)
     write_report(report, args.json, "train_run.json")
     return report
@@ -302,6 +311,11 @@ def print_table(report: dict[str, Any]) -> None:
                         for c in cols)
         peak = entry["peak_gib"] if entry["peak_gib"] is not None else float("nan")
         print(f"{recipe:<12}{cells}{peak:>10.1f}{med.get('response/length_mean', float('nan')):>10.0f}")
+    print("per response token (medians of response tokens/s per step, recipe / bf16): the recipes sample different "
+          "lengths")
+    for recipe, entry in report["recipes"].items():
+        per = entry["vs_bf16_per_token"]
+        print(f"{recipe:<12}" + "".join(f"{per.get(c, float('nan')):>21.2f}x" for c in cols))
     print("peak GiB allocated per phase (medians)")
     for recipe, entry in report["recipes"].items():
         med = entry["median"]

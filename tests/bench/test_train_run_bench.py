@@ -41,6 +41,11 @@ def test_tiny_run_reports_every_recipe(tmp_path):
         assert med["time/update"] > 0 and med["time/rollout"] > 0 and med["response/num_tokens"] > 0
         assert entry["vs_bf16"]["step_wall"] > 0
     assert report["recipes"]["bf16"]["vs_bf16"]["update"] == pytest.approx(1.0)
+    assert report["recipes"]["bf16"]["vs_bf16_per_token"]["update"] == pytest.approx(1.0)
+    jet = report["recipes"]["jet"]
+    for phase in ("step_wall", "rollout", "update"):  # the per-token ratio is the time ratio times the token ratio
+        tokens = jet["median"]["response/num_tokens"] / report["recipes"]["bf16"]["median"]["response/num_tokens"]
+        assert jet["vs_bf16_per_token"][phase] == pytest.approx(jet["vs_bf16"][phase] * tokens, rel=1e-9)
     assert report["data"] == "generated"
 
 
