@@ -41,6 +41,23 @@ from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Fp8Tensor
 from jetrl.quant.side import current_side
 
 
+def _fprop(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, pow2_scale: bool,
+           xq_data: torch.Tensor | None, xq_scale: torch.Tensor | None, exact: bool,
+           biases: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, Fp8Tensor]:
+    """Fprop: ``(y, x's 1x128 quantization)``, y = x @ W^T (+ the biases side by side) from W's FP8 form."""
+    backend = get_backend(x.device)
+    if xq_data is not None:  # x's 1x128 quantization, made by the op that produced x (a fused kernel)
+        qx = Fp8Tensor(xq_data, xq_scale, ACT)
+    else:
+        qx = backend.quantize(x, ACT, pow2_scale)
+    # exact mode: each row's sum in the same order whatever M is (the backward stays the fast one)
+    y = (backend.gemm_exact if exact else backend.gemm)(qx, Fp8Tensor(w_data, w_scale, WEIGHT), out_dtype=x.dtype)
+    if biases:
+        bias = biases[0] if len(biases) == 1 else torch.cat(biases)
+        y = y + bias.to(y.dtype)
+    return y, qx
+
+
 @keeps_forward_context  # the backward reads the kernel tuning the forward ran under, on autograd's CUDA threads too
 class _Fp8LinearFunction(torch.autograd.Function):
     """Fprop/DGrad/WGrad in FP8; saves the FP8 input and the FP8 weight, nothing in BF16.
@@ -55,17 +72,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, w_data, w_scale, pow2_scale: bool, wt_data, wt_scale, xq_data, xq_scale, exact: bool,
                 num_weights: int, *params):  # x: (M, K)
         weights, biases = params[:num_weights], params[num_weights:]
-        backend = get_backend(x.device)
-        if xq_data is not None:  # x's 1x128 quantization, made by the op that produced x (a fused kernel)
-            qx = Fp8Tensor(xq_data, xq_scale, ACT)
-        else:
-            qx = backend.quantize(x, ACT, pow2_scale)
-        qw = Fp8Tensor(w_data, w_scale, WEIGHT)
-        # exact mode: each row's sum in the same order whatever M is (the backward stays the fast one)
-        y = (backend.gemm_exact if exact else backend.gemm)(qx, qw, out_dtype=x.dtype)  # (M, N)
-        if biases:
-            bias = biases[0] if len(biases) == 1 else torch.cat(biases)
-            y = y + bias.to(y.dtype)
+        y, qx = _fprop(x, w_data, w_scale, pow2_scale, xq_data, xq_scale, exact, biases)
         # wt_data / wt_scale: W^T's FP8 form with row-major data (same values as w_data.t()), where the layer caches
         # it with the weight (tuning.cache_weight_t; the backend's quantize_weight_pair); else None, and DGrad
         # transposes W's tiles
@@ -147,8 +154,10 @@ def fp8_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[
     """The linears of ``weights`` (and ``biases``: one each, or none) on the same ``x`` (M, K), side by side:
     (M, sum of their widths), from ``qweight``, their FP8 weights stacked along the output dim (and
     ``qweight_t`` its transpose); gradients flow to each weight and bias. See :func:`fp8_linear`."""
-    wt_data, wt_scale = (qweight_t.data, qweight_t.scale) if qweight_t is not None else (None, None)
     xq_data, xq_scale = (x_fp8.data, x_fp8.scale) if x_fp8 is not None else (None, None)
+    if not torch.is_grad_enabled():  # no graph to record (rollout, scoring): Fprop alone, without autograd's cost
+        return _fprop(x, qweight.data, qweight.scale, pow2_scale, xq_data, xq_scale, exact, biases)[0]
+    wt_data, wt_scale = (qweight_t.data, qweight_t.scale) if qweight_t is not None else (None, None)
     return _Fp8LinearFunction.apply(x, qweight.data, qweight.scale, pow2_scale, wt_data, wt_scale, xq_data, xq_scale,
                                     bool(exact), len(weights), *weights, *biases)
 
@@ -268,8 +277,11 @@ class FP8Linear(nn.Linear):
         return self._cached_weights(with_transpose=True)[1]
 
     def _cached_weights(self, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-        w = self.weight
         key = self.weight_key()
+        q, q_t = self._qweight, self._qweight_t
+        if self._qweight_key == key and q is not None and (q_t is not None or not with_transpose):
+            return q, q_t  # current: every call after the first per weight version
+        w = self.weight
         stale_q = stale_t = None
         if self._qweight_key != key:
             stale_q, stale_t = self._qweight, self._qweight_t
@@ -301,14 +313,16 @@ class FP8Linear(nn.Linear):
             raise TypeError(f"FP8Linear input must be a floating-point tensor, got {x.dtype}")
         if self.check_finite and not bool(torch.isfinite(x).all()):
             raise FloatingPointError(f"non-finite values (NaN/Inf) in the input of {self!r}")
-        lead = x.shape[:-1]
-        x2d = x.reshape(math.prod(lead), self.in_features)
+        flat = x.dim() == 2  # the packed (tokens, features) inputs of the models: no reshape either way
+        x2d = x if flat else x.reshape(math.prod(x.shape[:-1]), self.in_features)
         qweight, qweight_t = self._cached_weights(with_transpose=_caches_transpose())
-        if x_fp8 is not None and (x_fp8.block != ACT or tuple(x_fp8.shape) != tuple(x2d.shape)):
+        if x_fp8 is not None and (x_fp8.block != ACT or x_fp8.shape != x2d.shape):
             raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x2d.shape)}, got "
                              f"block {x_fp8.block} and shape {tuple(x_fp8.shape)}")
-        y = fp8_linear(x2d, self.weight, self.bias, qweight, self.pow2_scale, qweight_t, x_fp8, exact)
-        return y.reshape(*lead, self.out_features)
+        bias = self.bias
+        y = fp8_linear_group(x2d, [self.weight], [bias] if bias is not None else [], qweight, self.pow2_scale,
+                             qweight_t, x_fp8, exact)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, fp8_train={self.fp8_train}, fp8_rollout={self.fp8_rollout}"

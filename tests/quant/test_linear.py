@@ -254,3 +254,24 @@ def test_prequantized_input_checks_and_scaling_agreement(gen):
         a(x, x_fp8=quantize_tensor(x[:2], ACT))
     with pytest.raises(ValueError, match="x_fp8"):
         a(x, x_fp8=quantize_tensor(x, TOKEN))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(37, 256), (2, 5, 256)])
+def test_no_grad_forward_skips_autograd_with_the_same_bits(bias, shape):
+    """Without grad (rollout, scoring) the FP8 linear runs Fprop alone, outside the autograd function: the same bits
+    as the grad-enabled forward, no graph node; a weight changed in place is re-quantized on the next call."""
+    torch.manual_seed(sum(shape))
+    layer = FP8Linear(256, 384, bias=bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        fast = layer(x)
+    assert fast.grad_fn is None and fast.shape == (*shape[:-1], 384)
+    tracked = layer(x.clone().requires_grad_())
+    assert tracked.grad_fn is not None and torch.equal(fast, tracked.detach())
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)  # a new weight version
+        flipped = layer(x)
+    assert torch.isfinite(flipped).all()
+    expected = -fast if not bias else -(fast - layer.bias) + layer.bias
+    assert torch.allclose(flipped, expected, rtol=0, atol=1e-5)
