@@ -369,31 +369,47 @@ class _WeightCache:
         self.key: tuple | None = None
         self.qweight: Fp8Tensor | None = None
         self.qweight_t: Fp8Tensor | None = None
+        # whether the members' layouts stack (:func:`_layouts_stack`), for the weight keys and biases it was decided on
+        self.layout: tuple | None = None
+        self.stacks = False
 
 
-def groupable(modules: tuple[nn.Module, ...] | list[nn.Module]) -> bool:
-    """Whether these linears can run as one stacked FP8 linear: 2 or 3 :class:`FP8Linear` running FP8 on this
-    side with one scaling, the same input width, dtype and device, widths of whole 128-row weight tiles (so the
-    stacked weight's tiles are the members' tiles), and biases on all or none."""
-    if not 2 <= len(modules) <= 3 or fp8_input_scaling(*modules) is None:
-        return False
+def _layouts_stack(modules: tuple[FP8Linear, ...]) -> bool:
+    """The layout half of :func:`groupable`: the same input width, dtype and device, widths of whole 128-row tiles,
+    biases on all or none."""
     first = modules[0]
     w0 = first.weight
     return all(m.in_features == first.in_features and m.out_features % 128 == 0 and m.weight.dtype == w0.dtype
                and m.weight.device == w0.device and (m.bias is None) == (first.bias is None) for m in modules)
 
 
-def _group_weights(modules: tuple[FP8Linear, ...], with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """The stacked FP8 weight of ``modules`` (and its transpose with ``with_transpose``) for their current weights,
-    quantized at most once per weight version, in the same buffers across versions (stable addresses for the
-    rollout's CUDA graphs). Tiles never straddle two members (widths of whole tiles), so each member's rows are
-    bitwise that member's own quantization."""
+def groupable(modules: tuple[nn.Module, ...] | list[nn.Module]) -> bool:
+    """Whether these linears can run as one stacked FP8 linear: 2 or 3 :class:`FP8Linear` running FP8 on this
+    side with one scaling, the same input width, dtype and device, widths of whole 128-row weight tiles (so the
+    stacked weight's tiles are the members' tiles), and biases on all or none."""
+    return 2 <= len(modules) <= 3 and fp8_input_scaling(*modules) is not None and _layouts_stack(tuple(modules))
+
+
+def _group_cache(modules: tuple[FP8Linear, ...]) -> _WeightCache:
+    """The group's cache, kept by its first member under the members' ids."""
     first = modules[0]
     ids = tuple(id(m) for m in modules)
     cache = first._group_caches.get(ids)
     if cache is None:
-        cache = first._group_caches[ids] = _WeightCache(tuple(modules))
-    key = tuple(m.weight_key() for m in modules)
+        cache = first._group_caches[ids] = _WeightCache(modules)
+    return cache
+
+
+def _group_weights(modules: tuple[FP8Linear, ...], with_transpose: bool,
+                   key: tuple | None = None) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """The stacked FP8 weight of ``modules`` (and its transpose with ``with_transpose``) for their current weights,
+    quantized at most once per weight version, in the same buffers across versions (stable addresses for the
+    rollout's CUDA graphs). Tiles never straddle two members (widths of whole tiles), so each member's rows are
+    bitwise that member's own quantization. ``key``: the members' weight keys, where the caller has them."""
+    first = modules[0]
+    cache = _group_cache(modules)
+    if key is None:
+        key = tuple(m.weight_key() for m in modules)
     stale_q = stale_t = None
     if cache.key != key:
         stale_q, stale_t = cache.qweight, cache.qweight_t
@@ -454,11 +470,17 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
             return out
         return torch.cat([y + m.bias.to(y.dtype) if m.bias is not None else y  # each bias as FP8Linear adds it
                           for m, y in zip(modules, out.split([m.out_features for m in modules], dim=1))], dim=1)
-    if not groupable(modules):
-        return None
+    # groupable(modules), decided once per weight version (the side and scaling were checked above)
     modules = tuple(modules)
+    cache = _group_cache(modules)
+    key = tuple(m.weight_key() for m in modules)
+    layout = (key, tuple(m.bias is None for m in modules))
+    if cache.layout != layout:
+        cache.layout, cache.stacks = layout, _layouts_stack(modules)
+    if not cache.stacks:
+        return None
     grad = torch.is_grad_enabled()
-    qweight, qweight_t = _group_weights(modules, with_transpose=grad and _caches_transpose())
+    qweight, qweight_t = _group_weights(modules, with_transpose=grad and _caches_transpose(), key=key)
     if not grad and x_fp8 is not None:
         out = backend.grouped_gemm(x_fp8, _member_weights(qweight, modules), [m.bias for m in modules],
                                    out_dtype=x.dtype)
