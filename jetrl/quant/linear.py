@@ -255,16 +255,21 @@ class FP8Linear(nn.Linear):
             held += [cache.qweight, cache.qweight_t]
         return [q for q in held if q is not None]
 
-    def current_fp8_tensors(self) -> list[Fp8Tensor]:
+    def current_fp8_tensors(self, transposes: bool = True) -> list[Fp8Tensor]:
         """:meth:`cached_fp8_tensors`, each first brought to the current weight version (re-quantized into its own
-        buffers where the weight moved); no copy is made that the layer did not hold. What a captured CUDA graph
-        reads, and where."""
+        buffers where the weight moved); no copy is made that the layer did not hold. Without ``transposes`` the
+        W^T copies are left out of the list (a forward reads W alone): what a captured decode graph reads, and
+        where."""
         if self._qweight is not None:
             self._cached_weights(with_transpose=self._qweight_t is not None)
         for cache in list(self._group_caches.values()):
             if cache.qweight is not None:
                 _group_weights(cache.modules, with_transpose=cache.qweight_t is not None)
-        return self.cached_fp8_tensors()
+        held = self.cached_fp8_tensors()
+        if transposes:
+            return held
+        forward = [self._qweight] + [c.qweight for c in self._group_caches.values()]
+        return [q for q in held if any(q is f for f in forward)]
 
     def quantized_weight(self) -> Fp8Tensor:
         """The (128, 128)-block FP8 weight for the current weight version, quantized at most once."""

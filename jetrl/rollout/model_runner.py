@@ -293,7 +293,7 @@ class ModelRunner:
             for layer in fp8_linears(self.model):
                 ptrs.append(id(layer))  # a recipe swap replaces the modules the graphs captured
                 if layer.uses_fp8():
-                    for q in layer.current_fp8_tensors():
+                    for q in layer.current_fp8_tensors(transposes=False):  # the update's W^T is not read here
                         ptrs += [q.data.data_ptr(), q.scale.data_ptr()]
         return tuple(ptrs)
 

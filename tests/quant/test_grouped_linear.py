@@ -187,3 +187,19 @@ def test_current_fp8_tensors_refreshes_in_place_and_copies_nothing_new():
     own = R.quantize_tensor(layers[1].weight.detach(), WEIGHT)
     assert torch.equal(rows.data.view(torch.uint8), own.data.view(torch.uint8))
     assert fp8_weight_bytes(model) == held
+
+
+def test_current_fp8_tensors_without_transposes_lists_the_forward_weights_only():
+    """The rollout keys its decode graphs on the weights a forward reads: a W^T cached by the update
+    (``cache_weight_t``) must not change that key, or the graphs would be captured again after the first update."""
+    from jetrl.quant.kernels import tuning
+
+    layers = _layers((256, 128), bias=False, seed=6)
+    x = torch.randn(9, 256)
+    with torch.no_grad():
+        grouped_linear(layers, x)
+    before = [q.data.data_ptr() for q in layers[0].current_fp8_tensors(transposes=False)]
+    with tuning.override(cache_weight_t=True):
+        grouped_linear(layers, x.clone().requires_grad_()).sum().backward()
+    assert len(layers[0].current_fp8_tensors()) == 2  # W and the update's W^T
+    assert [q.data.data_ptr() for q in layers[0].current_fp8_tensors(transposes=False)] == before
