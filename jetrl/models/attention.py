@@ -451,7 +451,9 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     m') + sum(p)``, ``acc = acc * exp(m - m') + sum(p * v)``; the output is ``acc / l`` in q's dtype. (The kernel
     computes both sums as MMAs, so that its decode schedule, with the MMA's operands swapped, gets the same bits.) A masked position contributes exact zeros
     and a chunk past a row's last key leaves its state unchanged (``exp(0) = 1``), so the result depends on the
-    row's own keys only: not on the batch, the other rows, the table width or the block size. No host syncs.
+    row's own keys only: not on the batch, the other rows, the table width or the block size. Each sum reduces the
+    innermost, contiguous dimension (on the CPU such a reduction computes every output on its own, whatever the
+    number of rows or threads). No host syncs.
     An FP8 cache (``k_scale``/``v_scale`` given): each chunk's keys and values are dequantized to ``q``'s dtype
     first (:func:`dequantize_kv`), so the result is bitwise this function over the dequantized cache.
     """
@@ -487,14 +489,18 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
             k = dequantize_kv(k, k_scale.reshape(-1, num_kv_heads)[slots], q.dtype)
             v = dequantize_kv(v, v_scale.reshape(-1, num_kv_heads)[slots], q.dtype)
         k = k.float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (N, Hq, C, D)
-        v = v.float().repeat_interleave(group, dim=2).permute(0, 2, 1, 3)
+        # (N, Hq, D, C) contiguous: the sum over the chunk's keys below is then an inner reduction, which computes each
+        # output on its own. Over (N, Hq, C, D) it would be an outer one, whose CPU kernel sums a column in another
+        # order depending on where it falls among the columns its thread is given (blocks of a few vectors, then
+        # single vectors), and the threads' split of the columns depends on N: not batch-invariant
+        v = v.float().repeat_interleave(group, dim=2).permute(0, 2, 3, 1).contiguous()
         s = (q32 * k).sum(-1) * softmax_scale  # (N, Hq, C)
         s = s.masked_fill(~visible[:, None, :], float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[..., None]).to(q.dtype).float()  # masked positions: exactly 0
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + (p[..., None] * v).sum(-2)
+        acc = acc * alpha[..., None] + (p[:, :, None, :] * v).sum(-1)
         m = m_new
     return (acc / l[..., None]).to(q.dtype)
 

@@ -165,10 +165,10 @@ class MLP(nn.Module):
         scaling = fp8_input_scaling(self.down_proj)
         gate_up = grouped_linear(self.input_projections(), x, x_fp8, exact=exact)
         if gate_up is not None:
-            act, act_fp8 = swiglu_packed(gate_up, quantize=scaling is not None, pow2_scale=bool(scaling))
+            act, act_fp8 = swiglu_packed(gate_up, quantize=scaling is not None, pow2_scale=bool(scaling), exact=exact)
         else:
             gate, up = (call_linear(m, x, x_fp8, exact=exact) for m in self.input_projections())
-            act, act_fp8 = swiglu(gate, up, quantize=scaling is not None, pow2_scale=bool(scaling))
+            act, act_fp8 = swiglu(gate, up, quantize=scaling is not None, pow2_scale=bool(scaling), exact=exact)
         return call_linear(self.down_proj, act, act_fp8, exact=exact)
 
 

@@ -31,7 +31,14 @@ whatever the other rows are.
   V) are MMAs. A decode step runs the kernel with the MMA's operands swapped (keys as rows, heads as columns),
   which gives the same bits with a fraction of the work.
 * **Row-wise ops** (RMSNorm with its residual add, SwiGLU, RoPE, the 1x128 quantization) read one row each;
-  they stay as they are (tests prove their batch invariance).
+  they stay as they are (tests prove their batch invariance, at several CPU thread counts too), but for one: reading
+  one row is not enough where an op computes an element one way or another by its place in the tensor. ATen's CPU
+  ``silu`` takes the SIMD ``exp`` on whole vectors and the C library's on the leftovers of each contiguous run and
+  of each thread's share, which differ in the last bit, so its bits follow the number of rows and the thread count.
+  Exact mode's SwiGLU therefore runs :func:`jetrl.quant.swiglu.silu` with ``exact`` (the same formula from ops that
+  compute every element alike) on the CPU. For the same reason each sum of the CPU reference of exact attention
+  reduces the innermost, contiguous dimension (an outer reduction's kernel sums a column in an order that depends on
+  the columns its thread is given).
 * **The LM head's log-probabilities** (:func:`jetrl.models.logprobs.exact_logprobs_from_logits`): one function
   for the sampler and the trainer, over the logits of the exact LM head (fp32 in the sampler, the model's dtype in
   the trainer's chunked head: the same values); on CUDA one Triton pass per row in a fixed configuration whose bits

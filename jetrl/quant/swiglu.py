@@ -10,6 +10,19 @@ kernels reproduce its roundings op for op (see :mod:`jetrl.quant.kernels.swiglu_
 the dtype, the product rounded to the dtype, the FP8 taken of that rounded product. The backward rounds
 where autograd of the unfused code rounds, so training sees the same gradients with or without fusion.
 
+**Exact mode** (``exact=True``, :mod:`jetrl.quant.exact`) needs silu batch-invariant, and ATen's CPU ``F.silu`` is
+not: its loop computes ``x / (1 + exp(-x))`` with the SIMD ``exp`` on whole vectors but with the C library's
+``exp`` on the elements left over at the end of each contiguous run (fewer than two vectors), on strided inputs,
+and at the ends of the ranges that several threads split a large tensor into. The two ``exp`` differ in the last
+bit for a few percent of inputs, so an element's bits depend on where it lands in the tensor: on the number of rows
+and, with several threads, on how that number divides among them (in fp32 nothing rounds the difference away: the
+engine's and the trainer's log-probabilities then differ by an ulp). With ``exact`` the reference on the CPU
+computes the formula from ops that evaluate every element alike (:func:`silu`): ``torch.exp`` (one vector-math
+function over the whole buffer, leftover elements included; strided inputs through a contiguous buffer), a
+negation, an addition and an IEEE division, in fp32, rounded to the dtype once; the backward is ATen's
+``silu_backward``, as under ``F.silu``. Fast mode keeps ``F.silu`` (its CPU numerics unchanged); so does CUDA,
+where ``F.silu`` and the kernels compute every element alike.
+
 Dispatch (:func:`jetrl.quant.backend.choose_impl`): CUDA tensors go to the Triton kernels when the FP8 backend
 for the device is ``"cuda"``; everything else runs the reference. ``impl="reference" | "triton"`` forces one (the Triton
 kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
@@ -32,9 +45,33 @@ def use_triton(x: torch.Tensor, impl: str | None) -> bool:
     return choose_impl(x, impl, op="swiglu") == "triton"
 
 
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The unfused model code, the specification of the fused kernels."""
-    return F.silu(gate) * up
+class _SiLU(torch.autograd.Function):
+    """``x / (1 + exp(-x))`` in fp32 rounded to x's dtype, from ops that compute every element alike (see the module
+    doc); the backward is ATen's ``silu_backward``, the one ``F.silu``'s autograd runs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        xf = x.float()
+        return (xf / torch.exp(-xf).add_(1.0)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad, x)
+
+
+def silu(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """``F.silu(x)``; ``exact``: batch-invariant, an element's bits depending on its value alone (not on its position
+    in ``x``, ``x``'s size or strides, or the thread count): on the CPU the formula from ops that compute every element
+    alike (ATen's CPU ``F.silu`` does not, see the module doc), elsewhere ``F.silu``."""
+    return _SiLU.apply(x) if exact and x.device.type == "cpu" else F.silu(x)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, exact: bool = False) -> torch.Tensor:
+    """The unfused model code, the specification of the fused kernels; ``exact``: with :func:`silu`'s batch-invariant
+    form (exact mode)."""
+    return silu(gate, exact) * up
 
 
 def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
@@ -122,23 +159,24 @@ def _reference_fp8(out: torch.Tensor, quantize: bool, pow2_scale: bool) -> Fp8Te
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, quantize: bool = False, pow2_scale: bool = False,
-           impl: str | None = None) -> tuple[torch.Tensor, Fp8Tensor | None]:
+           impl: str | None = None, exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None]:
     """``silu(gate) * up`` for ``gate``/``up`` of shape (..., K); differentiable in both.
 
     Returns ``(out, fp8)``: ``out`` (..., K) in the inputs' dtype; ``fp8`` (when ``quantize``) the 1x128
     quantization of ``out`` flattened to (M, K), bitwise ``reference.quantize(out, (1, 128), pow2_scale)``,
-    else ``None``.
+    else ``None``. ``exact``: batch-invariant (exact mode; the kernels are, the reference takes :func:`silu`'s exact
+    form).
     """
     _check_pair(gate, up)
     if not use_triton(gate, impl):
-        out = swiglu_reference(gate, up)
+        out = swiglu_reference(gate, up, exact)
         return out, _reference_fp8(out, quantize, pow2_scale)
     out, data, scale = _SwiGLU.apply(_rows(gate), _rows(up), quantize, pow2_scale)
     return _finish(out, data, scale, gate.shape[:-1], quantize)
 
 
 def swiglu_packed(gate_up: torch.Tensor, *, quantize: bool = False, pow2_scale: bool = False,
-                  impl: str | None = None) -> tuple[torch.Tensor, Fp8Tensor | None]:
+                  impl: str | None = None, exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None]:
     """:func:`swiglu` of ``gate_up`` (..., 2K) = ``cat([gate, up], -1)`` (a fused gate/up projection's output).
 
     Same math and outputs as ``swiglu(gate_up[..., :K], gate_up[..., K:])``; the gradient is one (..., 2K)
@@ -152,7 +190,7 @@ def swiglu_packed(gate_up: torch.Tensor, *, quantize: bool = False, pow2_scale: 
     k = gate_up.shape[-1] // 2
     _check_pair(gate_up[..., :k], gate_up[..., k:])
     if not use_triton(gate_up, impl):
-        out = swiglu_reference(gate_up[..., :k], gate_up[..., k:])
+        out = swiglu_reference(gate_up[..., :k], gate_up[..., k:], exact)
         return out, _reference_fp8(out, quantize, pow2_scale)
     out, data, scale = _SwiGLUPacked.apply(_rows(gate_up), quantize, pow2_scale)
     return _finish(out, data, scale, gate_up.shape[:-1], quantize)

@@ -395,3 +395,137 @@ def test_linears_sharing_an_input_group_to_their_own_exact_bits(bias):
     assert [tuple(y.shape) for y in grouped] == [(5, 256), (5, 128), (5, 128)]
     for y, ref in zip(grouped, alone):
         assert torch.isfinite(ref).all() and torch.equal(y, ref)
+
+
+# ------------------------------------------------------------------ several CPU threads
+# torch splits an elementwise op or a reduction over a large tensor among its threads at places that depend on the
+# tensor's size; an op whose kernel computes an element differently near such a place (ATen's CPU silu: the SIMD exp
+# on whole vectors, the C library's on the leftovers) is then batch-dependent at some thread counts and not at others
+# (e.g. fine at 1 and 2 threads, off by an ulp at 3 and 4). The tests above run on one thread; these at several.
+# More threads than cores is fine: only the split matters, not the speed.
+
+THREADS = (2, 3, 4)
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", THREADS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_swiglu_is_batch_invariant(threads, dtype):
+    """Exact mode's SwiGLU: a row's bits alone, at any offset in batches of any size, split among any number of
+    threads, and from the packed (strided) gate/up of a grouped projection; close to ``F.silu`` and with its
+    gradient."""
+    from jetrl.quant.swiglu import silu, swiglu, swiglu_packed
+
+    g = torch.Generator().manual_seed(8)
+    for k in (352, 100):  # the tiny-arith MLP's width; one that leaves a remainder of a SIMD vector in every row
+        gate, up = ((torch.randn(301, k, generator=g) * 4).to(dtype) for _ in range(2))
+        alone = torch.cat([swiglu(gate[i:i + 1], up[i:i + 1], exact=True)[0] for i in range(301)])
+        for start, stop in ((0, 301), (0, 97), (5, 300), (200, 201), (1, 256)):
+            out, _ = swiglu(gate[start:stop], up[start:stop], exact=True)
+            assert torch.equal(out, alone[start:stop]), (k, start, stop)
+        packed, _ = swiglu_packed(torch.cat([gate, up], -1), exact=True)
+        assert torch.equal(packed, alone), k
+        torch.testing.assert_close(silu(gate, exact=True).float(), torch.nn.functional.silu(gate).float(),
+                                   rtol=2 * torch.finfo(dtype).eps, atol=0)
+    x = (torch.randn(97, 100, generator=g) * 4).to(dtype).requires_grad_(True)
+    grad = torch.randn(97, 100, generator=g).to(dtype)
+    ours = torch.autograd.grad(silu(x, exact=True), x, grad)[0]
+    assert torch.equal(ours, torch.autograd.grad(torch.nn.functional.silu(x), x, grad)[0])
+
+
+@pytest.mark.parametrize("threads", THREADS, indirect=True)
+def test_exact_ops_are_batch_invariant_at_several_threads(threads):
+    """The other ops of the exact forward (batch-invariant GEMM, RMSNorm, RoPE, log-probabilities, attention) at
+    several thread counts, with batches large enough that torch splits their work among the threads."""
+    from jetrl.models.logprobs import exact_logprobs_from_logits
+    from jetrl.models.rope import apply_rope_qk
+
+    g = torch.Generator().manual_seed(9)
+    rows = ([0], [299, 3], list(range(40, 137)), list(range(300)))
+    for n, k in ((352, 128), (128, 352), (26, 128)):
+        w, x = torch.randn(n, k, generator=g) * 0.05, torch.randn(300, k, generator=g)
+        full = row_invariant_matmul(x, w)
+        for r in rows:
+            assert torch.equal(row_invariant_matmul(x[r], w), full[r]), (n, k, r)
+    x, res = torch.randn(300, 128, generator=g), torch.randn(300, 128, generator=g)
+    w = torch.rand(128, generator=g) + 0.5
+    q, kk = torch.randn(300, 4, 32, generator=g), torch.randn(300, 2, 32, generator=g)
+    cos, sin = torch.randn(300, 32, generator=g), torch.randn(300, 32, generator=g)
+    full_norm, full_rope = rms_norm(x, w, 1e-5, res), apply_rope_qk(q, kk, cos, sin)
+    for r in rows:
+        norm = rms_norm(x[r], w, 1e-5, res[r])
+        assert torch.equal(norm.out, full_norm.out[r]) and torch.equal(norm.residual, full_norm.residual[r])
+        rope = apply_rope_qk(q[r], kk[r], cos[r], sin[r])
+        assert torch.equal(rope[0], full_rope[0][r]) and torch.equal(rope[1], full_rope[1][r])
+    for vocab in (26, 1000):
+        logits = torch.randn(300, vocab, generator=g) * 4
+        targets, temps = torch.randint(0, vocab, (300,), generator=g), torch.ones(300)
+        full = exact_logprobs_from_logits(logits, targets, temps)[0]
+        for r in rows:
+            assert torch.equal(exact_logprobs_from_logits(logits[r], targets[r], temps[r])[0], full[r]), (vocab, r)
+    # attention: each sequence packed with the others and alone, and its last token as a decode row among the other
+    # sequences' last tokens (as many decode rows as head_dim or fewer: the shapes whose work is split differently)
+    lengths = [3, 70, 1, 129, 40, 8]
+    cu = [0]
+    for length in lengths:
+        cu.append(cu[-1] + length)
+    for head_dim in (32, 128):
+        q, kk, v = (torch.randn(cu[-1], h, head_dim, generator=g) for h in (4, 2, 2))
+        packed = exact_varlen_attention(q, kk, v, cu, head_dim ** -0.5)
+        for i, (a, b) in enumerate(zip(cu, cu[1:])):
+            alone = exact_varlen_attention(q[a:b], kk[a:b], v[a:b], [0, b - a], head_dim ** -0.5)
+            assert torch.equal(alone, packed[a:b]), (head_dim, i)
+        tables = torch.full((len(lengths), max(lengths)), -1, dtype=torch.int32)
+        for i, (a, b) in enumerate(zip(cu, cu[1:])):
+            tables[i, :b - a] = torch.arange(a, b, dtype=torch.int32)
+        meta = PagedAttentionMetadata(torch.arange(len(lengths) + 1, dtype=torch.int32),
+                                      torch.tensor(lengths, dtype=torch.int32), tables,
+                                      torch.zeros(len(lengths), dtype=torch.long), 1, max(lengths))
+        last = torch.tensor(cu[1:]) - 1
+        decode = exact_attention_reference(q[last], kk[:, None], v[:, None], meta, head_dim ** -0.5)
+        assert torch.equal(decode, packed[last]), head_dim
+
+
+@pytest.mark.parametrize("threads", (3, 4), indirect=True)
+@pytest.mark.parametrize("recipe,dtype", [("bf16", torch.float32), ("bf16", torch.bfloat16), ("jet", torch.float32)],
+                         ids=["bf16-float32", "bf16-bfloat16", "jet-float32"])
+def test_engine_logprobs_equal_training_forward_bitwise_at_several_threads(models, threads, recipe, dtype):
+    """The engine against the trainer's packed forward (one batch of every sequence, and odd micro-batches) with
+    torch on several threads: a micro-batch of hundreds of tokens has its elementwise ops split among the threads,
+    the engine's decode steps of a few rows do not."""
+    model = models[(recipe, dtype)] if (recipe, dtype) in models else \
+        build_model(DecoderConfig(**CONFIG), dtype=dtype, recipe=recipe, seed=0)
+    prompts = _prompts(7, seed=21)
+    engine = RolloutEngine(model, max_num_seqs=8, num_blocks=256, block_size=4, max_num_batched_tokens=48,
+                           progress=False, exact=True)
+    outs = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5, ignore_eos=True))
+    for micro in (None, 5, 7):
+        for c, lp in zip(outs, _score(model, prompts, outs, micro)):
+            engine_lp = torch.tensor(c.logprobs, dtype=torch.float32)
+            assert torch.equal(engine_lp, lp), (threads, micro, (engine_lp - lp).abs().max())
+
+
+@pytest.mark.parametrize("threads", (3, 4), indirect=True)
+@pytest.mark.parametrize("recipe,dtype,shape", [
+    ("bf16", torch.float32, (5, 3, 15, 5)), ("bf16", torch.float32, (7, 3, 21, 7)),
+    ("bf16", torch.bfloat16, (5, 3, 15, 5)), ("jet", torch.float32, (3, 3, 9, 3))],
+    ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, tuple) else "P{}-n{}-mini{}-micro{}".format(*v))
+def test_exact_over_several_steps_at_several_threads(threads, recipe, dtype, shape):
+    """:func:`test_exact_over_several_steps` with torch on several threads (the issue's case: the bf16 recipe on
+    float32 weights, five prompts of three samples, micro-batches of five, at three or four threads): zero mismatch
+    at every step, before and after the optimizer moved the weights."""
+    num_prompts, n, mini, micro = shape
+    trainer = _trainer(recipe, dtype, (f"--data.prompts_per_step={num_prompts}", f"--rollout.n={n}",
+                                       f"--algorithm.mini_batch_size={mini}", f"--algorithm.micro_batch_size={micro}",
+                                       "--rollout.max_tokens=12", "--optim.lr=1e-2"))
+    trainer.prompts = _Prompts(num_prompts)
+    for step in range(3):
+        metrics = trainer.step()
+        assert metrics["mismatch/logp_abs_diff_max"] == 0.0, (threads, step, metrics["mismatch/logp_abs_diff_max"])
