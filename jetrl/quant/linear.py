@@ -126,23 +126,24 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return (grad_x, None, None, None, None, None, None, None, None, None, *grad_ws, *grad_bs)
 
 
+def _tuning():
+    """The kernel tuning in force (a CPU-only module; the kernels are imported lazily, tests/test_layering.py)."""
+    from jetrl.quant.kernels.tuning import current
+
+    return current()
+
+
 def _wgrad_transposed() -> bool:
     """Whether WGrad computes dW^T = x^T @ dy (its GEMM with M and N swapped) instead of dW = dy^T @ x: the tuning's
     ``wgrad_transposed``, a schedule choice (the GEMM's kernel for that orientation), equal to output rounding."""
-    from jetrl.quant.kernels.tuning import current  # CPU-only module; kernels are imported lazily (test_layering)
-
-    return current().wgrad_transposed
+    return _tuning().wgrad_transposed
 
 
 def _caches_transpose() -> bool:
     """Whether a forward should cache W^T's FP8 form with the weight: only with grad (DGrad reads it; rollout never
     pays its memory) and where the kernel tuning asks for it (``cache_weight_t``; else each backward transposes W's
     FP8 tiles, :meth:`~jetrl.quant.backend.Fp8Backend.transpose_weight`)."""
-    if not torch.is_grad_enabled():
-        return False
-    from jetrl.quant.kernels.tuning import current  # CPU-only module; kernels are imported lazily (test_layering)
-
-    return current().cache_weight_t
+    return torch.is_grad_enabled() and _tuning().cache_weight_t
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
