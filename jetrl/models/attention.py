@@ -417,6 +417,24 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return varlen_attention_reference(q, k, v, cu_seqlens, softmax_scale)
 
 
+def varlen_attention_on_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                               max_seqlen: int, softmax_scale: float) -> torch.Tensor:
+    """:func:`varlen_attention` without reading the offsets on the host, so a CUDA graph can capture it:
+    ``cu_seqlens`` (S+1,) int32 on q's device (zero-length sequences allowed, e.g. a padded batch's tail) and
+    ``max_seqlen`` an upper bound of the sequence lengths (the flash kernel's grid; a loose bound only launches
+    programs that exit at once). Flash-attention only (:func:`flash_varlen_eligible`); elsewhere a ValueError."""
+    if not flash_varlen_eligible(q, k):
+        raise ValueError("varlen_attention_on_device needs the flash-attention path (CUDA, compute capability 8.0+, "
+                         f"bf16/fp16, head size a multiple of 8 up to 256); got {q.dtype} q of head size "
+                         f"{q.shape[-1]} on {q.device}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be int32 on {q.device}, got {cu_seqlens.dtype} on {cu_seqlens.device}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    return _FlashVarlen.apply(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, int(max_seqlen),
+                              float(softmax_scale))
+
+
 def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
                                softmax_scale: float) -> torch.Tensor:
     """:func:`varlen_attention` as one causal SDPA per sequence (any device and dtype): its reference."""
@@ -586,6 +604,6 @@ def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 __all__ = [
     "quantize_kv", "dequantize_kv", "fake_quantize_kv", "PagedAttentionMetadata", "PagedKVCache", "write_kv",
-    "paged_attention_reference", "paged_attention", "varlen_attention", "sdpa_backends", "SDPA_BACKENDS", "exact_attention",
+    "paged_attention_reference", "paged_attention", "varlen_attention", "varlen_attention_on_device", "sdpa_backends", "SDPA_BACKENDS", "exact_attention",
     "exact_attention_reference", "exact_varlen_attention", "packed_as_paged", "plan_exact_attention",
 ]

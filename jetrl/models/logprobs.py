@@ -291,7 +291,8 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     for start in range(0, hidden.shape[0], size):
         h, t = hidden[start:start + size], targets[start:start + size]
         if recompute:
-            lp, ent = checkpoint(_chunk_logprobs, model.compute_logits, h, t, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_chunk_logprobs, model.compute_logits, h, t, temperature, use_reentrant=False,
+                                  preserve_rng_state=False)
         else:
             lp, ent = _chunk_logprobs(model.compute_logits, h, t, temperature)
         lps.append(lp)
@@ -313,7 +314,8 @@ def _exact_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperat
     for start in range(0, hidden.shape[0], size):
         h, t = hidden[start:start + size], targets[start:start + size]
         if recompute:
-            lp, ent = checkpoint(_exact_chunk, model, h, t, temperature, chosen, use_reentrant=False)
+            lp, ent = checkpoint(_exact_chunk, model, h, t, temperature, chosen, use_reentrant=False,
+                                  preserve_rng_state=False)
         else:
             lp, ent = _exact_chunk(model, h, t, temperature, chosen)
         lps.append(lp)

@@ -46,6 +46,7 @@ from jetrl.models.attention import (
     paged_attention,
     plan_exact_attention,
     varlen_attention,
+    varlen_attention_on_device,
     write_kv,
 )
 from jetrl.models.config import DecoderConfig
@@ -227,7 +228,9 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             if recompute:
-                h, residual = checkpoint(layer, h, residual, cos, sin, attend, exact, use_reentrant=False)
+                # the blocks draw no random numbers: no RNG state to stash (which a CUDA graph capture forbids)
+                h, residual = checkpoint(layer, h, residual, cos, sin, attend, exact, use_reentrant=False,
+                                         preserve_rng_state=False)
             else:
                 h, residual = layer(h, residual, cos, sin, attend, exact)
         return self.norm.fused(h, residual, None).out
@@ -309,6 +312,22 @@ class DecoderLM(nn.Module):
         if max_seqlen is not None and longest > max_seqlen:
             raise ValueError(f"a packed sequence has {longest} tokens, more than max_seqlen={max_seqlen}")
         return self.model(input_ids, positions, _packed_attend(cu, exact, kv_fp8), exact)
+
+    def forward_packed_on_device(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                                 max_seqlen: int, *, kv_fp8: bool = False) -> torch.Tensor:
+        """:meth:`forward_packed` (fast mode) with nothing read on the host, so that a CUDA graph can capture it:
+        ``cu_seqlens`` (S+1,) int32 already on the device (zero-length sequences allowed) and ``max_seqlen`` an
+        upper bound of the sequence lengths. Attention runs the flash path only
+        (:func:`~jetrl.models.attention.varlen_attention_on_device`); ids are not checked."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"forward_packed_on_device expects input_ids and positions of shape (N,), got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+
+        def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
+            if kv_fp8:
+                k, v = fake_quantize_kv(k), fake_quantize_kv(v)
+            return varlen_attention_on_device(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+        return self.model(input_ids, positions, attend)
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
                       kv_cache: PagedKVCache, logits_indices: torch.Tensor | None = None, *,

@@ -61,29 +61,37 @@ def masked_log_ratio(logprobs: torch.Tensor, other_logprobs: torch.Tensor, mask:
     return torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
 
 
-def _token_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None, num_seqs: int | float | None,
+# a denominator: a number, or a 0-dim tensor (a CUDA graph's input, set before each replay: no host read)
+Count = int | float | torch.Tensor
+
+
+def _at_least_one(count):
+    return count.clamp(min=1) if torch.is_tensor(count) else max(count, 1)
+
+
+def _token_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: Count | None, num_seqs: Count | None,
                 max_len: int | None) -> torch.Tensor:
     if num_tokens is None:
         return v.sum() / mask.sum().clamp(min=1)
-    return v.sum() / max(num_tokens, 1)
+    return v.sum() / _at_least_one(num_tokens)
 
 
-def _sequence_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None,
-                   num_seqs: int | float | None, max_len: int | None) -> torch.Tensor:
+def _sequence_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: Count | None, num_seqs: Count | None,
+                   max_len: int | None) -> torch.Tensor:
     counts = mask.sum(dim=1)
     seq_mean = v.sum(dim=1) / counts.clamp(min=1)
     if num_seqs is None:  # empty rows (no response token) are not sequences of the mean
         return seq_mean.sum() / (counts > 0).sum().clamp(min=1)
-    return seq_mean.sum() / max(num_seqs, 1)
+    return seq_mean.sum() / _at_least_one(num_seqs)
 
 
-def _sequence_sum_norm(v: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | None,
-                       num_seqs: int | float | None, max_len: int | None) -> torch.Tensor:
+def _sequence_sum_norm(v: torch.Tensor, mask: torch.Tensor, num_tokens: Count | None, num_seqs: Count | None,
+                       max_len: int | None) -> torch.Tensor:
     seqs = mask.shape[0] if num_seqs is None else num_seqs
     length = mask.shape[1] if max_len is None else max_len
     if length < 1:
         raise ValueError(f"max_len must be >= 1, got {length}")
-    return v.sum() / max(seqs * length, 1)
+    return v.sum() / _at_least_one(seqs * length)
 
 
 # agg name -> reduction of the masked values (B, T) given the batch's denominators (see the module doc), for the
@@ -93,12 +101,13 @@ AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = choice_registry("loss_agg
 })
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, num_tokens: int | float | None = None,
-              num_seqs: int | float | None = None, max_len: int | None = None) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, num_tokens: Count | None = None,
+              num_seqs: Count | None = None, max_len: int | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` (B, T) over the valid tokens of ``mask`` to a scalar (see module doc).
 
     ``num_tokens`` (token), ``num_seqs`` (sequence, sequence-sum-norm) and ``max_len`` (sequence-sum-norm)
-    override the denominators taken from this batch, for gradient accumulation over micro-batches.
+    override the denominators taken from this batch, for gradient accumulation over micro-batches; ``num_tokens``
+    and ``num_seqs`` may be 0-dim tensors (no host read: a CUDA graph's inputs).
     """
     _check_same_shape(mask, values=values)
     mask = _as_bool_mask(mask)
@@ -166,8 +175,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.T
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token", *,
-                is_weights: torch.Tensor | None = None, num_tokens: int | float | None = None,
-                num_seqs: int | float | None = None, max_len: int | None = None,
+                is_weights: torch.Tensor | None = None, num_tokens: Count | None = None,
+                num_seqs: Count | None = None, max_len: int | None = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO/DAPO clipped surrogate loss and its metrics (see the module doc for the formula).
 

@@ -42,7 +42,10 @@ class MasterWeightAdamW:
     scheduler attaches to :attr:`inner` (a real ``torch.optim.AdamW``)."""
 
     def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, keep_grads: bool = False) -> None:
+        # keep_grads: the parameters' .grad buffers are zeroed in place, never dropped, so that their addresses
+        # stay fixed (the update's CUDA graphs accumulate into them); costs their memory at the step's peak
+        self.keep_grads = bool(keep_grads)
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("MasterWeightAdamW got no trainable parameters")
@@ -67,8 +70,12 @@ class MasterWeightAdamW:
 
     def zero_grad(self) -> None:
         for p, m in zip(self.params, self.masters):
-            p.grad = None
-            m.grad = None
+            if self.keep_grads and p.grad is not None:
+                p.grad.zero_()
+            else:
+                p.grad = None
+            if m is not p:
+                m.grad = None
 
     @torch.no_grad()
     def gather_grads(self) -> list[torch.Tensor]:
@@ -77,7 +84,8 @@ class MasterWeightAdamW:
         for p, m in zip(self.params, self.masters):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
-                p.grad = None  # the fp32 copy replaces it: 2 bytes per parameter less at the step's peak
+                if not self.keep_grads:
+                    p.grad = None  # the fp32 copy replaces it: 2 bytes per parameter less at the step's peak
             if m.grad is not None:
                 grads.append(m.grad)
         return grads

@@ -61,10 +61,13 @@ from jetrl.parallel import ParallelContext, full_weights, refresh_rollout_weight
 from jetrl.quant.recipe import fp8_weight_bytes
 from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.batch import RolloutBatch
-from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
+from jetrl.rl.losses import truncated_is_weights
+from jetrl.rl.micro_batch import (bucket_shape, micro_batch_loss, micro_batch_sizes, pack, packed_logprobs,
+                                  stat_names)
 from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.minibatch import mini_batch_rows
 from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler
+from jetrl.rl.update_graphs import UpdateGraphs, graphs_apply
 
 if TYPE_CHECKING:
     from jetrl.rollout import RolloutEngine
@@ -88,32 +91,6 @@ class PromptSource(Protocol):
 
 # (completion texts, references) -> rewards, or a RewardResult (the reward pool's: rewards + per-sample status)
 RewardFn = Callable[[list[str], list[str]], "Sequence[float] | RewardResult"]
-
-
-# policy_loss's metrics the update reports (each weighted by the micro-batch's tokens)
-_ACTOR_KEYS = ("num_tokens", "pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl",
-               "ratio_max", "ratio_min")
-
-
-class _Scalars:
-    """Scalars of several micro-batches (device tensors or numbers) brought to the host together: one transfer,
-    one wait for the GPU, instead of one per value (which would drain the GPU's queue each time)."""
-
-    def __init__(self) -> None:
-        self.values: list[torch.Tensor | float] = []
-
-    def add(self, value: torch.Tensor | float) -> int:
-        """Keep ``value``; returns its position in :meth:`fetch`'s list."""
-        self.values.append(value)
-        return len(self.values) - 1
-
-    def fetch(self) -> list[float]:
-        tensors = [(i, v.detach().reshape(()).double()) for i, v in enumerate(self.values) if torch.is_tensor(v)]
-        out = [float(v) if not torch.is_tensor(v) else 0.0 for v in self.values]
-        if tensors:
-            for (i, _), value in zip(tensors, torch.stack([t.to(tensors[0][1].device) for _, t in tensors]).tolist()):
-                out[i] = value
-        return out
 
 
 def _seed_for(*parts: int) -> int:
@@ -172,8 +149,14 @@ class Trainer:
             self.ref_model.requires_grad_(False).eval()
             shard_model(self.ref_model, self.parallel)
         shard_model(model, self.parallel)
+        # the update as CUDA graphs where they apply (one CUDA device, fast mode): they accumulate into fixed
+        # gradient buffers, which the optimizer then keeps
+        self.update_graphs = None
+        if alg.cuda_graphs and graphs_apply(model, exact=config.exact, world_size=world) is None:
+            self.update_graphs = UpdateGraphs(model, alg, temperature=config.rollout.temperature,
+                                              kv_fp8=config.kv_fp8_train, max_len=config.rollout.max_tokens)
         self.optimizer = MasterWeightAdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                                           weight_decay=opt.weight_decay)
+                                           weight_decay=opt.weight_decay, keep_grads=self.update_graphs is not None)
         num_updates = config.trainer.steps * alg.ppo_epochs * (config.rollout_batch_size // config.mini_batch_size)
         self.scheduler = build_lr_scheduler(self.optimizer, opt.warmup_steps, max(1, num_updates), opt.schedule,
                                             opt.min_lr_ratio)
@@ -261,36 +244,15 @@ class Trainer:
 
     def sequence_logprobs(self, model: nn.Module, batch: RolloutBatch, rows: Sequence[int]
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies (len(rows), R) of the response tokens of ``rows``, one packed forward.
-
-        Differentiable when grad is enabled. Row ``i`` of a packed sequence predicts token ``i + 1``, so
-        response token ``j`` of a sequence with prompt length ``p`` is scored at packed row
-        ``start + p - 1 + j``."""
-        from jetrl.models import logprobs_from_hidden
-
-        lens = [batch.tokens[s].numel() for s in rows]
-        starts = [0]
-        for L in lens:
-            starts.append(starts[-1] + L)
-        R = batch.mask.shape[1]
-        offsets = torch.arange(R)
-        index = torch.stack([(starts[b] + batch.prompt_lens[s] - 1 + offsets).clamp(max=starts[b + 1] - 1)
-                             for b, s in enumerate(rows)])  # (b, R); masked slots clamped
-        # ids, positions, targets and the LM head's rows, made on the host and sent in one asynchronous copy
-        ids, positions, targets, flat = self._to_device(torch.cat([
-            torch.cat([batch.tokens[s] for s in rows]),
-            torch.cat([torch.arange(L) for L in lens]),
-            torch.cat([torch.cat([batch.tokens[s][1:], torch.tensor([-1])]) for s in rows]),
-            index.flatten()])).split([starts[-1], starts[-1], starts[-1], index.numel()])
-        exact = self.config.exact  # exact mode: bitwise the engine's log-probs (the engine runs it too)
-        # FP8 KV cache under jet: attend over the K/V values the engine's FP8 cache held; the ids were checked
-        # against the vocabulary on the host (build_batch), so neither the forward nor the LM head syncs to do it
-        hidden = model.forward_packed(ids, positions, starts, max(lens), exact=exact, kv_fp8=self.config.kv_fp8_train,
-                                      check_ids=False)
-        # the LM head runs on the response rows only (prompt rows predict no scored token)
-        lp, ent = logprobs_from_hidden(model, hidden[flat], targets[flat], temperature=self.config.rollout.temperature,
-                                       exact=exact, check_targets=False)
-        return lp.view_as(index), ent.view_as(index)
+        """Log-probs and entropies (len(rows), R) of the response tokens of ``rows`` (0 past each response), one
+        packed forward with the LM head on the response rows alone (:mod:`jetrl.rl.micro_batch`). Differentiable
+        when grad is enabled. Exact mode: bitwise the engine's log-probs (the engine runs exact mode too); the FP8
+        KV cache under ``jet``: attention over the K/V values the engine's FP8 cache held."""
+        packed = pack(batch, rows, batch.mask.shape[1])
+        # the ids were checked against the vocabulary on the host (build_batch): neither the forward nor the LM
+        # head syncs to do it; the index tensors go in one asynchronous copy
+        return packed_logprobs(model, packed, self._to_device(packed.blob), self.config.rollout.temperature,
+                               exact=self.config.exact, kv_fp8=self.config.kv_fp8_train)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host tensor on the trainer's device without a stream sync: a copy from pageable memory waits for the
@@ -334,6 +296,24 @@ class Trainer:
         most = int(self.parallel.max([len(micros)])[0])
         return micros + [None] * (most - len(micros))
 
+    def _micro_step(self, batch: RolloutBatch, rows: list[int], mask: torch.Tensor, advantages: torch.Tensor,
+                    inputs: dict[str, torch.Tensor | None], num_tokens: int, num_seqs: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss and backward of one micro-batch (the gradient accumulates into ``.grad``), as a CUDA graph
+        replay where they apply (:mod:`jetrl.rl.update_graphs`), else eagerly; returns its log-probs (b, R),
+        detached, and :func:`~jetrl.rl.micro_batch.micro_batch_loss`'s statistics."""
+        alg = self.config.algorithm
+        if self.update_graphs is not None and self.update_graphs.failed is None:
+            tokens, scored, longest = micro_batch_sizes(batch, rows)
+            shape = bucket_shape(tokens, scored, len(rows), self.config.rollout.max_tokens, longest)
+            return self.update_graphs.run(pack(batch, rows, shape.width, shape), mask, advantages, inputs,
+                                          num_tokens, num_seqs)
+        lp, ent = self.sequence_logprobs(self.model, batch, rows)
+        loss, stats = micro_batch_loss(alg, lp, ent, mask, advantages, num_tokens=num_tokens, num_seqs=num_seqs,
+                                       max_len=self.config.rollout.max_tokens, **inputs)
+        loss.backward()
+        return lp.detach(), stats
+
     def update(self, batch: RolloutBatch, old_lp: torch.Tensor | None, ref_lp: torch.Tensor | None,
                is_weights: torch.Tensor | None, record_first: bool = False) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; one guarded optimizer step per mini-batch.
@@ -372,46 +352,30 @@ class Trainer:
                 num_seqs = int((m.sum(1) > 0).sum()) if alg.agg == "sequence" else len(rows)
                 # the normalisers of the whole (global) mini-batch: the ranks' losses then add up to its loss
                 num_tokens, num_seqs = (int(v) for v in self.parallel.sum([num_tokens, num_seqs]))
-                norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.config.rollout.max_tokens)
-                pending = _Scalars()  # the micro-batches' metrics, fetched in one transfer before the optimizer step
-                records = []
+                stats = []  # per micro-batch, fetched in one transfer before the optimizer step
                 micros = self.micro_batches(batch, rows)
                 for micro in self._same_count_on_every_rank(micros):
-                    is_padding = micro is None
-                    micro = micros[0] if is_padding else micro
-                    lp, ent = self.sequence_logprobs(self.model, batch, micro)
-                    if is_padding:  # the collectives of a forward/backward, no gradient
+                    if micro is None:  # the collectives of a forward/backward, no gradient
+                        lp, _ = self.sequence_logprobs(self.model, batch, micros[0])
                         (lp.sum() * 0.0).backward()
                         continue
                     idx = self._to_device(torch.tensor(micro))  # one index tensor for every gather of this micro
                     mask = batch.mask[idx]
+                    inputs = dict(old_logprobs=None if old_lp is None else old_lp[idx],
+                                  rollout_logprobs=(batch.rollout_logprobs[idx]
+                                                    if old_lp is None and alg.tis_cap is not None else None),
+                                  is_weights=is_weights[idx] if old_lp is not None and is_weights is not None else None,
+                                  ref_logprobs=None if ref_lp is None else ref_lp[idx])
+                    lp, micro_stats = self._micro_step(batch, micro, mask, batch.advantages[idx], inputs, num_tokens,
+                                                       num_seqs)
                     if own_lp is not None and optimizer_steps == 0:  # the policy has not moved yet
-                        own_lp[idx] = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))
+                        own_lp[idx] = torch.where(mask, lp.float(), torch.zeros((), device=lp.device))
                         recorded[idx] = mask
-                    if old_lp is None:  # these are the old log-probs
-                        old = own_lp[idx]
-                        w = (truncated_is_weights(old, batch.rollout_logprobs[idx], mask, alg.tis_cap)
-                             if alg.tis_cap is not None else None)
-                    else:
-                        old = old_lp[idx]
-                        w = is_weights[idx] if is_weights is not None else None
-                    loss, metrics = policy_loss(lp, old, batch.advantages[idx], mask, alg.clip_low,
-                                                alg.clip_high, alg.agg, is_weights=w, **norm)
-                    if alg.entropy_coef > 0:
-                        loss = loss - alg.entropy_coef * aggregate(ent.float(), mask, alg.agg, **norm)
-                    record = {key: pending.add(metrics[key]) for key in _ACTOR_KEYS}
-                    if ref_lp is not None:
-                        kl_tokens = kl_penalty(lp, ref_lp[idx], mask, alg.kl_estimator)
-                        loss = loss + alg.kl_coef * aggregate(kl_tokens, mask, alg.agg, **norm)
-                        record["kl_ref"] = pending.add(masked_mean(kl_tokens, mask))
-                    record["finite"] = pending.add(torch.isfinite(loss))
-                    record["entropy"] = pending.add(masked_mean(ent, mask))
-                    loss.backward()
-                    records.append(record)
-                values = pending.fetch()
+                    stats.append(micro_stats)
+                names = stat_names(ref_lp is not None)
                 loss_finite, mini_pg_loss = True, 0.0
-                for record in records:
-                    v = {key: values[i] for key, i in record.items()}
+                for values in (torch.stack(stats).tolist() if stats else []):
+                    v = dict(zip(names, values))
                     ntok = v["num_tokens"]
                     if "kl_ref" in v:
                         add("actor/kl_ref", v["kl_ref"], ntok)
@@ -498,6 +462,9 @@ class Trainer:
         metrics.update(timer.memory_metrics())
         if self.device.type == "cuda":
             metrics["memory/fp8_weights_gib"] = fp8_weight_bytes(self.model) / 2 ** 30
+        if self.update_graphs is not None:  # over the run so far: captures stop once every shape has its graph
+            metrics["update/graph_captures"] = float(self.update_graphs.captures)
+            metrics["update/graph_replays"] = float(self.update_graphs.replays)
         if skip_pass and metrics["mismatch/logp_abs_diff_max"] != 0.0:  # the bypass's premise failed: say so
             warnings.warn(f"exact mode: the engine's log-probabilities differ from the trainer's (max |dlogp| "
                           f"{metrics['mismatch/logp_abs_diff_max']:.3g} on the checked tokens), but "

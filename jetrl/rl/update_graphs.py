@@ -1,0 +1,193 @@
+"""CUDA graphs of the update's micro-batches: forward, loss and backward captured once per padded shape, replayed
+for every later micro-batch of that shape.
+
+Why: at 0.5B-1.5B parameters the update is host-bound. A micro-batch issues thousands of kernels from Python
+(autograd, activation checkpointing, the FP8 linears' quantizers and GEMMs), and the GPU waits between them. A
+replay issues them all at once.
+
+How: each micro-batch is padded to a :func:`~jetrl.rl.micro_batch.bucket_shape` (at most 1/16 more tokens; see
+:mod:`jetrl.rl.micro_batch` for why padding changes neither the loss nor the gradient). The first micro-batch of
+a shape runs eagerly on the graphs' stream: its gradient is real, and it compiles and warms up everything lazily
+made. Then the same work is captured (not run again). Later micro-batches of the shape copy their inputs into the
+shape's static buffers and replay. All graphs share one memory pool, so the largest shape's activations are
+held once, not once per shape.
+
+What a replay relies on, checked before each one (:meth:`UpdateGraphs.storage_key`; any change drops every
+graph, and the next micro-batches capture again):
+
+* parameters and their gradient buffers stay where they were captured. The optimizer keeps the gradient buffers
+  and zeroes them in place (:class:`~jetrl.rl.optim.MasterWeightAdamW` with ``keep_grads``), and autograd
+  accumulates into them inside the graph;
+* the FP8 weight caches stay where they were captured: they are brought to the current weights in place before
+  each replay (``current_fp8_tensors``);
+* the kernel tuning object in force is the one captured.
+
+Fast mode on one CUDA device only: exact mode plans its attention on the host per micro-batch, and FSDP gathers
+parameters collectively, so those run eagerly (:func:`graphs_apply`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from jetrl.quant import fp8_linears
+from jetrl.rl.micro_batch import MicroBatchShape, PackedMicroBatch, micro_batch_loss, packed_logprobs
+
+# the loss inputs a micro-batch may carry besides mask and advantages, in the order of their static buffers
+LOSS_INPUTS = ("old_logprobs", "rollout_logprobs", "is_weights", "ref_logprobs")
+
+
+def graphs_apply(model: nn.Module, *, exact: bool, world_size: int) -> str | None:
+    """Why the update cannot run as CUDA graphs here (None: it can)."""
+    param = next(model.parameters())
+    if param.device.type != "cuda":
+        return "the model is not on a CUDA device"
+    if exact:
+        return "exact mode plans its attention on the host for every micro-batch"
+    if world_size > 1:
+        return "FSDP gathers the parameters collectively inside the forward"
+    if param.dtype not in (torch.bfloat16, torch.float16):
+        return f"the packed flash-attention path needs bf16 or fp16 parameters, not {param.dtype}"
+    return None
+
+
+@dataclass
+class _Graph:
+    """One shape's graph with its static inputs and outputs."""
+
+    blob: torch.Tensor                      # the packed index tensors (PackedMicroBatch.blob) on the device
+    mask: torch.Tensor                      # (sequences, width) bool
+    advantages: torch.Tensor                # (sequences,)
+    inputs: dict[str, torch.Tensor]         # LOSS_INPUTS present: (sequences, width) fp32
+    counts: torch.Tensor                    # (2,) fp32: the mini-batch's token and sequence normalisers
+    graph: torch.cuda.CUDAGraph | None = None
+    lp: torch.Tensor | None = None          # (sequences, width) log-probs, detached
+    stats: torch.Tensor | None = None       # micro_batch_loss's statistics
+    replays: int = field(default=0)
+
+
+class UpdateGraphs:
+    """The update's micro-batches as CUDA graphs, one per (shape, loss inputs present); see the module doc.
+
+    ``alg``: the :class:`~jetrl.config.schema.AlgorithmConfig`; ``temperature``: the sampling temperature the
+    log-probs are taken at; ``kv_fp8``: attention over FP8-cache values (``forward_packed``'s); ``max_len``: the
+    ``sequence-sum-norm`` constant."""
+
+    def __init__(self, model: nn.Module, alg, *, temperature: float, kv_fp8: bool, max_len: int) -> None:
+        self.model, self.alg = model, alg
+        self.temperature, self.kv_fp8, self.max_len = float(temperature), bool(kv_fp8), int(max_len)
+        self.device = next(model.parameters()).device
+        self.stream = torch.cuda.Stream(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, _Graph] = {}
+        self.key: tuple | None = None
+        self.captures = 0  # over the run, for the step's metrics
+        self.replays = 0
+        self.failed: str | None = None  # why a capture failed (the trainer then runs eagerly)
+
+    def storage_key(self) -> tuple:
+        """The addresses a replay reads and writes (parameters, gradients, FP8 weights, brought to the current
+        weights in place first) and the kernel tuning in force."""
+        from jetrl.quant.kernels import tuning
+
+        ptrs: list = [tuning.current()]
+        for p in self.model.parameters():
+            ptrs += [p.data_ptr(), -1 if p.grad is None else p.grad.data_ptr()]
+        for layer in fp8_linears(self.model):
+            ptrs.append(id(layer))
+            if layer.uses_fp8():
+                for q in layer.current_fp8_tensors():
+                    ptrs += [q.data.data_ptr(), q.scale.data_ptr()]
+        return tuple(ptrs)
+
+    def _step(self, packed: PackedMicroBatch, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = packed_logprobs(self.model, packed, g.blob, self.temperature, kv_fp8=self.kv_fp8, on_device=True)
+        loss, stats = micro_batch_loss(self.alg, lp, ent, g.mask, g.advantages, old_logprobs=g.inputs.get(
+            "old_logprobs"), rollout_logprobs=g.inputs.get("rollout_logprobs"), is_weights=g.inputs.get("is_weights"),
+            ref_logprobs=g.inputs.get("ref_logprobs"), num_tokens=g.counts[0], num_seqs=g.counts[1],
+            max_len=self.max_len)
+        loss.backward()
+        return lp.detach(), stats
+
+    def run(self, packed: PackedMicroBatch, mask: torch.Tensor, advantages: torch.Tensor,
+            inputs: dict[str, torch.Tensor | None], num_tokens: int, num_seqs: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, loss and backward of one micro-batch packed at a bucket shape; the gradient is accumulated
+        into the parameters' ``.grad``. ``mask`` (b, R), ``advantages`` (b,) and ``inputs`` (b, R) each (by
+        :data:`LOSS_INPUTS` name; None: absent) cover the micro-batch's b real sequences. Returns the
+        log-probs (b, R), detached, and the statistics vector, both fresh tensors."""
+        shape = packed.shape
+        present = tuple(name for name in LOSS_INPUTS if inputs.get(name) is not None)
+        key = self.storage_key()
+        if key != self.key:
+            self.graphs.clear()
+        g = self.graphs.get((shape, present))
+        fresh = g is None
+        if fresh:
+            g = self._buffers(shape, present)
+        b, width = mask.shape
+        self._fill(g, packed, mask, advantages, inputs, num_tokens, num_seqs)
+        if not fresh:
+            g.graph.replay()
+            g.replays += 1
+            self.replays += 1
+            return g.lp[:b, :width].clone(), g.stats.clone()
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            lp, stats = self._step(packed, g)  # the real micro-batch, eagerly: warms up what the capture records
+            lp, stats = lp[:b, :width].clone(), stats.clone()
+        main.wait_stream(self.stream)
+        lp.record_stream(main)
+        stats.record_stream(main)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                g.lp, g.stats = self._step(packed, g)
+        except Exception as exc:  # a path that cannot be captured still trains, eagerly (this micro-batch already did)
+            self.failed = f"{type(exc).__name__}: {exc}"
+            self.graphs.clear()
+            warnings.warn(f"CUDA graph capture of the update's micro-batch failed ({self.failed}); the update runs "
+                          "eagerly from here (algorithm.cuda_graphs: false says so up front)", RuntimeWarning,
+                          stacklevel=3)
+            return lp, stats
+        g.graph = graph
+        self.graphs[(shape, present)] = g
+        self.captures += 1
+        self.key = self.storage_key()  # the gradient buffers exist now (the eager run made them)
+        return lp, stats
+
+    def _buffers(self, shape: MicroBatchShape, present: tuple[str, ...]) -> _Graph:
+        cells = (shape.sequences, shape.width)
+        kw = dict(device=self.device)
+        return _Graph(blob=torch.zeros(sum(_blob_sizes(shape)), dtype=torch.int64, **kw),
+                      mask=torch.zeros(cells, dtype=torch.bool, **kw),
+                      advantages=torch.zeros(shape.sequences, dtype=torch.float32, **kw),
+                      inputs={name: torch.zeros(cells, dtype=torch.float32, **kw) for name in present},
+                      counts=torch.ones(2, dtype=torch.float32, **kw))
+
+    def _fill(self, g: _Graph, packed: PackedMicroBatch, mask: torch.Tensor, advantages: torch.Tensor,
+              inputs: dict[str, torch.Tensor | None], num_tokens: int, num_seqs: int) -> None:
+        b, width = mask.shape
+        host = torch.cat([packed.blob, torch.tensor([num_tokens, num_seqs], dtype=torch.int64)]).pin_memory()
+        device = host.to(self.device, non_blocking=True)
+        g.blob.copy_(device[:-2])
+        g.counts.copy_(device[-2:])
+        g.mask.zero_()
+        g.mask[:b, :width].copy_(mask)
+        g.advantages.zero_()
+        g.advantages[:b].copy_(advantages.float())
+        for name, buf in g.inputs.items():
+            buf.zero_()
+            buf[:b, :width].copy_(inputs[name].float())
+
+
+def _blob_sizes(shape: MicroBatchShape) -> list[int]:
+    return [shape.tokens, shape.tokens, shape.scored, shape.scored, shape.scored, shape.offsets]
+
+
+__all__ = ["UpdateGraphs", "graphs_apply", "LOSS_INPUTS"]
