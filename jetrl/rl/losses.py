@@ -226,7 +226,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         n_valid = mask.sum()
         denom = n_valid.clamp(min=1).float()
         lr = log_ratio.detach()
-        inf = torch.tensor(float("inf"), device=r.device)
+        inf = torch.full((), float("inf"), device=r.device)  # a fill, not a host copy (CUDA graphs capture it)
         one = torch.ones((), device=r.device)
         has_tokens = n_valid > 0
         metrics = {

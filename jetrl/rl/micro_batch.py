@@ -189,6 +189,10 @@ def micro_batch_loss(alg, lp: torch.Tensor, ent: torch.Tensor, mask: torch.Tenso
     ``rollout_logprobs``; otherwise ``is_weights`` are the given ones. ``ref_logprobs``: the KL penalty's
     reference. ``num_tokens``, ``num_seqs``: the mini-batch's normalisers (numbers, or 0-dim tensors under a
     CUDA graph), ``max_len`` the generation budget (``sequence-sum-norm``)."""
+    # the normalisers as device scalars either way: CUDA divides by a host number as a multiplication by its
+    # reciprocal, by a tensor as a division, so eager and captured runs must both take the tensor
+    num_tokens, num_seqs = (c if torch.is_tensor(c) else torch.full((), float(c), device=lp.device)
+                            for c in (num_tokens, num_seqs))
     norm = dict(num_tokens=num_tokens, num_seqs=num_seqs, max_len=max_len)
     if old_logprobs is None:
         old_logprobs = torch.where(mask, lp.detach().float(), torch.zeros((), device=lp.device))

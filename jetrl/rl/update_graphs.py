@@ -122,6 +122,10 @@ class UpdateGraphs:
         log-probs (b, R), detached, and the statistics vector, both fresh tensors."""
         shape = packed.shape
         present = tuple(name for name in LOSS_INPUTS if inputs.get(name) is not None)
+        with torch.no_grad():  # a graph accumulates into existing buffers (into none, it would replace .grad)
+            for p in self.model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         key = self.storage_key()
         if key != self.key:
             self.graphs.clear()
@@ -158,7 +162,7 @@ class UpdateGraphs:
         g.graph = graph
         self.graphs[(shape, present)] = g
         self.captures += 1
-        self.key = self.storage_key()  # the gradient buffers exist now (the eager run made them)
+        self.key = key
         return lp, stats
 
     def _buffers(self, shape: MicroBatchShape, present: tuple[str, ...]) -> _Graph:

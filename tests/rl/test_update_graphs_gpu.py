@@ -130,11 +130,15 @@ def test_replay_is_the_eager_run_of_the_same_shape(cfg_name, recipe):
 @pytest.mark.parametrize("recipe", ["bf16", "jet"])
 def test_padded_graphs_match_the_unpadded_eager_update(recipe):
     """The trainer's two paths on the same micro-batches: graphs at bucket shapes against the eager update of
-    the unpadded micro-batches. Log-probs differ by the GEMMs' row-count-dependent kernel choice (BF16 rounding;
-    in jet it can flip an FP8 rounding of 2^-4 on an element), gradients also by WGrad's last 128-token block,
-    which under FP8 shares its scale with padded rows."""
+    the unpadded micro-batches. They differ by the GEMMs' row-count-dependent kernel choice (BF16 rounding) and,
+    under FP8, by WGrad's last 128-token block sharing its scale with padded rows; in jet a BF16-level difference
+    at an FP8 input flips E4M3 roundings (2^-4 on the element), so two FP8 runs differ by up to FP8's own error.
+    The bound for jet is therefore relative to FP8's own effect: padding moves the gradient less than half as far
+    as FP8 training moves it from BF16's (same weights, same micro-batches)."""
     model, alg, batch = setup("qwen2-hd64", recipe, ["--algorithm.kl_coef=0.05"])
-    ref = copy.deepcopy(model)
+    refs = [copy.deepcopy(model)]
+    if recipe == "jet":
+        refs.append(setup("qwen2-hd64", "bf16")[0])
     graphs = UpdateGraphs(model, alg, temperature=TEMPERATURE, kv_fp8=False, max_len=WIDTH)
     gen = torch.Generator(device="cuda").manual_seed(1)
     counts = (int(batch.mask.sum()), 12)
@@ -145,11 +149,23 @@ def test_padded_graphs_match_the_unpadded_eager_update(recipe):
         shape = bucket_shape(tokens, scored, len(rows), WIDTH, longest)
         lp_g, stats_g = graphs.run(pack(batch, rows, WIDTH, shape), mask, adv, inputs, *counts)
         plain = pack(batch, rows, batch.mask.shape[1])
-        lp_e, stats_e = eager_step(ref, alg, plain, mask, adv, inputs, counts, on_device=False)
+        lp_e, stats_e = eager_step(refs[0], alg, plain, mask, adv, inputs, counts, on_device=False)
+        for ref in refs[1:]:
+            eager_step(ref, alg, plain, mask, adv, inputs, counts, on_device=False)
         assert rel_err(lp_g[mask], lp_e[mask]) < (1e-3 if recipe == "bf16" else 1e-2)
         assert rel_err(stats_g, stats_e) < 1e-2
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert rel_err(p.grad, q.grad) < (2e-2 if recipe == "bf16" else 5e-2), name
+    assert graphs.failed is None and graphs.captures >= 1
+
+    def grads(m):
+        return torch.cat([p.grad.flatten().float() for p in m.parameters()])
+    err = rel_err(grads(model), grads(refs[0]))
+    if recipe == "bf16":
+        assert err < 1e-2
+        for (name, p), q in zip(model.named_parameters(), refs[0].parameters()):
+            assert rel_err(p.grad, q.grad) < 2e-2, name
+    else:
+        fp8_effect = rel_err(grads(refs[0]), grads(refs[1]))
+        assert err < 0.5 * fp8_effect, (err, fp8_effect)
 
 
 def test_trainer_replays_graphs_and_learns_like_eager():
