@@ -162,7 +162,7 @@ class UpdateGraphs:
         g.graph = graph
         self.graphs[(shape, present)] = g
         self.captures += 1
-        self.key = key
+        self.key = self.storage_key()  # the eager run may have made FP8 caches (a group's stacked weight)
         return lp, stats
 
     def _buffers(self, shape: MicroBatchShape, present: tuple[str, ...]) -> _Graph:
