@@ -69,15 +69,16 @@ def round_up(n: int, minimum: int) -> int:
 
 
 def bucket_shape(tokens: int, scored: int, sequences: int, width: int, longest: int) -> MicroBatchShape:
-    """The padded shape a micro-batch of these sizes runs at under CUDA graphs: tokens and scored rows rounded up
-    (:func:`round_up`, tokens to whole 128-row blocks), sequences to a multiple of 8, the longest sequence to a
-    power of two; room in the offsets for the padded rows' sequences (every micro-batch of a bucket pads fewer
-    rows than the bucket's rounding quantum)."""
+    """The padded shape a micro-batch of these sizes runs at under CUDA graphs, coarse enough that a run meets
+    few of them: tokens rounded up (:func:`round_up`, whole 128-row blocks), scored rows to an eighth of that,
+    sequences to a multiple of 32, the longest sequence to a power of two; room in the offsets for the padded
+    rows' sequences (every micro-batch of a bucket pads fewer rows than the bucket's rounding quantum)."""
     padded_tokens = round_up(tokens, 128)
     room = -(-_quantum(padded_tokens, 128) // PAD_SEQUENCE)
-    padded_sequences = -(-sequences // 8) * 8
-    return MicroBatchShape(tokens=padded_tokens, scored=round_up(scored, 16), sequences=padded_sequences,
-                           width=width, offsets=padded_sequences + room + 1,
+    step = max(16, padded_tokens // 8)
+    padded_sequences = -(-max(sequences, 1) // 32) * 32
+    return MicroBatchShape(tokens=padded_tokens, scored=max(step, -(-scored // step) * step),
+                           sequences=padded_sequences, width=width, offsets=padded_sequences + room + 1,
                            max_seqlen=max(PAD_SEQUENCE, 1 << (max(longest, 1) - 1).bit_length()))
 
 

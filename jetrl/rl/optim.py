@@ -60,9 +60,10 @@ class MasterWeightAdamW:
         no_decay = [m for p, m in zip(self.params, self.masters) if p.ndim < 2]
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        # foreach=False: the same per-parameter arithmetic on every device, so CPU runs are bitwise
-        # reproducible across resume; the update is a small part of an RL step
-        self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+        # CPU: foreach=False, one parameter at a time, so CPU runs are bitwise reproducible across resume; CUDA:
+        # the multi-tensor kernels (a few launches for all parameters instead of several per parameter)
+        cuda = self.params[0].device.type == "cuda"
+        self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=cuda)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -62,7 +62,7 @@ from jetrl.quant.recipe import fp8_weight_bytes
 from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import truncated_is_weights
-from jetrl.rl.micro_batch import (bucket_shape, micro_batch_loss, micro_batch_sizes, pack, packed_logprobs,
+from jetrl.rl.micro_batch import (micro_batch_loss, micro_batch_sizes, pack, packed_logprobs,
                                   stat_names)
 from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.minibatch import mini_batch_rows
@@ -272,22 +272,29 @@ class Trainer:
         return torch.where(batch.mask, out, torch.zeros((), device=out.device))
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
-        """Split ``rows`` into micro-batches: fixed size, or packed greedily up to the token budget."""
+        """Split ``rows`` into micro-batches: fixed size, or packed by token count. Packed, they are as few as the
+        token budget allows and balanced (longest sequences first, each into the lightest micro-batch), so
+        micro-batches have similar token counts (few CUDA-graph shapes, no small remainder); each keeps the order
+        of ``rows``."""
         alg = self.config.algorithm
         if alg.max_tokens_per_micro_batch is None:
             size = alg.micro_batch_size
             return [rows[i:i + size] for i in range(0, len(rows), size)]
-        out, current, used = [], [], 0
-        for s in rows:
-            L = batch.tokens[s].numel()
-            if current and used + L > alg.max_tokens_per_micro_batch:
-                out.append(current)
-                current, used = [], 0
-            current.append(s)
-            used += L
-        if current:
-            out.append(current)
-        return out
+        budget = alg.max_tokens_per_micro_batch
+        lens = {s: batch.tokens[s].numel() for s in rows}
+        count = max(1, -(-sum(lens.values()) // budget))
+        while True:
+            bins: list[list[int]] = [[] for _ in range(count)]
+            used = [0] * count
+            for s in sorted(rows, key=lambda s: -lens[s]):  # stable: ties keep the order of rows
+                i = min(range(count), key=used.__getitem__)
+                bins[i].append(s)
+                used[i] += lens[s]
+            if max(used) <= budget or count >= len(rows):  # the config checks that one sequence fits the budget
+                break
+            count += 1
+        position = {s: i for i, s in enumerate(rows)}
+        return [sorted(b, key=position.__getitem__) for b in bins if b]
 
     def _same_count_on_every_rank(self, micros: list[list[int]]) -> list[list[int] | None]:
         """``micros`` padded with ``None`` to the largest count over ranks: a sharded forward gathers
@@ -305,7 +312,7 @@ class Trainer:
         alg = self.config.algorithm
         if self.update_graphs is not None and self.update_graphs.failed is None:
             tokens, scored, longest = micro_batch_sizes(batch, rows)
-            shape = bucket_shape(tokens, scored, len(rows), self.config.rollout.max_tokens, longest)
+            shape = self.update_graphs.shape_for(tokens, scored, len(rows), self.config.rollout.max_tokens, longest)
             return self.update_graphs.run(pack(batch, rows, shape.width, shape), mask, advantages, inputs,
                                           num_tokens, num_seqs)
         lp, ent = self.sequence_logprobs(self.model, batch, rows)

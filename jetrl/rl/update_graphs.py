@@ -29,13 +29,14 @@ parameters collectively, so those run eagerly (:func:`graphs_apply`).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 
 from jetrl.quant import fp8_linears
-from jetrl.rl.micro_batch import MicroBatchShape, PackedMicroBatch, micro_batch_loss, packed_logprobs
+from jetrl.rl.micro_batch import (MicroBatchShape, PackedMicroBatch, bucket_shape, micro_batch_loss,
+                                  packed_logprobs)
 
 # the loss inputs a micro-batch may carry besides mask and advantages, in the order of their static buffers
 LOSS_INPUTS = ("old_logprobs", "rollout_logprobs", "is_weights", "ref_logprobs")
@@ -88,6 +89,18 @@ class UpdateGraphs:
         self.captures = 0  # over the run, for the step's metrics
         self.replays = 0
         self.failed: str | None = None  # why a capture failed (the trainer then runs eagerly)
+        self.max_sequences = 0  # capacities of every shape so far (see shape_for)
+        self.max_seqlen = 0
+
+    def shape_for(self, tokens: int, scored: int, sequences: int, width: int, longest: int) -> MicroBatchShape:
+        """The bucket shape of a micro-batch (:func:`~jetrl.rl.micro_batch.bucket_shape`), with the sequence capacity
+        and the sequence-length bound the largest the run has met so far (they only grow), so that micro-batches
+        of one token count share a graph."""
+        shape = bucket_shape(tokens, scored, sequences, width, longest)
+        self.max_sequences = max(self.max_sequences, shape.sequences)
+        self.max_seqlen = max(self.max_seqlen, shape.max_seqlen)
+        return replace(shape, sequences=self.max_sequences, max_seqlen=self.max_seqlen,
+                       offsets=shape.offsets - shape.sequences + self.max_sequences)
 
     def storage_key(self) -> tuple:
         """The addresses a replay reads and writes (parameters, gradients, FP8 weights, brought to the current
@@ -150,8 +163,14 @@ class UpdateGraphs:
         stats.record_stream(main)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                g.lp, g.stats = self._step(packed, g)
+            # torch.cuda.graph() would also synchronize, collect garbage and empty the allocator's cache per capture
+            with torch.cuda.stream(self.stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    g.lp, g.stats = self._step(packed, g)
+                finally:
+                    graph.capture_end()
+            main.wait_stream(self.stream)
         except Exception as exc:  # a path that cannot be captured still trains, eagerly (this micro-batch already did)
             self.failed = f"{type(exc).__name__}: {exc}"
             self.graphs.clear()

@@ -24,7 +24,8 @@ def test_bucket_shape_holds_every_micro_batch_it_is_made_for():
         shape = bucket_shape(tokens, tokens // 2, 13, 64, 700)
         pad_sequences = -(-(shape.tokens - tokens) // PAD_SEQUENCE)
         assert 13 + pad_sequences + 1 <= shape.offsets
-        assert shape.tokens % 128 == 0 and shape.sequences == 16 and shape.max_seqlen == 1024
+        assert shape.tokens % 128 == 0 and shape.sequences == 32 and shape.max_seqlen == 1024
+        assert tokens // 2 <= shape.scored <= max(16, tokens // 2 + shape.tokens // 8)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
