@@ -265,8 +265,15 @@ class Trainer:
     def score(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
         """Training-side log-probs (S, R) of every response token, in micro-batches, no grad."""
         out = torch.zeros_like(batch.rollout_logprobs)
+        graphs = self.update_graphs if model is self.model else None  # the policy's graphs; the reference: eager
         for rows in self._same_count_on_every_rank(self.micro_batches(batch, list(range(batch.num_sequences)))):
-            lp, _ = self.sequence_logprobs(model, batch, rows or [0])
+            if graphs is not None and graphs.failed is None:
+                width = batch.mask.shape[1]
+                tokens, scored, longest = micro_batch_sizes(batch, rows)
+                shape = graphs.shape_for(tokens, scored, len(rows), self.config.rollout.max_tokens, longest)
+                lp = graphs.score(pack(batch, rows, shape.width, shape), len(rows), width)
+            else:
+                lp, _ = self.sequence_logprobs(model, batch, rows or [0])
             if rows is not None:
                 out[self._to_device(torch.tensor(rows))] = lp.float()
         return torch.where(batch.mask, out, torch.zeros((), device=out.device))

@@ -1,5 +1,5 @@
 """CUDA graphs of the update's micro-batches: forward, loss and backward captured once per padded shape, replayed
-for every later micro-batch of that shape.
+for every later micro-batch of that shape; and of the old-logprob pass's forwards (:meth:`UpdateGraphs.score`).
 
 Why: at 0.5B-1.5B parameters the update is host-bound. A micro-batch issues thousands of kernels from Python
 (autograd, activation checkpointing, the FP8 linears' quantizers and GEMMs), and the GPU waits between them. A
@@ -65,6 +65,7 @@ class _Graph:
     advantages: torch.Tensor                # (sequences,)
     inputs: dict[str, torch.Tensor]         # LOSS_INPUTS present: (sequences, width) fp32
     counts: torch.Tensor                    # (2,) fp32: the mini-batch's token and sequence normalisers
+    score: bool = False                     # a forward-only graph (the old-logprob pass)
     graph: torch.cuda.CUDAGraph | None = None
     lp: torch.Tensor | None = None          # (sequences, width) log-probs, detached
     stats: torch.Tensor | None = None       # micro_batch_loss's statistics
@@ -118,6 +119,11 @@ class UpdateGraphs:
         return tuple(ptrs)
 
     def _step(self, packed: PackedMicroBatch, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
+        if g.score:
+            with torch.no_grad():
+                lp, _ = packed_logprobs(self.model, packed, g.blob, self.temperature, kv_fp8=self.kv_fp8,
+                                        on_device=True)
+            return lp, g.counts
         lp, ent = packed_logprobs(self.model, packed, g.blob, self.temperature, kv_fp8=self.kv_fp8, on_device=True)
         loss, stats = micro_batch_loss(self.alg, lp, ent, g.mask, g.advantages, old_logprobs=g.inputs.get(
             "old_logprobs"), rollout_logprobs=g.inputs.get("rollout_logprobs"), is_weights=g.inputs.get("is_weights"),
@@ -133,8 +139,21 @@ class UpdateGraphs:
         into the parameters' ``.grad``. ``mask`` (b, R), ``advantages`` (b,) and ``inputs`` (b, R) each (by
         :data:`LOSS_INPUTS` name; None: absent) cover the micro-batch's b real sequences. Returns the
         log-probs (b, R), detached, and the statistics vector, both fresh tensors."""
-        shape = packed.shape
         present = tuple(name for name in LOSS_INPUTS if inputs.get(name) is not None)
+        b, width = mask.shape
+        return self._launch(packed, present, b, width,
+                            lambda g: self._fill(g, packed, mask, advantages, inputs, num_tokens, num_seqs))
+
+    def score(self, packed: PackedMicroBatch, num_rows: int, width: int) -> torch.Tensor:
+        """Log-probs (num_rows, width) of a micro-batch packed at a bucket shape, without grad (the old-logprob
+        pass): a forward-only graph per shape, in the same pool."""
+        return self._launch(packed, None, num_rows, width, lambda g: self._fill(g, packed))[0]
+
+    def _launch(self, packed: PackedMicroBatch, present: tuple[str, ...] | None, b: int, width: int, fill
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph of (shape, ``present``; None: scoring) after ``fill`` set its inputs, or, the first
+        time, run eagerly and capture (see the module doc)."""
+        shape = packed.shape
         with torch.no_grad():  # a graph accumulates into existing buffers (into none, it would replace .grad)
             for p in self.model.parameters():
                 if p.requires_grad and p.grad is None:
@@ -146,8 +165,7 @@ class UpdateGraphs:
         fresh = g is None
         if fresh:
             g = self._buffers(shape, present)
-        b, width = mask.shape
-        self._fill(g, packed, mask, advantages, inputs, num_tokens, num_seqs)
+        fill(g)
         if not fresh:
             g.graph.replay()
             g.replays += 1
@@ -176,7 +194,7 @@ class UpdateGraphs:
             self.graphs.clear()
             warnings.warn(f"CUDA graph capture of the update's micro-batch failed ({self.failed}); the update runs "
                           "eagerly from here (algorithm.cuda_graphs: false says so up front)", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=4)
             return lp, stats
         g.graph = graph
         self.graphs[(shape, present)] = g
@@ -184,22 +202,25 @@ class UpdateGraphs:
         self.key = self.storage_key()  # the eager run may have made FP8 caches (a group's stacked weight)
         return lp, stats
 
-    def _buffers(self, shape: MicroBatchShape, present: tuple[str, ...]) -> _Graph:
+    def _buffers(self, shape: MicroBatchShape, present: tuple[str, ...] | None) -> _Graph:
         cells = (shape.sequences, shape.width)
         kw = dict(device=self.device)
         return _Graph(blob=torch.zeros(sum(_blob_sizes(shape)), dtype=torch.int64, **kw),
                       mask=torch.zeros(cells, dtype=torch.bool, **kw),
                       advantages=torch.zeros(shape.sequences, dtype=torch.float32, **kw),
-                      inputs={name: torch.zeros(cells, dtype=torch.float32, **kw) for name in present},
-                      counts=torch.ones(2, dtype=torch.float32, **kw))
+                      inputs={name: torch.zeros(cells, dtype=torch.float32, **kw) for name in present or ()},
+                      counts=torch.ones(2, dtype=torch.float32, **kw), score=present is None)
 
-    def _fill(self, g: _Graph, packed: PackedMicroBatch, mask: torch.Tensor, advantages: torch.Tensor,
-              inputs: dict[str, torch.Tensor | None], num_tokens: int, num_seqs: int) -> None:
-        b, width = mask.shape
+    def _fill(self, g: _Graph, packed: PackedMicroBatch, mask: torch.Tensor | None = None,
+              advantages: torch.Tensor | None = None, inputs: dict[str, torch.Tensor | None] | None = None,
+              num_tokens: int = 1, num_seqs: int = 1) -> None:
         host = torch.cat([packed.blob, torch.tensor([num_tokens, num_seqs], dtype=torch.int64)]).pin_memory()
         device = host.to(self.device, non_blocking=True)
         g.blob.copy_(device[:-2])
         g.counts.copy_(device[-2:])
+        if mask is None:  # scoring reads the packed tensors alone
+            return
+        b, width = mask.shape
         g.mask.zero_()
         g.mask[:b, :width].copy_(mask)
         g.advantages.zero_()

@@ -195,3 +195,22 @@ def test_trainer_replays_graphs_and_learns_like_eager():
     assert abs(m_g["actor/pg_loss"] - m_e["actor/pg_loss"]) < 1e-2
     for (name, p), q in zip(with_graphs.model.named_parameters(), eager.model.parameters()):
         assert rel_err(p, q) < 1e-2, name
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_scoring_graph_replays_the_eager_forward(recipe):
+    """The old-logprob pass's forward-only graph: each replay is bitwise the eager forward of the same padded
+    micro-batch (captured once, replayed for a second micro-batch of the shape and the first again)."""
+    model, alg, batch = setup("qwen2-hd64", recipe)
+    graphs = UpdateGraphs(model, alg, temperature=TEMPERATURE, kv_fp8=False, max_len=WIDTH)
+    micros = [[0, 3, 4, 7], [1, 2, 5, 6, 8]]
+    shape = common_shape(batch, micros)
+    width = batch.mask.shape[1]
+    with torch.no_grad():
+        for rows in micros + micros[:1]:
+            packed = pack(batch, rows, WIDTH, shape)
+            lp_g = graphs.score(packed, len(rows), width)
+            lp_e, _ = packed_logprobs(model, packed, packed.blob.cuda(), TEMPERATURE, on_device=True)
+            assert torch.equal(lp_g, lp_e[:len(rows), :width])
+            assert (lp_g[batch.mask[rows]] < 0).all()
+    assert graphs.failed is None and graphs.captures == 1 and graphs.replays == 2
