@@ -115,10 +115,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             qg_tok = qg_tok.t()  # (N, M'), 1x128 along M'
             qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, ctx.pow2_scale,
                                         whole_blocks=True).t()  # (K, M')
-            if _wgrad_transposed():  # dW^T = x^T @ dy: the same products and blocks, the GEMM's roles swapped
-                grad_w = backend.gemm(qx_tok, qg_tok, out_dtype=ctx.weight_dtype).t()  # (N, K) view of (K, N)
-            else:
-                grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
+            grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
             grad_ws = list(grad_w.split(ctx.widths))
         if grad_bs and any(ctx.needs_input_grad[10 + num_weights:]):
             grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 sums, no fp32 copy of grad_out
@@ -131,12 +128,6 @@ def _tuning():
     from jetrl.quant.kernels.tuning import current
 
     return current()
-
-
-def _wgrad_transposed() -> bool:
-    """Whether WGrad computes dW^T = x^T @ dy (its GEMM with M and N swapped) instead of dW = dy^T @ x: the tuning's
-    ``wgrad_transposed``, a schedule choice (the GEMM's kernel for that orientation), equal to output rounding."""
-    return _tuning().wgrad_transposed
 
 
 def _caches_transpose() -> bool:

@@ -203,24 +203,3 @@ def test_current_fp8_tensors_without_transposes_lists_the_forward_weights_only()
         grouped_linear(layers, x.clone().requires_grad_()).sum().backward()
     assert len(layers[0].current_fp8_tensors()) == 2  # W and the update's W^T
     assert [q.data.data_ptr() for q in layers[0].current_fp8_tensors(transposes=False)] == before
-
-
-@pytest.mark.parametrize("m", [77, 300])
-def test_wgrad_transposed_gives_the_weight_gradient_to_output_rounding(m):
-    """``wgrad_transposed``: WGrad as dW^T = x^T @ dy (the GEMM's orientation swapped), handed back transposed: the
-    same FP8 operands and blocks, so the weight gradients equal the default's to fp32 summation order; the input's
-    gradient (DGrad) is untouched, bitwise."""
-    from jetrl.quant.kernels import tuning
-
-    runs = {}
-    for swapped in (False, True):
-        layers = _layers((256, 128), bias=True, seed=21)
-        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(22), requires_grad=True)
-        with tuning.override(wgrad_transposed=swapped):
-            out = grouped_linear(layers, x)
-            (out * torch.linspace(-1, 1, out.shape[1])).sum().backward()
-        runs[swapped] = [x.grad] + [p.grad for layer in layers for p in (layer.weight, layer.bias)]
-        assert all(g.shape == p.shape for layer in layers for g, p in ((layer.weight.grad, layer.weight),))
-    assert torch.equal(runs[False][0], runs[True][0])
-    for plain, swapped in zip(runs[False][1:], runs[True][1:]):
-        _close(swapped, plain, "weight or bias gradient")

@@ -1,7 +1,7 @@
 """Every tunable of the kernels in one frozen object: which path runs, tile sizes, warps and per-shape configs.
 
 Nothing here changes a result's bits except the GEMM path (``gemm``, and the decode-routing bounds, which pick
-between GEMMs that agree to output rounding; ``wgrad_transposed``, WGrad's orientation, likewise), exact mode's K split (``exact_split_k`` and the fields of its
+between GEMMs that agree to output rounding), exact mode's K split (``exact_split_k`` and the fields of its
 heuristic, :meth:`KernelTuning.exact_split`: a different split is a different summation order, the same for
 every M) and the fast decode attention over an FP8 cache (``kv_decode_factored`` and the ``kv_decode_*`` tile and
 split fields: summation order, within the bounds of that kernel's doc; exact mode's attention never reads them,
@@ -219,9 +219,6 @@ class KernelTuning:
     Memory: ``cache_weight_t`` (off) keeps W^T's FP8 form (1 byte per parameter) with each linear's FP8 weight
     for the weight's version; off, each backward transposes W's FP8 tiles into a transient W^T (one launch per
     linear: the same bytes). The training side then holds one FP8 copy of its weights, not two.
-    ``wgrad_transposed`` (off): WGrad runs as dW^T = x^T @ dy, its blockwise GEMM with the output's rows and columns
-    swapped (cuBLAS picks its kernel by that orientation), and hands autograd the transposed view; the same FP8
-    operands and 128-token blocks, equal to output rounding.
 
     Other kernels: ``silu_bwd_fma`` (SwiGLU's backward contracts ``x * (1 - s) + 1`` into one fma, as nvcc
     compiles ATen's ``silu_backward``; flip it only if the bitwise SwiGLU test says the compiler changed),
@@ -343,7 +340,6 @@ class KernelTuning:
     requant_num_warps: int = 1
     weight_num_warps: int = 4
     cache_weight_t: bool = False
-    wgrad_transposed: bool = False
     silu_bwd_fma: bool = True
     logprob_stats_num_warps: int = 8
     logprob_grad_num_warps: int = 8
