@@ -323,10 +323,16 @@ def print_table(report: dict[str, Any]) -> None:
                            for key, value in med.items() if key.startswith("memory/") and key.endswith("_peak_gib"))
         held = med.get("memory/fp8_weights_gib")
         print(f"  {recipe:<12}{phases}" + (f"; FP8 weight copies {held:.2f}" if held else ""))
-    print("per step (s), step / update: a step far above its neighbours usually compiled a kernel variant")
+    print("per step (s), step / update [CUDA graphs captured in that step]: a step far above its neighbours "
+          "captured graphs of new shapes or compiled a kernel variant")
     for recipe, entry in report["recipes"].items():
-        steps = ", ".join(f"{m['time/step_wall']:.2f}/{m['time/update']:.2f}" for m in entry["steps"])
-        print(f"  {recipe:<12}{steps}")
+        steps, captured = [], 0.0
+        for m in entry["steps"]:
+            total = m.get("update/graph_captures")
+            new = "" if total is None else f" [{total - captured:.0f}]"
+            captured = total if total is not None else captured
+            steps.append(f"{m['time/step_wall']:.2f}/{m['time/update']:.2f}{new}")
+        print(f"  {recipe:<12}{', '.join(steps)}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def test_generated_rows_when_the_data_is_missing(tmp_path):
     assert min(lengths) >= 20 and max(lengths) > min(lengths)  # of every length
 
 
-def test_tiny_run_reports_every_recipe(tmp_path):
+def test_tiny_run_reports_every_recipe(tmp_path, capsys):
     path = tmp_path / "report.json"
     report = train_run.main(["--tiny", "--recipes", "bf16,jet", "--steps", "1", "--json", str(path),
                              "--workdir", str(tmp_path), "--data", str(tmp_path / "none.jsonl")])
@@ -47,6 +47,11 @@ def test_tiny_run_reports_every_recipe(tmp_path):
         tokens = jet["median"]["response/num_tokens"] / report["recipes"]["bf16"]["median"]["response/num_tokens"]
         assert jet["vs_bf16_per_token"][phase] == pytest.approx(jet["vs_bf16"][phase] * tokens, rel=1e-9)
     assert report["data"] == "generated"
+    # on a GPU the steps carry the update's CUDA-graph captures so far; the table gives each step's new ones
+    jet["steps"][0]["update/graph_captures"] = 3.0
+    capsys.readouterr()
+    train_run.print_table(report)
+    assert "[3]" in capsys.readouterr().out
 
 
 def test_recipes_need_the_baseline():
