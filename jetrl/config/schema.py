@@ -225,8 +225,8 @@ class AlgorithmConfig(_Section):
     micro_batch_size: int = setting(8, "sequences per forward/backward (when not packing by tokens)")
     max_tokens_per_micro_batch: int | None = setting(None, "pack micro-batches by token count, at most this many "
                                                      "tokens; null: by micro_batch_size")
-    cuda_graphs: bool = setting(True, "replay the update's micro-batches as CUDA graphs, one per padded shape (one "
-                                "CUDA device, fast mode; elsewhere eager)")
+    cuda_graphs: bool = setting(True, "replay the update's and the old-logprob pass's micro-batches as CUDA graphs, "
+                                "one per padded shape (one CUDA device, fast mode; elsewhere eager)")
 
     def validate(self) -> None:
         _choice("algorithm", "advantage_estimator", self.advantage_estimator,

@@ -361,12 +361,17 @@ def paged_attention(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer:
     return paged_attention_reference(q, k_cache_layer, v_cache_layer, meta, softmax_scale, k_scale, v_scale)
 
 
+def flash_varlen_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the flash-attention kernels run packed rows of this dtype and head size on ``device``: CUDA of
+    compute capability 8.0 or later, bf16 or fp16, a head size that is a multiple of 8 up to 256."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0
+            and head_dim <= 256 and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
 def flash_varlen_eligible(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether :func:`varlen_attention` runs the packed rows in one flash-attention launch: CUDA tensors of
-    compute capability 8.0 or later, q and k/v in bf16 or fp16, a head size that is a multiple of 8 up to 256."""
-    head_dim = q.shape[-1]
-    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype
-            and head_dim % 8 == 0 and head_dim <= 256 and torch.cuda.get_device_capability(q.device)[0] >= 8)
+    """Whether :func:`varlen_attention` runs the packed rows in one flash-attention launch
+    (:func:`flash_varlen_supported` for q, and k/v of q's dtype)."""
+    return k.dtype == q.dtype and flash_varlen_supported(q.device, q.dtype, q.shape[-1])
 
 
 class _FlashVarlen(torch.autograd.Function):
@@ -604,6 +609,6 @@ def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 __all__ = [
     "quantize_kv", "dequantize_kv", "fake_quantize_kv", "PagedAttentionMetadata", "PagedKVCache", "write_kv",
-    "paged_attention_reference", "paged_attention", "varlen_attention", "varlen_attention_on_device", "sdpa_backends", "SDPA_BACKENDS", "exact_attention",
+    "paged_attention_reference", "paged_attention", "varlen_attention", "varlen_attention_on_device", "flash_varlen_supported", "sdpa_backends", "SDPA_BACKENDS", "exact_attention",
     "exact_attention_reference", "exact_varlen_attention", "packed_as_paged", "plan_exact_attention",
 ]

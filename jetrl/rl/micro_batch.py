@@ -98,9 +98,12 @@ class PackedMicroBatch:
     def split(self, blob: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """``(ids, positions, scored_rows, targets, cells, offsets)``: views of ``blob`` (default :attr:`blob`,
         or a device copy of it)."""
-        s = self.shape
-        blob = self.blob if blob is None else blob
-        return blob.split([s.tokens, s.tokens, s.scored, s.scored, s.scored, s.offsets])
+        return (self.blob if blob is None else blob).split(blob_sizes(self.shape))
+
+
+def blob_sizes(shape: MicroBatchShape) -> list[int]:
+    """The lengths of :meth:`PackedMicroBatch.split`'s tensors, in order."""
+    return [shape.tokens, shape.tokens, shape.scored, shape.scored, shape.scored, shape.offsets]
 
 
 def micro_batch_sizes(batch: RolloutBatch, rows: Sequence[int]) -> tuple[int, int, int]:
@@ -213,5 +216,5 @@ def micro_batch_loss(alg, lp: torch.Tensor, ent: torch.Tensor, mask: torch.Tenso
 
 
 __all__ = ["MicroBatchShape", "PackedMicroBatch", "PAD_SEQUENCE", "ACTOR_KEYS", "round_up", "bucket_shape",
-           "micro_batch_sizes", "pack", "packed_logprobs", "stat_names", "micro_batch_loss"]
+           "micro_batch_sizes", "blob_sizes", "pack", "packed_logprobs", "stat_names", "micro_batch_loss"]
 

@@ -39,12 +39,12 @@ class MasterWeightAdamW:
     """AdamW with fp32 master weights and moments for low-precision parameters (see module doc).
 
     Weight decay applies to matrices (``ndim >= 2``) only, not to norms and biases. The learning-rate
-    scheduler attaches to :attr:`inner` (a real ``torch.optim.AdamW``)."""
+    scheduler attaches to :attr:`inner` (a real ``torch.optim.AdamW``). ``keep_grads``: the parameters' ``.grad``
+    buffers are zeroed in place instead of dropped, so their addresses stay fixed (the update's CUDA graphs
+    accumulate into them); they then take their memory at the step's peak too."""
 
     def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-6, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, keep_grads: bool = False) -> None:
-        # keep_grads: the parameters' .grad buffers are zeroed in place, never dropped, so that their addresses
-        # stay fixed (the update's CUDA graphs accumulate into them); costs their memory at the step's peak
         self.keep_grads = bool(keep_grads)
         self.params = [p for p in params if p.requires_grad]
         if not self.params:

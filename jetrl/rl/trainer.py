@@ -22,8 +22,10 @@ One :meth:`Trainer.step`, in order (each phase timed):
    the tokens for the KL penalty.
 5. **update** -- ``ppo_epochs`` passes over the batch in shuffled mini-batches (stratified over blocks of
    whole prompt groups, :mod:`jetrl.rl.minibatch`); each mini-batch is one optimizer step, accumulated over
-   micro-batches (a fixed number of sequences, or packed up to a token budget). Micro-batches run ``model.forward_packed`` on the concatenated sequences (no padding) and the
-   loss is normalised by the *mini-batch* token / sequence counts, so accumulation is exact.
+   micro-batches (a fixed number of sequences, or packed up to a token budget). A micro-batch runs one packed
+   forward of its sequences (:mod:`jetrl.rl.micro_batch`; on one GPU in fast mode padded to a bucket shape and
+   replayed as a CUDA graph, :mod:`jetrl.rl.update_graphs`), and the loss is normalised by the *mini-batch*
+   token / sequence counts, so accumulation is exact.
 6. **weight_refresh** -- the FP8 linears re-quantize the updated BF16 weights (eagerly, so the cost is
    measured here rather than hidden in the next rollout).
 
@@ -279,10 +281,10 @@ class Trainer:
         return torch.where(batch.mask, out, torch.zeros((), device=out.device))
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
-        """Split ``rows`` into micro-batches: fixed size, or packed by token count. Packed, they are as few as the
-        token budget allows and balanced (longest sequences first, each into the lightest micro-batch), so
-        micro-batches have similar token counts (few CUDA-graph shapes, no small remainder); each keeps the order
-        of ``rows``."""
+        """Split ``rows`` into micro-batches: fixed size, or packed by token count. Packed, they are balanced
+        (longest sequences first, each into the lightest micro-batch), starting from the fewest the budget could
+        hold (total tokens / budget) and adding one until every micro-batch fits, so micro-batches have similar
+        token counts (few CUDA-graph shapes, no small remainder); each keeps the order of ``rows``."""
         alg = self.config.algorithm
         if alg.max_tokens_per_micro_batch is None:
             size = alg.micro_batch_size

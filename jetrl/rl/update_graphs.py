@@ -5,7 +5,7 @@ Why: at 0.5B-1.5B parameters the update is host-bound. A micro-batch issues thou
 (autograd, activation checkpointing, the FP8 linears' quantizers and GEMMs), and the GPU waits between them. A
 replay issues them all at once.
 
-How: each micro-batch is padded to a :func:`~jetrl.rl.micro_batch.bucket_shape` (at most 1/16 more tokens; see
+How: each micro-batch is padded to a :func:`~jetrl.rl.micro_batch.bucket_shape` (above 2K tokens at most 1/16 more; see
 :mod:`jetrl.rl.micro_batch` for why padding changes neither the loss nor the gradient). The first micro-batch of
 a shape runs eagerly on the graphs' stream: its gradient is real, and it compiles and warms up everything lazily
 made. Then the same work is captured (not run again). Later micro-batches of the shape copy their inputs into the
@@ -34,8 +34,9 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 
+from jetrl.models.attention import flash_varlen_supported
 from jetrl.quant import fp8_linears
-from jetrl.rl.micro_batch import (MicroBatchShape, PackedMicroBatch, bucket_shape, micro_batch_loss,
+from jetrl.rl.micro_batch import (MicroBatchShape, PackedMicroBatch, blob_sizes, bucket_shape, micro_batch_loss,
                                   packed_logprobs)
 
 # the loss inputs a micro-batch may carry besides mask and advantages, in the order of their static buffers
@@ -51,8 +52,9 @@ def graphs_apply(model: nn.Module, *, exact: bool, world_size: int) -> str | Non
         return "exact mode plans its attention on the host for every micro-batch"
     if world_size > 1:
         return "FSDP gathers the parameters collectively inside the forward"
-    if param.dtype not in (torch.bfloat16, torch.float16):
-        return f"the packed flash-attention path needs bf16 or fp16 parameters, not {param.dtype}"
+    if not flash_varlen_supported(param.device, param.dtype, model.config.head_dim):
+        return (f"the packed flash-attention path does not take {param.dtype} at head size {model.config.head_dim} "
+                "on this GPU")
     return None
 
 
@@ -192,20 +194,24 @@ class UpdateGraphs:
         except Exception as exc:  # a path that cannot be captured still trains, eagerly (this micro-batch already did)
             self.failed = f"{type(exc).__name__}: {exc}"
             self.graphs.clear()
-            warnings.warn(f"CUDA graph capture of the update's micro-batch failed ({self.failed}); the update runs "
-                          "eagerly from here (algorithm.cuda_graphs: false says so up front)", RuntimeWarning,
-                          stacklevel=4)
+            what = "old-logprob pass's" if g.score else "update's"
+            warnings.warn(f"CUDA graph capture of the {what} micro-batch failed ({self.failed}); the update and the "
+                          "old-logprob pass run eagerly from here (algorithm.cuda_graphs: false says so up front)",
+                          RuntimeWarning, stacklevel=4)
             return lp, stats
         g.graph = graph
         self.graphs[(shape, present)] = g
         self.captures += 1
-        self.key = self.storage_key()  # the eager run may have made FP8 caches (a group's stacked weight)
+        after = self.storage_key()  # the eager run may have made FP8 caches (a group's stacked weight)
+        if after != key:  # the graphs captured before read the old addresses
+            self.graphs = {(shape, present): g}
+        self.key = after
         return lp, stats
 
     def _buffers(self, shape: MicroBatchShape, present: tuple[str, ...] | None) -> _Graph:
         cells = (shape.sequences, shape.width)
         kw = dict(device=self.device)
-        return _Graph(blob=torch.zeros(sum(_blob_sizes(shape)), dtype=torch.int64, **kw),
+        return _Graph(blob=torch.zeros(sum(blob_sizes(shape)), dtype=torch.int64, **kw),
                       mask=torch.zeros(cells, dtype=torch.bool, **kw),
                       advantages=torch.zeros(shape.sequences, dtype=torch.float32, **kw),
                       inputs={name: torch.zeros(cells, dtype=torch.float32, **kw) for name in present or ()},
@@ -228,10 +234,6 @@ class UpdateGraphs:
         for name, buf in g.inputs.items():
             buf.zero_()
             buf[:b, :width].copy_(inputs[name].float())
-
-
-def _blob_sizes(shape: MicroBatchShape) -> list[int]:
-    return [shape.tokens, shape.tokens, shape.scored, shape.scored, shape.scored, shape.offsets]
 
 
 __all__ = ["UpdateGraphs", "graphs_apply", "LOSS_INPUTS"]

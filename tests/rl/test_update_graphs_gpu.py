@@ -153,7 +153,10 @@ def test_padded_graphs_match_the_unpadded_eager_update(recipe):
         for ref in refs[1:]:
             eager_step(ref, alg, plain, mask, adv, inputs, counts, on_device=False)
         assert rel_err(lp_g[mask], lp_e[mask]) < (1e-3 if recipe == "bf16" else 1e-2)
-        assert rel_err(stats_g, stats_e) < 1e-2
+        # entry by entry (the token count would hide the others): losses and means to the log-probs' error, a
+        # clip fraction to a few tokens flipping across the clip bound (1/num_tokens each)
+        assert stats_g[0] == stats_e[0]  # num_tokens
+        torch.testing.assert_close(stats_g[1:], stats_e[1:], rtol=2e-2, atol=2e-3)
     assert graphs.failed is None and graphs.captures >= 1
 
     def grads(m):
@@ -189,12 +192,19 @@ def test_trainer_replays_graphs_and_learns_like_eager():
         trainers.append(Trainer(cfg, model, engine, ToyPrompts(4), low_token_reward, decode))
     with_graphs, eager = trainers
     assert with_graphs.update_graphs is not None and eager.update_graphs is None
+    start = [p.detach().clone() for p in with_graphs.model.parameters()]
     m_g, m_e = with_graphs.step(), eager.step()
     assert with_graphs.update_graphs.captures >= 1 and with_graphs.update_graphs.replays >= 1
+    assert with_graphs.update_graphs.failed is None
     assert m_g["reward/mean"] == m_e["reward/mean"]  # the same rollout: the policies were equal
     assert abs(m_g["actor/pg_loss"] - m_e["actor/pg_loss"]) < 1e-2
-    for (name, p), q in zip(with_graphs.model.named_parameters(), eager.model.parameters()):
-        assert rel_err(p, q) < 1e-2, name
+    # the updates, not the parameters (Adam's first steps move a weight by about lr): the same direction and size;
+    # they differ where a gradient element is near 0 and its sign follows rounding
+    moved_g = torch.cat([(p.detach() - s).flatten().float() for p, s in zip(with_graphs.model.parameters(), start)])
+    moved_e = torch.cat([(q.detach() - s).flatten().float() for q, s in zip(eager.model.parameters(), start)])
+    assert moved_e.norm() > 0
+    assert torch.nn.functional.cosine_similarity(moved_g, moved_e, dim=0) > 0.8
+    assert 0.8 < (moved_g.norm() / moved_e.norm()).item() < 1.25
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "jet"])
