@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--steps", type=int, default=None,
-                        help="RL steps per recipe (default 6, --tiny 2); medians over steps 2 and later")
+                        help="RL steps per recipe (default 8, --tiny 2); medians over steps 2 and later")
     parser.add_argument("--config", default=os.fspath(EXAMPLE), help="the run config (default: the shipped example)")
     parser.add_argument("--data", default=os.fspath(SHARED_GSM8K),
                         help="GSM8K train.jsonl (generated rows when missing)")
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.steps = 2 if args.steps is None else args.steps
         args.max_tokens, args.mean_response, args.mini_batch, args.micro_tokens = 24, 12, 4, 1024
         args.tokenizer_vocab = 600
-    args.steps = 6 if args.steps is None else args.steps
+    args.steps = 8 if args.steps is None else args.steps
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
