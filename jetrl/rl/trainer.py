@@ -64,8 +64,7 @@ from jetrl.quant.recipe import fp8_weight_bytes
 from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import truncated_is_weights
-from jetrl.rl.micro_batch import (micro_batch_loss, micro_batch_sizes, pack, packed_logprobs,
-                                  stat_names)
+from jetrl.rl.micro_batch import micro_batch_loss, pack, packed_logprobs, stat_names
 from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.minibatch import mini_batch_rows
 from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler
@@ -270,10 +269,7 @@ class Trainer:
         graphs = self.update_graphs if model is self.model else None  # the policy's graphs; the reference: eager
         for rows in self._same_count_on_every_rank(self.micro_batches(batch, list(range(batch.num_sequences)))):
             if graphs is not None and graphs.failed is None:
-                width = batch.mask.shape[1]
-                tokens, scored, longest = micro_batch_sizes(batch, rows)
-                shape = graphs.shape_for(tokens, scored, len(rows), self.config.rollout.max_tokens, longest)
-                lp = graphs.score(pack(batch, rows, shape.width, shape), len(rows), width)
+                lp = graphs.score(graphs.pack(batch, rows), len(rows), batch.mask.shape[1])
             else:
                 lp, _ = self.sequence_logprobs(model, batch, rows or [0])
             if rows is not None:
@@ -320,9 +316,7 @@ class Trainer:
         detached, and :func:`~jetrl.rl.micro_batch.micro_batch_loss`'s statistics."""
         alg = self.config.algorithm
         if self.update_graphs is not None and self.update_graphs.failed is None:
-            tokens, scored, longest = micro_batch_sizes(batch, rows)
-            shape = self.update_graphs.shape_for(tokens, scored, len(rows), self.config.rollout.max_tokens, longest)
-            return self.update_graphs.run(pack(batch, rows, shape.width, shape), mask, advantages, inputs,
+            return self.update_graphs.run(self.update_graphs.pack(batch, rows), mask, advantages, inputs,
                                           num_tokens, num_seqs)
         lp, ent = self.sequence_logprobs(self.model, batch, rows)
         loss, stats = micro_batch_loss(alg, lp, ent, mask, advantages, num_tokens=num_tokens, num_seqs=num_seqs,

@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from jetrl.models.attention import flash_varlen_supported
 from jetrl.quant import fp8_linears
+from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.micro_batch import (MicroBatchShape, PackedMicroBatch, blob_sizes, bucket_shape, micro_batch_loss,
-                                  packed_logprobs)
+                                  micro_batch_sizes, pack, packed_logprobs)
 
 # the loss inputs a micro-batch may carry besides mask and advantages, in the order of their static buffers
 LOSS_INPUTS = ("old_logprobs", "rollout_logprobs", "is_weights", "ref_logprobs")
@@ -79,7 +81,7 @@ class UpdateGraphs:
 
     ``alg``: the :class:`~jetrl.config.schema.AlgorithmConfig`; ``temperature``: the sampling temperature the
     log-probs are taken at; ``kv_fp8``: attention over FP8-cache values (``forward_packed``'s); ``max_len``: the
-    ``sequence-sum-norm`` constant."""
+    generation budget (``rollout.max_tokens``): the loss tensors' width and the ``sequence-sum-norm`` constant."""
 
     def __init__(self, model: nn.Module, alg, *, temperature: float, kv_fp8: bool, max_len: int) -> None:
         self.model, self.alg = model, alg
@@ -92,18 +94,20 @@ class UpdateGraphs:
         self.captures = 0  # over the run, for the step's metrics
         self.replays = 0
         self.failed: str | None = None  # why a capture failed (the trainer then runs eagerly)
-        self.max_sequences = 0  # capacities of every shape so far (see shape_for)
+        self.max_sequences = 0  # capacities of every shape so far (see pack)
         self.max_seqlen = 0
 
-    def shape_for(self, tokens: int, scored: int, sequences: int, width: int, longest: int) -> MicroBatchShape:
-        """The bucket shape of a micro-batch (:func:`~jetrl.rl.micro_batch.bucket_shape`), with the sequence capacity
-        and the sequence-length bound the largest the run has met so far (they only grow), so that micro-batches
-        of one token count share a graph."""
-        shape = bucket_shape(tokens, scored, sequences, width, longest)
+    def pack(self, batch: RolloutBatch, rows: Sequence[int]) -> PackedMicroBatch:
+        """``rows`` of ``batch`` packed at their bucket shape (:func:`~jetrl.rl.micro_batch.bucket_shape`, ``max_len``
+        cells per sequence), with the sequence capacity and the sequence-length bound the largest the run has met
+        so far (they only grow), so that micro-batches of one token count share a graph."""
+        tokens, scored, longest = micro_batch_sizes(batch, rows)
+        shape = bucket_shape(tokens, scored, len(rows), self.max_len, longest)
         self.max_sequences = max(self.max_sequences, shape.sequences)
         self.max_seqlen = max(self.max_seqlen, shape.max_seqlen)
-        return replace(shape, sequences=self.max_sequences, max_seqlen=self.max_seqlen,
-                       offsets=shape.offsets - shape.sequences + self.max_sequences)
+        shape = replace(shape, sequences=self.max_sequences, max_seqlen=self.max_seqlen,
+                        offsets=shape.offsets - shape.sequences + self.max_sequences)
+        return pack(batch, rows, shape.width, shape)
 
     def storage_key(self) -> tuple:
         """The addresses a replay reads and writes (parameters, gradients, FP8 weights, brought to the current
