@@ -184,9 +184,24 @@ def run_recipe(recipe: str, base: Any, steps: int, out_root: Path) -> dict[str, 
     return {"recipe": recipe, "steps": steps_seen, "peak_gib": peak, "wall_s": wall}
 
 
-def summarize(result: dict[str, Any], skip: int = 1) -> dict[str, float]:
-    """Medians over the steps after the first ``skip`` (all of them when there are no more)."""
-    timed = result["steps"][skip:] or result["steps"]
+def steady_steps(steps: list[dict[str, float]], skip: int = 1) -> list[dict[str, float]]:
+    """The steps after the first ``skip`` that captured no CUDA graph (the update's, the old-logprob pass's or the
+    rollout's decode step): what a long run's steps look like once every micro-batch shape has its graph."""
+    out, captured = [], 0.0
+    for i, m in enumerate(steps):
+        total = m.get("update/graph_captures", 0.0)
+        if i >= skip and total == captured and not m.get("time/rollout_graph_capture", 0.0):
+            out.append(m)
+        captured = total
+    return out
+
+
+def summarize(result: dict[str, Any], skip: int = 1, steady: bool = False) -> dict[str, float]:
+    """Medians over the steps after the first ``skip`` (all of them when there are no more); ``steady``: over
+    :func:`steady_steps` only (empty when there are none)."""
+    timed = steady_steps(result["steps"], skip) if steady else (result["steps"][skip:] or result["steps"])
+    if not timed:
+        return {}
     keys = ["time/step_wall", "time/step"] + [f"time/{p}" for p in PHASES]
     keys += [k for k in timed[-1] if k.startswith("memory/")]
     keys += ["response/length_mean", "response/length_max", "response/truncation_rate", "response/num_tokens",
@@ -286,13 +301,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "setting": {k: getattr(args, k) for k in ("prompts", "n", "max_tokens", "mean_response", "mini_batch",
                                                         "micro_tokens", "steps", "config")},
               "data": "gsm8k" if Path(args.data).is_file() else "generated",
-              "recipes": {r: {"median": summarize(res), "peak_gib": res["peak_gib"], "wall_s": res["wall_s"],
-                              "steps": res["steps"]} for r, res in results.items()}}
+              "recipes": {r: {"median": summarize(res), "steady": summarize(res, steady=True),
+                              "steady_steps": len(steady_steps(res["steps"])), "peak_gib": res["peak_gib"],
+                              "wall_s": res["wall_s"], "steps": res["steps"]} for r, res in results.items()}}
     base_med = report["recipes"]["bf16"]["median"]
+    base_steady = report["recipes"]["bf16"]["steady"]
     for recipe, entry in report["recipes"].items():
         med = entry["median"]
         entry["vs_bf16"] = {key.removeprefix("time/"): base_med[key] / med[key]
                             for key in med if key.startswith("time/") and key in base_med and med[key] > 0}
+        entry["vs_bf16_steady"] = {key.removeprefix("time/"): base_steady[key] / value
+                                   for key, value in entry["steady"].items()
+                                   if key.startswith("time/") and key in base_steady and value > 0}
         entry["vs_bf16_per_token"] = {key.removeprefix("tokens_per_s/"): med[key] / base_med[key]
                                       for key in med if key.startswith("tokens_per_s/") and base_med.get(key, 0) > 0}
     print_table(report)
@@ -316,6 +336,13 @@ def print_table(report: dict[str, Any]) -> None:
     for recipe, entry in report["recipes"].items():
         per = entry["vs_bf16_per_token"]
         print(f"{recipe:<12}" + "".join(f"{per.get(c, float('nan')):>21.2f}x" for c in cols))
+    print("steady state: medians of the steps 2+ that captured no CUDA graph (a long run's steps once every shape "
+          "has its graph), bf16 / recipe in parentheses")
+    for recipe, entry in report["recipes"].items():
+        med, ratio = entry["steady"], entry["vs_bf16_steady"]
+        cells = "".join(f"{med.get('time/' + c, float('nan')):>12.2f} s ({ratio.get(c, float('nan')):.2f}x)"
+                        for c in cols)
+        print(f"{recipe:<12}{cells}   ({entry['steady_steps']} of {len(entry['steps']) - 1} steps)")
     print("peak GiB allocated per phase (medians)")
     for recipe, entry in report["recipes"].items():
         med = entry["median"]

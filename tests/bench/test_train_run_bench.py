@@ -47,11 +47,26 @@ def test_tiny_run_reports_every_recipe(tmp_path, capsys):
         tokens = jet["median"]["response/num_tokens"] / report["recipes"]["bf16"]["median"]["response/num_tokens"]
         assert jet["vs_bf16_per_token"][phase] == pytest.approx(jet["vs_bf16"][phase] * tokens, rel=1e-9)
     assert report["data"] == "generated"
+    assert jet["steady_steps"] == 0 and jet["steady"] == {}  # one step: only the first, which is never steady
     # on a GPU the steps carry the update's CUDA-graph captures so far; the table gives each step's new ones
     jet["steps"][0]["update/graph_captures"] = 3.0
     capsys.readouterr()
     train_run.print_table(report)
     assert "[3]" in capsys.readouterr().out
+
+
+def test_steady_steps_are_those_that_captured_no_graph():
+    caps = [2, 5, 5, 7, 7, 7]  # the update's captures so far, after each step
+    steps = [{"update/graph_captures": float(c), "time/update": float(i), "time/rollout_graph_capture": 0.0}
+             for i, c in enumerate(caps)]
+    steps[4]["time/rollout_graph_capture"] = 0.8  # a decode-step capture makes a step unsteady too
+    assert [m["time/update"] for m in train_run.steady_steps(steps)] == [2.0, 5.0]
+    assert [m["time/update"] for m in train_run.steady_steps(steps, skip=3)] == [5.0]
+    result = {"steps": steps}
+    assert train_run.summarize(result, steady=True)["time/update"] == 3.5
+    assert train_run.summarize({"steps": steps[:2]}, steady=True) == {}  # none steady: no medians
+    cpu = [{"time/update": 1.0}, {"time/update": 2.0}]  # no graphs (CPU): every step after the first
+    assert train_run.steady_steps(cpu) == cpu[1:]
 
 
 def test_recipes_need_the_baseline():
