@@ -4,9 +4,10 @@ Everything above this module (``FP8Linear``, the fused norm and SwiGLU, the mode
 log-probabilities, the rollout sampler, the trainer) asks here; nothing else in jetrl tests ``x.is_cuda`` to
 pick a kernel, or probes a backend for an operation.
 
-**The FP8 backend** (:class:`Fp8Backend`) computes every FP8 operation: ``quantize``, ``requantize`` and ``gemm``,
-and the fused entry points ``quantize_weight_pair``, ``quantize_act_and_token`` and ``grouped_gemm``, which the
-reference backend builds from its basic operations (so callers never check whether a backend has them). Two
+**The FP8 backend** (:class:`Fp8Backend`) computes every FP8 operation: ``quantize``, ``requantize`` and ``gemm``
+(and ``add_bias``, a GEMM output's bias), and the fused entry points ``quantize_weight_pair``,
+``quantize_act_and_token`` and ``grouped_gemm``, which the reference backend builds from its basic operations (so
+callers never check whether a backend has them). Two
 backends exist: ``"reference"`` (:class:`ReferenceBackend`, pure PyTorch, any device: the specification) and
 ``"cuda"`` (:mod:`jetrl.quant.kernels.cuda_backend`: Triton and Gluon kernels and cuBLAS on Hopper).
 Selection, in order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_BACKEND`` environment variable,
@@ -81,6 +82,11 @@ class Fp8Backend(Protocol):
         does not group these operands (the caller then runs the layers one by one)."""
         ...
 
+    def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``y + bias.to(y.dtype)`` for a GEMM output ``y`` (M, N) and ``bias`` (N,): the bias added to every row,
+        each sum rounded once to y's dtype. May write into ``y`` (a fresh GEMM output nobody else holds)."""
+        ...
+
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """:meth:`gemm` computing each row of ``a`` identically whatever M is (exact mode, :mod:`jetrl.quant.exact`)."""
         ...
@@ -131,6 +137,9 @@ class ReferenceBackend:
             y = self.gemm(a, w, out_dtype)
             outs.append(y + b.to(y.dtype) if b is not None else y)  # as FP8Linear adds its bias
         return torch.cat(outs, dim=1)
+
+    def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return y + bias.to(y.dtype)
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return reference.gemm_exact(a, b, out_dtype)

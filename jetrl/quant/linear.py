@@ -54,7 +54,7 @@ def _fprop(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, pow2_sc
     y = (backend.gemm_exact if exact else backend.gemm)(qx, Fp8Tensor(w_data, w_scale, WEIGHT), out_dtype=x.dtype)
     if biases:
         bias = biases[0] if len(biases) == 1 else torch.cat(biases)
-        y = y + bias.to(y.dtype)
+        y = backend.add_bias(y, bias)
     return y, qx
 
 

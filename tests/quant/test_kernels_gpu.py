@@ -525,3 +525,38 @@ def test_fp8_linear_without_a_cached_transpose_is_bitwise_the_cached_one(cuda_ba
         runs[cache] = (x.grad, layer.weight.grad, layer.bias.grad)
     for a, b in zip(runs[True], runs[False]):
         assert torch.isfinite(a.float()).all() and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("m", [1, 77, 13_441])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_bias_bitwise_the_broadcast_add(cuda_backend, m, dtype):
+    """A biased linear's output (Qwen's q/k/v, 2,048 wide at 1.5B) gets its bias from the kernel, bitwise ATen's
+    ``y + bias``, at unaligned token counts; an operand the kernel does not take (column-strided) adds as ATen."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    y = (torch.randn(m, 2048, generator=g, device="cuda") * 30).to(dtype)
+    bias = torch.randn(2048, generator=g, device="cuda").to(dtype)
+    ref = y + bias
+    got = cuda_backend.add_bias(y.clone(), bias)
+    assert torch.equal(got, ref)
+    strided = y.t().contiguous().t()  # (m, 2048) with column stride m
+    assert torch.equal(cuda_backend.add_bias(strided, bias), ref)
+
+
+def test_fp8_linear_adds_its_bias_with_the_kernel(cuda_backend, monkeypatch):
+    """The FP8 linear's forward (training and no-grad) adds its bias through the backend's kernel, and its output
+    is bitwise the GEMM's plus ATen's broadcast add."""
+    from jetrl.quant.kernels import bias_triton
+
+    calls = []
+    real = bias_triton.add_bias_
+    monkeypatch.setattr(bias_triton, "add_bias_", lambda y, b: calls.append(y.shape) or real(y, b))
+    torch.manual_seed(5)
+    layer = FP8Linear(1536, 2048, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1001, 1536, device="cuda", dtype=torch.bfloat16)
+    y = layer(x.clone().requires_grad_())
+    with torch.no_grad():
+        y_nograd = layer(x)
+        qx = cuda_backend.quantize(x, ACT)
+        expect = cuda_backend.gemm(qx, layer._cached_weights(with_transpose=False)[0], torch.bfloat16) + layer.bias
+    assert calls == [(1001, 2048), (1001, 2048)]
+    assert torch.equal(y.detach(), expect) and torch.equal(y_nograd, expect)

@@ -22,6 +22,8 @@ backend (quantization bit for bit, GEMMs to output rounding):
   rows the split-K decode kernel at exact mode's split (q/k/v and gate/up each in one launch), and from
   ``exact_cublas_min_m`` rows on, for an FP8 weight whose K is not split, cuBLAS's blockwise GEMM
   (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_decode_config`, ``exact_on_cublas``);
+* :meth:`CudaBackend.add_bias`: a linear layer's bias over its GEMM's output rows, in place
+  (:mod:`~jetrl.quant.kernels.bias_triton`);
 * ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention, the
   seeded sampler, exact mode's attention and the FP8 KV-cache write run their kernels of this folder (the
   seam's :func:`~jetrl.quant.backend.choose_impl`, over :data:`~jetrl.quant.backend.FUSED_OPS`).
@@ -36,6 +38,7 @@ import torch
 
 from jetrl.quant import reference
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
+from jetrl.quant.kernels import bias_triton
 from jetrl.quant.kernels import gemm_decode_triton as dk
 from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
 from jetrl.quant.kernels import gemm_exact_triton, gemm_triton
@@ -195,6 +198,14 @@ class CudaBackend:
         bias_list = [b.to(out_dtype) if b is not None else None for b in biases]
         return dk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, b) for w, b in zip(weights, bias_list)],
                                           out_dtype)
+
+    def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """In place by :mod:`~jetrl.quant.kernels.bias_triton` (ATen's broadcast add takes its slow generic loop);
+        operands it does not take (:func:`~jetrl.quant.kernels.bias_triton.supports`) add as the reference does."""
+        bias = bias.to(y.dtype)
+        if y.is_cuda and bias_triton.supports(y, bias):
+            return bias_triton.add_bias_(y, bias)
+        return y + bias
 
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)
