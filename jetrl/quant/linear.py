@@ -98,29 +98,74 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] and needs_w:
             # one read of grad_out; the 128x1 operands of WGrad have zero rows to a multiple of 128 tokens
             qg, qg_tok = backend.quantize_act_and_token(grad_out, ctx.pow2_scale, whole_blocks=True)
-        if ctx.needs_input_grad[0]:  # DGrad: dy (1x128) @ W  ==  dy @ (W^T as 128x128 tiles)^T
+        if ctx.needs_input_grad[0]:
             if qg is None:
                 qg = backend.quantize(grad_out, ACT, ctx.pow2_scale)
-            if wt_data is not None:
-                qw_t = Fp8Tensor(wt_data, wt_scale, WEIGHT)  # (K, N), row-major data
-            else:  # W^T not cached (tuning.cache_weight_t): a transient transpose of W's FP8 tiles, the same bytes
-                qw_t = backend.transpose_weight(Fp8Tensor(w_data, w_scale, WEIGHT))
-            grad_x = backend.gemm(qg, qw_t, out_dtype=ctx.x_dtype)  # (M, K)
-        if needs_w:  # WGrad: dy^T @ x, both grouped by 128 tokens
-            # both operands are quantized with zero rows up to M' (M rounded up to 128): the same bytes and
-            # scales on the M tokens, and zeros add nothing to dW, so the GEMM's contraction runs over whole
-            # 128-token blocks (cuBLAS's blockwise rule) whatever the micro-batch's token count
+            grad_x = _dgrad(backend, qg, w_data, w_scale, wt_data, wt_scale, ctx.x_dtype)
+        if needs_w:
             if qg_tok is None:
                 qg_tok = backend.quantize(grad_out, TOKEN, ctx.pow2_scale, whole_blocks=True)
-            qg_tok = qg_tok.t()  # (N, M'), 1x128 along M'
-            qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, ctx.pow2_scale,
-                                        whole_blocks=True).t()  # (K, M')
-            grad_w = backend.gemm(qg_tok, qx_tok, out_dtype=ctx.weight_dtype)  # (N, K)
-            grad_ws = list(grad_w.split(ctx.widths))
+            grad_ws = list(_wgrad(backend, qg_tok, x_data, x_scale, ctx.pow2_scale, ctx.weight_dtype).split(ctx.widths))
         if grad_bs and any(ctx.needs_input_grad[10 + num_weights:]):
             grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 sums, no fp32 copy of grad_out
             grad_bs = [g.to(d) for g, d in zip(grad_b.split(ctx.widths), ctx.bias_dtypes)]
         return (grad_x, None, None, None, None, None, None, None, None, None, *grad_ws, *grad_bs)
+
+
+def _dgrad(backend, qg: Fp8Tensor, w_data, w_scale, wt_data, wt_scale, x_dtype: torch.dtype) -> torch.Tensor:
+    """DGrad: dy (1x128) @ W  ==  dy @ (W^T as 128x128 tiles)^T, (M, K)."""
+    if wt_data is not None:
+        qw_t = Fp8Tensor(wt_data, wt_scale, WEIGHT)  # (K, N), row-major data
+    else:  # W^T not cached (tuning.cache_weight_t): a transient transpose of W's FP8 tiles, the same bytes
+        qw_t = backend.transpose_weight(Fp8Tensor(w_data, w_scale, WEIGHT))
+    return backend.gemm(qg, qw_t, out_dtype=x_dtype)
+
+
+def _wgrad(backend, qg_tok: Fp8Tensor, x_data, x_scale, pow2_scale: bool, weight_dtype: torch.dtype) -> torch.Tensor:
+    """WGrad: dy^T @ x, both grouped by 128 tokens, (N, K). Both operands are quantized with zero rows up to M' (M
+    rounded up to 128; ``qg_tok`` made with ``whole_blocks``): the same bytes and scales on the M tokens, and zeros
+    add nothing to dW, so the GEMM's contraction runs over whole 128-token blocks (cuBLAS's blockwise rule) whatever
+    the micro-batch's token count."""
+    qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, pow2_scale, whole_blocks=True).t()  # (K, M')
+    return backend.gemm(qg_tok.t(), qx_tok, out_dtype=weight_dtype)  # (N, M') @ (K, M')^T
+
+
+@keeps_forward_context  # the backward reads the kernel tuning the forward ran under, on autograd's CUDA threads too
+class _Fp8GateUpSwiGLUFunction(torch.autograd.Function):
+    """A gate/up projection (one stacked FP8 linear, no biases) and SwiGLU as one op, so that SwiGLU's backward
+    quantizes the projection's grad_out while it computes it (:func:`~jetrl.quant.swiglu.swiglu_backward_fp8`): the
+    (M, 2I) gradient of the projection's output is never written or read in BF16. Saves what the two ops save apart
+    (the FP8 input and weight, the projection's BF16 output); the forward and the gradients are bitwise theirs."""
+
+    @staticmethod
+    def forward(ctx, x, w_data, w_scale, pow2_scale: bool, wt_data, wt_scale, xq_data, xq_scale, quantize_out: bool,
+                out_pow2: bool, *weights):  # x: (M, K); the output (M, I), I = half the stacked width
+        from jetrl.quant.swiglu import swiglu_packed
+
+        y, qx = _fprop(x, w_data, w_scale, pow2_scale, xq_data, xq_scale, False, ())
+        act, act_fp8 = swiglu_packed(y, quantize=quantize_out, pow2_scale=out_pow2)
+        ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data, wt_scale, y)
+        ctx.pow2_scale, ctx.x_dtype = pow2_scale, x.dtype
+        ctx.widths = [w.shape[0] for w in weights]
+        ctx.weight_dtype = weights[0].dtype
+        if act_fp8 is None:
+            return act, None, None
+        ctx.mark_non_differentiable(act_fp8.data, act_fp8.scale)
+        return act, act_fp8.data, act_fp8.scale
+
+    @staticmethod
+    def backward(ctx, grad_act, _grad_data, _grad_scale):
+        from jetrl.quant.swiglu import swiglu_backward_fp8
+
+        x_data, x_scale, w_data, w_scale, wt_data, wt_scale, y = ctx.saved_tensors
+        backend = get_backend(grad_act.device)
+        qg, qg_tok = swiglu_backward_fp8(grad_act, y, ctx.pow2_scale)
+        grad_x = _dgrad(backend, qg, w_data, w_scale, wt_data, wt_scale, ctx.x_dtype) if ctx.needs_input_grad[0] \
+            else None
+        grad_ws: list[torch.Tensor | None] = [None] * len(ctx.widths)
+        if any(ctx.needs_input_grad[10:]):
+            grad_ws = list(_wgrad(backend, qg_tok, x_data, x_scale, ctx.pow2_scale, ctx.weight_dtype).split(ctx.widths))
+        return (grad_x, None, None, None, None, None, None, None, None, None, *grad_ws)
 
 
 def _tuning():
@@ -445,6 +490,29 @@ def _member_weights(qweight: Fp8Tensor, modules: tuple[FP8Linear, ...]) -> list[
         out.append(Fp8Tensor(qweight.data[row:row + n], qweight.scale[row // 128:(row + n) // 128], WEIGHT))
         row += n
     return out
+
+
+def grouped_linear_swiglu(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
+                          x_fp8: Fp8Tensor | None = None, *, quantize_out: bool, out_pow2: bool,
+                          exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None] | None:
+    """``swiglu_packed(grouped_linear((gate, up), x))`` as one op whose backward quantizes the projection's
+    grad_out inside SwiGLU's backward (:class:`_Fp8GateUpSwiGLUFunction`), where the kernel tuning asks for it
+    (``swiglu_grad_fp8``) and it applies: a grad-enabled fast-mode forward of two :func:`groupable` layers without
+    biases. Returns ``(act, act's 1x128 FP8 or None)`` as ``swiglu_packed(..., quantize=quantize_out,
+    pow2_scale=out_pow2)`` does, or ``None`` (the caller then runs the two ops)."""
+    if (exact or not torch.is_grad_enabled() or not _tuning().swiglu_grad_fp8 or x.dim() != 2 or len(modules) != 2
+            or not groupable(modules) or modules[0].bias is not None or modules[0].out_features != modules[1].out_features):
+        return None
+    if x_fp8 is not None and tuple(x_fp8.shape) != tuple(x.shape):
+        raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x.shape)}, got {tuple(x_fp8.shape)}")
+    modules = tuple(modules)
+    qweight, qweight_t = _group_weights(modules, with_transpose=_caches_transpose())
+    xq_data, xq_scale = (x_fp8.data, x_fp8.scale) if x_fp8 is not None else (None, None)
+    wt_data, wt_scale = (qweight_t.data, qweight_t.scale) if qweight_t is not None else (None, None)
+    act, data, scale = _Fp8GateUpSwiGLUFunction.apply(x, qweight.data, qweight.scale, modules[0].pow2_scale, wt_data,
+                                                      wt_scale, xq_data, xq_scale, bool(quantize_out), bool(out_pow2),
+                                                      *(m.weight for m in modules))
+    return act, (Fp8Tensor(data, scale, ACT) if quantize_out else None)
 
 
 def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
