@@ -88,40 +88,14 @@ def _swiglu_fwd_kernel(
         tl.store(scale_ptr + pid_k * SCALE_M + rm, scale, mask=rm < M)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _swiglu_bwd_kernel(
-    grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
-    M, K, stride_grm, stride_gm, stride_um, stride_dgm, stride_dum,
-    IS_BF16: tl.constexpr, FMA: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """One (BLOCK_M, 128) tile of ``d gate = silu'(gate) * rnd(g * up)`` and ``d up = rnd(g * rnd(silu(gate)))``."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = pid_k * _BLOCK_K + tl.arange(0, _BLOCK_K)
+@triton.jit
+def _swiglu_grads(g_ptr, x_ptr, up_ptr, rm, rk, M, K, stride_grm, stride_gm, stride_um, dt: tl.constexpr,
+                  IS_BF16: tl.constexpr, FMA: tl.constexpr):
+    """``(d gate, d up)`` of the tile of rows ``rm`` and columns ``rk``, as fp32 values on ``dt``'s grid (zeros out of
+    bounds): ``d up = rnd(g * rnd(silu(gate)))`` and ``d gate = silu'(gate) * rnd(g * up)`` rounded where autograd of
+    the unfused code rounds (the module doc)."""
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     rows = rm[:, None].to(tl.int64)
-    g = tl.load(grad_ptr + rows * stride_grm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(gate_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    e = 1.0 + _exp(-x)
-    silu = _cast(tl.div_rn(x, e), dgate_ptr.dtype.element_ty, IS_BF16).to(tl.float32)
-    d_up = _cast(g * silu, dgate_ptr.dtype.element_ty, IS_BF16)
-    d_silu = _cast(g * up, dgate_ptr.dtype.element_ty, IS_BF16).to(tl.float32)
-    s = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), e)
-    if FMA:
-        slope = tl.fma(x, 1.0 - s, 1.0)
-    else:
-        slope = 1.0 + x * (1.0 - s)
-    d_gate = _cast((d_silu * s) * slope, dgate_ptr.dtype.element_ty, IS_BF16)
-    tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate, mask=mask)
-    tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up, mask=mask)
-
-
-@triton.jit
-def _swiglu_grads(g_ptr, x_ptr, up_ptr, rows, rk, mask, stride_grm, stride_gm, stride_um, dt: tl.constexpr,
-                  IS_BF16: tl.constexpr, FMA: tl.constexpr):
-    """``(d gate, d up)`` of one tile as fp32 values on ``dt``'s grid: the arithmetic of :func:`_swiglu_bwd_kernel`."""
     g = tl.load(g_ptr + rows * stride_grm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -136,6 +110,26 @@ def _swiglu_grads(g_ptr, x_ptr, up_ptr, rows, rk, mask, stride_grm, stride_gm, s
         slope = 1.0 + x * (1.0 - s)
     d_gate = _cast((d_silu * s) * slope, dt, IS_BF16).to(tl.float32)
     return d_gate, d_up
+
+
+@triton.jit(do_not_specialize=["M"])
+def _swiglu_bwd_kernel(
+    grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
+    M, K, stride_grm, stride_gm, stride_um, stride_dgm, stride_dum,
+    IS_BF16: tl.constexpr, FMA: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One (BLOCK_M, 128) tile of ``d gate = silu'(gate) * rnd(g * up)`` and ``d up = rnd(g * rnd(silu(gate)))``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = pid_k * _BLOCK_K + tl.arange(0, _BLOCK_K)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    rows = rm[:, None].to(tl.int64)
+    d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rm, rk, M, K, stride_grm, stride_gm, stride_um,
+                                 dgate_ptr.dtype.element_ty, IS_BF16, FMA)
+    # exact casts: the values are on the dtype's grid
+    tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate.to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up.to(dup_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "ACT_M", "OUT_M"])
@@ -158,10 +152,10 @@ def _swiglu_bwd_fp8_kernel(
     kb_up = tl.cdiv(K, _BLOCK_K) + pid_k  # the up half's 1x128 block index
     for i in range(0, 128, SUB_M):
         rm = pid_m * 128 + i + tl.arange(0, SUB_M)
+        d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rm, rk, M, K, stride_grm, stride_gm, stride_um,
+                                     gate_ptr.dtype.element_ty, IS_BF16, FMA)
         mask = (rm[:, None] < M) & k_ok[None, :]
         rows = rm[:, None].to(tl.int64)
-        d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rows, rk, mask, stride_grm, stride_gm, stride_um,
-                                     gate_ptr.dtype.element_ty, IS_BF16, FMA)
         col_gate = tl.maximum(col_gate, tl.max(tl.abs(d_gate), axis=0))
         col_up = tl.maximum(col_up, tl.max(tl.abs(d_up), axis=0))
         scale = _block_scale(tl.max(tl.abs(d_gate), axis=1), POW2)
@@ -174,11 +168,9 @@ def _swiglu_bwd_fp8_kernel(
     scale_up = _block_scale(col_up, POW2)
     tl.store(tok_scale_ptr + pid_m * (2 * K) + rk, scale_gate, mask=k_ok)
     tl.store(tok_scale_ptr + pid_m * (2 * K) + K + rk, scale_up, mask=k_ok)
-    for i in range(0, 128, SUB_M):
+    for i in range(0, 128, SUB_M):  # again: the same d, now quantized per column
         rm = pid_m * 128 + i + tl.arange(0, SUB_M)
-        mask = (rm[:, None] < M) & k_ok[None, :]
-        rows = rm[:, None].to(tl.int64)
-        d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rows, rk, mask, stride_grm, stride_gm, stride_um,
+        d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rm, rk, M, K, stride_grm, stride_gm, stride_um,
                                      gate_ptr.dtype.element_ty, IS_BF16, FMA)
         out_mask = k_ok[:, None] & (rm[None, :] < OUT_M)  # rows M..OUT_M: zeros (d of zero inputs is 0)
         cols = rk[:, None].to(tl.int64)
