@@ -29,6 +29,8 @@ All entry points flatten tokens to rows (N, hidden) and differ only in how atten
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 from typing import Callable
 
@@ -234,9 +236,12 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             if recompute:
-                # the blocks draw no random numbers: no RNG state to stash (which a CUDA graph capture forbids)
-                h, residual = checkpoint(layer, h, residual, cos, sin, attend, exact, use_reentrant=False,
-                                         preserve_rng_state=False)
+                # the blocks draw no random numbers: no RNG state to stash (which a CUDA graph capture forbids). The
+                # recomputation runs in a copy of this forward's context variables (the kernel tuning in force, a
+                # forced fused implementation): autograd recomputes a CUDA block on its own device thread, whose
+                # context is empty, and would otherwise take the default kernels, not the ones this forward took
+                h, residual = checkpoint(functools.partial(contextvars.copy_context().run, layer), h, residual, cos,
+                                         sin, attend, exact, use_reentrant=False, preserve_rng_state=False)
             else:
                 h, residual = layer(h, residual, cos, sin, attend, exact)
         return self.norm.fused(h, residual, None).out

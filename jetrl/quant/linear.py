@@ -497,8 +497,9 @@ def grouped_linear_swiglu(modules: tuple[nn.Module, ...] | list[nn.Module], x: t
                           exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None] | None:
     """``swiglu_packed(grouped_linear((gate, up), x))`` as one op whose backward quantizes the projection's
     grad_out inside SwiGLU's backward (:class:`_Fp8GateUpSwiGLUFunction`), where the kernel tuning asks for it
-    (``swiglu_grad_fp8``) and it applies: a grad-enabled fast-mode forward of two :func:`groupable` layers without
-    biases. Returns ``(act, act's 1x128 FP8 or None)`` as ``swiglu_packed(..., quantize=quantize_out,
+    (``swiglu_grad_fp8``) and it applies: a grad-enabled fast-mode forward of two :func:`groupable` layers of equal
+    widths without biases. Both of grad_out's quantizations are made whether or not the input and the weights both
+    need their gradients. Returns ``(act, act's 1x128 FP8 or None)`` as ``swiglu_packed(..., quantize=quantize_out,
     pow2_scale=out_pow2)`` does, or ``None`` (the caller then runs the two ops)."""
     if (exact or not torch.is_grad_enabled() or not _tuning().swiglu_grad_fp8 or x.dim() != 2 or len(modules) != 2
             or not groupable(modules) or modules[0].bias is not None or modules[0].out_features != modules[1].out_features):

@@ -213,6 +213,7 @@ def swiglu_backward_fp8(grad: torch.Tensor, gate_up: torch.Tensor, pow2_scale: b
     if use_triton(gate_up, impl):
         from jetrl.quant.kernels import swiglu_triton
 
+        gate_up = _rows(gate_up)
         data, scale, tok, tok_scale = swiglu_triton.swiglu_bwd_fp8(_rows(grad), gate_up[:, :k], gate_up[:, k:],
                                                                    pow2_scale, whole_blocks=True)
         return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)

@@ -80,9 +80,12 @@ for fused in (False, True):
     gy = torch.randn(131, 256, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     with fused_impl("triton"), tuning.override(swiglu_grad_fp8=fused):
         y = mlp(x)
+        took = type(y.grad_fn.next_functions[0][0]).__name__  # the down projection's input: the fused op's output?
         y.backward(gy)
     runs[fused] = [y.detach(), x.grad] + [p.grad for p in mlp.parameters()]
+    runs[f"took-{fused}"] = took
 res["mlp"] = {"act": all(same(a, b) for a, b in zip(runs[False], runs[True])),
+              "fused": runs["took-True"] == "_Fp8GateUpSwiGLUFunctionBackward" != runs["took-False"],
               "token": True, "act_reference": True, "token_reference": True}
 json.dump(res, sys.stdout)
 '''
@@ -106,6 +109,7 @@ def test_fused_swiglu_backward_quantization_bitwise(interpreted, check):
 
 @needs_triton
 def test_the_op_in_an_mlp_through_the_interpreted_kernels_is_bitwise_unfused(interpreted):
+    assert interpreted["mlp"]["fused"], "the MLP did not run the fused op with swiglu_grad_fp8"
     assert interpreted["mlp"]["act"], "the MLP's output or a gradient differs with swiglu_grad_fp8"
 
 
@@ -203,7 +207,9 @@ def test_an_mlp_on_the_gpu_is_the_unfused_one_bitwise(tokens):
         gy = torch.randn(tokens, 1536, generator=g, device="cuda").to(torch.bfloat16)
         with tuning.override(swiglu_grad_fp8=fused):
             y = mlp(x)
+            took = type(y.grad_fn.next_functions[0][0]).__name__
             y.backward(gy)
         runs[fused] = [y.detach(), x.grad] + [p.grad for p in mlp.parameters()]
+        assert (took == "_Fp8GateUpSwiGLUFunctionBackward") == fused, took
     for a, b in zip(runs[False], runs[True]):
         assert torch.isfinite(b.float()).all() and torch.equal(a, b)

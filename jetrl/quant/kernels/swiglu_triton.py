@@ -141,7 +141,7 @@ def _swiglu_bwd_fp8_kernel(
     """One 128-row, 128-column block of ``d = [d gate, d up]`` (M, 2K), quantized both ways without writing d:
     per 1x128 into ``q`` (row-major (M, 2K)) with scales in a (2K/128, ACT_M) buffer, and per 128x1 into ``tok``
     (row-major (2K, OUT_M): the 128x1 data transposed, rows M..OUT_M zeros) with scales in a row-major
-    (M/128, 2K) buffer. The column block's 128x1 scales need all 128 rows first, so d is computed twice, SUB_M rows
+    (ceil(M/128), 2K) buffer. The column block's 128x1 scales need all 128 rows first, so d is computed twice, SUB_M rows
     at a time: once for the 1x128 blocks and the column maxima, once for the 128x1 blocks (the same bits)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -240,13 +240,17 @@ def swiglu_bwd_fp8(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, pow
     ``grad``, ``gate``, ``up``: 2-D (M, K), unit column stride, one 16- or 32-bit float dtype, K a multiple of 128.
     Returns ``(data, scale, tok, tok_scale)`` in the layouts of
     :func:`~jetrl.quant.kernels.quantize_triton.quantize_act_1x128` and
-    :func:`~jetrl.quant.kernels.quantize_triton.quantize_token_128x1` (``whole_blocks``: zero rows to a multiple
-    of 128)."""
+    :func:`~jetrl.quant.kernels.quantize_triton.quantize_token_128x1` (``whole_blocks``, on by default here, unlike
+    there: zero rows to a multiple of 128, WGrad's operand)."""
     from jetrl.quant.kernels.quantize_triton import token_rows
 
     m, k = gate.shape
     if k % BLOCK_K:
         raise ValueError(f"swiglu_bwd_fp8: the width {k} must be a multiple of {BLOCK_K} (whole 1x128 blocks per half)")
+    for name, t in (("grad", grad), ("gate", gate), ("up", up)):
+        if t.shape != (m, k) or t.dtype != gate.dtype or (k > 1 and t.stride(1) != 1):
+            raise ValueError(f"swiglu_bwd_fp8: {name} must be ({m}, {k}) {gate.dtype} with unit column stride, got "
+                             f"{tuple(t.shape)} {t.dtype} strides {tuple(t.stride())}")
     data, scale_buf = act_buffers(m, 2 * k, gate.device)
     out_m = token_rows(m, whole_blocks)
     tok = torch.empty((2 * k, out_m), dtype=data.dtype, device=gate.device)
@@ -256,8 +260,8 @@ def swiglu_bwd_fp8(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, pow
         _swiglu_bwd_fp8_kernel[grid](
             grad, gate, up, data, scale_buf, tok, tok_scale,
             m, k, grad.stride(0), gate.stride(0), up.stride(0), scale_buf.shape[1], out_m,
-            POW2=pow2_scale, IS_BF16=gate.dtype == torch.bfloat16, FMA=tuning.current().silu_bwd_fma, SUB_M=32,
-            num_warps=4, enable_fp_fusion=False,
+            POW2=pow2_scale, IS_BF16=gate.dtype == torch.bfloat16, FMA=tuning.current().silu_bwd_fma, SUB_M=16,
+            num_warps=8, enable_fp_fusion=False,  # 16-row slices at 8 warps: compiled without register spills
         )
     elif out_m:
         tok.zero_()
