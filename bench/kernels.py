@@ -376,7 +376,7 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
     from jetrl.quant.kernels.cuda_backend import CudaBackend
     from jetrl.quant.kernels.tuning import GEMM_CHOICES
 
-    fp8_paths = tuple(c for c in GEMM_CHOICES if c != "auto")  # the FP8 GEMM paths "auto" routes between
+    fp8_paths = tuple(c for c in GEMM_CHOICES if c not in ("auto", "triton-tma"))  # the paths "auto" picks
     be = CudaBackend()
     for n, k in nk_list:
         copies = _rotation(n, k)
