@@ -17,9 +17,14 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
    ``torch.matmul``) depends on M, and whether exact mode's single in-order K walk gives cuBLAS's bits (what the
    tuning's ``exact_cublas_min_m`` relies on);
 9. ``profile`` / ``host-profile`` (not in the default sections): one FP8Linear step under the PyTorch
-   profiler, and the host (Python) time of its eager forward+backward under cProfile.
+   profiler, and the host (Python) time of its eager forward+backward under cProfile;
+10. ``gemm-train`` (not in the default sections): Fprop, DGrad and WGrad at the Qwen2.5-1.5B and -7B linears'
+    shapes and ``--train-m`` tokens (13,440), cuBLAS's blockwise ``scaled_mm`` against the TMA Triton GEMM
+    (:mod:`jetrl.quant.kernels.gemm_tma_triton`, ``--train-configs``, each checked against cuBLAS first) and
+    BF16 ``torch.matmul``: TFLOP/s and the ratios.
 
-Run: ``python bench/kernels.py [--quick] [--json PATH]``.
+Run: ``python bench/kernels.py [--quick] [--json PATH]``; the training GEMMs alone:
+``python bench/kernels.py --sections gemm-train --json gemm_train.json``.
 """
 
 from __future__ import annotations
@@ -56,11 +61,11 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
-def _bench_ms(fn) -> float:
+def _bench_ms(fn, warmup: int = 10, rep: int = 40) -> float:
     """Eager median: CPU launch overhead shows up whenever the GPU waits for it."""
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 def _graph_ms(fn) -> float | None:
@@ -303,6 +308,99 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
                 rep.add("exact-gemm", path="bf16" if lm_head else "fp8", schedule=name, m=m, n=n, k=k, ms=t,
                         tflops=flop / t / 1e9, bitwise_default=same, over_fast=t / t_fast, over_bf16=t / t_bf16,
                         fast_ms=t_fast, bf16_ms=t_bf16)
+
+
+# ---- training GEMMs: the TMA Triton GEMM (tuning gemm="triton-tma") against cuBLAS blockwise and BF16 ----
+
+# the Qwen2.5 linears as (label, N, K): q/k/v and gate/up stacked as the models launch them
+TRAIN_GEMM_SHAPES = {
+    "1.5b": [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)],
+    "7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
+}
+TRAIN_GEMM_M = 13440
+# TmaGemmConfig names (see _tma_config): the tuning's default first
+TRAIN_GEMM_CONFIGS = ["128x128w8s4g8", "128x128w8s4g8-persistent", "128x128w8s4g8-skew", "128x128w8s3g8-tma_store",
+                      "64x128w4s4g8", "128x256w8s3g8", "256x128w8s3g8"]
+
+
+def _tma_config(name: str):
+    """A :class:`~jetrl.quant.kernels.gemm_tma_triton.TmaGemmConfig` from its name (``TmaGemmConfig.name``:
+    ``{block_m}x{block_n}w{warps}s{stages}g{group_m}`` then any of ``-outer``, ``-persistent``, ``-skew``,
+    ``-tma_store``)."""
+    import re
+
+    from jetrl.quant.kernels.gemm_tma_triton import TmaGemmConfig
+
+    head, *flags = name.split("-")
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?", head)
+    unknown = set(flags) - {"outer", "persistent", "skew", "tma_store"}
+    if match is None or unknown:
+        raise ValueError(f"not a TMA GEMM config name: {name!r} (e.g. 128x128w8s4g8-persistent)")
+    bm, bn, warps, stages, group = match.groups()
+    return TmaGemmConfig(int(bm), int(bn), int(warps), int(stages), int(group or 8), persistent="persistent" in flags,
+                         skew="skew" in flags, row_scale="outer" not in flags, tma_store="tma_store" in flags)
+
+
+def bench_train_gemms(rep: Report, models: list[str], m: int = TRAIN_GEMM_M,
+                      config_names: list[str] | None = None, budget_s: float = 140.0) -> None:
+    """Fprop, DGrad and WGrad of each model's linears at ``m`` tokens: cuBLAS's blockwise ``scaled_mm`` (the
+    training path today), the TMA Triton GEMM at each config of ``config_names`` and BF16 ``torch.matmul``, in
+    TFLOP/s. Each Triton config's output is checked against cuBLAS's (elementwise within two bf16 roundings plus
+    2^-6 of the output's RMS: both sum the same products in different orders; a wrong scale or K block misses by far
+    more) before it is timed; a config that fails to compile or to match is reported and skipped. Past
+    ``budget_s`` seconds the remaining Triton configs are skipped (cuBLAS and BF16 are still timed)."""
+    import time
+
+    from jetrl.quant.formats import WEIGHT
+    from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
+    from jetrl.quant.kernels.gemm_tma_triton import tma_fp8_gemm
+
+    configs = [_tma_config(name) for name in (config_names or TRAIN_GEMM_CONFIGS)]
+    deadline = time.monotonic() + budget_s
+    bench = lambda fn: _bench_ms(fn, warmup=5, rep=25)  # noqa: E731  (multi-millisecond GEMMs: enough reps)
+    for model in models:
+        for label, n, k in TRAIN_GEMM_SHAPES[model]:
+            _, (x, w, dy), (qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t) = _gemm_operands(m, n, k)
+            flop = 2.0 * m * n * k
+            pairs = {  # (a, b, BF16 product): a @ b.T
+                "fprop": (qx, qw, lambda: torch.matmul(x, w.t())),
+                "dgrad": (qdy, qw_t, lambda: torch.matmul(dy, w)),
+                "wgrad": (qdy_tok_t, qx_tok_t, lambda: torch.matmul(dy.t(), x)),
+            }
+            for gemm, (a, b, bf16) in pairs.items():
+                rows = 128 if b.block == WEIGHT else 1
+                ref = scaled_mm.blockwise_scaled_mm(a, b).float()
+                rms = float(ref.square().mean().sqrt())
+                t_cublas = bench(lambda: scaled_mm.blockwise_scaled_mm(a, b))
+                t_bf16 = bench(bf16)
+                common = dict(model=model, linear=label, gemm=gemm, m=a.shape[0], n=b.shape[0], k=a.shape[1])
+                rep.add("gemm-train", **common, config="cublas", ms=t_cublas, tflops=flop / t_cublas / 1e9,
+                        over_cublas=1.0, over_bf16=t_bf16 / t_cublas)
+                rep.add("gemm-train", **common, config="bf16", ms=t_bf16, tflops=flop / t_bf16 / 1e9,
+                        over_cublas=t_cublas / t_bf16, over_bf16=1.0)
+                for cfg in configs:
+                    if time.monotonic() > deadline:
+                        print(f"  {gemm} {label} {cfg.name}: skipped (past the section's {budget_s:.0f} s)", flush=True)
+                        continue
+                    run = lambda: tma_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, config=cfg)  # noqa: E731
+                    try:
+                        err = (run().float() - ref).abs()
+                        ok = bool((err <= 2.0 ** -7 * ref.abs() + 2.0 ** -6 * rms).all())
+                        max_err = float(err.max()) / rms
+                        del err
+                        if not ok:
+                            print(f"  {gemm} {label} {cfg.name}: differs from cuBLAS (max |diff| {max_err:.3g} "
+                                  f"x RMS); not timed", flush=True)
+                            continue
+                        t = bench(run)
+                    except Exception as exc:  # a tile that does not compile (shared memory) is reported, not fatal
+                        print(f"  {gemm} {label} {cfg.name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                        continue
+                    rep.add("gemm-train", **common, config=cfg.name, ms=t, tflops=flop / t / 1e9,
+                            over_cublas=t_cublas / t, over_bf16=t_bf16 / t, max_err_over_rms=max_err)
+                del ref
+            del x, w, dy, qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t, pairs
+            torch.cuda.empty_cache()
 
 
 CUBLAS_INVARIANCE_M = [1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 33, 48, 64, 65, 96, 100, 128, 129, 192, 255, 256, 257,
@@ -882,6 +980,14 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--sweep-m", default=",".join(str(m) for m in DECODE_SWEEP_M),
                         help="row counts of the decode sweep (up to 256)")
     parser.add_argument("--exact-m", default="8192", help="row counts of the exact-gemm section")
+    parser.add_argument("--train-m", type=int, default=TRAIN_GEMM_M, help="tokens of the gemm-train section")
+    parser.add_argument("--train-models", default=",".join(TRAIN_GEMM_SHAPES),
+                        help=f"models whose linears the gemm-train section times ({', '.join(TRAIN_GEMM_SHAPES)})")
+    parser.add_argument("--train-seconds", type=float, default=140.0,
+                        help="time budget of gemm-train's Triton configs (later ones are skipped)")
+    parser.add_argument("--train-configs", default=",".join(TRAIN_GEMM_CONFIGS),
+                        help="the TMA GEMM's configs timed by gemm-train (TmaGemmConfig names, e.g. "
+                             "128x128w8s4g8-persistent; flags -outer -persistent -skew -tma_store)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
@@ -906,6 +1012,8 @@ def main(argv: list[str] | None = None) -> Report:
                                                             ms=[int(m) for m in args.sweep_m.split(",")],
                                                             shape=args.sweep_shape)),
         ("exact-gemm", lambda: bench_exact_gemm(rep, [int(m) for m in args.exact_m.split(",")], LLAMA8B_NK)),
+        ("gemm-train", lambda: bench_train_gemms(rep, args.train_models.split(","), args.train_m,
+                                                 args.train_configs.split(","), args.train_seconds)),
         ("cublas-invariance", lambda: bench_cublas_invariance(rep, CUBLAS_INVARIANCE_M, LLAMA8B_NK)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
@@ -945,6 +1053,14 @@ def _print_summary(rep: Report) -> None:
     for row in rep.sections.get("exact-gemm", []):
         print(f"exact {row['path']} M={row['m']} N={row['n']} K={row['k']} {row['schedule']}: {row['ms']:.3f} ms, "
               f"{row['over_fast']:.2f}x fast, {row['over_bf16']:.2f}x bf16, bitwise {row['bitwise_default']}")
+    best: dict = {}
+    for row in rep.sections.get("gemm-train", []):
+        key = (row["model"], row["linear"], row["gemm"], row["m"], row["n"], row["k"])
+        if row["config"] not in ("cublas", "bf16") and (key not in best or row["ms"] < best[key]["ms"]):
+            best[key] = row
+    for (model, linear, gemm, m, n, k), row in best.items():
+        print(f"gemm-train {model} {linear} {gemm} M={m} N={n} K={k}: best TMA {row['config']} {row['tflops']:.0f} "
+              f"TFLOP/s, {row['over_cublas']:.2f}x cuBLAS, {row['over_bf16']:.2f}x BF16")
     groups: dict = {}
     for row in rep.sections.get("cublas-invariance", []):
         key = (row["gemm"], row["n"], row["k"], row["scales"])

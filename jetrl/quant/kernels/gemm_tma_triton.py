@@ -63,7 +63,8 @@ def _block_scale(as_ptr, bs_ptr, rm, rn, m_ok, n_ok, n0, kb, stride_asm, stride_
         return sa[:, None] * sb[None, :]
 
 
-@triton.jit(do_not_specialize=["M", "K", "NUM_PROGRAMS"], do_not_specialize_on_alignment=["stride_ask"])
+@triton.jit(do_not_specialize=["M", "K", "NUM_PROGRAMS"],
+            do_not_specialize_on_alignment=["stride_ask", "stride_bsn", "stride_bsk"])
 def _tma_gemm_kernel(a_desc, b_desc, c_desc, c_ptr, as_ptr, bs_ptr, M, N, K, NUM_PROGRAMS,
                      stride_cm, stride_cn, stride_asm, stride_ask, stride_bsn, stride_bsk,
                      B_SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
