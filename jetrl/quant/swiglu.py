@@ -206,19 +206,23 @@ def swiglu_backward_fp8(grad: torch.Tensor, gate_up: torch.Tensor, pow2_scale: b
     projection's backward reads it: quantized per 1x128 and per 128x1 (zero rows to a multiple of 128 tokens,
     ``whole_blocks``), the bytes and scales of the FP8 backend's ``quantize_act_and_token`` of the BF16 gradient.
 
-    The kernel (:func:`~jetrl.quant.kernels.swiglu_triton.swiglu_bwd_fp8`) never writes that gradient: it computes
-    each 128 x 128 block and quantizes it both ways. The reference computes it by autograd of
-    :func:`swiglu_reference` and quantizes it with the device's FP8 backend."""
+    Where the FP8 backend has a kernel for it (``quantize_swiglu_grad``: the CUDA backend's Gluon kernel), that
+    gradient is never written: each 128 x 128 block is computed and quantized both ways in one kernel. Otherwise it
+    is computed (by SwiGLU's backward kernel, or by autograd of :func:`swiglu_reference`) and then quantized."""
     k = gate_up.shape[-1] // 2
+    gate_up, grad = _rows(gate_up), _rows(grad)
+    gate, up = gate_up[:, :k], gate_up[:, k:]
+    backend = get_backend(gate_up.device)
     if use_triton(gate_up, impl):
+        fused = backend.quantize_swiglu_grad(grad, gate, up, pow2_scale)
+        if fused is not None:
+            return fused
         from jetrl.quant.kernels import swiglu_triton
 
-        gate_up = _rows(gate_up)
-        data, scale, tok, tok_scale = swiglu_triton.swiglu_bwd_fp8(_rows(grad), gate_up[:, :k], gate_up[:, k:],
-                                                                   pow2_scale, whole_blocks=True)
-        return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)
-    with torch.enable_grad():
-        gate, up = (t.detach().requires_grad_(True) for t in (gate_up[:, :k], gate_up[:, k:]))
-        d_gate, d_up = torch.autograd.grad(swiglu_reference(gate, up), (gate, up), grad)
-    return get_backend(gate_up.device).quantize_act_and_token(torch.cat([d_gate, d_up], dim=1), pow2_scale,
-                                                              whole_blocks=True)
+        d = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+        swiglu_triton.swiglu_bwd(grad, gate, up, d[:, :k], d[:, k:])
+    else:
+        with torch.enable_grad():
+            gate, up = (t.detach().requires_grad_(True) for t in (gate, up))
+            d = torch.cat(torch.autograd.grad(swiglu_reference(gate, up), (gate, up), grad), dim=1)
+    return backend.quantize_act_and_token(d, pow2_scale, whole_blocks=True)

@@ -30,7 +30,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from jetrl.quant.kernels import tuning
-from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3, act_buffers
+from jetrl.quant.kernels.quantize_triton import _block_scale, _full_like, _quantize_e4m3, act_buffers
 from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
 
 
@@ -89,21 +89,16 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def _swiglu_grads(g_ptr, x_ptr, up_ptr, rm, rk, M, K, stride_grm, stride_gm, stride_um, dt: tl.constexpr,
-                  IS_BF16: tl.constexpr, FMA: tl.constexpr):
-    """``(d gate, d up)`` of the tile of rows ``rm`` and columns ``rk``, as fp32 values on ``dt``'s grid (zeros out of
-    bounds): ``d up = rnd(g * rnd(silu(gate)))`` and ``d gate = silu'(gate) * rnd(g * up)`` rounded where autograd of
-    the unfused code rounds (the module doc)."""
-    mask = (rm[:, None] < M) & (rk[None, :] < K)
-    rows = rm[:, None].to(tl.int64)
-    g = tl.load(g_ptr + rows * stride_grm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+def swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr, FMA: tl.constexpr):
+    """``(d gate, d up)`` from fp32 values of the incoming gradient ``g``, ``gate`` (``x``) and ``up``, as fp32 values
+    on ``dt``'s grid: ``d up = rnd(g * rnd(silu(gate)))`` and ``d gate = silu'(gate) * rnd(g * up)`` rounded where
+    autograd of the unfused code rounds (the module doc). Layout-free (no ``tl.full``, :func:`_full_like`), so the
+    Gluon kernel of :mod:`~jetrl.quant.kernels.quantize_gluon` computes it too; zeros give zeros."""
     e = 1.0 + _exp(-x)
     silu = _cast(tl.div_rn(x, e), dt, IS_BF16).to(tl.float32)
     d_up = _cast(g * silu, dt, IS_BF16).to(tl.float32)
     d_silu = _cast(g * up, dt, IS_BF16).to(tl.float32)
-    s = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), e)
+    s = tl.div_rn(_full_like(x, 1.0), e)
     if FMA:
         slope = tl.fma(x, 1.0 - s, 1.0)
     else:
@@ -125,59 +120,13 @@ def _swiglu_bwd_kernel(
     rk = pid_k * _BLOCK_K + tl.arange(0, _BLOCK_K)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
     rows = rm[:, None].to(tl.int64)
-    d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rm, rk, M, K, stride_grm, stride_gm, stride_um,
-                                 dgate_ptr.dtype.element_ty, IS_BF16, FMA)
+    g = tl.load(grad_ptr + rows * stride_grm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(gate_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    d_gate, d_up = swiglu_grad_values(g, x, up, dgate_ptr.dtype.element_ty, IS_BF16, FMA)
     # exact casts: the values are on the dtype's grid
     tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate.to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up.to(dup_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M", "ACT_M", "OUT_M"])
-def _swiglu_bwd_fp8_kernel(
-    grad_ptr, gate_ptr, up_ptr, q_ptr, scale_ptr, tok_ptr, tok_scale_ptr,
-    M, K, stride_grm, stride_gm, stride_um, ACT_M, OUT_M,
-    POW2: tl.constexpr, IS_BF16: tl.constexpr, FMA: tl.constexpr, SUB_M: tl.constexpr,
-):
-    """One 128-row, 128-column block of ``d = [d gate, d up]`` (M, 2K), quantized both ways without writing d:
-    per 1x128 into ``q`` (row-major (M, 2K)) with scales in a (2K/128, ACT_M) buffer, and per 128x1 into ``tok``
-    (row-major (2K, OUT_M): the 128x1 data transposed, rows M..OUT_M zeros) with scales in a row-major
-    (ceil(M/128), 2K) buffer. The column block's 128x1 scales need all 128 rows first, so d is computed twice, SUB_M rows
-    at a time: once for the 1x128 blocks and the column maxima, once for the 128x1 blocks (the same bits)."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rk = pid_k * _BLOCK_K + tl.arange(0, _BLOCK_K)
-    k_ok = rk < K
-    col_gate = tl.zeros((_BLOCK_K,), tl.float32)
-    col_up = tl.zeros((_BLOCK_K,), tl.float32)
-    kb_up = tl.cdiv(K, _BLOCK_K) + pid_k  # the up half's 1x128 block index
-    for i in range(0, 128, SUB_M):
-        rm = pid_m * 128 + i + tl.arange(0, SUB_M)
-        d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rm, rk, M, K, stride_grm, stride_gm, stride_um,
-                                     gate_ptr.dtype.element_ty, IS_BF16, FMA)
-        mask = (rm[:, None] < M) & k_ok[None, :]
-        rows = rm[:, None].to(tl.int64)
-        col_gate = tl.maximum(col_gate, tl.max(tl.abs(d_gate), axis=0))
-        col_up = tl.maximum(col_up, tl.max(tl.abs(d_up), axis=0))
-        scale = _block_scale(tl.max(tl.abs(d_gate), axis=1), POW2)
-        tl.store(q_ptr + rows * (2 * K) + rk[None, :], _quantize_e4m3(d_gate, scale[:, None], POW2), mask=mask)
-        tl.store(scale_ptr + pid_k * ACT_M + rm, scale, mask=rm < M)
-        scale = _block_scale(tl.max(tl.abs(d_up), axis=1), POW2)
-        tl.store(q_ptr + rows * (2 * K) + K + rk[None, :], _quantize_e4m3(d_up, scale[:, None], POW2), mask=mask)
-        tl.store(scale_ptr + kb_up * ACT_M + rm, scale, mask=rm < M)
-    scale_gate = _block_scale(col_gate, POW2)
-    scale_up = _block_scale(col_up, POW2)
-    tl.store(tok_scale_ptr + pid_m * (2 * K) + rk, scale_gate, mask=k_ok)
-    tl.store(tok_scale_ptr + pid_m * (2 * K) + K + rk, scale_up, mask=k_ok)
-    for i in range(0, 128, SUB_M):  # again: the same d, now quantized per column
-        rm = pid_m * 128 + i + tl.arange(0, SUB_M)
-        d_gate, d_up = _swiglu_grads(grad_ptr, gate_ptr, up_ptr, rm, rk, M, K, stride_grm, stride_gm, stride_um,
-                                     gate_ptr.dtype.element_ty, IS_BF16, FMA)
-        out_mask = k_ok[:, None] & (rm[None, :] < OUT_M)  # rows M..OUT_M: zeros (d of zero inputs is 0)
-        cols = rk[:, None].to(tl.int64)
-        tl.store(tok_ptr + cols * OUT_M + rm[None, :], tl.trans(_quantize_e4m3(d_gate, scale_gate[None, :], POW2)),
-                 mask=out_mask)
-        tl.store(tok_ptr + (cols + K) * OUT_M + rm[None, :],
-                 tl.trans(_quantize_e4m3(d_up, scale_up[None, :], POW2)), mask=out_mask)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -229,40 +178,3 @@ def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate:
             IS_BF16=gate.dtype == torch.bfloat16, FMA=tuning.current().silu_bwd_fma, BLOCK_M=block_m, num_warps=4,
             enable_fp_fusion=False,
         )
-
-
-def swiglu_bwd_fp8(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, pow2_scale: bool = False,
-                   whole_blocks: bool = True):
-    """The gradient ``d = [d gate, d up]`` (M, 2K) of ``silu(gate) * up`` for ``grad`` (M, K), quantized per 1x128
-    and per 128x1 without being written: what :func:`swiglu_bwd` followed by the one-pass quantization of grad_out
-    gives, the same bytes and scales, in one kernel (the gate/up projection's backward reads only these).
-
-    ``grad``, ``gate``, ``up``: 2-D (M, K), unit column stride, one 16- or 32-bit float dtype, K a multiple of 128.
-    Returns ``(data, scale, tok, tok_scale)`` in the layouts of
-    :func:`~jetrl.quant.kernels.quantize_triton.quantize_act_1x128` and
-    :func:`~jetrl.quant.kernels.quantize_triton.quantize_token_128x1` (``whole_blocks``, on by default here, unlike
-    there: zero rows to a multiple of 128, WGrad's operand)."""
-    from jetrl.quant.kernels.quantize_triton import token_rows
-
-    m, k = gate.shape
-    if k % BLOCK_K:
-        raise ValueError(f"swiglu_bwd_fp8: the width {k} must be a multiple of {BLOCK_K} (whole 1x128 blocks per half)")
-    for name, t in (("grad", grad), ("gate", gate), ("up", up)):
-        if t.shape != (m, k) or t.dtype != gate.dtype or (k > 1 and t.stride(1) != 1):
-            raise ValueError(f"swiglu_bwd_fp8: {name} must be ({m}, {k}) {gate.dtype} with unit column stride, got "
-                             f"{tuple(t.shape)} {t.dtype} strides {tuple(t.stride())}")
-    data, scale_buf = act_buffers(m, 2 * k, gate.device)
-    out_m = token_rows(m, whole_blocks)
-    tok = torch.empty((2 * k, out_m), dtype=data.dtype, device=gate.device)
-    tok_scale = torch.empty((_cdiv(m, 128), 2 * k), dtype=torch.float32, device=gate.device)
-    if m and k:
-        grid = (_cdiv(m, 128), _cdiv(k, BLOCK_K))
-        _swiglu_bwd_fp8_kernel[grid](
-            grad, gate, up, data, scale_buf, tok, tok_scale,
-            m, k, grad.stride(0), gate.stride(0), up.stride(0), scale_buf.shape[1], out_m,
-            POW2=pow2_scale, IS_BF16=gate.dtype == torch.bfloat16, FMA=tuning.current().silu_bwd_fma, SUB_M=16,
-            num_warps=8, enable_fp_fusion=False,  # 16-row slices at 8 warps: compiled without register spills
-        )
-    elif out_m:
-        tok.zero_()
-    return data, scale_buf[:, :m].t(), tok.t(), tok_scale
