@@ -53,7 +53,7 @@ from jetrl.models.attention import (
 )
 from jetrl.models.config import DecoderConfig
 from jetrl.models.rope import apply_rope, apply_rope_qk
-from jetrl.quant import call_linear, fp8_input_scaling, grouped_linear, grouped_linear_swiglu, linears_shared_input
+from jetrl.quant import call_linear, fp8_input_scaling, grouped_linear, linears_shared_input
 from jetrl.quant.norm import NormOutput, rms_norm
 from jetrl.quant.swiglu import swiglu, swiglu_packed
 
@@ -164,14 +164,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, x_fp8=None, exact: bool = False) -> torch.Tensor:
         # silu(gate) * up in one kernel, which also quantizes it for an FP8 down projection; gate and up side by side
-        # where their FP8 GEMMs run as one (so the backward's d(gate, up) is one buffer, no concatenation); with the
-        # tuning's swiglu_grad_fp8, projection and SwiGLU as one op whose backward quantizes d(gate, up) in SwiGLU's
-        # backward kernel (the same bits, without the BF16 d(gate, up))
+        # where their FP8 GEMMs run as one (so the backward's d(gate, up) is one buffer, no concatenation)
         scaling = fp8_input_scaling(self.down_proj)
-        fused = grouped_linear_swiglu(self.input_projections(), x, x_fp8, quantize_out=scaling is not None,
-                                      out_pow2=bool(scaling), exact=exact)
-        if fused is not None:
-            return call_linear(self.down_proj, *fused, exact=exact)
         gate_up = grouped_linear(self.input_projections(), x, x_fp8, exact=exact)
         if gate_up is not None:
             act, act_fp8 = swiglu_packed(gate_up, quantize=scaling is not None, pow2_scale=bool(scaling), exact=exact)

@@ -7,8 +7,7 @@ pick a kernel, or probes a backend for an operation.
 **The FP8 backend** (:class:`Fp8Backend`) computes every FP8 operation: ``quantize``, ``requantize`` and ``gemm``
 (and ``add_bias``, a GEMM output's bias), and the fused entry points ``quantize_weight_pair``,
 ``quantize_act_and_token`` and ``grouped_gemm``, which the reference backend builds from its basic operations (so
-callers never check whether a backend has them); ``quantize_swiglu_grad`` answers ``None`` where a backend has no
-kernel for it. Two
+callers never check whether a backend has them). Two
 backends exist: ``"reference"`` (:class:`ReferenceBackend`, pure PyTorch, any device: the specification) and
 ``"cuda"`` (:mod:`jetrl.quant.kernels.cuda_backend`: Triton and Gluon kernels and cuBLAS on Hopper).
 Selection, in order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_BACKEND`` environment variable,
@@ -77,14 +76,6 @@ class Fp8Backend(Protocol):
         :meth:`quantize`)."""
         ...
 
-    def quantize_swiglu_grad(self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                             pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor] | None:
-        """SwiGLU's gradient ``d = [d gate, d up]`` (M, 2K) at ``gate``, ``up`` (M, K) for ``grad`` (M, K), computed
-        and quantized in one kernel without being written: what :meth:`quantize_act_and_token` gives on ``d``
-        (``whole_blocks``) as the fused SwiGLU kernels compute it; or ``None`` where the backend has no such kernel
-        (the caller computes ``d`` and quantizes it)."""
-        ...
-
     def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
         """``cat([a @ w.T (+ bias)], dim=1)`` for weights sharing the input ``a``, or ``None`` where the backend
@@ -138,10 +129,6 @@ class ReferenceBackend:
     def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False, *,
                                whole_blocks: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
         return self.quantize(x, ACT, pow2_scale), self.quantize(x, TOKEN, pow2_scale, whole_blocks=whole_blocks)
-
-    def quantize_swiglu_grad(self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                             pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor] | None:
-        return None
 
     def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:

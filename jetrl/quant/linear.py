@@ -130,44 +130,6 @@ def _wgrad(backend, qg_tok: Fp8Tensor, x_data, x_scale, pow2_scale: bool, weight
     return backend.gemm(qg_tok.t(), qx_tok, out_dtype=weight_dtype)  # (N, M') @ (K, M')^T
 
 
-@keeps_forward_context  # the backward reads the kernel tuning the forward ran under, on autograd's CUDA threads too
-class _Fp8GateUpSwiGLUFunction(torch.autograd.Function):
-    """A gate/up projection (one stacked FP8 linear, no biases) and SwiGLU as one op, so that SwiGLU's backward
-    quantizes the projection's grad_out while it computes it (:func:`~jetrl.quant.swiglu.swiglu_backward_fp8`): the
-    (M, 2I) gradient of the projection's output is never written or read in BF16. Saves what the two ops save apart
-    (the FP8 input and weight, the projection's BF16 output); the forward and the gradients are bitwise theirs."""
-
-    @staticmethod
-    def forward(ctx, x, w_data, w_scale, pow2_scale: bool, wt_data, wt_scale, xq_data, xq_scale, quantize_out: bool,
-                out_pow2: bool, *weights):  # x: (M, K); the output (M, I), I = half the stacked width
-        from jetrl.quant.swiglu import swiglu_packed
-
-        y, qx = _fprop(x, w_data, w_scale, pow2_scale, xq_data, xq_scale, False, ())
-        act, act_fp8 = swiglu_packed(y, quantize=quantize_out, pow2_scale=out_pow2)
-        ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data, wt_scale, y)
-        ctx.pow2_scale, ctx.x_dtype = pow2_scale, x.dtype
-        ctx.widths = [w.shape[0] for w in weights]
-        ctx.weight_dtype = weights[0].dtype
-        if act_fp8 is None:
-            return act, None, None
-        ctx.mark_non_differentiable(act_fp8.data, act_fp8.scale)
-        return act, act_fp8.data, act_fp8.scale
-
-    @staticmethod
-    def backward(ctx, grad_act, _grad_data, _grad_scale):
-        from jetrl.quant.swiglu import swiglu_backward_fp8
-
-        x_data, x_scale, w_data, w_scale, wt_data, wt_scale, y = ctx.saved_tensors
-        backend = get_backend(grad_act.device)
-        qg, qg_tok = swiglu_backward_fp8(grad_act, y, ctx.pow2_scale)
-        grad_x = _dgrad(backend, qg, w_data, w_scale, wt_data, wt_scale, ctx.x_dtype) if ctx.needs_input_grad[0] \
-            else None
-        grad_ws: list[torch.Tensor | None] = [None] * len(ctx.widths)
-        if any(ctx.needs_input_grad[10:]):
-            grad_ws = list(_wgrad(backend, qg_tok, x_data, x_scale, ctx.pow2_scale, ctx.weight_dtype).split(ctx.widths))
-        return (grad_x, None, None, None, None, None, None, None, None, None, *grad_ws)
-
-
 def _tuning():
     """The kernel tuning in force (a CPU-only module; the kernels are imported lazily, tests/test_layering.py)."""
     from jetrl.quant.kernels.tuning import current
@@ -490,30 +452,6 @@ def _member_weights(qweight: Fp8Tensor, modules: tuple[FP8Linear, ...]) -> list[
         out.append(Fp8Tensor(qweight.data[row:row + n], qweight.scale[row // 128:(row + n) // 128], WEIGHT))
         row += n
     return out
-
-
-def grouped_linear_swiglu(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
-                          x_fp8: Fp8Tensor | None = None, *, quantize_out: bool, out_pow2: bool,
-                          exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None] | None:
-    """``swiglu_packed(grouped_linear((gate, up), x))`` as one op whose backward quantizes the projection's
-    grad_out inside SwiGLU's backward (:class:`_Fp8GateUpSwiGLUFunction`), where the kernel tuning asks for it
-    (``swiglu_grad_fp8``) and it applies: a grad-enabled fast-mode forward of two :func:`groupable` layers of equal
-    widths without biases. Both of grad_out's quantizations are made whether or not the input and the weights both
-    need their gradients. Returns ``(act, act's 1x128 FP8 or None)`` as ``swiglu_packed(..., quantize=quantize_out,
-    pow2_scale=out_pow2)`` does, or ``None`` (the caller then runs the two ops)."""
-    if (exact or not torch.is_grad_enabled() or not _tuning().swiglu_grad_fp8 or x.dim() != 2 or len(modules) != 2
-            or not groupable(modules) or modules[0].bias is not None or modules[0].out_features != modules[1].out_features):
-        return None
-    if x_fp8 is not None and tuple(x_fp8.shape) != tuple(x.shape):
-        raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x.shape)}, got {tuple(x_fp8.shape)}")
-    modules = tuple(modules)
-    qweight, qweight_t = _group_weights(modules, with_transpose=_caches_transpose())
-    xq_data, xq_scale = (x_fp8.data, x_fp8.scale) if x_fp8 is not None else (None, None)
-    wt_data, wt_scale = (qweight_t.data, qweight_t.scale) if qweight_t is not None else (None, None)
-    act, data, scale = _Fp8GateUpSwiGLUFunction.apply(x, qweight.data, qweight.scale, modules[0].pow2_scale, wt_data,
-                                                      wt_scale, xq_data, xq_scale, bool(quantize_out), bool(out_pow2),
-                                                      *(m.weight for m in modules))
-    return act, (Fp8Tensor(data, scale, ACT) if quantize_out else None)
 
 
 def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,

@@ -5,10 +5,6 @@ elementwise kernels (silu, multiply) and, under an FP8 recipe, a third that quan
 down projection. The fused op reads ``gate`` and ``up`` once and writes the BF16 product and, when asked,
 its FP8 (data, scale) pair, which ``down``'s FP8 GEMM consumes directly.
 
-In training, :func:`swiglu_backward_fp8` can go one step further (the kernel tuning's ``swiglu_grad_fp8``, through
-:func:`jetrl.quant.linear.grouped_linear_swiglu`): the backward computes ``d(gate, up)`` and quantizes it per 1x128
-and 128x1 for the gate/up projection's DGrad and WGrad in the same kernel, never writing it in BF16.
-
 Numerics: the PyTorch reference (:func:`swiglu_reference`) *is* the unfused model code, and the Triton
 kernels reproduce its roundings op for op (see :mod:`jetrl.quant.kernels.swiglu_triton`): silu in fp32 rounded to
 the dtype, the product rounded to the dtype, the FP8 taken of that rounded product. The backward rounds
@@ -38,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.quant import reference
-from jetrl.quant.backend import choose_impl, get_backend, keeps_forward_context
-from jetrl.quant.formats import ACT, TOKEN, Fp8Tensor
+from jetrl.quant.backend import choose_impl, keeps_forward_context
+from jetrl.quant.formats import ACT, Fp8Tensor
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -198,31 +194,3 @@ def swiglu_packed(gate_up: torch.Tensor, *, quantize: bool = False, pow2_scale: 
         return out, _reference_fp8(out, quantize, pow2_scale)
     out, data, scale = _SwiGLUPacked.apply(_rows(gate_up), quantize, pow2_scale)
     return _finish(out, data, scale, gate_up.shape[:-1], quantize)
-
-
-def swiglu_backward_fp8(grad: torch.Tensor, gate_up: torch.Tensor, pow2_scale: bool = False, *,
-                        impl: str | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
-    """The gradient of :func:`swiglu_packed`'s output at ``gate_up`` (M, 2K) for ``grad`` (M, K), as its gate/up
-    projection's backward reads it: quantized per 1x128 and per 128x1 (zero rows to a multiple of 128 tokens,
-    ``whole_blocks``), the bytes and scales of the FP8 backend's ``quantize_act_and_token`` of the BF16 gradient.
-
-    Where the FP8 backend has a kernel for it (``quantize_swiglu_grad``: the CUDA backend's Gluon kernel), that
-    gradient is never written: each 128 x 128 block is computed and quantized both ways in one kernel. Otherwise it
-    is computed (by SwiGLU's backward kernel, or by autograd of :func:`swiglu_reference`) and then quantized."""
-    k = gate_up.shape[-1] // 2
-    gate_up, grad = _rows(gate_up), _rows(grad)
-    gate, up = gate_up[:, :k], gate_up[:, k:]
-    backend = get_backend(gate_up.device)
-    if use_triton(gate_up, impl):
-        fused = backend.quantize_swiglu_grad(grad, gate, up, pow2_scale)
-        if fused is not None:
-            return fused
-        from jetrl.quant.kernels import swiglu_triton
-
-        d = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-        swiglu_triton.swiglu_bwd(grad, gate, up, d[:, :k], d[:, k:])
-    else:
-        with torch.enable_grad():
-            gate, up = (t.detach().requires_grad_(True) for t in (gate, up))
-            d = torch.cat(torch.autograd.grad(swiglu_reference(gate, up), (gate, up), grad), dim=1)
-    return backend.quantize_act_and_token(d, pow2_scale, whole_blocks=True)

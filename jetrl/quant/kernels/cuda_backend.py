@@ -176,19 +176,6 @@ class CudaBackend:
             tok, tok_scale = tk.quantize_token_128x1(x, pow2_scale, whole_blocks)
         return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)
 
-    def quantize_swiglu_grad(self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                             pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor] | None:
-        """The Gluon kernel where grad_out's one-pass quantization is Gluon's (:func:`act_and_token_path`) and the
-        operands fit it (one dtype, rows with unit stride, K a multiple of 128); otherwise ``None``."""
-        operands = (grad, gate, up)
-        if (act_and_token_path(gate) != "gluon-one-pass" or gate.dim() != 2 or gate.shape[1] % 128
-                or any(t.shape != gate.shape or t.dtype != gate.dtype or not t.is_cuda for t in operands)
-                or any(t.numel() and t.stride(1) != 1 for t in operands)):
-            return None
-        data, scale, tok, tok_scale = quantize_gluon.swiglu_bwd_act_and_token(
-            grad, gate, up, pow2_scale, whole_blocks=True, fma=tuning.current().silu_bwd_fma)
-        return Fp8Tensor(data, scale, ACT), Fp8Tensor(tok, tok_scale, TOKEN)
-
     def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False, *,
                    whole_blocks: bool = False) -> Fp8Tensor:
         block = check_block(block)

@@ -59,7 +59,6 @@ def _kernels():
     from triton.experimental.gluon import language as gl
 
     from jetrl.quant.kernels.quantize_triton import _block_scale, _recip_scale, _to_e4m3_recip
-    from jetrl.quant.kernels.swiglu_triton import swiglu_grad_values
 
     @gluon.jit
     def load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC: gl.constexpr):
@@ -156,39 +155,7 @@ def _kernels():
         tile_to_token(smem, smem, OUT_M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
         tile_to_act(smem, M, K, act_ptr, act_scale_ptr, ACT_SCALE_M, pid_m, pid_k, POW2)
 
-    @gluon.jit(do_not_specialize=["M", "ACT_SCALE_M"])
-    def swiglu_bwd_act_and_token_kernel(g_ptr, gate_ptr, up_ptr, M, K, KB, stride_gm, stride_xm, stride_um, act_ptr,
-                                        act_scale_ptr, ACT_SCALE_M, tok_ptr, tok_scale_ptr, OUT_M, POW2: gl.constexpr,
-                                        IS_BF16: gl.constexpr, FMA: gl.constexpr, VEC: gl.constexpr):
-        """SwiGLU's backward for the (128, 128) tile (pid_m, pid_k) of ``gate`` and ``up`` (M, K), quantized like
-        :func:`act_and_token_kernel` on ``d = [d gate, d up]`` (M, 2K) without writing d: the tile's two halves are
-        computed 32 rows at a time into shared memory (BF16 values, exact: they are on the dtype's grid), then each
-        is quantized per 128x1 (column block ``pid_k``, and ``KB + pid_k`` for d up) and per 1x128."""
-        pid_m = gl.program_id(0)
-        pid_k = gl.program_id(1)
-        dt: gl.constexpr = gate_ptr.dtype.element_ty
-        tile_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        d_gate_smem = gl.allocate_shared_memory(dt, [128, 128], tile_layout)
-        d_up_smem = gl.allocate_shared_memory(dt, [128, 128], tile_layout)
-        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 * VEC // 128, 128 // VEC],
-                                                warps_per_cta=[4, 1], order=[1, 0])
-        rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-        for c in gl.static_range(0, 128, 32):
-            rm = pid_m * 128 + c + gl.arange(0, 32, layout=gl.SliceLayout(1, layout))
-            mask = (rm[:, None] < M) & (rk[None, :] < K)
-            rows = rm[:, None].to(gl.int64)
-            g = gl.load(g_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(gl.float32)
-            x = gl.load(gate_ptr + rows * stride_xm + rk[None, :], mask=mask, other=0.0).to(gl.float32)
-            up = gl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(gl.float32)
-            d_gate, d_up = swiglu_grad_values(g, x, up, dt, IS_BF16, FMA)  # zeros past M: zero rows of d
-            d_gate_smem.slice(c, 32, dim=0).store(d_gate.to(dt))
-            d_up_smem.slice(c, 32, dim=0).store(d_up.to(dt))
-        tile_to_token(d_gate_smem, d_gate_smem, OUT_M, 2 * K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
-        tile_to_token(d_up_smem, d_up_smem, OUT_M, 2 * K, tok_ptr, tok_scale_ptr, pid_m, KB + pid_k, POW2, False)
-        tile_to_act(d_gate_smem, M, 2 * K, act_ptr, act_scale_ptr, ACT_SCALE_M, pid_m, pid_k, POW2)
-        tile_to_act(d_up_smem, M, 2 * K, act_ptr, act_scale_ptr, ACT_SCALE_M, pid_m, KB + pid_k, POW2)
-
-    return token_kernel, act_and_token_kernel, swiglu_bwd_act_and_token_kernel
+    return token_kernel, act_and_token_kernel
 
 
 def _vec(dtype: torch.dtype) -> int:
@@ -254,35 +221,3 @@ def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False, whole_bloc
         tok.zero_()
     return data, scale_buf[:, :m].t(), tok.t(), tok_scale
 
-
-def swiglu_bwd_act_and_token(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, pow2_scale: bool = False,
-                             whole_blocks: bool = True, fma: bool = True):
-    """SwiGLU's gradient ``d = [d gate, d up]`` (M, 2K) for ``grad``, ``gate``, ``up`` (M, K), quantized as
-    :func:`quantize_act_and_token` quantizes it, without writing d: the bytes and scales of
-    :func:`jetrl.quant.kernels.swiglu_triton.swiglu_bwd` followed by :func:`quantize_act_and_token` (``fma``: the
-    tuning's ``silu_bwd_fma``). One dtype (bf16, fp16 or fp32), rows with unit stride, K a multiple of 128.
-    Returns ``(data, scale, tok_data, tok_scale)`` in :func:`quantize_act_and_token`'s layouts."""
-    m, k = gate.shape
-    if k % BLOCK:
-        raise ValueError(f"swiglu_bwd_act_and_token: the width {k} must be a multiple of {BLOCK} (whole 1x128 blocks "
-                         f"per half)")
-    for name, t in (("grad", grad), ("gate", gate), ("up", up)):
-        _check_input(t, "SwiGLU backward")
-        if t.shape != (m, k) or t.dtype != gate.dtype:
-            raise ValueError(f"swiglu_bwd_act_and_token: {name} must be ({m}, {k}) {gate.dtype}, got "
-                             f"{tuple(t.shape)} {t.dtype}")
-    data, scale_buf = act_buffers(m, 2 * k, gate.device)
-    out_m = token_rows(m, whole_blocks)
-    tok = torch.empty((2 * k, out_m), dtype=E4M3, device=gate.device)
-    tok_scale = torch.empty((_cdiv(m, BLOCK), 2 * k), dtype=torch.float32, device=gate.device)
-    if m and k:
-        kb = k // BLOCK
-        # SwiGLU matches its reference without floating-point contraction (the one fma is explicit); the
-        # quantization's helpers are written with explicit fmas, so they give the same bits either way
-        _kernels()[2][(_cdiv(m, BLOCK), kb)](
-            grad, gate, up, m, k, kb, grad.stride(0), gate.stride(0), up.stride(0), data, scale_buf,
-            scale_buf.shape[1], tok, tok_scale, out_m, POW2=pow2_scale, IS_BF16=gate.dtype == torch.bfloat16,
-            FMA=fma, VEC=_vec(gate.dtype), num_warps=NUM_WARPS, enable_fp_fusion=False)
-    elif out_m:
-        tok.zero_()
-    return data, scale_buf[:, :m].t(), tok.t(), tok_scale

@@ -30,7 +30,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from jetrl.quant.kernels import tuning
-from jetrl.quant.kernels.quantize_triton import _block_scale, _full_like, _quantize_e4m3, act_buffers
+from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3, act_buffers
 from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
 
 
@@ -89,16 +89,15 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr, FMA: tl.constexpr):
+def _swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr, FMA: tl.constexpr):
     """``(d gate, d up)`` from fp32 values of the incoming gradient ``g``, ``gate`` (``x``) and ``up``, as fp32 values
     on ``dt``'s grid: ``d up = rnd(g * rnd(silu(gate)))`` and ``d gate = silu'(gate) * rnd(g * up)`` rounded where
-    autograd of the unfused code rounds (the module doc). Layout-free (no ``tl.full``, :func:`_full_like`), so the
-    Gluon kernel of :mod:`~jetrl.quant.kernels.quantize_gluon` computes it too; zeros give zeros."""
+    autograd of the unfused code rounds (the module doc)."""
     e = 1.0 + _exp(-x)
     silu = _cast(tl.div_rn(x, e), dt, IS_BF16).to(tl.float32)
     d_up = _cast(g * silu, dt, IS_BF16).to(tl.float32)
     d_silu = _cast(g * up, dt, IS_BF16).to(tl.float32)
-    s = tl.div_rn(_full_like(x, 1.0), e)
+    s = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), e)
     if FMA:
         slope = tl.fma(x, 1.0 - s, 1.0)
     else:
@@ -123,7 +122,7 @@ def _swiglu_bwd_kernel(
     g = tl.load(grad_ptr + rows * stride_grm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     x = tl.load(gate_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    d_gate, d_up = swiglu_grad_values(g, x, up, dgate_ptr.dtype.element_ty, IS_BF16, FMA)
+    d_gate, d_up = _swiglu_grad_values(g, x, up, dgate_ptr.dtype.element_ty, IS_BF16, FMA)
     # exact casts: the values are on the dtype's grid
     tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate.to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up.to(dup_ptr.dtype.element_ty), mask=mask)
