@@ -19,9 +19,8 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
 9. ``profile`` / ``host-profile`` (not in the default sections): one FP8Linear step under the PyTorch
    profiler, and the host (Python) time of its eager forward+backward under cProfile;
 10. ``gemm-train`` (not in the default sections): Fprop, DGrad and WGrad at the Qwen2.5-1.5B and -7B linears'
-    shapes and ``--train-m`` tokens (13,440), cuBLAS's blockwise ``scaled_mm`` against the TMA Triton GEMM
-    (:mod:`jetrl.quant.kernels.gemm_tma_triton`, ``--train-configs``, each checked against cuBLAS first) and
-    BF16 ``torch.matmul``: TFLOP/s and the ratios.
+    shapes (``--train-models``) and ``--train-m`` tokens (13,440), cuBLAS's blockwise ``scaled_mm`` against BF16
+    ``torch.matmul``: TFLOP/s and the ratio.
 
 Run: ``python bench/kernels.py [--quick] [--json PATH]``; the training GEMMs alone:
 ``python bench/kernels.py --sections gemm-train --json gemm_train.json``.
@@ -310,7 +309,7 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
                         fast_ms=t_fast, bf16_ms=t_bf16)
 
 
-# ---- training GEMMs: the TMA Triton GEMM (tuning gemm="triton-tma") against cuBLAS blockwise and BF16 ----
+# ---- training GEMMs: cuBLAS blockwise FP8 against BF16 at the Qwen2.5 linears ----
 
 # the Qwen2.5 linears as (label, N, K): q/k/v and gate/up stacked as the models launch them
 TRAIN_GEMM_SHAPES = {
@@ -318,45 +317,14 @@ TRAIN_GEMM_SHAPES = {
     "7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
 }
 TRAIN_GEMM_M = 13440
-# TmaGemmConfig names (see _tma_config): the tuning's default first
-TRAIN_GEMM_CONFIGS = ["128x128w8s4g8", "128x128w8s4g8-persistent", "128x128w8s4g8-skew", "128x128w8s3g8-tma_store",
-                      "64x128w4s4g8", "128x256w8s3g8", "256x128w8s3g8"]
 
 
-def _tma_config(name: str):
-    """A :class:`~jetrl.quant.kernels.gemm_tma_triton.TmaGemmConfig` from its name (``TmaGemmConfig.name``:
-    ``{block_m}x{block_n}w{warps}s{stages}g{group_m}`` then any of ``-outer``, ``-persistent``, ``-skew``,
-    ``-tma_store``)."""
-    import re
-
-    from jetrl.quant.kernels.gemm_tma_triton import TmaGemmConfig
-
-    head, *flags = name.split("-")
-    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?", head)
-    unknown = set(flags) - {"outer", "persistent", "skew", "tma_store"}
-    if match is None or unknown:
-        raise ValueError(f"not a TMA GEMM config name: {name!r} (e.g. 128x128w8s4g8-persistent)")
-    bm, bn, warps, stages, group = match.groups()
-    return TmaGemmConfig(int(bm), int(bn), int(warps), int(stages), int(group or 8), persistent="persistent" in flags,
-                         skew="skew" in flags, row_scale="outer" not in flags, tma_store="tma_store" in flags)
-
-
-def bench_train_gemms(rep: Report, models: list[str], m: int = TRAIN_GEMM_M,
-                      config_names: list[str] | None = None, budget_s: float = 140.0) -> None:
+def bench_train_gemms(rep: Report, models: list[str], m: int = TRAIN_GEMM_M) -> None:
     """Fprop, DGrad and WGrad of each model's linears at ``m`` tokens: cuBLAS's blockwise ``scaled_mm`` (the
-    training path today), the TMA Triton GEMM at each config of ``config_names`` and BF16 ``torch.matmul``, in
-    TFLOP/s. Each Triton config's output is checked against cuBLAS's (elementwise within two bf16 roundings plus
-    2^-6 of the output's RMS: both sum the same products in different orders; a wrong scale or K block misses by far
-    more) before it is timed; a config that fails to compile or to match is reported and skipped. Past
-    ``budget_s`` seconds the remaining Triton configs are skipped (cuBLAS and BF16 are still timed)."""
-    import time
-
-    from jetrl.quant.formats import WEIGHT
+    training path) against BF16 ``torch.matmul``, in TFLOP/s, and the ratio (``speedup``: BF16's time over
+    cuBLAS's)."""
     from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
-    from jetrl.quant.kernels.gemm_tma_triton import tma_fp8_gemm
 
-    configs = [_tma_config(name) for name in (config_names or TRAIN_GEMM_CONFIGS)]
-    deadline = time.monotonic() + budget_s
     bench = lambda fn: _bench_ms(fn, warmup=5, rep=25)  # noqa: E731  (multi-millisecond GEMMs: enough reps)
     for model in models:
         for label, n, k in TRAIN_GEMM_SHAPES[model]:
@@ -368,37 +336,11 @@ def bench_train_gemms(rep: Report, models: list[str], m: int = TRAIN_GEMM_M,
                 "wgrad": (qdy_tok_t, qx_tok_t, lambda: torch.matmul(dy.t(), x)),
             }
             for gemm, (a, b, bf16) in pairs.items():
-                rows = 128 if b.block == WEIGHT else 1
-                ref = scaled_mm.blockwise_scaled_mm(a, b).float()
-                rms = float(ref.square().mean().sqrt())
                 t_cublas = bench(lambda: scaled_mm.blockwise_scaled_mm(a, b))
                 t_bf16 = bench(bf16)
-                common = dict(model=model, linear=label, gemm=gemm, m=a.shape[0], n=b.shape[0], k=a.shape[1])
-                rep.add("gemm-train", **common, config="cublas", ms=t_cublas, tflops=flop / t_cublas / 1e9,
-                        over_cublas=1.0, over_bf16=t_bf16 / t_cublas)
-                rep.add("gemm-train", **common, config="bf16", ms=t_bf16, tflops=flop / t_bf16 / 1e9,
-                        over_cublas=t_cublas / t_bf16, over_bf16=1.0)
-                for cfg in configs:
-                    if time.monotonic() > deadline:
-                        print(f"  {gemm} {label} {cfg.name}: skipped (past the section's {budget_s:.0f} s)", flush=True)
-                        continue
-                    run = lambda: tma_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, config=cfg)  # noqa: E731
-                    try:
-                        err = (run().float() - ref).abs()
-                        ok = bool((err <= 2.0 ** -7 * ref.abs() + 2.0 ** -6 * rms).all())
-                        max_err = float(err.max()) / rms
-                        del err
-                        if not ok:
-                            print(f"  {gemm} {label} {cfg.name}: differs from cuBLAS (max |diff| {max_err:.3g} "
-                                  f"x RMS); not timed", flush=True)
-                            continue
-                        t = bench(run)
-                    except Exception as exc:  # a tile that does not compile (shared memory) is reported, not fatal
-                        print(f"  {gemm} {label} {cfg.name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-                        continue
-                    rep.add("gemm-train", **common, config=cfg.name, ms=t, tflops=flop / t / 1e9,
-                            over_cublas=t_cublas / t, over_bf16=t_bf16 / t, max_err_over_rms=max_err)
-                del ref
+                rep.add("gemm-train", model=model, linear=label, gemm=gemm, m=a.shape[0], n=b.shape[0], k=a.shape[1],
+                        cublas_ms=t_cublas, bf16_ms=t_bf16, cublas_tflops=flop / t_cublas / 1e9,
+                        bf16_tflops=flop / t_bf16 / 1e9, speedup=t_bf16 / t_cublas)
             del x, w, dy, qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t, pairs
             torch.cuda.empty_cache()
 
@@ -474,7 +416,7 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
     from jetrl.quant.kernels.cuda_backend import CudaBackend
     from jetrl.quant.kernels.tuning import GEMM_CHOICES
 
-    fp8_paths = tuple(c for c in GEMM_CHOICES if c not in ("auto", "triton-tma"))  # the paths "auto" picks
+    fp8_paths = tuple(c for c in GEMM_CHOICES if c != "auto")  # the FP8 GEMM paths "auto" routes between
     be = CudaBackend()
     for n, k in nk_list:
         copies = _rotation(n, k)
@@ -983,11 +925,6 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--train-m", type=int, default=TRAIN_GEMM_M, help="tokens of the gemm-train section")
     parser.add_argument("--train-models", default=",".join(TRAIN_GEMM_SHAPES),
                         help=f"models whose linears the gemm-train section times ({', '.join(TRAIN_GEMM_SHAPES)})")
-    parser.add_argument("--train-seconds", type=float, default=140.0,
-                        help="time budget of gemm-train's Triton configs (later ones are skipped)")
-    parser.add_argument("--train-configs", default=",".join(TRAIN_GEMM_CONFIGS),
-                        help="the TMA GEMM's configs timed by gemm-train (TmaGemmConfig names, e.g. "
-                             "128x128w8s4g8-persistent; flags -outer -persistent -skew -tma_store)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
@@ -1012,8 +949,7 @@ def main(argv: list[str] | None = None) -> Report:
                                                             ms=[int(m) for m in args.sweep_m.split(",")],
                                                             shape=args.sweep_shape)),
         ("exact-gemm", lambda: bench_exact_gemm(rep, [int(m) for m in args.exact_m.split(",")], LLAMA8B_NK)),
-        ("gemm-train", lambda: bench_train_gemms(rep, args.train_models.split(","), args.train_m,
-                                                 args.train_configs.split(","), args.train_seconds)),
+        ("gemm-train", lambda: bench_train_gemms(rep, args.train_models.split(","), args.train_m)),
         ("cublas-invariance", lambda: bench_cublas_invariance(rep, CUBLAS_INVARIANCE_M, LLAMA8B_NK)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
@@ -1053,14 +989,10 @@ def _print_summary(rep: Report) -> None:
     for row in rep.sections.get("exact-gemm", []):
         print(f"exact {row['path']} M={row['m']} N={row['n']} K={row['k']} {row['schedule']}: {row['ms']:.3f} ms, "
               f"{row['over_fast']:.2f}x fast, {row['over_bf16']:.2f}x bf16, bitwise {row['bitwise_default']}")
-    best: dict = {}
     for row in rep.sections.get("gemm-train", []):
-        key = (row["model"], row["linear"], row["gemm"], row["m"], row["n"], row["k"])
-        if row["config"] not in ("cublas", "bf16") and (key not in best or row["ms"] < best[key]["ms"]):
-            best[key] = row
-    for (model, linear, gemm, m, n, k), row in best.items():
-        print(f"gemm-train {model} {linear} {gemm} M={m} N={n} K={k}: best TMA {row['config']} {row['tflops']:.0f} "
-              f"TFLOP/s, {row['over_cublas']:.2f}x cuBLAS, {row['over_bf16']:.2f}x BF16")
+        print(f"gemm-train {row['model']} {row['linear']} {row['gemm']} M={row['m']} N={row['n']} K={row['k']}: "
+              f"cuBLAS {row['cublas_tflops']:.0f} TFLOP/s, BF16 {row['bf16_tflops']:.0f} TFLOP/s, "
+              f"{row['speedup']:.2f}x BF16")
     groups: dict = {}
     for row in rep.sections.get("cublas-invariance", []):
         key = (row["gemm"], row["n"], row["k"], row["scales"])

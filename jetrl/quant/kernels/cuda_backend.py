@@ -15,9 +15,7 @@ backend (quantization bit for bit, GEMMs to output rounding):
   FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
   grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
-  the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise; the tuning's
-  ``gemm="triton-tma"`` forces the experimental TMA GEMM for training-sized M
-  (:mod:`~jetrl.quant.kernels.gemm_tma_triton`) for every M, which "auto" never picks;
+  the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
   of :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape), with two
   schedules that compute the same bits (:func:`exact_gemm_path`): up to the tuning's ``exact_decode_max_m``
@@ -43,7 +41,7 @@ from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_bloc
 from jetrl.quant.kernels import bias_triton
 from jetrl.quant.kernels import gemm_decode_triton as dk
 from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
-from jetrl.quant.kernels import gemm_exact_triton, gemm_tma_triton, gemm_triton
+from jetrl.quant.kernels import gemm_exact_triton, gemm_triton
 from jetrl.quant.kernels import quantize_gluon
 from jetrl.quant.kernels import quantize_triton as tk
 from jetrl.quant.kernels import tuning
@@ -108,13 +106,10 @@ def exact_gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
 
 
 def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None) -> str:
-    """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"cublas"`` or ``"triton"`` (see the module docstring), or
-    ``"triton-tma"`` where the tuning forces it (every M; "auto" never picks it); ``grouped_n`` (the total width)
-    asks for a grouped launch of weights shaped like ``b``."""
+    """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"cublas"`` or ``"triton"`` (see the module docstring);
+    ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``."""
     choice = tuning.current().gemm
     m, k = a.shape[0], a.shape[1]
-    if choice == "triton-tma":
-        return "triton-tma"
     if choice == "decode":
         return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
     grouped = grouped_n is not None
@@ -221,8 +216,6 @@ class CudaBackend:
             return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)
         if path == "decode":
             return dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
-        if path == "triton-tma":
-            return gemm_tma_triton.tma_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
         return gemm_triton.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -19,9 +19,9 @@ for a block of code (tests and ``bench/kernels.py`` sweep with it)::
 A run sets fields from its config (``kernels: ["exact_split_k=1", ...]``, read by :func:`parse_settings`, the one
 reader of ``KEY=VALUE`` settings, which the benchmarks' ``--tuning`` and arms use too) for the whole run.
 
-``JETRL_FP8_GEMM`` (``auto`` | ``cublas`` | ``triton`` | ``decode`` | ``triton-tma``) is read once, when this
-module is imported, into the default object's ``gemm``. This module imports neither Triton nor any other module of
-jetrl besides :mod:`jetrl.quant.formats`, so the CPU tests and the benchmarks' ``--help`` read it without a GPU.
+``JETRL_FP8_GEMM`` (``auto`` | ``cublas`` | ``triton`` | ``decode``) is read once, when this module is imported,
+into the default object's ``gemm``. This module imports neither Triton nor any other module of jetrl besides
+:mod:`jetrl.quant.formats`, so the CPU tests and the benchmarks' ``--help`` read it without a GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from jetrl.quant.formats import BLOCK_SIZE
 if TYPE_CHECKING:
     import torch
 
-GEMM_CHOICES = ("auto", "cublas", "triton", "decode", "triton-tma")
+GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
 # the Gluon decode kernel's ring slot per warp: a 16-token tile's K and V rows (16 x 128 bytes each) and their fp32
 # scales; the ring's bound leaves an H200 SM's 227 KiB of shared memory room for the kernel's other buffers
 STREAM_SLOT_BYTES = 2 * 16 * 128 + 2 * 16 * 4
@@ -197,14 +197,7 @@ class KernelTuning:
 
     * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
       rules hold, else the Triton GEMM), or one path forced: ``"cublas"``, ``"triton"``, ``"decode"`` (M <= 256
-      only), ``"triton-tma"`` (the experimental TMA GEMM for training-sized M,
-      :mod:`~jetrl.quant.kernels.gemm_tma_triton`, at every M; never chosen by ``"auto"``); the default comes
-      from ``JETRL_FP8_GEMM``;
-    * ``tma_gemm_*``: that GEMM's tiles (``block_m`` x ``block_n``, powers of two in 16..256), ``num_warps``,
-      ``num_stages``, ``group_m``, and its schedule flags ``persistent`` (one program per SM walking tiles),
-      ``skew`` (a K block's MMA issued before the previous block's promotion), ``row_scale`` (one factor per row
-      where a tile lies in one weight scale block) and ``tma_store`` (the output tile written by TMA); the same
-      arithmetic for every value (the module's doc);
+      only); the default comes from ``JETRL_FP8_GEMM``;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
@@ -381,15 +374,6 @@ class KernelTuning:
     exact_decode_attention_swapped: bool = True
     exact_decode_attention_stages: int = 1
     exact_wide_tma: bool = True
-    tma_gemm_block_m: int = 128
-    tma_gemm_block_n: int = 128
-    tma_gemm_num_warps: int = 8
-    tma_gemm_num_stages: int = 4
-    tma_gemm_group_m: int = 8
-    tma_gemm_persistent: bool = False
-    tma_gemm_skew: bool = False
-    tma_gemm_row_scale: bool = True
-    tma_gemm_tma_store: bool = False
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
     kv_decode_bit_tile: str = "bytes"
@@ -424,13 +408,7 @@ class KernelTuning:
         if self.exact_decode_max_m > DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.exact_decode_max_m must be at most {DECODE_GEMM_MAX_M} (the decode "
                              f"GEMM's rows), got {self.exact_decode_max_m}")
-        self._check_ints(("exact_wide_num_stages", "tma_gemm_num_stages", "tma_gemm_group_m"), 1)
-        for name in ("tma_gemm_block_m", "tma_gemm_block_n"):
-            if not (_pow2(getattr(self, name)) and 16 <= getattr(self, name) <= 256):
-                raise ValueError(f"KernelTuning.{name} must be a power of two in 16..256, got {getattr(self, name)!r}")
-        if not (_pow2(self.tma_gemm_num_warps) and self.tma_gemm_num_warps <= 16):
-            raise ValueError(f"KernelTuning.tma_gemm_num_warps must be a power of two in 1..16, "
-                             f"got {self.tma_gemm_num_warps!r}")
+        self._check_ints(("exact_wide_num_stages",), 1)
         for name, low, high in (("exact_wide_block_m", 16, 256), ("exact_wide_block_n", 16, 256),
                                 ("exact_wide_mm_block_n", 16, 256), ("exact_wide_num_warps", 1, 16)):
             value = getattr(self, name)
@@ -453,8 +431,7 @@ class KernelTuning:
             raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
                              f"got {self.kv_decode_bit_tile!r}")
         for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams",
-                     "decode_gemm_pdl", "swiglu_grad_fp8", "tma_gemm_persistent", "tma_gemm_skew",
-                     "tma_gemm_row_scale", "tma_gemm_tma_store"):
+                     "decode_gemm_pdl", "swiglu_grad_fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
