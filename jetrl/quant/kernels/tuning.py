@@ -220,11 +220,6 @@ class KernelTuning:
     for the weight's version; off, each backward transposes W's FP8 tiles into a transient W^T (one launch per
     linear: the same bytes). The training side then holds one FP8 copy of its weights, not two.
 
-    ``swiglu_grad_fp8`` (off): in a training forward, a stacked FP8 gate/up projection without biases and its
-    SwiGLU run as one op whose backward quantizes the projection's grad_out inside SwiGLU's backward kernel
-    (:func:`~jetrl.quant.kernels.swiglu_triton.swiglu_bwd_fp8`: the same bytes, without writing and re-reading
-    the (tokens, 2 x intermediate) BF16 gradient). Off by default until measured on the GPU.
-
     Other kernels: ``silu_bwd_fma`` (SwiGLU's backward contracts ``x * (1 - s) + 1`` into one fma, as nvcc
     compiles ATen's ``silu_backward``; flip it only if the bitwise SwiGLU test says the compiler changed),
     ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
@@ -346,7 +341,6 @@ class KernelTuning:
     weight_num_warps: int = 4
     cache_weight_t: bool = False
     silu_bwd_fma: bool = True
-    swiglu_grad_fp8: bool = False
     logprob_stats_num_warps: int = 8
     logprob_grad_num_warps: int = 8
     exact_block_m: int = 64
@@ -431,7 +425,7 @@ class KernelTuning:
             raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
                              f"got {self.kv_decode_bit_tile!r}")
         for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams",
-                     "decode_gemm_pdl", "swiglu_grad_fp8"):
+                     "decode_gemm_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
