@@ -320,29 +320,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
+def _cells(medians: dict[str, float], ratios: dict[str, float], cols: tuple[str, ...]) -> str:
+    """``seconds (ratio x)`` per column, 22 characters each; ``-`` where there is no median or no ratio."""
+    out = []
+    for c in cols:
+        if "time/" + c in medians and c in ratios:
+            out.append(f"{medians['time/' + c]:>12.2f} s ({ratios[c]:.2f}x)")
+        else:
+            out.append(f"{'-':>22}")
+    return "".join(out)
+
+
 def print_table(report: dict[str, Any]) -> None:
     cols = ("step_wall", "rollout", "old_logprob", "update")
     print(f"\n{report['shape']} ({report['layers']} blocks), {report['device']}, data {report['data']}; "
           "medians of steps 2+, bf16 / recipe in parentheses (> 1: faster than bf16)")
     print(f"{'recipe':<12}" + "".join(f"{c:>22}" for c in cols) + f"{'peak GiB':>10}{'resp len':>10}")
     for recipe, entry in report["recipes"].items():
-        med, ratio = entry["median"], entry["vs_bf16"]
-        cells = "".join(f"{med.get('time/' + c, float('nan')):>12.2f} s ({ratio.get(c, float('nan')):.2f}x)"
-                        for c in cols)
-        peak = entry["peak_gib"] if entry["peak_gib"] is not None else float("nan")
-        print(f"{recipe:<12}{cells}{peak:>10.1f}{med.get('response/length_mean', float('nan')):>10.0f}")
+        cells = _cells(entry["median"], entry["vs_bf16"], cols)
+        med = entry["median"]
+        peak = f"{entry['peak_gib']:.1f}" if entry["peak_gib"] is not None else "-"
+        length = f"{med['response/length_mean']:.0f}" if "response/length_mean" in med else "-"
+        print(f"{recipe:<12}{cells}{peak:>10}{length:>10}")
     print("per response token (medians of response tokens/s per step, recipe / bf16): the recipes sample different "
           "lengths")
     for recipe, entry in report["recipes"].items():
         per = entry["vs_bf16_per_token"]
-        print(f"{recipe:<12}" + "".join(f"{per.get(c, float('nan')):>21.2f}x" for c in cols))
+        print(f"{recipe:<12}" + "".join(f"{per[c]:>21.2f}x" if c in per else f"{'-':>22}" for c in cols))
     print("steady state: medians of the steps 2+ that captured no CUDA graph (a long run's steps once every shape "
           "has its graph), bf16 / recipe in parentheses")
     for recipe, entry in report["recipes"].items():
-        med, ratio = entry["steady"], entry["vs_bf16_steady"]
-        cells = "".join(f"{med.get('time/' + c, float('nan')):>12.2f} s ({ratio.get(c, float('nan')):.2f}x)"
-                        for c in cols)
-        print(f"{recipe:<12}{cells}   ({entry['steady_steps']} of {len(entry['steps']) - 1} steps)")
+        later = len(entry["steps"]) - 1
+        if not entry["steady"]:
+            why = (f"each of its {later} steps 2+ captured a graph (a longer run reaches them)" if later
+                   else "no step after the first")
+            print(f"{recipe:<12}none: {why}")
+            continue
+        cells = _cells(entry["steady"], entry["vs_bf16_steady"], cols)
+        print(f"{recipe:<12}{cells}   ({entry['steady_steps']} of {later} steps)")
     print("peak GiB allocated per phase (medians)")
     for recipe, entry in report["recipes"].items():
         med = entry["median"]

@@ -52,7 +52,9 @@ def test_tiny_run_reports_every_recipe(tmp_path, capsys):
     jet["steps"][0]["update/graph_captures"] = 3.0
     capsys.readouterr()
     train_run.print_table(report)
-    assert "[3]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[3]" in out
+    assert "jet         none: no step after the first" in out and "nan" not in out
 
 
 def test_steady_steps_are_those_that_captured_no_graph():
