@@ -18,7 +18,7 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
    tuning's ``exact_cublas_min_m`` relies on);
 9. ``profile`` / ``host-profile`` (not in the default sections): one FP8Linear step under the PyTorch
    profiler, and the host (Python) time of its eager forward+backward under cProfile;
-10. ``gemm-train`` (not in the default sections): Fprop, DGrad and WGrad at the Qwen2.5-1.5B and -7B linears'
+10. ``gemm-train`` (not in the default sections): Fprop, DGrad and WGrad at the Qwen2.5-0.5B, -1.5B and -7B linears'
     shapes (``--train-models``) and ``--train-m`` tokens (13,440), cuBLAS's blockwise ``scaled_mm`` against BF16
     ``torch.matmul``: TFLOP/s and the ratio.
 
@@ -313,6 +313,7 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
 
 # the Qwen2.5 linears as (label, N, K): q/k/v and gate/up stacked as the models launch them
 TRAIN_GEMM_SHAPES = {
+    "0.5b": [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)],
     "1.5b": [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)],
     "7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
 }
