@@ -220,4 +220,3 @@ def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False, whole_bloc
     elif out_m:
         tok.zero_()
     return data, scale_buf[:, :m].t(), tok.t(), tok_scale
-
