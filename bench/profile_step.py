@@ -18,7 +18,8 @@ Every part runs eagerly under ``torch.profiler`` (GPU time per kernel is what a 
 (CUDA events; ``score``/``update``/``train`` per call; ``score`` also split into the decoder blocks and the LM
 head). Kernels are grouped by kind (:func:`kind_of`): exact mode's GEMMs (the batch-invariant Triton GEMM and its
 split-K reduction) and exact attention (its one- and multi-tile kernels and its swapped decode kernel) apart from the fast GEMMs and attention,
-then FP8 quantization, the LM head's log-softmax, norm, copies, elementwise, other. With an exact arm and its fast
+then SwiGLU, FP8 quantization (the Gluon 128x1 kernels included), the LM head's log-softmax, norm, copies (DGrad's
+W^T transpose included), elementwise (RoPE and the bias add included), other. With an exact arm and its fast
 arm in one run, a table per part sets all arms side by side by kind, with each exact arm's kernel sum and wall time
 over its fast arm's.
 
@@ -53,11 +54,12 @@ KINDS = (
     ("exact attention", ("_exact_attention", "_exact_decode_kernel")),
     ("lm-head logprobs", ("_logprob_", "log_softmax", "logsoftmax", "softmaxforward", "softmaxbackward")),
     ("attention", ("paged_decode", "merge_splits", "flash", "attention", "fmha", "sdpa", "softmax")),
-    ("fp8 quant", ("quant", "requant", "_act_", "_token_")),
+    ("swiglu", ("_swiglu_",)),
+    ("fp8 quant", ("quant", "requant", "_act_", "_token_", "token_kernel")),
     ("gemm", ("gemm", "gemv", "sm90_xmma", "cutlass", "nvjet", "scaled_mm", "matmul", "splitk", "cublas")),
     ("norm/reduce", ("reduce", "norm", "mean")),
-    ("copy/index", ("copy", "index", "cat", "scatter", "gather", "fill")),
-    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("copy/index", ("copy", "index", "cat", "scatter", "gather", "fill", "transpose")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "_rope_", "_add_bias")),
 )
 PARTS = ("decode", "train", "score", "update")
 EXACT_ARMS = "jet,jet-exact"  # the default arms under --exact

@@ -18,7 +18,13 @@ from bench import profile_step
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, MeanOps>>", "norm/reduce"),
     ("void at::native::index_elementwise_kernel<128, 4, index_copy_kernel_impl>", "copy/index"),
     ("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>", "elementwise"),
-    ("_rope_qk_kernel", "other"),
+    ("_rope_qk_kernel", "elementwise"),
+    ("_add_bias_kernel", "elementwise"),
+    ("_swiglu_bwd_kernel", "swiglu"),
+    ("token_kernel", "fp8 quant"),  # the Gluon 128x1 (re-)quantization
+    ("act_and_token_kernel", "fp8 quant"),
+    ("_transpose_tiles_kernel", "copy/index"),  # DGrad's W^T from W's FP8 tiles
+    ("_seeded_gumbel_sample_kernel", "other"),
 ])
 def test_kernel_kinds(name, kind):
     assert profile_step.kind_of(name) == kind
