@@ -164,14 +164,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, x_fp8=None, exact: bool = False) -> torch.Tensor:
         # silu(gate) * up in one kernel, which also quantizes it for an FP8 down projection; gate and up side by side
-        # where their FP8 GEMMs run as one (so the backward's d(gate, up) is one buffer, no concatenation)
+        # where their FP8 GEMMs run as one (so the backward's d(gate, up) is one buffer, no concatenation). An FP8
+        # down projection reads only the FP8 product, so the BF16 one is not written (fp8_only; exact mode keeps it)
         scaling = fp8_input_scaling(self.down_proj)
+        kw = dict(quantize=scaling is not None, pow2_scale=bool(scaling), fp8_only=scaling is not None and not exact,
+                  exact=exact)
         gate_up = grouped_linear(self.input_projections(), x, x_fp8, exact=exact)
         if gate_up is not None:
-            act, act_fp8 = swiglu_packed(gate_up, quantize=scaling is not None, pow2_scale=bool(scaling), exact=exact)
+            act, act_fp8 = swiglu_packed(gate_up, **kw)
         else:
             gate, up = (call_linear(m, x, x_fp8, exact=exact) for m in self.input_projections())
-            act, act_fp8 = swiglu(gate, up, quantize=scaling is not None, pow2_scale=bool(scaling), exact=exact)
+            act, act_fp8 = swiglu(gate, up, **kw)
         return call_linear(self.down_proj, act, act_fp8, exact=exact)
 
 

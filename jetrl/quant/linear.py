@@ -317,7 +317,8 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
         """``x`` (..., in_features). ``x_fp8``: x flattened to 2-D and quantized per 1x128 with this layer's
-        ``pow2_scale`` by a fused producer (see :func:`fp8_input_scaling`); ignored when not in FP8.
+        ``pow2_scale`` by a fused producer (see :func:`fp8_input_scaling`); ignored when not in FP8, and in FP8 the
+        only values read (x's are not: the producer may leave them unwritten, ``swiglu(..., fp8_only=True)``).
         ``exact``: batch-invariant forward (exact on-policy mode, :mod:`jetrl.quant.exact`), in FP8 or not."""
         if not self.uses_fp8():
             return exact_linear(x, self.weight, self.bias) if exact else F.linear(x, self.weight, self.bias)
@@ -326,14 +327,16 @@ class FP8Linear(nn.Linear):
                              f"got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"FP8Linear input must be a floating-point tensor, got {x.dtype}")
-        if self.check_finite and not bool(torch.isfinite(x).all()):
-            raise FloatingPointError(f"non-finite values (NaN/Inf) in the input of {self!r}")
         flat = x.dim() == 2  # the packed (tokens, features) inputs of the models: no reshape either way
         x2d = x if flat else x.reshape(math.prod(x.shape[:-1]), self.in_features)
-        qweight, qweight_t = self._cached_weights(with_transpose=_caches_transpose())
         if x_fp8 is not None and (x_fp8.block != ACT or x_fp8.shape != x2d.shape):
             raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x2d.shape)}, got "
                              f"block {x_fp8.block} and shape {tuple(x_fp8.shape)}")
+        # with x_fp8 the FP8 form is what this layer reads (x's values may not be written: swiglu's fp8_only); a
+        # non-finite value of x makes its 1x128 block's scale non-finite
+        if self.check_finite and not bool(torch.isfinite(x if x_fp8 is None else x_fp8.scale).all()):
+            raise FloatingPointError(f"non-finite values (NaN/Inf) in the input of {self!r}")
+        qweight, qweight_t = self._cached_weights(with_transpose=_caches_transpose())
         bias = self.bias
         y = fp8_linear_group(x2d, [self.weight], [bias] if bias is not None else [], qweight, self.pow2_scale,
                              qweight_t, x_fp8, exact)

@@ -101,10 +101,12 @@ class _SwiGLU(torch.autograd.Function):
     """Triton forward/backward of ``silu(gate) * up`` on 2-D inputs; the FP8 outputs carry no gradient."""
 
     @staticmethod
-    def forward(ctx, gate, up, quantize: bool, pow2_scale: bool):
+    def forward(ctx, gate, up, quantize: bool, pow2_scale: bool, fp8_only: bool):
         from jetrl.quant.kernels import swiglu_triton
 
-        out, data, scale = swiglu_triton.swiglu_fwd(gate, up, quantize, pow2_scale)
+        out, data, scale = swiglu_triton.swiglu_fwd(gate, up, quantize, pow2_scale, write_out=not fp8_only)
+        if out is None:
+            out = _unwritten(gate)
         ctx.save_for_backward(gate, up)
         if quantize:
             ctx.mark_non_differentiable(data, scale)
@@ -118,7 +120,7 @@ class _SwiGLU(torch.autograd.Function):
         d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
         swiglu_triton.swiglu_bwd(_rows(grad), gate, up, d_gate, d_up)
-        return d_gate, d_up, None, None
+        return d_gate, d_up, None, None, None
 
 
 @keeps_forward_context  # the backward kernels read the forward's tuning on autograd's CUDA threads too
@@ -126,11 +128,14 @@ class _SwiGLUPacked(torch.autograd.Function):
     """As :class:`_SwiGLU` for one (M, 2K) input ``cat([gate, up], -1)``; its gradient is one (M, 2K) tensor."""
 
     @staticmethod
-    def forward(ctx, gate_up, quantize: bool, pow2_scale: bool):
+    def forward(ctx, gate_up, quantize: bool, pow2_scale: bool, fp8_only: bool):
         from jetrl.quant.kernels import swiglu_triton
 
         k = gate_up.shape[1] // 2
-        out, data, scale = swiglu_triton.swiglu_fwd(gate_up[:, :k], gate_up[:, k:], quantize, pow2_scale)
+        out, data, scale = swiglu_triton.swiglu_fwd(gate_up[:, :k], gate_up[:, k:], quantize, pow2_scale,
+                                                    write_out=not fp8_only)
+        if out is None:
+            out = _unwritten(gate_up[:, :k])
         ctx.save_for_backward(gate_up)
         if quantize:
             ctx.mark_non_differentiable(data, scale)
@@ -144,12 +149,30 @@ class _SwiGLUPacked(torch.autograd.Function):
         k = gate_up.shape[1] // 2
         d = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
         swiglu_triton.swiglu_bwd(_rows(grad), gate_up[:, :k], gate_up[:, k:], d[:, :k], d[:, k:])
-        return d, None, None
+        return d, None, None, None
+
+
+def _unwritten(like: torch.Tensor) -> torch.Tensor:
+    """The BF16 output that ``fp8_only`` leaves unwritten: one NaN broadcast to ``like``'s shape and dtype (no
+    memory), so that a reader that should have taken the FP8 gets NaN, never stale memory."""
+    return torch.full((), float("nan"), dtype=like.dtype, device=like.device).expand(like.shape)
 
 
 def _finish(out2d: torch.Tensor, data, scale, lead_shape, quantize: bool):
     out = out2d.reshape(*lead_shape, out2d.shape[-1])
     return out, (Fp8Tensor(data, scale, ACT) if quantize else None)
+
+
+def _fp8_only(fp8_only: bool, quantize: bool) -> bool:
+    if fp8_only and not quantize:
+        raise ValueError("swiglu: fp8_only=True needs quantize=True (the FP8 output is the only one written)")
+    return bool(fp8_only)
+
+
+def _reference_out(out: torch.Tensor, fp8_only: bool) -> torch.Tensor:
+    """The reference's ``out``; under ``fp8_only`` NaN everywhere like the kernels' unwritten one (``out + NaN``:
+    the gradient still flows as through ``out``)."""
+    return out + torch.full((), float("nan"), dtype=out.dtype, device=out.device) if fp8_only else out
 
 
 def _reference_fp8(out: torch.Tensor, quantize: bool, pow2_scale: bool) -> Fp8Tensor | None:
@@ -159,28 +182,35 @@ def _reference_fp8(out: torch.Tensor, quantize: bool, pow2_scale: bool) -> Fp8Te
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, quantize: bool = False, pow2_scale: bool = False,
-           impl: str | None = None, exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None]:
+           fp8_only: bool = False, impl: str | None = None,
+           exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None]:
     """``silu(gate) * up`` for ``gate``/``up`` of shape (..., K); differentiable in both.
 
     Returns ``(out, fp8)``: ``out`` (..., K) in the inputs' dtype; ``fp8`` (when ``quantize``) the 1x128
     quantization of ``out`` flattened to (M, K), bitwise ``reference.quantize(out, (1, 128), pow2_scale)``,
     else ``None``. ``exact``: batch-invariant (exact mode; the kernels are, the reference takes :func:`silu`'s exact
     form).
+
+    ``fp8_only`` (with ``quantize``): the caller's consumer reads the FP8 alone (an FP8 linear handed ``fp8``), so
+    the BF16 product is not written: ``out`` then reads NaN everywhere (one NaN broadcast on the kernels' path; the
+    product plus NaN on the reference's), and it stays differentiable: the gradient flows as through the product.
     """
     _check_pair(gate, up)
+    fp8_only = _fp8_only(fp8_only, quantize)
     if not use_triton(gate, impl):
         out = swiglu_reference(gate, up, exact)
-        return out, _reference_fp8(out, quantize, pow2_scale)
-    out, data, scale = _SwiGLU.apply(_rows(gate), _rows(up), quantize, pow2_scale)
+        return _reference_out(out, fp8_only), _reference_fp8(out, quantize, pow2_scale)
+    out, data, scale = _SwiGLU.apply(_rows(gate), _rows(up), quantize, pow2_scale, fp8_only)
     return _finish(out, data, scale, gate.shape[:-1], quantize)
 
 
 def swiglu_packed(gate_up: torch.Tensor, *, quantize: bool = False, pow2_scale: bool = False,
-                  impl: str | None = None, exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None]:
+                  fp8_only: bool = False, impl: str | None = None,
+                  exact: bool = False) -> tuple[torch.Tensor, Fp8Tensor | None]:
     """:func:`swiglu` of ``gate_up`` (..., 2K) = ``cat([gate, up], -1)`` (a fused gate/up projection's output).
 
-    Same math and outputs as ``swiglu(gate_up[..., :K], gate_up[..., K:])``; the gradient is one (..., 2K)
-    tensor written by one kernel.
+    Same math and outputs as ``swiglu(gate_up[..., :K], gate_up[..., K:])`` (``fp8_only`` included); the gradient
+    is one (..., 2K) tensor written by one kernel.
     """
     if not isinstance(gate_up, torch.Tensor):
         raise TypeError(f"swiglu_packed: gate_up must be a torch.Tensor, got {type(gate_up).__name__}")
@@ -189,8 +219,9 @@ def swiglu_packed(gate_up: torch.Tensor, *, quantize: bool = False, pow2_scale: 
                          f"got shape {tuple(gate_up.shape)}")
     k = gate_up.shape[-1] // 2
     _check_pair(gate_up[..., :k], gate_up[..., k:])
+    fp8_only = _fp8_only(fp8_only, quantize)
     if not use_triton(gate_up, impl):
         out = swiglu_reference(gate_up[..., :k], gate_up[..., k:], exact)
-        return out, _reference_fp8(out, quantize, pow2_scale)
-    out, data, scale = _SwiGLUPacked.apply(_rows(gate_up), quantize, pow2_scale)
+        return _reference_out(out, fp8_only), _reference_fp8(out, quantize, pow2_scale)
+    out, data, scale = _SwiGLUPacked.apply(_rows(gate_up), quantize, pow2_scale, fp8_only)
     return _finish(out, data, scale, gate_up.shape[:-1], quantize)

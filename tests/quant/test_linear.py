@@ -159,6 +159,13 @@ def test_check_finite_and_shape_errors(gen):
     x[1, 7] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite"):
         layer(x)
+    # with x's FP8 form handed in, that form is what is read and checked (x itself may be an unwritten placeholder)
+    from jetrl.quant import quantize_tensor
+    clean = torch.randn(4, 128, generator=gen)
+    placeholder = torch.full((), float("nan")).expand(4, 128)
+    assert torch.isfinite(layer(placeholder, x_fp8=quantize_tensor(clean, (1, 128)))).all()
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        layer(clean, x_fp8=quantize_tensor(x, (1, 128)))
     with pytest.raises(ValueError, match="128 features"):
         layer(torch.randn(4, 100))
     with pytest.raises(TypeError, match="nn.Linear"):

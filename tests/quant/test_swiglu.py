@@ -77,6 +77,28 @@ def test_reference_path_backward_is_autograd_of_the_formula(gen):
     assert torch.allclose(ours[1].double(), expected_up, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_fp8_only_leaves_a_nan_placeholder_with_the_same_fp8_and_gradients(packed, gen):
+    """``fp8_only``: the product reads NaN (whoever reads it instead of the FP8 finds out), the FP8 and the gradients
+    are those of the written product; it needs ``quantize``."""
+    gate, up = _inputs((37, 260), torch.bfloat16, gen)
+    grad = torch.randn(37, 260, generator=gen).to(torch.bfloat16)
+    runs = []
+    for fp8_only in (False, True):
+        g, u = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+        if packed:
+            out, fp8 = swiglu_packed(torch.cat([g, u], -1), quantize=True, fp8_only=fp8_only)
+        else:
+            out, fp8 = swiglu(g, u, quantize=True, fp8_only=fp8_only)
+        runs.append((out, fp8, torch.autograd.grad(out, (g, u), grad)))
+    (out, fp8, grads), (out_only, fp8_only_, grads_only) = runs
+    assert not torch.isnan(out).any() and torch.isnan(out_only).all() and out_only.shape == out.shape
+    assert _bitwise(fp8_only_.data, fp8.data) and _bitwise(fp8_only_.scale, fp8.scale)
+    assert all(_bitwise(a, b) and torch.isfinite(a.float()).all() for a, b in zip(grads_only, grads))
+    with pytest.raises(ValueError, match="needs quantize"):
+        swiglu(gate, up, fp8_only=True)
+
+
 def test_automatic_dispatch_runs_the_reference_on_cpu(gen, monkeypatch):
     gate, up = _inputs((2, 130), torch.bfloat16, gen)
     assert not use_triton(gate, None) and not use_triton(gate, "reference")
@@ -171,6 +193,16 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         gu = torch.cat([gate, up], -1).requires_grad_(True)
         dp = torch.autograd.grad(swiglu_packed(gu, impl="triton")[0], gu, grad)[0]
         r["packed_grad_same"] = same(dp, torch.cat(ours, -1))
+        # fp8_only: the BF16 product unwritten (NaN everywhere), the same FP8 bytes and the same gradients
+        gl = gate.clone().requires_grad_(True); ul = up.clone().requires_grad_(True)
+        o, q = swiglu(gl, ul, quantize=True, fp8_only=True, impl="triton")
+        go = torch.autograd.grad(o, (gl, ul), grad)
+        gu = torch.cat([gate, up], -1).requires_grad_(True)
+        op, qp = swiglu_packed(gu, quantize=True, fp8_only=True, impl="triton")
+        gp = torch.autograd.grad(op, gu, grad)[0]
+        r["fp8_only"] = (bool(torch.isnan(o).all() and torch.isnan(op).all()) and o.shape == out.shape
+                         and same(q.data, fp8.data) and same(q.scale, fp8.scale) and same(qp.data, fp8.data)
+                         and all(same(a, b) for a, b in zip(go, ours)) and same(gp, dp))
         res[key] = r
 
 # strided inputs: row-strided views (a fused projection's halves) and a transposed (column-strided) one
@@ -183,6 +215,28 @@ res["strided"] = {
     "views": same(out, silu_numpy_exp(gate) * up) and same(fp8.data, R.quantize(out, (1, 128))[0]),
     "transposed": same(out_t, silu_numpy_exp(t) * (t * 0.5)),
 }
+
+# a jet MLP through the interpreted kernels (its down projection reads the FP8 product alone, fp8_only) against the
+# same MLP computed with the BF16 product written: output and every gradient bitwise
+from jetrl.models import build_model
+from jetrl.quant import call_linear, fused_impl, grouped_linear
+cfg = dict(model_type="qwen2", vocab_size=300, hidden_size=256, intermediate_size=384, num_hidden_layers=1,
+           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+runs = {}
+for written in (False, True):
+    mlp = build_model(cfg, dtype=torch.bfloat16, recipe="jet", seed=2).model.layers[0].mlp
+    x = torch.randn(131, 256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).requires_grad_(True)
+    gy = torch.randn(131, 256, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    with fused_impl("triton"):
+        if written:
+            act, act_fp8 = swiglu_packed(grouped_linear(mlp.input_projections(), x), quantize=True)
+            y = call_linear(mlp.down_proj, act, act_fp8)
+        else:
+            y = mlp(x)
+        y.backward(gy)
+    runs[written] = [y.detach(), x.grad] + [p.grad for p in mlp.parameters()]
+res["mlp"] = {"bitwise": all(same(a, b) for a, b in zip(runs[False], runs[True])),
+              "finite": all(bool(torch.isfinite(t.float()).all()) for t in runs[False])}
 json.dump(res, sys.stdout)
 '''
 
@@ -193,12 +247,13 @@ def interpreted():
 
 
 CHECKS = ("nan_free", "fwd_bitwise_emulated", "fwd_within_1ulp_of_torch", "fp8_pow2=False", "fp8_pow2=True",
-          "packed_same", "grad_nan_free", "grad_up_within_1ulp", "grad_gate_within_1ulp", "packed_grad_same")
+          "packed_same", "grad_nan_free", "grad_up_within_1ulp", "grad_gate_within_1ulp", "packed_grad_same",
+          "fp8_only")
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_interpreted_kernels(interpreted, check):
-    cases = {k: v for k, v in interpreted.items() if k != "strided"}
+    cases = {k: v for k, v in interpreted.items() if k not in ("strided", "mlp")}
     assert len(cases) == 12
     failed = [case for case, r in cases.items() if not r[check]]
     assert not failed, f"{check} fails for {failed}"
@@ -209,10 +264,17 @@ def test_interpreted_backward_relative_error(interpreted):
     # ulps), which flips a final rounding by one ulp in rare elements (measured: bf16 0, fp16 <= 1.4e-5) and,
     # in fp32, is amplified only near the zero of 1 + x(1 - s) (measured <= 4e-8). Dropping any one of
     # autograd's intermediate roundings gives ~3e-3 in bf16, so the bounds sit well between the two.
-    worst = {k: r["grad_rel"] for k, r in interpreted.items() if k != "strided"}
+    worst = {k: r["grad_rel"] for k, r in interpreted.items() if k not in ("strided", "mlp")}
     bound = {"bfloat16": 5e-4, "float16": 1e-4, "float32": 1e-6}
     failed = {k: v for k, v in worst.items() if not v <= bound[k.split("-")[0]]}
     assert not failed, failed
+
+
+def test_a_jet_mlp_leaves_the_bf16_product_unwritten_with_the_same_bits(interpreted):
+    """The MLP's FP8 down projection reads only the FP8 product: with it unwritten (``fp8_only``) the output and
+    every gradient are those of the MLP with the BF16 product written, and nothing reads its NaN placeholder."""
+    assert interpreted["mlp"]["finite"], "a NaN reached the MLP's output or gradients: the placeholder was read"
+    assert interpreted["mlp"]["bitwise"], "the MLP differs with the BF16 product unwritten"
 
 
 def test_interpreted_strided_inputs(interpreted):
@@ -250,6 +312,10 @@ def test_gpu_forward_bitwise(m, pow2):
     assert _bitwise(fp8.data, data) and _bitwise(fp8.scale, scale)
     packed, fp8p = swiglu_packed(torch.cat([gate, up], -1), quantize=True, pow2_scale=pow2, impl="triton")
     assert _bitwise(packed, out) and _bitwise(fp8p.data, data) and _bitwise(fp8p.scale, scale)
+    # the BF16 product unwritten (an FP8 consumer): the same FP8, and a NaN placeholder
+    unwritten, fp8u = swiglu_packed(torch.cat([gate, up], -1), quantize=True, pow2_scale=pow2, fp8_only=True,
+                                    impl="triton")
+    assert torch.isnan(unwritten).all() and _bitwise(fp8u.data, data) and _bitwise(fp8u.scale, scale)
 
 
 @pytest.mark.gpu

@@ -64,10 +64,11 @@ def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, q_ptr, scale_ptr,
     M, K, stride_gm, stride_um, SCALE_M,
     POW2: tl.constexpr, QUANTIZE: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-    LAUNCH_DEPS: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr, WRITE_OUT: tl.constexpr,
 ):
     """One (BLOCK_M, 128) tile: ``out = rnd(rnd(silu(gate)) * up)`` and its 1x128 FP8 (data row-major
-    (M, K), scales into a (Kb, SCALE_M) buffer)."""
+    (M, K), scales into a (Kb, SCALE_M) buffer); ``out`` stored only with ``WRITE_OUT`` (``out_ptr`` otherwise only
+    names the dtype)."""
     if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
@@ -80,7 +81,8 @@ def _swiglu_fwd_kernel(
     up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     silu = _cast(tl.div_rn(gate, 1.0 + _exp(-gate)), out_ptr.dtype.element_ty, IS_BF16).to(tl.float32)
     out = _cast(silu * up, out_ptr.dtype.element_ty, IS_BF16)
-    tl.store(out_ptr + rows * K + rk[None, :], out, mask=mask)
+    if WRITE_OUT:
+        tl.store(out_ptr + rows * K + rk[None, :], out, mask=mask)
     if QUANTIZE:
         x = out.to(tl.float32)  # masked lanes are silu(0) * 0 = 0, like the reference's zero padding
         scale = _block_scale(tl.max(tl.abs(x), axis=1), POW2)  # (BLOCK_M,)
@@ -136,27 +138,33 @@ def _block_m(m: int) -> int:
     return min(32, triton.next_power_of_2(max(m, 1)))
 
 
-def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow2_scale: bool = False):
+def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow2_scale: bool = False,
+               write_out: bool = True):
     """``silu(gate) * up`` for 2-D (M, K) ``gate``/``up`` with unit column stride (any row stride).
 
     Returns ``(out, data, scale)``: ``out`` (M, K) contiguous in gate's dtype; with ``quantize`` the 1x128
     E4M3 ``data`` (M, K) and fp32 ``scale`` (M, Kb) in the layout of
     :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128` (:func:`~jetrl.quant.kernels.quantize_triton.act_buffers`),
-    else ``None, None``.
+    else ``None, None``. ``write_out=False`` (with ``quantize``): ``out`` is not written, and ``None`` is returned in
+    its place (the caller's consumer reads the FP8 only).
     """
+    if not write_out and not quantize:
+        raise ValueError("swiglu_fwd: write_out=False needs quantize=True (otherwise nothing is returned)")
     m, k = gate.shape
-    out = torch.empty((m, k), dtype=gate.dtype, device=gate.device)
+    out = torch.empty((m, k), dtype=gate.dtype, device=gate.device) if write_out else None
     data = scale_buf = None
     if quantize:
         data, scale_buf = act_buffers(m, k, gate.device)
     if m and k:
         block_m = _block_m(m)
         grid = (_cdiv(m, block_m), _cdiv(k, BLOCK_K))
+        dest = out if write_out else gate  # unwritten: the pointer only names the output dtype
         _swiglu_fwd_kernel[grid](
-            gate, up, out, data if quantize else out, scale_buf if quantize else out,
+            gate, up, dest, data if quantize else dest, scale_buf if quantize else dest,
             m, k, gate.stride(0), up.stride(0), scale_buf.shape[1] if quantize else m,
             POW2=pow2_scale, QUANTIZE=quantize, IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m,
-            LAUNCH_DEPS=tuning.early_dependents(gate.device), num_warps=4, enable_fp_fusion=False,
+            LAUNCH_DEPS=tuning.early_dependents(gate.device), WRITE_OUT=write_out, num_warps=4,
+            enable_fp_fusion=False,
         )
     if quantize:
         return out, data, scale_buf[:, :m].t()
