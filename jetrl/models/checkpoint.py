@@ -151,7 +151,11 @@ def load_weights(model: DecoderLM, folder: str) -> None:
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"shape mismatch for {name!r}: checkpoint has {tuple(tensor.shape)}, the model "
                                  f"built from config.json expects {tuple(param.shape)}")
-            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            owner = _fp8_owner(model, name)
+            if owner is not None:  # its weight may live in an optimizer's master (FP8Linear.release_weight)
+                owner.copy_weight_(tensor.to(device=param.device, dtype=param.dtype))
+            else:
+                param.copy_(tensor.to(device=param.device, dtype=param.dtype))
             loaded.add(name)
     stray_scales = [n for n in weight_map if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] not in loaded]
     if unexpected or stray_scales:
@@ -254,21 +258,30 @@ def _fp8_linears_to_export(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in linears.items() if not jet.excludes(n)}
 
 
+def _fp8_owner(model: nn.Module, name: str) -> FP8Linear | None:
+    """The FP8Linear whose weight the parameter ``name`` is, else None."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return module if leaf == "weight" and isinstance(module, FP8Linear) else None
+
+
 def _export_tensors(model: DecoderLM, fp8: bool) -> Iterable[tuple[str, torch.Tensor]]:
     quantized = _fp8_linears_to_export(model) if fp8 else {}
     for name, param in model.named_parameters():
         if model.config.tie_word_embeddings and name == "lm_head.weight":
             continue
+        owner = _fp8_owner(model, name)
+        value = owner.weight_values() if owner is not None else param.detach()  # a released weight: its master's
         module_name, _, leaf = name.rpartition(".")
         layer = quantized.get(module_name)
         if layer is not None and leaf == "weight":
             # the bytes FP8Linear.quantized_weight() holds (its scaling), quantized here without caching a copy
             pow2 = layer.pow2_scale if isinstance(layer, FP8Linear) else False
-            q = get_backend(param.device).quantize(param.detach(), WEIGHT, pow2)
+            q = get_backend(param.device).quantize(value, WEIGHT, pow2)
             yield name, q.data
             yield name + SCALE_SUFFIX, q.scale.float()
         else:
-            yield name, param.detach()
+            yield name, value
 
 
 def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,

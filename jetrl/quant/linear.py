@@ -205,6 +205,77 @@ class FP8Linear(nn.Linear):
         self._cache_epoch = 0  # moved by invalidate_weight_cache: every cache keyed on this layer goes stale
         # FP8 weights of groups this layer leads (linears sharing its input: q/k/v, gate/up), by member ids
         self._group_caches: dict[tuple[int, ...], _WeightCache] = {}
+        self._master: torch.Tensor | None = None  # set by release_weight: the weight's values live there
+
+    def release_weight(self, master: torch.Tensor) -> None:
+        """Hold the weight's values only in ``master`` (its fp32 master copy, which an optimizer updates in place):
+        the BF16 weight's storage is dropped (2 bytes per parameter; the parameter becomes a NaN placeholder of
+        its shape, which autograd still routes the gradient to), and the FP8 weights are quantized from
+        ``master`` rounded to the weight's dtype: the same bytes as from the BF16 weight the optimizer would have
+        written. Only for a layer that runs FP8 on both sides (the weight's values are read nowhere else) and
+        an unsharded weight. :meth:`weight_values` gives the values; the state dict holds them under ``weight``
+        as before, and loading one writes them into ``master``."""
+        w = self.weight
+        if not (self.fp8_train and self.fp8_rollout):
+            raise ValueError(f"{self!r}: only a layer that runs FP8 on both sides can drop its BF16 weight")
+        if type(w.data) is not torch.Tensor or master.dtype != torch.float32 or master.shape != w.shape \
+                or master.device != w.device:
+            raise ValueError(f"{self!r}: the master must be an fp32 tensor of the (unsharded) weight's shape "
+                             f"{tuple(w.shape)} on {w.device}, got {master.dtype} {tuple(master.shape)} on "
+                             f"{master.device}")
+        if self._master is None:
+            self._master = master
+            w.data = torch.full((), float("nan"), dtype=w.dtype, device=w.device).expand(w.shape)
+            self.invalidate_weight_cache()
+
+    @property
+    def weight_released(self) -> bool:
+        """Whether :meth:`release_weight` dropped the BF16 weight (its values are the master's, rounded)."""
+        return self._master is not None
+
+    def weight_values(self) -> torch.Tensor:
+        """The weight's values (detached): the parameter's, or after :meth:`release_weight` the master's rounded
+        to the weight's dtype (a fresh tensor)."""
+        if self._master is None:
+            return self.weight.detach()
+        return self._master.detach().to(self.weight.dtype)
+
+    @torch.no_grad()
+    def copy_weight_(self, value: torch.Tensor) -> None:
+        """Write ``value`` into the weight (a load). After :meth:`release_weight` into the master, which keeps its
+        fp32 bits when ``value`` is the weight it already rounds to (a resume loads the master itself, with the
+        optimizer state); any other value replaces it."""
+        if self._master is None:
+            self.weight.copy_(value)
+            return
+        value = value.to(device=self._master.device)
+        if not torch.equal(value.to(self.weight.dtype), self.weight_values()):
+            self._master.copy_(value)
+            self.invalidate_weight_cache()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._master is not None:  # the values, not the placeholder
+            destination[prefix + "weight"] = self.weight_values()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "weight"
+        if self._master is None or key not in state_dict:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        value = state_dict[key]
+        if tuple(value.shape) != tuple(self.weight.shape):
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, the "
+                              f"shape in current model is {tuple(self.weight.shape)}.")
+            return None
+        self.copy_weight_(value)
+        rest = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if key in missing_keys:
+            missing_keys.remove(key)
+        return None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **options) -> "FP8Linear":
@@ -218,7 +289,11 @@ class FP8Linear(nn.Linear):
         return new
 
     def to_linear(self) -> nn.Linear:
-        """A plain ``nn.Linear`` sharing this layer's parameters."""
+        """A plain ``nn.Linear`` sharing this layer's parameters (not after :meth:`release_weight`: its weight's
+        values are in the optimizer's master, which a plain layer would not read)."""
+        if self._master is not None:
+            raise ValueError(f"{self!r} dropped its BF16 weight (its values are its optimizer's fp32 master): a plain "
+                             f"nn.Linear cannot share it; change the recipe before training starts")
         plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         plain.weight = self.weight
         plain.bias = self.bias
@@ -242,7 +317,8 @@ class FP8Linear(nn.Linear):
     def weight_key(self) -> tuple:
         """What the quantized weight depends on: the weight's storage and version, the scaling, the backend."""
         w = self.weight
-        return (w._version, w.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
+        src = self._master if self._master is not None else w  # where the values live
+        return (src._version, src.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
                 selected_backend_name(), self._cache_epoch)
 
     def has_cached_weights(self) -> bool:
@@ -296,21 +372,21 @@ class FP8Linear(nn.Linear):
         q, q_t = self._qweight, self._qweight_t
         if self._qweight_key == key and q is not None and (q_t is not None or not with_transpose):
             return q, q_t  # current: every call after the first per weight version
-        w = self.weight
         stale_q = stale_t = None
         if self._qweight_key != key:
             stale_q, stale_t = self._qweight, self._qweight_t
             self._qweight = self._qweight_t = None
             self._qweight_key = key
-        backend = get_backend(w.device)
+        backend = get_backend(self.weight.device)
         with torch.no_grad():
             if with_transpose and self._qweight_t is None:
                 if self._qweight is None:  # W and W^T from one read of the weight
-                    self._qweight, self._qweight_t = backend.quantize_weight_pair(w.detach(), self.pow2_scale)
+                    self._qweight, self._qweight_t = backend.quantize_weight_pair(self.weight_values(),
+                                                                                   self.pow2_scale)
                 else:
                     self._qweight_t = backend.transpose_weight(self._qweight)
             elif self._qweight is None:
-                self._qweight = backend.quantize(w.detach(), WEIGHT, self.pow2_scale)
+                self._qweight = backend.quantize(self.weight_values(), WEIGHT, self.pow2_scale)
             self._qweight = _write_into(stale_q, self._qweight)
             self._qweight_t = _write_into(stale_t, self._qweight_t)
         return self._qweight, self._qweight_t
@@ -437,7 +513,7 @@ def _group_weights(modules: tuple[FP8Linear, ...], with_transpose: bool,
     if cache.qweight is None or need_t:
         backend = get_backend(first.weight.device)
         with torch.no_grad():
-            stacked = torch.cat([m.weight.detach() for m in modules])
+            stacked = torch.cat([m.weight_values() for m in modules])
             if need_t:  # W and W^T from one read (W's bytes rewritten, the same, where it was already made)
                 qweight, qweight_t = backend.quantize_weight_pair(stacked, first.pow2_scale)
                 cache.qweight_t = _write_into(stale_t, qweight_t)

@@ -7,7 +7,9 @@ non-fp32 parameter, runs ``torch.optim.AdamW`` (fp32 moments) on the masters and
 result back into the BF16 parameters after each step. The BF16 parameters are what the model computes
 with, and in the FP8 recipes they are the weights ``FP8Linear`` quantizes into 128x128 blocks (the
 "BF16 master weights" of the unified precision flow); fp32 parameters are optimised in place, with no copy.
-Memory per BF16 parameter: 2 (param) + 4 (master) + 8 (moments) bytes.
+Memory per BF16 parameter: 2 (param) + 4 (master) + 8 (moments) bytes. Under ``jet`` the FP8 linears read their
+weights only through their FP8 copy (1 byte), so :func:`release_fp8_weights` drops their BF16 copy: they quantize
+from the master rounded to BF16 (the same bytes), and the optimizer no longer writes those parameters.
 
 **One guarded step.** :class:`OptimizerStepper` turns accumulated gradients into an update: it copies
 gradients to the masters, clips the global norm, and applies the step only if the loss and the gradient
@@ -28,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from jetrl.config.choices import CHOICES
-from jetrl.quant import refresh_fp8_weights
+from jetrl.quant import FP8Linear, refresh_fp8_weights
 
 
 class NonFiniteError(RuntimeError):
@@ -64,6 +66,18 @@ class MasterWeightAdamW:
         # the multi-tensor kernels (a few launches for all parameters instead of several per parameter)
         cuda = self.params[0].device.type == "cuda"
         self.inner = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=cuda)
+        self._released: set[int] = set()  # ids of parameters whose values live in their masters alone
+
+    def release(self, p: nn.Parameter) -> torch.Tensor:
+        """Stop writing ``p`` from its master after each step (its owner reads the master itself: an FP8 layer
+        that dropped its BF16 weight, :func:`release_fp8_weights`); returns the master."""
+        for q, m in zip(self.params, self.masters):
+            if q is p:
+                if m is p:
+                    raise ValueError("an fp32 parameter is its own master: nothing to release")
+                self._released.add(id(p))
+                return m
+        raise KeyError(f"a parameter of shape {tuple(p.shape)} is not optimized here")
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -96,7 +110,7 @@ class MasterWeightAdamW:
         """AdamW on the masters (call :meth:`gather_grads` first), then masters -> parameters."""
         self.inner.step()
         for p, m in zip(self.params, self.masters):
-            if m is not p:
+            if m is not p and id(p) not in self._released:
                 p.copy_(m)  # rounds to the parameter dtype; bumps the version FP8Linear's cache is keyed on
 
     def state_by_name(self, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -122,9 +136,10 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def sync_params_from_masters(self) -> None:
-        """Round the fp32 masters into the parameters (after the masters were loaded in place)."""
+        """Round the fp32 masters into the parameters (after the masters were loaded in place); released ones
+        read their masters already."""
         for p, m in zip(self.params, self.masters):
-            if m is not p:
+            if m is not p and id(p) not in self._released:
                 p.copy_(m)
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,7 +154,8 @@ class MasterWeightAdamW:
             if self.masters[i] is self.params[i] or tuple(saved.shape) != tuple(self.masters[i].shape):
                 raise ValueError(f"optimizer checkpoint does not match the model at parameter #{i}")
             self.masters[i].copy_(saved)
-            self.params[i].copy_(saved)
+            if id(self.params[i]) not in self._released:
+                self.params[i].copy_(saved)
 
 
 LR_SCHEDULES = CHOICES["lr_schedule"]  # the decay after warm-up (config: optim.schedule)
@@ -256,5 +272,22 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None) -> float:
     return norm
 
 
+def release_fp8_weights(model: nn.Module, optimizer: MasterWeightAdamW) -> int:
+    """Drop the BF16 weights of ``model``'s FP8 linears that run FP8 on both sides (``jet``): each then quantizes its
+    FP8 weight from its fp32 master in ``optimizer`` (:meth:`jetrl.quant.FP8Linear.release_weight`), the same bytes,
+    and the BF16 copy, read by nothing else, no longer takes 2 bytes per parameter. That pays for the FP8 copy of
+    the weights (1 byte per parameter). Unsharded weights only (a sharded model gathers its BF16 weights to
+    quantize them), of 16-bit dtypes (an fp32 weight is its own master). Returns the number of layers released."""
+    released = 0
+    for layer in model.modules():
+        w = layer.weight if isinstance(layer, FP8Linear) else None
+        # fp32 weights are their own masters (nothing to drop); frozen ones have none
+        if w is not None and layer.fp8_train and layer.fp8_rollout and not layer.weight_released \
+                and w.requires_grad and w.dtype != torch.float32 and type(w.data) is torch.Tensor:
+            layer.release_weight(optimizer.release(layer.weight))
+            released += 1
+    return released
+
+
 __all__ = ["MasterWeightAdamW", "LRSchedule", "build_lr_scheduler", "OptimizerStepper", "StepResult",
-           "NonFiniteError", "clip_grad_norm"]
+           "NonFiniteError", "clip_grad_norm", "release_fp8_weights"]

@@ -67,7 +67,7 @@ from jetrl.rl.losses import truncated_is_weights
 from jetrl.rl.micro_batch import micro_batch_loss, pack, packed_logprobs, stat_names
 from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.minibatch import mini_batch_rows
-from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler
+from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler, release_fp8_weights
 from jetrl.rl.update_graphs import UpdateGraphs, graphs_apply
 
 if TYPE_CHECKING:
@@ -158,6 +158,9 @@ class Trainer:
                                               kv_fp8=config.kv_fp8_train, max_len=config.rollout.max_tokens)
         self.optimizer = MasterWeightAdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay, keep_grads=self.update_graphs is not None)
+        # jet's FP8 linears quantize from their fp32 masters: no BF16 copy of those weights is held (it would be read
+        # by nothing else), which pays for the FP8 copy
+        release_fp8_weights(model, self.optimizer)
         num_updates = config.trainer.steps * alg.ppo_epochs * (config.rollout_batch_size // config.mini_batch_size)
         self.scheduler = build_lr_scheduler(self.optimizer, opt.warmup_steps, max(1, num_updates), opt.schedule,
                                             opt.min_lr_ratio)
