@@ -189,6 +189,8 @@ class FP8Linear(nn.Linear):
 
     ``fp8_train`` / ``fp8_rollout`` choose, per side, FP8 or the plain ``F.linear`` on the master weight.
     ``check_finite`` raises on NaN/Inf inputs (a debugging aid: it costs a device sync per call).
+    After :meth:`release_weight` (``jet``'s trainer on one process) ``weight`` is a NaN placeholder whose values live
+    in the optimizer's fp32 master: read them with :meth:`weight_values` or the state dict.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
