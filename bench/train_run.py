@@ -363,8 +363,9 @@ def print_table(report: dict[str, Any]) -> None:
         med = entry["median"]
         phases = ", ".join(f"{key.removeprefix('memory/').removesuffix('_peak_gib')} {value:.1f}"
                            for key, value in med.items() if key.startswith("memory/") and key.endswith("_peak_gib"))
-        held = med.get("memory/fp8_weights_gib")
-        print(f"  {recipe:<12}{phases}" + (f"; FP8 weight copies {held:.2f}" if held else ""))
+        held, dropped = med.get("memory/fp8_weights_gib"), med.get("memory/released_bf16_weights_gib")
+        print(f"  {recipe:<12}{phases}" + (f"; FP8 weight copies {held:.2f}" if held else "")
+              + (f"; BF16 weight copies dropped {dropped:.2f}" if dropped else ""))
     print("per step (s), step / update [CUDA graphs captured in that step]: a step far above its neighbours "
           "captured graphs of new shapes or compiled a kernel variant")
     for recipe, entry in report["recipes"].items():

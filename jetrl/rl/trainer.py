@@ -60,7 +60,7 @@ import torch.nn as nn
 from jetrl.config import RunConfig
 from jetrl.data.reward_pool import RewardResult
 from jetrl.parallel import ParallelContext, full_weights, refresh_rollout_weights, shard_model
-from jetrl.quant.recipe import fp8_weight_bytes
+from jetrl.quant.recipe import fp8_linears, fp8_weight_bytes
 from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import truncated_is_weights
@@ -160,7 +160,9 @@ class Trainer:
                                            weight_decay=opt.weight_decay, keep_grads=self.update_graphs is not None)
         # jet's FP8 linears quantize from their fp32 masters: no BF16 copy of those weights is held (it would be read
         # by nothing else), which pays for the FP8 copy
-        release_fp8_weights(model, self.optimizer)
+        self.released_weight_bytes = sum(layer.weight.numel() * layer.weight.element_size()
+                                         for layer in fp8_linears(model) if layer.weight_released) \
+            if release_fp8_weights(model, self.optimizer) else 0
         num_updates = config.trainer.steps * alg.ppo_epochs * (config.rollout_batch_size // config.mini_batch_size)
         self.scheduler = build_lr_scheduler(self.optimizer, opt.warmup_steps, max(1, num_updates), opt.schedule,
                                             opt.min_lr_ratio)
@@ -475,6 +477,7 @@ class Trainer:
         metrics.update(timer.memory_metrics())
         if self.device.type == "cuda":
             metrics["memory/fp8_weights_gib"] = fp8_weight_bytes(self.model) / 2 ** 30
+            metrics["memory/released_bf16_weights_gib"] = self.released_weight_bytes / 2 ** 30
         if self.update_graphs is not None:  # over the run so far: captures stop once every shape has its graph
             metrics["update/graph_captures"] = float(self.update_graphs.captures)
             metrics["update/graph_replays"] = float(self.update_graphs.replays)

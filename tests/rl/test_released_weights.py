@@ -41,6 +41,8 @@ def test_jet_drops_the_bf16_weights_and_trains_bitwise_as_with_them(monkeypatch)
     layers = fp8_linears(released.model)
     assert layers and all(layer.weight_released for layer in layers)
     assert not any(layer.weight_released for layer in fp8_linears(kept.model))
+    assert kept.released_weight_bytes == 0  # reported on a GPU as memory/released_bf16_weights_gib
+    assert released.released_weight_bytes == sum(2 * layer.weight.numel() for layer in layers)
     for layer in layers:  # the BF16 storage is gone: a one-element placeholder of the weight's shape
         assert layer.weight.untyped_storage().nbytes() == layer.weight.element_size()
         assert layer.weight.shape == (layer.out_features, layer.in_features) and torch.isnan(layer.weight).all()
