@@ -317,7 +317,8 @@ class FP8Linear(nn.Linear):
         self._cache_epoch += 1
 
     def weight_key(self) -> tuple:
-        """What the quantized weight depends on: the weight's storage and version, the scaling, the backend."""
+        """What the quantized weight depends on: the weight's storage and version (the master's after
+        :meth:`release_weight`), the scaling, the backend."""
         w = self.weight
         src = self._master if self._master is not None else w  # where the values live
         return (src._version, src.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
