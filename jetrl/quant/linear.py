@@ -230,6 +230,14 @@ class FP8Linear(nn.Linear):
             w.data = torch.full((), float("nan"), dtype=w.dtype, device=w.device).expand(w.shape)
             self.invalidate_weight_cache()
 
+    def restore_weight(self) -> None:
+        """Undo :meth:`release_weight`: the weight holds its values again (the master rounded to its dtype), for an
+        optimizer built after it (which starts its own master from them, as from any BF16 weight)."""
+        if self._master is not None:
+            self.weight.data = self.weight_values()
+            self._master = None
+            self.invalidate_weight_cache()
+
     @property
     def weight_released(self) -> bool:
         """Whether :meth:`release_weight` dropped the BF16 weight (its values are the master's, rounded)."""

@@ -56,6 +56,11 @@ class MasterWeightAdamW:
         for p in self.params:
             if not p.is_floating_point():
                 raise TypeError(f"cannot optimise a {p.dtype} parameter")
+        placeholders = [p for p in self.params if _released(p)]
+        if placeholders:
+            raise ValueError(f"{len(placeholders)} parameters are placeholders of FP8 weights whose values live in "
+                             f"another optimizer's masters (release_fp8_weights): call "
+                             f"jetrl.rl.optim.restore_fp8_weights(model) before building a new optimizer")
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
                         for p in self.params]
         decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
@@ -272,6 +277,20 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None) -> float:
     return norm
 
 
+def _released(p: torch.Tensor) -> bool:
+    """Whether ``p`` is the placeholder of a released FP8 weight (no storage for its values)."""
+    return p.numel() > 1 and p.untyped_storage().nbytes() < p.numel() * p.element_size()
+
+
+def restore_fp8_weights(model: nn.Module) -> int:
+    """Undo :func:`release_fp8_weights` on ``model`` (each released layer's weight holds its values again), so that a
+    new optimizer can start its masters from them. Returns the number of layers restored."""
+    layers = [layer for layer in model.modules() if isinstance(layer, FP8Linear) and layer.weight_released]
+    for layer in layers:
+        layer.restore_weight()
+    return len(layers)
+
+
 def release_fp8_weights(model: nn.Module, optimizer: MasterWeightAdamW) -> int:
     """Drop the BF16 weights of ``model``'s FP8 linears that run FP8 on both sides (``jet``): each then quantizes its
     FP8 weight from its fp32 master in ``optimizer`` (:meth:`jetrl.quant.FP8Linear.release_weight`), the same bytes,
@@ -290,4 +309,4 @@ def release_fp8_weights(model: nn.Module, optimizer: MasterWeightAdamW) -> int:
 
 
 __all__ = ["MasterWeightAdamW", "LRSchedule", "build_lr_scheduler", "OptimizerStepper", "StepResult",
-           "NonFiniteError", "clip_grad_norm", "release_fp8_weights"]
+           "NonFiniteError", "clip_grad_norm", "release_fp8_weights", "restore_fp8_weights"]

@@ -67,7 +67,8 @@ from jetrl.rl.losses import truncated_is_weights
 from jetrl.rl.micro_batch import micro_batch_loss, pack, packed_logprobs, stat_names
 from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.minibatch import mini_batch_rows
-from jetrl.rl.optim import MasterWeightAdamW, OptimizerStepper, build_lr_scheduler, release_fp8_weights
+from jetrl.rl.optim import (MasterWeightAdamW, OptimizerStepper, build_lr_scheduler, release_fp8_weights,
+                            restore_fp8_weights)
 from jetrl.rl.update_graphs import UpdateGraphs, graphs_apply
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ class Trainer:
         if config.data.prompts_per_step % world or config.mini_batch_size % world:
             raise ValueError(f"data.prompts_per_step ({config.data.prompts_per_step}) and the mini-batch "
                              f"({config.mini_batch_size} sequences) must be multiples of the number of ranks ({world})")
+        restore_fp8_weights(model)  # a model an earlier trainer released: its values back before they are copied
         self.ref_model = None
         if alg.kl_coef > 0:
             self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)

@@ -111,3 +111,27 @@ def test_what_cannot_drop_its_weight():
     for recipe, dtype in (("fp8-rollout", torch.bfloat16), ("jet", torch.float32)):
         trainer = make_trainer(recipe, dtype=dtype)  # BF16 training; fp32 weights are their own masters
         assert not any(layer.weight_released for layer in fp8_linears(trainer.model))
+
+
+def test_a_second_trainer_on_a_released_model_starts_from_its_values():
+    """A model an earlier trainer released: the next trainer restores its weights before copying or optimizing them
+    (its masters start from them, as from any BF16 weight); an optimizer built on the placeholders is refused."""
+    from jetrl.rl.optim import MasterWeightAdamW, restore_fp8_weights
+
+    first = _jet()
+    first.step()
+    values = _values(first.model)
+    with pytest.raises(ValueError, match="restore_fp8_weights"):
+        MasterWeightAdamW(first.model.parameters())
+    second = make_trainer("jet", dtype=torch.bfloat16)  # a fresh model, then the first one handed to a new trainer
+    from jetrl.rl.trainer import Trainer
+
+    again = Trainer(second.config, first.model, first.engine, second.prompts, second.reward_fn, second.decode)
+    assert all(torch.equal(v, values[k]) for k, v in _values(again.model).items())
+    assert all(layer.weight_released for layer in fp8_linears(again.model))
+    for layer in fp8_linears(again.model):  # the new optimizer's masters, from the BF16 values
+        assert any(m is layer._master for m in again.optimizer.masters)
+    m = again.step()
+    assert all(torch.isfinite(v.float()).all() for v in _values(again.model).values()) and m["actor/num_updates"] == 2
+    assert restore_fp8_weights(again.model) == len(fp8_linears(again.model))
+    assert all(torch.equal(layer.weight, layer.weight_values()) for layer in fp8_linears(again.model))
