@@ -282,6 +282,35 @@ def test_interpreted_strided_inputs(interpreted):
     assert interpreted["strided"]["transposed"], "a column-strided input differs"
 
 
+def test_the_unwritten_product_compiles_for_sm90_without_its_stores():
+    """``fp8_only``'s kernel variant (``WRITE_OUT=False``) compiles for the H200 (sm_90a) here, and its PTX stores
+    only the FP8 product and its scales: fewer global stores than the variant that also writes the BF16 product."""
+    import re
+
+    from sm90_compile import skip_without_sm90_compiler
+
+    skip_without_sm90_compiler()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jetrl.quant.kernels import swiglu_triton
+
+    kernel = swiglu_triton._swiglu_fwd_kernel
+    names = kernel.arg_names
+    stores = {}
+    for write in (True, False):
+        consts = dict(POW2=False, QUANTIZE=True, IS_BF16=True, BLOCK_M=32, LAUNCH_DEPS=False, WRITE_OUT=write)
+        ptrs = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+        signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+        src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                             options=dict(num_warps=4, enable_fp_fusion=False)).asm["ptx"]
+        assert not re.search(r"\b(ld|st)\.local", ptx)
+        stores[write] = len(re.findall(r"st\.global", ptx))
+    assert 0 < stores[False] < stores[True], stores
+
+
 # --------------------------------------------------------------------------------------------------
 # GPU: Triton kernels against PyTorch on the same device (run on the H200)
 
