@@ -172,7 +172,7 @@ def _fp8_only(fp8_only: bool, quantize: bool) -> bool:
 def _reference_out(out: torch.Tensor, fp8_only: bool) -> torch.Tensor:
     """The reference's ``out``; under ``fp8_only`` NaN everywhere like the kernels' unwritten one (``out + NaN``:
     the gradient still flows as through ``out``)."""
-    return out + torch.full((), float("nan"), dtype=out.dtype, device=out.device) if fp8_only else out
+    return out + _unwritten(out) if fp8_only else out
 
 
 def _reference_fp8(out: torch.Tensor, quantize: bool, pow2_scale: bool) -> Fp8Tensor | None:
