@@ -7,10 +7,13 @@ replay issues them all at once.
 
 How: each micro-batch is padded to a :func:`~jetrl.rl.micro_batch.bucket_shape` (above 2K tokens at most 1/16 more; see
 :mod:`jetrl.rl.micro_batch` for why padding changes neither the loss nor the gradient). The first micro-batch of
-a shape runs eagerly on the graphs' stream: its gradient is real, and it compiles and warms up everything lazily
-made. Then the same work is captured (not run again). Later micro-batches of the shape copy their inputs into the
-shape's static buffers and replay. All graphs share one memory pool, so the largest shape's activations are
-held once, not once per shape.
+the run's first shape (of each kind: scoring, update) runs eagerly on the graphs' stream: its gradient is real,
+and it compiles and warms up everything lazily made. Then the same work is captured (not run again). The first
+micro-batch of every later shape is captured straight away and replayed: a capture issues the kernels without
+running them and never waits for the GPU, so it overlaps the previous micro-batch's replay, where an eager run
+would leave the GPU idle between host-bound launches; only if that capture fails does the micro-batch warm up
+eagerly and capture again. Later micro-batches of a shape copy their inputs into the shape's static buffers and
+replay. All graphs share one memory pool, so the largest shape's activations are held once, not once per shape.
 
 What a replay relies on, checked before each one (:meth:`UpdateGraphs.storage_key`; any change drops every
 graph, and the next micro-batches capture again):
@@ -93,6 +96,7 @@ class UpdateGraphs:
         self.key: tuple | None = None
         self.captures = 0  # over the run, for the step's metrics
         self.replays = 0
+        self.warm: set[bool] = set()  # the kinds (``score``) that ran eagerly once: later shapes capture directly
         self.failed: str | None = None  # why a capture failed (the trainer then runs eagerly)
         self.max_sequences = 0  # capacities of every shape so far (see pack)
         self.max_seqlen = 0
@@ -157,8 +161,9 @@ class UpdateGraphs:
 
     def _launch(self, packed: PackedMicroBatch, present: tuple[str, ...] | None, b: int, width: int, fill
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph of (shape, ``present``; None: scoring) after ``fill`` set its inputs, or, the first
-        time, run eagerly and capture (see the module doc)."""
+        """Replay the graph of (shape, ``present``; None: scoring) after ``fill`` set its inputs; the first time,
+        capture it and replay, or, before any micro-batch of this kind ran (or if that capture fails), run
+        eagerly and capture (see the module doc)."""
         shape = packed.shape
         with torch.no_grad():  # a graph accumulates into existing buffers (into none, it would replace .grad)
             for p in self.model.parameters():
@@ -173,11 +178,12 @@ class UpdateGraphs:
             g = self._buffers(shape, present)
         fill(g)
         if not fresh:
-            g.graph.replay()
-            g.replays += 1
-            self.replays += 1
-            return g.lp[:b, :width].clone(), g.stats.clone()
+            return self._replay(g, b, width)
         main = torch.cuda.current_stream(self.device)
+        if g.score in self.warm and self._capture(packed, g, main):
+            self._store(shape, present, g, key)
+            return self._replay(g, b, width)
+        self.warm.add(g.score)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             lp, stats = self._step(packed, g)  # the real micro-batch, eagerly: warms up what the capture records
@@ -185,6 +191,20 @@ class UpdateGraphs:
         main.wait_stream(self.stream)
         lp.record_stream(main)
         stats.record_stream(main)
+        if not self._capture(packed, g, main):  # a path that cannot be captured still trains, eagerly (this
+            self.graphs.clear()                  # micro-batch already did)
+            what = "old-logprob pass's" if g.score else "update's"
+            warnings.warn(f"CUDA graph capture of the {what} micro-batch failed ({self.failed}); the update and the "
+                          "old-logprob pass run eagerly from here (algorithm.cuda_graphs: false says so up front)",
+                          RuntimeWarning, stacklevel=4)
+            return lp, stats
+        self.failed = None
+        self._store(shape, present, g, key)
+        return lp, stats
+
+    def _capture(self, packed: PackedMicroBatch, g: _Graph, main: torch.cuda.Stream) -> bool:
+        """Capture ``g``'s micro-batch on the graphs' stream (nothing runs); False, with :attr:`failed` set, if
+        the capture failed."""
         graph = torch.cuda.CUDAGraph()
         try:
             # torch.cuda.graph() would also synchronize, collect garbage and empty the allocator's cache per capture
@@ -195,22 +215,25 @@ class UpdateGraphs:
                 finally:
                     graph.capture_end()
             main.wait_stream(self.stream)
-        except Exception as exc:  # a path that cannot be captured still trains, eagerly (this micro-batch already did)
+        except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
-            self.graphs.clear()
-            what = "old-logprob pass's" if g.score else "update's"
-            warnings.warn(f"CUDA graph capture of the {what} micro-batch failed ({self.failed}); the update and the "
-                          "old-logprob pass run eagerly from here (algorithm.cuda_graphs: false says so up front)",
-                          RuntimeWarning, stacklevel=4)
-            return lp, stats
+            return False
         g.graph = graph
+        return True
+
+    def _store(self, shape: MicroBatchShape, present: tuple[str, ...] | None, g: _Graph, key: tuple) -> None:
         self.graphs[(shape, present)] = g
         self.captures += 1
         after = self.storage_key()  # the eager run may have made FP8 caches (a group's stacked weight)
         if after != key:  # the graphs captured before read the old addresses
             self.graphs = {(shape, present): g}
         self.key = after
-        return lp, stats
+
+    def _replay(self, g: _Graph, b: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g.graph.replay()
+        g.replays += 1
+        self.replays += 1
+        return g.lp[:b, :width].clone(), g.stats.clone()
 
     def _buffers(self, shape: MicroBatchShape, present: tuple[str, ...] | None) -> _Graph:
         cells = (shape.sequences, shape.width)

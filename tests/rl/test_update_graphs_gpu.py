@@ -128,6 +128,48 @@ def test_replay_is_the_eager_run_of_the_same_shape(cfg_name, recipe):
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_a_later_shape_is_captured_without_an_eager_run(recipe):
+    """The run's first shape warms up eagerly and is captured; a second shape is captured straight away (no
+    eager run: every ``_step`` call happens under capture) and replayed, and that replay is bitwise the eager
+    run of the same padded micro-batch, for the update and the scoring pass alike."""
+    model, alg, batch = setup("qwen2-hd64", recipe)
+    ref = copy.deepcopy(model)
+    graphs = UpdateGraphs(model, alg, temperature=TEMPERATURE, kv_fp8=False, max_len=WIDTH)
+    captured = []
+    step = graphs._step
+
+    def spy(packed, g):
+        captured.append(torch.cuda.is_current_stream_capturing())
+        return step(packed, g)
+    graphs._step = spy
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    counts = (int(batch.mask.sum()), 12)
+    first, second = [0, 3, 4, 7], [1, 2, 5, 6, 8, 9, 10, 11]
+    shapes = [common_shape(batch, [rows]) for rows in (first, second)]
+    assert shapes[0] != shapes[1]
+    for rows, shape in zip((first, second), shapes):
+        mask, adv, inputs = loss_inputs(batch, rows, gen)
+        packed = pack(batch, rows, WIDTH, shape)
+        lp_g, stats_g = graphs.run(packed, mask, adv, inputs, *counts)
+        lp_e, stats_e = eager_step(ref, alg, packed, mask, adv, inputs, counts, on_device=True)
+        torch.cuda.synchronize()
+        assert torch.equal(lp_g, lp_e) and torch.equal(stats_g, stats_e)
+        assert torch.isfinite(stats_g).all() and (lp_g[mask] < 0).all()
+    assert captured == [False, True, True]  # first shape: eager, capture; second: capture only
+    assert graphs.captures == 2 and graphs.replays == 1 and graphs.failed is None
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-2, name
+    captured.clear()
+    with torch.no_grad():
+        for rows, shape in zip((first, second), shapes):
+            packed = pack(batch, rows, WIDTH, shape)
+            lp_g = graphs.score(packed, len(rows), batch.mask.shape[1])
+            lp_e, _ = packed_logprobs(ref, packed, packed.blob.cuda(), TEMPERATURE, on_device=True)
+            assert torch.equal(lp_g, lp_e[:len(rows), :batch.mask.shape[1]])
+    assert captured == [False, True, True] and graphs.captures == 4 and graphs.replays == 2
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
 def test_padded_graphs_match_the_unpadded_eager_update(recipe):
     """The trainer's two paths on the same micro-batches: graphs at bucket shapes against the eager update of
     the unpadded micro-batches. They differ by the GEMMs' row-count-dependent kernel choice (BF16 rounding) and,
