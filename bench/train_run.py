@@ -366,14 +366,16 @@ def print_table(report: dict[str, Any]) -> None:
         held, dropped = med.get("memory/fp8_weights_gib"), med.get("memory/released_bf16_weights_gib")
         print(f"  {recipe:<12}{phases}" + (f"; FP8 weight copies {held:.2f}" if held else "")
               + (f"; BF16 weight copies dropped {dropped:.2f}" if dropped else ""))
-    print("per step (s), step / update [CUDA graphs captured in that step]: a step far above its neighbours "
-          "captured graphs of new shapes or compiled a kernel variant")
+    print("per step (s), step / update [CUDA graphs captured in that step, host seconds they took]: a step far "
+          "above its neighbours captured graphs of new shapes or compiled a kernel variant")
     for recipe, entry in report["recipes"].items():
-        steps, captured = [], 0.0
+        steps, captured, seconds = [], 0.0, 0.0
         for m in entry["steps"]:
-            total = m.get("update/graph_captures")
-            new = "" if total is None else f" [{total - captured:.0f}]"
+            total, spent = m.get("update/graph_captures"), m.get("update/graph_capture_seconds")
+            new = "" if total is None else f" [{total - captured:.0f}" + (
+                "" if spent is None else f", {spent - seconds:.2f} s") + "]"
             captured = total if total is not None else captured
+            seconds = spent if spent is not None else seconds
             steps.append(f"{m['time/step_wall']:.2f}/{m['time/update']:.2f}{new}")
         print(f"  {recipe:<12}{', '.join(steps)}")
 

@@ -12,8 +12,10 @@ and it compiles and warms up everything lazily made. Then the same work is captu
 micro-batch of every later shape is captured straight away and replayed: a capture issues the kernels without
 running them and never waits for the GPU, so it overlaps the previous micro-batch's replay, where an eager run
 would leave the GPU idle between host-bound launches; only if that capture fails does the micro-batch warm up
-eagerly and capture again. Later micro-batches of a shape copy their inputs into the shape's static buffers and
-replay. All graphs share one memory pool, so the largest shape's activations are held once, not once per shape.
+eagerly and capture again (and every later new shape warms up eagerly too). Later micro-batches of a shape copy
+their inputs into the shape's static buffers and replay. All graphs share one memory pool, so the largest shape's
+activations are held once, not once per shape. ``capture_seconds`` sums the host time new shapes took (the
+step's ``update/graph_capture_seconds``).
 
 What a replay relies on, checked before each one (:meth:`UpdateGraphs.storage_key`; any change drops every
 graph, and the next micro-batches capture again):
@@ -31,6 +33,7 @@ parameters collectively, so those run eagerly (:func:`graphs_apply`).
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -97,6 +100,8 @@ class UpdateGraphs:
         self.captures = 0  # over the run, for the step's metrics
         self.replays = 0
         self.warm: set[bool] = set()  # the kinds (``score``) that ran eagerly once: later shapes capture directly
+        self.capture_first = True  # False once such a direct capture failed: every new shape warms up eagerly
+        self.capture_seconds = 0.0  # host time spent on new shapes (warm-up, capture), over the run
         self.failed: str | None = None  # why a capture failed (the trainer then runs eagerly)
         self.max_sequences = 0  # capacities of every shape so far (see pack)
         self.max_seqlen = 0
@@ -179,10 +184,22 @@ class UpdateGraphs:
         fill(g)
         if not fresh:
             return self._replay(g, b, width)
+        start = time.perf_counter()
+        try:
+            return self._first(packed, present, g, key, b, width)
+        finally:
+            self.capture_seconds += time.perf_counter() - start
+
+    def _first(self, packed: PackedMicroBatch, present: tuple[str, ...] | None, g: _Graph, key: tuple, b: int,
+               width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first micro-batch of a shape: captured and replayed, or run eagerly and captured (module doc)."""
+        shape = packed.shape
         main = torch.cuda.current_stream(self.device)
-        if g.score in self.warm and self._capture(packed, g, main):
-            self._store(shape, present, g, key)
-            return self._replay(g, b, width)
+        if self.capture_first and g.score in self.warm:
+            if self._capture(packed, g, main):
+                self._store(shape, present, g, key)
+                return self._replay(g, b, width)
+            self.capture_first = False  # something here needs its eager run first: warm up every new shape
         self.warm.add(g.score)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):

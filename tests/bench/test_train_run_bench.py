@@ -54,6 +54,10 @@ def test_tiny_run_reports_every_recipe(tmp_path, capsys):
     train_run.print_table(report)
     out = capsys.readouterr().out
     assert "[3]" in out
+    # and, since they are timed, the host seconds those captures took (cumulative in the metrics)
+    jet["steps"][0]["update/graph_capture_seconds"] = 0.75
+    train_run.print_table(report)
+    assert "[3, 0.75 s]" in capsys.readouterr().out
     assert "jet         none: no step after the first" in out and "nan" not in out
 
 

@@ -169,6 +169,38 @@ def test_a_later_shape_is_captured_without_an_eager_run(recipe):
     assert captured == [False, True, True] and graphs.captures == 4 and graphs.replays == 2
 
 
+def test_a_failed_direct_capture_warms_up_eagerly():
+    """A later shape whose direct capture fails runs eagerly and is captured after it (the results bitwise the
+    eager run's), and from then on every new shape warms up eagerly; the host time new shapes took is counted."""
+    model, alg, batch = setup("qwen2-hd64", "jet")
+    ref = copy.deepcopy(model)
+    graphs = UpdateGraphs(model, alg, temperature=TEMPERATURE, kv_fp8=False, max_len=WIDTH)
+    calls = []
+    step = graphs._step
+
+    def flaky(packed, g):
+        calls.append(torch.cuda.is_current_stream_capturing())
+        if len(calls) == 3:  # the second shape's direct capture
+            raise RuntimeError("not capturable before its eager run")
+        return step(packed, g)
+    graphs._step = flaky
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    counts = (int(batch.mask.sum()), 12)
+    first, second = [0, 3, 4, 7], [1, 2, 5, 6, 8, 9, 10, 11]
+    for rows in (first, second):
+        mask, adv, inputs = loss_inputs(batch, rows, gen)
+        packed = pack(batch, rows, WIDTH, common_shape(batch, [rows]))
+        lp_g, stats_g = graphs.run(packed, mask, adv, inputs, *counts)
+        lp_e, stats_e = eager_step(ref, alg, packed, mask, adv, inputs, counts, on_device=True)
+        torch.cuda.synchronize()
+        assert torch.equal(lp_g, lp_e) and torch.equal(stats_g, stats_e)
+    assert calls == [False, True, True, False, True]
+    assert graphs.captures == 2 and graphs.failed is None and not graphs.capture_first
+    assert graphs.capture_seconds > 0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-2, name
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "jet"])
 def test_padded_graphs_match_the_unpadded_eager_update(recipe):
     """The trainer's two paths on the same micro-batches: graphs at bucket shapes against the eager update of
