@@ -120,9 +120,19 @@ class ModelConfig(_Section):
                          registry="dtype")
     device: str = setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     gradient_checkpointing: bool = setting(False, "recompute each decoder block in the backward pass (less memory)")
+    checkpoint_blocks: int | None = setting(None, "with gradient_checkpointing: recompute only the first N decoder "
+                                            "blocks, the others keep their activations (more memory, less "
+                                            "recomputation, the same gradients); null: every block")
 
     def validate(self) -> None:
         _choice("model", "dtype", self.dtype, DTYPES)
+        if self.checkpoint_blocks is not None:
+            if self.checkpoint_blocks < 0:
+                raise ConfigError(f"model.checkpoint_blocks must be >= 0 (or null: every block), got "
+                                  f"{self.checkpoint_blocks}")
+            if not self.gradient_checkpointing:
+                raise ConfigError("model.checkpoint_blocks applies with model.gradient_checkpointing: true; set it, "
+                                  "or drop checkpoint_blocks")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 

@@ -217,6 +217,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.inv_freq = rope_inv_freq(config)  # plain attribute: never cast by .to(dtype), moved lazily
         self.activation_checkpointing = False
+        self.checkpoint_blocks: int | None = None  # with checkpointing: recompute the first N blocks (None: all)
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         if self.inv_freq.device != device:
@@ -230,9 +231,10 @@ class DecoderModel(nn.Module):
         h = self.embed_tokens(input_ids)  # (N, hidden)
         cos, sin = rope_cos_sin(self._inv_freq_on(h.device), positions, h.dtype)
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        recomputed = len(self.layers) if self.checkpoint_blocks is None else self.checkpoint_blocks
         residual = None
-        for layer in self.layers:
-            if recompute:
+        for i, layer in enumerate(self.layers):
+            if recompute and i < recomputed:
                 # the blocks draw no random numbers: no RNG state to stash (which a CUDA graph capture forbids). The
                 # recomputation runs in a copy of this forward's context variables (the kernel tuning in force, a
                 # forced fused implementation): autograd recomputes a CUDA block on its own device thread, whose
@@ -260,9 +262,16 @@ class DecoderLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def set_activation_checkpointing(self, enabled: bool = True) -> "DecoderLM":
-        """Recompute each block in backward instead of keeping its activations (per-block checkpointing)."""
+    def set_activation_checkpointing(self, enabled: bool = True, blocks: int | None = None) -> "DecoderLM":
+        """Recompute blocks in backward instead of keeping their activations (per-block checkpointing): every
+        block, or with ``blocks`` the first ``blocks`` of them (the others keep their activations: more memory,
+        no recomputation; the gradients are the same either way)."""
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int)
+                                   or not 0 <= blocks <= len(self.model.layers)):
+            raise ValueError(f"checkpointed blocks must be an int from 0 to the model's {len(self.model.layers)} "
+                             f"blocks (or None: all), got {blocks!r}")
         self.model.activation_checkpointing = bool(enabled)
+        self.model.checkpoint_blocks = blocks
         return self
 
     @property

@@ -283,7 +283,8 @@ def prepare_output_dir(config: RunConfig, overwrite: bool = False) -> Path:
 def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
     """Read the policy's config.json and tokenizer (not its weights) and check the run against them: the
     longest sequence (``data.max_prompt_tokens + rollout.max_tokens``) fits in the model's context, and the
-    tokenizer matches the model (:func:`jetrl.models.check_tokenizer`). Returns (checkpoint folder, model
+    tokenizer matches the model (:func:`jetrl.models.check_tokenizer`), and ``model.checkpoint_blocks`` is at most
+    its blocks. Returns (checkpoint folder, model
     config, tokenizer). A ``rollout.top_k`` above the vocabulary size is only a warning (it samples from all),
     shown once per process however often this is called."""
     from jetrl.models import load_tokenizer
@@ -292,6 +293,10 @@ def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
     model_config = DecoderConfig.from_file(folder)
     model_config.check_context(config.data.max_prompt_tokens + config.rollout.max_tokens,
                                "data.max_prompt_tokens + rollout.max_tokens")
+    blocks = config.model.checkpoint_blocks
+    if blocks is not None and blocks > model_config.num_hidden_layers:
+        raise ConfigError(f"model.checkpoint_blocks ({blocks}) is more than the model's "
+                          f"{model_config.num_hidden_layers} decoder blocks")
     where = config.model.tokenizer or folder
     tokenizer = load_tokenizer(where)
     check_tokenizer(tokenizer, model_config, where)
@@ -420,7 +425,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
         save_config(config, out / "config.yaml")
     model = load_model(folder, dtype=getattr(torch, config.model.dtype), device=device, recipe=config.recipe)
     if config.model.gradient_checkpointing:
-        model.set_activation_checkpointing(True)
+        model.set_activation_checkpointing(True, blocks=config.model.checkpoint_blocks)
     prompts = DatasetPrompts(dataset, tokenizer, config.data.prompts_per_step, config.trainer.seed,
                              config.data.shuffle, config.data.max_prompt_tokens)
     # the KV pool is sized for the longest sequence a rollout can make, not the model's full context

@@ -117,6 +117,14 @@ def test_top_k_beyond_the_vocabulary_warns():
         check_model(config)
 
 
+def test_more_checkpointed_blocks_than_the_model_has_are_refused_before_loading(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    msg = _error(capsys, ["train", "--model.gradient_checkpointing=true", "--model.checkpoint_blocks=9"])
+    assert msg.startswith("jetrl: error: model.checkpoint_blocks (9) is more than the model's ")
+    assert msg.endswith(" decoder blocks")
+    assert not (tmp_path / "runs" / "tiny-default" / "config.yaml").exists()
+
+
 def test_more_prompts_per_step_than_the_dataset(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     msg = _error(capsys, ["train", "--data.num_examples=4", "--data.prompts_per_step=8", "--eval-examples", "0"])

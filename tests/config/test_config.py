@@ -22,6 +22,15 @@ def test_defaults_are_valid():
     assert c.recipe == "jet" and c.rollout_batch_size == 64
 
 
+def test_checkpoint_blocks_needs_checkpointing_and_a_count():
+    c = load_config(None, ["--model.gradient_checkpointing=true", "--model.checkpoint_blocks=3"])
+    assert c.model.checkpoint_blocks == 3 and RunConfig().model.checkpoint_blocks is None
+    with pytest.raises(ConfigError, match="model.checkpoint_blocks applies with model.gradient_checkpointing: true"):
+        load_config(None, ["--model.checkpoint_blocks=3"])
+    with pytest.raises(ConfigError, match="model.checkpoint_blocks must be >= 0"):
+        load_config(None, ["--model.gradient_checkpointing=true", "--model.checkpoint_blocks=-1"])
+
+
 def test_file_then_overrides(tmp_path):
     p = write(tmp_path, {"recipe": "fp8-rollout", "optim": {"lr": 3e-6}, "rollout": {"n": 4}})
     c = load_config(p, ["--optim.lr=1e-5", "--optim.betas=0.9,0.95", "--algorithm.tis_cap=2",

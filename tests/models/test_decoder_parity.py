@@ -100,13 +100,18 @@ def test_build_model_from_config_dict_is_seeded():
     assert a.model.layers[0].mlp.up_proj.weight.std() > 0.01
 
 
-def test_activation_checkpointing_same_gradients(hf_checkpoints, gen):
-    model = jm.load_model(hf_checkpoints["qwen3"][0], dtype=torch.float32)
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_activation_checkpointing_same_gradients(hf_checkpoints, gen, recipe):
+    """Checkpointing every block, some of them (``blocks``) or none gives identical gradients, and keeps fewer
+    activations the more blocks it recomputes."""
+    model = jm.load_model(hf_checkpoints["qwen3"][0], dtype=torch.float32, recipe=recipe)
+    layers = len(model.model.layers)
+    assert layers >= 2
     ids = torch.randint(0, VOCAB, (2, 16), generator=gen)
     grads, num_saved = [], []
-    for enabled in (False, True):
+    for enabled, blocks in ((False, None), (True, None), (True, 1), (True, 0), (True, layers)):
         model.zero_grad()
-        model.set_activation_checkpointing(enabled)
+        model.set_activation_checkpointing(enabled, blocks=blocks)
         model.train()
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
@@ -114,8 +119,20 @@ def test_activation_checkpointing_same_gradients(hf_checkpoints, gen):
         loss.backward()
         num_saved.append(sum(saved))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    assert num_saved[1] < num_saved[0] / 2  # the blocks' activations were not kept
+    none, every, one, zero, all_ = num_saved
+    assert every < none / 2  # the blocks' activations were not kept
+    assert every < one < none  # one block recomputed: the others' activations kept
+    assert zero == none and all_ == every  # 0 blocks: none recomputed; as many as the model has: all
     for name, g in grads[0].items():
         assert torch.isfinite(g).all() and g.abs().sum() > 0, name
         # recomputation replays the same ops on the same inputs: identical gradients
-        assert torch.equal(g, grads[1][name]), name
+        for other in grads[1:]:
+            assert torch.equal(g, other[name]), name
+
+
+def test_checkpointed_blocks_out_of_range_are_refused(hf_checkpoints):
+    model = jm.load_model(hf_checkpoints["qwen3"][0], dtype=torch.float32)
+    layers = len(model.model.layers)
+    for bad in (-1, layers + 1, True, 1.5):
+        with pytest.raises(ValueError, match=f"from 0 to the model's {layers} blocks"):
+            model.set_activation_checkpointing(True, blocks=bad)
