@@ -234,12 +234,13 @@ def build_base_config(args, folder: Path, data: Path, vocab_size: int, avoid: se
                  "--trainer.seed=0", "--rollout.progress=false"]
     if args.device == "cpu":
         overrides += ["--model.dtype=float32"]
+    overrides += [f"--{o.removeprefix('--')}" for o in args.set]  # last: they win
     config = load_config(args.config, overrides)
     return dataclasses.replace(config, rollout=dataclasses.replace(
         config.rollout, stop_token_ids=stop_ids(vocab_size, args.mean_response, avoid, seed=1)))
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
@@ -256,10 +257,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--mini-batch", type=int, default=128, help="algorithm.mini_batch_size")
     parser.add_argument("--micro-tokens", type=int, default=16384, help="algorithm.max_tokens_per_micro_batch")
     parser.add_argument("--tokenizer-vocab", type=int, default=8192)
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a config override for every recipe, as `jetrl train` takes it (repeatable), e.g. "
+                             "--set model.checkpoint_blocks=14")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--workdir", default=None, help="checkpoint and run folders (default: a temporary one)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shape, 2 steps, small batch")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.tiny:
         args.shape, args.device, args.prompts, args.n = "tiny", "cpu", 2, 2
@@ -299,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"benchmark": "train_run", "shape": args.shape, "layers": shape["num_hidden_layers"],
               "device": device_description(device), "torch": torch.__version__,
               "setting": {k: getattr(args, k) for k in ("prompts", "n", "max_tokens", "mean_response", "mini_batch",
-                                                        "micro_tokens", "steps", "config")},
+                                                        "micro_tokens", "steps", "config", "set")},
               "data": "gsm8k" if Path(args.data).is_file() else "generated",
               "recipes": {r: {"median": summarize(res), "steady": summarize(res, steady=True),
                               "steady_steps": len(steady_steps(res["steps"])), "peak_gib": res["peak_gib"],

@@ -78,3 +78,13 @@ def test_steady_steps_are_those_that_captured_no_graph():
 def test_recipes_need_the_baseline():
     with pytest.raises(SystemExit):
         train_run.main(["--tiny", "--recipes", "jet"])
+
+
+def test_set_overrides_every_recipe_config(tmp_path):
+    """``--set`` passes config overrides through (after the benchmark's own, so they win)."""
+    parser_args = ["--set", "model.checkpoint_blocks=3", "--set=--algorithm.max_tokens_per_micro_batch=4096",
+                   "--set", "model.gradient_checkpointing=true"]
+    args = train_run.build_parser().parse_args(parser_args)
+    config = train_run.build_base_config(args, tmp_path / "ckpt", tmp_path / "data.jsonl", 1000, set())
+    assert config.model.checkpoint_blocks == 3 and config.model.gradient_checkpointing
+    assert config.algorithm.max_tokens_per_micro_batch == 4096  # the benchmark's own --micro-tokens default lost
