@@ -73,6 +73,18 @@ def eager_step(model, alg, packed, mask, adv, inputs, counts, on_device):
     return lp.detach()[:b, :width], stats
 
 
+def graph_matches_eager(graphs, ref, alg, batch, rows, shape, gen, counts):
+    """One micro-batch at ``shape`` through ``graphs`` and eagerly on ``ref``: log-probs and statistics bitwise
+    equal, finite, and the log-probs of real tokens negative."""
+    mask, adv, inputs = loss_inputs(batch, rows, gen)
+    packed = pack(batch, rows, WIDTH, shape)
+    lp_g, stats_g = graphs.run(packed, mask, adv, inputs, *counts)
+    lp_e, stats_e = eager_step(ref, alg, packed, mask, adv, inputs, counts, on_device=True)
+    torch.cuda.synchronize()
+    assert torch.equal(lp_g, lp_e) and torch.equal(stats_g, stats_e)
+    assert torch.isfinite(stats_g).all() and (lp_g[mask] < 0).all()
+
+
 def common_shape(batch, micros):
     """One bucket shape that holds every micro-batch of ``micros``."""
     shapes = []
@@ -100,13 +112,7 @@ def test_replay_is_the_eager_run_of_the_same_shape(cfg_name, recipe):
     counts = (int(batch.mask.sum()), 12)
 
     def both(rows):
-        mask, adv, inputs = loss_inputs(batch, rows, gen)
-        packed = pack(batch, rows, WIDTH, shape)
-        lp_g, stats_g = graphs.run(packed, mask, adv, inputs, *counts)
-        lp_e, stats_e = eager_step(ref, alg, packed, mask, adv, inputs, counts, on_device=True)
-        torch.cuda.synchronize()
-        assert torch.equal(lp_g, lp_e) and torch.equal(stats_g, stats_e)
-        assert torch.isfinite(stats_g).all() and (lp_g[mask] < 0).all()
+        graph_matches_eager(graphs, ref, alg, batch, rows, shape, gen, counts)
 
     for rows in micros:
         both(rows)
@@ -127,6 +133,37 @@ def test_replay_is_the_eager_run_of_the_same_shape(cfg_name, recipe):
     assert graphs.captures == 1 and graphs.replays == 2  # the caches were re-quantized where the graph reads them
 
 
+def spied_graphs(model, alg, fail_at: int | None = None):
+    """Update graphs whose ``_step`` records, call by call, whether it ran under a capture (the list returned);
+    the ``fail_at``-th call (1-based) raises instead, as a path that cannot be captured would."""
+    graphs = UpdateGraphs(model, alg, temperature=TEMPERATURE, kv_fp8=False, max_len=WIDTH)
+    calls = []
+    step = graphs._step
+
+    def spy(packed, g):
+        calls.append(torch.cuda.is_current_stream_capturing())
+        if len(calls) == fail_at:
+            raise RuntimeError("not capturable before its eager run")
+        return step(packed, g)
+    graphs._step = spy
+    return graphs, calls
+
+
+FIRST, SECOND = [0, 3, 4, 7], [1, 2, 5, 6, 8, 9, 10, 11]  # micro-batches of two bucket shapes
+
+
+def update_at_own_shapes(graphs, ref, alg, batch, seed):
+    """``FIRST`` then ``SECOND`` through the graphs, each at its own bucket shape: log-probs and statistics
+    bitwise the eager run's of the same padded micro-batch (on ``ref``); returns the two shapes."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    counts = (int(batch.mask.sum()), 12)
+    shapes = [common_shape(batch, [rows]) for rows in (FIRST, SECOND)]
+    assert shapes[0] != shapes[1]
+    for rows, shape in zip((FIRST, SECOND), shapes):
+        graph_matches_eager(graphs, ref, alg, batch, rows, shape, gen, counts)
+    return shapes
+
+
 @pytest.mark.parametrize("recipe", ["bf16", "jet"])
 def test_a_later_shape_is_captured_without_an_eager_run(recipe):
     """The run's first shape warms up eagerly and is captured; a second shape is captured straight away (no
@@ -134,39 +171,20 @@ def test_a_later_shape_is_captured_without_an_eager_run(recipe):
     run of the same padded micro-batch, for the update and the scoring pass alike."""
     model, alg, batch = setup("qwen2-hd64", recipe)
     ref = copy.deepcopy(model)
-    graphs = UpdateGraphs(model, alg, temperature=TEMPERATURE, kv_fp8=False, max_len=WIDTH)
-    captured = []
-    step = graphs._step
-
-    def spy(packed, g):
-        captured.append(torch.cuda.is_current_stream_capturing())
-        return step(packed, g)
-    graphs._step = spy
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    counts = (int(batch.mask.sum()), 12)
-    first, second = [0, 3, 4, 7], [1, 2, 5, 6, 8, 9, 10, 11]
-    shapes = [common_shape(batch, [rows]) for rows in (first, second)]
-    assert shapes[0] != shapes[1]
-    for rows, shape in zip((first, second), shapes):
-        mask, adv, inputs = loss_inputs(batch, rows, gen)
-        packed = pack(batch, rows, WIDTH, shape)
-        lp_g, stats_g = graphs.run(packed, mask, adv, inputs, *counts)
-        lp_e, stats_e = eager_step(ref, alg, packed, mask, adv, inputs, counts, on_device=True)
-        torch.cuda.synchronize()
-        assert torch.equal(lp_g, lp_e) and torch.equal(stats_g, stats_e)
-        assert torch.isfinite(stats_g).all() and (lp_g[mask] < 0).all()
-    assert captured == [False, True, True]  # first shape: eager, capture; second: capture only
+    graphs, calls = spied_graphs(model, alg)
+    shapes = update_at_own_shapes(graphs, ref, alg, batch, seed=2)
+    assert calls == [False, True, True]  # first shape: eager, capture; second: capture only
     assert graphs.captures == 2 and graphs.replays == 1 and graphs.failed is None
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad) < 1e-2, name
-    captured.clear()
+    calls.clear()
     with torch.no_grad():
-        for rows, shape in zip((first, second), shapes):
+        for rows, shape in zip((FIRST, SECOND), shapes):
             packed = pack(batch, rows, WIDTH, shape)
             lp_g = graphs.score(packed, len(rows), batch.mask.shape[1])
             lp_e, _ = packed_logprobs(ref, packed, packed.blob.cuda(), TEMPERATURE, on_device=True)
             assert torch.equal(lp_g, lp_e[:len(rows), :batch.mask.shape[1]])
-    assert captured == [False, True, True] and graphs.captures == 4 and graphs.replays == 2
+    assert calls == [False, True, True] and graphs.captures == 4 and graphs.replays == 2
 
 
 def test_a_failed_direct_capture_warms_up_eagerly():
@@ -174,26 +192,8 @@ def test_a_failed_direct_capture_warms_up_eagerly():
     eager run's), and from then on every new shape warms up eagerly; the host time new shapes took is counted."""
     model, alg, batch = setup("qwen2-hd64", "jet")
     ref = copy.deepcopy(model)
-    graphs = UpdateGraphs(model, alg, temperature=TEMPERATURE, kv_fp8=False, max_len=WIDTH)
-    calls = []
-    step = graphs._step
-
-    def flaky(packed, g):
-        calls.append(torch.cuda.is_current_stream_capturing())
-        if len(calls) == 3:  # the second shape's direct capture
-            raise RuntimeError("not capturable before its eager run")
-        return step(packed, g)
-    graphs._step = flaky
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    counts = (int(batch.mask.sum()), 12)
-    first, second = [0, 3, 4, 7], [1, 2, 5, 6, 8, 9, 10, 11]
-    for rows in (first, second):
-        mask, adv, inputs = loss_inputs(batch, rows, gen)
-        packed = pack(batch, rows, WIDTH, common_shape(batch, [rows]))
-        lp_g, stats_g = graphs.run(packed, mask, adv, inputs, *counts)
-        lp_e, stats_e = eager_step(ref, alg, packed, mask, adv, inputs, counts, on_device=True)
-        torch.cuda.synchronize()
-        assert torch.equal(lp_g, lp_e) and torch.equal(stats_g, stats_e)
+    graphs, calls = spied_graphs(model, alg, fail_at=3)  # the second shape's direct capture
+    update_at_own_shapes(graphs, ref, alg, batch, seed=3)
     assert calls == [False, True, True, False, True]
     assert graphs.captures == 2 and graphs.failed is None and not graphs.capture_first
     assert graphs.capture_seconds > 0
