@@ -213,7 +213,7 @@ class UpdateGraphs:
             what = "old-logprob pass's" if g.score else "update's"
             warnings.warn(f"CUDA graph capture of the {what} micro-batch failed ({self.failed}); the update and the "
                           "old-logprob pass run eagerly from here (algorithm.cuda_graphs: false says so up front)",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
             return lp, stats
         self.failed = None
         self._store(shape, present, g, key)
