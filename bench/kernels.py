@@ -309,41 +309,61 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
                         fast_ms=t_fast, bf16_ms=t_bf16)
 
 
-# ---- training GEMMs: cuBLAS blockwise FP8 against BF16 at the Qwen2.5 linears ----
+# ---- training GEMMs: cuBLAS blockwise FP8 and DeepGEMM against BF16 at the Qwen2.5 and Llama-8B linears ----
 
 # the Qwen2.5 linears as (label, N, K): q/k/v and gate/up stacked as the models launch them
 TRAIN_GEMM_SHAPES = {
     "0.5b": [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)],
     "1.5b": [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)],
     "7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
+    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
 }
 TRAIN_GEMM_M = 13440
 
 
-def bench_train_gemms(rep: Report, models: list[str], m: int = TRAIN_GEMM_M) -> None:
-    """Fprop, DGrad and WGrad of each model's linears at ``m`` tokens: cuBLAS's blockwise ``scaled_mm`` (the
-    training path) against BF16 ``torch.matmul``, in TFLOP/s, and the ratio (``speedup``: BF16's time over
-    cuBLAS's)."""
+def bench_train_gemms(rep: Report, models: list[str], ms: list[int] = (TRAIN_GEMM_M,)) -> None:
+    """Fprop, DGrad and WGrad of each model's linears at each of ``ms`` tokens: cuBLAS's blockwise ``scaled_mm``,
+    DeepGEMM where it is installed, and the route the backend takes (``auto``) against BF16 ``torch.matmul``,
+    in TFLOP/s, and the ratios (``speedup``: BF16's time over the route's; ``deepgemm_vs_cublas``). DeepGEMM's
+    kernels are compiled before the timing (one untimed call each)."""
+    from jetrl.quant.kernels import gemm_deepgemm as deepgemm
     from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
+    from jetrl.quant.kernels.cuda_backend import gemm_path
 
+    with_dg = deepgemm.is_available(torch.device("cuda"))
     bench = lambda fn: _bench_ms(fn, warmup=5, rep=25)  # noqa: E731  (multi-millisecond GEMMs: enough reps)
+    if with_dg:  # every kernel compiled ahead, in parallel processes
+        shapes = [deepgemm.GemmShape(m, nn, kk, wgrad) for model in models for _, n, k in TRAIN_GEMM_SHAPES[model]
+                  for m in ms for nn, kk, wgrad in ((n, k, False), (k, n, False), (n, k, True))]
+        seconds = deepgemm.compile_kernels(shapes, torch.device("cuda"))
+        print(f"DeepGEMM: {len(shapes)} GEMMs compiled ahead in {seconds:.0f} s", flush=True)
     for model in models:
         for label, n, k in TRAIN_GEMM_SHAPES[model]:
-            _, (x, w, dy), (qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t) = _gemm_operands(m, n, k)
-            flop = 2.0 * m * n * k
-            pairs = {  # (a, b, BF16 product): a @ b.T
-                "fprop": (qx, qw, lambda: torch.matmul(x, w.t())),
-                "dgrad": (qdy, qw_t, lambda: torch.matmul(dy, w)),
-                "wgrad": (qdy_tok_t, qx_tok_t, lambda: torch.matmul(dy.t(), x)),
-            }
-            for gemm, (a, b, bf16) in pairs.items():
-                t_cublas = bench(lambda: scaled_mm.blockwise_scaled_mm(a, b))
-                t_bf16 = bench(bf16)
-                rep.add("gemm-train", model=model, linear=label, gemm=gemm, m=a.shape[0], n=b.shape[0], k=a.shape[1],
-                        cublas_ms=t_cublas, bf16_ms=t_bf16, cublas_tflops=flop / t_cublas / 1e9,
-                        bf16_tflops=flop / t_bf16 / 1e9, speedup=t_bf16 / t_cublas)
-            del x, w, dy, qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t, pairs
-            torch.cuda.empty_cache()
+            for m in ms:
+                be, (x, w, dy), (qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t) = _gemm_operands(m, n, k)
+                flop = 2.0 * m * n * k
+                pairs = {  # (a, b, BF16 product): a @ b.T
+                    "fprop": (qx, qw, lambda: torch.matmul(x, w.t())),
+                    "dgrad": (qdy, qw_t, lambda: torch.matmul(dy, w)),
+                    "wgrad": (qdy_tok_t, qx_tok_t, lambda: torch.matmul(dy.t(), x)),
+                }
+                for gemm, (a, b, bf16) in pairs.items():
+                    t_cublas = bench(lambda: scaled_mm.blockwise_scaled_mm(a, b))
+                    t_bf16 = bench(bf16)
+                    row = dict(model=model, linear=label, gemm=gemm, m=a.shape[0], n=b.shape[0], k=a.shape[1],
+                               cublas_ms=t_cublas, bf16_ms=t_bf16, cublas_tflops=flop / t_cublas / 1e9,
+                               bf16_tflops=flop / t_bf16 / 1e9, cublas_speedup=t_bf16 / t_cublas)
+                    if with_dg:
+                        t_dg = bench(lambda: deepgemm.gemm(a, b))
+                        row.update(deepgemm_ms=t_dg, deepgemm_tflops=flop / t_dg / 1e9,
+                                   deepgemm_vs_cublas=t_cublas / t_dg)
+                    route = gemm_path(a, b)
+                    t_route = {"cublas": t_cublas, "deepgemm": row.get("deepgemm_ms")}.get(route)
+                    if t_route is None:
+                        t_route = bench(lambda: be.gemm(a, b))
+                    rep.add("gemm-train", **row, route=route, speedup=t_bf16 / t_route)
+                del x, w, dy, qx, qw, qw_t, qdy, qdy_tok_t, qx_tok_t, pairs
+                torch.cuda.empty_cache()
 
 
 CUBLAS_INVARIANCE_M = [1, 2, 3, 4, 5, 8, 16, 17, 31, 32, 33, 48, 64, 65, 96, 100, 128, 129, 192, 255, 256, 257,
@@ -923,7 +943,7 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--sweep-m", default=",".join(str(m) for m in DECODE_SWEEP_M),
                         help="row counts of the decode sweep (up to 256)")
     parser.add_argument("--exact-m", default="8192", help="row counts of the exact-gemm section")
-    parser.add_argument("--train-m", type=int, default=TRAIN_GEMM_M, help="tokens of the gemm-train section")
+    parser.add_argument("--train-m", default=str(TRAIN_GEMM_M), help="token counts of the gemm-train section")
     parser.add_argument("--train-models", default=",".join(TRAIN_GEMM_SHAPES),
                         help=f"models whose linears the gemm-train section times ({', '.join(TRAIN_GEMM_SHAPES)})")
     args = parser.parse_args(argv)
@@ -950,7 +970,8 @@ def main(argv: list[str] | None = None) -> Report:
                                                             ms=[int(m) for m in args.sweep_m.split(",")],
                                                             shape=args.sweep_shape)),
         ("exact-gemm", lambda: bench_exact_gemm(rep, [int(m) for m in args.exact_m.split(",")], LLAMA8B_NK)),
-        ("gemm-train", lambda: bench_train_gemms(rep, args.train_models.split(","), args.train_m)),
+        ("gemm-train", lambda: bench_train_gemms(rep, args.train_models.split(","),
+                                                         [int(v) for v in args.train_m.split(",")])),
         ("cublas-invariance", lambda: bench_cublas_invariance(rep, CUBLAS_INVARIANCE_M, LLAMA8B_NK)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
@@ -992,8 +1013,10 @@ def _print_summary(rep: Report) -> None:
               f"{row['over_fast']:.2f}x fast, {row['over_bf16']:.2f}x bf16, bitwise {row['bitwise_default']}")
     for row in rep.sections.get("gemm-train", []):
         print(f"gemm-train {row['model']} {row['linear']} {row['gemm']} M={row['m']} N={row['n']} K={row['k']}: "
-              f"cuBLAS {row['cublas_tflops']:.0f} TFLOP/s, BF16 {row['bf16_tflops']:.0f} TFLOP/s, "
-              f"{row['speedup']:.2f}x BF16")
+              f"cuBLAS {row['cublas_tflops']:.0f} TFLOP/s, BF16 {row['bf16_tflops']:.0f} TFLOP/s"
+              + (f", DeepGEMM {row['deepgemm_tflops']:.0f} TFLOP/s ({row['deepgemm_vs_cublas']:.2f}x cuBLAS)"
+                 if "deepgemm_ms" in row else "")
+              + f"; route {row['route']} {row['speedup']:.2f}x BF16")
     groups: dict = {}
     for row in rep.sections.get("cublas-invariance", []):
         key = (row["gemm"], row["n"], row["k"], row["scales"])

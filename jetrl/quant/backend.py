@@ -87,6 +87,11 @@ class Fp8Backend(Protocol):
         each sum rounded once to y's dtype. May write into ``y`` (a fresh GEMM output nobody else holds)."""
         ...
 
+    def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
+        """Compile ahead what the GEMMs met so far need at these token counts (kernels compiled at first use, such
+        as DeepGEMM's); the seconds taken, 0 where nothing is compiled ahead."""
+        ...
+
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """:meth:`gemm` computing each row of ``a`` identically whatever M is (exact mode, :mod:`jetrl.quant.exact`)."""
         ...
@@ -140,6 +145,9 @@ class ReferenceBackend:
 
     def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return y + bias.to(y.dtype)
+
+    def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
+        return 0.0  # nothing compiled at first use
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return reference.gemm_exact(a, b, out_dtype)
@@ -330,3 +338,10 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) ->
     """Blockwise FP8 ``a @ b.T`` (see :func:`jetrl.quant.reference.gemm` for the operand rules)."""
     reference.check_gemm_operands(a, b)
     return get_backend(a.data.device).gemm(a, b, out_dtype)
+
+
+def prepare_gemms(token_counts: list[int], device: torch.device | str) -> float:
+    """Compile ahead, on ``device``'s backend, what the FP8 GEMMs met so far need at these token counts (the CUDA
+    backend: DeepGEMM's kernels, where it runs them); the seconds taken."""
+    device = torch.device(device)
+    return get_backend(device).prepare_gemms(list(token_counts), device)

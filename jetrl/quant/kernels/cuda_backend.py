@@ -13,7 +13,8 @@ backend (quantization bit for bit, GEMMs to output rounding):
 * GEMMs, per shape class (:func:`gemm_path`): decode-sized M goes to the split-K decode GEMM
   (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
   FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
-  grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; everything else goes to
+  grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; large GEMMs go to
+  DeepGEMM where it is installed (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
@@ -40,6 +41,7 @@ from jetrl.quant import reference
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
 from jetrl.quant.kernels import bias_triton
 from jetrl.quant.kernels import gemm_decode_triton as dk
+from jetrl.quant.kernels import gemm_deepgemm as deepgemm
 from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
 from jetrl.quant.kernels import gemm_exact_triton, gemm_triton
 from jetrl.quant.kernels import quantize_gluon
@@ -105,10 +107,12 @@ def exact_gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
     return _exact_route(a, b)[0]
 
 
-def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None) -> str:
-    """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"cublas"`` or ``"triton"`` (see the module docstring);
-    ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``."""
-    choice = tuning.current().gemm
+def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
+              out_dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"deepgemm"``, ``"cublas"`` or ``"triton"`` (see the module
+    docstring); ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``."""
+    cfg = tuning.current()
+    choice = cfg.gemm
     m, k = a.shape[0], a.shape[1]
     if choice == "decode":
         return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
@@ -118,6 +122,17 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None) -> str:
     cublas_ok = scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)
     if choice == "triton" or not cublas_ok:
         return "triton"
+    if choice == "deepgemm" and not deepgemm.is_available(a.data.device):
+        raise RuntimeError("the FP8 GEMM path is forced to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
+                           "DeepGEMM is not installed here or this GPU is not sm_90; install it from "
+                           "github.com/deepseek-ai/DeepGEMM, or choose another path")
+    wanted = choice == "deepgemm" or (
+        choice == "auto" and not grouped
+        and deepgemm.routes(m, b.shape[0], k, b.block, min_m=cfg.deepgemm_min_m,
+                            wgrad_max_tiles=cfg.deepgemm_wgrad_max_tiles)
+        and deepgemm.is_available(a.data.device))
+    if wanted and deepgemm.supports(a, b, out_dtype):
+        return "deepgemm"
     return "cublas"
 
 
@@ -210,13 +225,28 @@ class CudaBackend:
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)
         _check_cuda(a.data, "the left operand")
-        path = gemm_path(a, b)
+        path = gemm_path(a, b, out_dtype=out_dtype)
         rows = 128 if b.block == WEIGHT else 1
+        if path in ("deepgemm", "cublas"):
+            deepgemm.note(a, b, out_dtype)
+        if path == "deepgemm":
+            return deepgemm.gemm(a, b, out_dtype)
         if path == "cublas":
             return scaled_mm.blockwise_scaled_mm(a, b, out_dtype)
         if path == "decode":
             return dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
         return gemm_triton.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
+
+    def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
+        """Compile ahead DeepGEMM's kernels for the GEMMs met so far at these token counts, where the tuning routes
+        them there (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
+        cfg = tuning.current()
+        if cfg.gemm not in ("auto", "deepgemm") or not deepgemm.is_available(device):
+            return 0.0
+        min_m = 0 if cfg.gemm == "deepgemm" else cfg.deepgemm_min_m
+        max_tiles = 1 << 62 if cfg.gemm == "deepgemm" else cfg.deepgemm_wgrad_max_tiles
+        return deepgemm.compile_kernels(
+            deepgemm.planned_shapes(token_counts, min_m=min_m, wgrad_max_tiles=max_tiles), device)
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)

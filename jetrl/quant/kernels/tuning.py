@@ -40,7 +40,7 @@ from jetrl.quant.formats import BLOCK_SIZE
 if TYPE_CHECKING:
     import torch
 
-GEMM_CHOICES = ("auto", "cublas", "triton", "decode")
+GEMM_CHOICES = ("auto", "cublas", "deepgemm", "triton", "decode")
 # the Gluon decode kernel's ring slot per warp: a 16-token tile's K and V rows (16 x 128 bytes each) and their fp32
 # scales; the ring's bound leaves an H200 SM's 227 KiB of shared memory room for the kernel's other buffers
 STREAM_SLOT_BYTES = 2 * 16 * 128 + 2 * 16 * 4
@@ -195,9 +195,13 @@ class KernelTuning:
 
     GEMM routing (the CUDA backend, :func:`jetrl.quant.kernels.cuda_backend.gemm_path`):
 
-    * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
-      rules hold, else the Triton GEMM), or one path forced: ``"cublas"``, ``"triton"``, ``"decode"`` (M <= 256
-      only); the default comes from ``JETRL_FP8_GEMM``;
+    * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM; the rest to DeepGEMM where it is installed
+      and its rule takes the shape, else to cuBLAS where its layout rules hold, else the Triton GEMM), or one path
+      forced: ``"cublas"``, ``"deepgemm"`` (where its layout rules hold, else cuBLAS's route; an error where it
+      is not installed), ``"triton"``, ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
+    * ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``: the auto rule for DeepGEMM
+      (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`): at least this many rows, and for WGrad an output of at
+      most this many 128x128 tiles;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
@@ -324,6 +328,8 @@ class KernelTuning:
     """
 
     gemm: str = "auto"
+    deepgemm_min_m: int = 2048
+    deepgemm_wgrad_max_tiles: int = 256
     decode_max_m: int = 64
     grouped_decode_max_m: int = 64
     decode_max_m_by_shape: Mapping[tuple, int] = field(default_factory=lambda: DECODE_MAX_M_BY_SHAPE)
@@ -389,7 +395,7 @@ class KernelTuning:
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"the FP8 GEMM path (JETRL_FP8_GEMM or tuning gemm=) must be one of {GEMM_CHOICES}, "
                              f"got {self.gemm!r}")
-        self._check_ints(("decode_max_m", "grouped_decode_max_m"), 0)
+        self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_min_m", "deepgemm_wgrad_max_tiles"), 0)
         for name in ("act_block_m", "act_num_warps", "token_block_k", "token_num_warps", "requant_block_k",
                      "requant_num_warps", "weight_num_warps", "logprob_stats_num_warps", "logprob_grad_num_warps"):
             if not _pow2(getattr(self, name)):

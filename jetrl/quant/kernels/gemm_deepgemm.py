@@ -1,0 +1,231 @@
+"""DeepGEMM's blockwise FP8 GEMMs on Hopper: the route for large GEMMs where it is installed.
+
+`DeepGEMM <https://github.com/deepseek-ai/DeepGEMM>`_ (DeepSeek's CUDA library, built from source with the CUDA
+toolkit; its kernels are compiled at first use and cached on disk) multiplies E4M3 operands with fp32 block scales
+in persistent, warp-specialized kernels that promote the scaled partial sums in registers. It computes what cuBLAS's
+blockwise ``scaled_mm`` computes (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`), faster at training sizes for
+Fprop and DGrad, and for WGrad where its output is small. Its results differ from cuBLAS's only in the fp32
+summation order, as two cuBLAS algorithms' would; exact mode never comes here (its GEMMs are fixed per shape).
+
+jetrl's three GEMMs map onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``):
+
+* Fprop ``x @ W^T`` and DGrad ``dy @ W``: ``a`` 1x128 (its scales MN-major and TMA-aligned: M rounded up to 4,
+  which is how jetrl's 1x128 producers allocate them, so the GEMM runs on the padded rows as the cuBLAS route does),
+  ``b`` 128x128 tiles (scales contiguous), BF16 ``d``; the kernel is compiled per (N, K), M is a runtime argument;
+* WGrad ``dy^T @ x``: both operands 1x128 along the tokens (recipe ``(1, 1, 128)``), an fp32 ``d`` that the kernel
+  accumulates into (zeroed first), cast to the weight's dtype; compiled per (N, K) of the output, the token count
+  a runtime argument.
+
+The routing rule (:func:`routes`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
+tuning's ``gemm`` is ``"auto"`` (or forces this route with ``"deepgemm"``). DeepGEMM picks its tile sizes per call
+from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead,
+in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later
+process reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from jetrl.quant.formats import ACT, E4M3, WEIGHT, Fp8Tensor
+from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    """The ``deep_gemm`` module, or None where it is not installed or does not load (said once, as a warning)."""
+    if importlib.util.find_spec("deep_gemm") is None:
+        return None
+    try:
+        return importlib.import_module("deep_gemm")
+    except (ImportError, OSError, RuntimeError) as exc:
+        warnings.warn(f"DeepGEMM is installed but does not load ({type(exc).__name__}: {exc}); the FP8 GEMMs run on "
+                      f"cuBLAS", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def installed() -> bool:
+    """Whether ``deep_gemm`` imports."""
+    return _module() is not None
+
+
+def is_available(device: torch.device) -> bool:
+    """DeepGEMM's FP8 GEMMs here: ``deep_gemm`` loads and ``device`` is a compute-capability 9.0 GPU (its fp32-scale
+    kernels are Hopper's; Blackwell's take UE8M0 scales, another recipe)."""
+    return scaled_mm.is_available(device) and installed()
+
+
+def supports(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether ``a @ b.T`` fits DeepGEMM's layout rules: cuBLAS's (:func:`gemm_scaled_mm.supports`: K a multiple of
+    128, N of 16 or 128), a BF16 output for 128x128 ``b`` (its 1D2D kernels write BF16 only)."""
+    if not scaled_mm.supports(a, b):
+        return False
+    return b.block != WEIGHT or out_dtype == torch.bfloat16
+
+
+def routes(m: int, n: int, k: int, b_block, *, min_m: int, wgrad_max_tiles: int) -> bool:
+    """The auto rule for ``a`` (m, k) @ ``b`` (n, k)^T. Fprop and DGrad (``b`` 128x128): ``m`` rows, at least
+    ``min_m`` and a multiple of 128: the update's and the scoring pass's padded micro-batches, whose kernels
+    :func:`compile_kernels` compiles ahead (other row counts, the rollout's prefill chunks, stay on cuBLAS, whose
+    kernels need no compilation; below ``min_m`` DeepGEMM's per-call host work outweighs what it saves). WGrad
+    (``b`` 1x128, ``k`` the tokens): at least ``min_m`` tokens and an (m, n) output of at most ``wgrad_max_tiles``
+    128x128 tiles: a small output gives cuBLAS too few tiles to fill the GPU over a long contraction, which
+    DeepGEMM's persistent schedule handles better, while on large outputs cuBLAS's WGrad is the faster
+    (BENCHMARKS.md, the GEMM table)."""
+    if b_block == WEIGHT:
+        return m >= min_m and m % 128 == 0
+    return k >= min_m and -(-m // 128) * -(-n // 128) <= wgrad_max_tiles
+
+
+def _a_operand(a: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``a``'s data and MN-major TMA-aligned scales over M rounded up to 4 rows (a view where jetrl's producers
+    allocated them so; a padded copy otherwise, as on the cuBLAS route) and the padded row count."""
+    m = a.shape[0]
+    rows = -(-m // 4) * 4
+    view = scaled_mm._rows_view(a.data, a.scale, rows)
+    if view is not None:
+        return view[0], view[1], rows
+    data = a.data if a.data.is_contiguous() else a.data.contiguous()
+    scale = scaled_mm._outer_dim_major(a.scale)
+    if rows != m:
+        data, scale = scaled_mm._pad_rows(data, scale, rows)
+    return data, scale, rows
+
+
+def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``a @ b.T`` on DeepGEMM; ``a`` 1x128, ``b`` 128x128 (Fprop, DGrad) or 1x128 (WGrad); check :func:`supports`
+    first."""
+    if not supports(a, b, out_dtype):
+        raise ValueError(f"DeepGEMM does not take a {tuple(a.shape)} {a.block} x b {tuple(b.shape)} {b.block} -> "
+                         f"{out_dtype}; K must be a multiple of 128, N of 16 (128 for tiles), tiles give BF16")
+    dg = _module()
+    m = a.shape[0]
+    a_data, a_scale, rows = _a_operand(a)
+    b_data = b.data if b.data.is_contiguous() else b.data.contiguous()
+    if b.block == WEIGHT:
+        out = torch.empty((rows, b.shape[0]), dtype=torch.bfloat16, device=a.data.device)
+        dg.fp8_gemm_nt((a_data, a_scale), (b_data, b.scale.contiguous()), out)
+    else:
+        out = torch.zeros((rows, b.shape[0]), dtype=torch.float32, device=a.data.device)
+        dg.fp8_gemm_nt((a_data, a_scale), (b_data, scaled_mm._outer_dim_major(b.scale)), out, c=out,
+                       recipe=(1, 1, 128), compiled_dims="mn")
+        out = out.to(out_dtype)
+    return out[:m] if rows != m else out
+
+
+# ---------------------------------------------------------------------------------------------- compiling ahead
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One GEMM a run will launch. Fprop or DGrad (``wgrad`` False): ``m`` rows of a 1x128 ``a`` times an
+    (``n``, ``k``) ``b`` of 128x128 tiles. WGrad (``wgrad`` True): the (``n``, ``k``) product of dy^T (n, m) and
+    x^T (k, m), both 1x128 along the ``m`` tokens."""
+
+    m: int
+    n: int
+    k: int
+    wgrad: bool = False
+
+
+def _zeros_operands(shape: GemmShape, device: torch.device) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """Operands of ``shape`` in jetrl's layouts (zero data, unit scales): enough to compile and launch a kernel."""
+    if shape.wgrad:
+        n, k, t = shape.n, shape.k, shape.m  # dy^T (n, t) and x^T (k, t), 1x128 along the tokens
+        a = Fp8Tensor(torch.zeros((n, t), dtype=E4M3, device=device),
+                      torch.ones((t // 128, n), device=device).t(), ACT)
+        b = Fp8Tensor(torch.zeros((k, t), dtype=E4M3, device=device),
+                      torch.ones((t // 128, k), device=device).t(), ACT)
+        return a, b
+    m, n, k = shape.m, shape.n, shape.k
+    a = Fp8Tensor(torch.zeros((m, k), dtype=E4M3, device=device), torch.ones((k // 128, m), device=device).t(), ACT)
+    b = Fp8Tensor(torch.zeros((n, k), dtype=E4M3, device=device),
+                  torch.ones((n // 128, k // 128), device=device), WEIGHT)
+    return a, b
+
+
+def _launch_all(device_index: int, shapes: list[GemmShape]) -> None:
+    device = torch.device("cuda", device_index)
+    for shape in shapes:
+        a, b = _zeros_operands(shape, device)
+        gemm(a, b, torch.float32 if shape.wgrad else torch.bfloat16)
+    torch.cuda.synchronize(device)
+
+
+def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: int | None = None) -> float:
+    """Launch every GEMM of ``shapes`` once in ``processes`` worker processes (default: the CPU count, at most 16),
+    so that each kernel they need is compiled into DeepGEMM's disk cache, then once here, which loads each kernel
+    (a load is quick, and kept out of a CUDA-graph capture that meets the shape later); returns the seconds taken.
+    Shapes of one (N, K) go to one worker in order of M (neighbouring M share tile configurations, so workers
+    rarely compile the same kernel twice). A worker that fails is reported as a warning: its kernels are then
+    compiled here, one by one."""
+    shapes = set(shapes) - _PREPARED
+    if not shapes or not is_available(device):
+        return 0.0
+    start = time.perf_counter()
+    ordered = sorted(shapes, key=lambda s: (s.wgrad, s.n, s.k, s.m))
+    workers = max(1, min(processes or min(16, os.cpu_count() or 1), len(ordered)))
+    chunks = [ordered[i * len(ordered) // workers:(i + 1) * len(ordered) // workers] for i in range(workers)]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if workers > 1:  # fresh interpreters (not multiprocessing: it would re-run the parent's __main__)
+        procs = []
+        for chunk in chunks:
+            log = tempfile.TemporaryFile("w+")
+            procs.append((subprocess.Popen([sys.executable, "-m", __name__, str(index),
+                                            json.dumps([dataclasses.astuple(s) for s in chunk])],
+                                           stdout=subprocess.DEVNULL, stderr=log, text=True), log))
+        for proc, log in procs:
+            if proc.wait():
+                log.seek(0)
+                warnings.warn(f"a DeepGEMM compile worker failed (exit {proc.returncode}): "
+                              f"{log.read().strip()[-500:]}", RuntimeWarning, stacklevel=2)
+            log.close()
+    with torch.cuda.device(index):
+        _launch_all(index, ordered)
+    _PREPARED.update(ordered)
+    return time.perf_counter() - start
+
+
+# the GEMMs this process has routed to cuBLAS or DeepGEMM, as (N, K, wgrad): what :func:`planned_shapes` plans
+_SEEN: set[tuple[int, int, bool]] = set()
+# the launches :func:`compile_kernels` has compiled and loaded in this process
+_PREPARED: set[GemmShape] = set()
+
+
+def note(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> None:
+    """Record the weight shape of a GEMM the backend ran (for :func:`planned_shapes`): (N, K) of ``b`` for Fprop
+    and DGrad (BF16 output), the (N, K) output for WGrad."""
+    if b.block == WEIGHT and out_dtype == torch.bfloat16:
+        _SEEN.add((b.shape[0], b.shape[1], False))
+    elif b.block == ACT:
+        _SEEN.add((a.shape[0], b.shape[0], True))
+
+
+def planned_shapes(token_counts: list[int], *, min_m: int, wgrad_max_tiles: int) -> list[GemmShape]:
+    """The DeepGEMM launches the GEMMs seen so far (:func:`note`) make at each of ``token_counts`` tokens, by
+    :func:`routes`."""
+    out = []
+    for n, k, wgrad in sorted(_SEEN):
+        for m in token_counts:
+            ok = routes(n, k, m, ACT, min_m=min_m, wgrad_max_tiles=wgrad_max_tiles) if wgrad else \
+                routes(m, n, k, WEIGHT, min_m=min_m, wgrad_max_tiles=wgrad_max_tiles)
+            if ok:
+                out.append(GemmShape(m, n, k, wgrad))
+    return out
+
+
+if __name__ == "__main__":  # a compile worker of compile_kernels: DEVICE_INDEX JSON_SHAPES
+    _launch_all(int(sys.argv[1]), [GemmShape(*t) for t in json.loads(sys.argv[2])])

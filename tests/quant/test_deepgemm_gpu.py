@@ -1,0 +1,175 @@
+"""DeepGEMM's route for the FP8 GEMMs (:mod:`jetrl.quant.kernels.gemm_deepgemm`) on the GPU, where it is installed.
+
+Its GEMMs against the reference's to output rounding (Fprop/DGrad with 128x128 weights, WGrad with both operands
+1x128 along the tokens, at unaligned row counts); ``FP8Linear``'s training step routed to it by the auto rule,
+against the reference backend; a CUDA graph of a step whose kernels :func:`~jetrl.quant.backend.prepare_gemms`
+compiled ahead, replayed bitwise; and ahead-of-time compilation filling the disk cache from worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from jetrl.quant import ACT, TOKEN, WEIGHT, FP8Linear, use_backend
+from jetrl.quant.kernels import tuning
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def dg():
+    from jetrl.quant.kernels import gemm_deepgemm
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("DeepGEMM's fp32-scale kernels need an sm_90 GPU")
+    if not gemm_deepgemm.installed():
+        pytest.skip("DeepGEMM is not installed (github.com/deepseek-ai/DeepGEMM)")
+    return gemm_deepgemm
+
+
+def _tolerance(a, b, ref: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Half an output ulp plus accumulation error, as for cuBLAS (tests/quant/test_kernels_gpu.py: 2^-11 of
+    sum |a||b| bounds the FP8 MMAs' accumulation with margin; a wrong scale or block misses by far more)."""
+    ulp = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -23
+    absprod = a.dequantize().double().abs() @ b.dequantize().double().abs().t()
+    return ref.abs() * ulp + absprod * 2.0 ** -11
+
+
+@pytest.mark.parametrize("m,n,k", [(130, 2048, 1536), (1001, 1536, 8960), (4099, 896, 4864), (2048, 1152, 896)])
+def test_fprop_and_dgrad_to_output_rounding(dg, m, n, k):
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
+
+    be = CudaBackend()
+    x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    qa = be.quantize(x, ACT)  # the producers' buffers (M rounded up to 4 rows)
+    qw, qw_t = be.quantize_weight_pair(torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16))
+    dy = be.quantize(torch.randn(m, n, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
+    for a, b in ((qa, qw), (dy, qw_t)):
+        out = dg.gemm(a, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (m, b.shape[0])
+        ref = a.dequantize().double() @ b.dequantize().double().t()
+        assert torch.isfinite(out).all()
+        excess = (out.double() - ref).abs() - _tolerance(a, b, ref, torch.bfloat16)
+        assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
+
+
+@pytest.mark.parametrize("tokens,n,k", [(2051, 2048, 1536), (3001, 1536, 1536), (4096, 896, 1152)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_wgrad_to_output_rounding(dg, tokens, n, k, out_dtype):
+    """dy^T @ x with both operands 1x128 along the tokens, zero-padded to whole 128-token blocks as the linear's
+    backward makes them."""
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
+
+    be = CudaBackend()
+    g = torch.Generator(device="cuda").manual_seed(tokens + n)
+    dy = torch.randn(tokens, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    a = be.quantize(dy, TOKEN, whole_blocks=True).t()
+    b = be.requantize(be.quantize(x, ACT), TOKEN, whole_blocks=True).t()
+    out = dg.gemm(a, b, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (n, k)
+    ref = a.dequantize().double() @ b.dequantize().double().t()
+    assert torch.isfinite(out).all()
+    excess = (out.double() - ref).abs() - _tolerance(a, b, ref, out_dtype)
+    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
+
+
+@pytest.mark.parametrize("m", [3001, 4096])
+def test_fp8_linear_routes_to_deepgemm(dg, m, monkeypatch):
+    """The auto rule: Fprop and DGrad at a row count that is a multiple of 128 (a padded micro-batch) and WGrad
+    of a small output at a long contraction go to DeepGEMM; Fprop and DGrad at another row count stay on cuBLAS.
+    The gradients are the reference backend's to output rounding."""
+    from jetrl.quant.kernels import gemm_scaled_mm
+
+    calls = {"deepgemm": [], "cublas": []}
+    real_dg, real_mm = dg.gemm, gemm_scaled_mm.blockwise_scaled_mm
+
+    def spy_dg(a, b, *args, **kw):
+        calls["deepgemm"].append(b.block)
+        return real_dg(a, b, *args, **kw)
+
+    def spy_mm(a, b, *args, **kw):
+        calls["cublas"].append(b.block)
+        return real_mm(a, b, *args, **kw)
+
+    monkeypatch.setattr(dg, "gemm", spy_dg)
+    monkeypatch.setattr(gemm_scaled_mm, "blockwise_scaled_mm", spy_mm)
+    torch.manual_seed(m)
+    layer = FP8Linear(1536, 896, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16)
+    gy = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
+    xi = x.clone().requires_grad_()
+    with tuning.override(gemm="auto"):
+        layer(xi).backward(gy)
+    aligned = m % 128 == 0
+    assert calls["deepgemm"] == ([WEIGHT, WEIGHT, ACT] if aligned else [ACT])
+    assert calls["cublas"] == ([] if aligned else [WEIGHT, WEIGHT])
+    got = (xi.grad.float(), layer.weight.grad.float().clone())
+    monkeypatch.undo()
+    layer.weight.grad = layer.bias.grad = None
+    with use_backend("reference"):
+        layer.invalidate_weight_cache()
+        xr = x.clone().requires_grad_()
+        layer(xr).backward(gy)
+    for out, ref, what in zip(got, (xr.grad.float(), layer.weight.grad.float()), ("grad_input", "grad_weight")):
+        assert torch.isfinite(out).all(), what
+        rel = float((out - ref).norm() / ref.norm())
+        assert rel < 4e-3, f"{what}: relative error {rel:.2e} between backends"
+
+
+def test_prepared_kernels_capture_and_replay_bitwise(dg):
+    """After prepare_gemms compiled a token count's kernels, a CUDA graph of a training step at that count captures
+    with DeepGEMM inside and its replay has the eager step's bits."""
+    from jetrl.quant.backend import prepare_gemms
+
+    torch.manual_seed(5)
+    m = 2176
+    layer = FP8Linear(1536, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+    layer(x[:256]).backward(gy[:256])  # the layer's GEMMs are met once (at a size cuBLAS takes)
+    prepare_gemms([m], x.device)
+    assert dg.GemmShape(m, 2048, 1536) in dg._PREPARED and dg.GemmShape(m, 2048, 1536, True) in dg._PREPARED
+
+    def step():
+        x.grad = layer.weight.grad = None
+        layer(x).backward(gy)
+        return x.grad.clone(), layer.weight.grad.clone()
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        x.grad = layer.weight.grad = None
+        layer(x).backward(gy)
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, ref in zip((x.grad, layer.weight.grad), eager):
+        assert torch.equal(got, ref)
+
+
+def test_compile_kernels_fills_the_disk_cache_from_workers(dg):
+    """compile_kernels compiles a new shape's kernels in worker processes into DeepGEMM's disk cache; the GEMM
+    here then compiles nothing more."""
+    cache = Path(os.environ.get("DG_JIT_CACHE_DIR") or Path.home() / ".deep_gemm")
+
+    def entries() -> set[str]:
+        return {str(p) for p in cache.rglob("*")} if cache.exists() else set()
+
+    shape = dg.GemmShape(2048, 640, 384)  # a shape no other test uses
+    before = entries()
+    seconds = dg.compile_kernels([shape, dg.GemmShape(4096, 640, 384)], torch.device("cuda"), processes=2)
+    after = entries()
+    assert seconds > 0 and len(after) > len(before)
+    a, b = dg._zeros_operands(shape, torch.device("cuda"))
+    assert float(dg.gemm(a, b).abs().max()) == 0.0
+    assert entries() == after

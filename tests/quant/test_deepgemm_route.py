@@ -1,0 +1,44 @@
+"""The DeepGEMM route's rule and plan on the CPU (the kernels themselves: tests/quant/test_deepgemm_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jetrl.quant import ACT, WEIGHT
+from jetrl.quant.kernels import gemm_deepgemm as dg
+from jetrl.quant.kernels import tuning
+from jetrl.rl.micro_batch import round_up
+
+
+def test_the_rule_takes_padded_micro_batches_and_small_wgrad_outputs():
+    rule = dict(min_m=2048, wgrad_max_tiles=256)
+    assert dg.routes(2048, 2048, 1536, WEIGHT, **rule)
+    assert dg.routes(15360, 17920, 1536, WEIGHT, **rule)
+    assert not dg.routes(1920, 2048, 1536, WEIGHT, **rule)  # below min_m
+    assert not dg.routes(15288, 2048, 1536, WEIGHT, **rule)  # a prefill chunk's row count: cuBLAS
+    # WGrad: (m, n) is the output, k the tokens
+    assert dg.routes(2048, 1536, 4096, ACT, **rule)  # 16 x 12 tiles
+    assert dg.routes(1536, 1536, 2048, ACT, **rule)
+    assert not dg.routes(2048, 1536, 1920, ACT, **rule)  # too few tokens
+    assert not dg.routes(17920, 1536, 15360, ACT, **rule)  # 140 x 12 tiles: cuBLAS's
+    assert not dg.routes(3584, 3584, 15360, ACT, **rule)  # 28 x 28
+    assert dg.routes(3584, 3584, 15360, ACT, min_m=2048, wgrad_max_tiles=784)
+
+
+def test_the_plan_covers_every_gemm_met_at_every_bucket(monkeypatch):
+    monkeypatch.setattr(dg, "_SEEN", {(2048, 1536, False), (1536, 2048, False), (2048, 1536, True),
+                                      (17920, 1536, True)})
+    buckets = sorted({round_up(t, 128) for t in range(1024, 4097, 128)})
+    plan = dg.planned_shapes(buckets, min_m=2048, wgrad_max_tiles=256)
+    big = [m for m in buckets if m >= 2048]
+    assert big and min(buckets) < 2048
+    assert sorted(plan, key=lambda s: (s.wgrad, s.n, s.m)) == sorted(
+        [dg.GemmShape(m, 2048, 1536) for m in big] + [dg.GemmShape(m, 1536, 2048) for m in big]
+        + [dg.GemmShape(m, 2048, 1536, True) for m in big], key=lambda s: (s.wgrad, s.n, s.m))
+
+
+@pytest.mark.parametrize("field", ["deepgemm_min_m", "deepgemm_wgrad_max_tiles"])
+def test_tuning_checks_the_rule_bounds(field):
+    with pytest.raises(ValueError, match=field):
+        tuning.KernelTuning(**{field: -1})
+    assert "deepgemm" in tuning.GEMM_CHOICES
