@@ -323,7 +323,8 @@ TRAIN_GEMM_M = 13440
 
 def bench_train_gemms(rep: Report, models: list[str], ms: list[int] = (TRAIN_GEMM_M,)) -> None:
     """Fprop, DGrad and WGrad of each model's linears at each of ``ms`` tokens: cuBLAS's blockwise ``scaled_mm``,
-    DeepGEMM where it is installed, and the route the backend takes (``auto``) against BF16 ``torch.matmul``,
+    DeepGEMM where it is installed, and the route the backend takes (under the tuning in force: ``JETRL_FP8_GEMM``)
+    against BF16 ``torch.matmul``,
     in TFLOP/s, and the ratios (``speedup``: BF16's time over the route's; ``deepgemm_vs_cublas``). DeepGEMM's
     kernels are compiled before the timing (one untimed call each)."""
     from jetrl.quant.kernels import gemm_deepgemm as deepgemm

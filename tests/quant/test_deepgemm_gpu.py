@@ -81,7 +81,7 @@ def test_wgrad_to_output_rounding(dg, tokens, n, k, out_dtype):
 
 @pytest.mark.parametrize("m", [3001, 4096])
 def test_fp8_linear_routes_to_deepgemm(dg, m, monkeypatch):
-    """The auto rule: Fprop and DGrad at a row count that is a multiple of 128 (a padded micro-batch) and WGrad
+    """``gemm="deepgemm"``'s rule: Fprop and DGrad at a row count that is a multiple of 128 (a padded micro-batch) and WGrad
     of a small output at a long contraction go to DeepGEMM; Fprop and DGrad at another row count stay on cuBLAS.
     The gradients are the reference backend's to output rounding."""
     from jetrl.quant.kernels import gemm_scaled_mm
@@ -104,7 +104,7 @@ def test_fp8_linear_routes_to_deepgemm(dg, m, monkeypatch):
     x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16)
     gy = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
     xi = x.clone().requires_grad_()
-    with tuning.override(gemm="auto"):
+    with tuning.override(gemm="deepgemm"):
         layer(xi).backward(gy)
     aligned = m % 128 == 0
     assert calls["deepgemm"] == ([WEIGHT, WEIGHT, ACT] if aligned else [ACT])
@@ -132,8 +132,9 @@ def test_prepared_kernels_capture_and_replay_bitwise(dg):
     layer = FP8Linear(1536, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
-    layer(x[:256]).backward(gy[:256])  # the layer's GEMMs are met once (at a size cuBLAS takes)
-    prepare_gemms([m], x.device)
+    with tuning.override(gemm="deepgemm"):
+        layer(x[:256]).backward(gy[:256])  # the layer's GEMMs are met once (at a size cuBLAS takes)
+        prepare_gemms([m], x.device)
     assert dg.GemmShape(m, 2048, 1536) in dg._PREPARED and dg.GemmShape(m, 2048, 1536, True) in dg._PREPARED
 
     def step():
@@ -141,11 +142,12 @@ def test_prepared_kernels_capture_and_replay_bitwise(dg):
         layer(x).backward(gy)
         return x.grad.clone(), layer.weight.grad.clone()
 
-    eager = step()
+    with tuning.override(gemm="deepgemm"):
+        eager = step()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), tuning.override(gemm="deepgemm"):
         graph.capture_begin(capture_error_mode="thread_local")
         x.grad = layer.weight.grad = None
         layer(x).backward(gy)

@@ -42,3 +42,18 @@ def test_tuning_checks_the_rule_bounds(field):
     with pytest.raises(ValueError, match=field):
         tuning.KernelTuning(**{field: -1})
     assert "deepgemm" in tuning.GEMM_CHOICES
+
+
+def test_deepgemm_is_an_error_where_it_is_not_installed():
+    """``gemm="deepgemm"`` without DeepGEMM installed is refused when the setting is made (a config's ``kernels:``
+    is checked before the model loads), not at the first GEMM."""
+    import importlib.util
+
+    if importlib.util.find_spec("deep_gemm") is not None:
+        pytest.skip("DeepGEMM is installed here")
+    with pytest.raises(ValueError, match="needs DeepGEMM"):
+        tuning.KernelTuning(gemm="deepgemm")
+    from jetrl.config.schema import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="needs DeepGEMM"):
+        RunConfig(kernels=("gemm=deepgemm",)).validate()

@@ -467,22 +467,17 @@ def test_whole_block_token_operands_bitwise(cuda_backend, m, gluon):
 @pytest.mark.parametrize("m", UNALIGNED_TOKENS)
 def test_fp8_linear_takes_cublas_for_every_gemm_at_any_token_count(cuda_backend, m, monkeypatch):
     """Fprop, DGrad and WGrad of a training step at an unaligned token count run the fast routes on the producers'
-    buffers: WGrad on cuBLAS's blockwise GEMM (its contraction is over tokens; or DeepGEMM's where it is installed
-    and its rule takes the shape), Fprop and DGrad on cuBLAS or, at a decode-sized M, the decode GEMM; no Triton
-    fallback GEMM, no padded copy of an operand. The result is the reference backend's to output rounding."""
-    from jetrl.quant.kernels import gemm_decode_triton, gemm_deepgemm, gemm_scaled_mm, gemm_triton
+    buffers: WGrad on cuBLAS's blockwise GEMM (its contraction is over tokens), Fprop and DGrad on cuBLAS or, at a
+    decode-sized M, the decode GEMM; no Triton fallback GEMM, no padded copy of an operand. The result is the
+    reference backend's to output rounding."""
+    from jetrl.quant.kernels import gemm_decode_triton, gemm_scaled_mm, gemm_triton
 
     calls = {"cublas": [], "decode": 0}
-    real_mm, real_decode, real_dg = (gemm_scaled_mm.blockwise_scaled_mm, gemm_decode_triton.fp8_decode_gemm,
-                                     gemm_deepgemm.gemm)
+    real_mm, real_decode = gemm_scaled_mm.blockwise_scaled_mm, gemm_decode_triton.fp8_decode_gemm
 
     def cublas(a, b, *args, **kw):
         calls["cublas"].append(b.block)
         return real_mm(a, b, *args, **kw)
-
-    def deepgemm(a, b, *args, **kw):  # counted with cuBLAS: the same blockwise GEMM
-        calls["cublas"].append(b.block)
-        return real_dg(a, b, *args, **kw)
 
     def decode(*args, **kw):
         calls["decode"] += 1
@@ -491,7 +486,6 @@ def test_fp8_linear_takes_cublas_for_every_gemm_at_any_token_count(cuda_backend,
     monkeypatch.setattr(gemm_triton, "blockwise_fp8_gemm", lambda *a, **k: pytest.fail("Triton fallback GEMM"))
     monkeypatch.setattr(gemm_scaled_mm, "_pad_rows", lambda *a, **k: pytest.fail("padded copy of an operand"))
     monkeypatch.setattr(gemm_scaled_mm, "blockwise_scaled_mm", cublas)
-    monkeypatch.setattr(gemm_deepgemm, "gemm", deepgemm)
     monkeypatch.setattr(gemm_decode_triton, "fp8_decode_gemm", decode)
     torch.manual_seed(m)
     layer = FP8Linear(1536, 896, bias=True, device="cuda", dtype=torch.bfloat16)

@@ -13,8 +13,9 @@ backend (quantization bit for bit, GEMMs to output rounding):
 * GEMMs, per shape class (:func:`gemm_path`): decode-sized M goes to the split-K decode GEMM
   (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
   FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
-  grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; large GEMMs go to
-  DeepGEMM where it is installed (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
+  grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; with the tuning's
+  ``gemm="deepgemm"`` (opt-in), large GEMMs go to DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its
+  rule); everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
@@ -117,21 +118,20 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
     if choice == "decode":
         return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
     grouped = grouped_n is not None
-    if choice == "auto" and m <= decode_max_m(grouped_n if grouped else b.shape[0], k, grouped):
+    if choice in ("auto", "deepgemm") and m <= decode_max_m(grouped_n if grouped else b.shape[0], k, grouped):
         return "decode"
     cublas_ok = scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)
     if choice == "triton" or not cublas_ok:
         return "triton"
-    if choice == "deepgemm" and not deepgemm.is_available(a.data.device):
-        raise RuntimeError("the FP8 GEMM path is forced to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
+    if choice != "deepgemm":
+        return "cublas"
+    if not deepgemm.is_available(a.data.device):
+        raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
                            "DeepGEMM is not installed here or this GPU is not sm_90; install it from "
                            "github.com/deepseek-ai/DeepGEMM, or choose another path")
-    wanted = choice == "deepgemm" or (
-        choice == "auto" and not grouped
-        and deepgemm.routes(m, b.shape[0], k, b.block, min_m=cfg.deepgemm_min_m,
-                            wgrad_max_tiles=cfg.deepgemm_wgrad_max_tiles)
-        and deepgemm.is_available(a.data.device))
-    if wanted and deepgemm.supports(a, b, out_dtype):
+    if (grouped_n is None and deepgemm.supports(a, b, out_dtype)
+            and deepgemm.routes(m, b.shape[0], k, b.block, min_m=cfg.deepgemm_min_m,
+                                wgrad_max_tiles=cfg.deepgemm_wgrad_max_tiles)):
         return "deepgemm"
     return "cublas"
 
@@ -227,7 +227,7 @@ class CudaBackend:
         _check_cuda(a.data, "the left operand")
         path = gemm_path(a, b, out_dtype=out_dtype)
         rows = 128 if b.block == WEIGHT else 1
-        if path in ("deepgemm", "cublas"):
+        if path == "deepgemm" or (path == "cublas" and tuning.current().gemm == "deepgemm"):
             deepgemm.note(a, b, out_dtype)
         if path == "deepgemm":
             return deepgemm.gemm(a, b, out_dtype)
@@ -241,12 +241,10 @@ class CudaBackend:
         """Compile ahead DeepGEMM's kernels for the GEMMs met so far at these token counts, where the tuning routes
         them there (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
         cfg = tuning.current()
-        if cfg.gemm not in ("auto", "deepgemm") or not deepgemm.is_available(device):
+        if cfg.gemm != "deepgemm" or not deepgemm.is_available(device):
             return 0.0
-        min_m = 0 if cfg.gemm == "deepgemm" else cfg.deepgemm_min_m
-        max_tiles = 1 << 62 if cfg.gemm == "deepgemm" else cfg.deepgemm_wgrad_max_tiles
-        return deepgemm.compile_kernels(
-            deepgemm.planned_shapes(token_counts, min_m=min_m, wgrad_max_tiles=max_tiles), device)
+        return deepgemm.compile_kernels(deepgemm.planned_shapes(
+            token_counts, min_m=cfg.deepgemm_min_m, wgrad_max_tiles=cfg.deepgemm_wgrad_max_tiles), device)
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)

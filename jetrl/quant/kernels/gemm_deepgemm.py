@@ -1,11 +1,11 @@
-"""DeepGEMM's blockwise FP8 GEMMs on Hopper: the route for large GEMMs where it is installed.
+"""DeepGEMM's blockwise FP8 GEMMs on Hopper: an opt-in route for large GEMMs (tuning ``gemm="deepgemm"``).
 
 `DeepGEMM <https://github.com/deepseek-ai/DeepGEMM>`_ (DeepSeek's CUDA library, built from source with the CUDA
 toolkit; its kernels are compiled at first use and cached on disk) multiplies E4M3 operands with fp32 block scales
 in persistent, warp-specialized kernels that promote the scaled partial sums in registers. It computes what cuBLAS's
-blockwise ``scaled_mm`` computes (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`), faster at training sizes for
-Fprop and DGrad, and for WGrad where its output is small. Its results differ from cuBLAS's only in the fp32
-summation order, as two cuBLAS algorithms' would; exact mode never comes here (its GEMMs are fixed per shape).
+blockwise ``scaled_mm`` computes (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) with other kernels. Its results differ
+from cuBLAS's only in the fp32 summation order, as two cuBLAS algorithms' would; exact mode never comes here (its
+GEMMs are fixed per shape).
 
 jetrl's three GEMMs map onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``):
 
@@ -17,10 +17,13 @@ jetrl's three GEMMs map onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``):
   a runtime argument.
 
 The routing rule (:func:`routes`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
-tuning's ``gemm`` is ``"auto"`` (or forces this route with ``"deepgemm"``). DeepGEMM picks its tile sizes per call
-from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead,
-in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later
-process reads.
+tuning's ``gemm`` is ``"deepgemm"`` (``JETRL_FP8_GEMM=deepgemm``, or ``kernels: [gemm=deepgemm]`` in a run's config).
+It is not the default: on the H200 it beats cuBLAS at some training GEMMs and loses at others, and a whole 1.5B
+run did not get faster with it (BENCHMARKS.md). DeepGEMM picks its tile sizes per call from M, so a run meets a
+kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes,
+into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
+(:func:`jetrl.quant.backend.prepare_gemms`, which the update's CUDA graphs call after their first eager
+micro-batch).
 """
 
 from __future__ import annotations

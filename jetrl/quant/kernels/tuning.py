@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -195,11 +196,12 @@ class KernelTuning:
 
     GEMM routing (the CUDA backend, :func:`jetrl.quant.kernels.cuda_backend.gemm_path`):
 
-    * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM; the rest to DeepGEMM where it is installed
-      and its rule takes the shape, else to cuBLAS where its layout rules hold, else the Triton GEMM), or one path
-      forced: ``"cublas"``, ``"deepgemm"`` (where its layout rules hold, else cuBLAS's route; an error where it
-      is not installed), ``"triton"``, ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
-    * ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``: the auto rule for DeepGEMM
+    * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
+      rules hold, else the Triton GEMM); ``"deepgemm"``: the same, but the large GEMMs its rule takes go to
+      DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; an error where it is not installed; opt-in: measured
+      at the GEMMs but not in a whole run, BENCHMARKS.md); or one path forced: ``"cublas"``, ``"triton"``,
+      ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
+    * ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``: DeepGEMM's rule
       (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`): at least this many rows, and for WGrad an output of at
       most this many 128x128 tiles;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
@@ -395,6 +397,9 @@ class KernelTuning:
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"the FP8 GEMM path (JETRL_FP8_GEMM or tuning gemm=) must be one of {GEMM_CHOICES}, "
                              f"got {self.gemm!r}")
+        if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
+            raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
+                             "not installed (build it from github.com/deepseek-ai/DeepGEMM)")
         self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_min_m", "deepgemm_wgrad_max_tiles"), 0)
         for name in ("act_block_m", "act_num_warps", "token_block_k", "token_num_warps", "requant_block_k",
                      "requant_num_warps", "weight_num_warps", "logprob_stats_num_warps", "logprob_grad_num_warps"):
