@@ -335,7 +335,8 @@ def bench_train_gemms(rep: Report, models: list[str], ms: list[int] = (TRAIN_GEM
     bench = lambda fn: _bench_ms(fn, warmup=5, rep=25)  # noqa: E731  (multi-millisecond GEMMs: enough reps)
     if with_dg:  # every kernel compiled ahead, in parallel processes
         shapes = [deepgemm.GemmShape(m, nn, kk, wgrad) for model in models for _, n, k in TRAIN_GEMM_SHAPES[model]
-                  for m in ms for nn, kk, wgrad in ((n, k, False), (k, n, False), (n, k, True))]
+                  for m in ms for nn, kk, wgrad in ((n, k, False), (k, n, False), (n, k, True))
+                  if not wgrad or m % 128 == 0]  # WGrad contracts over whole 128-token blocks
         seconds = deepgemm.compile_kernels(shapes, torch.device("cuda"))
         print(f"DeepGEMM: {len(shapes)} GEMMs compiled ahead in {seconds:.0f} s", flush=True)
     for model in models:
@@ -354,7 +355,7 @@ def bench_train_gemms(rep: Report, models: list[str], ms: list[int] = (TRAIN_GEM
                     row = dict(model=model, linear=label, gemm=gemm, m=a.shape[0], n=b.shape[0], k=a.shape[1],
                                cublas_ms=t_cublas, bf16_ms=t_bf16, cublas_tflops=flop / t_cublas / 1e9,
                                bf16_tflops=flop / t_bf16 / 1e9, cublas_speedup=t_bf16 / t_cublas)
-                    if with_dg:
+                    if with_dg and deepgemm.supports(a, b, torch.bfloat16):
                         t_dg = bench(lambda: deepgemm.gemm(a, b))
                         row.update(deepgemm_ms=t_dg, deepgemm_tflops=flop / t_dg / 1e9,
                                    deepgemm_vs_cublas=t_cublas / t_dg)
@@ -944,10 +945,14 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--sweep-m", default=",".join(str(m) for m in DECODE_SWEEP_M),
                         help="row counts of the decode sweep (up to 256)")
     parser.add_argument("--exact-m", default="8192", help="row counts of the exact-gemm section")
-    parser.add_argument("--train-m", default=str(TRAIN_GEMM_M), help="token counts of the gemm-train section")
+    parser.add_argument("--train-m", default=str(TRAIN_GEMM_M),
+                        help="token counts of the gemm-train section (multiples of 128: WGrad contracts over whole "
+                             "128-token blocks, as the training step pads them)")
     parser.add_argument("--train-models", default=",".join(TRAIN_GEMM_SHAPES),
                         help=f"models whose linears the gemm-train section times ({', '.join(TRAIN_GEMM_SHAPES)})")
     args = parser.parse_args(argv)
+    if any(int(v) % 128 for v in args.train_m.split(",")):
+        parser.error(f"--train-m takes multiples of 128, got {args.train_m}")
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU; nothing measured", file=sys.stderr)
         return Report()
