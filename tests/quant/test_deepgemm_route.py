@@ -57,3 +57,10 @@ def test_deepgemm_is_an_error_where_it_is_not_installed():
 
     with pytest.raises(ConfigError, match="needs DeepGEMM"):
         RunConfig(kernels=("gemm=deepgemm",)).validate()
+
+
+def test_shapes_deepgemm_cannot_take_are_not_compiled():
+    assert dg._takes(dg.GemmShape(2048, 2048, 1536)) and dg._takes(dg.GemmShape(2048, 1536, 1536, True))
+    assert not dg._takes(dg.GemmShape(64, 1536, 1536, True))  # WGrad over a partial 128-token block
+    assert not dg._takes(dg.GemmShape(2048, 1000, 1536))  # a weight width that is not whole tiles
+    assert not dg._takes(dg.GemmShape(2048, 2048, 1000))

@@ -80,7 +80,7 @@ def supports(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
 
 
 def routes(m: int, n: int, k: int, b_block, *, min_m: int, wgrad_max_tiles: int) -> bool:
-    """The auto rule for ``a`` (m, k) @ ``b`` (n, k)^T. Fprop and DGrad (``b`` 128x128): ``m`` rows, at least
+    """The rule of the ``gemm="deepgemm"`` path for ``a`` (m, k) @ ``b`` (n, k)^T. Fprop and DGrad (``b`` 128x128): ``m`` rows, at least
     ``min_m`` and a multiple of 128: the update's and the scoring pass's padded micro-batches, whose kernels
     :func:`compile_kernels` compiles ahead (other row counts, the rollout's prefill chunks, stay on cuBLAS, whose
     kernels need no compilation; below ``min_m`` DeepGEMM's per-call host work outweighs what it saves). WGrad
@@ -160,6 +160,13 @@ def _zeros_operands(shape: GemmShape, device: torch.device) -> tuple[Fp8Tensor, 
     return a, b
 
 
+def _takes(shape: GemmShape) -> bool:
+    """Whether :func:`supports` takes ``shape``'s operands (whole 128-blocks along every contraction, 128x128 tiles)."""
+    if shape.wgrad:
+        return shape.m > 0 and shape.m % 128 == 0 and shape.k % 16 == 0 and shape.n > 0
+    return shape.m > 0 and shape.k > 0 and shape.k % 128 == 0 and shape.n % 128 == 0
+
+
 def _launch_all(device_index: int, shapes: list[GemmShape]) -> None:
     device = torch.device("cuda", device_index)
     for shape in shapes:
@@ -173,9 +180,9 @@ def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: in
     so that each kernel they need is compiled into DeepGEMM's disk cache, then once here, which loads each kernel
     (a load is quick, and kept out of a CUDA-graph capture that meets the shape later); returns the seconds taken.
     Shapes of one (N, K) go to one worker in order of M (neighbouring M share tile configurations, so workers
-    rarely compile the same kernel twice). A worker that fails is reported as a warning: its kernels are then
-    compiled here, one by one."""
-    shapes = set(shapes) - _PREPARED
+    rarely compile the same kernel twice). Shapes DeepGEMM does not take are skipped. A worker that fails is
+    reported as a warning: its kernels are then compiled here, one by one."""
+    shapes = {s for s in shapes if _takes(s)} - _PREPARED
     if not shapes or not is_available(device):
         return 0.0
     start = time.perf_counter()
