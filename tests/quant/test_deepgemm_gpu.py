@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetrl.quant import ACT, TOKEN, WEIGHT, FP8Linear, use_backend
+from jetrl.quant import ACT, TOKEN, WEIGHT, FP8Linear
 from jetrl.quant.kernels import tuning
+from linear_check import step_matches_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -99,27 +100,15 @@ def test_fp8_linear_routes_to_deepgemm(dg, m, monkeypatch):
 
     monkeypatch.setattr(dg, "gemm", spy_dg)
     monkeypatch.setattr(gemm_scaled_mm, "blockwise_scaled_mm", spy_mm)
-    torch.manual_seed(m)
-    layer = FP8Linear(1536, 896, bias=True, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16)
-    gy = torch.randn(m, 896, device="cuda", dtype=torch.bfloat16)
-    xi = x.clone().requires_grad_()
-    with tuning.override(gemm="deepgemm"):
-        layer(xi).backward(gy)
-    aligned = m % 128 == 0
-    assert calls["deepgemm"] == ([WEIGHT, WEIGHT, ACT] if aligned else [ACT])
-    assert calls["cublas"] == ([] if aligned else [WEIGHT, WEIGHT])
-    got = (xi.grad.float(), layer.weight.grad.float().clone())
-    monkeypatch.undo()
-    layer.weight.grad = layer.bias.grad = None
-    with use_backend("reference"):
-        layer.invalidate_weight_cache()
-        xr = x.clone().requires_grad_()
-        layer(xr).backward(gy)
-    for out, ref, what in zip(got, (xr.grad.float(), layer.weight.grad.float()), ("grad_input", "grad_weight")):
-        assert torch.isfinite(out).all(), what
-        rel = float((out - ref).norm() / ref.norm())
-        assert rel < 4e-3, f"{what}: relative error {rel:.2e} between backends"
+
+    def step(layer, x, gy):
+        with tuning.override(gemm="deepgemm"):
+            layer(x).backward(gy)
+        aligned = m % 128 == 0
+        assert calls["deepgemm"] == ([WEIGHT, WEIGHT, ACT] if aligned else [ACT])
+        assert calls["cublas"] == ([] if aligned else [WEIGHT, WEIGHT])
+
+    step_matches_reference(m, monkeypatch, step)
 
 
 def test_prepared_kernels_capture_and_replay_bitwise(dg):
