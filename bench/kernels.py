@@ -38,6 +38,9 @@ import torch
 import torch.nn as nn
 
 LLAMA8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+# the decode section's weights: Llama-8B's linears and its k/v projections; the Qwen2.5-1.5B linears (q/k/v and
+# gate/up stacked, as the training and the rollout's large-M steps launch them)
+DECODE_NK = {"8b": LLAMA8B_NK + [(1024, 4096)], "1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]}
 TRAIN_M = [64, 256, 4096, 16384]
 DECODE_M = [1, 16, 32, 64]
 TOKEN_TILES = [(64, 4), (32, 2), (32, 1)]  # (block_k, num_warps) tried for the Triton 128x1 kernels
@@ -431,8 +434,10 @@ DECODE_SWEEP = [(bn, split, stages, warps) for bn in (32, 64, 128) for split in 
 def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True,
                  ms: list[int] | None = None) -> None:
     """Decode GEMMs timed as CUDA-graph replays (the rollout engine replays graphs) over rotating weight
-    copies (HBM reads, as in a real step): GPU time per GEMM."""
+    copies (HBM reads, as in a real step): GPU time per GEMM; DeepGEMM's too where it is installed (its kernels
+    compiled ahead)."""
     from jetrl.quant.kernels import cuda_backend as cuda_mod
+    from jetrl.quant.kernels import gemm_deepgemm as deepgemm
     from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
     from jetrl.quant.kernels import gemm_decode_triton as dk
     from jetrl.quant.kernels import gemm_triton
@@ -441,6 +446,10 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
 
     fp8_paths = tuple(c for c in GEMM_CHOICES if c != "auto")  # the FP8 GEMM paths "auto" routes between
     be = CudaBackend()
+    with_dg = deepgemm.is_available(torch.device("cuda"))
+    if with_dg:
+        deepgemm.compile_kernels([deepgemm.GemmShape(m, n, k) for n, k in nk_list for m in ms or DECODE_M],
+                                 torch.device("cuda"))
     for n, k in nk_list:
         copies = _rotation(n, k)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
@@ -460,6 +469,8 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
                                                                                   qws[i].scale, 128))
             row["decode_us"] = per_gemm(lambda i: dk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale,
                                                                       128)) if m <= 64 else None
+            if with_dg:
+                row["deepgemm_us"] = per_gemm(lambda i: deepgemm.gemm(qx, qws[i]))
             if sweep and m == 64:
                 for bn, split, stages, warps in DECODE_SWEEP:
                     cfg = dk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=stages)
@@ -937,6 +948,8 @@ def main(argv: list[str] | None = None) -> Report:
     parser.add_argument("--json", default=None, help="write all rows to this JSON file")
     parser.add_argument("--sections", default="quant,gemm,decode,fp8linear,host,mlp")
     parser.add_argument("--profile", action="store_true", help="print a profile of one FP8Linear step")
+    parser.add_argument("--decode-shape", choices=sorted(DECODE_NK), default="8b",
+                        help="the weights of the decode section")
     parser.add_argument("--decode-m", default=",".join(str(m) for m in DECODE_M),
                         help="row counts of the decode section (up to 256)")
     parser.add_argument("--sweep-seconds", type=float, default=100.0, help="time budget of the decode sweep")
@@ -970,8 +983,8 @@ def main(argv: list[str] | None = None) -> Report:
         ("quant", lambda: bench_quantization(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])),
         ("quant-sweep", lambda: bench_quant_sweep(rep, [(4096, 4096), (16384, 4096), (4096, 14336), (16384, 14336)])),
         ("gemm", lambda: bench_gemms(rep, train_m, LLAMA8B_NK)),
-        ("decode", lambda: bench_decode(rep, LLAMA8B_NK + [(1024, 4096)],
-                                        ms=[int(m) for m in args.decode_m.split(",")])),  # + the k/v projections
+        ("decode", lambda: bench_decode(rep, DECODE_NK[args.decode_shape],
+                                        ms=[int(m) for m in args.decode_m.split(",")])),
         ("decode-sweep", lambda: bench_decode_sweep(rep, budget_s=args.sweep_seconds,
                                                             ms=[int(m) for m in args.sweep_m.split(",")],
                                                             shape=args.sweep_shape)),
