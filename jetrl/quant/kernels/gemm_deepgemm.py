@@ -23,7 +23,9 @@ run did not get faster with it (BENCHMARKS.md). DeepGEMM picks its tile sizes pe
 kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes,
 into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
 (:func:`jetrl.quant.backend.prepare_gemms`, which the update's CUDA graphs call after their first eager
-micro-batch).
+micro-batch). Where the update runs eagerly (several GPUs, exact mode, ``cuda_graphs: false``) nothing is compiled
+ahead: a kernel compiles when first met (seconds, once per machine through the disk cache), and only WGrad, whose
+token count is always whole blocks, routes here (eager Fprop and DGrad rows are not padded to a multiple of 128).
 """
 
 from __future__ import annotations
