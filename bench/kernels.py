@@ -38,9 +38,6 @@ import torch
 import torch.nn as nn
 
 LLAMA8B_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
-# the decode section's weights: Llama-8B's linears and its k/v projections; the Qwen2.5-1.5B linears (q/k/v and
-# gate/up stacked, as the training and the rollout's large-M steps launch them)
-DECODE_NK = {"8b": LLAMA8B_NK + [(1024, 4096)], "1.5b": [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]}
 TRAIN_M = [64, 256, 4096, 16384]
 DECODE_M = [1, 16, 32, 64]
 TOKEN_TILES = [(64, 4), (32, 2), (32, 1)]  # (block_k, num_warps) tried for the Triton 128x1 kernels
@@ -319,9 +316,12 @@ TRAIN_GEMM_SHAPES = {
     "0.5b": [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)],
     "1.5b": [("qkv", 2048, 1536), ("o", 1536, 1536), ("gate_up", 17920, 1536), ("down", 1536, 8960)],
     "7b": [("qkv", 4608, 3584), ("o", 3584, 3584), ("gate_up", 37888, 3584), ("down", 3584, 18944)],
-    "8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+    "8b": [(label, n, k) for label, (n, k) in zip(("qkv", "o", "gate_up", "down"), LLAMA8B_NK)],
 }
 TRAIN_GEMM_M = 13440
+# the decode section's weights: Llama-8B's linears and its k/v projections; the Qwen2.5-1.5B linears (q/k/v and
+# gate/up stacked, as the training and the rollout's large-M steps launch them)
+DECODE_NK = {"8b": LLAMA8B_NK + [(1024, 4096)], "1.5b": [(n, k) for _, n, k in TRAIN_GEMM_SHAPES["1.5b"]]}
 
 
 def bench_train_gemms(rep: Report, models: list[str], ms: list[int] = (TRAIN_GEMM_M,)) -> None:

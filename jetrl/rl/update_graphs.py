@@ -121,11 +121,11 @@ class UpdateGraphs:
         return pack(batch, rows, shape.width, shape)
 
     def token_buckets(self, shape: MicroBatchShape) -> list[int]:
-        """The token counts this run's micro-batches are padded to: the buckets from half the token budget
-        (``max_tokens_per_micro_batch``, else twice ``shape``'s) to the budget (micro-batches are balanced, so
-        they rarely hold fewer tokens). After the eager warm-up the FP8 GEMMs' kernels that are compiled at first
-        use are compiled for all of them at once (:func:`~jetrl.quant.backend.prepare_gemms`), not one by one
-        as the run meets them."""
+        """The token counts this run's micro-batches are padded to, as far as they can be told ahead: with a token
+        budget (``max_tokens_per_micro_batch``) the buckets from half the budget to the budget (micro-batches are
+        balanced, so they rarely hold fewer tokens); without one, from half to twice ``shape``'s (a guess).
+        After the eager warm-up, the FP8 GEMMs' kernels that are compiled at first use are compiled for all of them
+        at once (:func:`~jetrl.quant.backend.prepare_gemms`); a micro-batch outside them compiles when met."""
         budget = self.alg.max_tokens_per_micro_batch or 2 * shape.tokens
         return sorted({round_up(t, 128) for t in range(max(128, budget // 256 * 128), budget + 128, 128)})
 

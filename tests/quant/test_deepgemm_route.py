@@ -25,11 +25,10 @@ def test_the_rule_takes_padded_micro_batches_and_small_wgrad_outputs():
     assert dg.routes(3584, 3584, 15360, ACT, min_m=2048, wgrad_max_tiles=784)
 
 
-def test_the_plan_covers_every_gemm_met_at_every_bucket(monkeypatch):
-    monkeypatch.setattr(dg, "_SEEN", {(2048, 1536, False), (1536, 2048, False), (2048, 1536, True),
-                                      (17920, 1536, True)})
+def test_the_plan_covers_every_gemm_met_at_every_bucket():
+    seen = {(2048, 1536, False), (1536, 2048, False), (2048, 1536, True), (17920, 1536, True)}
     buckets = sorted({round_up(t, 128) for t in range(1024, 4097, 128)})
-    plan = dg.planned_shapes(buckets, min_m=2048, wgrad_max_tiles=256)
+    plan = dg.planned_shapes(buckets, min_m=2048, wgrad_max_tiles=256, seen=seen)
     big = [m for m in buckets if m >= 2048]
     assert big and min(buckets) < 2048
     assert sorted(plan, key=lambda s: (s.wgrad, s.n, s.m)) == sorted(

@@ -127,8 +127,8 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
         return "cublas"
     if not deepgemm.is_available(a.data.device):
         raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
-                           "DeepGEMM is not installed here or this GPU is not sm_90; install it from "
-                           "github.com/deepseek-ai/DeepGEMM, or choose another path")
+                           "DeepGEMM does not load here (see the warning before); rebuild it "
+                           "(github.com/deepseek-ai/DeepGEMM), or choose another path")
     if (grouped_n is None and deepgemm.supports(a, b, out_dtype)
             and deepgemm.routes(m, b.shape[0], k, b.block, min_m=cfg.deepgemm_min_m,
                                 wgrad_max_tiles=cfg.deepgemm_wgrad_max_tiles)):

@@ -4,8 +4,8 @@
 toolkit; its kernels are compiled at first use and cached on disk) multiplies E4M3 operands with fp32 block scales
 in persistent, warp-specialized kernels that promote the scaled partial sums in registers. It computes what cuBLAS's
 blockwise ``scaled_mm`` computes (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) with other kernels. Its results differ
-from cuBLAS's only in the fp32 summation order, as two cuBLAS algorithms' would; exact mode never comes here (its
-GEMMs are fixed per shape).
+from cuBLAS's only in the fp32 summation order, as two cuBLAS algorithms' would; exact mode's forward GEMMs never
+come here (they are fixed per shape), only its backward's under this path.
 
 jetrl's three GEMMs map onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``):
 
@@ -24,8 +24,9 @@ kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's
 into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
 (:func:`jetrl.quant.backend.prepare_gemms`, which the update's CUDA graphs call after their first eager
 micro-batch). Where the update runs eagerly (several GPUs, exact mode, ``cuda_graphs: false``) nothing is compiled
-ahead: a kernel compiles when first met (seconds, once per machine through the disk cache), and only WGrad, whose
-token count is always whole blocks, routes here (eager Fprop and DGrad rows are not padded to a multiple of 128).
+ahead: a kernel compiles when first met (seconds, once per machine through the disk cache); there WGrad, whose
+token count is always whole blocks, routes here, and Fprop and DGrad only where a micro-batch's token count
+happens to be a multiple of 128 (eager micro-batches are not padded).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ def _module():
     try:
         return importlib.import_module("deep_gemm")
     except (ImportError, OSError, RuntimeError) as exc:
-        warnings.warn(f"DeepGEMM is installed but does not load ({type(exc).__name__}: {exc}); the FP8 GEMMs run on "
-                      f"cuBLAS", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"DeepGEMM is installed but does not load ({type(exc).__name__}: {exc})", RuntimeWarning,
+                      stacklevel=2)
         return None
 
 
@@ -177,34 +178,47 @@ def _launch_all(device_index: int, shapes: list[GemmShape]) -> None:
     torch.cuda.synchronize(device)
 
 
-def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: int | None = None) -> float:
-    """Launch every GEMM of ``shapes`` once in ``processes`` worker processes (default: the CPU count, at most 16),
-    so that each kernel they need is compiled into DeepGEMM's disk cache, then once here, which loads each kernel
-    (a load is quick, and kept out of a CUDA-graph capture that meets the shape later); returns the seconds taken.
-    Shapes of one (N, K) go to one worker in order of M (neighbouring M share tile configurations, so workers
-    rarely compile the same kernel twice). Shapes DeepGEMM does not take are skipped. A worker that fails is
-    reported as a warning: its kernels are then compiled here, one by one."""
+def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: int | None = None,
+                    timeout: float = 900.0) -> float:
+    """Launch every GEMM of ``shapes`` once in ``processes`` worker processes (default: the CPU count, at most 8:
+    each holds a CUDA context and its operands on the training GPU), so that each kernel they need is compiled into
+    DeepGEMM's disk cache, then once here, which loads each kernel (a load is quick, and kept out of a CUDA-graph
+    capture that meets the shape later); returns the seconds taken. The shapes, ordered by (N, K) and then M, are
+    cut into equal slices, one per worker, so neighbouring M (which mostly share a tile configuration) compile in
+    one worker. Shapes DeepGEMM does not take are skipped. A worker that fails or outlives ``timeout`` seconds is
+    reported as a warning (and stopped): its kernels are then compiled here, one by one."""
     shapes = {s for s in shapes if _takes(s)} - _PREPARED
     if not shapes or not is_available(device):
         return 0.0
     start = time.perf_counter()
     ordered = sorted(shapes, key=lambda s: (s.wgrad, s.n, s.k, s.m))
-    workers = max(1, min(processes or min(16, os.cpu_count() or 1), len(ordered)))
+    workers = max(1, min(processes or min(8, os.cpu_count() or 1), len(ordered)))
     chunks = [ordered[i * len(ordered) // workers:(i + 1) * len(ordered) // workers] for i in range(workers)]
     index = device.index if device.index is not None else torch.cuda.current_device()
     if workers > 1:  # fresh interpreters (not multiprocessing: it would re-run the parent's __main__)
         procs = []
-        for chunk in chunks:
-            log = tempfile.TemporaryFile("w+")
-            procs.append((subprocess.Popen([sys.executable, "-m", __name__, str(index),
-                                            json.dumps([dataclasses.astuple(s) for s in chunk])],
-                                           stdout=subprocess.DEVNULL, stderr=log, text=True), log))
-        for proc, log in procs:
-            if proc.wait():
-                log.seek(0)
-                warnings.warn(f"a DeepGEMM compile worker failed (exit {proc.returncode}): "
-                              f"{log.read().strip()[-500:]}", RuntimeWarning, stacklevel=2)
-            log.close()
+        try:
+            for chunk in chunks:
+                log = tempfile.TemporaryFile("w+")
+                procs.append((subprocess.Popen([sys.executable, "-m", __name__, str(index),
+                                                json.dumps([dataclasses.astuple(s) for s in chunk])],
+                                               stdout=subprocess.DEVNULL, stderr=log, text=True), log))
+            for proc, log in procs:
+                try:
+                    code = proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+                    failed = f"exit {code}" if code else ""
+                except subprocess.TimeoutExpired:
+                    failed = f"no exit within {timeout:.0f} s"
+                if failed:
+                    log.seek(0)
+                    warnings.warn(f"a DeepGEMM compile worker failed ({failed}): {log.read().strip()[-500:]}",
+                                  RuntimeWarning, stacklevel=2)
+        finally:
+            for proc, log in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                log.close()
     with torch.cuda.device(index):
         _launch_all(index, ordered)
     _PREPARED.update(ordered)
@@ -226,11 +240,12 @@ def note(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> None:
         _SEEN.add((a.shape[0], b.shape[0], True))
 
 
-def planned_shapes(token_counts: list[int], *, min_m: int, wgrad_max_tiles: int) -> list[GemmShape]:
-    """The DeepGEMM launches the GEMMs seen so far (:func:`note`) make at each of ``token_counts`` tokens, by
-    :func:`routes`."""
+def planned_shapes(token_counts: list[int], *, min_m: int, wgrad_max_tiles: int,
+                   seen: set[tuple[int, int, bool]] | None = None) -> list[GemmShape]:
+    """The DeepGEMM launches that the GEMMs ``seen`` (default: those this process has run, :func:`note`) make at
+    each of ``token_counts`` tokens, by :func:`routes`."""
     out = []
-    for n, k, wgrad in sorted(_SEEN):
+    for n, k, wgrad in sorted(_SEEN if seen is None else seen):
         for m in token_counts:
             ok = routes(n, k, m, ACT, min_m=min_m, wgrad_max_tiles=wgrad_max_tiles) if wgrad else \
                 routes(m, n, k, WEIGHT, min_m=min_m, wgrad_max_tiles=wgrad_max_tiles)
