@@ -198,8 +198,8 @@ class KernelTuning:
 
     * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
       rules hold, else the Triton GEMM); ``"deepgemm"``: the same, but the large GEMMs its rule takes go to
-      DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; an error where it is not installed; opt-in: measured
-      at the GEMMs but not in a whole run, BENCHMARKS.md); or one path forced: ``"cublas"``, ``"triton"``,
+      DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; an error where it is not installed; opt-in: a whole
+      1.5B run on the H200 was no faster with it, BENCHMARKS.md); or one path forced: ``"cublas"``, ``"triton"``,
       ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
     * ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``: DeepGEMM's rule
       (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`): at least this many rows, and for WGrad an output of at
