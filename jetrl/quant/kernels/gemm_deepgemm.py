@@ -96,21 +96,6 @@ def routes(m: int, n: int, k: int, b_block, *, min_m: int, wgrad_max_tiles: int)
     return k >= min_m and -(-m // 128) * -(-n // 128) <= wgrad_max_tiles
 
 
-def _a_operand(a: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``a``'s data and MN-major TMA-aligned scales over M rounded up to 4 rows (a view where jetrl's producers
-    allocated them so; a padded copy otherwise, as on the cuBLAS route) and the padded row count."""
-    m = a.shape[0]
-    rows = -(-m // 4) * 4
-    view = scaled_mm._rows_view(a.data, a.scale, rows)
-    if view is not None:
-        return view[0], view[1], rows
-    data = a.data if a.data.is_contiguous() else a.data.contiguous()
-    scale = scaled_mm._outer_dim_major(a.scale)
-    if rows != m:
-        data, scale = scaled_mm._pad_rows(data, scale, rows)
-    return data, scale, rows
-
-
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``a @ b.T`` on DeepGEMM; ``a`` 1x128, ``b`` 128x128 (Fprop, DGrad) or 1x128 (WGrad); check :func:`supports`
     first."""
@@ -119,7 +104,8 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) ->
                          f"{out_dtype}; K must be a multiple of 128, N of 16 (128 for tiles), tiles give BF16")
     dg = _module()
     m = a.shape[0]
-    a_data, a_scale, rows = _a_operand(a)
+    a_data, a_scale = scaled_mm.act_operand(a)
+    rows = a_data.shape[0]
     b_data = b.data if b.data.is_contiguous() else b.data.contiguous()
     if b.block == WEIGHT:
         out = torch.empty((rows, b.shape[0]), dtype=torch.bfloat16, device=a.data.device)

@@ -109,6 +109,21 @@ def _pad_rows(data: torch.Tensor, scale: torch.Tensor, rows: int) -> tuple[torch
     return padded, scale_buf.t()
 
 
+def act_operand(a: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1x128 ``a``'s data (row-major) and its outer-dim-major scales over M rounded up to 4 rows: views where
+    jetrl's producers allocated them so, a zero-padded copy otherwise (the layout cuBLAS's and DeepGEMM's blockwise
+    GEMMs read)."""
+    m = a.shape[0]
+    view = _rows_view(a.data, a.scale, _round_up(m, 4)) if m % 4 else None
+    if view is not None:
+        return view
+    data = a.data if a.data.is_contiguous() else a.data.contiguous()
+    scale = _outer_dim_major(a.scale)
+    if m % 4:
+        data, scale = _pad_rows(data, scale, _round_up(m, 4))
+    return data, scale
+
+
 def _call(a: torch.Tensor, b_t: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, b_is_tile: bool,
           out_dtype: torch.dtype) -> torch.Tensor:
     return F.scaled_mm(a, b_t, sa, _ACT_RECIPE, sb, _TILE_RECIPE if b_is_tile else _ACT_RECIPE, output_dtype=out_dtype)
@@ -120,14 +135,7 @@ def blockwise_scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = tor
         raise ValueError(f"cuBLAS blockwise GEMM does not support a {tuple(a.shape)} {a.block} x "
                          f"b {tuple(b.shape)} {b.block}; K must be a multiple of 128, N of 16 (128 for tiles)")
     m = a.shape[0]
-    view = _rows_view(a.data, a.scale, _round_up(m, 4)) if m % 4 else None
-    if view is not None:
-        a_data, a_scale = view
-    else:
-        a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
-        a_scale = _outer_dim_major(a.scale)
-        if m % 4:
-            a_data, a_scale = _pad_rows(a_data, a_scale, _round_up(m, 4))
+    a_data, a_scale = act_operand(a)
     b_data = b.data if b.data.is_contiguous() else b.data.contiguous()
     if b.block == WEIGHT:
         b_scale = _tile_scale(b.scale)
