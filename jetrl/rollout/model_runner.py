@@ -58,6 +58,7 @@ import torch
 
 from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache
 from jetrl.quant import fp8_linears, precision_side
+from jetrl.quant.backend import prepare_gemms
 from jetrl.quant.recipe import check_exact
 from jetrl.rollout.block_manager import BlockTableMirror
 from jetrl.rollout.sampling import SamplingBatch, sample
@@ -105,6 +106,7 @@ class _DecodeGraphs:
         self.scratch_block, self.block_size = runner.scratch_block, runner.block_size
         self._park(0, max_b)
         self.pool = torch.cuda.graph_pool_handle()
+        self.prepared = False  # GEMM kernels compiled ahead for every size (the first capture does it)
 
     def _park(self, start: int, stop: int) -> None:
         """Rows ``start..stop-1`` to the padding state: one token written into the scratch block, attending to
@@ -117,7 +119,14 @@ class _DecodeGraphs:
 
     def capture(self, b: int) -> None:
         """Capture the decode step for ``b`` rows: a warm-up forward (autotuning, caches), then the capture,
-        both over parked rows so that nothing is written outside the scratch block."""
+        both over parked rows so that nothing is written outside the scratch block. The first capture first
+        compiles ahead the GEMM kernels that every candidate size needs and that compile at first use
+        (:func:`~jetrl.quant.backend.prepare_gemms`: DeepGEMM's, under ``gemm="deepgemm"``; the GEMMs are those
+        the process has run, the prefill's at least), in parallel, rather than one size's at a time in the
+        warm-ups."""
+        if not self.prepared:
+            self.prepared = True
+            prepare_gemms(self.sizes, self.runner.device)
         self._park(0, b)
         meta = self._meta(b)
         stream = torch.cuda.Stream()

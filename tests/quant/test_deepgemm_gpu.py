@@ -59,6 +59,95 @@ def test_fprop_and_dgrad_to_output_rounding(dg, m, n, k):
         assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
 
 
+@pytest.mark.parametrize("m", [1, 3, 16, 100, 256])
+@pytest.mark.parametrize("n,k", [(2048, 1536), (1536, 8960), (1152, 896)])
+def test_decode_rows_to_output_rounding(dg, m, n, k):
+    """Fprop at the rollout's decode row counts (its CUDA graphs' sizes and the rows between them), from the
+    1x128 producer's buffers (M rounded up to 4 rows)."""
+    from jetrl.quant.kernels.cuda_backend import CudaBackend
+
+    be = CudaBackend()
+    g = torch.Generator(device="cuda").manual_seed(7 * m + n + k)
+    a = be.quantize(torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16), ACT)
+    b = be.quantize(torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16), WEIGHT)
+    out = dg.gemm(a, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    ref = a.dequantize().double() @ b.dequantize().double().t()
+    assert torch.isfinite(out).all()
+    excess = (out.double() - ref).abs() - _tolerance(a, b, ref, torch.bfloat16)
+    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
+
+
+def test_decode_rows_route_by_the_rule(dg):
+    """Under ``gemm="deepgemm"`` decode-sized rows go to DeepGEMM, except a long-K weight up to the split-K bound
+    and a grouped launch with biases that the grouped decode kernel takes (it adds them in its epilogue)."""
+    from jetrl.quant.kernels.cuda_backend import CudaBackend, gemm_path
+
+    be = CudaBackend()
+    w = {(n, k): be.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), WEIGHT)
+         for n, k in ((2048, 1536), (1536, 8960), (256, 1536))}
+    with tuning.override(gemm="deepgemm"):
+        for m in (1, 16, 128, 256):
+            a = be.quantize(torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16), ACT)
+            assert gemm_path(a, w[2048, 1536]) == "deepgemm"
+            assert gemm_path(a, w[256, 1536], grouped_n=2048) == "deepgemm"  # the stacked GEMM runs there
+            grouped_bound = tuning.current().decode_rows(2048, 1536, grouped=True)
+            assert gemm_path(a, w[256, 1536], grouped_n=2048, biased=True) == (
+                "decode" if m <= grouped_bound else "deepgemm")
+            a_down = be.quantize(torch.randn(m, 8960, device="cuda", dtype=torch.bfloat16), ACT)
+            assert gemm_path(a_down, w[1536, 8960]) == ("deepgemm" if m > 128 else "decode")
+        with tuning.override(deepgemm_decode_max_m=0):
+            assert gemm_path(a, w[2048, 1536]) != "deepgemm"
+
+
+def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):
+    """A qwen2-type model (q/k/v biases) generates under ``gemm="deepgemm"`` with its decode steps in CUDA graphs:
+    the first capture compiles every graph size's kernels ahead, the captured steps run DeepGEMM, and the samples
+    are those of eager decoding on the same kernels, to BF16 noise (a graph's attention may split the context
+    differently: tests/rollout/test_rollout_gpu.py)."""
+    from jetrl.models import DecoderConfig, build_model
+    from jetrl.rollout import RolloutEngine, SamplingParams
+
+    config = DecoderConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           max_position_embeddings=512, eos_token_id=0)
+    model = build_model(config, dtype=torch.bfloat16, device="cuda", recipe="jet", seed=0)
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(16)]
+    params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=24, ignore_eos=True)
+    compiled, calls = [], []
+    real_compile, real_gemm = dg.compile_kernels, dg.gemm
+
+    def spy_compile(shapes, device, *args, **kw):
+        compiled.extend(shapes)
+        return real_compile(shapes, device, *args, **kw)
+
+    def spy_gemm(a, b, *args, **kw):
+        calls.append((a.shape[0], b.shape[0], b.shape[1]))
+        return real_gemm(a, b, *args, **kw)
+
+    with tuning.override(gemm="deepgemm"):
+        eager = RolloutEngine(model, cuda_graphs=False, max_num_seqs=32, progress=False, max_model_len=128)
+        a = eager.generate(prompts, params)
+        monkeypatch.setattr(dg, "compile_kernels", spy_compile)
+        monkeypatch.setattr(dg, "gemm", spy_gemm)
+        graphs = RolloutEngine(model, cuda_graphs=True, max_num_seqs=32, graph_batch_sizes=[8, 32], progress=False,
+                               max_model_len=128)
+        b = graphs.generate(prompts, params)
+    assert graphs.runner.graphs is not None and 32 in graphs.runner.graphs.graphs
+    # o, gate/up stacked and down (K = 512 <= 2N) at both sizes; q/k/v keep the grouped decode kernel (biases)
+    for n, k in ((256, 256), (1024, 256), (256, 512)):
+        assert {dg.GemmShape(8, n, k), dg.GemmShape(32, n, k)} <= set(compiled), (n, k, sorted(compiled))
+        assert (32, n, k) in calls  # the warm-up and the capture of the 32-row step
+    assert (32, 512, 256) not in calls
+    same = 0
+    for x, y in zip(a, b):
+        assert x.token_ids[0] == y.token_ids[0]
+        common = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
+        assert max(abs(p - q) for p, q in zip(x.logprobs[:common], y.logprobs[:common])) < 5e-2
+        same += x.token_ids == y.token_ids
+    assert same >= len(a) * 3 // 4
+
+
 @pytest.mark.parametrize("tokens,n,k", [(2051, 2048, 1536), (3001, 1536, 1536), (4096, 896, 1152)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_wgrad_to_output_rounding(dg, tokens, n, k, out_dtype):

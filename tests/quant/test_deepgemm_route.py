@@ -25,10 +25,23 @@ def test_the_rule_takes_padded_micro_batches_and_small_wgrad_outputs():
     assert dg.routes(3584, 3584, 15360, ACT, min_m=2048, wgrad_max_tiles=784)
 
 
+def test_the_rule_takes_decode_rows_except_long_k_weights_up_to_the_split_k_bound():
+    rule = tuning.KernelTuning().deepgemm_rule()
+    assert rule["decode_max_m"] == 256 and rule["split_k_max_m"] == 128
+    for m in (1, 3, 16, 100, 256):
+        assert dg.routes(m, 2048, 1536, WEIGHT, **rule)  # q/k/v stacked, o, gate/up: K <= 2N
+        assert dg.routes(m, 17920, 1536, WEIGHT, **rule)
+        assert dg.routes(m, 1536, 3072, WEIGHT, **rule)
+        assert dg.routes(m, 1536, 8960, WEIGHT, **rule) == (m > 128)  # down: split-K's case up to 128 rows
+    assert not dg.routes(257, 2048, 1536, WEIGHT, **rule)  # above the decode bound, below min_m
+    assert not dg.routes(16, 2048, 1536, WEIGHT, **dict(rule, decode_max_m=0))  # the decode route off
+    assert not dg.routes(1536, 2048, 16, ACT, **rule)  # WGrad over 16 tokens is no decode GEMM
+
+
 def test_the_plan_covers_every_gemm_met_at_every_bucket():
     seen = {(2048, 1536, False), (1536, 2048, False), (2048, 1536, True), (17920, 1536, True)}
     buckets = sorted({round_up(t, 128) for t in range(1024, 4097, 128)})
-    plan = dg.planned_shapes(buckets, min_m=2048, wgrad_max_tiles=256, seen=seen)
+    plan = dg.planned_shapes(buckets, min_m=2048, wgrad_max_tiles=256, decode_max_m=256, seen=seen)
     big = [m for m in buckets if m >= 2048]
     assert big and min(buckets) < 2048
     assert sorted(plan, key=lambda s: (s.wgrad, s.n, s.m)) == sorted(
@@ -36,7 +49,19 @@ def test_the_plan_covers_every_gemm_met_at_every_bucket():
         + [dg.GemmShape(m, 2048, 1536, True) for m in big], key=lambda s: (s.wgrad, s.n, s.m))
 
 
-@pytest.mark.parametrize("field", ["deepgemm_min_m", "deepgemm_wgrad_max_tiles"])
+def test_the_plan_covers_the_decode_graph_sizes():
+    """The rollout's decode graphs ask for their row counts: the stacked q/k/v and the others at every size, the
+    down projection (K > 2N) above the split-K bound only."""
+    seen = {(2048, 1536, False), (17920, 1536, False), (1536, 8960, False)}
+    sizes = [1, 2, 4, 8, 16, 32, 128, 144, 256]
+    plan = dg.planned_shapes(sizes, seen=seen, **tuning.KernelTuning().deepgemm_rule())
+    assert sorted(plan, key=lambda s: (s.n, s.m)) == sorted(
+        [dg.GemmShape(m, n, 1536) for n in (2048, 17920) for m in sizes]
+        + [dg.GemmShape(m, 1536, 8960) for m in (144, 256)], key=lambda s: (s.n, s.m))
+
+
+@pytest.mark.parametrize("field", ["deepgemm_min_m", "deepgemm_wgrad_max_tiles", "deepgemm_decode_max_m",
+                                   "deepgemm_split_k_max_m"])
 def test_tuning_checks_the_rule_bounds(field):
     with pytest.raises(ValueError, match=field):
         tuning.KernelTuning(**{field: -1})

@@ -14,8 +14,8 @@ backend (quantization bit for bit, GEMMs to output rounding):
   (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
   FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
   grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; with the tuning's
-  ``gemm="deepgemm"`` (opt-in), large GEMMs go to DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its
-  rule); everything else goes to
+  ``gemm="deepgemm"`` (opt-in), the padded micro-batches' GEMMs and the decode steps' go to DeepGEMM
+  (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
@@ -109,30 +109,31 @@ def exact_gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
 
 
 def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
-              out_dtype: torch.dtype = torch.bfloat16) -> str:
+              out_dtype: torch.dtype = torch.bfloat16, biased: bool = False) -> str:
     """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"deepgemm"``, ``"cublas"`` or ``"triton"`` (see the module
-    docstring); ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``."""
+    docstring); ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``, ``biased``
+    with biases, which the grouped decode kernel adds in its epilogue and DeepGEMM cannot (two more launches), so
+    under ``gemm="deepgemm"`` such a launch keeps the decode kernel where its bound takes the rows."""
     cfg = tuning.current()
     choice = cfg.gemm
     m, k = a.shape[0], a.shape[1]
     if choice == "decode":
         return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
     grouped = grouped_n is not None
-    if choice in ("auto", "deepgemm") and m <= decode_max_m(grouped_n if grouped else b.shape[0], k, grouped):
+    n = grouped_n if grouped else b.shape[0]
+    if choice == "deepgemm":
+        if not deepgemm.is_available(a.data.device):
+            raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
+                               "DeepGEMM does not load here (see the warning before); rebuild it "
+                               "(github.com/deepseek-ai/DeepGEMM), or choose another path")
+        # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
+        if (deepgemm.supports(a, b, out_dtype) and deepgemm.routes(m, n, k, b.block, **cfg.deepgemm_rule())
+                and not (biased and m <= decode_max_m(n, k, grouped))):
+            return "deepgemm"
+    if choice in ("auto", "deepgemm") and m <= decode_max_m(n, k, grouped):
         return "decode"
-    cublas_ok = scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)
-    if choice == "triton" or not cublas_ok:
+    if choice == "triton" or not (scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)):
         return "triton"
-    if choice != "deepgemm":
-        return "cublas"
-    if not deepgemm.is_available(a.data.device):
-        raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
-                           "DeepGEMM does not load here (see the warning before); rebuild it "
-                           "(github.com/deepseek-ai/DeepGEMM), or choose another path")
-    if (grouped_n is None and deepgemm.supports(a, b, out_dtype)
-            and deepgemm.routes(m, b.shape[0], k, b.block, min_m=cfg.deepgemm_min_m,
-                                wgrad_max_tiles=cfg.deepgemm_wgrad_max_tiles)):
-        return "deepgemm"
     return "cublas"
 
 
@@ -204,7 +205,8 @@ class CudaBackend:
         """``cat([a @ w.T (+ bias)])`` in one launch for decode-sized ``a`` and 128x128-block weights that
         share it; ``None`` where this does not apply (the caller then runs the GEMMs one by one)."""
         if (a.block != ACT or not 1 <= len(weights) <= 3 or any(w.block != WEIGHT for w in weights)
-                or gemm_path(a, weights[0], grouped_n=sum(w.shape[0] for w in weights)) != "decode"
+                or gemm_path(a, weights[0], grouped_n=sum(w.shape[0] for w in weights),
+                             biased=any(b is not None for b in biases)) != "decode"
                 or (any(b is not None for b in biases) and any(b is None for b in biases))):
             return None
         for w in weights:
@@ -243,8 +245,7 @@ class CudaBackend:
         cfg = tuning.current()
         if cfg.gemm != "deepgemm" or not deepgemm.is_available(device):
             return 0.0
-        return deepgemm.compile_kernels(deepgemm.planned_shapes(
-            token_counts, min_m=cfg.deepgemm_min_m, wgrad_max_tiles=cfg.deepgemm_wgrad_max_tiles), device)
+        return deepgemm.compile_kernels(deepgemm.planned_shapes(token_counts, **cfg.deepgemm_rule()), device)
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)

@@ -82,16 +82,27 @@ def supports(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
     return b.block != WEIGHT or out_dtype == torch.bfloat16
 
 
-def routes(m: int, n: int, k: int, b_block, *, min_m: int, wgrad_max_tiles: int) -> bool:
-    """The rule of the ``gemm="deepgemm"`` path for ``a`` (m, k) @ ``b`` (n, k)^T. Fprop and DGrad (``b`` 128x128): ``m`` rows, at least
-    ``min_m`` and a multiple of 128: the update's and the scoring pass's padded micro-batches, whose kernels
-    :func:`compile_kernels` compiles ahead (other row counts, the rollout's prefill chunks, stay on cuBLAS, whose
-    kernels need no compilation; below ``min_m`` DeepGEMM's per-call host work outweighs what it saves). WGrad
-    (``b`` 1x128, ``k`` the tokens): at least ``min_m`` tokens and an (m, n) output of at most ``wgrad_max_tiles``
-    128x128 tiles: a small output gives cuBLAS too few tiles to fill the GPU over a long contraction, which
-    DeepGEMM's persistent schedule handles better, while on large outputs cuBLAS's WGrad is the faster
-    (BENCHMARKS.md, the GEMM table)."""
+def routes(m: int, n: int, k: int, b_block, *, min_m: int, wgrad_max_tiles: int, decode_max_m: int = 0,
+           split_k_max_m: int = 0) -> bool:
+    """The rule of the ``gemm="deepgemm"`` path for ``a`` (m, k) @ ``b`` (n, k)^T (the tuning's bounds:
+    :meth:`~jetrl.quant.kernels.tuning.KernelTuning.deepgemm_rule`).
+
+    * Fprop and DGrad (``b`` 128x128) of at least ``min_m`` rows and a multiple of 128: the update's and the scoring
+      pass's padded micro-batches, whose kernels :func:`compile_kernels` compiles ahead (other large row counts,
+      the rollout's prefill chunks, stay on cuBLAS, whose kernels need no compilation).
+    * Fprop of at most ``decode_max_m`` rows: the rollout's decode steps, whose CUDA graphs' row counts are
+      compiled ahead too. There DeepGEMM's persistent kernel is faster than both cuBLAS's blockwise GEMM and the
+      split-K decode kernel, except on weights whose K is more than twice their N (an MLP's down projection)
+      up to ``split_k_max_m`` rows: their few output tiles leave most SMs idle over a long K unless K is split,
+      which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM table).
+    * WGrad (``b`` 1x128, ``k`` the tokens): at least ``min_m`` tokens and an (m, n) output of at most
+      ``wgrad_max_tiles`` 128x128 tiles: a small output gives cuBLAS too few tiles to fill the GPU over a long
+      contraction, which DeepGEMM's persistent schedule handles better, while on large outputs cuBLAS's WGrad is
+      the faster (BENCHMARKS.md, the GEMM table).
+    """
     if b_block == WEIGHT:
+        if m <= decode_max_m:
+            return k <= 2 * n or m > split_k_max_m
         return m >= min_m and m % 128 == 0
     return k >= min_m and -(-m // 128) * -(-n // 128) <= wgrad_max_tiles
 
@@ -226,15 +237,14 @@ def note(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> None:
         _SEEN.add((a.shape[0], b.shape[0], True))
 
 
-def planned_shapes(token_counts: list[int], *, min_m: int, wgrad_max_tiles: int,
-                   seen: set[tuple[int, int, bool]] | None = None) -> list[GemmShape]:
+def planned_shapes(token_counts: list[int], *, seen: set[tuple[int, int, bool]] | None = None,
+                   **rule: int) -> list[GemmShape]:
     """The DeepGEMM launches that the GEMMs ``seen`` (default: those this process has run, :func:`note`) make at
-    each of ``token_counts`` tokens, by :func:`routes`."""
+    each of ``token_counts`` tokens (rows), by :func:`routes` with the bounds ``rule``."""
     out = []
     for n, k, wgrad in sorted(_SEEN if seen is None else seen):
         for m in token_counts:
-            ok = routes(n, k, m, ACT, min_m=min_m, wgrad_max_tiles=wgrad_max_tiles) if wgrad else \
-                routes(m, n, k, WEIGHT, min_m=min_m, wgrad_max_tiles=wgrad_max_tiles)
+            ok = routes(n, k, m, ACT, **rule) if wgrad else routes(m, n, k, WEIGHT, **rule)
             if ok:
                 out.append(GemmShape(m, n, k, wgrad))
     return out

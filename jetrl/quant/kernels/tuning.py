@@ -201,9 +201,11 @@ class KernelTuning:
       DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; an error where it is not installed; opt-in: a whole
       1.5B run on the H200 was no faster with it, BENCHMARKS.md); or one path forced: ``"cublas"``, ``"triton"``,
       ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
-    * ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``: DeepGEMM's rule
-      (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`): at least this many rows, and for WGrad an output of at
-      most this many 128x128 tiles;
+    * ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles`` / ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m``:
+      DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`): Fprop/DGrad at least ``deepgemm_min_m``
+      rows (padded micro-batches), or at most ``deepgemm_decode_max_m`` rows (the rollout's decode steps; 0: none),
+      where a weight whose K is more than twice its N stays on the split-K decode kernel up to
+      ``deepgemm_split_k_max_m`` rows; WGrad an output of at most ``deepgemm_wgrad_max_tiles`` 128x128 tiles;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
@@ -332,6 +334,8 @@ class KernelTuning:
     gemm: str = "auto"
     deepgemm_min_m: int = 2048
     deepgemm_wgrad_max_tiles: int = 256
+    deepgemm_decode_max_m: int = DECODE_GEMM_MAX_M
+    deepgemm_split_k_max_m: int = 128
     decode_max_m: int = 64
     grouped_decode_max_m: int = 64
     decode_max_m_by_shape: Mapping[tuple, int] = field(default_factory=lambda: DECODE_MAX_M_BY_SHAPE)
@@ -400,7 +404,8 @@ class KernelTuning:
         if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
             raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
                              "not installed (build it from github.com/deepseek-ai/DeepGEMM)")
-        self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_min_m", "deepgemm_wgrad_max_tiles"), 0)
+        self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_min_m", "deepgemm_wgrad_max_tiles",
+                          "deepgemm_decode_max_m", "deepgemm_split_k_max_m"), 0)
         for name in ("act_block_m", "act_num_warps", "token_block_k", "token_num_warps", "requant_block_k",
                      "requant_num_warps", "weight_num_warps", "logprob_stats_num_warps", "logprob_grad_num_warps"):
             if not _pow2(getattr(self, name)):
@@ -474,6 +479,11 @@ class KernelTuning:
         # tables given as plain dicts are frozen too
         object.__setattr__(self, "decode_max_m_by_shape", MappingProxyType(dict(self.decode_max_m_by_shape)))
         object.__setattr__(self, "decode_shape_configs", MappingProxyType(dict(self.decode_shape_configs)))
+
+    def deepgemm_rule(self) -> dict[str, int]:
+        """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`), as its keywords."""
+        return dict(min_m=self.deepgemm_min_m, wgrad_max_tiles=self.deepgemm_wgrad_max_tiles,
+                    decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
 
     def _check_ints(self, names: tuple[str, ...], minimum: int) -> None:
         """Each field of ``names`` must be an int (not a bool) of at least ``minimum`` (0 or 1)."""
