@@ -119,7 +119,9 @@ def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):
 
     def spy_compile(shapes, device, *args, **kw):
         compiled.extend(shapes)
-        return real_compile(shapes, device, *args, **kw)
+        seconds = real_compile(shapes, device, *args, **kw)
+        calls.clear()  # its launches of every planned shape; what follows are the decode steps'
+        return seconds
 
     def spy_gemm(a, b, *args, **kw):
         calls.append((a.shape[0], b.shape[0], b.shape[1]))
@@ -134,7 +136,8 @@ def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):
                                max_model_len=128)
         b = graphs.generate(prompts, params)
     assert graphs.runner.graphs is not None and 32 in graphs.runner.graphs.graphs
-    # o, gate/up stacked and down (K = 512 <= 2N) at both sizes; q/k/v keep the grouped decode kernel (biases)
+    # o, gate/up stacked and down (K = 512 <= 2N) at both sizes (the stacked q/k/v too: the plan does not know
+    # that their biases keep them on the grouped decode kernel, which the calls show)
     for n, k in ((256, 256), (1024, 256), (256, 512)):
         assert {dg.GemmShape(8, n, k), dg.GemmShape(32, n, k)} <= set(compiled), (n, k, sorted(compiled))
         assert (32, n, k) in calls  # the warm-up and the capture of the 32-row step
@@ -171,7 +174,8 @@ def test_wgrad_to_output_rounding(dg, tokens, n, k, out_dtype):
 
 @pytest.mark.parametrize("m", [3001, 4096])
 def test_fp8_linear_routes_to_deepgemm(dg, m, monkeypatch):
-    """``gemm="deepgemm"``'s rule: Fprop and DGrad at a row count that is a multiple of 128 (a padded micro-batch) and WGrad
+    """``gemm="deepgemm"``'s rule with the training route on (``deepgemm_min_m``; off by default: a default step
+    takes cuBLAS throughout): Fprop and DGrad at a row count that is a multiple of 128 (a padded micro-batch) and WGrad
     of a small output at a long contraction go to DeepGEMM; Fprop and DGrad at another row count stay on cuBLAS.
     The gradients are the reference backend's to output rounding."""
     from jetrl.quant.kernels import gemm_scaled_mm
@@ -193,6 +197,11 @@ def test_fp8_linear_routes_to_deepgemm(dg, m, monkeypatch):
     def step(layer, x, gy):
         with tuning.override(gemm="deepgemm"):
             layer(x).backward(gy)
+        assert not calls["deepgemm"] and len(calls["cublas"]) == 3
+        calls["cublas"].clear()
+        layer.weight.grad = layer.bias.grad = x.grad = None
+        with tuning.override(gemm="deepgemm", deepgemm_min_m=2048):
+            layer(x).backward(gy)
         aligned = m % 128 == 0
         assert calls["deepgemm"] == ([WEIGHT, WEIGHT, ACT] if aligned else [ACT])
         assert calls["cublas"] == ([] if aligned else [WEIGHT, WEIGHT])
@@ -211,14 +220,14 @@ def test_prepared_kernels_capture_and_replay_bitwise(dg):
     layer = FP8Linear(1536, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
-    with tuning.override(gemm="deepgemm"):
-        layer(x[:256]).backward(gy[:256])  # the layer's GEMMs are met once (at a size cuBLAS takes)
+    with tuning.override(gemm="deepgemm", deepgemm_min_m=2048):
+        layer(x[:512]).backward(gy[:512])  # the layer's GEMMs are met once (at a size cuBLAS takes)
         prepare_gemms([m], x.device)
     assert dg.GemmShape(m, 2048, 1536) in dg._PREPARED and dg.GemmShape(m, 2048, 1536, True) in dg._PREPARED
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), tuning.override(gemm="deepgemm"):
+    with torch.cuda.stream(stream), tuning.override(gemm="deepgemm", deepgemm_min_m=2048):
         graph.capture_begin(capture_error_mode="thread_local")
         x.grad = layer.weight.grad = None
         layer(x).backward(gy)
@@ -228,7 +237,7 @@ def test_prepared_kernels_capture_and_replay_bitwise(dg):
     torch.cuda.synchronize()
     replayed = (x.grad.clone(), layer.weight.grad.clone())
     x.grad = layer.weight.grad = None
-    with tuning.override(gemm="deepgemm"):
+    with tuning.override(gemm="deepgemm", deepgemm_min_m=2048):
         layer(x).backward(gy)
     for got, ref in zip(replayed, (x.grad, layer.weight.grad)):
         assert torch.isfinite(ref).all()

@@ -36,6 +36,9 @@ def test_the_rule_takes_decode_rows_except_long_k_weights_up_to_the_split_k_boun
     assert not dg.routes(257, 2048, 1536, WEIGHT, **rule)  # above the decode bound, below min_m
     assert not dg.routes(16, 2048, 1536, WEIGHT, **dict(rule, decode_max_m=0))  # the decode route off
     assert not dg.routes(1536, 2048, 16, ACT, **rule)  # WGrad over 16 tokens is no decode GEMM
+    # the training route is off by default: padded micro-batches and WGrad stay on cuBLAS
+    assert rule["min_m"] == 0
+    assert not dg.routes(2048, 2048, 1536, WEIGHT, **rule) and not dg.routes(1536, 1536, 4096, ACT, **rule)
 
 
 def test_the_plan_covers_every_gemm_met_at_every_bucket():

@@ -1,4 +1,5 @@
-"""DeepGEMM's blockwise FP8 GEMMs on Hopper: an opt-in route for large GEMMs (tuning ``gemm="deepgemm"``).
+"""DeepGEMM's blockwise FP8 GEMMs on Hopper: an opt-in route for the rollout's decode GEMMs, and optionally the
+training GEMMs (tuning ``gemm="deepgemm"``).
 
 `DeepGEMM <https://github.com/deepseek-ai/DeepGEMM>`_ (DeepSeek's CUDA library, built from source with the CUDA
 toolkit; its kernels are compiled at first use and cached on disk) multiplies E4M3 operands with fp32 block scales
@@ -18,15 +19,18 @@ jetrl's three GEMMs map onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``):
 
 The routing rule (:func:`routes`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
 tuning's ``gemm`` is ``"deepgemm"`` (``JETRL_FP8_GEMM=deepgemm``, or ``kernels: [gemm=deepgemm]`` in a run's config).
-It is not the default: on the H200 it beats cuBLAS at some training GEMMs and loses at others, and a whole 1.5B
-run did not get faster with it (BENCHMARKS.md). DeepGEMM picks its tile sizes per call from M, so a run meets a
-kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes,
-into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
-(:func:`jetrl.quant.backend.prepare_gemms`, which the update's CUDA graphs call after their first eager
-micro-batch). Where the update runs eagerly (several GPUs, exact mode, ``cuda_graphs: false``) nothing is compiled
-ahead: a kernel compiles when first met (seconds, once per machine through the disk cache); there WGrad, whose
-token count is always whole blocks, routes here, and Fprop and DGrad only where a micro-batch's token count
-happens to be a multiple of 128 (eager micro-batches are not padded).
+It is opt-in because DeepGEMM is built from source. By default it takes the rollout's decode steps, where it is
+faster than both of jetrl's own routes (BENCHMARKS.md); the training GEMMs only with ``deepgemm_min_m`` set (on the
+H200 it beats cuBLAS at some and loses at others, and a whole 1.5B run did not get faster with them). DeepGEMM
+picks its tile sizes per call from M, so a run meets a kernel per (shape, tile configuration):
+:func:`compile_kernels` compiles a run's set ahead, in parallel processes, into the disk cache
+(``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
+(:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first capture for
+every graph size, and the update's CUDA graphs after their first eager micro-batch). Where a step runs eagerly
+(decoding without CUDA graphs; the update on several GPUs, in exact mode or with ``cuda_graphs: false``) nothing is
+compiled ahead: a kernel compiles when first met (seconds, once per machine through the disk cache); in an eager
+update WGrad, whose token count is always whole blocks, routes here, and Fprop and DGrad only where a
+micro-batch's token count happens to be a multiple of 128 (eager micro-batches are not padded).
 """
 
 from __future__ import annotations
@@ -87,24 +91,25 @@ def routes(m: int, n: int, k: int, b_block, *, min_m: int, wgrad_max_tiles: int,
     """The rule of the ``gemm="deepgemm"`` path for ``a`` (m, k) @ ``b`` (n, k)^T (the tuning's bounds:
     :meth:`~jetrl.quant.kernels.tuning.KernelTuning.deepgemm_rule`).
 
-    * Fprop and DGrad (``b`` 128x128) of at least ``min_m`` rows and a multiple of 128: the update's and the scoring
-      pass's padded micro-batches, whose kernels :func:`compile_kernels` compiles ahead (other large row counts,
-      the rollout's prefill chunks, stay on cuBLAS, whose kernels need no compilation).
     * Fprop of at most ``decode_max_m`` rows: the rollout's decode steps, whose CUDA graphs' row counts are
-      compiled ahead too. There DeepGEMM's persistent kernel is faster than both cuBLAS's blockwise GEMM and the
-      split-K decode kernel, except on weights whose K is more than twice their N (an MLP's down projection)
-      up to ``split_k_max_m`` rows: their few output tiles leave most SMs idle over a long K unless K is split,
-      which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM table).
-    * WGrad (``b`` 1x128, ``k`` the tokens): at least ``min_m`` tokens and an (m, n) output of at most
-      ``wgrad_max_tiles`` 128x128 tiles: a small output gives cuBLAS too few tiles to fill the GPU over a long
-      contraction, which DeepGEMM's persistent schedule handles better, while on large outputs cuBLAS's WGrad is
-      the faster (BENCHMARKS.md, the GEMM table).
+      compiled ahead at their first capture. There DeepGEMM's persistent kernel is faster than both cuBLAS's
+      blockwise GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an MLP's
+      down projection) up to ``split_k_max_m`` rows: their few output tiles leave most SMs idle over a long K
+      unless K is split, which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM table).
+    * The training GEMMs, where ``min_m`` is set (0: none; on the H200 a whole 1.5B run was no faster with them):
+      Fprop and DGrad (``b`` 128x128) of at least ``min_m`` rows and a multiple of 128, the update's and the
+      scoring pass's padded micro-batches, whose kernels :func:`compile_kernels` compiles ahead (other large row
+      counts, the rollout's prefill chunks, stay on cuBLAS, whose kernels need no compilation); WGrad (``b``
+      1x128, ``k`` the tokens) of at least ``min_m`` tokens and an (m, n) output of at most ``wgrad_max_tiles``
+      128x128 tiles: a small output gives cuBLAS too few tiles to fill the GPU over a long contraction, which
+      DeepGEMM's persistent schedule handles better, while on large outputs cuBLAS's WGrad is the faster
+      (BENCHMARKS.md, the GEMM table).
     """
     if b_block == WEIGHT:
         if m <= decode_max_m:
             return k <= 2 * n or m > split_k_max_m
-        return m >= min_m and m % 128 == 0
-    return k >= min_m and -(-m // 128) * -(-n // 128) <= wgrad_max_tiles
+        return 0 < min_m <= m and m % 128 == 0
+    return 0 < min_m <= k and -(-m // 128) * -(-n // 128) <= wgrad_max_tiles
 
 
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

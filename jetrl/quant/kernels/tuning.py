@@ -197,15 +197,17 @@ class KernelTuning:
     GEMM routing (the CUDA backend, :func:`jetrl.quant.kernels.cuda_backend.gemm_path`):
 
     * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
-      rules hold, else the Triton GEMM); ``"deepgemm"``: the same, but the large GEMMs its rule takes go to
-      DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; an error where it is not installed; opt-in: a whole
-      1.5B run on the H200 was no faster with it, BENCHMARKS.md); or one path forced: ``"cublas"``, ``"triton"``,
+      rules hold, else the Triton GEMM); ``"deepgemm"``: the same, but the GEMMs its rule takes go to DeepGEMM
+      (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; opt-in, as DeepGEMM is built from source; an error where it is
+      not installed); or one path forced: ``"cublas"``, ``"triton"``,
       ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
-    * ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles`` / ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m``:
-      DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`): Fprop/DGrad at least ``deepgemm_min_m``
-      rows (padded micro-batches), or at most ``deepgemm_decode_max_m`` rows (the rollout's decode steps; 0: none),
-      where a weight whose K is more than twice its N stays on the split-K decode kernel up to
-      ``deepgemm_split_k_max_m`` rows; WGrad an output of at most ``deepgemm_wgrad_max_tiles`` 128x128 tiles;
+    * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m`` / ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``:
+      DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`): Fprop of at most
+      ``deepgemm_decode_max_m`` rows (the rollout's decode steps; 0: none), where a weight whose K is more than
+      twice its N stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows; the training GEMMs
+      only with ``deepgemm_min_m`` set (0, the default: none, as they were no faster in a whole run): Fprop/DGrad
+      of at least that many rows (padded micro-batches), WGrad of at least that many tokens and an output of at
+      most ``deepgemm_wgrad_max_tiles`` 128x128 tiles;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
@@ -332,10 +334,10 @@ class KernelTuning:
     """
 
     gemm: str = "auto"
-    deepgemm_min_m: int = 2048
-    deepgemm_wgrad_max_tiles: int = 256
     deepgemm_decode_max_m: int = DECODE_GEMM_MAX_M
     deepgemm_split_k_max_m: int = 128
+    deepgemm_min_m: int = 0
+    deepgemm_wgrad_max_tiles: int = 256
     decode_max_m: int = 64
     grouped_decode_max_m: int = 64
     decode_max_m_by_shape: Mapping[tuple, int] = field(default_factory=lambda: DECODE_MAX_M_BY_SHAPE)
