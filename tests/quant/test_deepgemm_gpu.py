@@ -110,7 +110,7 @@ def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):
 
     config = DecoderConfig(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                           max_position_embeddings=512, eos_token_id=0)
+                           qkv_bias=True, max_position_embeddings=512, eos_token_id=0)
     model = build_model(config, dtype=torch.bfloat16, device="cuda", recipe="jet", seed=0)
     prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(16)]
     params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=24, ignore_eos=True)
