@@ -36,8 +36,9 @@ graphs are dropped and captured again only when what they depend on changes: a p
 weight or its scale, moves to new storage; the recipe swaps the linear layers for new modules; or the kernel
 tuning in force changes (a graph replays the kernels chosen when it was captured). A new weight version is
 re-quantized into the same FP8 buffers, so graphs survive optimizer steps in ``jet``, but a sharded model's
-weights, gathered for each rollout, move every step. ``graph_captures`` and ``graph_capture_seconds`` count
-the work.
+weights, gathered for each rollout, move every step. The first capture of a set of graphs first compiles the
+GEMM kernels that compile at first use (DeepGEMM's, under ``gemm="deepgemm"``) for every candidate size at once.
+``graph_captures`` and ``graph_capture_seconds`` count the work (that compilation included).
 
 **Precision.** Every forward runs under ``torch.no_grad`` and ``precision_side("rollout")``, so in ``jet``
 each linear layer reads its cached FP8 weight of the current weight version, the same bytes the training
