@@ -79,25 +79,37 @@ def test_decode_rows_to_output_rounding(dg, m, n, k):
 
 
 def test_decode_rows_route_by_the_rule(dg):
-    """Under ``gemm="deepgemm"`` decode-sized rows go to DeepGEMM, except a long-K weight up to the split-K bound
-    and a grouped launch with biases that the grouped decode kernel takes (it adds them in its epilogue)."""
+    """Under ``gemm="deepgemm"`` the rollout's decode-sized rows go to DeepGEMM, except a long-K weight up to the
+    split-K bound (on the decode kernel, past that kernel's own per-shape bound) and a grouped launch with biases
+    up to the grouped decode kernel's bound (it adds them in its epilogue); the same rows on the training side stay
+    on the default route."""
+    from jetrl.quant import precision_side
     from jetrl.quant.kernels.cuda_backend import CudaBackend, gemm_path
 
     be = CudaBackend()
     w = {(n, k): be.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), WEIGHT)
-         for n, k in ((2048, 1536), (1536, 8960), (256, 1536))}
-    with tuning.override(gemm="deepgemm"):
-        for m in (1, 16, 128, 256):
+         for n, k in ((2048, 1536), (1536, 8960), (256, 1536), (3584, 18944), (512, 3584))}
+    with tuning.override(gemm="deepgemm"), precision_side("rollout"):
+        for m in (1, 16, 96, 128, 256):
             a = be.quantize(torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16), ACT)
             assert gemm_path(a, w[2048, 1536]) == "deepgemm"
             assert gemm_path(a, w[256, 1536], grouped_n=2048) == "deepgemm"  # the stacked GEMM runs there
-            grouped_bound = tuning.current().decode_rows(2048, 1536, grouped=True)
-            assert gemm_path(a, w[256, 1536], grouped_n=2048, biased=True) == (
-                "decode" if m <= grouped_bound else "deepgemm")
-            a_down = be.quantize(torch.randn(m, 8960, device="cuda", dtype=torch.bfloat16), ACT)
-            assert gemm_path(a_down, w[1536, 8960]) == ("deepgemm" if m > 128 else "decode")
+            for n, k in ((1536, 8960), (3584, 18944)):  # down projections (7B: no per-shape decode bound)
+                a_down = be.quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), ACT)
+                assert gemm_path(a_down, w[n, k]) == ("deepgemm" if m > 128 else "decode")
+            a7 = be.quantize(torch.randn(m, 3584, device="cuda", dtype=torch.bfloat16), ACT)
+            bound = tuning.current().decode_rows(4608, 3584, grouped=True)  # 7B q/k/v: the general grouped bound
+            assert bound < 128
+            assert gemm_path(a7, w[512, 3584], grouped_n=4608, biased=True) == (
+                "decode" if m <= bound else "deepgemm")
         with tuning.override(deepgemm_decode_max_m=0):
             assert gemm_path(a, w[2048, 1536]) != "deepgemm"
+    for m in (16, 256):  # the training side (DGrad, or a tiny micro-batch): the default route's choice
+        a = be.quantize(torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16), ACT)
+        with tuning.override(gemm="deepgemm"):
+            got = gemm_path(a, w[2048, 1536])
+        with tuning.override(gemm="auto"):
+            assert got == gemm_path(a, w[2048, 1536]) != "deepgemm"
 
 
 def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):

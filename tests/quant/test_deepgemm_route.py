@@ -11,56 +11,73 @@ from jetrl.rl.micro_batch import round_up
 
 
 def test_the_rule_takes_padded_micro_batches_and_small_wgrad_outputs():
-    rule = dict(min_m=2048, wgrad_max_tiles=256)
-    assert dg.routes(2048, 2048, 1536, WEIGHT, **rule)
-    assert dg.routes(15360, 17920, 1536, WEIGHT, **rule)
-    assert not dg.routes(1920, 2048, 1536, WEIGHT, **rule)  # below min_m
-    assert not dg.routes(15288, 2048, 1536, WEIGHT, **rule)  # a prefill chunk's row count: cuBLAS
+    rule = dict(min_m=2048, wgrad_max_tiles=256, rollout=False)
+
+    def routed(*args, **kw):
+        return dg.route(*args, **{**rule, **kw}) == "deepgemm"
+
+    assert routed(2048, 2048, 1536, WEIGHT) and routed(15360, 17920, 1536, WEIGHT)
+    assert dg.route(1920, 2048, 1536, WEIGHT, **rule) is None  # below min_m: the default route's
+    assert dg.route(15288, 2048, 1536, WEIGHT, **rule) is None  # a prefill chunk's row count: cuBLAS
+    assert routed(2048, 2048, 1536, WEIGHT, rollout=True)  # rollout rows above the decode bound: the same rule
     # WGrad: (m, n) is the output, k the tokens
-    assert dg.routes(2048, 1536, 4096, ACT, **rule)  # 16 x 12 tiles
-    assert dg.routes(1536, 1536, 2048, ACT, **rule)
-    assert not dg.routes(2048, 1536, 1920, ACT, **rule)  # too few tokens
-    assert not dg.routes(17920, 1536, 15360, ACT, **rule)  # 140 x 12 tiles: cuBLAS's
-    assert not dg.routes(3584, 3584, 15360, ACT, **rule)  # 28 x 28
-    assert dg.routes(3584, 3584, 15360, ACT, min_m=2048, wgrad_max_tiles=784)
+    assert routed(2048, 1536, 4096, ACT)  # 16 x 12 tiles
+    assert routed(1536, 1536, 2048, ACT)
+    assert not routed(2048, 1536, 1920, ACT)  # too few tokens
+    assert not routed(17920, 1536, 15360, ACT)  # 140 x 12 tiles: cuBLAS's
+    assert not routed(3584, 3584, 15360, ACT)  # 28 x 28
+    assert routed(3584, 3584, 15360, ACT, wgrad_max_tiles=784)
 
 
-def test_the_rule_takes_decode_rows_except_long_k_weights_up_to_the_split_k_bound():
+def test_the_rule_takes_the_rollouts_decode_rows_except_long_k_weights_up_to_the_split_k_bound():
     rule = tuning.KernelTuning().deepgemm_rule()
     assert rule["decode_max_m"] == 256 and rule["split_k_max_m"] == 128
+
+    def where(m, n, k, block=WEIGHT, rollout=True, **kw):
+        return dg.route(m, n, k, block, rollout=rollout, **{**rule, **kw})
+
     for m in (1, 3, 16, 100, 256):
-        assert dg.routes(m, 2048, 1536, WEIGHT, **rule)  # q/k/v stacked, o, gate/up: K <= 2N
-        assert dg.routes(m, 17920, 1536, WEIGHT, **rule)
-        assert dg.routes(m, 1536, 3072, WEIGHT, **rule)
-        assert dg.routes(m, 1536, 8960, WEIGHT, **rule) == (m > 128)  # down: split-K's case up to 128 rows
-    assert not dg.routes(257, 2048, 1536, WEIGHT, **rule)  # above the decode bound, below min_m
-    assert not dg.routes(16, 2048, 1536, WEIGHT, **dict(rule, decode_max_m=0))  # the decode route off
-    assert not dg.routes(1536, 2048, 16, ACT, **rule)  # WGrad over 16 tokens is no decode GEMM
+        assert where(m, 2048, 1536) == "deepgemm"  # q/k/v stacked, o, gate/up: K <= 2N
+        assert where(m, 17920, 1536) == "deepgemm"
+        assert where(m, 1536, 3072) == "deepgemm"
+        for n, k in ((1536, 8960), (3584, 18944), (896, 4864)):  # down projections, 1.5B / 7B / 0.5B
+            assert where(m, n, k) == ("deepgemm" if m > 128 else "decode")  # split-K's case up to 128 rows
+        # a grouped launch with biases (the caller's decode bound) keeps the decode kernel up to that bound
+        assert where(m, 4608, 3584, decode_bound=64) == ("deepgemm" if m > 64 else "decode")
+        # the training side (an update or scoring micro-batch this small, DGrad among them) is not the rollout's
+        assert where(m, 2048, 1536, rollout=False) is None
+    assert where(257, 2048, 1536) is None  # above the decode bound, below min_m (0: no training route)
+    assert where(16, 2048, 1536, decode_max_m=0) is None  # the decode route off
+    assert where(1536, 2048, 16, ACT) is None  # WGrad over 16 tokens is no decode GEMM
     # the training route is off by default: padded micro-batches and WGrad stay on cuBLAS
     assert rule["min_m"] == 0
-    assert not dg.routes(2048, 2048, 1536, WEIGHT, **rule) and not dg.routes(1536, 1536, 4096, ACT, **rule)
+    assert where(2048, 2048, 1536, rollout=False) is None and where(1536, 1536, 4096, ACT, rollout=False) is None
 
 
 def test_the_plan_covers_every_gemm_met_at_every_bucket():
     seen = {(2048, 1536, False), (1536, 2048, False), (2048, 1536, True), (17920, 1536, True)}
     buckets = sorted({round_up(t, 128) for t in range(1024, 4097, 128)})
-    plan = dg.planned_shapes(buckets, min_m=2048, wgrad_max_tiles=256, decode_max_m=256, seen=seen)
+    plan = dg.planned_shapes(buckets, rollout=False, min_m=2048, wgrad_max_tiles=256, decode_max_m=256, seen=seen)
     big = [m for m in buckets if m >= 2048]
     assert big and min(buckets) < 2048
     assert sorted(plan, key=lambda s: (s.wgrad, s.n, s.m)) == sorted(
         [dg.GemmShape(m, 2048, 1536) for m in big] + [dg.GemmShape(m, 1536, 2048) for m in big]
         + [dg.GemmShape(m, 2048, 1536, True) for m in big], key=lambda s: (s.wgrad, s.n, s.m))
+    # the training side's small buckets are not the rollout's decode rows
+    assert not dg.planned_shapes([128, 256], rollout=False, seen=seen, **tuning.KernelTuning().deepgemm_rule())
 
 
 def test_the_plan_covers_the_decode_graph_sizes():
-    """The rollout's decode graphs ask for their row counts: the stacked q/k/v and the others at every size, the
-    down projection (K > 2N) above the split-K bound only."""
-    seen = {(2048, 1536, False), (17920, 1536, False), (1536, 8960, False)}
+    """The rollout's decode graphs ask for their row counts: gate/up and o at every size, the down projection
+    (K > 2N) above the split-K bound only, and the stacked q/k/v with biases above its decode bound only."""
+    seen = {(2048, 1536, False), (17920, 1536, False), (1536, 1536, False), (1536, 8960, False)}
     sizes = [1, 2, 4, 8, 16, 32, 128, 144, 256]
-    plan = dg.planned_shapes(sizes, seen=seen, **tuning.KernelTuning().deepgemm_rule())
-    assert sorted(plan, key=lambda s: (s.n, s.m)) == sorted(
-        [dg.GemmShape(m, n, 1536) for n in (2048, 17920) for m in sizes]
-        + [dg.GemmShape(m, 1536, 8960) for m in (144, 256)], key=lambda s: (s.n, s.m))
+    plan = dg.planned_shapes(sizes, rollout=True, seen=seen, **tuning.KernelTuning().deepgemm_rule(),
+                             decode_bound=lambda n, k: 64 if (n, k) == (2048, 1536) else 0)
+    assert sorted(plan, key=lambda s: (s.n, s.k, s.m)) == sorted(
+        [dg.GemmShape(m, n, 1536) for n in (17920, 1536) for m in sizes]
+        + [dg.GemmShape(m, 2048, 1536) for m in (128, 144, 256)]
+        + [dg.GemmShape(m, 1536, 8960) for m in (144, 256)], key=lambda s: (s.n, s.k, s.m))
 
 
 @pytest.mark.parametrize("field", ["deepgemm_min_m", "deepgemm_wgrad_max_tiles", "deepgemm_decode_max_m",
@@ -69,6 +86,9 @@ def test_tuning_checks_the_rule_bounds(field):
     with pytest.raises(ValueError, match=field):
         tuning.KernelTuning(**{field: -1})
     assert "deepgemm" in tuning.GEMM_CHOICES
+    if field == "deepgemm_split_k_max_m":  # the decode kernel keeps those rows: at most its 256
+        with pytest.raises(ValueError, match=field):
+            tuning.KernelTuning(deepgemm_split_k_max_m=257)
 
 
 def test_deepgemm_is_an_error_where_it_is_not_installed():

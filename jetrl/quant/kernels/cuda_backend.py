@@ -14,8 +14,8 @@ backend (quantization bit for bit, GEMMs to output rounding):
   (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
   FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
   grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; with the tuning's
-  ``gemm="deepgemm"`` (opt-in), the padded micro-batches' GEMMs and the decode steps' go to DeepGEMM
-  (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
+  ``gemm="deepgemm"`` (opt-in), the rollout's decode GEMMs (and with ``deepgemm_min_m`` set the padded
+  micro-batches') go to DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
@@ -40,6 +40,7 @@ import torch
 
 from jetrl.quant import reference
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
+from jetrl.quant.side import current_side
 from jetrl.quant.kernels import bias_triton
 from jetrl.quant.kernels import gemm_decode_triton as dk
 from jetrl.quant.kernels import gemm_deepgemm as deepgemm
@@ -113,7 +114,8 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
     """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"deepgemm"``, ``"cublas"`` or ``"triton"`` (see the module
     docstring); ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``, ``biased``
     with biases, which the grouped decode kernel adds in its epilogue and DeepGEMM cannot (two more launches), so
-    under ``gemm="deepgemm"`` such a launch keeps the decode kernel where its bound takes the rows."""
+    under ``gemm="deepgemm"`` such a launch keeps the decode kernel where its bound takes the rows
+    (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`, on the rollout side)."""
     cfg = tuning.current()
     choice = cfg.gemm
     m, k = a.shape[0], a.shape[1]
@@ -121,15 +123,16 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
         return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
     grouped = grouped_n is not None
     n = grouped_n if grouped else b.shape[0]
-    if choice == "deepgemm":
-        if not deepgemm.is_available(a.data.device):
+    if choice == "deepgemm" and deepgemm.supports(a, b, out_dtype):
+        # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
+        where = deepgemm.route(m, n, k, b.block, rollout=current_side() == "rollout",
+                               decode_bound=decode_max_m(n, k, grouped) if biased else 0, **cfg.deepgemm_rule())
+        if where == "deepgemm" and not deepgemm.is_available(a.data.device):
             raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
                                "DeepGEMM does not load here (see the warning before); rebuild it "
                                "(github.com/deepseek-ai/DeepGEMM), or choose another path")
-        # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
-        if (deepgemm.supports(a, b, out_dtype) and deepgemm.routes(m, n, k, b.block, **cfg.deepgemm_rule())
-                and not (biased and m <= decode_max_m(n, k, grouped))):
-            return "deepgemm"
+        if where is not None:
+            return where
     if choice in ("auto", "deepgemm") and m <= decode_max_m(n, k, grouped):
         return "decode"
     if choice == "triton" or not (scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)):
@@ -204,8 +207,10 @@ class CudaBackend:
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
         """``cat([a @ w.T (+ bias)])`` in one launch for decode-sized ``a`` and 128x128-block weights that
         share it; ``None`` where this does not apply (the caller then runs the GEMMs one by one)."""
+        if tuning.current().gemm == "deepgemm" and any(b is not None for b in biases) and a.block == ACT:
+            deepgemm.note_biased_group(sum(w.shape[0] for w in weights), a.shape[1])  # for the decode plan
         if (a.block != ACT or not 1 <= len(weights) <= 3 or any(w.block != WEIGHT for w in weights)
-                or gemm_path(a, weights[0], grouped_n=sum(w.shape[0] for w in weights),
+                or gemm_path(a, weights[0], grouped_n=sum(w.shape[0] for w in weights), out_dtype=out_dtype,
                              biased=any(b is not None for b in biases)) != "decode"
                 or (any(b is not None for b in biases) and any(b is None for b in biases))):
             return None
@@ -240,12 +245,17 @@ class CudaBackend:
         return gemm_triton.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
 
     def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
-        """Compile ahead DeepGEMM's kernels for the GEMMs met so far at these token counts, where the tuning routes
-        them there (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
+        """Compile ahead DeepGEMM's kernels for the GEMMs met so far at these token counts (rows), where the tuning
+        routes them there on the side in force (the rollout's decode graphs, or the update's), by
+        :func:`gemm_path`'s rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
         cfg = tuning.current()
         if cfg.gemm != "deepgemm" or not deepgemm.is_available(device):
             return 0.0
-        return deepgemm.compile_kernels(deepgemm.planned_shapes(token_counts, **cfg.deepgemm_rule()), device)
+        biased = deepgemm.biased_groups()  # as gemm_path's biased grouped launches (the stacked q/k/v's shape)
+        shapes = deepgemm.planned_shapes(
+            token_counts, rollout=current_side() == "rollout", **cfg.deepgemm_rule(),
+            decode_bound=lambda n, k: decode_max_m(n, k, grouped=True) if (n, k) in biased else 0)
+        return deepgemm.compile_kernels(shapes, device)
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)

@@ -17,7 +17,7 @@ jetrl's three GEMMs map onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``):
   accumulates into (zeroed first), cast to the weight's dtype; compiled per (N, K) of the output, the token count
   a runtime argument.
 
-The routing rule (:func:`routes`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
+The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
 tuning's ``gemm`` is ``"deepgemm"`` (``JETRL_FP8_GEMM=deepgemm``, or ``kernels: [gemm=deepgemm]`` in a run's config).
 It is opt-in because DeepGEMM is built from source. By default it takes the rollout's decode steps, where it is
 faster than both of jetrl's own routes (BENCHMARKS.md); the training GEMMs only with ``deepgemm_min_m`` set (on the
@@ -86,16 +86,22 @@ def supports(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
     return b.block != WEIGHT or out_dtype == torch.bfloat16
 
 
-def routes(m: int, n: int, k: int, b_block, *, min_m: int, wgrad_max_tiles: int, decode_max_m: int = 0,
-           split_k_max_m: int = 0) -> bool:
-    """The rule of the ``gemm="deepgemm"`` path for ``a`` (m, k) @ ``b`` (n, k)^T (the tuning's bounds:
-    :meth:`~jetrl.quant.kernels.tuning.KernelTuning.deepgemm_rule`).
+def route(m: int, n: int, k: int, b_block, *, rollout: bool, min_m: int, wgrad_max_tiles: int,
+          decode_max_m: int = 0, split_k_max_m: int = 0, decode_bound: int = 0) -> str | None:
+    """Where ``gemm="deepgemm"`` sends ``a`` (m, k) @ ``b`` (n, k)^T that DeepGEMM's layouts take (:func:`supports`):
+    ``"deepgemm"``, ``"decode"`` (jetrl's split-K decode kernel keeps it) or None (the default route decides: the
+    decode kernel up to its bound, cuBLAS above). The bounds are the tuning's
+    (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.deepgemm_rule`); ``rollout``: the GEMM runs on the rollout
+    side (:func:`jetrl.quant.side.current_side`); ``decode_bound``: rows up to which the caller's launch is better
+    on the decode kernel whatever its shape (a grouped launch with biases, which that kernel adds in its epilogue
+    and DeepGEMM cannot; 0: none).
 
-    * Fprop of at most ``decode_max_m`` rows: the rollout's decode steps, whose CUDA graphs' row counts are
-      compiled ahead at their first capture. There DeepGEMM's persistent kernel is faster than both cuBLAS's
+    * The rollout's Fprop of at most ``decode_max_m`` rows (its decode steps, whose CUDA graphs' row counts are
+      compiled ahead at their first capture): DeepGEMM, whose persistent kernel is faster there than both cuBLAS's
       blockwise GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an MLP's
-      down projection) up to ``split_k_max_m`` rows: their few output tiles leave most SMs idle over a long K
-      unless K is split, which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM table).
+      down projection) up to ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles leave
+      most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM
+      table).
     * The training GEMMs, where ``min_m`` is set (0: none; on the H200 a whole 1.5B run was no faster with them):
       Fprop and DGrad (``b`` 128x128) of at least ``min_m`` rows and a multiple of 128, the update's and the
       scoring pass's padded micro-batches, whose kernels :func:`compile_kernels` compiles ahead (other large row
@@ -105,11 +111,13 @@ def routes(m: int, n: int, k: int, b_block, *, min_m: int, wgrad_max_tiles: int,
       DeepGEMM's persistent schedule handles better, while on large outputs cuBLAS's WGrad is the faster
       (BENCHMARKS.md, the GEMM table).
     """
+    if b_block == WEIGHT and rollout and m <= decode_max_m:
+        if (k > 2 * n and m <= split_k_max_m) or m <= decode_bound:
+            return "decode"
+        return "deepgemm"
     if b_block == WEIGHT:
-        if m <= decode_max_m:
-            return k <= 2 * n or m > split_k_max_m
-        return 0 < min_m <= m and m % 128 == 0
-    return 0 < min_m <= k and -(-m // 128) * -(-n // 128) <= wgrad_max_tiles
+        return "deepgemm" if 0 < min_m <= m and m % 128 == 0 else None
+    return "deepgemm" if 0 < min_m <= k and -(-m // 128) * -(-n // 128) <= wgrad_max_tiles else None
 
 
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -229,6 +237,8 @@ def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: in
 
 # the GEMMs this process has routed to cuBLAS or DeepGEMM, as (N, K, wgrad): what :func:`planned_shapes` plans
 _SEEN: set[tuple[int, int, bool]] = set()
+# (N, K) of the stacked weights of grouped launches with biases this process has met (:func:`note_biased_group`)
+_BIASED_GROUPS: set[tuple[int, int]] = set()
 # the launches :func:`compile_kernels` has compiled and loaded in this process
 _PREPARED: set[GemmShape] = set()
 
@@ -242,15 +252,29 @@ def note(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> None:
         _SEEN.add((a.shape[0], b.shape[0], True))
 
 
-def planned_shapes(token_counts: list[int], *, seen: set[tuple[int, int, bool]] | None = None,
-                   **rule: int) -> list[GemmShape]:
+def note_biased_group(n: int, k: int) -> None:
+    """Record that the (n, k) stacked weight of a grouped launch has biases (its decode rows may stay on the
+    decode kernel: :func:`route`'s ``decode_bound``)."""
+    _BIASED_GROUPS.add((n, k))
+
+
+def biased_groups() -> frozenset[tuple[int, int]]:
+    """(N, K) of the grouped launches with biases met so far (:func:`note_biased_group`)."""
+    return frozenset(_BIASED_GROUPS)
+
+
+def planned_shapes(token_counts: list[int], *, rollout: bool, seen: set[tuple[int, int, bool]] | None = None,
+                   decode_bound=None, **rule: int) -> list[GemmShape]:
     """The DeepGEMM launches that the GEMMs ``seen`` (default: those this process has run, :func:`note`) make at
-    each of ``token_counts`` tokens (rows), by :func:`routes` with the bounds ``rule``."""
+    each of ``token_counts`` tokens (rows) on the ``rollout`` side or the training side, by :func:`route` with
+    the bounds ``rule``; ``decode_bound(n, k)`` gives a weight's ``decode_bound`` (default 0)."""
     out = []
     for n, k, wgrad in sorted(_SEEN if seen is None else seen):
+        bound = 0 if wgrad or decode_bound is None else decode_bound(n, k)
         for m in token_counts:
-            ok = routes(n, k, m, ACT, **rule) if wgrad else routes(m, n, k, WEIGHT, **rule)
-            if ok:
+            where = route(n, k, m, ACT, rollout=rollout, **rule) if wgrad else \
+                route(m, n, k, WEIGHT, rollout=rollout, decode_bound=bound, **rule)
+            if where == "deepgemm":
                 out.append(GemmShape(m, n, k, wgrad))
     return out
 

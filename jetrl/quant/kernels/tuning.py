@@ -202,9 +202,9 @@ class KernelTuning:
       not installed); or one path forced: ``"cublas"``, ``"triton"``,
       ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
     * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m`` / ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``:
-      DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`): Fprop of at most
+      DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most
       ``deepgemm_decode_max_m`` rows (the rollout's decode steps; 0: none), where a weight whose K is more than
-      twice its N stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows; the training GEMMs
+      twice its N stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs
       only with ``deepgemm_min_m`` set (0, the default: none, as they were no faster in a whole run): Fprop/DGrad
       of at least that many rows (padded micro-batches), WGrad of at least that many tokens and an output of at
       most ``deepgemm_wgrad_max_tiles`` 128x128 tiles;
@@ -417,6 +417,9 @@ class KernelTuning:
                 raise ValueError(f"KernelTuning.{name} must be at most {BLOCK_SIZE}, got {getattr(self, name)}")
         self._check_ints(("exact_split_k", "exact_split_programs", "exact_min_kb_per_split", "exact_split_max_m",
                           "exact_wide_min_m", "exact_cublas_min_m", "exact_decode_max_m"), 0)
+        if self.deepgemm_split_k_max_m > DECODE_GEMM_MAX_M:
+            raise ValueError(f"KernelTuning.deepgemm_split_k_max_m must be at most {DECODE_GEMM_MAX_M} (the decode "
+                             f"GEMM's rows), got {self.deepgemm_split_k_max_m}")
         if self.exact_decode_max_m > DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.exact_decode_max_m must be at most {DECODE_GEMM_MAX_M} (the decode "
                              f"GEMM's rows), got {self.exact_decode_max_m}")
@@ -483,7 +486,7 @@ class KernelTuning:
         object.__setattr__(self, "decode_shape_configs", MappingProxyType(dict(self.decode_shape_configs)))
 
     def deepgemm_rule(self) -> dict[str, int]:
-        """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.routes`), as its keywords."""
+        """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`), as its keywords."""
         return dict(min_m=self.deepgemm_min_m, wgrad_max_tiles=self.deepgemm_wgrad_max_tiles,
                     decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
 
