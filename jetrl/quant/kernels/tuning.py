@@ -203,8 +203,8 @@ class KernelTuning:
       ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
     * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m`` / ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``:
       DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most
-      ``deepgemm_decode_max_m`` rows (the rollout's decode steps; 0: none), where a weight whose K is more than
-      twice its N stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs
+      ``deepgemm_decode_max_m`` rows (its decode steps; 0: none), where a weight whose K is more than twice its N
+      stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs
       only with ``deepgemm_min_m`` set (0, the default: none, as they were no faster in a whole run): Fprop/DGrad
       of at least that many rows (padded micro-batches), WGrad of at least that many tokens and an output of at
       most ``deepgemm_wgrad_max_tiles`` 128x128 tiles;
