@@ -111,3 +111,17 @@ def test_shapes_deepgemm_cannot_take_are_not_compiled():
     assert not dg._takes(dg.GemmShape(64, 1536, 1536, True))  # WGrad over a partial 128-token block
     assert not dg._takes(dg.GemmShape(2048, 1000, 1536))  # a weight width that is not whole tiles
     assert not dg._takes(dg.GemmShape(2048, 2048, 1000))
+
+
+def test_compile_workers_share_the_cpus_between_the_jobs_processes(monkeypatch):
+    """Each process of a torchrun job on one machine starts its share of the CPUs in compile workers (each holds a
+    CUDA context on that process's GPU), at most 8 and at least 1."""
+    import os
+
+    cpus = os.cpu_count() or 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert dg.default_workers() == max(1, min(8, cpus))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert dg.default_workers() == max(1, min(8, cpus // 8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cpus))
+    assert dg.default_workers() == 1

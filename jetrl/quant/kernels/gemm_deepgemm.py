@@ -188,12 +188,22 @@ def _launch_all(device_index: int, shapes: list[GemmShape]) -> None:
     torch.cuda.synchronize(device)
 
 
+def default_workers() -> int:
+    """Compile workers per process: this machine's CPUs shared by the processes of the job on it
+    (``LOCAL_WORLD_SIZE``, set by ``torchrun``; 1 otherwise), at most 8 (each worker holds a CUDA context on its
+    process's GPU), at least 1."""
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(8, (os.cpu_count() or 1) // local))
+
+
 def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: int | None = None,
                     timeout: float = 900.0) -> float:
-    """Launch every GEMM of ``shapes`` once in ``processes`` worker processes (default: the CPU count, at most 8:
-    each holds a CUDA context and its operands on the training GPU), so that each kernel they need is compiled into
-    DeepGEMM's disk cache, then once here, which loads each kernel (a load is quick, and kept out of a CUDA-graph
-    capture that meets the shape later); returns the seconds taken. The shapes, ordered by (N, K) and then M, are
+    """Launch every GEMM of ``shapes`` once in ``processes`` worker processes (default: :func:`default_workers`),
+    so that each kernel they need is compiled into DeepGEMM's disk cache, then once here, which loads each kernel (a
+    load is quick, and kept out of a CUDA-graph capture that meets the shape later); returns the seconds taken. The shapes, ordered by (N, K) and then M, are
     cut into equal slices, one per worker, so neighbouring M (which mostly share a tile configuration) compile in
     one worker. Shapes DeepGEMM does not take are skipped. A worker that fails or outlives ``timeout`` seconds is
     reported as a warning (and stopped): its kernels are then compiled here, one by one."""
@@ -202,7 +212,7 @@ def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: in
         return 0.0
     start = time.perf_counter()
     ordered = sorted(shapes, key=lambda s: (s.wgrad, s.n, s.k, s.m))
-    workers = max(1, min(processes or min(8, os.cpu_count() or 1), len(ordered)))
+    workers = max(1, min(processes or default_workers(), len(ordered)))
     chunks = [ordered[i * len(ordered) // workers:(i + 1) * len(ordered) // workers] for i in range(workers)]
     index = device.index if device.index is not None else torch.cuda.current_device()
     if workers > 1:  # fresh interpreters (not multiprocessing: it would re-run the parent's __main__)
