@@ -427,6 +427,9 @@ def _rotation(n: int, k: int, min_bytes: int = 256 * 2 ** 20) -> int:
 
 
 # (block_n, split_k, num_stages, num_warps) tried at M = 64, where the default is least settled
+# (block_m, block_n, warps, stages) of the blockwise Triton GEMM tried at 65-256 rows in the decode section: does
+# a small tile reach DeepGEMM's latency there without DeepGEMM?
+TRITON_SMALL_TILES = [(32, 64, 4, 4), (64, 64, 4, 4), (64, 64, 8, 3), (64, 128, 4, 3), (128, 64, 8, 3), (16, 64, 4, 4)]
 DECODE_SWEEP = [(bn, split, stages, warps) for bn in (32, 64, 128) for split in (2, 4, 8) for stages in (2, 3, 4)
                 for warps in (4, 8)]
 
@@ -476,6 +479,13 @@ def bench_decode(rep: Report, nk_list: list[tuple[int, int]], sweep: bool = True
                     cfg = dk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=stages)
                     row[f"decode_n{bn}k{split}s{stages}w{warps}_us"] = per_gemm(
                         lambda i: dk.fp8_decode_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128, config=cfg))
+            if m > 64:  # smaller tiles of the blockwise Triton GEMM (its default above 64 rows is 128 x 128)
+                for bm, bn, warps, stages in TRITON_SMALL_TILES:
+                    cfg = gemm_triton.GemmConfig(block_m=bm, block_n=bn, group_m=1, num_warps=warps,
+                                                 num_stages=stages)
+                    row[f"triton_m{bm}n{bn}w{warps}s{stages}_us"] = per_gemm(
+                        lambda i: gemm_triton.blockwise_fp8_gemm(qx.data, qx.scale, qws[i].data, qws[i].scale, 128,
+                                                                 config=cfg))
             if m > 64:  # beyond the decode path's range: is the decode kernel still competitive there?
                 for bn, split, warps in ((64, 1, 8), (64, 2, 8), (128, 1, 8), (64, 4, 8)):
                     cfg = dk.DecodeGemmConfig(block_n=bn, split_k=split, num_warps=warps, num_stages=3)
