@@ -207,12 +207,12 @@ class CudaBackend:
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
         """``cat([a @ w.T (+ bias)])`` in one launch for decode-sized ``a`` and 128x128-block weights that
         share it; ``None`` where this does not apply (the caller then runs the GEMMs one by one)."""
-        if tuning.current().gemm == "deepgemm" and any(b is not None for b in biases) and a.block == ACT:
-            deepgemm.note_biased_group(sum(w.shape[0] for w in weights), a.shape[1])  # for the decode plan
+        biased, width = any(b is not None for b in biases), sum(w.shape[0] for w in weights)
+        if biased and a.block == ACT and tuning.current().gemm == "deepgemm":
+            deepgemm.note_biased_group(width, a.shape[1])  # for the decode plan
         if (a.block != ACT or not 1 <= len(weights) <= 3 or any(w.block != WEIGHT for w in weights)
-                or gemm_path(a, weights[0], grouped_n=sum(w.shape[0] for w in weights), out_dtype=out_dtype,
-                             biased=any(b is not None for b in biases)) != "decode"
-                or (any(b is not None for b in biases) and any(b is None for b in biases))):
+                or gemm_path(a, weights[0], grouped_n=width, out_dtype=out_dtype, biased=biased) != "decode"
+                or (biased and any(b is None for b in biases))):
             return None
         for w in weights:
             reference.check_gemm_operands(a, w)
