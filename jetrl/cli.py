@@ -78,11 +78,14 @@ def _existing(path: str, what: str, hint: str) -> str:
 
 
 def _model_path(path: str) -> str:
-    """A checkpoint folder, or ``jetrl:tiny-arith``, or a hub-style ``owner/name`` (resolved by the loader)."""
+    """A checkpoint folder, a .gguf file, ``jetrl:tiny-arith``, or a hub-style ``owner/name`` (resolved by the
+    loader)."""
     path = resolve_asset(path)
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        return path
     if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
         raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder (holding "
-                                f"config.json and *.safetensors) or {EMBEDDED_MODEL}")
+                                f"config.json and *.safetensors), a .gguf file or {EMBEDDED_MODEL}")
     return path
 
 
@@ -354,7 +357,8 @@ def _cmd_check_fp8(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ parser
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=EMBEDDED_MODEL, help=f"checkpoint folder (default: {EMBEDDED_MODEL})")
+    p.add_argument("--model", default=EMBEDDED_MODEL, help=f"checkpoint folder or .gguf file (default: "
+                   f"{EMBEDDED_MODEL})")
     p.add_argument("--recipe", default="bf16", choices=list(RECIPES), help="precision recipe of the rollout "
                    "(default bf16)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
@@ -479,8 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--smooth", type=int, default=None, help="moving-average window in steps")
     p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser("export", help="write a checkpoint as HuggingFace BF16 or block-FP8")
-    p.add_argument("model", help=f"checkpoint folder (or {EMBEDDED_MODEL})")
+    p = sub.add_parser("export", help="write a checkpoint (or a .gguf file) as HuggingFace BF16 or block-FP8")
+    p.add_argument("model", help=f"checkpoint folder, .gguf file (or {EMBEDDED_MODEL})")
     p.add_argument("output", help="folder to write")
     p.add_argument("--fp8", action="store_true", help="block-FP8 weights (128x128 scales), as vLLM/SGLang serve")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty output folder")

@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from jetrl.models.config import DecoderConfig
+from jetrl.models.gguf import convert_gguf, gguf_folder, is_gguf
 from jetrl.models.transformer import DecoderLM, build_model
 from jetrl.quant import WEIGHT, FP8Linear, apply_recipe, get_backend, get_recipe
 from jetrl.quant.reference import dequantize
@@ -50,12 +51,16 @@ DEFAULT_SHARD_BYTES = 5 * 1024 ** 3
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> str:
-    """A local checkpoint folder for ``path``: the folder itself, or a hub id fetched by ``huggingface_hub``."""
+    """A local checkpoint folder for ``path``: the folder itself, the folder a GGUF file converts to
+    (:func:`jetrl.models.gguf.gguf_folder`, converted at first use), or a hub id fetched by ``huggingface_hub``."""
     path = os.fspath(path)
     if os.path.isdir(path):
         return path
+    if is_gguf(path):
+        return gguf_folder(path)
     if os.path.exists(path):
-        raise ValueError(f"{path} is a file; give the checkpoint folder (holding config.json and *.safetensors)")
+        raise ValueError(f"{path} is a file; give the checkpoint folder (holding config.json and *.safetensors) "
+                         f"or a .gguf file")
     if path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise FileNotFoundError(f"checkpoint folder {path} does not exist (and it is not a hub id 'org/name')")
     try:
@@ -81,7 +86,7 @@ def _weight_map(folder: str) -> dict[str, str]:
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         other = [f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
-        hint = f" (found {other}: convert them to safetensors)" if other else ""
+        hint = f" (found {other}: convert them to safetensors; give a .gguf file itself as the path)" if other else ""
         raise FileNotFoundError(f"no *.safetensors weights in {folder}{hint}")
     if len(files) > 1:
         raise ValueError(f"{folder} holds several safetensors files {files} but no {INDEX_NAME}")
@@ -357,10 +362,16 @@ def export_model(source: str | os.PathLike, output: str | os.PathLike, fp8: bool
     ``output`` must be new or empty: a folder that holds files is refused (nothing is deleted) unless
     ``overwrite``, which replaces its weights and config.json. With ``fp8``, FP8 layers whose weights are not
     whole 128x128 blocks are named in a warning: the export is exact and jetrl loads it, but transformers'
-    FP8 loader and vLLM accept only 128-divisible shapes."""
+    FP8 loader and vLLM accept only 128-divisible shapes. A ``.gguf`` ``source`` is dequantized
+    (:mod:`jetrl.models.gguf`): its BF16 folder, with tokenizer and chat template, is the export."""
     source, output = os.fspath(source), os.fspath(output)
+    if is_gguf(source) and not fp8:
+        return convert_gguf(source, output, overwrite=overwrite)
+    if is_gguf(source):
+        source = gguf_folder(source)
     if not os.path.isdir(source):
-        raise FileNotFoundError(f"checkpoint folder {source} does not exist; give a HuggingFace model folder")
+        raise FileNotFoundError(f"checkpoint folder {source} does not exist; give a HuggingFace model folder or a "
+                                f".gguf file")
     if os.path.abspath(source) == os.path.abspath(output):
         raise ValueError("the export folder must differ from the source checkpoint")
     if os.path.exists(output) and not os.path.isdir(output):

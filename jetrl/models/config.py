@@ -12,10 +12,13 @@ Qwen2/2.5   ``qwen2`` / Qwen2ForCausalLM      q/k/v bias always on, no o_proj bi
 Qwen3       ``qwen3`` / Qwen3ForCausalLM      RMSNorm on q and k per head, optional ``attention_bias``
 ==========  ===============================  ==============================================
 
-Reading is strict: a field jetrl does not know, an unknown architecture or an option it does not
-implement (another activation, sliding-window attention, an unsupported RoPE type) raises a
-``ValueError`` naming it, instead of silently building a different model. Fields that only matter to
-other frameworks (initializer range, cache flags, ...) are listed in ``IGNORED_HF_FIELDS``.
+Reading is strict about the computation and lenient about everything else. Fields that change nothing the
+model computes are accepted wherever HuggingFace or another tool writes them (names, token ids, versions,
+cache and output flags, generation defaults, a tool's namespaced metadata: ``is_inert_hf_field``); fields
+that would change it are accepted only at the value jetrl builds (``NEUTRAL_HF_FIELDS``: no soft-capping,
+no interleaved RoPE, no dropout, ...). A field jetrl does not know, an unknown architecture or an option it
+does not implement (another activation, sliding-window attention, an unsupported RoPE type) raises one
+``ValueError`` naming it and saying what to do, instead of silently building a different model.
 """
 
 from __future__ import annotations
@@ -32,18 +35,49 @@ FAMILIES = {
 }
 ROPE_TYPES = ("default", "linear", "llama3")
 
-# Fields present in real configs that do not change the function the model computes (or that jetrl
-# validates separately below).
+# Fields that describe a checkpoint without changing the function the model computes: names, token ids,
+# versions, switches of other frameworks (caches, outputs, generation defaults, tensor-parallel hints) and
+# fields read or checked below. A key that starts with "_", ends in "_token_id(s)" or "_version", or holds a
+# "." (a tool's namespace, e.g. "transformers.js_config") is inert too, whatever its name.
 IGNORED_HF_FIELDS = frozenset({
-    "architectures", "model_type", "_name_or_path", "transformers_version", "torch_dtype", "dtype",
-    "use_cache", "initializer_range", "pad_token_id", "pretraining_tp", "attention_dropout",
-    "max_window_layers", "sliding_window", "use_sliding_window", "layer_types", "rope_theta", "rope_scaling",
-    "rope_parameters", "quantization_config", "output_attentions", "output_hidden_states", "return_dict",
-    "is_decoder", "is_encoder_decoder", "tie_encoder_decoder", "chunk_size_feed_forward", "id2label",
-    "label2id", "problem_type", "tokenizer_class", "bos_token_id", "eos_token_id", "hidden_act",
-    "attention_bias", "mlp_bias", "head_dim", "tie_word_embeddings", "use_return_dict",
-    "keys_to_ignore_at_inference", "_attn_implementation_autoset", "use_qk_norm",
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "initializer_range", "pretraining_tp", "attention_dropout", "max_window_layers", "sliding_window",
+    "use_sliding_window", "layer_types", "rope_theta", "rope_scaling", "rope_parameters", "quantization_config",
+    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript", "is_decoder",
+    "chunk_size_feed_forward", "id2label", "label2id", "num_labels", "problem_type", "finetuning_task", "prefix",
+    "task_specific_params", "tokenizer_class", "hidden_act", "attention_bias", "mlp_bias", "head_dim",
+    "tie_word_embeddings", "keys_to_ignore_at_inference", "use_qk_norm", "name_or_path", "model_name",
+    "is_llama_config", "tf_legacy_loss", "use_bfloat16",
+    # generation defaults that transformers 4 wrote into config.json (jetrl samples by its own settings)
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens",
 })
+# Fields accepted at the value that leaves the decoder as jetrl builds it; any other value would change the
+# computation (or says the weights are laid out otherwise) and is an error naming it.
+NEUTRAL_HF_FIELDS: dict[str, Any] = {
+    "rope_interleaved": False, "is_encoder_decoder": False, "add_cross_attention": False,
+    "tie_encoder_decoder": False, "cross_attention_hidden_size": None, "pruned_heads": {},
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "hidden_dropout": 0.0,
+    "residual_dropout": 0.0, "embedding_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+}
+
+# accepted fields a save does not write back: jetrl writes them itself, or they are transformers' base-class
+# output switches that say nothing about the model
+_NOT_WRITTEN_BACK = frozenset({
+    "rope_theta", "rope_scaling", "rope_parameters", "quantization_config", "architectures", "model_type",
+    "torch_dtype", "dtype", "attention_bias", "hidden_act", "transformers_version", "output_hidden_states",
+    "output_attentions", "return_dict", "use_return_dict", "torchscript", "chunk_size_feed_forward",
+    "is_encoder_decoder", "id2label", "label2id", "problem_type",
+})
+
+
+def is_inert_hf_field(key: str) -> bool:
+    """Whether a config.json field changes nothing the model computes, by name (see ``IGNORED_HF_FIELDS``)."""
+    return (key in IGNORED_HF_FIELDS or key.startswith("_") or key.endswith(("_token_id", "_token_ids", "_version"))
+            or "." in key)
 
 
 @dataclass
@@ -113,8 +147,9 @@ class DecoderConfig:
                              f"positions (max_position_embeddings in its config.json); lower them")
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], strict: bool = True) -> "DecoderConfig":
-        """Read a HF ``config.json`` dict; ``strict`` rejects fields jetrl does not know."""
+    def from_hf(cls, hf: dict[str, Any], strict: bool = True, source: str | None = None) -> "DecoderConfig":
+        """Read a HF ``config.json`` dict; ``strict`` rejects fields jetrl does not know; ``source`` (the file)
+        prefixes the errors."""
         if not isinstance(hf, dict):
             raise TypeError(f"a HF config must be a dict, got {type(hf).__name__}")
         model_type = hf.get("model_type")
@@ -128,10 +163,17 @@ class DecoderConfig:
                              f"jetrl builds {FAMILIES[model_type]}")
         known = {f.name for f in fields(cls)} - {"extra", "qkv_bias", "o_proj_bias", "qk_norm", "rope_scaling",
                                                  "rope_theta", "model_type"}
-        unknown = sorted(k for k in hf if k not in known and k not in IGNORED_HF_FIELDS)
+        where = f"{source}: " if source else ""
+        changed = {k: hf[k] for k, neutral in NEUTRAL_HF_FIELDS.items() if k in hf and hf[k] not in (neutral, None)}
+        if changed:
+            raise ValueError(f"{where}config fields {changed} change what the model computes, and jetrl builds this "
+                             f"{model_type} model only with {({k: NEUTRAL_HF_FIELDS[k] for k in changed})}: it does "
+                             f"not implement these options")
+        unknown = sorted(k for k in hf if k not in known and k not in NEUTRAL_HF_FIELDS and not is_inert_hf_field(k))
         if unknown and strict:
-            raise ValueError(f"unknown {model_type} config fields {unknown}; jetrl does not know what they change "
-                             f"(pass strict=False to ignore them)")
+            raise ValueError(f"{where}unknown {model_type} config fields {unknown}: jetrl cannot tell whether they "
+                             f"change what the model computes. If they do not (a tool's metadata, a name), delete "
+                             f"them from config.json; if they do, jetrl does not build this model")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in hf]
         if missing:
@@ -166,10 +208,9 @@ class DecoderConfig:
             kwargs["num_key_value_heads"] = hf["num_attention_heads"]
         if model_type != "llama":
             kwargs.pop("mlp_bias", None)
-        extra = {k: v for k, v in hf.items() if k in IGNORED_HF_FIELDS and k not in known
-                 and k not in ("rope_theta", "rope_scaling", "rope_parameters", "quantization_config", "architectures",
-                               "model_type", "torch_dtype", "dtype", "attention_bias", "hidden_act",
-                               "transformers_version", "_name_or_path")}
+        extra = {k: v for k, v in hf.items() if k not in known and not k.startswith("_")
+                 and (k in NEUTRAL_HF_FIELDS or is_inert_hf_field(k))
+                 and k not in _NOT_WRITTEN_BACK}
         return cls(model_type=model_type, rope_theta=rope_theta, rope_scaling=rope_scaling, qkv_bias=qkv_bias,
                    o_proj_bias=o_bias, qk_norm=model_type == "qwen3", extra=extra, **kwargs)
 
@@ -186,7 +227,7 @@ class DecoderConfig:
                 hf = json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"config file {path} is not valid JSON: {e}") from None
-        return cls.from_hf(hf, strict=strict)
+        return cls.from_hf(hf, strict=strict, source=path)
 
     def to_hf(self) -> dict[str, Any]:
         """The HF ``config.json`` dict (legacy ``rope_theta``/``rope_scaling`` keys, which every reader accepts)."""
@@ -259,4 +300,4 @@ def _check_rope_scaling(scaling: dict | None) -> dict | None:
     return scaling
 
 
-__all__ = ["DecoderConfig", "FAMILIES", "IGNORED_HF_FIELDS"]
+__all__ = ["DecoderConfig", "FAMILIES", "IGNORED_HF_FIELDS", "NEUTRAL_HF_FIELDS", "is_inert_hf_field"]

@@ -101,10 +101,40 @@ def test_missing_and_unexpected_tensors(ckpt):
 
 
 def test_unknown_config_field(ckpt):
+    """One error naming the field, the file, and what a user can do (delete it from config.json)."""
     edit_config(ckpt, some_new_knob=3)
-    with pytest.raises(ValueError, match="some_new_knob"):
+    with pytest.raises(ValueError, match=r"config.json: unknown llama config fields \['some_new_knob'\].*delete them "
+                                         r"from config.json"):
         jm.load_model(ckpt)
     assert jm.load_model(ckpt, dtype=torch.float32, strict=False).config.num_hidden_layers == 2
+
+
+def test_fields_that_change_no_computation_are_accepted(ckpt, tmp_path):
+    """What HuggingFace, transformers' GGUF reader, nanotron and transformers.js write into real configs (SmolLM2's
+    among them) loads as it is, and a save writes the model's own fields back, not other tools' names."""
+    reference = jm.load_model(ckpt, dtype=torch.float32)
+    edit_config(ckpt, _name_or_path="x", _model_name_or_path="Smollm2 135M", unk_token_id=0, pad_token_id=2,
+                sep_token_id=None, is_llama_config=True, rope_interleaved=False, pretraining_tp=1,
+                **{"transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16"}}}, unsloth_version="2025.1",
+                max_length=20, do_sample=False, output_attentions=False, id2label={"0": "LABEL_0"},
+                final_logit_softcapping=None, pruned_heads={}, use_bfloat16=False)
+    model = jm.load_model(ckpt, dtype=torch.float32)
+    ids = torch.randint(0, 100, (1, 11))
+    with torch.no_grad():
+        assert torch.equal(model(ids), reference(ids))
+    jm.save_model(model, tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["unk_token_id"] == 0 and saved["pad_token_id"] == 2 and "_model_name_or_path" not in saved
+    assert "id2label" not in saved and "output_attentions" not in saved
+
+
+@pytest.mark.parametrize("field,value", [("rope_interleaved", True), ("final_logit_softcapping", 30.0),
+                                         ("attn_logit_softcapping", 50.0), ("hidden_dropout", 0.1),
+                                         ("add_cross_attention", True)])
+def test_fields_that_would_change_the_computation_are_errors(ckpt, field, value):
+    edit_config(ckpt, **{field: value})
+    with pytest.raises(ValueError, match=rf"config fields \{{'{field}': {value}\}} change what the model computes"):
+        jm.load_model(ckpt, strict=False)  # not a matter of strictness: jetrl would build another model
 
 
 @pytest.mark.parametrize("changes,message", [
