@@ -140,6 +140,14 @@ def fake_quantize_kv(x: torch.Tensor) -> torch.Tensor:
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
+def reference_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype the reference attention computes in: float64 on the CPU, where it is the only path, so that it sums
+    (nearly) exactly and rounds once, and a row's result is the same whether the call holds one query row (a decode
+    step) or a whole sequence (the training forward): the CPU's rollout and trainer then differ by nothing but
+    what their recipes make differ. Elsewhere q's dtype (the GPU's fused kernels set the order there)."""
+    return torch.float64 if q.device.type == "cpu" else q.dtype
+
+
 def sdpa_backends(x: torch.Tensor):
     """The context for SDPA calls on ``x``'s device: on CUDA, ``sdpa_kernel`` limited to :data:`SDPA_BACKENDS`
     (no per-shape cuDNN graphs); elsewhere nothing (cuDNN is CUDA's only)."""
@@ -339,10 +347,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     limit = ctx[:, None] - (q_len[:, None] - 1 - i[None, :])  # (S, max_q): visible keys are < limit
     mask = key_pos[None, None, :] < limit[:, :, None]  # (S, max_q, L)
     mask = mask | (key_pos == 0)[None, None, :] & (limit <= 0)[:, :, None]  # keep empty rows finite
+    dtype = reference_dtype(q)
     with sdpa_backends(q):
-        out = F.scaled_dot_product_attention(q_pad, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None],
+        out = F.scaled_dot_product_attention(q_pad.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask[:, None],
                                              scale=softmax_scale)  # (S, Hq, max_q, D)
-    out = out.transpose(1, 2)  # (S, max_q, Hq, D)
+    out = out.to(q.dtype).transpose(1, 2)  # (S, max_q, Hq, D)
     if seq_of_row is None:
         return out.reshape(num_rows, num_heads, head_dim)
     return out[seq_of_row, index_in_seq]
@@ -446,12 +455,14 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     gqa = num_heads != num_kv_heads
+    out_dtype, dtype = q.dtype, reference_dtype(q)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     with sdpa_backends(q):
         if len(set(lengths)) == 1:  # equal lengths (the plain (B, T) batch): one batched SDPA
             num_seqs, seq_len = len(lengths), lengths[0]
             qb, kb, vb = (t.reshape(num_seqs, seq_len, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
-            return out.transpose(1, 2).reshape(q.shape)
+            return out.transpose(1, 2).reshape(q.shape).to(out_dtype)
         outs = []
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
             if end == start:
@@ -459,7 +470,7 @@ def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # (1, H, L, D)
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=gqa)
             outs.append(out[0].transpose(0, 1))  # (L, Hq, D)
-    return torch.cat(outs, dim=0)
+    return torch.cat(outs, dim=0).to(out_dtype)
 
 
 def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,

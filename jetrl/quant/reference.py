@@ -131,13 +131,18 @@ def check_gemm_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
 
 
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Blockwise FP8 GEMM ``a @ b.T``: dequantize both operands blockwise, multiply in fp32, cast.
+    """Blockwise FP8 GEMM ``a @ b.T``: dequantize both operands blockwise (fp32), multiply and sum in float64, cast.
+
+    The float64 sum of the fp32 products is exact to far below the output's rounding, so the result is the exact
+    sum rounded once, whatever order a BLAS sums in: a row's output does not depend on how many rows ``a`` has (a
+    decode step's few or a training micro-batch's thousands), and the CPU's rollout and trainer compute the same
+    FP8 policy. Kernels match it to output rounding (they accumulate in fp32 in their own order).
 
     ``a`` is (M, K) with (1, 128) blocks; ``b`` is (N, K) with (128, 128) blocks (Fprop: W; DGrad: W^T)
     or (1, 128) blocks (WGrad: both operands grouped by 128 along the token dimension, which is K here).
     """
     check_gemm_operands(a, b)
-    return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+    return (a.dequantize().double() @ b.dequantize().double().t()).to(out_dtype)
 
 
 def row_invariant_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -79,6 +79,38 @@ def test_mismatch_ordering_across_recipes():
     assert results["fp8-rollout"]["logp_abs_diff_mean"] > 5 * results["jet"]["logp_abs_diff_mean"] + 1e-4
 
 
+# SmolLM2-135M's shapes (two of its 30 blocks, a smaller vocabulary): in-features 576 (four and a half 128-blocks),
+# 9 query heads and 3 KV heads of 64 (k/v 192 wide, q/k/v not stackable into whole 128-row tiles), tied embeddings
+SMOLLM2_BLOCKS = dict(model_type="llama", vocab_size=512, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=64,
+                      tie_word_embeddings=True, eos_token_id=1, rope_theta=100000.0)
+
+
+def test_jet_is_on_policy_on_the_cpu_at_smollm2_shapes():
+    """BF16 weights at SmolLM2's shapes, the engine's samples scored by the trainer: on the CPU, where the reference
+    GEMM and attention sum exactly and round once, a row's result does not depend on how many rows a call holds
+    (a decode step's few or a whole sequence's), so jet's two sides compute the same FP8 policy: log-probs equal up to
+    the fp32 order of the two log-softmaxes, as bf16's. fp8-rollout's differ by the FP8 rounding itself."""
+    from jetrl.models import DecoderConfig, build_model
+    from jetrl.rl.mismatch import mismatch_metrics
+    from jetrl.rollout import RolloutEngine
+
+    results = {}
+    for recipe in ("bf16", "jet", "fp8-rollout"):
+        cfg = load_config(None, [f"--recipe={recipe}", "--data.prompts_per_step=3", "--rollout.n=2",
+                                 "--rollout.max_tokens=13", "--algorithm.mini_batch_size=6",
+                                 "--algorithm.micro_batch_size=6", "--rollout.temperature=1.0"])
+        model = build_model(DecoderConfig(**SMOLLM2_BLOCKS), dtype=torch.bfloat16, recipe=recipe, seed=3)
+        engine = RolloutEngine(model, max_num_seqs=6, num_blocks=64, block_size=4, progress=False)
+        trainer = Trainer(cfg, model, engine, ToyPrompts(3), low_token_reward, decode)
+        items = trainer.prompts.next_batch()
+        completions, _ = trainer.rollout(items)
+        batch = trainer.build_batch(items, completions)
+        results[recipe] = mismatch_metrics(batch.rollout_logprobs, trainer.score(model, batch), batch.mask)
+    assert results["bf16"]["logp_abs_diff_max"] < 1e-4 and results["jet"]["logp_abs_diff_max"] < 1e-4, results
+    assert results["fp8-rollout"]["logp_abs_diff_mean"] > 100 * results["jet"]["logp_abs_diff_mean"] + 1e-3, results
+
+
 def test_resume_is_bitwise(tmp_path):
     from jetrl.rl.loop import resume_trainer, save_trainer_checkpoint
 
