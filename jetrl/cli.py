@@ -44,6 +44,7 @@ from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, resolve_asset
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.config.reference import commented_yaml
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset, read_prompts
+from jetrl.data.tasks import STYLES
 from jetrl.data.reward_pool import RewardFailureError
 from jetrl.evaluate import EVAL_REWARD_WORKERS, EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
 from jetrl.models import check_eos, export_model, resolve_device
@@ -241,7 +242,8 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
         path = _existing(args.data, "data file", "give a JSONL or Parquet file")
         return DataConfig(path=path, format=args.format, prompt_column=args.prompt_column,
                           answer_column=args.answer_column, reward=args.reward, max_examples=args.num_examples)
-    return DataConfig(task=args.task, difficulty=args.difficulty, num_examples=args.num_examples or 200)
+    return DataConfig(task=args.task, difficulty=args.difficulty, task_style=args.task_style,
+                      num_examples=args.num_examples or 200)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -443,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="built-in task (when no --data)")
     p.add_argument("--difficulty", type=int, default=3)
+    p.add_argument("--task-style", default="compact", choices=STYLES,
+                   help="compact (the embedded model's) or natural (an English instruction, for pretrained models)")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="task seed of the evaluation problems")
     p.add_argument("--num-examples", type=_positive, default=None, help="problems (task default 200; file: all rows)")
     p.add_argument("--data", default=None, help="JSONL/Parquet prompt file instead of a task")

@@ -188,7 +188,8 @@ def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, see
     if seed == config.trainer.seed:
         raise ValueError(f"the held-out seed {seed} equals trainer.seed: the evaluation problems would be training "
                          f"problems")
-    dataset = get_task(config.data.task, difficulty=config.data.difficulty, seed=seed).dataset(num_examples)
+    dataset = get_task(config.data.task, difficulty=config.data.difficulty, seed=seed,
+                       style=config.data.task_style).dataset(num_examples)
     model = load_model(model_path, dtype=getattr(torch, config.model.dtype),
                        device=resolve_device(config.model.device), recipe=config.recipe)
     tokenizer = load_tokenizer(config.model.tokenizer or model_path)

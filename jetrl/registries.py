@@ -18,6 +18,7 @@ def registries() -> dict[str, Registry]:
     """Registry kind (the ``registry`` of a :func:`~jetrl.config.schema.setting`) -> its names, read from the
     registries themselves."""
     from jetrl.data import BUILTIN_REWARDS, DATASET_FORMATS, TASKS, resolve_reward
+    from jetrl.data.tasks import STYLES
     from jetrl.quant.kernels.tuning import settable_fields
     from jetrl.quant.recipe import RECIPES
     from jetrl.rl.advantages import ADVANTAGE_ESTIMATORS
@@ -29,6 +30,7 @@ def registries() -> dict[str, Registry]:
         "dtype": Registry("parameter dtypes", "jetrl.config.schema.DTYPES", tuple(DTYPES)),
         "dataset_format": Registry("dataset formats", "jetrl.data.datasets.DATASET_FORMATS", tuple(DATASET_FORMATS)),
         "task": Registry("built-in tasks", "jetrl.data.tasks.TASKS", tuple(TASKS)),
+        "task_style": Registry("task prompt styles", "jetrl.data.tasks.STYLES", tuple(STYLES)),
         "reward": Registry("reward functions", "jetrl.data.rewards.BUILTIN_REWARDS", tuple(BUILTIN_REWARDS),
                            also="or `package.module:function`", check=resolve_reward),
         "advantage_estimator": Registry("advantage estimators", "jetrl.rl.advantages.ADVANTAGE_ESTIMATORS",

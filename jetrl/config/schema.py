@@ -147,6 +147,9 @@ class DataConfig(_Section):
                           registry="dataset_format")
     task: str | None = setting(None, "a built-in task instead of a file", registry="task")
     difficulty: int = setting(1, "built-in tasks: reasoning steps per problem")
+    task_style: str = setting("compact", "built-in tasks: how a problem is asked: compact (bare symbols, the embedded "
+                              "model's) or natural (an English instruction, for pretrained models)",
+                              registry="task_style")
     num_examples: int = setting(10_000, "built-in tasks: problems generated from the trainer's seed")
     prompt_column: str | None = setting(None, "file column holding the prompt; null: the format's")
     answer_column: str | None = setting(None, "file column holding the reference answer; null: the format's")

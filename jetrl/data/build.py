@@ -23,6 +23,7 @@ class DataSpec(Protocol):
     format: str
     task: str | None
     difficulty: int
+    task_style: str
     num_examples: int
     prompt_column: str | None
     answer_column: str | None
@@ -37,7 +38,8 @@ def build_prompt_dataset(spec: DataSpec, seed: int) -> PromptDataset:
     if spec.task is not None:
         if spec.path is not None:
             raise ValueError(f"a data spec names a file ({spec.path!r}) and a task ({spec.task!r}): set one")
-        return get_task(spec.task, difficulty=spec.difficulty, seed=seed).dataset(spec.num_examples)
+        return get_task(spec.task, difficulty=spec.difficulty, seed=seed, style=spec.task_style).dataset(
+            spec.num_examples)
     if spec.path is None:
         raise ValueError("no prompts: name a file (JSONL/Parquet) or a built-in task")
     if spec.format not in DATASET_FORMATS:

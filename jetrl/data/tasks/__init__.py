@@ -13,7 +13,7 @@ from typing import Any
 from jetrl.data.datasets import PromptDataset
 from jetrl.data.tasks.arithmetic import ArithmeticTask, arithmetic_reward, check_arithmetic
 from jetrl.data.tasks.chain import ChainTask, chain_reward, check_chain, difficulty_for_tokens
-from jetrl.data.tasks.base import COMPACT_ALPHABET, Task, TaskExample, final_answer_line
+from jetrl.data.tasks.base import COMPACT_ALPHABET, STYLES, Task, TaskExample, final_answer_line
 from jetrl.data.tasks.countdown import CountdownTask, check_countdown, countdown_reward, evaluate_expression
 
 TASKS: dict[str, type[Task]] = {}
@@ -78,6 +78,7 @@ __all__ = [
     "task_dataset",
     "COMPACT_ALPHABET",
     "TASKS",
+    "STYLES",
     "ArithmeticTask",
     "ChainTask",
     "chain_reward",
