@@ -50,8 +50,6 @@ KV_DECODE_BIT_TILES = ("words", "bytes")  # the forms of the decode attention's 
 DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (the routing bounds pick which M go)
 
 
-EXACT_MAX_TILES_PER_PROGRAM = 4  # the most tiles one program of exact mode's multi-tile attention takes
-
 # Compile options of the kernel launches. Floating-point contraction (``a * b + c`` as one fma) is part of a
 # kernel's arithmetic: the bitwise contracts (the quantization kernels against the CPU reference, exact mode's
 # GEMMs against cuBLAS and against each other, its decode kernels against its tile kernels) were established with
@@ -314,12 +312,8 @@ class KernelTuning:
     order); the swapped MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The
     GPU tests check the bits at the 8B shapes; weights that share an input and a split (q/k/v, gate/up) run as one
     grouped launch.
-    ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
-    (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
-    per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
-    steps always run that one); ``exact_attention_stacked`` runs them as one tile of T x 64 rows with one
-    4-warp group per 64 rows instead of T dots in 4 warps. Every value of both gives the same bits.
-    ``exact_decode_attention_swapped`` (on) runs a decode step's exact attention (at most one query row per
+    ``exact_decode_attention_swapped`` (on) runs a decode step's exact attention
+    (:mod:`~jetrl.quant.kernels.exact_attention_triton`) (at most one query row per
     sequence) on the swapped decode kernel: one row per program, the chunk's keys as the MMA's 64 rows and the
     row's heads as its columns, a quarter of the tile kernel's MMA work at GQA group 4; it computes the tile
     kernel's bits (the GPU tests check it), with ``exact_decode_attention_stages`` pipeline stages.
@@ -377,8 +371,6 @@ class KernelTuning:
     exact_cublas_min_m: int = 65
     exact_decode_max_m: int = 64
     exact_row_scale: bool = True
-    exact_attention_tiles_per_program: int = 1
-    exact_attention_stacked: bool = False
     exact_decode_attention_swapped: bool = True
     exact_decode_attention_stages: int = 1
     exact_wide_tma: bool = True
@@ -431,14 +423,7 @@ class KernelTuning:
                 raise ValueError(f"KernelTuning.{name} must be a power of two in {low}..{high}, got {value!r}")
         if not _pow2(self.exact_max_split):
             raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
-        tiles = self.exact_attention_tiles_per_program
-        if isinstance(tiles, bool) or tiles not in range(1, EXACT_MAX_TILES_PER_PROGRAM + 1):
-            raise ValueError(f"KernelTuning.exact_attention_tiles_per_program must be an int in "
-                             f"1..{EXACT_MAX_TILES_PER_PROGRAM}, got {tiles!r}")
-        if self.exact_attention_stacked and not _pow2(tiles):
-            raise ValueError(f"KernelTuning.exact_attention_stacked (stacked tiles) needs a power-of-two "
-                             f"exact_attention_tiles_per_program (the rows of one dot), got {tiles}")
-        for name in ("exact_decode_attention_swapped", "exact_wide_tma", "exact_attention_stacked", "exact_row_scale"):
+        for name in ("exact_decode_attention_swapped", "exact_wide_tma", "exact_row_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         self._check_ints(("exact_decode_attention_stages",), 1)
