@@ -199,13 +199,10 @@ class KernelTuning:
       (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; opt-in, as DeepGEMM is built from source; an error where it is
       not installed); or one path forced: ``"cublas"``, ``"triton"``,
       ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
-    * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m`` / ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``:
-      DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most
-      ``deepgemm_decode_max_m`` rows (its decode steps; 0: none), where a weight whose K is more than twice its N
-      stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs
-      only with ``deepgemm_min_m`` set (0, the default: none, as they were no faster in a whole run): Fprop/DGrad
-      of at least that many rows (padded micro-batches), WGrad of at least that many tokens and an output of at
-      most ``deepgemm_wgrad_max_tiles`` 128x128 tiles;
+    * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m``: DeepGEMM's rule
+      (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most ``deepgemm_decode_max_m``
+      rows (its decode steps; 0: none), where a weight whose K is more than twice its N stays on the split-K decode
+      kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs stay on the default route;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
@@ -330,8 +327,6 @@ class KernelTuning:
     gemm: str = "auto"
     deepgemm_decode_max_m: int = DECODE_GEMM_MAX_M
     deepgemm_split_k_max_m: int = 128
-    deepgemm_min_m: int = 0
-    deepgemm_wgrad_max_tiles: int = 256
     decode_max_m: int = 64
     grouped_decode_max_m: int = 64
     decode_max_m_by_shape: Mapping[tuple, int] = field(default_factory=lambda: DECODE_MAX_M_BY_SHAPE)
@@ -398,8 +393,8 @@ class KernelTuning:
         if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
             raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
                              "not installed (build it from github.com/deepseek-ai/DeepGEMM)")
-        self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_min_m", "deepgemm_wgrad_max_tiles",
-                          "deepgemm_decode_max_m", "deepgemm_split_k_max_m"), 0)
+        self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_decode_max_m", "deepgemm_split_k_max_m"),
+                         0)
         for name in ("act_block_m", "act_num_warps", "token_block_k", "token_num_warps", "requant_block_k",
                      "requant_num_warps", "weight_num_warps", "logprob_stats_num_warps", "logprob_grad_num_warps"):
             if not _pow2(getattr(self, name)):
@@ -472,8 +467,7 @@ class KernelTuning:
 
     def deepgemm_rule(self) -> dict[str, int]:
         """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`), as its keywords."""
-        return dict(min_m=self.deepgemm_min_m, wgrad_max_tiles=self.deepgemm_wgrad_max_tiles,
-                    decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
+        return dict(decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
 
     def _check_ints(self, names: tuple[str, ...], minimum: int) -> None:
         """Each field of ``names`` must be an int (not a bool) of at least ``minimum`` (0 or 1)."""
