@@ -46,7 +46,6 @@ GEMM_CHOICES = ("auto", "cublas", "deepgemm", "triton", "decode")
 # scales; the ring's bound leaves an H200 SM's 227 KiB of shared memory room for the kernel's other buffers
 STREAM_SLOT_BYTES = 2 * 16 * 128 + 2 * 16 * 4
 STREAM_RING_MAX_BYTES = 192 * 1024
-KV_DECODE_BIT_TILES = ("words", "bytes")  # the forms of the decode attention's E4M3 bit conversion
 DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (the routing bounds pick which M go)
 
 
@@ -234,18 +233,14 @@ class KernelTuning:
     ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
     and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
     instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
-    attention to summation order. On by default (faster on the H200, docs/benchmark-history.md); off, Triton's
-    conversion.
-    ``kv_decode_bit_tile``, its form (:data:`KV_DECODE_BIT_TILES`): ``"words"`` reads each tile as
-    int32 words and joins the converted pairs into rows (rows of whole words only; else Triton's conversion), so
-    Triton converts K straight into the dot's registers but gives both dots operands of ``kWidth`` 4 (register
-    shuffles of q and p); ``"bytes"`` converts a tile of bytes 4 at a time in a call Triton cannot see through, so
-    both converted tiles reach their dots through shared memory with the operands of a BF16 cache (fewer
-    instructions per tile; any cache layout; the default). ``kv_decode_head_major`` (on by default) launches the decode grid with the KV heads of
+    attention to summation order (a tile of bytes converted 4 at a time in a call Triton cannot see through, so both
+    converted tiles reach their dots through shared memory with the operands of a BF16 cache; any cache layout; on
+    the GPU the MMA operand layout may round the accumulation apart). On by default (faster on the H200,
+    docs/benchmark-history.md); off, Triton's conversion.
+    ``kv_decode_head_major`` (on by default) launches the decode grid with the KV heads of
     a sequence as neighbouring programs (off: the sequences of a head), so that the heads sharing a scale sector
     (the scales are (block, token, head)) and a block-table row read them from L2 close together. The same tiles go
-    into the same dots either way: head-major gives the same bits, the byte route the same attention to summation
-    order (on the GPU its MMA operand layout may round the accumulation apart).
+    into the same dots either way: the same bits.
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
     tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
@@ -371,7 +366,6 @@ class KernelTuning:
     exact_wide_tma: bool = True
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
-    kv_decode_bit_tile: str = "bytes"
     kv_decode_head_major: bool = True
     kv_decode_block_n: int = 0
     kv_decode_num_warps: int = 4
@@ -422,9 +416,6 @@ class KernelTuning:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         self._check_ints(("exact_decode_attention_stages",), 1)
-        if self.kv_decode_bit_tile not in KV_DECODE_BIT_TILES:
-            raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
-                             f"got {self.kv_decode_bit_tile!r}")
         for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams",
                      "decode_gemm_pdl"):
             if not isinstance(getattr(self, name), bool):
