@@ -1,15 +1,13 @@
-"""Variants of the FP8-cache decode kernel: the tuning's ``kv_decode_head_major`` and its launch fields, and the
-bit conversion's byte tiles.
+"""Variants of the FP8-cache decode kernel: the tuning's launch fields, and the bit conversion's byte tiles.
 
 * the fields' checks and defaults;
-* under the Triton interpreter (a child, tiny shapes): the head-major grid is bit for bit the default route (the
-  same tiles into the same dots) on the 3-split launch, fp32 and bf16 queries; and a cache whose rows are not whole
-  4-byte words, which the bit conversion converts as Triton's conversion does;
+* under the Triton interpreter (a child, tiny shapes): a cache whose rows are not whole 4-byte words, which the bit
+  conversion converts as Triton's conversion does;
 * compiled for the H200 (sm_90a) on this machine: the bit conversion gives both dots bf16 operands of ``kWidth`` 2
   (the BF16-cache kernel's) and reads no shared memory a byte at a time;
 * the register cap (``kv_decode_max_registers``, Triton's ``maxnreg``): its checks, and a launch that takes it;
-* on the GPU at the 8B head shapes: every variant, and launches that fit 4 programs per SM, within the tolerances
-  of the reference and of the default route.
+* on the GPU at the 8B head shapes: launches that fit 4 programs per SM, within the tolerances of the reference
+  and of the default launch.
 """
 
 from __future__ import annotations
@@ -24,48 +22,27 @@ import torch
 
 from interpreted import run_interpreted
 from test_decode_attention_bits import _compile
-from test_kv_fp8_kernels import _SHARED, TOL, _decode_case, rel_err
+from test_kv_fp8_kernels import _SHARED, _decode_case, rel_err
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton) ")
 
-VARIANTS = {"head-major": {"kv_decode_head_major": True}}
 # launches worth measuring (the interpreter ignores stages and registers): 4 programs of 4 warps per SM where
 # registers are capped at 128 (no staged copies at 1 stage; 64-token tiles)
-GPU_VARIANTS = dict(VARIANTS, **{
-    "s1-r128": {"kv_decode_num_stages": 1, "kv_decode_max_registers": 128},
-    "n64-r128": {"kv_decode_block_n": 64, "kv_decode_max_registers": 128}})
+GPU_VARIANTS = {"s1-r128": {"kv_decode_num_stages": 1, "kv_decode_max_registers": 128},
+                "n64-r128": {"kv_decode_block_n": 64, "kv_decode_max_registers": 128}}
 
 _CHILD = r'''
 import json, sys
 import torch
-from jetrl.models.attention import paged_attention_reference
 from jetrl.quant import reference as R
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.paged_attention_triton import paged_decode
-''' + "\n".join(inspect.getsource(f) for f in _SHARED) \
-    + f"\nVARIANTS = {VARIANTS!r}\n" + r'''
+''' + "\n".join(inspect.getsource(f) for f in _SHARED) + r'''
 out = {}
 g = torch.Generator().manual_seed(0)
 contexts, page, hq, hkv, d = [1, 37, 130], 8, 6, 2, 32  # a one-token context, partial pages, GQA group 3
 meta, kd, ks, vd, vs = paged_case(g, contexts, [1] * len(contexts), page, hkv, d, shared_blocks=1)
-for dtype in (torch.float32, torch.bfloat16):
-    q = torch.randn(len(contexts), hq, d, generator=g).to(dtype)
-    ref = paged_attention_reference(q.float(), dequantize_kv_ref(kd, ks, torch.float32),
-                                    dequantize_kv_ref(vd, vs, torch.float32), meta, d ** -0.5)
-    for splits, block_n in ((1, 16), (3, 16), (2, None)):  # None: the default FP8 tile (128 tokens)
-        with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=True):
-            base = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n)
-            for name, knobs in VARIANTS.items():
-                if splits != 3:  # the grid order on the split launch only (the interpreter is slow)
-                    continue
-                with tuning.override(**knobs):
-                    run = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n)
-                r = {"bitwise": same_bits(run, base)}
-                if dtype == torch.float32:
-                    r["err"] = rel_err(run, ref)
-                out[f"{name}-{str(dtype)[6:]}-splits{splits}-tile{block_n}"] = r
-
 # rows 2 bytes apart from a word boundary: Triton's conversion and the bit conversion's byte tiles
 pad = lambda x: torch.nn.functional.pad(x.view(torch.uint8), (2, 2)).view(torch.float8_e4m3fn)[..., 2:2 + d]
 kdu, vdu = pad(kd), pad(vd)
@@ -87,14 +64,6 @@ def interpreted():
     return run_interpreted(_CHILD, "decode attention: the kernel's variants", timeout=600)
 
 
-def test_variants_are_the_default_route_bit_for_bit(interpreted):
-    cases = {name: r for name, r in interpreted.items() if name not in ("unaligned", "max-registers")}
-    assert len(cases) == 2 * len(VARIANTS), sorted(cases)
-    for name, r in cases.items():
-        assert r["bitwise"], (name, r)
-        assert r.get("err", 0.0) < TOL["float32"], (name, r)
-
-
 def test_byte_route_converts_rows_that_are_not_whole_words(interpreted):
     assert interpreted["unaligned"] == {"bitwise": True, "offset": 2}, interpreted["unaligned"]
     assert interpreted["max-registers"] is True
@@ -104,12 +73,7 @@ def test_fields():
     from jetrl.quant.kernels import tuning
 
     # the defaults: the H200 sweep's fastest launch (docs/benchmark-history.md)
-    assert tuning.current().kv_decode_head_major is True
     assert tuning.current().kv_decode_num_stages == 1
-    for bad in (1, "true", None):
-        with pytest.raises(ValueError, match="kv_decode_head_major must be a bool"):
-            with tuning.override(kv_decode_head_major=bad):
-                pass
     assert tuning.current().kv_decode_max_registers == 128
     for bad in (16, 256, 128.0, True, -1):
         with pytest.raises(ValueError, match=r"kv_decode_max_registers must be 0 \(the compiler's choice\) or an int"):
@@ -180,8 +144,6 @@ def test_variants_at_8b_shapes(num_seqs, variant):
             b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
         assert b.dtype == torch.bfloat16 and torch.isfinite(b).all(), kw
         assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (kw, rel_err(b, ref), rel_err(b, a))
-        if variant == "head-major":  # the same program bodies, launched in another order: the same bits
-            assert torch.equal(b, a), kw
 
 
 @pytest.mark.gpu

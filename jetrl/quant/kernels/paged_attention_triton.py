@@ -61,8 +61,8 @@ the GPU the MMA's operand layouts differ, so the accumulation may round apart; u
 for bit equal). The bit route also trims the address arithmetic (unsigned page and row, 32-bit offsets where the
 tensors allow, one offset per token for K and V) and needs no alignment.
 
-``kv_decode_head_major`` (on) puts the KV heads of a sequence on neighbouring programs (up to 65,535 sequences), so
-that a 32-byte sector of scales (8 heads of one token) and a block-table row are read from DRAM once while the heads
+The launch over an FP8 cache puts the KV heads of a sequence on neighbouring programs (a head-major grid, up to
+65,535 sequences), so that a 32-byte sector of scales (8 heads of one token) and a block-table row are read from DRAM once while the heads
 that share them run; ``kv_decode_max_registers`` caps the registers (``maxnreg``) so that more programs share an
 SM. Neither changes the tiles or the dots: the launch order and the register cap keep every bit.
 
@@ -420,7 +420,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
     bit_bytes = factored and knobs.kv_decode_bit_convert  # any alignment
-    head_major = fp8 and knobs.kv_decode_head_major and num_seqs <= _MAX_GRID_Y
+    head_major = fp8 and num_seqs <= _MAX_GRID_Y  # a sequence's KV heads as neighbours (the module doc)
     launch = launch_config(fp8, factored)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides

@@ -237,10 +237,6 @@ class KernelTuning:
     converted tiles reach their dots through shared memory with the operands of a BF16 cache; any cache layout; on
     the GPU the MMA operand layout may round the accumulation apart). On by default (faster on the H200,
     docs/benchmark-history.md); off, Triton's conversion.
-    ``kv_decode_head_major`` (on by default) launches the decode grid with the KV heads of
-    a sequence as neighbouring programs (off: the sequences of a head), so that the heads sharing a scale sector
-    (the scales are (block, token, head)) and a block-table row read them from L2 close together. The same tiles go
-    into the same dots either way: the same bits.
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
     tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
@@ -366,7 +362,6 @@ class KernelTuning:
     exact_wide_tma: bool = True
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
-    kv_decode_head_major: bool = True
     kv_decode_block_n: int = 0
     kv_decode_num_warps: int = 4
     kv_decode_num_stages: int = 1
@@ -416,7 +411,7 @@ class KernelTuning:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
         self._check_ints(("exact_decode_attention_stages",), 1)
-        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams",
+        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_streams",
                      "decode_gemm_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
