@@ -255,15 +255,17 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
 # first: the bits every other one is checked against)
 def _exact_wide(bm: int, bn: int, warps: int, stages: int) -> dict:
     return dict(exact_wide_min_m=1, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages, exact_wide_tma=False)
+                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
 
 
 EXACT_SCHEDULES = {
     "decode-tiles": dict(exact_wide_min_m=0),
-    "tma-decode-tiles": dict(exact_wide_min_m=1, exact_wide_tma=True),  # the default walk (FP8 only): row scales
-    "tma-outer-scale": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_row_scale=False),
-    "tma-s4": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_num_stages=4),
-    "tma-128x128w8": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_block_m=128, exact_num_warps=8),
+    "tma-decode-tiles": dict(exact_wide_min_m=1),  # the default walk (FP8: TMA, row scales)
+    "tma-s4": dict(exact_wide_min_m=1, exact_num_stages=4),
+    "tma-128x128w8": dict(exact_wide_min_m=1, exact_block_m=128, exact_num_warps=8),
+}
+# the wide tiles of the 16/32-bit path (the LM head; the FP8 walk loads the decode-sized tiles through TMA)
+EXACT_WIDE_SCHEDULES = {
     "128x128w8s3": _exact_wide(128, 128, 8, 3),
     "128x128w8s4": _exact_wide(128, 128, 8, 4),
     "128x256w8s3": _exact_wide(128, 256, 8, 3),
@@ -273,8 +275,8 @@ EXACT_LM_HEAD = (128256, 4096)  # Llama-3.1-8B's LM head: exact mode runs it thr
 
 
 def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]]) -> None:
-    """Exact mode's batch-invariant GEMM at training sizes: each schedule of :data:`EXACT_SCHEDULES` (the
-    wide schedule's tiles), checked bitwise against the decode-sized tiles before it is timed, against the fast
+    """Exact mode's batch-invariant GEMM at training sizes: each schedule of :data:`EXACT_SCHEDULES` (and on the
+    LM head :data:`EXACT_WIDE_SCHEDULES`), checked bitwise against the decode-sized tiles before it is timed, against the fast
     blockwise FP8 GEMM and BF16 ``torch.matmul`` of the same shape (the LM head: its bf16 exact GEMM against
     ``torch.matmul``)."""
     from jetrl.quant.kernels import tuning
@@ -294,7 +296,7 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
             t_bf16 = _bench_ms(lambda: torch.matmul(x, w.t()))
             t_fast = _bench_ms(fast)
             base = None
-            for name, over in EXACT_SCHEDULES.items():
+            for name, over in (EXACT_SCHEDULES | EXACT_WIDE_SCHEDULES if lm_head else EXACT_SCHEDULES).items():
                 try:
                     with tuning.override(**over):
                         out = exact()

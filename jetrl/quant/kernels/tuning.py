@@ -278,11 +278,15 @@ class KernelTuning:
     run as separate programs (partials through a workspace), above it one program walks all splits of its tile;
     both give the same bits.
     ``exact_wide_min_m`` (0: never) is a schedule as well: from that many rows on (prefill and the trainer's
-    packed passes) the walking schedule runs ``exact_wide_block_m`` x ``exact_wide_block_n`` tiles
-    (``exact_wide_mm_block_n`` wide on the 16/32-bit path, e.g. the LM head) with ``exact_wide_num_warps`` and
-    ``exact_wide_num_stages`` instead of the decode-sized ones. The tile's extent in M and N is not part of a row's
-    arithmetic (the K blocks, the split and the scale application are), so the bits
-    stay the same; the GPU tests check it at the 8B shapes.
+    packed passes) the walking schedule's FP8 GEMMs run the decode-sized ``exact_block_*`` tiles, warps and stages
+    with TMA loads where the layouts allow (no pointer tensors in registers, so two programs share an SM; a tile
+    whose columns lie in one 128-row weight scale block multiplies each K block's MMA result by one factor per row,
+    ``sa[m] * sb``, the same fp32 products as the outer product of scales: faster on the H200,
+    docs/benchmark-history.md), and its other GEMMs (the 16/32-bit path, e.g. the LM head, and FP8 layouts TMA
+    cannot load) ``exact_wide_block_m`` x ``exact_wide_block_n`` tiles (``exact_wide_mm_block_n`` wide on the
+    16/32-bit path) with ``exact_wide_num_warps`` and ``exact_wide_num_stages`` instead of the decode-sized ones.
+    The tile's extent in M and N is not part of a row's arithmetic (the K blocks, the split and the scale
+    application are), so the bits stay the same; the GPU tests check it at the 8B shapes.
     ``exact_cublas_min_m`` (0: never) is a schedule of the FP8 path: from that many rows on, a weight whose K is
     walked in one range (:meth:`exact_split` is 1) multiplies on cuBLAS's blockwise GEMM, the fast path's
     (:meth:`exact_on_cublas`). Its arithmetic is the in-order walk's: each 128-wide K block's MMA sum from zero,
@@ -305,14 +309,6 @@ class KernelTuning:
     sequence) on the swapped decode kernel: one row per program, the chunk's keys as the MMA's 64 rows and the
     row's heads as its columns, a quarter of the tile kernel's MMA work at GQA group 4; it computes the tile
     kernel's bits (the GPU tests check it), with ``exact_decode_attention_stages`` pipeline stages.
-    ``exact_wide_tma`` (on): from ``exact_wide_min_m`` rows on, the walking schedule's FP8 GEMMs run the
-    decode-sized ``exact_block_*`` tiles, warps and stages with TMA loads instead of the ``exact_wide_*`` tiles
-    with pointer loads, where the layouts allow (no pointer tensors in registers, so two programs share an SM); the
-    same bits. ``exact_row_scale`` (on): in that TMA walk, a tile whose columns lie in one 128-row weight
-    scale block multiplies each K block's MMA result by one factor per row, ``sa[m] * sb``, instead of the outer
-    product ``sa[:, None] * sb[None, :]`` whose entries are those same fp32 products: the same ``acc += dot * s``
-    per element, a multiply per row instead of one per element (faster on the H200,
-    docs/benchmark-history.md).
     """
 
     gemm: str = "auto"
@@ -356,10 +352,8 @@ class KernelTuning:
     exact_wide_num_stages: int = 3
     exact_cublas_min_m: int = 65
     exact_decode_max_m: int = 64
-    exact_row_scale: bool = True
     exact_decode_attention_swapped: bool = True
     exact_decode_attention_stages: int = 1
-    exact_wide_tma: bool = True
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
     kv_decode_block_n: int = 0
@@ -407,9 +401,9 @@ class KernelTuning:
                 raise ValueError(f"KernelTuning.{name} must be a power of two in {low}..{high}, got {value!r}")
         if not _pow2(self.exact_max_split):
             raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
-        for name in ("exact_decode_attention_swapped", "exact_wide_tma", "exact_row_scale"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.exact_decode_attention_swapped, bool):
+            raise ValueError(f"KernelTuning.exact_decode_attention_swapped must be a bool, "
+                             f"got {self.exact_decode_attention_swapped!r}")
         self._check_ints(("exact_decode_attention_stages",), 1)
         for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_streams",
                      "decode_gemm_pdl"):
