@@ -224,9 +224,7 @@ class KernelTuning:
     for the weight's version; off, each backward transposes W's FP8 tiles into a transient W^T (one launch per
     linear: the same bytes). The training side then holds one FP8 copy of its weights, not two.
 
-    Other kernels: ``silu_bwd_fma`` (SwiGLU's backward contracts ``x * (1 - s) + 1`` into one fma, as nvcc
-    compiles ATen's ``silu_backward``; flip it only if the bitwise SwiGLU test says the compiler changed),
-    ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
+    Other kernels: ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
     ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
     the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
     tile is dequantized in registers first (the route an fp16 query always takes). On by default.
@@ -330,7 +328,6 @@ class KernelTuning:
     requant_num_warps: int = 1
     weight_num_warps: int = 4
     cache_weight_t: bool = False
-    silu_bwd_fma: bool = True
     logprob_stats_num_warps: int = 8
     logprob_grad_num_warps: int = 8
     exact_block_m: int = 64
