@@ -776,7 +776,7 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
                 scores.append((math.exp(sum(math.log(t / b) for t, b in zip(ts, bests)) / len(ts)), pi))
         scores.sort()
         for score, pi in scores[:3]:
-            print(f"M={m}: {score:.3f}  {replace(policies[m][pi], max_m=m).literal()}")
+            print(f"M={m}: {score:.3f}  {replace(policies[m][pi], max_m=m)!r}")
         if scores:
             chosen[m] = scores[0][1]
     print("\n== decode sweep: routing (the chosen policy per M against cuBLAS FP8; one cuBLAS call per weight) ==")
@@ -798,7 +798,7 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
         hint = f"; set DECODE_MAX_M_BY_SHAPE[{key!r}] = {bound} in tuning.py" if bound > general else ""
         print(f"{label:>16}: the decode kernel beats cuBLAS through M={bound}{hint}   ({detail})")
     rep.sections.setdefault("decode-sweep-policy", []).extend(
-        {"m": m, "policy": replace(policies[m][pi], max_m=m).literal()} for m, pi in chosen.items())
+        {"m": m, "policy": repr(replace(policies[m][pi], max_m=m))} for m, pi in chosen.items())
 
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor):

@@ -132,13 +132,6 @@ class DecodePolicy:
                                 num_stages=self.num_stages, block_m=self.block_m, k_unroll=self.k_unroll,
                                 tma=self.tma)
 
-    def literal(self) -> str:
-        """Python source of this policy, differences from the defaults only (to paste into DECODE_POLICIES)."""
-        default = DecodePolicy(max_m=self.max_m)
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                 if f.name == "max_m" or getattr(self, f.name) != getattr(default, f.name)]
-        return f"DecodePolicy({', '.join(parts)})"
-
 
 # The decode GEMM's default config per row count (first match wins): M <= 32 about three programs per SM,
 # M <= 64 about 1.5 (more MMA work per weight byte); M <= 128 about one program per SM, rounded down, 8 warps;
