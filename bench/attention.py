@@ -11,12 +11,9 @@ and 64 x 768. Rows per setting:
   in registers (``kv_decode_factored=false``), the tuning's default launch;
 * ``kv8-factored``: the FP8 cache, E4M3 tiles into the dots through Triton's conversion
   (``kv_decode_bit_convert=false``), scales on the fp32 side, default launch;
-* ``kv8-bits``: the factored route with the E4M3 tiles converted by bit operations (``kv_decode_bit_convert=true``)
-  read as int32 words (``kv_decode_bit_tile=words``), default launch;
-* ``kv8-bytes``: the same conversion on tiles of bytes (``kv_decode_bit_tile=bytes``), default launch;
-* ``kv8-bits-hm``, ``kv8-bytes-hm``: those two on the head-major grid (``kv_decode_head_major=true``);
-  ``kv8-bytes-hm`` is the Triton kernel's default route (every ``kv8-`` route above runs the Triton kernel:
-  ``kv_decode_streams=false``);
+* ``kv8-bytes-hm``: the factored route with the E4M3 tiles converted by bit operations on tiles of bytes
+  (``kv_decode_bit_convert=true``) on the head-major grid, default launch: the Triton kernel's default route (every
+  ``kv8-`` route above runs the Triton kernel: ``kv_decode_streams=false``);
 * ``kv8-streams``: the Gluon warp-stream kernel (:mod:`jetrl.quant.kernels.paged_attention_gluon`), the default for
   an FP8 cache where it applies, at the tuning's ``kv_decode_stream_*`` launch (``--tuning`` sets them; the grid
   below is the Triton kernel's);
@@ -67,10 +64,7 @@ _BITS = {"kv_decode_factored": True, "kv_decode_bit_convert": True}
 _TRITON = {"kv_decode_streams": False}  # the Triton kernel's routes (the Gluon kernel takes FP8 steps by default)
 ROUTE_TUNING = {"bf16": {}, "kv8-inreg": dict(_TRITON, kv_decode_factored=False),
                 "kv8-factored": dict(_TRITON, kv_decode_factored=True, kv_decode_bit_convert=False),
-                "kv8-bits": dict(_TRITON, **_BITS, kv_decode_bit_tile="words", kv_decode_head_major=False),
-                "kv8-bits-hm": dict(_TRITON, **_BITS, kv_decode_bit_tile="words", kv_decode_head_major=True),
-                "kv8-bytes": dict(_TRITON, **_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=False),
-                "kv8-bytes-hm": dict(_TRITON, **_BITS, kv_decode_bit_tile="bytes", kv_decode_head_major=True),
+                "kv8-bytes-hm": dict(_TRITON, **_BITS),
                 "kv8-streams": {"kv_decode_streams": True}}
 ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bytes-hm")  # the default rows (--tiny: CPU, Triton only)
 GPU_ROUTES = (*ROUTES, "kv8-streams")  # the default rows on the GPU (the last: the default route)

@@ -255,15 +255,17 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
 # first: the bits every other one is checked against)
 def _exact_wide(bm: int, bn: int, warps: int, stages: int) -> dict:
     return dict(exact_wide_min_m=1, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages, exact_wide_tma=False)
+                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
 
 
 EXACT_SCHEDULES = {
     "decode-tiles": dict(exact_wide_min_m=0),
-    "tma-decode-tiles": dict(exact_wide_min_m=1, exact_wide_tma=True),  # the default walk (FP8 only): row scales
-    "tma-outer-scale": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_row_scale=False),
-    "tma-s4": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_num_stages=4),
-    "tma-128x128w8": dict(exact_wide_min_m=1, exact_wide_tma=True, exact_block_m=128, exact_num_warps=8),
+    "tma-decode-tiles": dict(exact_wide_min_m=1),  # the default walk (FP8: TMA, row scales)
+    "tma-s4": dict(exact_wide_min_m=1, exact_num_stages=4),
+    "tma-128x128w8": dict(exact_wide_min_m=1, exact_block_m=128, exact_num_warps=8),
+}
+# the wide tiles of the 16/32-bit path (the LM head; the FP8 walk loads the decode-sized tiles through TMA)
+EXACT_WIDE_SCHEDULES = {
     "128x128w8s3": _exact_wide(128, 128, 8, 3),
     "128x128w8s4": _exact_wide(128, 128, 8, 4),
     "128x256w8s3": _exact_wide(128, 256, 8, 3),
@@ -273,8 +275,8 @@ EXACT_LM_HEAD = (128256, 4096)  # Llama-3.1-8B's LM head: exact mode runs it thr
 
 
 def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]]) -> None:
-    """Exact mode's batch-invariant GEMM at training sizes: each schedule of :data:`EXACT_SCHEDULES` (the
-    wide schedule's tiles), checked bitwise against the decode-sized tiles before it is timed, against the fast
+    """Exact mode's batch-invariant GEMM at training sizes: each schedule of :data:`EXACT_SCHEDULES` (and on the
+    LM head :data:`EXACT_WIDE_SCHEDULES`), checked bitwise against the decode-sized tiles before it is timed, against the fast
     blockwise FP8 GEMM and BF16 ``torch.matmul`` of the same shape (the LM head: its bf16 exact GEMM against
     ``torch.matmul``)."""
     from jetrl.quant.kernels import tuning
@@ -294,7 +296,7 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
             t_bf16 = _bench_ms(lambda: torch.matmul(x, w.t()))
             t_fast = _bench_ms(fast)
             base = None
-            for name, over in EXACT_SCHEDULES.items():
+            for name, over in (EXACT_SCHEDULES | EXACT_WIDE_SCHEDULES if lm_head else EXACT_SCHEDULES).items():
                 try:
                     with tuning.override(**over):
                         out = exact()
@@ -309,7 +311,7 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
                         fast_ms=t_fast, bf16_ms=t_bf16)
 
 
-# ---- training GEMMs: cuBLAS blockwise FP8 and DeepGEMM against BF16 at the Qwen2.5 and Llama-8B linears ----
+# ---- training GEMMs: cuBLAS blockwise FP8 against BF16 at the Qwen2.5 and Llama-8B linears ----
 
 # the Qwen2.5 linears as (label, N, K): q/k/v and gate/up stacked as the models launch them
 TRAIN_GEMM_SHAPES = {
@@ -325,23 +327,13 @@ DECODE_NK = {"8b": LLAMA8B_NK + [(1024, 4096)], "1.5b": [(n, k) for _, n, k in T
 
 
 def bench_train_gemms(rep: Report, models: list[str], ms: list[int] = (TRAIN_GEMM_M,)) -> None:
-    """Fprop, DGrad and WGrad of each model's linears at each of ``ms`` tokens: cuBLAS's blockwise ``scaled_mm``,
-    DeepGEMM where it is installed, and the route the backend takes (under the tuning in force: ``JETRL_FP8_GEMM``)
-    against BF16 ``torch.matmul``,
-    in TFLOP/s, and the ratios (``speedup``: BF16's time over the route's; ``deepgemm_vs_cublas``). DeepGEMM's
-    kernels are compiled before the timing (one untimed call each)."""
-    from jetrl.quant.kernels import gemm_deepgemm as deepgemm
+    """Fprop, DGrad and WGrad of each model's linears at each of ``ms`` tokens: cuBLAS's blockwise ``scaled_mm``
+    and the route the backend takes (under the tuning in force: ``JETRL_FP8_GEMM``) against BF16 ``torch.matmul``,
+    in TFLOP/s, and the ratio (``speedup``: BF16's time over the route's)."""
     from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
     from jetrl.quant.kernels.cuda_backend import gemm_path
 
-    with_dg = deepgemm.is_available(torch.device("cuda"))
     bench = lambda fn: _bench_ms(fn, warmup=5, rep=25)  # noqa: E731  (multi-millisecond GEMMs: enough reps)
-    if with_dg:  # every kernel compiled ahead, in parallel processes
-        shapes = [deepgemm.GemmShape(m, nn, kk, wgrad) for model in models for _, n, k in TRAIN_GEMM_SHAPES[model]
-                  for m in ms for nn, kk, wgrad in ((n, k, False), (k, n, False), (n, k, True))
-                  if not wgrad or m % 128 == 0]  # WGrad contracts over whole 128-token blocks
-        seconds = deepgemm.compile_kernels(shapes, torch.device("cuda"))
-        print(f"DeepGEMM: {len(shapes)} GEMMs compiled ahead in {seconds:.0f} s", flush=True)
     for model in models:
         for label, n, k in TRAIN_GEMM_SHAPES[model]:
             for m in ms:
@@ -358,12 +350,8 @@ def bench_train_gemms(rep: Report, models: list[str], ms: list[int] = (TRAIN_GEM
                     row = dict(model=model, linear=label, gemm=gemm, m=a.shape[0], n=b.shape[0], k=a.shape[1],
                                cublas_ms=t_cublas, bf16_ms=t_bf16, cublas_tflops=flop / t_cublas / 1e9,
                                bf16_tflops=flop / t_bf16 / 1e9, cublas_speedup=t_bf16 / t_cublas)
-                    if with_dg and deepgemm.supports(a, b, torch.bfloat16):
-                        t_dg = bench(lambda: deepgemm.gemm(a, b))
-                        row.update(deepgemm_ms=t_dg, deepgemm_tflops=flop / t_dg / 1e9,
-                                   deepgemm_vs_cublas=t_cublas / t_dg)
                     route = gemm_path(a, b)
-                    t_route = {"cublas": t_cublas, "deepgemm": row.get("deepgemm_ms")}.get(route)
+                    t_route = t_cublas if route == "cublas" else None
                     if t_route is None:
                         t_route = bench(lambda: be.gemm(a, b))
                     rep.add("gemm-train", **row, route=route, speedup=t_bf16 / t_route)
@@ -788,7 +776,7 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
                 scores.append((math.exp(sum(math.log(t / b) for t, b in zip(ts, bests)) / len(ts)), pi))
         scores.sort()
         for score, pi in scores[:3]:
-            print(f"M={m}: {score:.3f}  {replace(policies[m][pi], max_m=m).literal()}")
+            print(f"M={m}: {score:.3f}  {replace(policies[m][pi], max_m=m)!r}")
         if scores:
             chosen[m] = scores[0][1]
     print("\n== decode sweep: routing (the chosen policy per M against cuBLAS FP8; one cuBLAS call per weight) ==")
@@ -810,7 +798,7 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
         hint = f"; set DECODE_MAX_M_BY_SHAPE[{key!r}] = {bound} in tuning.py" if bound > general else ""
         print(f"{label:>16}: the decode kernel beats cuBLAS through M={bound}{hint}   ({detail})")
     rep.sections.setdefault("decode-sweep-policy", []).extend(
-        {"m": m, "policy": replace(policies[m][pi], max_m=m).literal()} for m, pi in chosen.items())
+        {"m": m, "policy": repr(replace(policies[m][pi], max_m=m))} for m, pi in chosen.items())
 
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor):
@@ -1043,8 +1031,6 @@ def _print_summary(rep: Report) -> None:
     for row in rep.sections.get("gemm-train", []):
         print(f"gemm-train {row['model']} {row['linear']} {row['gemm']} M={row['m']} N={row['n']} K={row['k']}: "
               f"cuBLAS {row['cublas_tflops']:.0f} TFLOP/s, BF16 {row['bf16_tflops']:.0f} TFLOP/s"
-              + (f", DeepGEMM {row['deepgemm_tflops']:.0f} TFLOP/s ({row['deepgemm_vs_cublas']:.2f}x cuBLAS)"
-                 if "deepgemm_ms" in row else "")
               + f"; route {row['route']} {row['speedup']:.2f}x BF16")
     groups: dict = {}
     for row in rep.sections.get("cublas-invariance", []):

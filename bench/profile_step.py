@@ -17,7 +17,7 @@ benchmarks (:class:`bench.common.Arm`), each run under its own kernel tuning. Th
 Every part runs eagerly under ``torch.profiler`` (GPU time per kernel is what a CUDA graph replays) and is timed
 (CUDA events; ``score``/``update``/``train`` per call; ``score`` also split into the decoder blocks and the LM
 head). Kernels are grouped by kind (:func:`kind_of`): exact mode's GEMMs (the batch-invariant Triton GEMM and its
-split-K reduction) and exact attention (its one- and multi-tile kernels and its swapped decode kernel) apart from the fast GEMMs and attention,
+split-K reduction) and exact attention (its tile kernel and its swapped decode kernel) apart from the fast GEMMs and attention,
 then SwiGLU, FP8 quantization (the Gluon 128x1 kernels included), the LM head's log-softmax, norm, copies (DGrad's
 W^T transpose included), elementwise (RoPE and the bias add included), other. With an exact arm and its fast
 arm in one run, a table per part sets all arms side by side by kind, with each exact arm's kernel sum and wall time
@@ -26,7 +26,7 @@ over its fast arm's.
 GPU: ``python bench/profile_step.py --layers 8`` (bf16 vs jet, decode and train); exact mode's training side at
 the RL benchmark's shape: ``python bench/profile_step.py --exact --layers 8`` (the arms ``jet,jet-exact``, the
 parts ``score,update``); add arms to compare exact schedules in the same process, e.g.
-``--arms 'jet,jet-exact,jet-exact@exact_attention_tiles_per_program=2'``. ``--tiny``: a CPU smoke run of the same
+``--arms 'jet,jet-exact,jet-exact@exact_split_k=1'``. ``--tiny``: a CPU smoke run of the same
 code (a 2-block model, reference kernels, CPU operator times instead of GPU kernels).
 """
 
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--arms", "--recipes", dest="arms", default=None,
-                   help=arms_help("jet-exact@exact_attention_tiles_per_program=2",
+                   help=arms_help("jet-exact@exact_split_k=1",
                                   default=f"{DEFAULT_ARMS}, with --exact {EXACT_ARMS}"))
     p.add_argument("--exact", action="store_true",
                    help=f"exact mode's training side against fast mode: arms {EXACT_ARMS} and parts {EXACT_PARTS} "

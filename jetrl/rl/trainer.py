@@ -484,7 +484,6 @@ class Trainer:
             metrics["update/graph_captures"] = float(self.update_graphs.captures)
             metrics["update/graph_replays"] = float(self.update_graphs.replays)
             metrics["update/graph_capture_seconds"] = self.update_graphs.capture_seconds
-            metrics["update/gemm_compile_seconds"] = self.update_graphs.compile_seconds
         if skip_pass and metrics["mismatch/logp_abs_diff_max"] != 0.0:  # the bypass's premise failed: say so
             warnings.warn(f"exact mode: the engine's log-probabilities differ from the trainer's (max |dlogp| "
                           f"{metrics['mismatch/logp_abs_diff_max']:.3g} on the checked tokens), but "

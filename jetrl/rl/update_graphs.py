@@ -43,10 +43,9 @@ import torch.nn as nn
 
 from jetrl.models.attention import flash_varlen_supported
 from jetrl.quant import fp8_linears
-from jetrl.quant.backend import prepare_gemms
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.micro_batch import (MicroBatchShape, PackedMicroBatch, blob_sizes, bucket_shape, micro_batch_loss,
-                                  micro_batch_sizes, pack, packed_logprobs, round_up)
+                                  micro_batch_sizes, pack, packed_logprobs)
 
 # the loss inputs a micro-batch may carry besides mask and advantages, in the order of their static buffers
 LOSS_INPUTS = ("old_logprobs", "rollout_logprobs", "is_weights", "ref_logprobs")
@@ -103,7 +102,6 @@ class UpdateGraphs:
         self.warm: set[bool] = set()  # the kinds (``score``) that ran eagerly once: later shapes capture directly
         self.capture_first = True  # False once such a direct capture failed: every new shape warms up eagerly
         self.capture_seconds = 0.0  # host time spent on new shapes (warm-up, capture), over the run
-        self.compile_seconds = 0.0  # of which compiling GEMM kernels ahead for every bucket (prepare_gemms)
         self.failed: str | None = None  # why a capture failed (the trainer then runs eagerly)
         self.max_sequences = 0  # capacities of every shape so far (see pack)
         self.max_seqlen = 0
@@ -119,15 +117,6 @@ class UpdateGraphs:
         shape = replace(shape, sequences=self.max_sequences, max_seqlen=self.max_seqlen,
                         offsets=shape.offsets - shape.sequences + self.max_sequences)
         return pack(batch, rows, shape.width, shape)
-
-    def token_buckets(self, shape: MicroBatchShape) -> list[int]:
-        """The token counts this run's micro-batches are padded to, as far as they can be told ahead: with a token
-        budget (``max_tokens_per_micro_batch``) the buckets from half the budget to the budget (micro-batches are
-        balanced, so they rarely hold fewer tokens); without one, from half to twice ``shape``'s (a guess).
-        After the eager warm-up, the FP8 GEMMs' kernels that are compiled at first use are compiled for all of them
-        at once (:func:`~jetrl.quant.backend.prepare_gemms`); a micro-batch outside them compiles when met."""
-        budget = self.alg.max_tokens_per_micro_batch or 2 * shape.tokens
-        return sorted({round_up(t, 128) for t in range(max(128, budget // 256 * 128), budget + 128, 128)})
 
     def storage_key(self) -> tuple:
         """The addresses a replay reads and writes (parameters, gradients, FP8 weights, brought to the current
@@ -216,7 +205,6 @@ class UpdateGraphs:
         with torch.cuda.stream(self.stream):
             lp, stats = self._step(packed, g)  # the real micro-batch, eagerly: warms up what the capture records
             lp, stats = lp[:b, :width].clone(), stats.clone()
-            self.compile_seconds += prepare_gemms(self.token_buckets(shape), self.device)
         main.wait_stream(self.stream)
         lp.record_stream(main)
         stats.record_stream(main)

@@ -5,6 +5,7 @@
   (``unsplit_exact_gemm.py``), every split within output rounding of the exact product; the wide schedule's
   tiles (``exact_wide_*``) give the bits of the decode-sized ones;
 * the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
+* exact attention's swapped decode kernel: a decode row's bits are the packed training forward's;
 * the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
   ``bf16``, ``jet`` and ``jet`` with the FP8 KV cache (``kv_fp8``: the FP8 write and attention kernels, captured in
   the decode graphs, against the trainer's fake-quantized K/V), over batches of 1 to 256 sequences (prefix
@@ -124,16 +125,15 @@ def test_exact_split_k_at_8b_shapes(path, n, k):
 
 def _wide(bm: int, bn: int, warps: int, stages: int) -> dict:
     return dict(exact_wide_min_m=200, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages, exact_wide_tma=False)
+                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
 
 
-# The wide schedule's tiles that must not change a bit (bench/kernels.py --sections exact-gemm times them), and the
-# TMA walk of the decode-sized tiles (exact_wide_tma, the FP8 path's default)
+# The wide schedule's tiles that must not change a bit (bench/kernels.py --sections exact-gemm times them; the
+# 16-bit path's, as the FP8 path walks the decode-sized tiles through TMA there), and that TMA walk (row scales)
 SCHEDULES = [_wide(128, 128, 8, 3), _wide(128, 256, 8, 3), _wide(64, 256, 4, 3), _wide(256, 128, 8, 3),
-             dict(exact_wide_min_m=200, exact_wide_tma=True),
-             dict(exact_wide_min_m=200, exact_wide_tma=True, exact_num_stages=4),
-             dict(exact_wide_min_m=200, exact_wide_tma=True, exact_row_scale=False),
-             dict(exact_wide_min_m=200, exact_wide_tma=True, exact_block_m=128, exact_num_warps=8)]
+             dict(exact_wide_min_m=200),
+             dict(exact_wide_min_m=200, exact_num_stages=4),
+             dict(exact_wide_min_m=200, exact_block_m=128, exact_num_warps=8)]
 
 
 @pytest.mark.parametrize("path", ["fp8", "bf16"])
@@ -203,6 +203,38 @@ def test_row_wise_kernels_are_batch_invariant():
     half = logits.to(torch.bfloat16)  # the trainer's bf16 logits and the sampler's fp32 ones of the same values
     assert all(torch.equal(a, b) for a, b in zip(exact_logprobs_from_logits(half, targets, temps),
                                                  exact_logprobs_from_logits(half.float(), targets, temps)))
+
+
+@pytest.mark.parametrize("heads", [32, 40])  # GQA groups 4 (Llama 8B) and 5 (Qwen2.5-32B) over 8 KV heads
+def test_swapped_decode_gives_the_training_forwards_bits(heads):
+    """A decode step on the swapped kernel (``exact_decode_attention_swapped``, one query row per program, keys as
+    the MMA's rows) gives each row the bits the packed training forward (the tile kernel) gives it as the last
+    row of its sequence, at every pipeline depth, and so does the tile kernel's decode schedule; contexts from one
+    key to 1,280, partial and whole chunks."""
+    from jetrl.models.attention import PagedAttentionMetadata, packed_as_paged
+    from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    lengths = [1, 15, 16, 17, 63, 64, 65, 300, 777, 1280]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    bf = dict(device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v = (torch.randn(cu[-1], heads, 128, **bf), torch.randn(cu[-1], 8, 128, **bf) * 2,
+               torch.randn(cu[-1], 8, 128, **bf))
+    packed = packed_as_paged(cu, "cuda")
+    want = exact_attention_fwd(q, k[:, None], v[:, None], packed, 0.088)  # more rows than sequences: tiles
+    last = torch.tensor(cu[1:], device="cuda") - 1
+    meta = PagedAttentionMetadata(torch.arange(len(lengths) + 1, dtype=torch.int32, device="cuda"),
+                                  packed.context_lens, packed.block_tables,
+                                  torch.zeros(len(lengths), dtype=torch.long, device="cuda"), 1, max(lengths))
+    assert torch.isfinite(want).all()
+    for over in ({}, dict(exact_decode_attention_stages=2), dict(exact_decode_attention_stages=3),
+                 dict(exact_decode_attention_swapped=False)):
+        with tuning.override(**over):
+            got = exact_attention_fwd(q[last], k[:, None], v[:, None], meta, 0.088)
+        assert torch.equal(got, want[last]), (over, (got.float() - want[last].float()).abs().max())
 
 
 @pytest.fixture(scope="module")

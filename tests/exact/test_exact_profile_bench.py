@@ -24,7 +24,6 @@ def one_thread():
     ("_exact_gemm_kernel", "exact gemm"),
     ("_exact_reduce_kernel", "exact gemm"),  # the split-K sum, not a norm's reduction
     ("_exact_attention_kernel", "exact attention"),
-    ("_exact_attention_tiles_kernel", "exact attention"),
     ("_exact_decode_kernel", "exact attention"),  # the swapped decode schedule
     ("_exact_gemm_tma_kernel", "exact gemm"),
     ("_logprob_stats_kernel", "lm-head logprobs"),
@@ -42,10 +41,10 @@ def test_exact_kernel_kinds(name, kind):
 
 def test_tiny_exact_profile(tmp_path, capsys):
     path = tmp_path / "profile.json"
-    arms = "jet,jet-exact,jet-exact@exact_attention_tiles_per_program=2"
+    arms = "jet,jet-exact,jet-exact@exact_split_k=1"
     results = profile_step.main(["--tiny", "--exact", "--arms", arms, "--steps", "1", "--top", "3",
                                  "--json", str(path)])
-    names = ["jet", "jet-exact", "jet-exact@exact_attention_tiles_per_program=2"]
+    names = ["jet", "jet-exact", "jet-exact@exact_split_k=1"]
     assert set(results) == {f"{a}/{p}" for a in names for p in ("score", "update")}
     for res in results.values():
         assert res["total_us"] > 0 and res["kernels"] > 0 and res["wall_ms"] > 0
@@ -57,7 +56,7 @@ def test_tiny_exact_profile(tmp_path, capsys):
     out = capsys.readouterr().out
     for part in ("score", "update"):
         table = out[out.index(f"== {part}: arms side by side"):]
-        assert "[2] jet-exact@exact_attention_tiles_per_program=2" in table
+        assert "[2] jet-exact@exact_split_k=1" in table
         assert "[1] over [0]: kernel sum" in table and "[2] over [0]: kernel sum" in table
     assert set(json.loads(path.read_text())) == set(results)
 

@@ -1,7 +1,7 @@
 """Exact mode's TMA walk (``_exact_gemm_tma_kernel``) compiled for the H200 (sm_90a) on the CPU machine.
 
-``exact_row_scale``: a tile whose columns lie in one 128-row weight scale block applies ``sa * sb`` as a per-row
-factor. Each factor is the same fp32 product ``sa[m] * sb`` the outer product ``sa[:, None] * sb[None, :]`` holds,
+Row scales (``ROW_SCALE``, where a tile's columns lie in one 128-row weight scale block): ``sa * sb`` applied as a
+per-row factor. Each factor is the same fp32 product ``sa[m] * sb`` the outer product ``sa[:, None] * sb[None, :]`` holds,
 and ``acc += dot * s`` is the same contracted ``fma(dot, s, acc)`` per element, so the bits are the plain walk's
 (checked on the GPU against the plain kernel and cuBLAS, ``tests/exact/test_exact_gpu.py``); what changes is the
 work per K block, checked here: the outer product's BLOCK_M x BLOCK_N multiplies are gone, the fused multiply-adds

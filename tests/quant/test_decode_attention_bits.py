@@ -1,8 +1,8 @@
 """The decode kernel's E4M3 -> bf16 conversion by bit operations (the tuning's ``kv_decode_bit_convert``).
 
-* the conversion itself (``_load_e4m3_bits``), bit for bit torch's ``.to`` for every E4M3 code but NaN (zeros of both
-  signs, the subnormals, the largest values), into bf16 and fp32: under the interpreter (Triton's integer ops, the
-  same bits as the PTX) and on the GPU (the PTX);
+* the conversion itself (``_load_e4m3_bytes``), bit for bit torch's ``.to`` for every E4M3 code but NaN (zeros of
+  both signs, the subnormals, the largest values), into bf16 and fp32: under the interpreter (Triton's integer ops,
+  the same bits as the PTX) and on the GPU (the PTX);
 * ``paged_decode`` with it is bit for bit ``paged_decode`` with Triton's conversion under the interpreter (the same
   tiles into the same dots): partial pages, a one-token context, GQA group 3, context splits, 16-token and default
   tiles, fp32 and bf16 queries (the interpreter's bf16 dots are not IEEE, but a deterministic function of the same
@@ -54,11 +54,11 @@ from jetrl.quant import reference as R
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.paged_attention_triton import paged_decode
 sys.path.insert(0, "tests/quant")
-from e4m3_bits_kernel import convert
+from e4m3_bits_kernel import convert_bytes
 ''' + "\n".join(inspect.getsource(f) for f in [*_SHARED, e4m3_codes, _converted_bits]) + r'''
 out = {}
 for dtype in (torch.bfloat16, torch.float32):
-    out[f"convert-{str(dtype)[6:]}"] = [_converted_bits(convert(codes, dtype, False), codes)
+    out[f"convert-{str(dtype)[6:]}"] = [_converted_bits(convert_bytes(codes, dtype, False), codes)
                                         for codes in map(e4m3_codes, range(4))]
 
 g = torch.Generator().manual_seed(0)
@@ -98,27 +98,15 @@ def test_paged_decode_with_the_bit_conversion_is_the_default_routes_bit_for_bit(
         assert r.get("err", 0.0) < TOL["float32"], (name, r)
 
 
-def test_field_and_fallback():
-    """On by default, a bool; a cache whose rows are not whole 4-byte words (head_dim, strides or base address) takes
-    Triton's conversion."""
+def test_field():
+    """On by default, a bool."""
     from jetrl.quant.kernels import tuning
-    from jetrl.quant.kernels.paged_attention_triton import _words_aligned
 
     assert tuning.current().kv_decode_bit_convert is True
     for bad in (1, "true", None):
         with pytest.raises(ValueError, match="kv_decode_bit_convert must be a bool"):
             with tuning.override(kv_decode_bit_convert=bad):
                 pass
-    pool = torch.zeros(5, 16, 8, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    assert _words_aligned(pool, pool)
-    assert not _words_aligned(pool[..., :126], pool[..., :126])  # head_dim 126
-    odd = torch.zeros(5 * 16 * 8 * 128 + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(5, 16, 8, 128)
-    assert not _words_aligned(pool, odd)  # V's base address one byte past a word
-    wide = torch.zeros(5, 16, 8, 132, dtype=torch.uint8).view(torch.float8_e4m3fn)[..., :128]  # heads 132 apart
-    assert _words_aligned(wide, wide)
-    skewed = torch.zeros(5 * 16 * 8 * 129, dtype=torch.uint8).view(torch.float8_e4m3fn).as_strided(
-        (5, 16, 8, 128), (16 * 8 * 129, 8 * 129, 129, 1))
-    assert not _words_aligned(pool, skewed)  # KV heads 129 bytes apart
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -129,7 +117,7 @@ def _ptx(bits: bool, block_n: int = 128) -> str:
     return _compile(bits, block_n).asm["ptx"]
 
 
-def _compile(bits: bool, block_n: int = 128, bit_bytes: bool = False):
+def _compile(bits: bool, block_n: int = 128):
     """The decode kernel over an FP8 cache with bf16 queries, specialized as the runtime does at the 8B head shapes
     of ``bench/attention.py`` (pointers and ints divisible by 16 marked so, ints equal to 1 constants), compiled for
     sm_90a with the default launch (4 warps, 2 stages)."""
@@ -144,7 +132,7 @@ def _compile(bits: bool, block_n: int = 128, bit_bytes: bool = False):
     kernel = P._paged_decode_kernel
     names = kernel.arg_names
     consts = dict(GROUP=4, HEAD_DIM=128, PAGE=16, NUM_SPLITS=1, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n, IEEE=False,
-                  FP8=True, FACTORED=True, BITS=bits, BIT_BYTES=bit_bytes, SHARED_OFFSETS=True, WIDE_OFFSETS=False,
+                  FP8=True, FACTORED=True, BIT_BYTES=bits, SHARED_OFFSETS=True, WIDE_OFFSETS=False,
                   HEAD_MAJOR=False, WHILE_LOOP=False, stride_ksh=1, stride_vsh=1)
     ptrs = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
             "tables_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
@@ -198,11 +186,11 @@ def test_bit_route_compiles_without_conversions_or_byte_loads(compiled):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_conversion_on_the_gpu_is_torchs_for_every_e4m3_value(dtype):
-    from e4m3_bits_kernel import convert
+    from e4m3_bits_kernel import convert_bytes
 
     for shift in range(4):
         codes = e4m3_codes(shift, "cuda")
-        assert _converted_bits(convert(codes, dtype, True), codes), shift
+        assert _converted_bits(convert_bytes(codes, dtype, True), codes), shift
 
 
 @pytest.mark.gpu
@@ -216,7 +204,7 @@ def test_paged_decode_bit_route_at_8b_shapes(num_seqs):
     kq, vq = kd.float() * ks[..., None], vd.float() * vs[..., None]
     ref = paged_attention_reference(q.float(), kq, vq, meta, q.shape[-1] ** -0.5)
     for kw in ({}, {"num_splits": 3}, {"block_n": 64}, {"block_n": 256}):
-        with tuning.override(kv_decode_factored=True, kv_decode_streams=False):
+        with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=False, kv_decode_streams=False):
             a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
         with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=True, kv_decode_streams=False):
             b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)

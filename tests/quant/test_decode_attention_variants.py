@@ -1,20 +1,13 @@
-"""Variants of the FP8-cache decode kernel behind the tuning's ``kv_decode_bit_tile`` and ``kv_decode_head_major``.
+"""Variants of the FP8-cache decode kernel: the tuning's launch fields, and the bit conversion's byte tiles.
 
-* the fields' checks and defaults (today's kernel: int32 words, sequence-major grid);
-* the byte-tile conversion is torch's ``.to`` for every E4M3 code but NaN, into bf16 and fp32: under the
-  interpreter (Triton's integer ops) and on the GPU (the PTX);
-* under the Triton interpreter (a child, tiny shapes): the byte-tile conversion, the head-major grid and both
-  together are bit for bit the default route (the same tiles into the same dots; the interpreter runs the byte
-  route's integer fallback, which gives the PTX's values, checked on the GPU): fp32 and bf16 queries, partial pages,
-  a one-token context, GQA group 3, context splits, 16-token and default tiles (the head-major grid on the 3-split
-  launch); and a cache whose rows are not
-  whole 4-byte words, which the word route hands to Triton's conversion while the byte route converts it itself;
-* compiled for the H200 (sm_90a) on this machine: the byte route gives both dots bf16 operands of ``kWidth`` 2
-  (the BF16-cache kernel's; what removes the register shuffles of q and p) and reads no shared memory a byte at a
-  time;
+* the fields' checks and defaults;
+* under the Triton interpreter (a child, tiny shapes): a cache whose rows are not whole 4-byte words, which the bit
+  conversion converts as Triton's conversion does;
+* compiled for the H200 (sm_90a) on this machine: the bit conversion gives both dots bf16 operands of ``kWidth`` 2
+  (the BF16-cache kernel's) and reads no shared memory a byte at a time;
 * the register cap (``kv_decode_max_registers``, Triton's ``maxnreg``): its checks, and a launch that takes it;
-* on the GPU at the 8B head shapes: every variant, and the byte route at launches that fit 4 programs per SM,
-  within the tolerances of the reference and of the default route.
+* on the GPU at the 8B head shapes: launches that fit 4 programs per SM, within the tolerances of the reference
+  and of the default launch.
 """
 
 from __future__ import annotations
@@ -28,65 +21,38 @@ import pytest
 import torch
 
 from interpreted import run_interpreted
-from test_decode_attention_bits import _compile, _converted_bits, e4m3_codes
-from test_kv_fp8_kernels import _SHARED, TOL, _decode_case, rel_err
+from test_decode_attention_bits import _compile
+from test_kv_fp8_kernels import _SHARED, _decode_case, rel_err
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton) ")
 
-VARIANTS = {"bytes": {"kv_decode_bit_tile": "bytes"}, "head-major": {"kv_decode_head_major": True},
-            "bytes-head-major": {"kv_decode_bit_tile": "bytes", "kv_decode_head_major": True}}
-# launches worth measuring with the byte route (the interpreter ignores stages and registers): 4 programs of 4 warps
-# per SM where registers are capped at 128 (no staged copies at 1 stage; 64-token tiles)
-GPU_VARIANTS = dict(VARIANTS, **{
-    "bytes-s1-r128": {"kv_decode_bit_tile": "bytes", "kv_decode_num_stages": 1, "kv_decode_max_registers": 128},
-    "bytes-n64-r128": {"kv_decode_bit_tile": "bytes", "kv_decode_block_n": 64, "kv_decode_max_registers": 128}})
+# launches worth measuring (the interpreter ignores stages and registers): 4 programs of 4 warps per SM where
+# registers are capped at 128 (no staged copies at 1 stage; 64-token tiles)
+GPU_VARIANTS = {"s1-r128": {"kv_decode_num_stages": 1, "kv_decode_max_registers": 128},
+                "n64-r128": {"kv_decode_block_n": 64, "kv_decode_max_registers": 128}}
 
 _CHILD = r'''
 import json, sys
 import torch
-from jetrl.models.attention import paged_attention_reference
 from jetrl.quant import reference as R
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.paged_attention_triton import paged_decode
-sys.path.insert(0, "tests/quant")
-from e4m3_bits_kernel import convert_bytes
-''' + "\n".join(inspect.getsource(f) for f in [*_SHARED, e4m3_codes, _converted_bits]) \
-    + f"\nVARIANTS = {VARIANTS!r}\n" + r'''
+''' + "\n".join(inspect.getsource(f) for f in _SHARED) + r'''
 out = {}
-for dtype in (torch.bfloat16, torch.float32):
-    out[f"convert-{str(dtype)[6:]}"] = [_converted_bits(convert_bytes(codes, dtype, False), codes)
-                                        for codes in map(e4m3_codes, range(4))]
 g = torch.Generator().manual_seed(0)
 contexts, page, hq, hkv, d = [1, 37, 130], 8, 6, 2, 32  # a one-token context, partial pages, GQA group 3
 meta, kd, ks, vd, vs = paged_case(g, contexts, [1] * len(contexts), page, hkv, d, shared_blocks=1)
-for dtype in (torch.float32, torch.bfloat16):
-    q = torch.randn(len(contexts), hq, d, generator=g).to(dtype)
-    ref = paged_attention_reference(q.float(), dequantize_kv_ref(kd, ks, torch.float32),
-                                    dequantize_kv_ref(vd, vs, torch.float32), meta, d ** -0.5)
-    for splits, block_n in ((1, 16), (3, 16), (2, None)):  # None: the default FP8 tile (128 tokens)
-        with tuning.override(kv_decode_factored=True, kv_decode_bit_convert=True):
-            base = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n)
-            for name, knobs in VARIANTS.items():
-                if name != "bytes" and splits != 3:  # the grid order on the split launch only (the interpreter is slow)
-                    continue
-                with tuning.override(**knobs):
-                    run = paged_decode(q, kd, vd, meta, d ** -0.5, ks, vs, num_splits=splits, block_n=block_n)
-                r = {"bitwise": same_bits(run, base)}
-                if dtype == torch.float32:
-                    r["err"] = rel_err(run, ref)
-                out[f"{name}-{str(dtype)[6:]}-splits{splits}-tile{block_n}"] = r
-
-# rows 2 bytes apart from a word boundary: the word route falls back to Triton's conversion, the bytes convert
+# rows 2 bytes apart from a word boundary: Triton's conversion and the bit conversion's byte tiles
 pad = lambda x: torch.nn.functional.pad(x.view(torch.uint8), (2, 2)).view(torch.float8_e4m3fn)[..., 2:2 + d]
 kdu, vdu = pad(kd), pad(vd)
 q = torch.randn(len(contexts), hq, d, generator=g).to(torch.bfloat16)
 runs = []
-for knobs in ({"kv_decode_bit_convert": False}, {"kv_decode_bit_tile": "bytes"}):
+for knobs in ({"kv_decode_bit_convert": False}, {"kv_decode_bit_convert": True}):
     with tuning.override(kv_decode_factored=True, **knobs):
         runs.append(paged_decode(q, kdu, vdu, meta, d ** -0.5, ks, vs, num_splits=2, block_n=16))
 out["unaligned"] = {"bitwise": same_bits(*runs), "offset": kdu.data_ptr() % 4}
-with tuning.override(kv_decode_bit_tile="bytes", kv_decode_max_registers=128):  # a launch option Triton takes
+with tuning.override(kv_decode_max_registers=128):  # a launch option Triton takes
     out["max-registers"] = same_bits(runs[1], paged_decode(q, kdu, vdu, meta, d ** -0.5, ks, vs, num_splits=2,
                                                            block_n=16))
 json.dump(out, sys.stdout)
@@ -98,19 +64,6 @@ def interpreted():
     return run_interpreted(_CHILD, "decode attention: the kernel's variants", timeout=600)
 
 
-def test_byte_conversion_is_torchs_for_every_e4m3_value(interpreted):
-    assert interpreted["convert-bfloat16"] == interpreted["convert-float32"] == [True] * 4, interpreted
-
-
-def test_variants_are_the_default_route_bit_for_bit(interpreted):
-    cases = {name: r for name, r in interpreted.items()
-             if name not in ("unaligned", "max-registers") and not name.startswith("convert-")}
-    assert len(cases) == 2 * (3 + len(VARIANTS) - 1), sorted(cases)
-    for name, r in cases.items():
-        assert r["bitwise"], (name, r)
-        assert r.get("err", 0.0) < TOL["float32"], (name, r)
-
-
 def test_byte_route_converts_rows_that_are_not_whole_words(interpreted):
     assert interpreted["unaligned"] == {"bitwise": True, "offset": 2}, interpreted["unaligned"]
     assert interpreted["max-registers"] is True
@@ -120,17 +73,7 @@ def test_fields():
     from jetrl.quant.kernels import tuning
 
     # the defaults: the H200 sweep's fastest launch (docs/benchmark-history.md)
-    assert tuning.current().kv_decode_bit_tile == "bytes" and tuning.current().kv_decode_head_major is True
     assert tuning.current().kv_decode_num_stages == 1
-    assert tuning.KV_DECODE_BIT_TILES == ("words", "bytes")
-    for bad in ("byte", "", None):
-        with pytest.raises(ValueError, match=r"kv_decode_bit_tile must be one of \('words', 'bytes'\)"):
-            with tuning.override(kv_decode_bit_tile=bad):
-                pass
-    for bad in (1, "true", None):
-        with pytest.raises(ValueError, match="kv_decode_head_major must be a bool"):
-            with tuning.override(kv_decode_head_major=bad):
-                pass
     assert tuning.current().kv_decode_max_registers == 128
     for bad in (16, 256, 128.0, True, -1):
         with pytest.raises(ValueError, match=r"kv_decode_max_registers must be 0 \(the compiler's choice\) or an int"):
@@ -164,13 +107,13 @@ def test_wide_offsets_decision():
 
 @pytest.fixture(scope="module")
 def byte_route():
-    return _compile(True, bit_bytes=True)  # skips only without an NVIDIA backend (tests/sm90_compile.py)
+    return _compile(True)  # skips only without an NVIDIA backend (tests/sm90_compile.py)
 
 
 def test_byte_route_feeds_the_dots_as_a_bf16_cache_does(byte_route):
-    """Both dots take bf16 operands of ``kWidth`` 2 (the word route's join makes Triton 3.6 pick 4 for both dots,
-    and shuffle q and p between registers), no shared memory is read a byte at a time, and the conversion is the
-    word route's: a prmt (0x9180 and 0xB3A2 kinds) and a packed multiply per pair of values."""
+    """Both dots take bf16 operands of ``kWidth`` 2 (a conversion Triton sees through makes it pick 4 for both dots,
+    and shuffle q and p between registers), no shared memory is read a byte at a time, and the conversion is a
+    prmt (0x9180 and 0xB3A2 kinds) and a packed multiply per pair of values."""
     widths = re.findall(r"dot_op<\{opIdx = (\d), parent = #mma\d*, kWidth = (\d+)\}>", byte_route.asm["ttgir"])
     assert widths and {w for _, w in widths} == {"2"} and {i for i, _ in widths} == {"0", "1"}, set(widths)
     ptx = byte_route.asm["ptx"]
@@ -181,16 +124,6 @@ def test_byte_route_feeds_the_dots_as_a_bf16_cache_does(byte_route):
 
 # ------------------------------------------------------------------------------------------------------------
 # GPU: the variants at the Llama-3.1-8B head shapes
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_byte_conversion_on_the_gpu_is_torchs_for_every_e4m3_value(dtype):
-    from e4m3_bits_kernel import convert_bytes
-
-    for shift in range(4):
-        codes = e4m3_codes(shift, "cuda")
-        assert _converted_bits(convert_bytes(codes, dtype, True), codes), shift
 
 
 @pytest.mark.gpu
@@ -211,8 +144,6 @@ def test_variants_at_8b_shapes(num_seqs, variant):
             b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs, **kw)
         assert b.dtype == torch.bfloat16 and torch.isfinite(b).all(), kw
         assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (kw, rel_err(b, ref), rel_err(b, a))
-        if variant == "head-major":  # the same program bodies, launched in another order: the same bits
-            assert torch.equal(b, a), kw
 
 
 @pytest.mark.gpu
@@ -235,7 +166,7 @@ def test_byte_route_with_64_bit_offsets():
     meta = dataclasses.replace(meta, block_tables=torch.where(meta.block_tables >= 0, meta.block_tables + far, -1))
     kd, ks, vd, vs = big
     assert _wide_offsets(kd, vd)
-    with tuning.override(kv_decode_bit_tile="bytes", kv_decode_streams=False):
+    with tuning.override(kv_decode_streams=False):
         b = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)
     a = paged_decode(q, kd, vd, meta, q.shape[-1] ** -0.5, ks, vs)  # the default: the Gluon kernel
     assert rel_err(b, ref) < 1e-2 and rel_err(b, a) < 1e-2, (rel_err(b, ref), rel_err(b, a))

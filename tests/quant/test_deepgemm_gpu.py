@@ -1,10 +1,9 @@
 """DeepGEMM's route for the FP8 GEMMs (:mod:`jetrl.quant.kernels.gemm_deepgemm`) on the GPU, where it is installed.
 
-Its GEMMs against the reference's to output rounding (Fprop/DGrad with 128x128 weights, WGrad with both operands
-1x128 along the tokens, at unaligned row counts); ``FP8Linear``'s training step routed to it by its rule
-(``gemm="deepgemm"``),
-against the reference backend; a CUDA graph of a step whose kernels :func:`~jetrl.quant.backend.prepare_gemms`
-compiled ahead, replayed bitwise; and ahead-of-time compilation filling the disk cache from worker processes.
+Its GEMMs against the reference's to output rounding (128x128 weights, at unaligned row counts and the rollout's
+decode row counts); the rule's routing of the rollout's decode rows (``gemm="deepgemm"``); a rollout whose decode
+graphs compile DeepGEMM's kernels ahead (:func:`~jetrl.quant.backend.prepare_gemms`); and ahead-of-time compilation
+filling the disk cache from worker processes.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetrl.quant import ACT, TOKEN, WEIGHT, FP8Linear
+from jetrl.quant import ACT, WEIGHT
 from jetrl.quant.kernels import tuning
-from linear_check import step_matches_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -161,99 +159,6 @@ def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):
         assert max(abs(p - q) for p, q in zip(x.logprobs[:common], y.logprobs[:common])) < 5e-2
         same += x.token_ids == y.token_ids
     assert same >= len(a) * 3 // 4
-
-
-@pytest.mark.parametrize("tokens,n,k", [(2051, 2048, 1536), (3001, 1536, 1536), (4096, 896, 1152)])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_wgrad_to_output_rounding(dg, tokens, n, k, out_dtype):
-    """dy^T @ x with both operands 1x128 along the tokens, zero-padded to whole 128-token blocks as the linear's
-    backward makes them."""
-    from jetrl.quant.kernels.cuda_backend import CudaBackend
-
-    be = CudaBackend()
-    g = torch.Generator(device="cuda").manual_seed(tokens + n)
-    dy = torch.randn(tokens, n, generator=g, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(tokens, k, generator=g, device="cuda", dtype=torch.bfloat16)
-    a = be.quantize(dy, TOKEN, whole_blocks=True).t()
-    b = be.requantize(be.quantize(x, ACT), TOKEN, whole_blocks=True).t()
-    out = dg.gemm(a, b, out_dtype)
-    assert out.dtype == out_dtype and out.shape == (n, k)
-    ref = a.dequantize().double() @ b.dequantize().double().t()
-    assert torch.isfinite(out).all()
-    excess = (out.double() - ref).abs() - _tolerance(a, b, ref, out_dtype)
-    assert float(excess.max()) <= 0, f"max excess {float(excess.max()):.3g}"
-
-
-@pytest.mark.parametrize("m", [3001, 4096])
-def test_fp8_linear_routes_to_deepgemm(dg, m, monkeypatch):
-    """``gemm="deepgemm"``'s rule with the training route on (``deepgemm_min_m``; off by default: a default step
-    takes cuBLAS throughout): Fprop and DGrad at a row count that is a multiple of 128 (a padded micro-batch) and WGrad
-    of a small output at a long contraction go to DeepGEMM; Fprop and DGrad at another row count stay on cuBLAS.
-    The gradients are the reference backend's to output rounding."""
-    from jetrl.quant.kernels import gemm_scaled_mm
-
-    calls = {"deepgemm": [], "cublas": []}
-    real_dg, real_mm = dg.gemm, gemm_scaled_mm.blockwise_scaled_mm
-
-    def spy_dg(a, b, *args, **kw):
-        calls["deepgemm"].append(b.block)
-        return real_dg(a, b, *args, **kw)
-
-    def spy_mm(a, b, *args, **kw):
-        calls["cublas"].append(b.block)
-        return real_mm(a, b, *args, **kw)
-
-    monkeypatch.setattr(dg, "gemm", spy_dg)
-    monkeypatch.setattr(gemm_scaled_mm, "blockwise_scaled_mm", spy_mm)
-
-    def step(layer, x, gy):
-        with tuning.override(gemm="deepgemm"):
-            layer(x).backward(gy)
-        assert not calls["deepgemm"] and len(calls["cublas"]) == 3
-        calls["cublas"].clear()
-        layer.weight.grad = layer.bias.grad = x.grad = None
-        with tuning.override(gemm="deepgemm", deepgemm_min_m=2048):
-            layer(x).backward(gy)
-        aligned = m % 128 == 0
-        assert calls["deepgemm"] == ([WEIGHT, WEIGHT, ACT] if aligned else [ACT])
-        assert calls["cublas"] == ([] if aligned else [WEIGHT, WEIGHT])
-
-    step_matches_reference(m, monkeypatch, step)
-
-
-def test_prepared_kernels_capture_and_replay_bitwise(dg):
-    """Straight after prepare_gemms compiled a token count's kernels (no eager step at that count first), a CUDA
-    graph of a training step at that count captures with DeepGEMM inside, and its replay has the bits of the eager
-    step run afterwards."""
-    from jetrl.quant.backend import prepare_gemms
-
-    torch.manual_seed(5)
-    m = 2176
-    layer = FP8Linear(1536, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    gy = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
-    with tuning.override(gemm="deepgemm", deepgemm_min_m=2048):
-        layer(x[:512]).backward(gy[:512])  # the layer's GEMMs are met once (at a size cuBLAS takes)
-        prepare_gemms([m], x.device)
-    assert dg.GemmShape(m, 2048, 1536) in dg._PREPARED and dg.GemmShape(m, 2048, 1536, True) in dg._PREPARED
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), tuning.override(gemm="deepgemm", deepgemm_min_m=2048):
-        graph.capture_begin(capture_error_mode="thread_local")
-        x.grad = layer.weight.grad = None
-        layer(x).backward(gy)
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    replayed = (x.grad.clone(), layer.weight.grad.clone())
-    x.grad = layer.weight.grad = None
-    with tuning.override(gemm="deepgemm", deepgemm_min_m=2048):
-        layer(x).backward(gy)
-    for got, ref in zip(replayed, (x.grad, layer.weight.grad)):
-        assert torch.isfinite(ref).all()
-        assert torch.equal(got, ref)
 
 
 def test_compile_kernels_fills_the_disk_cache_from_workers(dg, tmp_path, monkeypatch):

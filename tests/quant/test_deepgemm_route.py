@@ -4,37 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from jetrl.quant import ACT, WEIGHT
 from jetrl.quant.kernels import gemm_deepgemm as dg
 from jetrl.quant.kernels import tuning
 from jetrl.rl.micro_batch import round_up
-
-
-def test_the_rule_takes_padded_micro_batches_and_small_wgrad_outputs():
-    rule = dict(min_m=2048, wgrad_max_tiles=256, rollout=False)
-
-    def routed(*args, **kw):
-        return dg.route(*args, **{**rule, **kw}) == "deepgemm"
-
-    assert routed(2048, 2048, 1536, WEIGHT) and routed(15360, 17920, 1536, WEIGHT)
-    assert dg.route(1920, 2048, 1536, WEIGHT, **rule) is None  # below min_m: the default route's
-    assert dg.route(15288, 2048, 1536, WEIGHT, **rule) is None  # a prefill chunk's row count: cuBLAS
-    assert routed(2048, 2048, 1536, WEIGHT, rollout=True)  # rollout rows above the decode bound: the same rule
-    # WGrad: (m, n) is the output, k the tokens
-    assert routed(2048, 1536, 4096, ACT)  # 16 x 12 tiles
-    assert routed(1536, 1536, 2048, ACT)
-    assert not routed(2048, 1536, 1920, ACT)  # too few tokens
-    assert not routed(17920, 1536, 15360, ACT)  # 140 x 12 tiles: cuBLAS's
-    assert not routed(3584, 3584, 15360, ACT)  # 28 x 28
-    assert routed(3584, 3584, 15360, ACT, wgrad_max_tiles=784)
 
 
 def test_the_rule_takes_the_rollouts_decode_rows_except_long_k_weights_up_to_the_split_k_bound():
     rule = tuning.KernelTuning().deepgemm_rule()
     assert rule["decode_max_m"] == 256 and rule["split_k_max_m"] == 128
 
-    def where(m, n, k, block=WEIGHT, rollout=True, **kw):
-        return dg.route(m, n, k, block, rollout=rollout, **{**rule, **kw})
+    def where(m, n, k, rollout=True, **kw):
+        return dg.route(m, n, k, rollout=rollout, **{**rule, **kw})
 
     for m in (1, 3, 16, 100, 256):
         assert where(m, 2048, 1536) == "deepgemm"  # q/k/v stacked, o, gate/up: K <= 2N
@@ -46,31 +26,23 @@ def test_the_rule_takes_the_rollouts_decode_rows_except_long_k_weights_up_to_the
         assert where(m, 4608, 3584, decode_bound=64) == ("deepgemm" if m > 64 else "decode")
         # the training side (an update or scoring micro-batch this small, DGrad among them) is not the rollout's
         assert where(m, 2048, 1536, rollout=False) is None
-    assert where(257, 2048, 1536) is None  # above the decode bound, below min_m (0: no training route)
+    assert where(257, 2048, 1536) is None  # above the decode bound: the default route's
     assert where(16, 2048, 1536, decode_max_m=0) is None  # the decode route off
-    assert where(1536, 2048, 16, ACT) is None  # WGrad over 16 tokens is no decode GEMM
-    # the training route is off by default: padded micro-batches and WGrad stay on cuBLAS
-    assert rule["min_m"] == 0
-    assert where(2048, 2048, 1536, rollout=False) is None and where(1536, 1536, 4096, ACT, rollout=False) is None
+    # the training GEMMs stay on the default route
+    assert where(2048, 2048, 1536, rollout=False) is None and where(15360, 17920, 1536, rollout=False) is None
 
 
-def test_the_plan_covers_every_gemm_met_at_every_bucket():
-    seen = {(2048, 1536, False), (1536, 2048, False), (2048, 1536, True), (17920, 1536, True)}
+def test_the_plan_covers_no_training_rows():
+    seen = {(2048, 1536), (1536, 2048)}
     buckets = sorted({round_up(t, 128) for t in range(1024, 4097, 128)})
-    plan = dg.planned_shapes(buckets, rollout=False, min_m=2048, wgrad_max_tiles=256, decode_max_m=256, seen=seen)
-    big = [m for m in buckets if m >= 2048]
-    assert big and min(buckets) < 2048
-    assert sorted(plan, key=lambda s: (s.wgrad, s.n, s.m)) == sorted(
-        [dg.GemmShape(m, 2048, 1536) for m in big] + [dg.GemmShape(m, 1536, 2048) for m in big]
-        + [dg.GemmShape(m, 2048, 1536, True) for m in big], key=lambda s: (s.wgrad, s.n, s.m))
-    # the training side's small buckets are not the rollout's decode rows
+    assert not dg.planned_shapes(buckets, rollout=False, seen=seen, **tuning.KernelTuning().deepgemm_rule())
     assert not dg.planned_shapes([128, 256], rollout=False, seen=seen, **tuning.KernelTuning().deepgemm_rule())
 
 
 def test_the_plan_covers_the_decode_graph_sizes():
     """The rollout's decode graphs ask for their row counts: gate/up and o at every size, the down projection
     (K > 2N) above the split-K bound only, and the stacked q/k/v with biases above its decode bound only."""
-    seen = {(2048, 1536, False), (17920, 1536, False), (1536, 1536, False), (1536, 8960, False)}
+    seen = {(2048, 1536), (17920, 1536), (1536, 1536), (1536, 8960)}
     sizes = [1, 2, 4, 8, 16, 32, 128, 144, 256]
     plan = dg.planned_shapes(sizes, rollout=True, seen=seen, **tuning.KernelTuning().deepgemm_rule(),
                              decode_bound=lambda n, k: 64 if (n, k) == (2048, 1536) else 0)
@@ -80,8 +52,7 @@ def test_the_plan_covers_the_decode_graph_sizes():
         + [dg.GemmShape(m, 1536, 8960) for m in (144, 256)], key=lambda s: (s.n, s.k, s.m))
 
 
-@pytest.mark.parametrize("field", ["deepgemm_min_m", "deepgemm_wgrad_max_tiles", "deepgemm_decode_max_m",
-                                   "deepgemm_split_k_max_m"])
+@pytest.mark.parametrize("field", ["deepgemm_decode_max_m", "deepgemm_split_k_max_m"])
 def test_tuning_checks_the_rule_bounds(field):
     with pytest.raises(ValueError, match=field):
         tuning.KernelTuning(**{field: -1})
@@ -107,8 +78,7 @@ def test_deepgemm_is_an_error_where_it_is_not_installed():
 
 
 def test_shapes_deepgemm_cannot_take_are_not_compiled():
-    assert dg._takes(dg.GemmShape(2048, 2048, 1536)) and dg._takes(dg.GemmShape(2048, 1536, 1536, True))
-    assert not dg._takes(dg.GemmShape(64, 1536, 1536, True))  # WGrad over a partial 128-token block
+    assert dg._takes(dg.GemmShape(2048, 2048, 1536)) and dg._takes(dg.GemmShape(3, 1536, 1536))
     assert not dg._takes(dg.GemmShape(2048, 1000, 1536))  # a weight width that is not whole tiles
     assert not dg._takes(dg.GemmShape(2048, 2048, 1000))
 

@@ -378,7 +378,7 @@ def test_gpu_backward_matches_autograd(m, dtype):
     # d up = rnd(g * rnd(silu(gate))): the same operations as autograd, bitwise
     assert _bitwise(ours[1], theirs[1]), "d up differs from autograd"
     # d gate: autograd's rounding of g * up, then ATen's silu_backward formula (bitwise: next test). Should
-    # the compiler contract ATen's multiply-add differently than tuning.silu_bwd_fma assumes, the results differ by
+    # the compiler contract ATen's multiply-add differently than the kernel's fma assumes, the results differ by
     # an fp32 rounding of 1 + x(1 - s), amplified only near its zero: far below a bf16/fp16 ulp norm-wise.
     assert _rel(ours[0], theirs[0]) <= (1e-6 if dtype == torch.float32 else 1e-4)
     gu = torch.cat([gate, up], -1).requires_grad_(True)
@@ -388,7 +388,8 @@ def test_gpu_backward_matches_autograd(m, dtype):
 
 @pytest.mark.gpu
 def test_gpu_backward_bitwise():
-    """Claim: d gate is bitwise autograd's. If this alone fails, flip the tuning object's silu_bwd_fma."""
+    """Claim: d gate is bitwise autograd's. If this alone fails, the compiler contracts ATen's silu_backward
+    differently from the kernel's ``fma(x, 1 - s, 1)`` (swiglu_triton._swiglu_grad_values)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gate, up = _gpu_inputs(4096, 14336, torch.bfloat16, seed=7)

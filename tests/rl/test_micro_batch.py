@@ -175,23 +175,3 @@ def test_token_budget_micro_batches_are_balanced(budget):
     assert len(micros) >= -(-sum(lens.values()) // budget)
     if len(micros) > 1:
         assert max(counts) - min(counts) <= max(lens.values())
-
-
-
-def test_the_token_buckets_compiled_ahead_are_those_balanced_micro_batches_take():
-    """UpdateGraphs.token_buckets (what prepare_gemms compiles for): every bucket from half the token budget to
-    the budget, each a bucket_shape's token count, and the bucket of any token count in that range among them."""
-    from types import SimpleNamespace
-
-    from jetrl.rl.update_graphs import UpdateGraphs
-
-    budget = 16384
-    graphs = SimpleNamespace(alg=SimpleNamespace(max_tokens_per_micro_batch=budget))
-    shape = bucket_shape(9001, 6000, 30, 1024, 700)
-    buckets = UpdateGraphs.token_buckets(graphs, shape)
-    assert buckets == sorted(set(buckets)) and all(b % 128 == 0 for b in buckets)
-    for tokens in range(budget // 2, budget + 1, 37):
-        assert bucket_shape(tokens, tokens // 2, 30, 1024, 700).tokens in buckets
-    assert min(buckets) <= budget // 2 and max(buckets) == round_up(budget, 128)
-    no_budget = SimpleNamespace(alg=SimpleNamespace(max_tokens_per_micro_batch=None))
-    assert max(UpdateGraphs.token_buckets(no_budget, shape)) >= 2 * shape.tokens - 128

@@ -14,8 +14,8 @@ backend (quantization bit for bit, GEMMs to output rounding):
   (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
   FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
   grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; with the tuning's
-  ``gemm="deepgemm"`` (opt-in), the rollout's decode GEMMs (and with ``deepgemm_min_m`` set the padded
-  micro-batches') go to DeepGEMM (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
+  ``gemm="deepgemm"`` (opt-in), the rollout's decode GEMMs go to DeepGEMM
+  (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
 * exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
@@ -125,7 +125,7 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
     n = grouped_n if grouped else b.shape[0]
     if choice == "deepgemm" and deepgemm.supports(a, b, out_dtype):
         # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
-        where = deepgemm.route(m, n, k, b.block, rollout=current_side() == "rollout",
+        where = deepgemm.route(m, n, k, rollout=current_side() == "rollout",
                                decode_bound=decode_max_m(n, k, grouped) if biased else 0, **cfg.deepgemm_rule())
         if where == "deepgemm" and not deepgemm.is_available(a.data.device):
             raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
@@ -246,8 +246,7 @@ class CudaBackend:
 
     def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
         """Compile ahead DeepGEMM's kernels for the GEMMs met so far at these token counts (rows), where the tuning
-        routes them there on the side in force (the rollout's decode graphs, or the update's), by
-        :func:`gemm_path`'s rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
+        routes them there on the side in force (the rollout's decode graphs), by :func:`gemm_path`'s rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
         cfg = tuning.current()
         if cfg.gemm != "deepgemm" or not deepgemm.is_available(device):
             return 0.0

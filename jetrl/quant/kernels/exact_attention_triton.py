@@ -35,34 +35,6 @@ trainer attending over the fake-quantized K/V (one-token pages of the same value
 Unlike the decode kernel (:mod:`~jetrl.quant.kernels.paged_attention_triton`), this one does NOT apply the scales
 to the dots' results: that is equal only to summation order in general (the two dots are different MMA inputs,
 and ``bf16(p * 2^e) == bf16(p) * 2^e`` fails for probabilities below ``2^-104``), and this kernel's contract is bits.
-
-**Several tiles per program** (``KernelTuning.exact_attention_tiles_per_program`` = T > 1, ``exact_attention_stacked``
-off; T = 1, the default, is the kernel above): one program takes T consecutive tiles of one sequence and KV head,
-loads each K/V chunk once and runs each tile's dots on it, so K/V are read once per ``T * BLOCK_Q`` query rows instead
-of once per ``BLOCK_Q``. The bits are those of the one-tile kernel, because each tile's arithmetic is unchanged:
-
-* each tile keeps its own ``(m, l, acc)``, and its dots have the one-tile kernel's shape, operand order and
-  precision (the same jitted helpers, :func:`_scores_update` and :func:`_acc_update`, at the same ``num_warps``);
-* a tile runs exactly the chunks the one-tile kernel runs for it, those starting below its own furthest key, in
-  the same order from position 0 (the program's later chunks are skipped for it, not merely masked);
-* the one difference in what it reads: in its last chunk, key positions between its own furthest key and the
-  program's are loaded (the one-tile kernel loads zeros there). Every such position is masked for every row of
-  the tile (``t >= limit``), so its score is replaced by ``-inf`` and its probability is exactly 0: a product
-  ``0 * v`` adds zero. The one-tile kernel already relies on this for a tile's shorter rows, which read their
-  longer neighbours' keys, and for decode rows, which read zeros instead: the engine/trainer GPU tests check it.
-
-**Stacked tiles** (``KernelTuning.exact_attention_stacked`` with T = 2 or 4): the one-tile kernel itself with a tile of
-``T * BLOCK_Q`` query rows (``T * 64`` MMA rows) and ``4 * T`` warps. Triton lays a dot whose result feeds the
-next dot (scores -> probabilities -> ``P @ V``) out with all warps along the rows (``warpsPerCTA = [4T, 1]``), so
-each warpgroup of 4 warps owns one 64-row tile and issues for it the one-tile kernel's Hopper MMA instructions
-(``m64nNk16``, the same N, the same K order) on the same operands; the row reductions of the softmax stay inside a
-warp as before. Each tile's rows thus get the one-tile kernel's bits, except that they walk every chunk up to
-the program's furthest key: the extra chunks are fully masked for them and leave their state unchanged, the
-property the one-tile kernel relies on for its own shorter rows. Registers per thread stay those of one tile
-(the program has T times the threads), where the multi-tile kernel above holds T tiles' state in 4 warps.
-
-A batch of one query row per sequence (a decode step) runs the one-tile kernel whatever T is: T only adds
-registers there. T is a schedule, never a result: the rollout and the trainer may run different values.
 """
 
 from __future__ import annotations
@@ -83,7 +55,6 @@ ROWS_PER_PROGRAM = 64  # MMA rows of every program: query rows x their group's h
 ROW_SUM_COLS = tl.constexpr(16)  # columns of the ones the row sums multiply (the narrowest Hopper MMA of 64 rows)
 DECODE_MIN_COLS = 16  # the swapped decode kernel's MMA columns: its query heads, padded to at least this many
 _MMA_ROWS = tl.constexpr(ROWS_PER_PROGRAM)
-MAX_TILES_PER_PROGRAM = tuning.EXACT_MAX_TILES_PER_PROGRAM  # the most tiles one program takes (each its own state)
 
 
 @triton.jit
@@ -240,125 +211,6 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
 
 
 @triton.jit
-def _exact_attention_tiles_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl_ptr, ctx_ptr, tile_seq_ptr,
-                                  tile_start_ptr, out_ptr, scale_log2,
-                                  stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                  stride_vh, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                                  stride_ts, stride_on, stride_oh,
-                                  GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                                  PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
-                                  WHILE_LOOP: tl.constexpr, TILES: tl.constexpr):
-    """One program: TILES (2..4) consecutive tiles of BLOCK_Q query rows of one sequence x the GROUP heads of one
-    KV head; each K/V chunk is loaded once and each tile's dots run on it with the one-tile kernel's shapes (see
-    the module doc). Slots of tiles beyond TILES alias tile 0 and are never updated or stored."""
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    if seq < 0:  # past the last program's tiles (the grid is an upper bound, fixed without a host sync)
-        return
-    first = tl.load(tile_start_ptr + tile)
-    seq_end = tl.load(qsl_ptr + seq + 1)
-    ctx = tl.load(ctx_ptr + seq)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    rows0, heads0, ok0, limit0 = _tile_rows(first, seq_end, ctx, kv_head, GROUP, GROUP_P2, BLOCK_Q)
-    q0 = _load_q(q_ptr, rows0, heads0, ok0, d, d_ok, stride_qn, stride_qh)
-    end0 = tl.max(limit0, 0)  # the first tile always holds a row
-    m0 = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
-    l0 = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
-    acc0 = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
-    # tile i's furthest key, 0 for a tile past the sequence's last row (it runs no chunk and stores nothing)
-    rows1, heads1, ok1, limit1 = _tile_rows(first + BLOCK_Q, seq_end, ctx, kv_head, GROUP, GROUP_P2, BLOCK_Q)
-    q1 = _load_q(q_ptr, rows1, heads1, ok1, d, d_ok, stride_qn, stride_qh)
-    end1 = tl.where(first + BLOCK_Q < seq_end, tl.max(limit1, 0), 0)
-    m1, l1, acc1 = m0, l0, acc0
-    end = tl.maximum(end0, end1)
-    if TILES > 2:
-        rows2, heads2, ok2, limit2 = _tile_rows(first + 2 * BLOCK_Q, seq_end, ctx, kv_head, GROUP, GROUP_P2,
-                                                BLOCK_Q)
-        q2 = _load_q(q_ptr, rows2, heads2, ok2, d, d_ok, stride_qn, stride_qh)
-        end2 = tl.where(first + 2 * BLOCK_Q < seq_end, tl.max(limit2, 0), 0)
-        end = tl.maximum(end, end2)
-    else:
-        rows2, heads2, ok2, limit2, q2, end2 = rows0, heads0, ok0, limit0, q0, end0
-    m2, l2, acc2 = m0, l0, acc0
-    if TILES > 3:
-        rows3, heads3, ok3, limit3 = _tile_rows(first + 3 * BLOCK_Q, seq_end, ctx, kv_head, GROUP, GROUP_P2,
-                                                BLOCK_Q)
-        q3 = _load_q(q_ptr, rows3, heads3, ok3, d, d_ok, stride_qn, stride_qh)
-        end3 = tl.where(first + 3 * BLOCK_Q < seq_end, tl.max(limit3, 0), 0)
-        end = tl.maximum(end, end3)
-    else:
-        rows3, heads3, ok3, limit3, q3, end3 = rows0, heads0, ok0, limit0, q0, end0
-    m3, l3, acc3 = m0, l0, acc0
-    table_row, k_head, v_head, ks_head, vs_head = _sequence_and_head(
-        tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh, stride_ksh, stride_vsh)
-    n = tl.arange(0, BLOCK_N)
-    if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
-        t0 = 0
-        while t0 < end:
-            m0, l0, acc0, m1, l1, acc1, m2, l2, acc2, m3, l3, acc3 = _tiles_chunk(
-                t0, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
-                stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                q0, limit0, end0, m0, l0, acc0, q1, limit1, end1, m1, l1, acc1,
-                q2, limit2, end2, m2, l2, acc2, q3, limit3, end3, m3, l3, acc3, PAGE, IEEE, FP8, TILES)
-            t0 += BLOCK_N
-    else:
-        for t0 in range(0, end, BLOCK_N):
-            m0, l0, acc0, m1, l1, acc1, m2, l2, acc2, m3, l3, acc3 = _tiles_chunk(
-                t0, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
-                stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                q0, limit0, end0, m0, l0, acc0, q1, limit1, end1, m1, l1, acc1,
-                q2, limit2, end2, m2, l2, acc2, q3, limit3, end3, m3, l3, acc3, PAGE, IEEE, FP8, TILES)
-    _store_out(out_ptr, acc0, l0, rows0, heads0, ok0, d, d_ok, stride_on, stride_oh)
-    _store_out(out_ptr, acc1, l1, rows1, heads1, ok1, d, d_ok, stride_on, stride_oh)
-    if TILES > 2:
-        _store_out(out_ptr, acc2, l2, rows2, heads2, ok2, d, d_ok, stride_on, stride_oh)
-    if TILES > 3:
-        _store_out(out_ptr, acc3, l3, rows3, heads3, ok3, d, d_ok, stride_on, stride_oh)
-
-
-@triton.jit
-def _tiles_chunk(t0, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
-                 stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
-                 q0, limit0, end0, m0, l0, acc0, q1, limit1, end1, m1, l1, acc1,
-                 q2, limit2, end2, m2, l2, acc2, q3, limit3, end3, m3, l3, acc3,
-                 PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, TILES: tl.constexpr):
-    """One chunk of key positions ``t = t0 + arange(BLOCK_N)`` for up to four tiles: K/V gathered once (up to the
-    program's furthest key ``end``), then each tile whose own keys reach this chunk (``t0 < end_i``) runs the
-    one-tile kernel's update on it (:func:`_tile_update`); the others keep their state."""
-    t_ok = t < end
-    page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
-    slot = t % PAGE
-    kv_mask = t_ok[:, None] & d_ok[None, :]
-    k = _load_kv_rows(k_head, ks_head, page, slot, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
-                      q0.dtype, FP8)
-    v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
-                      q0.dtype, FP8)
-    if t0 < end0:
-        m0, l0, acc0 = _tile_update(q0, m0, l0, acc0, k, v, t, limit0, scale_log2, IEEE)
-    if t0 < end1:
-        m1, l1, acc1 = _tile_update(q1, m1, l1, acc1, k, v, t, limit1, scale_log2, IEEE)
-    if TILES > 2:
-        if t0 < end2:
-            m2, l2, acc2 = _tile_update(q2, m2, l2, acc2, k, v, t, limit2, scale_log2, IEEE)
-    if TILES > 3:
-        if t0 < end3:
-            m3, l3, acc3 = _tile_update(q3, m3, l3, acc3, k, v, t, limit3, scale_log2, IEEE)
-    return m0, l0, acc0, m1, l1, acc1, m2, l2, acc2, m3, l3, acc3
-
-
-@triton.jit
-def _tile_update(q, m_i, l_i, acc, k, v, t, limit, scale_log2, IEEE: tl.constexpr):
-    """The one-tile kernel's update of one tile's state by one chunk (:func:`_attend_chunk`'s math, on K/V already
-    loaded): returns (m, l, acc)."""
-    m_new, alpha, p = _scores_update(q, m_i, k, t, limit, scale_log2, IEEE)
-    l_i, acc = _acc_update(l_i, acc, alpha, p, v, IEEE)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _sequence_and_head(tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh,
                        stride_ksh, stride_vsh):
     """The block-table row of sequence ``seq`` and the K, V (and, for an FP8 cache, their scales') pointers of
@@ -449,13 +301,11 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    block_q, tiles_per_program, swapped = _schedule(meta, num_rows, num_heads, num_kv_heads)
-    stacked = tiles_per_program > 1 and tuning.current().exact_attention_stacked
-    rows_per_program = block_q * tiles_per_program
-    if meta.exact_tiles is not None and tuple(meta.exact_tiles[:2]) == (rows_per_program, num_rows):
+    block_q, swapped = _schedule(meta, num_rows, num_heads, num_kv_heads)
+    if meta.exact_tiles is not None and tuple(meta.exact_tiles[:2]) == (block_q, num_rows):
         tile_seq, tile_start = meta.exact_tiles[2:]  # numbered once for every layer (number_tiles)
     else:
-        tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, rows_per_program)
+        tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, block_q)
     tables = meta.block_tables
     args = (q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens,
             tile_seq, tile_start, out, float(softmax_scale) * _LOG2E,
@@ -471,29 +321,20 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
         _exact_decode_kernel[grid](*args, **common, COLS=max(DECODE_MIN_COLS, group_p2),
                                    num_stages=tuning.current().exact_decode_attention_stages, **COMPILE_OPTIONS)
         return out
-    consts = dict(common, GROUP_P2=group_p2, BLOCK_Q=block_q, num_stages=2)
-    if stacked:  # T tiles as one tile of T * BLOCK_Q rows, one warpgroup of 4 warps per 64 MMA rows
-        _exact_attention_kernel[grid](*args, **dict(consts, BLOCK_Q=block_q * tiles_per_program,
-                                                    num_warps=4 * tiles_per_program), **COMPILE_OPTIONS)
-    elif tiles_per_program == 1:
-        _exact_attention_kernel[grid](*args, **consts, **COMPILE_OPTIONS)
-    else:
-        _exact_attention_tiles_kernel[grid](*args, **consts, TILES=tiles_per_program, **COMPILE_OPTIONS)
+    _exact_attention_kernel[grid](*args, **common, GROUP_P2=group_p2, BLOCK_Q=block_q, num_stages=2,
+                                  **COMPILE_OPTIONS)
     return out
 
 
-def _schedule(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple[int, int, bool]:
-    """(query rows per tile, tiles per program, swapped) of the kernel for this step. A step of at most one row
-    per sequence on average (a decode step) runs the swapped decode kernel, one row per program, where the tuning
-    says so (``exact_decode_attention_swapped``); otherwise a tile holds :data:`ROWS_PER_PROGRAM` rows x heads of
-    a KV head's group, and decode-shaped steps run one tile per program."""
-    t = tuning.current()
+def _schedule(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple[int, bool]:
+    """(query rows per program, swapped) of the kernel for this step. A step of at most one row per sequence on
+    average (a decode step) runs the swapped decode kernel, one row per program, where the tuning says so
+    (``exact_decode_attention_swapped``); otherwise a tile holds :data:`ROWS_PER_PROGRAM` rows x heads of a KV
+    head's group."""
     decode = num_rows <= meta.query_start_loc.shape[0] - 1
-    if decode and t.exact_decode_attention_swapped:
-        return 1, 1, True
-    block_q = max(1, ROWS_PER_PROGRAM // triton.next_power_of_2(num_heads // num_kv_heads))
-    tiles_per_program = 1 if decode else t.exact_attention_tiles_per_program  # more would only add registers
-    return block_q, tiles_per_program, False
+    if decode and tuning.current().exact_decode_attention_swapped:
+        return 1, True
+    return max(1, ROWS_PER_PROGRAM // triton.next_power_of_2(num_heads // num_kv_heads)), False
 
 
 def number_tiles(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple:
@@ -501,8 +342,7 @@ def number_tiles(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tupl
     ``exact_tiles`` of :class:`~jetrl.models.attention.PagedAttentionMetadata`: (rows per program, ``num_rows``,
     sequence per program, first row per program). Numbered once per forward, it saves every layer the dozen small
     kernels of :func:`_number_tiles` (no host sync either way)."""
-    block_q, tiles_per_program, _ = _schedule(meta, num_rows, num_heads, num_kv_heads)
-    rows_per_program = block_q * tiles_per_program
+    rows_per_program, _ = _schedule(meta, num_rows, num_heads, num_kv_heads)
     return (rows_per_program, num_rows, *_number_tiles(meta.query_start_loc, num_rows, rows_per_program))
 
 
@@ -527,4 +367,4 @@ def _number_tiles(query_start_loc: torch.Tensor, num_rows: int, rows_per_program
     return torch.where(valid, seq_c, -1).to(torch.int32), start.to(torch.int32)
 
 
-__all__ = ["exact_attention_fwd", "number_tiles", "ROWS_PER_PROGRAM", "MAX_TILES_PER_PROGRAM"]
+__all__ = ["exact_attention_fwd", "number_tiles", "ROWS_PER_PROGRAM"]

@@ -1,36 +1,28 @@
-"""DeepGEMM's blockwise FP8 GEMMs on Hopper: an opt-in route for the rollout's decode GEMMs, and optionally the
-training GEMMs (tuning ``gemm="deepgemm"``).
+"""DeepGEMM's blockwise FP8 GEMMs on Hopper: an opt-in route for the rollout's decode GEMMs (tuning
+``gemm="deepgemm"``).
 
 `DeepGEMM <https://github.com/deepseek-ai/DeepGEMM>`_ (DeepSeek's CUDA library, built from source with the CUDA
 toolkit; its kernels are compiled at first use and cached on disk) multiplies E4M3 operands with fp32 block scales
 in persistent, warp-specialized kernels that promote the scaled partial sums in registers. It computes what cuBLAS's
 blockwise ``scaled_mm`` computes (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) with other kernels. Its results differ
 from cuBLAS's only in the fp32 summation order, as two cuBLAS algorithms' would; exact mode's forward GEMMs never
-come here (they are fixed per shape), only its backward's under this path.
+come here (they are fixed per shape).
 
-jetrl's three GEMMs map onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``):
-
-* Fprop ``x @ W^T`` and DGrad ``dy @ W``: ``a`` 1x128 (its scales MN-major and TMA-aligned: M rounded up to 4,
-  which is how jetrl's 1x128 producers allocate them, so the GEMM runs on the padded rows as the cuBLAS route does),
-  ``b`` 128x128 tiles (scales contiguous), BF16 ``d``; the kernel is compiled per (N, K), M is a runtime argument;
-* WGrad ``dy^T @ x``: both operands 1x128 along the tokens (recipe ``(1, 1, 128)``), an fp32 ``d`` that the kernel
-  accumulates into (zeroed first), cast to the weight's dtype; compiled per (N, K) of the output, the token count
-  a runtime argument.
+The rollout's Fprop ``x @ W^T`` maps onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``): ``a`` 1x128 (its scales
+MN-major and TMA-aligned: M rounded up to 4, which is how jetrl's 1x128 producers allocate them, so the GEMM runs on
+the padded rows as the cuBLAS route does), ``b`` 128x128 tiles (scales contiguous), BF16 ``d``; the kernel is
+compiled per (N, K), M is a runtime argument.
 
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
 tuning's ``gemm`` is ``"deepgemm"`` (``JETRL_FP8_GEMM=deepgemm``, or ``kernels: [gemm=deepgemm]`` in a run's config).
-It is opt-in because DeepGEMM is built from source. By default it takes the rollout's decode steps, where it is
-faster than both of jetrl's own routes (BENCHMARKS.md); the training GEMMs only with ``deepgemm_min_m`` set (on the
-H200 it beats cuBLAS at some and loses at others, and a whole 1.5B run did not get faster with them). DeepGEMM
-picks its tile sizes per call from M, so a run meets a kernel per (shape, tile configuration):
-:func:`compile_kernels` compiles a run's set ahead, in parallel processes, into the disk cache
-(``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
+It is opt-in because DeepGEMM is built from source. It takes the rollout's decode steps, where it is faster than
+both of jetrl's own routes (BENCHMARKS.md); the training GEMMs stay on the default route (cuBLAS: DeepGEMM was no
+faster there in a whole 1.5B run). DeepGEMM picks its tile sizes per call from M, so a run meets a kernel per
+(shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes, into the
+disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
 (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first capture for
-every graph size, and the update's CUDA graphs after their first eager micro-batch). Where a step runs eagerly
-(decoding without CUDA graphs; the update on several GPUs, in exact mode or with ``cuda_graphs: false``) nothing is
-compiled ahead: a kernel compiles when first met (seconds, once per machine through the disk cache); in an eager
-update WGrad, whose token count is always whole blocks, routes here, and Fprop and DGrad only where a
-micro-batch's token count happens to be a multiple of 128 (eager micro-batches are not padded).
+every graph size). Where decoding runs without CUDA graphs nothing is compiled ahead: a kernel compiles when first
+met (seconds, once per machine through the disk cache).
 """
 
 from __future__ import annotations
@@ -79,15 +71,14 @@ def is_available(device: torch.device) -> bool:
 
 
 def supports(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether ``a @ b.T`` fits DeepGEMM's layout rules: cuBLAS's (:func:`gemm_scaled_mm.supports`: K a multiple of
-    128, N of 16 or 128), a BF16 output for 128x128 ``b`` (its 1D2D kernels write BF16 only)."""
-    if not scaled_mm.supports(a, b):
-        return False
-    return b.block != WEIGHT or out_dtype == torch.bfloat16
+    """Whether ``a @ b.T`` is a GEMM this route runs: 1x128 ``a`` times a weight of 128x128 tiles with a BF16
+    output (DeepGEMM's 1D2D kernels write BF16 only), within cuBLAS's layout rules
+    (:func:`gemm_scaled_mm.supports`: K a multiple of 128, N of 128)."""
+    return a.block == ACT and b.block == WEIGHT and out_dtype == torch.bfloat16 and scaled_mm.supports(a, b)
 
 
-def route(m: int, n: int, k: int, b_block, *, rollout: bool, min_m: int, wgrad_max_tiles: int,
-          decode_max_m: int = 0, split_k_max_m: int = 0, decode_bound: int = 0) -> str | None:
+def route(m: int, n: int, k: int, *, rollout: bool, decode_max_m: int = 0, split_k_max_m: int = 0,
+          decode_bound: int = 0) -> str | None:
     """Where ``gemm="deepgemm"`` sends ``a`` (m, k) @ ``b`` (n, k)^T that DeepGEMM's layouts take (:func:`supports`):
     ``"deepgemm"``, ``"decode"`` (jetrl's split-K decode kernel keeps it) or None (the default route decides: the
     decode kernel up to its bound, cuBLAS above). The bounds are the tuning's
@@ -96,49 +87,32 @@ def route(m: int, n: int, k: int, b_block, *, rollout: bool, min_m: int, wgrad_m
     on the decode kernel whatever its shape (a grouped launch with biases, which that kernel adds in its epilogue
     and DeepGEMM cannot; 0: none).
 
-    * The rollout's Fprop of at most ``decode_max_m`` rows (its decode steps, whose CUDA graphs' row counts are
-      compiled ahead at their first capture): DeepGEMM, whose persistent kernel is faster there than both cuBLAS's
-      blockwise GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an MLP's
-      down projection) up to ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles leave
-      most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM
-      table).
-    * The training GEMMs, where ``min_m`` is set (0: none; on the H200 a whole 1.5B run was no faster with them):
-      Fprop and DGrad (``b`` 128x128) of at least ``min_m`` rows and a multiple of 128, the update's and the
-      scoring pass's padded micro-batches, whose kernels :func:`compile_kernels` compiles ahead (other large row
-      counts, the rollout's prefill chunks, stay on cuBLAS, whose kernels need no compilation); WGrad (``b``
-      1x128, ``k`` the tokens) of at least ``min_m`` tokens and an (m, n) output of at most ``wgrad_max_tiles``
-      128x128 tiles: a small output gives cuBLAS too few tiles to fill the GPU over a long contraction, which
-      DeepGEMM's persistent schedule handles better, while on large outputs cuBLAS's WGrad is the faster
-      (BENCHMARKS.md, the GEMM table).
+    The rollout's Fprop of at most ``decode_max_m`` rows (its decode steps, whose CUDA graphs' row counts are
+    compiled ahead at their first capture) goes to DeepGEMM, whose persistent kernel is faster there than both
+    cuBLAS's blockwise GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an
+    MLP's down projection) up to ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles
+    leave most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM
+    table). Every other GEMM (larger row counts, the training side) is left to the default route.
     """
-    if b_block == WEIGHT and rollout and m <= decode_max_m:
-        if (k > 2 * n and m <= split_k_max_m) or m <= decode_bound:
-            return "decode"
-        return "deepgemm"
-    if b_block == WEIGHT:
-        return "deepgemm" if 0 < min_m <= m and m % 128 == 0 else None
-    return "deepgemm" if 0 < min_m <= k and -(-m // 128) * -(-n // 128) <= wgrad_max_tiles else None
+    if not rollout or m > decode_max_m:
+        return None
+    if (k > 2 * n and m <= split_k_max_m) or m <= decode_bound:
+        return "decode"
+    return "deepgemm"
 
 
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``a @ b.T`` on DeepGEMM; ``a`` 1x128, ``b`` 128x128 (Fprop, DGrad) or 1x128 (WGrad); check :func:`supports`
-    first."""
+    """``a @ b.T`` on DeepGEMM; ``a`` 1x128, ``b`` 128x128 tiles, a BF16 output; check :func:`supports` first."""
     if not supports(a, b, out_dtype):
         raise ValueError(f"DeepGEMM does not take a {tuple(a.shape)} {a.block} x b {tuple(b.shape)} {b.block} -> "
-                         f"{out_dtype}; K must be a multiple of 128, N of 16 (128 for tiles), tiles give BF16")
+                         f"{out_dtype}; a 1x128 times b 128x128 to BF16, K and N multiples of 128")
     dg = _module()
     m = a.shape[0]
     a_data, a_scale = scaled_mm.act_operand(a)
     rows = a_data.shape[0]
     b_data = b.data if b.data.is_contiguous() else b.data.contiguous()
-    if b.block == WEIGHT:
-        out = torch.empty((rows, b.shape[0]), dtype=torch.bfloat16, device=a.data.device)
-        dg.fp8_gemm_nt((a_data, a_scale), (b_data, b.scale.contiguous()), out)
-    else:
-        out = torch.zeros((rows, b.shape[0]), dtype=torch.float32, device=a.data.device)
-        dg.fp8_gemm_nt((a_data, a_scale), (b_data, scaled_mm._outer_dim_major(b.scale)), out, c=out,
-                       recipe=(1, 1, 128), compiled_dims="mn")
-        out = out.to(out_dtype)
+    out = torch.empty((rows, b.shape[0]), dtype=torch.bfloat16, device=a.data.device)
+    dg.fp8_gemm_nt((a_data, a_scale), (b_data, b.scale.contiguous()), out)
     return out[:m] if rows != m else out
 
 
@@ -147,25 +121,15 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) ->
 
 @dataclass(frozen=True)
 class GemmShape:
-    """One GEMM a run will launch. Fprop or DGrad (``wgrad`` False): ``m`` rows of a 1x128 ``a`` times an
-    (``n``, ``k``) ``b`` of 128x128 tiles. WGrad (``wgrad`` True): the (``n``, ``k``) product of dy^T (n, m) and
-    x^T (k, m), both 1x128 along the ``m`` tokens."""
+    """One GEMM a run will launch: ``m`` rows of a 1x128 ``a`` times an (``n``, ``k``) ``b`` of 128x128 tiles."""
 
     m: int
     n: int
     k: int
-    wgrad: bool = False
 
 
 def _zeros_operands(shape: GemmShape, device: torch.device) -> tuple[Fp8Tensor, Fp8Tensor]:
     """Operands of ``shape`` in jetrl's layouts (zero data, unit scales): enough to compile and launch a kernel."""
-    if shape.wgrad:
-        n, k, t = shape.n, shape.k, shape.m  # dy^T (n, t) and x^T (k, t), 1x128 along the tokens
-        a = Fp8Tensor(torch.zeros((n, t), dtype=E4M3, device=device),
-                      torch.ones((t // 128, n), device=device).t(), ACT)
-        b = Fp8Tensor(torch.zeros((k, t), dtype=E4M3, device=device),
-                      torch.ones((t // 128, k), device=device).t(), ACT)
-        return a, b
     m, n, k = shape.m, shape.n, shape.k
     a = Fp8Tensor(torch.zeros((m, k), dtype=E4M3, device=device), torch.ones((k // 128, m), device=device).t(), ACT)
     b = Fp8Tensor(torch.zeros((n, k), dtype=E4M3, device=device),
@@ -174,9 +138,7 @@ def _zeros_operands(shape: GemmShape, device: torch.device) -> tuple[Fp8Tensor, 
 
 
 def _takes(shape: GemmShape) -> bool:
-    """Whether :func:`supports` takes ``shape``'s operands (whole 128-blocks along every contraction, 128x128 tiles)."""
-    if shape.wgrad:
-        return shape.m > 0 and shape.m % 128 == 0 and shape.k % 16 == 0 and shape.n > 0
+    """Whether :func:`supports` takes ``shape``'s operands (K in whole 128-blocks, N in whole 128x128 tiles)."""
     return shape.m > 0 and shape.k > 0 and shape.k % 128 == 0 and shape.n % 128 == 0
 
 
@@ -184,7 +146,7 @@ def _launch_all(device_index: int, shapes: list[GemmShape]) -> None:
     device = torch.device("cuda", device_index)
     for shape in shapes:
         a, b = _zeros_operands(shape, device)
-        gemm(a, b, torch.float32 if shape.wgrad else torch.bfloat16)
+        gemm(a, b)
     torch.cuda.synchronize(device)
 
 
@@ -211,7 +173,7 @@ def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: in
     if not shapes or not is_available(device):
         return 0.0
     start = time.perf_counter()
-    ordered = sorted(shapes, key=lambda s: (s.wgrad, s.n, s.k, s.m))
+    ordered = sorted(shapes, key=lambda s: (s.n, s.k, s.m))
     workers = max(1, min(processes or default_workers(), len(ordered)))
     chunks = [ordered[i * len(ordered) // workers:(i + 1) * len(ordered) // workers] for i in range(workers)]
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -245,8 +207,8 @@ def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: in
     return time.perf_counter() - start
 
 
-# the GEMMs this process has routed to cuBLAS or DeepGEMM, as (N, K, wgrad): what :func:`planned_shapes` plans
-_SEEN: set[tuple[int, int, bool]] = set()
+# the weights (N, K) of the GEMMs this process has routed to cuBLAS or DeepGEMM: what :func:`planned_shapes` plans
+_SEEN: set[tuple[int, int]] = set()
 # (N, K) of the stacked weights of grouped launches with biases this process has met (:func:`note_biased_group`)
 _BIASED_GROUPS: set[tuple[int, int]] = set()
 # the launches :func:`compile_kernels` has compiled and loaded in this process
@@ -254,12 +216,10 @@ _PREPARED: set[GemmShape] = set()
 
 
 def note(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> None:
-    """Record the weight shape of a GEMM the backend ran (for :func:`planned_shapes`): (N, K) of ``b`` for Fprop
-    and DGrad (BF16 output), the (N, K) output for WGrad."""
+    """Record the weight shape (N, K) of a GEMM the backend ran (for :func:`planned_shapes`): a weight of 128x128
+    tiles with a BF16 output."""
     if b.block == WEIGHT and out_dtype == torch.bfloat16:
-        _SEEN.add((b.shape[0], b.shape[1], False))
-    elif b.block == ACT:
-        _SEEN.add((a.shape[0], b.shape[0], True))
+        _SEEN.add((b.shape[0], b.shape[1]))
 
 
 def note_biased_group(n: int, k: int) -> None:
@@ -273,19 +233,17 @@ def biased_groups() -> frozenset[tuple[int, int]]:
     return frozenset(_BIASED_GROUPS)
 
 
-def planned_shapes(token_counts: list[int], *, rollout: bool, seen: set[tuple[int, int, bool]] | None = None,
+def planned_shapes(token_counts: list[int], *, rollout: bool, seen: set[tuple[int, int]] | None = None,
                    decode_bound=None, **rule: int) -> list[GemmShape]:
-    """The DeepGEMM launches that the GEMMs ``seen`` (default: those this process has run, :func:`note`) make at
-    each of ``token_counts`` tokens (rows) on the ``rollout`` side or the training side, by :func:`route` with
-    the bounds ``rule``; ``decode_bound(n, k)`` gives a weight's ``decode_bound`` (default 0)."""
+    """The DeepGEMM launches that the weights ``seen`` (default: those this process has run, :func:`note`) make at
+    each of ``token_counts`` rows on the ``rollout`` side or the training side, by :func:`route` with the bounds
+    ``rule``; ``decode_bound(n, k)`` gives a weight's ``decode_bound`` (default 0)."""
     out = []
-    for n, k, wgrad in sorted(_SEEN if seen is None else seen):
-        bound = 0 if wgrad or decode_bound is None else decode_bound(n, k)
+    for n, k in sorted(_SEEN if seen is None else seen):
+        bound = 0 if decode_bound is None else decode_bound(n, k)
         for m in token_counts:
-            where = route(n, k, m, ACT, rollout=rollout, **rule) if wgrad else \
-                route(m, n, k, WEIGHT, rollout=rollout, decode_bound=bound, **rule)
-            if where == "deepgemm":
-                out.append(GemmShape(m, n, k, wgrad))
+            if route(m, n, k, rollout=rollout, decode_bound=bound, **rule) == "deepgemm":
+                out.append(GemmShape(m, n, k))
     return out
 
 

@@ -27,11 +27,11 @@ the same order, so they give the same bits; with S = 1 the kernel is the single 
 before split-K, bit for bit. From ``exact_wide_min_m`` rows on, the walking schedule also takes larger tiles and
 more warps (``exact_wide_*``; wider ones on the 16-bit path, which runs the LM head; fp32 operands keep the
 small tiles). The decode-sized 64-row tiles underfeed the tensor cores at training sizes, and a tile's extent is
-not part of a row's arithmetic (next paragraph). With ``exact_wide_tma`` (the default) the FP8 walk instead keeps
-the decode-sized tiles and loads them through TMA descriptors (:func:`_exact_gemm_tma_kernel`): without the
+not part of a row's arithmetic (next paragraph). The FP8 walk instead keeps the decode-sized tiles and loads them
+through TMA descriptors where the layouts allow (:func:`_exact_gemm_tma_kernel`; else the wide tiles): without the
 pointer tensors a 64 x 128 tile of 4 warps leaves registers for two programs per SM, whose MMAs and scale
 epilogues then overlap (Triton waits for each block's MMA before scaling it); a tile inside one 128-row weight scale
-block scales each row by one factor (``exact_row_scale``, the same fp32 products as the outer product of scales).
+block scales each row by one factor (the same fp32 products as the outer product of scales).
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
 reduce along K per row, whatever the instruction's M and N extent or the warps sharing the tile), so a row's bits
@@ -242,8 +242,7 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
     if not across and t.exact_wide_min_m and m >= t.exact_wide_min_m and a.dtype != torch.float32:
         block_m, block_n = t.exact_wide_block_m, t.exact_wide_block_n if fp8 else t.exact_wide_mm_block_n
         warps, stages = t.exact_wide_num_warps, t.exact_wide_num_stages
-    if (fp8 and not across and t.exact_wide_tma and t.exact_wide_min_m and m >= t.exact_wide_min_m
-            and _tma_ok(a) and _tma_ok(b)):
+    if (fp8 and not across and t.exact_wide_min_m and m >= t.exact_wide_min_m and _tma_ok(a) and _tma_ok(b)):
         return _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows, cfg, num_kb, split_kb)
     ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a.device) if across else out
     scales = (a_scale, b_scale) if fp8 else (out, out)  # unused without FP8
@@ -270,8 +269,8 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 def _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows: int, cfg: ExactGemmConfig, num_kb: int,
                 split_kb: int) -> torch.Tensor:
-    """The walking schedule with TMA loads (``exact_wide_tma``): the decode-sized tiles of ``cfg``, two programs
-    per SM where the plain kernel's wide tiles fit one."""
+    """The FP8 walking schedule with TMA loads: the decode-sized tiles of ``cfg``, two programs per SM where the
+    plain kernel's wide tiles fit one; a tile whose columns lie in one weight scale block scales by rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n = a.shape[0], b.shape[0]
@@ -283,7 +282,7 @@ def _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows: int, cfg: ExactGemmCo
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        ROW_SCALE=tuning.current().exact_row_scale and b_scale_rows % cfg.block_n == 0,
+        ROW_SCALE=b_scale_rows % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
     return out
 

@@ -112,7 +112,7 @@ def _bytes_to_bf16(w):
     """int32 words of 4 E4M3 bytes -> their 4 bf16 values (b0, b1, b2, b3), exactly: per pair of bytes one ``prmt``
     (each byte to a 16-bit lane, its sign copied above it), ``shl`` by 4, ``and`` (sign, exponent and mantissa
     bits to bf16's places: the lane reads ``x * 2^-120``) and one ``fma.rn.bf16x2`` by ``2^120`` (+ -0: signed zeros
-    kept), as :func:`jetrl.quant.kernels.paged_attention_triton._load_e4m3_bits`."""
+    kept), as :func:`jetrl.quant.kernels.paged_attention_triton._load_e4m3_bytes`."""
     return gl.inline_asm_elementwise(
         "{ .reg .b32 lo, hi, c, z; prmt.b32 lo, $4, 0, 0x9180; prmt.b32 hi, $4, 0, 0xB3A2; "
         "shl.b32 lo, lo, 4; shl.b32 hi, hi, 4; and.b32 lo, lo, 0x87F087F0; and.b32 hi, hi, 0x87F087F0; "

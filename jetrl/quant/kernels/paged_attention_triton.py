@@ -47,33 +47,24 @@ cache (tokens per tile, warps, pipeline stages, the context split's target waves
 ``bench/attention.py``; a cache in q's dtype keeps :data:`BF16_LAUNCH`.
 
 **The E4M3 -> bf16 conversion** on the factored route is either bit operations (the tuning's
-``kv_decode_bit_convert``, the default: faster on the H200, :func:`_load_e4m3_bits`) or Triton's
+``kv_decode_bit_convert``, the default: faster on the H200, :func:`_load_e4m3_bytes`) or Triton's
 (``.to(q.dtype)``). Compiled for sm_90, Triton's goes through fp16 (one ``cvt.rn.f16x2.e4m3x2`` per two values, then one ``cvt.bf16.f16`` per value, F2F instructions on
 the slow conversion pipe) in the dots' operand layout, so the V tile, whose dot reduces over tokens while its bytes
 run along head_dim, is read from shared memory one byte at a time (``ld.shared.u8``: 8-bit operands have no
-transposing ``ldmatrix`` on Hopper). The bit route reads each tile as int32 words, builds the bf16 pairs with one
-``prmt``, ``shl`` and ``and`` and multiplies them by ``2^120`` two at a time (``fma.rn.bf16x2``): no conversion
-instruction, and the converted bf16 tiles reach the dots as a BF16 cache's do (``ldmatrix``, transposing for V).
-Both give the same bf16 (fp32) tiles, so the same attention to summation order (on the GPU the MMA's operand
-layouts differ, so the accumulation may round apart; under the interpreter they are bit for bit equal). It needs
-4-byte rows (head_dim, the block, token and head strides and the base addresses multiples of 4 bytes, as every
-cache this package allocates); a cache that is not falls back to Triton's conversion.
+transposing ``ldmatrix`` on Hopper). The bit route converts a tile of bytes, 4 per inline-PTX call into two bf16x2
+registers (one ``prmt``, ``shl``, ``and`` and ``fma.rn.bf16x2`` by ``2^120`` per pair): no conversion instruction.
+The call is declared impure so that Triton neither sees through it (both dots get the BF16 cache's ``kWidth`` 2:
+``ldmatrix`` for q, p, K and V, no register moves) nor moves it into the dot's layout (where V would be read a byte
+at a time): both converted tiles reach their dots through shared memory as a BF16 cache's tiles do (transposing
+``ldmatrix`` for V). Both conversions give the same bf16 (fp32) tiles, so the same attention to summation order (on
+the GPU the MMA's operand layouts differ, so the accumulation may round apart; under the interpreter they are bit
+for bit equal). The bit route also trims the address arithmetic (unsigned page and row, 32-bit offsets where the
+tensors allow, one offset per token for K and V) and needs no alignment.
 
-**Forms of the bit conversion** (the tuning's ``kv_decode_bit_tile``). ``"words"`` (the form above) joins the
-converted pairs into rows (``tl.join``/``reshape``), which lets Triton convert K straight into the dot's registers
-but makes it size both dots' operands for 8-bit data (``kWidth`` 4: a join halves the width it infers), so on Triton
-3.6 q and p reach the MMAs through 64-bit shared loads and register moves that reassemble the operand quads; the
-converted V tile goes through shared memory to a transposing ``ldmatrix``. ``"bytes"`` (the default,
-:func:`_load_e4m3_bytes`) converts a tile of bytes, 4 per inline-PTX call into two bf16x2 registers, a call declared
-impure so that Triton neither sees through it (both dots get the BF16 cache's ``kWidth`` 2: ``ldmatrix`` for q, p, K
-and V, no moves) nor moves it into the dot's layout (where V would be read a byte at a time): both converted tiles go
-through shared memory as a BF16 cache's tiles do. It also trims the address arithmetic (unsigned page and row, 32-bit
-offsets where the tensors allow, one offset per token for K and V) and needs no alignment. ``kv_decode_head_major``
-launches the KV heads of a sequence as neighbouring programs, so that a 32-byte sector of scales (8 heads of one
-token) and a block-table row are read from DRAM once while the heads that share them run; ``kv_decode_max_registers``
-caps the registers (``maxnreg``) so that more programs share an SM. None of these changes the tiles or the dots: the
-launch order and the register cap keep every bit, the byte route keeps the attention to summation order (under the
-interpreter bit for bit the word route's; on the GPU the MMA's operand layout differs).
+The launch over an FP8 cache puts the KV heads of a sequence on neighbouring programs (a head-major grid, up to
+65,535 sequences), so that a 32-byte sector of scales (8 heads of one token) and a block-table row are read from DRAM once while the heads
+that share them run; ``kv_decode_max_registers`` caps the registers (``maxnreg``) so that more programs share an
+SM. Neither changes the tiles or the dots: the launch order and the register cap keep every bit.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
 so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
@@ -119,64 +110,17 @@ def _load_kv_rows(head_ptr, scale_head_ptr, page, row, t_ok, kv_mask, d, stride_
 
 
 @triton.jit
-def _load_e4m3_bits(head_ptr, page, row, t_ok, stride_b, stride_t, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DTYPE: tl.constexpr, PTX: tl.constexpr):
-    """E4M3 rows (BLOCK_N, BLOCK_D) of tokens at (``page``, ``row``) -> ``DTYPE`` (bfloat16 or float32) exactly, with
-    no conversion instruction: integer bit operations and one multiply (masked lanes 0).
+def _load_e4m3_bytes(head_ptr, off, t_ok, d, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """E4M3 rows (BLOCK_N, BLOCK_D) of tokens at element offsets ``off`` (BLOCK_N,) from ``head_ptr`` -> ``DTYPE``
+    (bfloat16 or float32) exactly, with no conversion instruction: integer bit operations and one multiply (masked
+    lanes 0; any cache layout).
 
     Each E4M3 byte's sign, exponent and mantissa bits are placed into a ``DTYPE`` word whose exponent bias is 127, not
     E4M3's 7, so the word reads ``x * 2^-120`` (E4M3 subnormals land on ``DTYPE`` subnormals, zero on zero);
     multiplying by ``2^120`` restores ``x`` (exact: a power of two times a representable value; no multiply here
-    flushes subnormals). In bfloat16 the rows are read as int32 words of 4 bytes (``HEAD_DIM % 4 == 0``, strides in
-    bytes divisible by 4; :func:`_words_aligned`) and each word gives two pairs of bf16, each pair one ``prmt``,
-    ``shl``, ``and`` and ``fma.rn.bf16x2`` (``x * 2^120 + -0``: signed zeros kept) in inline PTX (``PTX``); the
-    interpreter, which runs no PTX, builds the same words with Triton's integer ops and multiplies in fp32. In
-    float32 (an IEEE query, which tests and the interpreter use) each byte is converted on its own."""
-    if DTYPE == tl.bfloat16:
-        w4 = tl.arange(0, BLOCK_D // 4)
-        base = head_ptr.to(tl.pointer_type(tl.int32))
-        words = tl.load(base + page[:, None] * (stride_b // 4) + row[:, None] * (stride_t // 4) + w4[None, :],
-                        mask=t_ok[:, None] & (w4 < HEAD_DIM // 4)[None, :], other=0)  # (BLOCK_N, BLOCK_D // 4)
-        # bytes b0..b3 (little end first) -> lanes (b0, b1) and (b2, b3) of 16 bits, each byte sign-extended in its
-        # lane and shifted by 4 (exponent and mantissa to bf16's places, a copy of the sign to bit 15), masked to the
-        # sign, exponent and mantissa bits of both lanes (0x87F087F0)
-        if PTX:  # per pair of bf16: one prmt (bytes to lanes, sign copies), shl, and, and the packed multiply
-            b0, b1, b2, b3 = tl.inline_asm_elementwise(
-                "{ .reg .b32 lo, hi, c, z; prmt.b32 lo, $4, 0, 0x9180; prmt.b32 hi, $4, 0, 0xB3A2; "
-                "shl.b32 lo, lo, 4; shl.b32 hi, hi, 4; and.b32 lo, lo, 0x87F087F0; and.b32 hi, hi, 0x87F087F0; "
-                "mov.b32 c, 0x7B807B80; mov.b32 z, 0x80008000; fma.rn.bf16x2 lo, lo, c, z; fma.rn.bf16x2 hi, hi, c, z; "
-                "mov.b32 {$0, $1}, lo; mov.b32 {$2, $3}, hi; }",
-                "=h,=h,=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True,
-                pack=1)
-            x = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # (BLOCK_N, BLOCK_D // 4, 2, 2): [word, pair, lane]
-            x = tl.reshape(x, (x.shape[0], BLOCK_D))
-        else:  # the same bits in Triton's integer ops (the interpreter runs no PTX)
-            lo = ((words << 24) >> 24) & 0xFFFF | ((words << 16) >> 24) << 16
-            hi = ((words << 8) >> 24) & 0xFFFF | (words >> 24) << 16
-            lo = (lo << 4) & -2014279696  # 0x87F087F0 as an int32
-            hi = (hi << 4) & -2014279696
-            # each lane as the high half of an fp32 word, times 2^120 in fp32 (exact; the interpreter's bf16
-            # products and bf16 subnormals are not), rounded to bf16 (exact)
-            b0 = ((lo << 16).to(tl.float32, bitcast=True) * 2.0 ** 120).to(tl.bfloat16)
-            b1 = ((lo & -65536).to(tl.float32, bitcast=True) * 2.0 ** 120).to(tl.bfloat16)
-            b2 = ((hi << 16).to(tl.float32, bitcast=True) * 2.0 ** 120).to(tl.bfloat16)
-            b3 = ((hi & -65536).to(tl.float32, bitcast=True) * 2.0 ** 120).to(tl.bfloat16)
-            x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-            x = tl.reshape(x, (x.shape[0], BLOCK_D))
-        return x
-    else:
-        d = tl.arange(0, BLOCK_D)
-        b = tl.load(head_ptr + page[:, None] * stride_b + row[:, None] * stride_t + d[None, :],
-                    mask=t_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0).to(tl.uint8, bitcast=True).to(tl.int32)
-        x = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
-        return x * tl.full([], 2.0 ** 120, tl.float32)
-
-
-@triton.jit
-def _load_e4m3_bytes(head_ptr, off, t_ok, d, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PTX: tl.constexpr):
-    """E4M3 rows (BLOCK_N, BLOCK_D) of tokens at element offsets ``off`` (BLOCK_N,) from ``head_ptr`` -> ``DTYPE``
-    exactly: :func:`_load_e4m3_bits`'s bit operations on a tile of bytes (any cache layout; the tuning's
-    ``kv_decode_bit_tile == "bytes"``).
+    flushes subnormals). Per pair of bytes: one ``prmt`` (each byte to a 16-bit lane, sign-extended), ``shl`` by 4,
+    ``and`` with ``0x87F087F0`` (sign, exponent and mantissa to bf16's places) and ``fma.rn.bf16x2`` (``x * 2^120 +
+    -0``: signed zeros kept).
 
     In bfloat16 the inline PTX takes 4 bytes per call (``pack=4``: one 32-bit register) and returns their 4 bf16 as
     two bf16x2 registers in byte order, so the result needs no join or reshape. It is declared impure on purpose:
@@ -203,15 +147,15 @@ def _load_e4m3_bytes(head_ptr, off, t_ok, d, HEAD_DIM: tl.constexpr, DTYPE: tl.c
 def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
                  stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                  PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FACTORED: tl.constexpr,
-                 BITS: tl.constexpr, BIT_BYTES: tl.constexpr, SHARED_OFFSETS: tl.constexpr,
-                 WIDE_OFFSETS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WHILE_LOOP: tl.constexpr):
+                 BIT_BYTES: tl.constexpr, SHARED_OFFSETS: tl.constexpr,
+                 WIDE_OFFSETS: tl.constexpr, HEAD_DIM: tl.constexpr, WHILE_LOOP: tl.constexpr):
     """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table, online softmax update.
 
     ``FACTORED`` (an FP8 cache, q bf16 or fp32): the E4M3 tiles go to the dots through a plain conversion and the
     scales multiply the dots' fp32 sides (the module doc says why that is the attention over the dequantized
     cache). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers.
 
-    ``BIT_BYTES`` (the byte route) also trims the address arithmetic: page and row by unsigned division (``t >= 0``),
+    ``BIT_BYTES`` (the bit conversion, :func:`_load_e4m3_bytes`) also trims the address arithmetic: page and row by unsigned division (``t >= 0``),
     offsets in 32 bits unless ``WIDE_OFFSETS`` (an offset into a cache or scale tensor may pass ``2^31 - 1``), and
     one offset per token for K and V (and one for their scales) when they share their strides (``SHARED_OFFSETS``)."""
     t_ok = t < end
@@ -237,13 +181,9 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
         if BIT_BYTES:
             k = _load_e4m3_bytes(k_head, k_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
             k_s = tl.load(ks_head + ks_off, mask=t_ok, other=0.0)  # (BLOCK_N,)
-        elif BITS:
-            k = _load_e4m3_bits(k_head, page, row, t_ok, stride_kb, stride_kt, HEAD_DIM, BLOCK_D, q.dtype,
-                                 not WHILE_LOOP)
         else:
             k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_kt + d[None, :], mask=kv_mask,
                         other=0.0).to(q.dtype)  # exact
-        if not BIT_BYTES:
             k_s = tl.load(ks_head + page * stride_ksb + row * stride_kst, mask=t_ok, other=0.0)  # (BLOCK_N,)
     else:
         k = _load_kv_rows(k_head, ks_head, page, row, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
@@ -265,13 +205,9 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
         if BIT_BYTES:
             v = _load_e4m3_bytes(v_head, v_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
             v_s = tl.load(vs_head + vs_off, mask=t_ok, other=0.0)
-        elif BITS:
-            v = _load_e4m3_bits(v_head, page, row, t_ok, stride_vb, stride_vt, HEAD_DIM, BLOCK_D, q.dtype,
-                                 not WHILE_LOOP)
         else:
             v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vt + d[None, :], mask=kv_mask,
                         other=0.0).to(q.dtype)  # exact
-        if not BIT_BYTES:
             v_s = tl.load(vs_head + page * stride_vsb + row * stride_vst, mask=t_ok, other=0.0)
         p = p * v_s[None, :]  # exact (v_s = 2^e) unless below 2^-126
     else:
@@ -292,7 +228,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
                          stride_ts, stride_os, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, FACTORED: tl.constexpr, BITS: tl.constexpr, BIT_BYTES: tl.constexpr,
+                         FP8: tl.constexpr, FACTORED: tl.constexpr, BIT_BYTES: tl.constexpr,
                          SHARED_OFFSETS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEAD_MAJOR: tl.constexpr,
                          WHILE_LOOP: tl.constexpr):
     if HEAD_MAJOR:  # grid (Hkv, S, splits): the KV heads of a sequence are neighbouring programs
@@ -332,15 +268,15 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
         while t0 < end:
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
-                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED, BITS,
-                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, BLOCK_D, WHILE_LOOP)
+                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED,
+                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, WHILE_LOOP)
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
-                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED, BITS,
-                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, BLOCK_D, WHILE_LOOP)
+                                         stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED,
+                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, WHILE_LOOP)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -397,13 +333,6 @@ def _streams_apply(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: 
     from jetrl.quant.kernels.paged_attention_gluon import supports
 
     return supports(q, k_cache_layer, v_cache_layer, k_scale, v_scale)
-
-
-def _words_aligned(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor) -> bool:
-    """Whether an FP8 cache's rows can be read as int32 words (the bit conversion's bf16 form): head_dim, the block,
-    token and KV-head strides and both base addresses multiples of 4 bytes."""
-    return all(t.shape[-1] % 4 == 0 and all(t.stride(i) % 4 == 0 for i in range(3)) and t.data_ptr() % 4 == 0
-               for t in (k_cache_layer, v_cache_layer))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
@@ -490,9 +419,8 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
                                     max_registers=knobs.kv_decode_stream_max_registers)
     # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
-    bit_bytes = factored and knobs.kv_decode_bit_convert and knobs.kv_decode_bit_tile == "bytes"  # any alignment
-    bits = bit_bytes or (factored and knobs.kv_decode_bit_convert and _words_aligned(k_cache_layer, v_cache_layer))
-    head_major = fp8 and knobs.kv_decode_head_major and num_seqs <= _MAX_GRID_Y
+    bit_bytes = factored and knobs.kv_decode_bit_convert  # any alignment
+    head_major = fp8 and num_seqs <= _MAX_GRID_Y  # a sequence's KV heads as neighbours (the module doc)
     launch = launch_config(fp8, factored)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
@@ -524,7 +452,7 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
         v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BITS=bits, BIT_BYTES=bit_bytes,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BIT_BYTES=bit_bytes,
         SHARED_OFFSETS=shared_offsets, WIDE_OFFSETS=wide_offsets, HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
         num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None,
         **COMPILE_OPTIONS)

@@ -36,8 +36,8 @@ from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_
 
 BLOCK_K = 128  # one 1x128 scale block per program along the columns
 # ATen's silu_backward ``dy * s * (1 + x * (1 - s))`` is compiled by nvcc with multiply-add contraction on
-# (its default), i.e. ``(dy * s) * fma(x, 1 - s, 1)``: the tuning object's ``silu_bwd_fma`` (True) says so;
-# False computes the product and the sum apart.
+# (its default), i.e. ``(dy * s) * fma(x, 1 - s, 1)``, and so is d gate here (tests/quant/test_swiglu.py checks it
+# bitwise against autograd on the GPU).
 _BLOCK_K = tl.constexpr(BLOCK_K)
 _INTERPRET = tl.constexpr(tuning.interpreting())
 
@@ -91,7 +91,7 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def _swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr, FMA: tl.constexpr):
+def _swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr):
     """``(d gate, d up)`` from fp32 values of the incoming gradient ``g``, ``gate`` (``x``) and ``up``, as fp32 values
     on ``dt``'s grid: ``d up = rnd(g * rnd(silu(gate)))`` and ``d gate = silu'(gate) * rnd(g * up)`` rounded where
     autograd of the unfused code rounds (the module doc)."""
@@ -100,10 +100,7 @@ def _swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr, FMA: 
     d_up = _cast(g * silu, dt, IS_BF16).to(tl.float32)
     d_silu = _cast(g * up, dt, IS_BF16).to(tl.float32)
     s = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), e)
-    if FMA:
-        slope = tl.fma(x, 1.0 - s, 1.0)
-    else:
-        slope = 1.0 + x * (1.0 - s)
+    slope = tl.fma(x, 1.0 - s, 1.0)  # as nvcc contracts ATen's silu_backward
     d_gate = _cast((d_silu * s) * slope, dt, IS_BF16).to(tl.float32)
     return d_gate, d_up
 
@@ -112,7 +109,7 @@ def _swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr, FMA: 
 def _swiglu_bwd_kernel(
     grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
     M, K, stride_grm, stride_gm, stride_um, stride_dgm, stride_dum,
-    IS_BF16: tl.constexpr, FMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One (BLOCK_M, 128) tile of ``d gate = silu'(gate) * rnd(g * up)`` and ``d up = rnd(g * rnd(silu(gate)))``."""
     pid_m = tl.program_id(0)
@@ -124,7 +121,7 @@ def _swiglu_bwd_kernel(
     g = tl.load(grad_ptr + rows * stride_grm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     x = tl.load(gate_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    d_gate, d_up = _swiglu_grad_values(g, x, up, dgate_ptr.dtype.element_ty, IS_BF16, FMA)
+    d_gate, d_up = _swiglu_grad_values(g, x, up, dgate_ptr.dtype.element_ty, IS_BF16)
     # exact casts: the values are on the dtype's grid
     tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate.to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up.to(dup_ptr.dtype.element_ty), mask=mask)
@@ -182,6 +179,6 @@ def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate:
         _swiglu_bwd_kernel[grid](
             grad, gate, up, d_gate, d_up,
             m, k, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
-            IS_BF16=gate.dtype == torch.bfloat16, FMA=tuning.current().silu_bwd_fma, BLOCK_M=block_m, num_warps=4,
+            IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m, num_warps=4,
             enable_fp_fusion=False,
         )

@@ -46,11 +46,8 @@ GEMM_CHOICES = ("auto", "cublas", "deepgemm", "triton", "decode")
 # scales; the ring's bound leaves an H200 SM's 227 KiB of shared memory room for the kernel's other buffers
 STREAM_SLOT_BYTES = 2 * 16 * 128 + 2 * 16 * 4
 STREAM_RING_MAX_BYTES = 192 * 1024
-KV_DECODE_BIT_TILES = ("words", "bytes")  # the forms of the decode attention's E4M3 bit conversion
 DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (the routing bounds pick which M go)
 
-
-EXACT_MAX_TILES_PER_PROGRAM = 4  # the most tiles one program of exact mode's multi-tile attention takes
 
 # Compile options of the kernel launches. Floating-point contraction (``a * b + c`` as one fma) is part of a
 # kernel's arithmetic: the bitwise contracts (the quantization kernels against the CPU reference, exact mode's
@@ -135,13 +132,6 @@ class DecodePolicy:
                                 num_stages=self.num_stages, block_m=self.block_m, k_unroll=self.k_unroll,
                                 tma=self.tma)
 
-    def literal(self) -> str:
-        """Python source of this policy, differences from the defaults only (to paste into DECODE_POLICIES)."""
-        default = DecodePolicy(max_m=self.max_m)
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
-                 if f.name == "max_m" or getattr(self, f.name) != getattr(default, f.name)]
-        return f"DecodePolicy({', '.join(parts)})"
-
 
 # The decode GEMM's default config per row count (first match wins): M <= 32 about three programs per SM,
 # M <= 64 about 1.5 (more MMA work per weight byte); M <= 128 about one program per SM, rounded down, 8 warps;
@@ -201,13 +191,10 @@ class KernelTuning:
       (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; opt-in, as DeepGEMM is built from source; an error where it is
       not installed); or one path forced: ``"cublas"``, ``"triton"``,
       ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
-    * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m`` / ``deepgemm_min_m`` / ``deepgemm_wgrad_max_tiles``:
-      DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most
-      ``deepgemm_decode_max_m`` rows (its decode steps; 0: none), where a weight whose K is more than twice its N
-      stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs
-      only with ``deepgemm_min_m`` set (0, the default: none, as they were no faster in a whole run): Fprop/DGrad
-      of at least that many rows (padded micro-batches), WGrad of at least that many tokens and an output of at
-      most ``deepgemm_wgrad_max_tiles`` 128x128 tiles;
+    * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m``: DeepGEMM's rule
+      (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most ``deepgemm_decode_max_m``
+      rows (its decode steps; 0: none), where a weight whose K is more than twice its N stays on the split-K decode
+      kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs stay on the default route;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
@@ -230,27 +217,17 @@ class KernelTuning:
     for the weight's version; off, each backward transposes W's FP8 tiles into a transient W^T (one launch per
     linear: the same bytes). The training side then holds one FP8 copy of its weights, not two.
 
-    Other kernels: ``silu_bwd_fma`` (SwiGLU's backward contracts ``x * (1 - s) + 1`` into one fma, as nvcc
-    compiles ATen's ``silu_backward``; flip it only if the bitwise SwiGLU test says the compiler changed),
-    ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
+    Other kernels: ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
     ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
     the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
     tile is dequantized in registers first (the route an fp16 query always takes). On by default.
     ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
     and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
     instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
-    attention to summation order. On by default (faster on the H200, docs/benchmark-history.md); off, Triton's
-    conversion.
-    ``kv_decode_bit_tile``, its form (:data:`KV_DECODE_BIT_TILES`): ``"words"`` reads each tile as
-    int32 words and joins the converted pairs into rows (rows of whole words only; else Triton's conversion), so
-    Triton converts K straight into the dot's registers but gives both dots operands of ``kWidth`` 4 (register
-    shuffles of q and p); ``"bytes"`` converts a tile of bytes 4 at a time in a call Triton cannot see through, so
-    both converted tiles reach their dots through shared memory with the operands of a BF16 cache (fewer
-    instructions per tile; any cache layout; the default). ``kv_decode_head_major`` (on by default) launches the decode grid with the KV heads of
-    a sequence as neighbouring programs (off: the sequences of a head), so that the heads sharing a scale sector
-    (the scales are (block, token, head)) and a block-table row read them from L2 close together. The same tiles go
-    into the same dots either way: head-major gives the same bits, the byte route the same attention to summation
-    order (on the GPU its MMA operand layout may round the accumulation apart).
+    attention to summation order (a tile of bytes converted 4 at a time in a call Triton cannot see through, so both
+    converted tiles reach their dots through shared memory with the operands of a BF16 cache; any cache layout; on
+    the GPU the MMA operand layout may round the accumulation apart). On by default (faster on the H200,
+    docs/benchmark-history.md); off, Triton's conversion.
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
     tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
     route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
@@ -292,11 +269,15 @@ class KernelTuning:
     run as separate programs (partials through a workspace), above it one program walks all splits of its tile;
     both give the same bits.
     ``exact_wide_min_m`` (0: never) is a schedule as well: from that many rows on (prefill and the trainer's
-    packed passes) the walking schedule runs ``exact_wide_block_m`` x ``exact_wide_block_n`` tiles
-    (``exact_wide_mm_block_n`` wide on the 16/32-bit path, e.g. the LM head) with ``exact_wide_num_warps`` and
-    ``exact_wide_num_stages`` instead of the decode-sized ones. The tile's extent in M and N is not part of a row's
-    arithmetic (the K blocks, the split and the scale application are), so the bits
-    stay the same; the GPU tests check it at the 8B shapes.
+    packed passes) the walking schedule's FP8 GEMMs run the decode-sized ``exact_block_*`` tiles, warps and stages
+    with TMA loads where the layouts allow (no pointer tensors in registers, so two programs share an SM; a tile
+    whose columns lie in one 128-row weight scale block multiplies each K block's MMA result by one factor per row,
+    ``sa[m] * sb``, the same fp32 products as the outer product of scales: faster on the H200,
+    docs/benchmark-history.md), and its other GEMMs (the 16/32-bit path, e.g. the LM head, and FP8 layouts TMA
+    cannot load) ``exact_wide_block_m`` x ``exact_wide_block_n`` tiles (``exact_wide_mm_block_n`` wide on the
+    16/32-bit path) with ``exact_wide_num_warps`` and ``exact_wide_num_stages`` instead of the decode-sized ones.
+    The tile's extent in M and N is not part of a row's arithmetic (the K blocks, the split and the scale
+    application are), so the bits stay the same; the GPU tests check it at the 8B shapes.
     ``exact_cublas_min_m`` (0: never) is a schedule of the FP8 path: from that many rows on, a weight whose K is
     walked in one range (:meth:`exact_split` is 1) multiplies on cuBLAS's blockwise GEMM, the fast path's
     (:meth:`exact_on_cublas`). Its arithmetic is the in-order walk's: each 128-wide K block's MMA sum from zero,
@@ -314,30 +295,16 @@ class KernelTuning:
     order); the swapped MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The
     GPU tests check the bits at the 8B shapes; weights that share an input and a split (q/k/v, gate/up) run as one
     grouped launch.
-    ``exact_attention_tiles_per_program`` is a schedule too: exact mode's attention kernel
-    (:mod:`~jetrl.quant.kernels.exact_attention_triton`) runs this many consecutive 64-row tiles of one sequence
-    per program, each K/V chunk loaded once for all of them (1..4; 1, the default, is the one-tile kernel; decode
-    steps always run that one); ``exact_attention_stacked`` runs them as one tile of T x 64 rows with one
-    4-warp group per 64 rows instead of T dots in 4 warps. Every value of both gives the same bits.
-    ``exact_decode_attention_swapped`` (on) runs a decode step's exact attention (at most one query row per
+    ``exact_decode_attention_swapped`` (on) runs a decode step's exact attention
+    (:mod:`~jetrl.quant.kernels.exact_attention_triton`) (at most one query row per
     sequence) on the swapped decode kernel: one row per program, the chunk's keys as the MMA's 64 rows and the
     row's heads as its columns, a quarter of the tile kernel's MMA work at GQA group 4; it computes the tile
     kernel's bits (the GPU tests check it), with ``exact_decode_attention_stages`` pipeline stages.
-    ``exact_wide_tma`` (on): from ``exact_wide_min_m`` rows on, the walking schedule's FP8 GEMMs run the
-    decode-sized ``exact_block_*`` tiles, warps and stages with TMA loads instead of the ``exact_wide_*`` tiles
-    with pointer loads, where the layouts allow (no pointer tensors in registers, so two programs share an SM); the
-    same bits. ``exact_row_scale`` (on): in that TMA walk, a tile whose columns lie in one 128-row weight
-    scale block multiplies each K block's MMA result by one factor per row, ``sa[m] * sb``, instead of the outer
-    product ``sa[:, None] * sb[None, :]`` whose entries are those same fp32 products: the same ``acc += dot * s``
-    per element, a multiply per row instead of one per element (faster on the H200,
-    docs/benchmark-history.md).
     """
 
     gemm: str = "auto"
     deepgemm_decode_max_m: int = DECODE_GEMM_MAX_M
     deepgemm_split_k_max_m: int = 128
-    deepgemm_min_m: int = 0
-    deepgemm_wgrad_max_tiles: int = 256
     decode_max_m: int = 64
     grouped_decode_max_m: int = 64
     decode_max_m_by_shape: Mapping[tuple, int] = field(default_factory=lambda: DECODE_MAX_M_BY_SHAPE)
@@ -354,7 +321,6 @@ class KernelTuning:
     requant_num_warps: int = 1
     weight_num_warps: int = 4
     cache_weight_t: bool = False
-    silu_bwd_fma: bool = True
     logprob_stats_num_warps: int = 8
     logprob_grad_num_warps: int = 8
     exact_block_m: int = 64
@@ -376,16 +342,10 @@ class KernelTuning:
     exact_wide_num_stages: int = 3
     exact_cublas_min_m: int = 65
     exact_decode_max_m: int = 64
-    exact_row_scale: bool = True
-    exact_attention_tiles_per_program: int = 1
-    exact_attention_stacked: bool = False
     exact_decode_attention_swapped: bool = True
     exact_decode_attention_stages: int = 1
-    exact_wide_tma: bool = True
     kv_decode_factored: bool = True
     kv_decode_bit_convert: bool = True
-    kv_decode_bit_tile: str = "bytes"
-    kv_decode_head_major: bool = True
     kv_decode_block_n: int = 0
     kv_decode_num_warps: int = 4
     kv_decode_num_stages: int = 1
@@ -406,8 +366,8 @@ class KernelTuning:
         if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
             raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
                              "not installed (build it from github.com/deepseek-ai/DeepGEMM)")
-        self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_min_m", "deepgemm_wgrad_max_tiles",
-                          "deepgemm_decode_max_m", "deepgemm_split_k_max_m"), 0)
+        self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_decode_max_m", "deepgemm_split_k_max_m"),
+                         0)
         for name in ("act_block_m", "act_num_warps", "token_block_k", "token_num_warps", "requant_block_k",
                      "requant_num_warps", "weight_num_warps", "logprob_stats_num_warps", "logprob_grad_num_warps"):
             if not _pow2(getattr(self, name)):
@@ -431,21 +391,11 @@ class KernelTuning:
                 raise ValueError(f"KernelTuning.{name} must be a power of two in {low}..{high}, got {value!r}")
         if not _pow2(self.exact_max_split):
             raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
-        tiles = self.exact_attention_tiles_per_program
-        if isinstance(tiles, bool) or tiles not in range(1, EXACT_MAX_TILES_PER_PROGRAM + 1):
-            raise ValueError(f"KernelTuning.exact_attention_tiles_per_program must be an int in "
-                             f"1..{EXACT_MAX_TILES_PER_PROGRAM}, got {tiles!r}")
-        if self.exact_attention_stacked and not _pow2(tiles):
-            raise ValueError(f"KernelTuning.exact_attention_stacked (stacked tiles) needs a power-of-two "
-                             f"exact_attention_tiles_per_program (the rows of one dot), got {tiles}")
-        for name in ("exact_decode_attention_swapped", "exact_wide_tma", "exact_attention_stacked", "exact_row_scale"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.exact_decode_attention_swapped, bool):
+            raise ValueError(f"KernelTuning.exact_decode_attention_swapped must be a bool, "
+                             f"got {self.exact_decode_attention_swapped!r}")
         self._check_ints(("exact_decode_attention_stages",), 1)
-        if self.kv_decode_bit_tile not in KV_DECODE_BIT_TILES:
-            raise ValueError(f"KernelTuning.kv_decode_bit_tile must be one of {KV_DECODE_BIT_TILES}, "
-                             f"got {self.kv_decode_bit_tile!r}")
-        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_head_major", "kv_decode_streams",
+        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_streams",
                      "decode_gemm_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
@@ -487,8 +437,7 @@ class KernelTuning:
 
     def deepgemm_rule(self) -> dict[str, int]:
         """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`), as its keywords."""
-        return dict(min_m=self.deepgemm_min_m, wgrad_max_tiles=self.deepgemm_wgrad_max_tiles,
-                    decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
+        return dict(decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
 
     def _check_ints(self, names: tuple[str, ...], minimum: int) -> None:
         """Each field of ``names`` must be an int (not a bool) of at least ``minimum`` (0 or 1)."""
