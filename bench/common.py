@@ -30,9 +30,42 @@ QWEN25_32B: dict = dict(
     rope_theta=1000000.0, tie_word_embeddings=False, eos_token_id=151643,
 )
 
+# Qwen2-1.5B's shape (HF config.json fields; qwen2: q/k/v biases, the LM head tied to the embedding).
+QWEN2_15B: dict = dict(
+    model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+    num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=32768, tie_word_embeddings=True, eos_token_id=151643,
+)
+
+# Qwen2.5-0.5B as published (head_dim 64, tied LM head, q/k/v biases).
+QWEN25_05B: dict = dict(
+    model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=32768, tie_word_embeddings=True, eos_token_id=151643,
+)
+
+# Qwen2.5-7B as published (head_dim 128, untied LM head, q/k/v biases; the instruct model's 32K context, as
+# bench/train_run.py's). ``with_layers`` keeps fewer blocks of it where the whole model does not fit a benchmark's time.
+QWEN25_7B: dict = dict(
+    model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    num_attention_heads=28, num_key_value_heads=4, rms_norm_eps=1e-6, rope_theta=1000000.0,
+    max_position_embeddings=32768, tie_word_embeddings=False, eos_token_id=151643,
+)
+
 # The same family at CPU-test size; hidden and intermediate sizes are multiples of the 128-wide FP8 blocks.
 TINY_LLAMA: dict = dict(LLAMA31_8B, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=1)
+
+
+# The shapes the benchmarks name on their command lines (bench/rollout.py, bench/decode_profile.py).
+MODEL_SHAPES: dict[str, dict] = {
+    "8b": LLAMA31_8B,
+    "32b": QWEN25_32B,
+    "7b": QWEN25_7B,
+    "1.5b": QWEN2_15B,
+    "0.5b": QWEN25_05B,
+    "tiny": TINY_LLAMA,
+}
 
 
 def with_layers(shape: dict, num_layers: int | None) -> dict:
@@ -246,7 +279,8 @@ def write_report(report: dict, path: str | None, out_name: str) -> None:
             json.dump(report, f, indent=2)
 
 
-__all__ = ["write_report", "LLAMA31_8B", "QWEN25_32B", "TINY_LLAMA", "Arm", "parse_arm", "parse_arms", "fast_arm_of",
+__all__ = ["write_report", "LLAMA31_8B", "QWEN25_32B", "QWEN2_15B", "QWEN25_05B", "QWEN25_7B", "TINY_LLAMA",
+           "MODEL_SHAPES", "Arm", "parse_arm", "parse_arms", "fast_arm_of",
            "KV8_SUFFIX", "EXACT_SUFFIX", "TUNING_MARK", "TUNING_SEP", "ARM_SYNTAX", "DEFAULT_ARMS", "recipe_names",
            "arms_help", "add_tuning_argument", "parse_tuning", "with_layers", "sync", "random_prompts",
            "device_description", "reset_peak_memory", "peak_memory_gib"]

@@ -1,7 +1,8 @@
 """Rollout throughput: ``RolloutEngine`` arms (``bf16``, ``jet``, ``jet`` + FP8 KV cache, ...) against ``bf16``.
 
 Random weights built from configs (no download): the Llama-3.1-8B shape (``8b``), the Qwen2.5-32B shape
-(``32b``: 65.5 GB of BF16 weights, one copy on one H200) and a ~1.5B shape (``1.5b``, Qwen2-1.5B). One model per
+(``32b``: 65.5 GB of BF16 weights, one copy on one H200), a ~1.5B shape (``1.5b``, Qwen2-1.5B), the Qwen2.5-7B
+and Qwen2.5-0.5B shapes (``7b``, ``0.5b``; all from :data:`bench.common.MODEL_SHAPES`). One model per
 shape lives on the device; the arms share it (:func:`jetrl.quant.apply_recipe` swaps the linear layers in place,
 sharing the parameters) and each arm's engine, KV cache, CUDA graphs and cached FP8 weights are freed before the
 next arm or shape starts.
@@ -31,7 +32,8 @@ arm's cost is set against its fast arm (:func:`bench.common.fast_arm_of`, ``Resu
 * ``b64-8k``: 64 x 1, 8,192 new tokens (long rollouts: the KV bytes outweigh the BF16 weights)
 
 Defaults per shape (the issue-17 table): ``8b``: ``b64,b256,b64-8k``; ``32b``: ``b64,b64-2k`` (at 32B, 256 x 1,280
-tokens of BF16 KV, 80 GiB, do not fit next to the weights, and neither do 64 x 8,448); ``1.5b``: ``b64,b256``.
+tokens of BF16 KV, 80 GiB, do not fit next to the weights, and neither do 64 x 8,448); ``1.5b``, ``7b``, ``0.5b``:
+``b64,b256``.
 
 **What is measured.** A setting with at most ``--window`` new tokens (default 1,024; ``--window 0``: every
 setting whole) runs its whole generation: end-to-end tokens/s (prefill included) and decode-step tokens/s (the
@@ -90,22 +92,23 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 try:  # repository root on sys.path (python -m bench.rollout, the tests)
-    from bench.common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument, arms_help,
-                              fast_arm_of, parse_arms, parse_tuning, random_prompts, sync)
+    from bench.common import (LLAMA31_8B, QWEN2_15B, QWEN25_05B, QWEN25_7B, QWEN25_32B, TINY_LLAMA, Arm,
+                              add_tuning_argument, arms_help, fast_arm_of, parse_arms, parse_tuning, random_prompts,
+                              sync)
 except ModuleNotFoundError:  # python bench/rollout.py: bench/ itself is on sys.path
-    from common import (LLAMA31_8B, QWEN25_32B, TINY_LLAMA, Arm, add_tuning_argument,  # type: ignore[no-redef]
-                        arms_help, fast_arm_of, parse_arms, parse_tuning, random_prompts, sync)
+    from common import (LLAMA31_8B, QWEN2_15B, QWEN25_05B, QWEN25_7B, QWEN25_32B,  # type: ignore[no-redef]
+                        TINY_LLAMA, Arm, add_tuning_argument, arms_help, fast_arm_of, parse_arms, parse_tuning,
+                        random_prompts, sync)
 
-SHAPES = {
+SHAPES = {  # the shared shapes of bench/common.py (1.5b: Qwen2-1.5B, qwen2: q/k/v biases)
     "8b": LLAMA31_8B,
     "32b": QWEN25_32B,
-    "1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                 num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6,
-                 rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True,
-                 eos_token_id=151643),  # qwen2: q/k/v biases
+    "1.5b": QWEN2_15B,
+    "7b": QWEN25_7B,
+    "0.5b": QWEN25_05B,
     "tiny": TINY_LLAMA,
 }
-GPU_SHAPES = ("8b", "32b", "1.5b")
+GPU_SHAPES = ("8b", "32b", "1.5b", "7b", "0.5b")
 HF_SHAPES = ("8b", "1.5b")  # transformers' copy of the weights fits next to ours
 DEFAULT_ARMS = "bf16,jet,jet+kv8"
 BLOCK = 128  # the FP8 weight block edge (128 x 128, one fp32 scale each)
@@ -131,7 +134,8 @@ SETTINGS = {
     "b64-2k": Setting(64, 1, 2048),
     "b64-8k": Setting(64, 1, 8192),
 }
-DEFAULT_SETTINGS = {"8b": ("b64", "b256", "b64-8k"), "32b": ("b64", "b64-2k"), "1.5b": ("b64", "b256")}
+DEFAULT_SETTINGS = {"8b": ("b64", "b256", "b64-8k"), "32b": ("b64", "b64-2k"), "1.5b": ("b64", "b256"),
+                    "7b": ("b64", "b256"), "0.5b": ("b64", "b256")}
 TINY_SETTINGS = {"tiny": Setting(4, 1, 8), "tiny-n2": Setting(2, 2, 8)}
 
 
