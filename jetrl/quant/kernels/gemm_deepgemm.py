@@ -20,9 +20,10 @@ jetrl's three GEMMs map onto its ``fp8_gemm_nt(a, b, d)`` (``d = a @ b.T``):
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
 tuning's ``gemm`` is ``"deepgemm"`` (``JETRL_FP8_GEMM=deepgemm``, or ``kernels: [gemm=deepgemm]`` in a run's config).
 It is opt-in because DeepGEMM is built from source. By default it takes the rollout's decode steps, where it is
-faster than both of jetrl's own routes (BENCHMARKS.md); the training GEMMs only with ``deepgemm_min_m`` set (on the
-H200 it beats cuBLAS at some and loses at others, and a whole 1.5B run did not get faster with them). DeepGEMM
-picks its tile sizes per call from M, so a run meets a kernel per (shape, tile configuration):
+faster than both of jetrl's own routes (BENCHMARKS.md, "FP8 kernels"); the training GEMMs only with
+``deepgemm_min_m`` set (on the H200 it beats cuBLAS at some and loses at others, and a whole 1.5B run did not get
+faster with them). DeepGEMM picks its tile sizes per call from M, so a run meets a kernel per (shape, tile
+configuration):
 :func:`compile_kernels` compiles a run's set ahead, in parallel processes, into the disk cache
 (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
 (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first capture for
@@ -100,8 +101,8 @@ def route(m: int, n: int, k: int, b_block, *, rollout: bool, min_m: int, wgrad_m
       compiled ahead at their first capture): DeepGEMM, whose persistent kernel is faster there than both cuBLAS's
       blockwise GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an MLP's
       down projection) up to ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles leave
-      most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM
-      table).
+      most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, "FP8 kernels":
+      "Decode GEMMs, 1.5B, with DeepGEMM").
     * The training GEMMs, where ``min_m`` is set (0: none; on the H200 a whole 1.5B run was no faster with them):
       Fprop and DGrad (``b`` 128x128) of at least ``min_m`` rows and a multiple of 128, the update's and the
       scoring pass's padded micro-batches, whose kernels :func:`compile_kernels` compiles ahead (other large row
@@ -109,7 +110,7 @@ def route(m: int, n: int, k: int, b_block, *, rollout: bool, min_m: int, wgrad_m
       1x128, ``k`` the tokens) of at least ``min_m`` tokens and an (m, n) output of at most ``wgrad_max_tiles``
       128x128 tiles: a small output gives cuBLAS too few tiles to fill the GPU over a long contraction, which
       DeepGEMM's persistent schedule handles better, while on large outputs cuBLAS's WGrad is the faster
-      (BENCHMARKS.md, the GEMM table).
+      (BENCHMARKS.md, "FP8 kernels": "Training GEMMs").
     """
     if b_block == WEIGHT and rollout and m <= decode_max_m:
         if (k > 2 * n and m <= split_k_max_m) or m <= decode_bound:
