@@ -6,8 +6,8 @@ from it) compiles again whenever the count's divisibility changes, mid-run: seco
 per-step times swung 2.6 -> 5.6 s at 1.5B). The kernels therefore take token counts and the strides that follow
 them with ``do_not_specialize`` / ``do_not_specialize_on_alignment``. One kernel keeps M's specialization by design:
 the split-K decode GEMM, which the rollout replays at its CUDA graphs' batch sizes (1, 2, 4, 8, then multiples of
-16), where the aligned variant is the faster one (BENCHMARKS.md); its variants are bounded (M and its scales' row
-stride divisible by 16 or not, and its split-K config by M) and all of them compile in a run's first rollout, where
+16), where the aligned variant is the faster one (BENCHMARKS.md, "Shape conditions"); its variants are bounded (M
+and its scales' row stride divisible by 16 or not, and its split-K config by M) and all of them compile in a run's first rollout, where
 the batch shrinks through every graph size. The test leaves it out (:data:`SPECIALIZED_ON_M`). This test warms every path at one count per
 size class and then runs counts of every divisibility (4, 16, 48, 128, 1,000, 4,096, 777): no kernel may gain a
 compiled variant.

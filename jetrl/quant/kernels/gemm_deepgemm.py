@@ -16,7 +16,7 @@ compiled per (N, K), M is a runtime argument.
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
 tuning's ``gemm`` is ``"deepgemm"`` (``JETRL_FP8_GEMM=deepgemm``, or ``kernels: [gemm=deepgemm]`` in a run's config).
 It is opt-in because DeepGEMM is built from source. It takes the rollout's decode steps, where it is faster than
-both of jetrl's own routes (BENCHMARKS.md); the training GEMMs stay on the default route (cuBLAS: DeepGEMM was no
+both of jetrl's own routes (BENCHMARKS.md, "FP8 kernels"); the training GEMMs stay on the default route (cuBLAS: DeepGEMM was no
 faster there in a whole 1.5B run). DeepGEMM picks its tile sizes per call from M, so a run meets a kernel per
 (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes, into the
 disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
@@ -91,8 +91,8 @@ def route(m: int, n: int, k: int, *, rollout: bool, decode_max_m: int = 0, split
     compiled ahead at their first capture) goes to DeepGEMM, whose persistent kernel is faster there than both
     cuBLAS's blockwise GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an
     MLP's down projection) up to ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles
-    leave most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, the decode GEMM
-    table). Every other GEMM (larger row counts, the training side) is left to the default route.
+    leave most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, "FP8 kernels":
+    "Decode GEMMs, 1.5B, with DeepGEMM"). Every other GEMM (larger row counts, the training side) is left to the default route.
     """
     if not rollout or m > decode_max_m:
         return None
