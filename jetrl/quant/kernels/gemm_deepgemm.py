@@ -16,10 +16,10 @@ compiled per (N, K), M is a runtime argument.
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
 tuning's ``gemm`` is ``"deepgemm"`` (``JETRL_FP8_GEMM=deepgemm``, or ``kernels: [gemm=deepgemm]`` in a run's config).
 It is opt-in because DeepGEMM is built from source. It takes the rollout's decode steps, where it is faster than
-both of jetrl's own routes (BENCHMARKS.md, "FP8 kernels"); the training GEMMs stay on the default route (cuBLAS: DeepGEMM was no
-faster there in a whole 1.5B run). DeepGEMM picks its tile sizes per call from M, so a run meets a kernel per
-(shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes, into the
-disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
+both of jetrl's own routes (BENCHMARKS.md, "FP8 kernels"); the training GEMMs stay on the default route (cuBLAS:
+DeepGEMM was no faster there in a whole 1.5B run). DeepGEMM picks its tile sizes per call from M, so a run meets a
+kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes,
+into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
 (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first capture for
 every graph size). Where decoding runs without CUDA graphs nothing is compiled ahead: a kernel compiles when first
 met (seconds, once per machine through the disk cache).
@@ -92,7 +92,8 @@ def route(m: int, n: int, k: int, *, rollout: bool, decode_max_m: int = 0, split
     cuBLAS's blockwise GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an
     MLP's down projection) up to ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles
     leave most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, "FP8 kernels":
-    "Decode GEMMs, 1.5B, with DeepGEMM"). Every other GEMM (larger row counts, the training side) is left to the default route.
+    "Decode GEMMs, 1.5B, with DeepGEMM"). Every other GEMM (larger row counts, the training side) is left to the
+    default route.
     """
     if not rollout or m > decode_max_m:
         return None
@@ -165,9 +166,9 @@ def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: in
                     timeout: float = 900.0) -> float:
     """Launch every GEMM of ``shapes`` once in ``processes`` worker processes (default: :func:`default_workers`),
     so that each kernel they need is compiled into DeepGEMM's disk cache, then once here, which loads each kernel (a
-    load is quick, and kept out of a CUDA-graph capture that meets the shape later); returns the seconds taken. The shapes, ordered by (N, K) and then M, are
-    cut into equal slices, one per worker, so neighbouring M (which mostly share a tile configuration) compile in
-    one worker. Shapes DeepGEMM does not take are skipped. A worker that fails or outlives ``timeout`` seconds is
+    load is quick, and kept out of a CUDA-graph capture that meets the shape later); returns the seconds taken. The
+    shapes, ordered by (N, K) and then M, are cut into equal slices, one per worker, so neighbouring M (which mostly
+    share a tile configuration) compile in one worker. Shapes DeepGEMM does not take are skipped. A worker that fails or outlives ``timeout`` seconds is
     reported as a warning (and stopped): its kernels are then compiled here, one by one."""
     shapes = {s for s in shapes if _takes(s)} - _PREPARED
     if not shapes or not is_available(device):
