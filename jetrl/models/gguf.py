@@ -88,6 +88,25 @@ def inspect_gguf(path: str | os.PathLike) -> tuple[str, dict[str, int]]:
     return ARCHITECTURES[arch], types
 
 
+SPECIAL_TOKEN_FIELDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                        "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def _set_special_tokens(tokenizer, path: str) -> None:
+    """Name the file's own BOS/EOS/UNK/PAD tokens on the tokenizer (transformers versions differ in which ones
+    their GGUF reading sets: 5.17 makes SmolLM2's BOS its EOS)."""
+    reader = _reader(path)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    for attribute, key in SPECIAL_TOKEN_FIELDS.items():
+        field = reader.fields.get(key)
+        if field is None or tokens is None:
+            continue
+        index = int(field.contents())
+        if not 0 <= index < len(tokens.data):
+            raise ValueError(f"{path}: {key} = {index} is not a token of its {len(tokens.data)}-token vocabulary")
+        setattr(tokenizer, attribute, tokens.contents(index))
+
+
 def _hf_parts(path: str):
     """transformers' reading of the file: (config dict, tokenizer, {HF tensor name: fp32 tensor})."""
     try:
@@ -98,6 +117,7 @@ def _hf_parts(path: str):
     folder, name = os.path.split(os.path.abspath(path))
     hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _set_special_tokens(tokenizer, path)
     with torch.device("meta"):  # names and shapes only: transformers maps GGUF tensor names through it
         skeleton = AutoModelForCausalLM.from_config(hf_config)
     tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
