@@ -99,13 +99,13 @@ def _ends(records: list[dict], key: str, window: int = 3) -> tuple[float, float]
     return _mean(values[:window]), _mean(values[-window:])
 
 
-def plot(results: dict[str, Any], out: Path) -> list[Path]:
+def plot(results: dict[str, Any], out: Path, title: str = "Experiment 2") -> list[Path]:
     """``exp_rl_curves.png`` (reward, accuracy, length, mismatch per step, every run) and
     ``exp_rl_health.png`` (k3 KL, |Δp| > 1e-3 fraction, entropy, clip fraction)."""
     runs = results["runs"]
     labels = [f"{r['arm']} s{r['seed']}" for r in runs]
     paths = [plot_runs([r["run_dir"] for r in runs], out / "exp_rl_curves.png", labels=labels,
-                       title="Experiment 2: RL from one warm start, per arm")]
+                       title=f"{title}: RL from one warm start, per arm")]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,7 +123,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle("Experiment 2: mismatch and policy health per step")
+    fig.suptitle(f"{title}: mismatch and policy health per step")
     fig.tight_layout()
     paths.append(out / "exp_rl_health.png")
     fig.savefig(paths[-1], dpi=100)
@@ -241,11 +241,11 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
         common.write_json(json_path, results)  # a call cut short still brings the finished runs
     common.write_json(json_path, results)
     if results["runs"]:
-        plot(results, out)
+        plot(results, out, args.title)
     return results
 
 
-def replot(paths: Sequence[str], out: Path) -> dict[str, Any]:
+def replot(paths: Sequence[str], out: Path, title: str = "Experiment 2") -> dict[str, Any]:
     """The runs of several ``exp_rl.json`` files (e.g. the two GPUs of ``scripts/exp_two_gpus.sh``) as one
     result: their step records are written back as run folders under ``out`` so the plots can read them."""
     merged: dict[str, Any] = {"experiment": "rl_arms", "sources": list(paths), "runs": [], "skipped": []}
@@ -258,7 +258,7 @@ def replot(paths: Sequence[str], out: Path) -> dict[str, Any]:
             (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run_["records"]))
             merged["runs"].append({**run_, "run_dir": str(run_dir)})
     common.write_json(out / "exp_rl.json", merged)
-    plot(merged, out)
+    plot(merged, out, title)
     return merged
 
 
@@ -278,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 45; smoke 0)")
     p.add_argument("--replot", nargs="+", default=None, metavar="JSON",
                    help="no runs: merge these exp_rl.json files into one JSON, table and plots in --out")
+    p.add_argument("--title", default="Experiment 2", help="the plots' title prefix")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a RunConfig override for every arm (e.g. rollout.max_tokens=3000); repeatable")
     return p
@@ -286,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.replot:
-        print(summary_tables(replot(args.replot, Path(args.out))))
+        print(summary_tables(replot(args.replot, Path(args.out), args.title)))
         return 0
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 40)
     args.time_budget = args.time_budget if args.time_budget is not None else (600.0 if args.smoke else 150.0)

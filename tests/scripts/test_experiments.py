@@ -187,3 +187,29 @@ def test_step_matched_table_cuts_every_run_at_the_fewest_steps(scripts_path):
         assert cells[3] == f"{sum(gains) / 2:+.3f} ± {(max(gains) - min(gains)) / 2:.3f}", row
         assert cells[5] == f"{sum(growths) / 2:.2f} ± {(max(growths) - min(growths)) / 2:.2f}", row
         assert cells[7] == "1.00 ± 0.00", row  # a constant k3 does not grow
+
+
+def test_exp_real_model_smoke(scripts_path, tmp_path, capsys):
+    """The baseline table of a model per task and rollout precision: greedy accuracy, pass@n, lengths."""
+    import exp_real_model
+
+    assert exp_real_model.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "exp_real_model.json").read_text())["rows"]
+    assert [(r["setting"], r["recipe"]) for r in rows] == [("arithmetic:3", "bf16"), ("arithmetic:3", "jet")]
+    for r in rows:
+        assert r["num_prompts"] == 4 and 0 <= r["greedy_accuracy"] <= 1 and 0 <= r["pass@2"] <= 1
+        assert r["pass@2"] >= r["sampled_accuracy"] - 1e-9 and r["greedy_length"] > 0
+    assert "| arithmetic:3 | jet |" in capsys.readouterr().out
+
+
+def test_exp_mismatch_layers_finds_where_the_sides_part(scripts_path, tmp_path):
+    """On the CPU jet's rollout and trainer agree in every module (the reference sums exactly); fp8-rollout's part at
+    the first FP8 linear, and its log-probs differ."""
+    import exp_mismatch_layers
+
+    assert exp_mismatch_layers.main(["--smoke", "--recipes", "jet,fp8-rollout", "--json", str(tmp_path / "l.json")]) == 0
+    jet, fp8_rollout = json.loads((tmp_path / "l.json").read_text())
+    assert jet["first_differing"] is None and jet["logp_abs_diff_max"] < 1e-5
+    assert len(jet["modules"]) == 9 * 4 and jet["decode_steps"] == 5
+    assert fp8_rollout["first_differing"] == "model.layers.0.self_attn.q_proj"
+    assert fp8_rollout["logp_abs_diff_mean"] > 1e-3
