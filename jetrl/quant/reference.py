@@ -131,18 +131,18 @@ def check_gemm_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
 
 
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Blockwise FP8 GEMM ``a @ b.T``: dequantize both operands blockwise (fp32), multiply and sum in float64, cast.
-
-    The float64 sum of the fp32 products is exact to far below the output's rounding, so the result is the exact
-    sum rounded once, whatever order a BLAS sums in: a row's output does not depend on how many rows ``a`` has (a
-    decode step's few or a training micro-batch's thousands), and the CPU's rollout and trainer compute the same
-    FP8 policy. Kernels match it to output rounding (they accumulate in fp32 in their own order).
+    """Blockwise FP8 GEMM ``a @ b.T``: dequantize both operands blockwise, multiply in fp32
+    (:func:`row_invariant_matmul`), cast.
 
     ``a`` is (M, K) with (1, 128) blocks; ``b`` is (N, K) with (128, 128) blocks (Fprop: W; DGrad: W^T)
     or (1, 128) blocks (WGrad: both operands grouped by 128 along the token dimension, which is K here).
+    Each row of the output is computed identically whatever M is (fixed-shape products of 64 rows), so a row's
+    result does not depend on how many rows ``a`` has (a decode step's few or a training micro-batch's thousands):
+    the CPU's rollout and trainer compute the same FP8 policy. The same function as :func:`gemm_exact` (the
+    reference needs no faster, order-changing variant); kernels match it to output rounding.
     """
     check_gemm_operands(a, b)
-    return (a.dequantize().double() @ b.dequantize().double().t()).to(out_dtype)
+    return row_invariant_matmul(a.dequantize(), b.dequantize(), out_dtype)
 
 
 def row_invariant_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -174,7 +174,6 @@ def matmul_exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_exact(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """:func:`gemm` with each row of ``a`` computed identically whatever M is: both operands dequantized
-    blockwise (row-wise for ``a``), then :func:`row_invariant_matmul` in fp32."""
-    check_gemm_operands(a, b)
-    return row_invariant_matmul(a.dequantize(), b.dequantize(), out_dtype)
+    """Exact mode's GEMM: each row of ``a`` computed identically whatever M is, which the reference's :func:`gemm`
+    already is (the kernels' exact GEMMs match it bit for bit, their fast ones to output rounding)."""
+    return gemm(a, b, out_dtype)
