@@ -492,8 +492,9 @@ def run_case(model, shape_label: str, shape: dict, batch: int, arm: Arm, args, d
         probe = StepProbe(engine.runner, device, start - w, start + k + 1,
                           lambda: profile(activities=activities, record_shapes=False, with_stack=False))
         sync(device)
-        outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=gen_tokens, ignore_eos=True,
-                                                       seed=None))
+        # a seed per prompt, as the trainer gives (jetrl.rl.trainer): the sampler's path of jetrl train
+        outs = engine.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=gen_tokens, ignore_eos=True,
+                                                        seed=i) for i in range(len(prompts))])
         probe.stop()  # (a --whole generation stops it mid-way already)
         got = sum(len(o.token_ids) for o in outs)
         if got != batch * gen_tokens:

@@ -380,7 +380,9 @@ def _run_engine(model, prompts, warmup_prompts, n, new_tokens, arm: Arm, args, d
                            max_num_seqs=len(prompts) * n, max_num_batched_tokens=args.max_num_batched_tokens,
                            max_model_len=len(prompts[0]) + new_tokens, progress=args.progress,
                            cuda_graphs=not args.no_cuda_graphs, exact=arm.exact, kv_fp8=arm.kv_fp8)
-    params = SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=None)
+    # a seed per prompt, as the trainer gives (jetrl.rl.trainer): the sampler's path of jetrl train
+    params = [SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
     engine.generate(warmup_prompts, SamplingParams(n=n, temperature=1.0, max_tokens=min(8, new_tokens),
                                                    ignore_eos=True))
     times = []
