@@ -282,7 +282,7 @@ def write_report(report: dict, path: str | None, out_name: str) -> None:
 __all__ = ["write_report", "LLAMA31_8B", "QWEN25_32B", "QWEN2_15B", "QWEN25_05B", "QWEN25_7B", "TINY_LLAMA",
            "MODEL_SHAPES", "Arm", "parse_arm", "parse_arms", "fast_arm_of",
            "KV8_SUFFIX", "EXACT_SUFFIX", "TUNING_MARK", "TUNING_SEP", "ARM_SYNTAX", "DEFAULT_ARMS", "recipe_names",
-           "arms_help", "add_tuning_argument", "parse_tuning", "with_layers", "sync", "random_prompts",
+           "arms_help", "add_tuning_argument", "parse_tuning", "parse_arm_args", "with_layers", "sync", "random_prompts",
            "device_description", "reset_peak_memory", "peak_memory_gib"]
 
 
@@ -302,6 +302,18 @@ def parse_tuning(parser, items: list[str]) -> dict:
         return _tuning_settings(items, "--tuning")
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
+
+
+def parse_arm_args(parser, argv):
+    """``parser``'s arguments, with ``--arms`` read into :class:`Arm` objects and ``--tuning`` into settings (a bad
+    one is the parser's usage error): what the benchmarks that compare arms share."""
+    args = parser.parse_args(argv)
+    try:
+        args.arms = parse_arms(args.arms)
+    except ValueError as exc:
+        parser.error(f"--arms: {exc}")
+    args.tuning = parse_tuning(parser, args.tuning)
+    return args
 
 
 def _tuning_settings(items: list[str], what: str) -> dict:

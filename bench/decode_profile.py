@@ -83,12 +83,12 @@ from typing import Iterable
 import torch
 
 try:  # repository root on sys.path (python -m bench.decode_profile, the tests, PYTHONPATH=$PWD)
-    from bench.common import (MODEL_SHAPES, Arm, add_tuning_argument, arms_help, device_description, parse_arms,
-                              parse_tuning, random_prompts, sync, with_layers, write_report)
+    from bench.common import (MODEL_SHAPES, Arm, add_tuning_argument, arms_help, device_description, parse_arm_args,
+                              random_prompts, sync, with_layers, write_report)
     from bench.rollout import step_bytes
 except ModuleNotFoundError:  # python bench/decode_profile.py, jetrl bench decode_profile: bench/ is on sys.path
     from common import (MODEL_SHAPES, Arm, add_tuning_argument, arms_help,  # type: ignore[no-redef]
-                        device_description, parse_arms, parse_tuning, random_prompts, sync, with_layers, write_report)
+                        device_description, parse_arm_args, random_prompts, sync, with_layers, write_report)
     from rollout import step_bytes  # type: ignore[no-redef]
 
 STEP_MARK = "jetrl.decode_step."  # record_function name of a profiled decode launch: the mark + the step number
@@ -665,12 +665,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace-dir", default=None, help="keep one chrome trace per case here")
     parser.add_argument("--json", default=None)
     add_tuning_argument(parser)
-    args = parser.parse_args(argv)
-    try:
-        args.arms = parse_arms(args.arms)
-    except ValueError as exc:
-        parser.error(f"--arms: {exc}")
-    args.tuning = parse_tuning(parser, args.tuning)
+    args = parse_arm_args(parser, argv)
     if args.blocks is not None and args.blocks < 1:
         parser.error(f"--blocks must be >= 1, got {args.blocks}")
     try:

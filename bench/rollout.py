@@ -93,11 +93,11 @@ import torch
 
 try:  # repository root on sys.path (python -m bench.rollout, the tests)
     from bench.common import (LLAMA31_8B, QWEN2_15B, QWEN25_05B, QWEN25_7B, QWEN25_32B, TINY_LLAMA, Arm,
-                              add_tuning_argument, arms_help, fast_arm_of, parse_arms, parse_tuning, random_prompts,
+                              add_tuning_argument, arms_help, fast_arm_of, parse_arm_args, random_prompts,
                               sync)
 except ModuleNotFoundError:  # python bench/rollout.py: bench/ itself is on sys.path
     from common import (LLAMA31_8B, QWEN2_15B, QWEN25_05B, QWEN25_7B, QWEN25_32B,  # type: ignore[no-redef]
-                        TINY_LLAMA, Arm, add_tuning_argument, arms_help, fast_arm_of, parse_arms, parse_tuning,
+                        TINY_LLAMA, Arm, add_tuning_argument, arms_help, fast_arm_of, parse_arm_args,
                         random_prompts, sync)
 
 SHAPES = {  # the shared shapes of bench/common.py (1.5b: Qwen2-1.5B, qwen2: q/k/v biases)
@@ -666,12 +666,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 4 prompts, 8 tokens")
     parser.add_argument("--json", default=None)
     add_tuning_argument(parser)
-    args = parser.parse_args(argv)
-    try:
-        args.arms = parse_arms(args.arms)
-    except ValueError as exc:
-        parser.error(f"--arms: {exc}")
-    args.tuning = parse_tuning(parser, args.tuning)
+    args = parse_arm_args(parser, argv)
     if args.exact and "jet-exact" not in [a.name for a in args.arms]:
         args.arms.append(Arm("jet", exact=True))
     args.mismatch = args.mismatch or args.exact
