@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from jetrl.models.config import DecoderConfig
+from jetrl.models.transformer import build_model
 
 GGUF_SUFFIX = ".gguf"
 # GGUF ``general.architecture`` values jetrl builds, and their HuggingFace model_type
@@ -124,16 +125,30 @@ def _hf_parts(path: str):
     return hf_config.to_dict(), tokenizer, tensors
 
 
+def _check_tensors(config: DecoderConfig, tensors: dict[str, torch.Tensor], path: str) -> None:
+    """The tensors read from ``path`` are exactly the parameters of the decoder ``config`` describes, shape for
+    shape (a tied LM head appears once, as the embedding); else a ValueError naming the differences."""
+    with torch.device("meta"):
+        model = build_model(config, device="meta", init=False)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(got) if expected[n] != got[n])
+    if missing or extra or wrong:
+        shapes = [(n, got[n], expected[n]) for n in wrong[:4]]
+        raise ValueError(f"{path} does not hold the {config.model_type} decoder its config describes: missing "
+                         f"{missing[:4]}, unexpected {extra[:4]}, shapes differ {shapes}")
+
+
 def convert_gguf(path: str | os.PathLike, output: str | os.PathLike, overwrite: bool = False) -> str:
     """Write the GGUF file ``path`` as a HuggingFace folder at ``output``: config.json, BF16 weights in
     model.safetensors, tokenizer files with the chat template. Returns ``output``.
 
     ``output`` must be new or empty unless ``overwrite``. The folder appears whole or not at all (written
     beside it, then renamed). Every tensor must map to a parameter of the decoder jetrl builds from the
-    config (the folder is loaded back once to check), so a file transformers reads differently is an error,
-    not a silently different model."""
-    from jetrl.models.checkpoint import load_model  # checkpoint imports this module
-
+    config, with its shape, and every parameter must have one, so a file transformers reads differently is an
+    error, not a silently different model."""
     path, output = os.fspath(path), os.fspath(output)
     model_type, _ = inspect_gguf(path)
     if os.path.exists(output) and not os.path.isdir(output):
@@ -144,12 +159,14 @@ def convert_gguf(path: str | os.PathLike, output: str | os.PathLike, overwrite: 
     config = DecoderConfig.from_hf(hf, source=path)
     if config.model_type != model_type:
         raise ValueError(f"{path}: transformers reads a {config.model_type!r} config from a {model_type!r} file")
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    _check_tensors(config, tensors, path)
     parent = os.path.dirname(os.path.abspath(output)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".gguf-", dir=parent)
     try:
-        weights = {name: t.to(torch.bfloat16).contiguous() for name, t in tensors.items()
-                   if not (config.tie_word_embeddings and name == "lm_head.weight")}
+        weights = {name: t.to(torch.bfloat16).contiguous() for name, t in tensors.items()}
         save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         del weights, tensors
         hf_out = config.to_hf()
@@ -157,7 +174,6 @@ def convert_gguf(path: str | os.PathLike, output: str | os.PathLike, overwrite: 
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_out, f, indent=2)
         tokenizer.save_pretrained(tmp)
-        load_model(tmp, dtype=torch.bfloat16, device="meta")  # every tensor lands on a parameter of that shape
         mode = 0o777 & ~_umask()  # mkdtemp and safetensors create owner-only; give the modes other files get
         os.chmod(tmp, mode)
         for file in os.listdir(tmp):

@@ -117,6 +117,12 @@ def test_unsupported_files_are_refused_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"type \['IQ4_NL'\], which jetrl does not dequantize"):
         convert_gguf(iq, tmp_path / "never")
     assert not (tmp_path / "never").exists()
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    short = tmp_path / "short.gguf"  # a tensor the config's decoder needs is not in the file
+    write_gguf(short, weights, heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match=r"does not hold the llama decoder.*missing \['model.layers.1.mlp.down_proj"):
+        convert_gguf(short, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(ImportError, match=r"pip install 'jetrl\[gguf\]'"):
         inspect_gguf(iq)
