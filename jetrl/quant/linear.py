@@ -24,35 +24,11 @@ import torch.nn.functional as F
 
 from jetrl.quant.backend import get_backend, selected_backend_name
 from jetrl.quant.exact import exact_linear
-from jetrl.quant.formats import ACT, WEIGHT, Fp8Tensor
+from jetrl.quant.formats import ACT, Fp8Tensor
 from jetrl.quant.linear_op import fp8_linear_group
 from jetrl.quant.side import current_side
-
-
-def _tuning():
-    """The kernel tuning in force (a CPU-only module; the kernels are imported lazily, tests/test_layering.py)."""
-    from jetrl.quant.kernels.tuning import current
-
-    return current()
-
-
-def _caches_transpose() -> bool:
-    """Whether a forward should cache W^T's FP8 form with the weight: only with grad (DGrad reads it; rollout never
-    pays its memory) and where the kernel tuning asks for it (``cache_weight_t``; else each backward transposes W's
-    FP8 tiles, :meth:`~jetrl.quant.backend.Fp8Backend.transpose_weight`)."""
-    return torch.is_grad_enabled() and _tuning().cache_weight_t
-
-
-def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | None:
-    """Copy ``new`` into ``old``'s buffers when their layouts match (stable addresses), else ``new``."""
-    if old is None or new is None or old.block != new.block:
-        return new
-    for a, b in ((old.data, new.data), (old.scale, new.scale)):
-        if a.shape != b.shape or a.stride() != b.stride() or a.device != b.device or a.dtype != b.dtype:
-            return new
-    old.data.copy_(new.data)
-    old.scale.copy_(new.scale)
-    return old
+from jetrl.quant.weight_cache import (_caches_transpose, _group_cache, _group_weights, _layer_weights,
+                                      _layouts_stack, _member_weights, _WeightCache)
 
 
 class FP8Linear(nn.Linear):
@@ -250,28 +226,9 @@ class FP8Linear(nn.Linear):
         return self._cached_weights(with_transpose=True)[1]
 
     def _cached_weights(self, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-        key = self.weight_key()
-        q, q_t = self._qweight, self._qweight_t
-        if self._qweight_key == key and q is not None and (q_t is not None or not with_transpose):
-            return q, q_t  # current: every call after the first per weight version
-        stale_q = stale_t = None
-        if self._qweight_key != key:
-            stale_q, stale_t = self._qweight, self._qweight_t
-            self._qweight = self._qweight_t = None
-            self._qweight_key = key
-        backend = get_backend(self.weight.device)
-        with torch.no_grad():
-            if with_transpose and self._qweight_t is None:
-                if self._qweight is None:  # W and W^T from one read of the weight
-                    self._qweight, self._qweight_t = backend.quantize_weight_pair(self.weight_values(),
-                                                                                   self.pow2_scale)
-                else:
-                    self._qweight_t = backend.transpose_weight(self._qweight)
-            elif self._qweight is None:
-                self._qweight = backend.quantize(self.weight_values(), WEIGHT, self.pow2_scale)
-            self._qweight = _write_into(stale_q, self._qweight)
-            self._qweight_t = _write_into(stale_t, self._qweight_t)
-        return self._qweight, self._qweight_t
+        """W's FP8 form (and W^T's with ``with_transpose``) for the current weight version (the layer's cache,
+        :mod:`jetrl.quant.weight_cache`)."""
+        return _layer_weights(self, with_transpose)
 
     def forward(self, x: torch.Tensor, x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
         """``x`` (..., in_features). ``x_fp8``: x flattened to 2-D and quantized per 1x128 with this layer's
@@ -336,83 +293,11 @@ def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = No
     return module(x, x_fp8=x_fp8)
 
 
-class _WeightCache:
-    """The FP8 weights of a group of linears sharing an input, stacked along the output dim: W (sum N, K) and, once a
-    grad-enabled forward asked for it, W^T with row-major data; with the member layers (for re-quantization)."""
-
-    def __init__(self, modules: tuple[FP8Linear, ...]) -> None:
-        self.modules = modules
-        self.key: tuple | None = None
-        self.qweight: Fp8Tensor | None = None
-        self.qweight_t: Fp8Tensor | None = None
-        # whether the members' layouts stack (:func:`_layouts_stack`), for the weight keys and biases it was decided on
-        self.layout: tuple | None = None
-        self.stacks = False
-
-
-def _layouts_stack(modules: tuple[FP8Linear, ...]) -> bool:
-    """The layout half of :func:`groupable`: the same input width, dtype and device, widths of whole 128-row tiles,
-    biases on all or none."""
-    first = modules[0]
-    w0 = first.weight
-    return all(m.in_features == first.in_features and m.out_features % 128 == 0 and m.weight.dtype == w0.dtype
-               and m.weight.device == w0.device and (m.bias is None) == (first.bias is None) for m in modules)
-
-
 def groupable(modules: tuple[nn.Module, ...] | list[nn.Module]) -> bool:
     """Whether these linears can run as one stacked FP8 linear: 2 or 3 :class:`FP8Linear` running FP8 on this
     side with one scaling, the same input width, dtype and device, widths of whole 128-row weight tiles (so the
     stacked weight's tiles are the members' tiles), and biases on all or none."""
     return 2 <= len(modules) <= 3 and fp8_input_scaling(*modules) is not None and _layouts_stack(tuple(modules))
-
-
-def _group_cache(modules: tuple[FP8Linear, ...]) -> _WeightCache:
-    """The group's cache, kept by its first member under the members' ids."""
-    first = modules[0]
-    ids = tuple(id(m) for m in modules)
-    cache = first._group_caches.get(ids)
-    if cache is None:
-        cache = first._group_caches[ids] = _WeightCache(modules)
-    return cache
-
-
-def _group_weights(modules: tuple[FP8Linear, ...], with_transpose: bool,
-                   key: tuple | None = None) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """The stacked FP8 weight of ``modules`` (and its transpose with ``with_transpose``) for their current weights,
-    quantized at most once per weight version, in the same buffers across versions (stable addresses for the
-    rollout's CUDA graphs). Tiles never straddle two members (widths of whole tiles), so each member's rows are
-    bitwise that member's own quantization. ``key``: the members' weight keys, where the caller has them."""
-    first = modules[0]
-    cache = _group_cache(modules)
-    if key is None:
-        key = tuple(m.weight_key() for m in modules)
-    stale_q = stale_t = None
-    if cache.key != key:
-        stale_q, stale_t = cache.qweight, cache.qweight_t
-        cache.qweight = cache.qweight_t = None
-        cache.key = key
-    need_t = with_transpose and cache.qweight_t is None
-    if cache.qweight is None or need_t:
-        backend = get_backend(first.weight.device)
-        with torch.no_grad():
-            stacked = torch.cat([m.weight_values() for m in modules])
-            if need_t:  # W and W^T from one read (W's bytes rewritten, the same, where it was already made)
-                qweight, qweight_t = backend.quantize_weight_pair(stacked, first.pow2_scale)
-                cache.qweight_t = _write_into(stale_t, qweight_t)
-            else:
-                qweight = backend.quantize(stacked, WEIGHT, first.pow2_scale)
-            cache.qweight = _write_into(cache.qweight if cache.qweight is not None else stale_q, qweight)
-    return cache.qweight, cache.qweight_t
-
-
-def _member_weights(qweight: Fp8Tensor, modules: tuple[FP8Linear, ...]) -> list[Fp8Tensor]:
-    """Each member's rows of the stacked FP8 weight (views: whole tiles, so data and scales slice cleanly)."""
-    out, row = [], 0
-    for m in modules:
-        n = m.out_features
-        out.append(Fp8Tensor(qweight.data[row:row + n], qweight.scale[row // 128:(row + n) // 128], WEIGHT))
-        row += n
-    return out
 
 
 def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
