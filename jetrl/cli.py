@@ -5,13 +5,13 @@ arithmetic task, a few minutes on a CPU. Every command's work lives in a library
 that owns it (:func:`jetrl.train_job.train_and_evaluate` around :func:`jetrl.rl.run`,
 :func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`, :func:`jetrl.evaluate.generate_texts`,
 :func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`, ``jetrl config``'s
-:func:`jetrl.config.reference.commented_yaml` and :mod:`jetrl.registries`; ``jetrl:NAME`` paths through
-:func:`jetrl.asset_files.resolve_asset`), so scripts and tests call those; this module only turns
-arguments into their inputs and their results into text. ``jetrl bench`` is dispatch alone: it runs a
-script of the source checkout's ``bench/`` folder by name. Choice lists of library settings (recipes,
-tasks, dataset formats, dtypes) come from the registries that own them; the one choice of the CLI's own,
-``--resume``'s ``auto``/``must`` (its spelling of :func:`jetrl.rl.run`'s ``require_checkpoint``), is
-defined here.
+:func:`jetrl.config.reference.commented_yaml` and :mod:`jetrl.registries`; ``jetrl:NAME`` and the paths a
+command takes through :mod:`jetrl.asset_files`), so scripts and tests call those; this module only turns
+arguments into their inputs and their results into text (tables: :func:`jetrl.tables.text_table`). ``jetrl
+bench`` is dispatch alone: it runs a script of the source checkout's ``bench/`` folder by name
+(:mod:`jetrl.bench_scripts`). Choice lists of library settings (recipes, tasks, dataset formats, dtypes)
+come from the registries that own them; the one choice of the CLI's own, ``--resume``'s ``auto``/``must``
+(its spelling of :func:`jetrl.rl.run`'s ``require_checkpoint``), is defined here.
 
 User errors (a missing file, a bad config key, an unknown dataset column, a tokenizer that lacks a
 needed special token or belongs to another model, an output folder that holds another run) print one
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import os
 import sys
@@ -37,10 +36,8 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from rich.console import Console
-from rich.table import Table
-
-from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, resolve_asset
+from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, config_path, existing_path, model_path, resolve_asset
+from jetrl.bench_scripts import available_benches, run_bench
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.config.reference import commented_yaml
 from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset, read_prompts
@@ -55,6 +52,7 @@ from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.registries import check_config, configuration_reference
 from jetrl.rl.loop import check_model, prepare_output_dir, run
 from jetrl.sft.train import SFT_DTYPES, SFT_RECIPE, SFTConfig, model_task, run_sft
+from jetrl.tables import text_table
 from jetrl.threads import configure_threads
 from jetrl.train_job import train_and_evaluate
 
@@ -70,38 +68,6 @@ class UsageError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-def _existing(path: str, what: str, hint: str) -> str:
-    path = resolve_asset(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{what} {path} does not exist; {hint}")
-    return path
-
-
-def _model_path(path: str) -> str:
-    """A checkpoint folder, a .gguf file, ``jetrl:tiny-arith``, or a hub-style ``owner/name`` (resolved by the
-    loader)."""
-    path = resolve_asset(path)
-    if os.path.isfile(path) and path.lower().endswith(".gguf"):
-        return path
-    if not os.path.isdir(path) and (path.startswith((".", "/", "~")) or path.count("/") != 1):
-        raise FileNotFoundError(f"checkpoint folder {path} does not exist; give a HuggingFace model folder (holding "
-                                f"config.json and *.safetensors), a .gguf file or {EMBEDDED_MODEL}")
-    return path
-
-
-def _table(rows: Sequence[tuple[str, str]], title: str | None = None) -> str:
-    """A two-column text table (names left, values right), rendered by rich without colour codes."""
-    table = Table(show_header=False)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    for name, value in rows:
-        table.add_row(name, value)
-    console = Console(file=None, width=100, force_terminal=False, color_system=None)
-    with console.capture() as capture:
-        console.print(table)
-    return ((title + "\n") if title else "") + capture.get().rstrip("\n")
-
 
 def _version() -> str:
     """The installed distribution's version (``jetrl --version``)."""
@@ -124,12 +90,6 @@ def _positive(text: str) -> int:
 
 # ------------------------------------------------------------------------------------------ train
 
-def _config_file(path: str | None) -> str:
-    """The config file a command reads (default: the embedded one), which must exist."""
-    return _existing(path or DEFAULT_CONFIG, "config file", "give a YAML/JSON/TOML config, e.g. "
-                     "examples/tiny_default.yaml")
-
-
 def _overrides(items: Sequence[str]) -> list[str]:
     """The ``--section.key=value`` arguments after a config file; anything else is a UsageError."""
     for item in items:
@@ -141,7 +101,7 @@ def _overrides(items: Sequence[str]) -> list[str]:
 
 def _train_config(args: argparse.Namespace) -> RunConfig:
     """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
-    path = _config_file(args.config)
+    path = config_path(args.config)
     overrides = _overrides(args.overrides)
     if args.max_steps is not None:
         overrides.append(f"--trainer.steps={args.max_steps}")
@@ -158,7 +118,7 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
     if config.model.tokenizer:
         config.model.tokenizer = resolve_asset(config.model.tokenizer)
     if config.data.path:
-        config.data.path = _existing(config.data.path, "data file", "set data.path to a JSONL or Parquet file")
+        config.data.path = existing_path(config.data.path, "data file", "set data.path to a JSONL or Parquet file")
     return config
 
 
@@ -185,14 +145,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
           file=sys.stderr)
     result = train_and_evaluate(config, num_eval, require_checkpoint=args.resume == "must",
                                 progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
-    print(_table(result.rows(), title="jetrl train: summary"))
+    print(text_table(result.rows(), title="jetrl train: summary"))
     return 0
 
 
 # ------------------------------------------------------------------------------------------ config
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    path = _config_file(args.config)
+    path = config_path(args.config)
     overrides = _overrides(args.overrides)
     config = load_config(path, overrides)
     source = " ".join([args.config or DEFAULT_CONFIG, *overrides])
@@ -202,7 +162,7 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_check(args: argparse.Namespace) -> int:
-    config = load_config(_config_file(args.config), _overrides(args.overrides))
+    config = load_config(config_path(args.config), _overrides(args.overrides))
     check_config(config)
     steps = config.rollout_batch_size // config.mini_batch_size * config.algorithm.ppo_epochs
     print(f"{args.config}: valid ({config.recipe} recipe, {config.data.prompts_per_step} prompts x "
@@ -227,7 +187,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
                        dtype=args.dtype, packing=args.packing, micro_batch_tokens=args.micro_batch_tokens)
     result = run_sft(config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
                      resume=args.resume)
-    print(_table([("task", f"{config.task} (difficulty {config.difficulty})"), ("steps", str(result.steps)),
+    print(text_table([("task", f"{config.task} (difficulty {config.difficulty})"), ("steps", str(result.steps)),
                   ("parameters", f"{result.num_parameters:,}"), ("final loss", f"{result.final_loss:.4f}"),
                   (f"greedy accuracy ({SFT_RECIPE}, {config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
                   ("time", f"{result.seconds:.0f} s"), ("checkpoint", result.output_dir)], title="jetrl sft: summary"))
@@ -239,7 +199,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _eval_data(args: argparse.Namespace) -> DataConfig:
     """The prompts to evaluate on, as a data section: a file (``--data``) or a built-in task."""
     if args.data:
-        path = _existing(args.data, "data file", "give a JSONL or Parquet file")
+        path = existing_path(args.data, "data file", "give a JSONL or Parquet file")
         return DataConfig(path=path, format=args.format, prompt_column=args.prompt_column,
                           answer_column=args.answer_column, reward=args.reward, max_examples=args.num_examples)
     return DataConfig(task=args.task, difficulty=args.difficulty, task_style=args.task_style,
@@ -250,13 +210,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     configure_threads(args.threads, EVAL_REWARD_WORKERS)
     kv_fp8_train(args.recipe, args.kv_fp8)  # a recipe that rolls out in BF16 has no FP8 cache: say so first
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
-    model, tokenizer = load_policy(_model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
+    model, tokenizer = load_policy(model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
     ks = sorted(set(args.k or [1]))
     result = evaluate(model, tokenizer, dataset, reward=args.reward, n=args.n, temperature=args.temperature,
                       top_p=args.top_p, max_tokens=args.max_tokens, ks=ks, seed=args.sample_seed,
                       progress=not args.no_progress, keep_samples=bool(args.output), kv_fp8=args.kv_fp8)
     mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
-    print(_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe} recipe)"))
+    print(text_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe} recipe)"))
     if args.output:
         write_samples(result.samples, args.output)
         print(f"samples written to {args.output}", file=sys.stderr)
@@ -271,7 +231,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.temperature == 0 and args.n > 1:
         raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
                          "for --n > 1")
-    folder = _model_path(args.model)
+    folder = model_path(args.model)
     model, tokenizer = load_policy(folder, args.recipe, args.device, args.dtype, args.max_tokens)
     mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
     header = sys.stderr if args.jsonl else sys.stdout  # JSON lines alone on stdout
@@ -314,17 +274,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ bench
 
-def bench_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "bench"
-
-
-def available_benches() -> list[str]:
-    folder = bench_dir()
-    names = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_") and p.stem != "common") \
-        if folder.is_dir() else []
-    return ["fp8"] + names
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name in (None, "list"):
         print("benchmarks: " + ", ".join(available_benches()))
@@ -335,15 +284,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name not in available_benches():  # a name, never a path: only the shipped scripts run
         raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(available_benches())} "
                          f"(bench scripts live in the source checkout's bench/ folder)")
-    path = bench_dir() / f"{args.name}.py"
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(f"jetrl_bench_{args.name}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        module.main(list(args.bench_args))
-    finally:
-        sys.path.remove(str(path.parent))
+    run_bench(args.name, args.bench_args)
     return 0
 
 

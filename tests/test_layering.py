@@ -28,12 +28,14 @@ ALLOWED = {
     "sft": {"quant", "models", "data", "evaluate", "jetrl.rl.checkpoint", "jetrl.rl.optim"},
     "plotting": set(),
     "asset_files": set(),
+    "bench_scripts": set(),
+    "tables": set(),
     # an RL run with its held-out check and plot: the RL loop plus what rl itself may not import
     "train_job": {"config", "evaluate", "plotting", "jetrl.rl.loop", "jetrl.rl.checkpoint"},
     # every registry a config field names, for the configuration reference and `jetrl config check`
     "registries": {"config", "quant", "data", "rl"},
     "cli": {"quant", "models", "parallel", "rollout", "data", "config", "rl", "evaluate", "sft", "plotting",
-            "asset_files", "train_job", "registries"},
+            "asset_files", "bench_scripts", "tables", "train_job", "registries"},
     "__main__": {"cli"},
 }
 NOT_CODE = {"__init__.py", "assets", "__pycache__"}

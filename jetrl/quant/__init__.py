@@ -1,16 +1,17 @@
 """FP8 numerics of jetrl: blockwise E4M3 quantization, FP8 GEMMs, FP8Linear and precision recipes.
 
 Imports nothing else from jetrl. The layout: the specification (:mod:`~jetrl.quant.formats`,
-:mod:`~jetrl.quant.reference`), the layer (:mod:`~jetrl.quant.linear`, :mod:`~jetrl.quant.side`, the fused
-:mod:`~jetrl.quant.norm` and :mod:`~jetrl.quant.swiglu`), the recipes (:mod:`~jetrl.quant.recipe`), and the seam
+:mod:`~jetrl.quant.reference`), the layer (the op :mod:`~jetrl.quant.linear_op`, the module
+:mod:`~jetrl.quant.linear`, :mod:`~jetrl.quant.side`, the fused :mod:`~jetrl.quant.norm` and
+:mod:`~jetrl.quant.swiglu`), the recipes (:mod:`~jetrl.quant.recipe`), and the seam
 (:mod:`jetrl.quant.backend`), which picks the PyTorch reference or the kernels for every op. The kernels and
 their tuning live one folder down, in :mod:`jetrl.quant.kernels`, imported only through the seam.
 """
 
 from jetrl.quant.backend import dequantize, fused_impl, gemm, get_backend, quantize, set_backend, use_backend
 from jetrl.quant.formats import ACT, E4M3, E4M3_MAX, TOKEN, WEIGHT, Fp8Tensor
-from jetrl.quant.linear import (FP8Linear, call_linear, fp8_input_scaling, fp8_linear, fp8_linear_group, grouped_linear,
-                                linears_shared_input)
+from jetrl.quant.linear import FP8Linear, call_linear, fp8_input_scaling, grouped_linear, linears_shared_input
+from jetrl.quant.linear_op import fp8_linear, fp8_linear_group
 from jetrl.quant.recipe import (RECIPES, PrecisionRecipe, apply_recipe, fp8_linears, fp8_weight_bytes, get_recipe,
                                 refresh_fp8_weights)
 from jetrl.quant.reference import quantize_tensor

@@ -1,20 +1,7 @@
-"""``FP8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in blockwise FP8.
-
-A linear layer ``y = x W^T`` (x: (M, K) tokens x in-features, W: (N, K)) costs three GEMMs per training
-step, and jetrl runs all three in E4M3 with fp32 block scales:
-
-* **Fprop** ``y = x @ W^T``: x quantized per (1, 128) (one scale per token per 128 in-features: outliers
-  stay local to a token), W per (128, 128) tiles. Output in the input's dtype (BF16 in training).
-* **DGrad** ``dx = dy @ W``: dy quantized per (1, 128) along N; W's (128, 128) tiles transposed (data and
-  scales, no re-quantization) give W^T's quantized form, so DGrad reads *the same* FP8 weight as Fprop.
-* **WGrad** ``dW = dy^T @ x``: the contraction runs over tokens, so both operands are grouped by 128
-  tokens: dy quantized per (128, 1), and the *FP8* input saved by Fprop re-quantized to (128, 1). The
-  BF16 input is never saved: activations live in FP8 between forward and backward. Both operands are
-  made with zero token rows up to a multiple of 128 (``whole_blocks``): the same bytes on the real tokens,
-  zeros that add nothing to dW, and a contraction of whole blocks, which the fast blockwise GEMM needs, at
-  any token count.
-
-Gradients flow between ops in BF16; the master weight stays BF16 (its gradient is in its dtype).
+"""``FP8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in blockwise FP8 (the op, taught in
+:mod:`jetrl.quant.linear_op`), and the entry points the models call it through: :func:`call_linear` (one layer,
+with a fused producer's FP8 input, :func:`fp8_input_scaling`), :func:`grouped_linear` and
+:func:`linears_shared_input` (linears that read the same input, as one stacked FP8 linear).
 
 **Unified precision flow.** Rollout and training call this same module on the same weight. Rollout
 reuses the quantized weight cached for the current weight version; training quantizes identically
@@ -35,153 +22,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetrl.quant.backend import get_backend, keeps_forward_context, selected_backend_name
+from jetrl.quant.backend import get_backend, selected_backend_name
 from jetrl.quant.exact import exact_linear
-from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Fp8Tensor
+from jetrl.quant.formats import ACT, Fp8Tensor
+from jetrl.quant.linear_op import fp8_linear_group
 from jetrl.quant.side import current_side
-
-
-def _fprop(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, pow2_scale: bool,
-           xq_data: torch.Tensor | None, xq_scale: torch.Tensor | None, exact: bool,
-           biases: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, Fp8Tensor]:
-    """Fprop: ``(y, x's 1x128 quantization)``, y = x @ W^T (+ the biases side by side) from W's FP8 form."""
-    backend = get_backend(x.device)
-    if xq_data is not None:  # x's 1x128 quantization, made by the op that produced x (a fused kernel)
-        qx = Fp8Tensor(xq_data, xq_scale, ACT)
-    else:
-        qx = backend.quantize(x, ACT, pow2_scale)
-    # exact mode: each row's sum in the same order whatever M is (the backward stays the fast one)
-    y = (backend.gemm_exact if exact else backend.gemm)(qx, Fp8Tensor(w_data, w_scale, WEIGHT), out_dtype=x.dtype)
-    if biases:
-        bias = biases[0] if len(biases) == 1 else torch.cat(biases)
-        y = backend.add_bias(y, bias)
-    return y, qx
-
-
-@keeps_forward_context  # the backward reads the kernel tuning the forward ran under, on autograd's CUDA threads too
-class _Fp8LinearFunction(torch.autograd.Function):
-    """Fprop/DGrad/WGrad in FP8; saves the FP8 input and the FP8 weight, nothing in BF16.
-
-    ``params`` are the weights of one linear, or of several linears that read the same input (q/k/v, gate/up),
-    then their biases (all or none); the FP8 weight ``w_data`` / ``w_scale`` holds them side by side along the
-    output dim, so the group runs as one linear of their summed width: one GEMM each way, one quantization of
-    grad_out, one re-quantization of the saved input. The output is (M, sum of widths); the gradients are split
-    back per weight and bias."""
-
-    @staticmethod
-    def forward(ctx, x, w_data, w_scale, pow2_scale: bool, wt_data, wt_scale, xq_data, xq_scale, exact: bool,
-                num_weights: int, *params):  # x: (M, K)
-        weights, biases = params[:num_weights], params[num_weights:]
-        y, qx = _fprop(x, w_data, w_scale, pow2_scale, xq_data, xq_scale, exact, biases)
-        # wt_data / wt_scale: W^T's FP8 form with row-major data (same values as w_data.t()), where the layer caches
-        # it with the weight (tuning.cache_weight_t; the backend's quantize_weight_pair); else None, and DGrad
-        # transposes W's tiles
-        ctx.save_for_backward(qx.data, qx.scale, w_data, w_scale, wt_data, wt_scale)
-        ctx.pow2_scale = pow2_scale
-        ctx.x_dtype = x.dtype
-        ctx.widths = [w.shape[0] for w in weights]
-        ctx.weight_dtype = weights[0].dtype  # one dtype for the group (groupable checks it)
-        ctx.bias_dtypes = [b.dtype for b in biases]
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_out):  # grad_out: (M, N)
-        x_data, x_scale, w_data, w_scale, wt_data, wt_scale = ctx.saved_tensors
-        backend = get_backend(grad_out.device)
-        grad_out = grad_out.contiguous()
-        num_weights = len(ctx.widths)
-        needs_w = any(ctx.needs_input_grad[10:10 + num_weights])
-        grad_x = None
-        grad_ws: list[torch.Tensor | None] = [None] * num_weights
-        grad_bs: list[torch.Tensor | None] = [None] * len(ctx.bias_dtypes)
-        qg = qg_tok = None
-        if ctx.needs_input_grad[0] and needs_w:
-            # one read of grad_out; the 128x1 operands of WGrad have zero rows to a multiple of 128 tokens
-            qg, qg_tok = backend.quantize_act_and_token(grad_out, ctx.pow2_scale, whole_blocks=True)
-        if ctx.needs_input_grad[0]:
-            if qg is None:
-                qg = backend.quantize(grad_out, ACT, ctx.pow2_scale)
-            grad_x = _dgrad(backend, qg, w_data, w_scale, wt_data, wt_scale, ctx.x_dtype)
-        if needs_w:
-            if qg_tok is None:
-                qg_tok = backend.quantize(grad_out, TOKEN, ctx.pow2_scale, whole_blocks=True)
-            grad_ws = list(_wgrad(backend, qg_tok, x_data, x_scale, ctx.pow2_scale, ctx.weight_dtype).split(ctx.widths))
-        if grad_bs and any(ctx.needs_input_grad[10 + num_weights:]):
-            grad_b = grad_out.sum(0, dtype=torch.float32)  # fp32 sums, no fp32 copy of grad_out
-            grad_bs = [g.to(d) for g, d in zip(grad_b.split(ctx.widths), ctx.bias_dtypes)]
-        return (grad_x, None, None, None, None, None, None, None, None, None, *grad_ws, *grad_bs)
-
-
-def _dgrad(backend, qg: Fp8Tensor, w_data, w_scale, wt_data, wt_scale, x_dtype: torch.dtype) -> torch.Tensor:
-    """DGrad: dy (1x128) @ W  ==  dy @ (W^T as 128x128 tiles)^T, (M, K)."""
-    if wt_data is not None:
-        qw_t = Fp8Tensor(wt_data, wt_scale, WEIGHT)  # (K, N), row-major data
-    else:  # W^T not cached (tuning.cache_weight_t): a transient transpose of W's FP8 tiles, the same bytes
-        qw_t = backend.transpose_weight(Fp8Tensor(w_data, w_scale, WEIGHT))
-    return backend.gemm(qg, qw_t, out_dtype=x_dtype)
-
-
-def _wgrad(backend, qg_tok: Fp8Tensor, x_data, x_scale, pow2_scale: bool, weight_dtype: torch.dtype) -> torch.Tensor:
-    """WGrad: dy^T @ x, both grouped by 128 tokens, (N, K). Both operands are quantized with zero rows up to M' (M
-    rounded up to 128; ``qg_tok`` made with ``whole_blocks``): the same bytes and scales on the M tokens, and zeros
-    add nothing to dW, so the GEMM's contraction runs over whole 128-token blocks (cuBLAS's blockwise rule) whatever
-    the micro-batch's token count."""
-    qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, pow2_scale, whole_blocks=True).t()  # (K, M')
-    return backend.gemm(qg_tok.t(), qx_tok, out_dtype=weight_dtype)  # (N, M') @ (K, M')^T
-
-
-def _tuning():
-    """The kernel tuning in force (a CPU-only module; the kernels are imported lazily, tests/test_layering.py)."""
-    from jetrl.quant.kernels.tuning import current
-
-    return current()
-
-
-def _caches_transpose() -> bool:
-    """Whether a forward should cache W^T's FP8 form with the weight: only with grad (DGrad reads it; rollout never
-    pays its memory) and where the kernel tuning asks for it (``cache_weight_t``; else each backward transposes W's
-    FP8 tiles, :meth:`~jetrl.quant.backend.Fp8Backend.transpose_weight`)."""
-    return torch.is_grad_enabled() and _tuning().cache_weight_t
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
-               pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None,
-               x_fp8: Fp8Tensor | None = None, exact: bool = False) -> torch.Tensor:
-    """``F.linear`` in FP8 for a 2-D ``x`` (M, K) given the (128, 128)-quantized ``weight``.
-
-    ``qweight_t`` optionally gives W^T's quantized form with row-major data (values equal to
-    ``qweight.t()``), which DGrad then reads instead of the transposed view. ``x_fp8`` optionally gives
-    x's 1x128 quantization (bitwise what the backend would compute from x), so x is not read again.
-    ``exact``: Fprop through the backend's batch-invariant ``gemm_exact`` (see :mod:`jetrl.quant.exact`).
-    """
-    return fp8_linear_group(x, [weight], [bias] if bias is not None else [], qweight, pow2_scale, qweight_t, x_fp8,
-                            exact)
-
-
-def fp8_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], qweight: Fp8Tensor,
-                     pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None,
-                     x_fp8: Fp8Tensor | None = None, exact: bool = False) -> torch.Tensor:
-    """The linears of ``weights`` (and ``biases``: one each, or none) on the same ``x`` (M, K), side by side:
-    (M, sum of their widths), from ``qweight``, their FP8 weights stacked along the output dim (and
-    ``qweight_t`` its transpose); gradients flow to each weight and bias. See :func:`fp8_linear`."""
-    xq_data, xq_scale = (x_fp8.data, x_fp8.scale) if x_fp8 is not None else (None, None)
-    if not torch.is_grad_enabled():  # no graph to record (rollout, scoring): Fprop alone, without autograd's cost
-        return _fprop(x, qweight.data, qweight.scale, pow2_scale, xq_data, xq_scale, exact, biases)[0]
-    wt_data, wt_scale = (qweight_t.data, qweight_t.scale) if qweight_t is not None else (None, None)
-    return _Fp8LinearFunction.apply(x, qweight.data, qweight.scale, pow2_scale, wt_data, wt_scale, xq_data, xq_scale,
-                                    bool(exact), len(weights), *weights, *biases)
-
-
-def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | None:
-    """Copy ``new`` into ``old``'s buffers when their layouts match (stable addresses), else ``new``."""
-    if old is None or new is None or old.block != new.block:
-        return new
-    for a, b in ((old.data, new.data), (old.scale, new.scale)):
-        if a.shape != b.shape or a.stride() != b.stride() or a.device != b.device or a.dtype != b.dtype:
-            return new
-    old.data.copy_(new.data)
-    old.scale.copy_(new.scale)
-    return old
+from jetrl.quant.weight_cache import (_caches_transpose, _group_cache, _group_weights, _layer_weights,
+                                      _layouts_stack, _member_weights, _WeightCache)
 
 
 class FP8Linear(nn.Linear):
@@ -379,28 +226,9 @@ class FP8Linear(nn.Linear):
         return self._cached_weights(with_transpose=True)[1]
 
     def _cached_weights(self, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-        key = self.weight_key()
-        q, q_t = self._qweight, self._qweight_t
-        if self._qweight_key == key and q is not None and (q_t is not None or not with_transpose):
-            return q, q_t  # current: every call after the first per weight version
-        stale_q = stale_t = None
-        if self._qweight_key != key:
-            stale_q, stale_t = self._qweight, self._qweight_t
-            self._qweight = self._qweight_t = None
-            self._qweight_key = key
-        backend = get_backend(self.weight.device)
-        with torch.no_grad():
-            if with_transpose and self._qweight_t is None:
-                if self._qweight is None:  # W and W^T from one read of the weight
-                    self._qweight, self._qweight_t = backend.quantize_weight_pair(self.weight_values(),
-                                                                                   self.pow2_scale)
-                else:
-                    self._qweight_t = backend.transpose_weight(self._qweight)
-            elif self._qweight is None:
-                self._qweight = backend.quantize(self.weight_values(), WEIGHT, self.pow2_scale)
-            self._qweight = _write_into(stale_q, self._qweight)
-            self._qweight_t = _write_into(stale_t, self._qweight_t)
-        return self._qweight, self._qweight_t
+        """W's FP8 form (and W^T's with ``with_transpose``) for the current weight version (the layer's cache,
+        :mod:`jetrl.quant.weight_cache`)."""
+        return _layer_weights(self, with_transpose)
 
     def forward(self, x: torch.Tensor, x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
         """``x`` (..., in_features). ``x_fp8``: x flattened to 2-D and quantized per 1x128 with this layer's
@@ -465,83 +293,11 @@ def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = No
     return module(x, x_fp8=x_fp8)
 
 
-class _WeightCache:
-    """The FP8 weights of a group of linears sharing an input, stacked along the output dim: W (sum N, K) and, once a
-    grad-enabled forward asked for it, W^T with row-major data; with the member layers (for re-quantization)."""
-
-    def __init__(self, modules: tuple[FP8Linear, ...]) -> None:
-        self.modules = modules
-        self.key: tuple | None = None
-        self.qweight: Fp8Tensor | None = None
-        self.qweight_t: Fp8Tensor | None = None
-        # whether the members' layouts stack (:func:`_layouts_stack`), for the weight keys and biases it was decided on
-        self.layout: tuple | None = None
-        self.stacks = False
-
-
-def _layouts_stack(modules: tuple[FP8Linear, ...]) -> bool:
-    """The layout half of :func:`groupable`: the same input width, dtype and device, widths of whole 128-row tiles,
-    biases on all or none."""
-    first = modules[0]
-    w0 = first.weight
-    return all(m.in_features == first.in_features and m.out_features % 128 == 0 and m.weight.dtype == w0.dtype
-               and m.weight.device == w0.device and (m.bias is None) == (first.bias is None) for m in modules)
-
-
 def groupable(modules: tuple[nn.Module, ...] | list[nn.Module]) -> bool:
     """Whether these linears can run as one stacked FP8 linear: 2 or 3 :class:`FP8Linear` running FP8 on this
     side with one scaling, the same input width, dtype and device, widths of whole 128-row weight tiles (so the
     stacked weight's tiles are the members' tiles), and biases on all or none."""
     return 2 <= len(modules) <= 3 and fp8_input_scaling(*modules) is not None and _layouts_stack(tuple(modules))
-
-
-def _group_cache(modules: tuple[FP8Linear, ...]) -> _WeightCache:
-    """The group's cache, kept by its first member under the members' ids."""
-    first = modules[0]
-    ids = tuple(id(m) for m in modules)
-    cache = first._group_caches.get(ids)
-    if cache is None:
-        cache = first._group_caches[ids] = _WeightCache(modules)
-    return cache
-
-
-def _group_weights(modules: tuple[FP8Linear, ...], with_transpose: bool,
-                   key: tuple | None = None) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """The stacked FP8 weight of ``modules`` (and its transpose with ``with_transpose``) for their current weights,
-    quantized at most once per weight version, in the same buffers across versions (stable addresses for the
-    rollout's CUDA graphs). Tiles never straddle two members (widths of whole tiles), so each member's rows are
-    bitwise that member's own quantization. ``key``: the members' weight keys, where the caller has them."""
-    first = modules[0]
-    cache = _group_cache(modules)
-    if key is None:
-        key = tuple(m.weight_key() for m in modules)
-    stale_q = stale_t = None
-    if cache.key != key:
-        stale_q, stale_t = cache.qweight, cache.qweight_t
-        cache.qweight = cache.qweight_t = None
-        cache.key = key
-    need_t = with_transpose and cache.qweight_t is None
-    if cache.qweight is None or need_t:
-        backend = get_backend(first.weight.device)
-        with torch.no_grad():
-            stacked = torch.cat([m.weight_values() for m in modules])
-            if need_t:  # W and W^T from one read (W's bytes rewritten, the same, where it was already made)
-                qweight, qweight_t = backend.quantize_weight_pair(stacked, first.pow2_scale)
-                cache.qweight_t = _write_into(stale_t, qweight_t)
-            else:
-                qweight = backend.quantize(stacked, WEIGHT, first.pow2_scale)
-            cache.qweight = _write_into(cache.qweight if cache.qweight is not None else stale_q, qweight)
-    return cache.qweight, cache.qweight_t
-
-
-def _member_weights(qweight: Fp8Tensor, modules: tuple[FP8Linear, ...]) -> list[Fp8Tensor]:
-    """Each member's rows of the stacked FP8 weight (views: whole tiles, so data and scales slice cleanly)."""
-    out, row = [], 0
-    for m in modules:
-        n = m.out_features
-        out.append(Fp8Tensor(qweight.data[row:row + n], qweight.scale[row // 128:(row + n) // 128], WEIGHT))
-        row += n
-    return out
 
 
 def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,

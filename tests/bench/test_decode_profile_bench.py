@@ -256,7 +256,7 @@ def test_command_line():
 
 
 def test_registered_as_a_benchmark():
-    from jetrl.cli import available_benches
+    from jetrl.bench_scripts import available_benches
 
     assert "decode_profile" in available_benches()
 

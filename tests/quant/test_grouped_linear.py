@@ -10,7 +10,8 @@ import torch
 from jetrl.quant import FP8Linear, grouped_linear, linears_shared_input, refresh_fp8_weights
 from jetrl.quant import reference as R
 from jetrl.quant.formats import WEIGHT
-from jetrl.quant.linear import _group_weights, _member_weights, groupable
+from jetrl.quant.linear import groupable
+from jetrl.quant.weight_cache import _group_weights, _member_weights
 
 
 def _layers(widths, k=256, bias=True, seed=0, dtype=torch.float32):

@@ -1,0 +1,140 @@
+"""The quantized-weight caches of :class:`~jetrl.quant.linear.FP8Linear`: a layer's own FP8 weight (and W^T), and
+the stacked FP8 weight of a group of layers that read the same input (q/k/v, gate/up). Each is made at most once
+per weight version and re-quantized into the same buffers when the weight moves (stable addresses for the
+rollout's CUDA graphs). The layers passed here are ``FP8Linear``s; the caches live on them (a group's on its
+first member).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from jetrl.quant.backend import get_backend
+from jetrl.quant.formats import WEIGHT, Fp8Tensor
+
+
+def _tuning():
+    """The kernel tuning in force (a CPU-only module; the kernels are imported lazily, tests/test_layering.py)."""
+    from jetrl.quant.kernels.tuning import current
+
+    return current()
+
+
+def _caches_transpose() -> bool:
+    """Whether a forward should cache W^T's FP8 form with the weight: only with grad (DGrad reads it; rollout never
+    pays its memory) and where the kernel tuning asks for it (``cache_weight_t``; else each backward transposes W's
+    FP8 tiles, :meth:`~jetrl.quant.backend.Fp8Backend.transpose_weight`)."""
+    return torch.is_grad_enabled() and _tuning().cache_weight_t
+
+
+def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | None:
+    """Copy ``new`` into ``old``'s buffers when their layouts match (stable addresses), else ``new``."""
+    if old is None or new is None or old.block != new.block:
+        return new
+    for a, b in ((old.data, new.data), (old.scale, new.scale)):
+        if a.shape != b.shape or a.stride() != b.stride() or a.device != b.device or a.dtype != b.dtype:
+            return new
+    old.data.copy_(new.data)
+    old.scale.copy_(new.scale)
+    return old
+
+
+def _layer_weights(layer: nn.Linear, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """The layer's own FP8 weight (and W^T with row-major data, with ``with_transpose``) for its current weight
+    version, quantized at most once per version, in the same buffers across versions; held by the layer
+    (``_qweight``, ``_qweight_t``, current while ``_qweight_key`` is its ``weight_key()``)."""
+    key = layer.weight_key()
+    q, q_t = layer._qweight, layer._qweight_t
+    if layer._qweight_key == key and q is not None and (q_t is not None or not with_transpose):
+        return q, q_t  # current: every call after the first per weight version
+    stale_q = stale_t = None
+    if layer._qweight_key != key:
+        stale_q, stale_t = layer._qweight, layer._qweight_t
+        layer._qweight = layer._qweight_t = None
+        layer._qweight_key = key
+    backend = get_backend(layer.weight.device)
+    with torch.no_grad():
+        if with_transpose and layer._qweight_t is None:
+            if layer._qweight is None:  # W and W^T from one read of the weight
+                layer._qweight, layer._qweight_t = backend.quantize_weight_pair(layer.weight_values(),
+                                                                               layer.pow2_scale)
+            else:
+                layer._qweight_t = backend.transpose_weight(layer._qweight)
+        elif layer._qweight is None:
+            layer._qweight = backend.quantize(layer.weight_values(), WEIGHT, layer.pow2_scale)
+        layer._qweight = _write_into(stale_q, layer._qweight)
+        layer._qweight_t = _write_into(stale_t, layer._qweight_t)
+    return layer._qweight, layer._qweight_t
+
+
+class _WeightCache:
+    """The FP8 weights of a group of linears sharing an input, stacked along the output dim: W (sum N, K) and, once a
+    grad-enabled forward asked for it, W^T with row-major data; with the member layers (for re-quantization)."""
+
+    def __init__(self, modules: tuple[nn.Linear, ...]) -> None:
+        self.modules = modules
+        self.key: tuple | None = None
+        self.qweight: Fp8Tensor | None = None
+        self.qweight_t: Fp8Tensor | None = None
+        # whether the members' layouts stack (:func:`_layouts_stack`), for the weight keys and biases it was decided on
+        self.layout: tuple | None = None
+        self.stacks = False
+
+
+def _layouts_stack(modules: tuple[nn.Linear, ...]) -> bool:
+    """The layout half of :func:`~jetrl.quant.linear.groupable`: the same input width, dtype and device, widths of
+    whole 128-row tiles, biases on all or none."""
+    first = modules[0]
+    w0 = first.weight
+    return all(m.in_features == first.in_features and m.out_features % 128 == 0 and m.weight.dtype == w0.dtype
+               and m.weight.device == w0.device and (m.bias is None) == (first.bias is None) for m in modules)
+
+
+def _group_cache(modules: tuple[nn.Linear, ...]) -> _WeightCache:
+    """The group's cache, kept by its first member under the members' ids."""
+    first = modules[0]
+    ids = tuple(id(m) for m in modules)
+    cache = first._group_caches.get(ids)
+    if cache is None:
+        cache = first._group_caches[ids] = _WeightCache(modules)
+    return cache
+
+
+def _group_weights(modules: tuple[nn.Linear, ...], with_transpose: bool,
+                   key: tuple | None = None) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """The stacked FP8 weight of ``modules`` (and its transpose with ``with_transpose``) for their current weights,
+    quantized at most once per weight version, in the same buffers across versions (stable addresses for the
+    rollout's CUDA graphs). Tiles never straddle two members (widths of whole tiles), so each member's rows are
+    bitwise that member's own quantization. ``key``: the members' weight keys, where the caller has them."""
+    first = modules[0]
+    cache = _group_cache(modules)
+    if key is None:
+        key = tuple(m.weight_key() for m in modules)
+    stale_q = stale_t = None
+    if cache.key != key:
+        stale_q, stale_t = cache.qweight, cache.qweight_t
+        cache.qweight = cache.qweight_t = None
+        cache.key = key
+    need_t = with_transpose and cache.qweight_t is None
+    if cache.qweight is None or need_t:
+        backend = get_backend(first.weight.device)
+        with torch.no_grad():
+            stacked = torch.cat([m.weight_values() for m in modules])
+            if need_t:  # W and W^T from one read (W's bytes rewritten, the same, where it was already made)
+                qweight, qweight_t = backend.quantize_weight_pair(stacked, first.pow2_scale)
+                cache.qweight_t = _write_into(stale_t, qweight_t)
+            else:
+                qweight = backend.quantize(stacked, WEIGHT, first.pow2_scale)
+            cache.qweight = _write_into(cache.qweight if cache.qweight is not None else stale_q, qweight)
+    return cache.qweight, cache.qweight_t
+
+
+def _member_weights(qweight: Fp8Tensor, modules: tuple[nn.Linear, ...]) -> list[Fp8Tensor]:
+    """Each member's rows of the stacked FP8 weight (views: whole tiles, so data and scales slice cleanly)."""
+    out, row = [], 0
+    for m in modules:
+        n = m.out_features
+        out.append(Fp8Tensor(qweight.data[row:row + n], qweight.scale[row // 128:(row + n) // 128], WEIGHT))
+        row += n
+    return out
