@@ -26,15 +26,19 @@ def available_benches() -> list[str]:
 
 def run_bench(name: str, argv: list[str]) -> None:
     """Run the script ``bench/NAME.py`` (a name of :func:`available_benches`, never a path): its ``main(argv)``,
-    with the bench folder on ``sys.path`` meanwhile (the scripts import their ``common``)."""
+    with the bench folder on ``sys.path`` meanwhile (the scripts import their ``common``). The module is registered
+    in ``sys.modules`` while it runs, as an imported one is: dataclasses with string annotations look it up there."""
     path = bench_dir() / f"{name}.py"
+    module_name = f"jetrl_bench_{name}"
     sys.path.insert(0, str(path.parent))
     try:
-        spec = importlib.util.spec_from_file_location(f"jetrl_bench_{name}", path)
+        spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
         spec.loader.exec_module(module)
         module.main(list(argv))
     finally:
+        sys.modules.pop(module_name, None)
         sys.path.remove(str(path.parent))
 
 

@@ -234,6 +234,13 @@ def test_bench_list(capsys):
     assert "fp8" in capsys.readouterr().out
 
 
+def test_bench_runs_a_script_whose_dataclasses_read_their_module(capsys):
+    """``jetrl bench rollout`` loads bench/rollout.py by path: its dataclasses (string annotations) look their module
+    up in sys.modules while the script runs."""
+    assert main(["bench", "rollout", "--tiny"]) == 0
+    assert "jet+kv8" in capsys.readouterr().out
+
+
 def test_python_m_jetrl_help(monkeypatch, capsys):
     """``python -m jetrl --help`` runs the package's ``__main__`` as ``-m`` does (runpy), in this process: a child
     would pay a cold torch import for it, and test_default_run_improves_the_policy starts ``python -m jetrl`` in a
