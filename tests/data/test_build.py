@@ -11,7 +11,8 @@ from jetrl.data import TASKS, build_prompt_dataset, get_task
 
 
 def spec(**fields) -> SimpleNamespace:
-    base = dict(path=None, format="custom", task=None, difficulty=1, num_examples=8, prompt_column=None,
+    base = dict(path=None, format="custom", task=None, difficulty=1, task_style="compact", num_examples=8,
+                prompt_column=None,
                 answer_column=None, instruction=None, system_prompt=None, reward=None, max_examples=None)
     return SimpleNamespace(**{**base, **fields})
 
@@ -22,6 +23,10 @@ def test_task_prompts_come_from_the_seed():
     expected = get_task(name, difficulty=2, seed=7).dataset(5)
     assert len(ds) == 5 and [p.text for p in ds] == [p.text for p in expected]
     assert [p.text for p in build_prompt_dataset(spec(task=name, num_examples=5), seed=8)] != [p.text for p in ds]
+    natural = build_prompt_dataset(spec(task=name, difficulty=2, task_style="natural", num_examples=5), seed=7)
+    expected = get_task(name, difficulty=2, seed=7, style="natural").dataset(5)
+    assert [p.text for p in natural] == [p.text for p in expected] and natural[0].text != ds[0].text
+    assert [p.answer for p in natural] == [p.answer for p in ds]  # the same problems, asked in English
 
 
 def test_file_with_column_template_reward_and_row_overrides(tmp_path):
