@@ -15,7 +15,9 @@ token count (so token counts are never multiples of 128), the reward pool, the m
   ``rollout.max_tokens``. The run instead stops a sample at any of ``vocab / --mean-response`` token ids
   (``rollout.stop_token_ids``): near-uniform sampling then ends a response after about ``--mean-response``
   tokens, geometrically distributed and capped at ``max_tokens``, as real responses vary. The measured lengths
-  are in the report.
+  are in the report. ``--setting`` picks the regime (:data:`SETTINGS`): ``gsm8k`` (that, the default),
+  ``to-max`` (no stops: every response runs to 1,024 tokens, as a fresh policy's often do) and ``long`` (8 prompts
+  x 8, every response 4,096 tokens: where the FP8 KV cache pays).
 * **The reward**: :func:`coin_reward`, a fixed pseudo-random 0/1 of the completion text, so advantages are not
   all zero (random weights score nothing on GSM8K).
 
@@ -138,7 +140,10 @@ def make_checkpoint(shape: dict, folder: Path, texts: list[str], tokenizer_vocab
 
 def stop_ids(vocab_size: int, mean_response: int, avoid: set[int], seed: int) -> list[int]:
     """``vocab_size / mean_response`` token ids (none of ``avoid``): under near-uniform sampling a response stops
-    at one of them after about ``mean_response`` tokens."""
+    at one of them after about ``mean_response`` tokens. ``mean_response`` 0: none (every response runs to
+    ``rollout.max_tokens``)."""
+    if mean_response == 0:
+        return []
     count = max(1, round(vocab_size / max(1, mean_response)))
     pool = [i for i in range(vocab_size) if i not in avoid]
     return sorted(random.Random(seed).sample(pool, min(count, len(pool))))
@@ -223,6 +228,13 @@ def summarize(result: dict[str, Any], skip: int = 1, steady: bool = False) -> di
 
 # ------------------------------------------------------------------------------------------------ the run
 
+# --setting: (what it is, prompts per step, rollout.max_tokens, mean response aimed at; 0: all run to max_tokens)
+SETTINGS = {
+    "gsm8k": ("responses of every length, about 300 tokens on average, capped at 1,024", 32, 1024, 300),
+    "to-max": ("every response runs to 1,024 tokens, as a fresh policy's often do", 32, 1024, 0),
+    "long": ("8 prompts x 8, every response runs to 4,096 tokens", 8, 4096, 0),
+}
+
 def build_base_config(args, folder: Path, data: Path, vocab_size: int, avoid: set[int]):
     from jetrl.config import load_config
 
@@ -232,6 +244,8 @@ def build_base_config(args, folder: Path, data: Path, vocab_size: int, avoid: se
                  f"--algorithm.max_tokens_per_micro_batch={args.micro_tokens}",
                  "--data.reward=bench.train_run:coin_reward", "--trainer.checkpoint_every=0",
                  "--trainer.seed=0", "--rollout.progress=false"]
+    if args.mean_response == 0:  # responses run to max_tokens, as a fresh policy's often do
+        overrides += ["--rollout.ignore_eos=true"]
     if args.device == "cpu":
         overrides += ["--model.dtype=float32"]
     overrides += [f"--{o.removeprefix('--')}" for o in args.set]  # last: they win
@@ -250,10 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=os.fspath(EXAMPLE), help="the run config (default: the shipped example)")
     parser.add_argument("--data", default=os.fspath(SHARED_GSM8K),
                         help="GSM8K train.jsonl (generated rows when missing)")
-    parser.add_argument("--prompts", type=int, default=32, help="data.prompts_per_step")
+    parser.add_argument("--prompts", type=int, default=None, help="data.prompts_per_step (default: the setting's)")
     parser.add_argument("--n", type=int, default=8, help="rollout.n")
-    parser.add_argument("--max-tokens", type=int, default=1024, help="rollout.max_tokens")
-    parser.add_argument("--mean-response", type=int, default=300, help="mean response length aimed at")
+    parser.add_argument("--max-tokens", type=int, default=None, help="rollout.max_tokens (default: the setting's)")
+    parser.add_argument("--setting", default="gsm8k", choices=sorted(SETTINGS),
+                        help="prompts, samples and response lengths: " + "; ".join(
+                            f"{k}: {v[0]}" for k, v in sorted(SETTINGS.items())))
+    parser.add_argument("--mean-response", type=int, default=None,
+                        help="mean response length aimed at (0: every response runs to --max-tokens)")
     parser.add_argument("--mini-batch", type=int, default=128, help="algorithm.mini_batch_size")
     parser.add_argument("--micro-tokens", type=int, default=16384, help="algorithm.max_tokens_per_micro_batch")
     parser.add_argument("--tokenizer-vocab", type=int, default=8192)
@@ -267,13 +285,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The arguments, with the ``--setting``'s prompts, ``max_tokens`` and mean response where not given."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    _, prompts, max_tokens, mean_response = SETTINGS[args.setting]
+    args.prompts = prompts if args.prompts is None else args.prompts
+    args.max_tokens = max_tokens if args.max_tokens is None else args.max_tokens
+    args.mean_response = mean_response if args.mean_response is None else args.mean_response
+    if args.mean_response < 0:
+        parser.error("--mean-response must be >= 0")
+    return args
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv, parser)
     if args.tiny:
         args.shape, args.device, args.prompts, args.n = "tiny", "cpu", 2, 2
         args.steps = 2 if args.steps is None else args.steps
-        args.max_tokens, args.mean_response, args.mini_batch, args.micro_tokens = 24, 12, 4, 1024
+        args.max_tokens, args.mini_batch, args.micro_tokens = 24, 4, 1024
+        args.mean_response = 0 if args.mean_response == 0 else 12
         args.tokenizer_vocab = 600
     args.steps = 8 if args.steps is None else args.steps
     if args.steps < 1:
@@ -307,8 +339,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results[recipe] = run_recipe(recipe, base, args.steps, root / "runs")
     report = {"benchmark": "train_run", "shape": args.shape, "layers": shape["num_hidden_layers"],
               "device": device_description(device), "torch": torch.__version__,
-              "setting": {k: getattr(args, k) for k in ("prompts", "n", "max_tokens", "mean_response", "mini_batch",
-                                                        "micro_tokens", "steps", "config", "set")},
+              "setting": {"name": args.setting, **{k: getattr(args, k) for k in (
+                  "prompts", "n", "max_tokens", "mean_response", "mini_batch", "micro_tokens", "steps", "config",
+                  "set")}},
               "data": "gsm8k" if Path(args.data).is_file() else "generated",
               "recipes": {r: {"median": summarize(res), "steady": summarize(res, steady=True),
                               "steady_steps": len(steady_steps(res["steps"])), "peak_gib": res["peak_gib"],

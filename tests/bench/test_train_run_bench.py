@@ -84,7 +84,20 @@ def test_set_overrides_every_recipe_config(tmp_path):
     """``--set`` passes config overrides through (after the benchmark's own, so they win)."""
     parser_args = ["--set", "model.checkpoint_blocks=3", "--set=--algorithm.max_tokens_per_micro_batch=4096",
                    "--set", "model.gradient_checkpointing=true"]
-    args = train_run.build_parser().parse_args(parser_args)
+    args = train_run.parse_args(parser_args)
     config = train_run.build_base_config(args, tmp_path / "ckpt", tmp_path / "data.jsonl", 1000, set())
     assert config.model.checkpoint_blocks == 3 and config.model.gradient_checkpointing
     assert config.algorithm.max_tokens_per_micro_batch == 4096  # the benchmark's own --micro-tokens default lost
+
+
+def test_responses_run_to_max_tokens_in_the_to_max_setting(tmp_path):
+    """``--setting to-max``: no stop ids and EOS ignored, so every response is ``max_tokens`` long (what a fresh
+    policy's responses often do); ``long``'s defaults are 8 prompts and 4,096 tokens."""
+    assert train_run.stop_ids(151936, 0, avoid=set(), seed=1) == []
+    report = train_run.main(["--tiny", "--setting", "to-max", "--recipes", "bf16", "--steps", "1", "--workdir",
+                             str(tmp_path), "--data", str(tmp_path / "none.jsonl")])
+    step = report["recipes"]["bf16"]["steps"][0]
+    assert step["response/num_tokens"] == 2 * 2 * 24  # prompts x n x max_tokens (the tiny sizes)
+    assert report["setting"]["name"] == "to-max" and report["setting"]["mean_response"] == 0
+    args = train_run.parse_args(["--setting", "long"])
+    assert (args.prompts, args.max_tokens, args.mean_response) == (8, 4096, 0)
