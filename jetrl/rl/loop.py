@@ -54,7 +54,7 @@ from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardPoolCon
 from jetrl.models import check_tokenizer, resolve_checkpoint, resolve_device
 from jetrl.models.config import DecoderConfig
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, init_parallel, is_sharded, load_sharded, save_sharded
-from jetrl.rl.checkpoint import (
+from jetrl.train.checkpoint import (
     checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint, remove_stale_temporaries, save_checkpoint,
 )
 from jetrl.rl.metrics import METRICS_FILE, TENSORBOARD_SUBDIR, MetricsLogger
@@ -142,7 +142,7 @@ def _size_text(num_bytes: float) -> str:
 def save_trainer_checkpoint(trainer: Trainer, root: str | Path, metrics_cursor: int | None,
                             keep_last: int | None = None, hf_format: bool = True, export_fp8: bool = False,
                             weights_only: bool = False, on_disk_full: str = "error") -> Path | None:
-    """Checkpoint everything a resume needs (see :mod:`jetrl.rl.checkpoint`); called by every rank. Returns
+    """Checkpoint everything a resume needs (see :mod:`jetrl.train.checkpoint`); called by every rank. Returns
     the checkpoint's folder, or None when it was skipped for lack of space.
 
     The model and optimizer tensors go through ``torch.distributed.checkpoint`` into ``sharded/`` (each
@@ -211,7 +211,7 @@ def resume_trainer(trainer: Trainer, root: str | Path, allow_pickle: bool = Fals
     """Restore ``trainer`` from the latest complete checkpoint under ``root`` whose files match their
     recorded SHA-256 (newer damaged ones are skipped with a warning); returns its trainer state (with
     ``metrics_cursor``), or None when there is no checkpoint. Called by every rank; the checkpoint may come
-    from any number of ranks. ``allow_pickle``: see :func:`jetrl.rl.checkpoint.load_checkpoint` (only for
+    from any number of ranks. ``allow_pickle``: see :func:`jetrl.train.checkpoint.load_checkpoint` (only for
     trusted checkpoints of older jetrl versions)."""
     path = latest_checkpoint(root, checksums=True)
     if path is None:

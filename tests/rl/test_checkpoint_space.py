@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jetrl.config import ConfigError, load_config
-from jetrl.rl.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from jetrl.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 from jetrl.rl.loop import (
     CheckpointSpaceError, CheckpointWriteError, checkpoint_size, resume_trainer, save_trainer_checkpoint,
 )
