@@ -26,8 +26,9 @@ from jetrl.config import RunConfig
 from jetrl.evaluate import EVAL_SEED, held_out_accuracy
 from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
 from jetrl.progress import Progress
+from jetrl.rl.loop import EVAL_FILE, PLOT_FILE, configure_run_threads, run
 from jetrl.train.checkpoint import latest_checkpoint
-from jetrl.rl.loop import CHECKPOINT_SUBDIR, EVAL_FILE, PLOT_FILE, configure_run_threads, run
+from jetrl.train.policy import CHECKPOINT_SUBDIR
 
 
 @dataclass

@@ -22,7 +22,7 @@ ALLOWED = {
     # tuning object; the RL stage's choice names live in the config itself (jetrl.config.choices)
     "config": {"jetrl.quant.recipe", "jetrl.quant.kernels.tuning"},
     # the training stage under rl and sft: checkpoint files and policy, the master-weight optimizer
-    "train": {"quant", "config"},
+    "train": {"quant", "models", "parallel", "config"},
     "rl": {"quant", "models", "parallel", "rollout", "data", "config", "train"},
     "evaluate": {"quant", "models", "rollout", "data", "config"},
     # sft checkpoints through the training stage's atomic, checksummed checkpoint files and trains BF16 with its

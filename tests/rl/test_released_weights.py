@@ -62,7 +62,7 @@ def test_jet_drops_the_bf16_weights_and_trains_bitwise_as_with_them(monkeypatch)
 
 
 def test_a_resumed_run_with_released_weights_is_bitwise(tmp_path):
-    from jetrl.rl.loop import resume_trainer, save_trainer_checkpoint
+    from jetrl.train.policy import resume_trainer, save_trainer_checkpoint
 
     straight = _jet()
     ref = [straight.step() for _ in range(2)]
