@@ -37,11 +37,13 @@ with its rank and aborts the process group, so the whole job exits instead of ha
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import random
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -166,9 +168,45 @@ def reward_pool_config(config: RunConfig) -> RewardPoolConfig:
 def configure_run_threads(config: RunConfig) -> int:
     """Set and return torch's CPU threads for the run: ``trainer.num_threads``, else ``OMP_NUM_THREADS`` as torch
     read it, else the default for this machine's cores beside the run's reward workers (see
-    :func:`jetrl.threads.configure_threads`). :func:`run` calls it first; so does a caller that computes with
-    the run's config before it (``jetrl train``'s evaluation before training)."""
+    :func:`jetrl.threads.configure_threads`). :func:`run_settings` calls it when a job starts."""
     return configure_threads(config.trainer.num_threads, reward_pool_config(config).num_workers)
+
+
+# the settings of the job in force in this context: (what they were made of, the thread count chosen, the kernel
+# tuning object the job's override put in force)
+_JOB_SETTINGS: contextvars.ContextVar[tuple[tuple, int, Any] | None] = contextvars.ContextVar("jetrl_run_settings",
+                                                                                             default=None)
+
+
+@contextlib.contextmanager
+def run_settings(config: RunConfig) -> Iterator[int]:
+    """The run's process settings for the enclosed block, entered once per job; yields the thread count.
+
+    Torch's CPU threads (:func:`configure_run_threads`) and the run's kernel settings (``kernels:``, through
+    :func:`jetrl.quant.kernels.tuning.override`). A job that computes with the config around :func:`run` (``jetrl
+    train``'s held-out evaluations, :func:`jetrl.train_job.train_and_evaluate`) enters it around all of that work;
+    :func:`run` enters it too, which inside a job with the same settings does nothing (no second thread setup; no
+    second override while the job's is the one in force), and alone (a script, a test, a rank of torchrun) applies
+    them."""
+    from jetrl.quant.kernels import tuning
+
+    settings = config.kernel_settings
+    key = (config.trainer.num_threads, reward_pool_config(config).num_workers, tuple(sorted(settings.items())))
+    active = _JOB_SETTINGS.get()
+    if active is not None and active[0] == key:
+        if tuning.current() is active[2]:
+            yield active[1]
+        else:  # the caller changed the kernels inside the job: the run's settings win, as they would alone
+            with tuning.override(**settings):
+                yield active[1]
+        return
+    threads = configure_run_threads(config)
+    with tuning.override(**settings) as in_force:  # the rollout's, the trainer's and the evaluations'
+        token = _JOB_SETTINGS.set((key, threads, in_force))
+        try:
+            yield threads
+        finally:
+            _JOB_SETTINGS.reset(token)
 
 
 def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
@@ -185,15 +223,13 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         raise ValueError("overrides apply to a config file; pass a path, or change the RunConfig directly")
     config.check_complete()
     resolve_device(config.model.device)  # a clear error for a device this machine lacks, before any rank starts
-    configure_run_threads(config)
-    parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
-    from jetrl.quant.kernels import tuning
-
-    try:
-        with parallel.guard(), tuning.override(**config.kernel_settings):  # the rollout's and the trainer's
-            return _run(config, parallel, on_step, require_checkpoint)
-    finally:
-        parallel.close()
+    with run_settings(config):  # threads and kernels: the caller's job's, else this run's own
+        parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
+        try:
+            with parallel.guard():
+                return _run(config, parallel, on_step, require_checkpoint)
+        finally:
+            parallel.close()
 
 
 def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, float]], None] | None,
@@ -264,5 +300,5 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     return metrics
 
 
-__all__ = ["run", "configure_run_threads", "reward_pool_config", "DatasetPrompts", "seed_everything",
+__all__ = ["run", "run_settings", "configure_run_threads", "reward_pool_config", "DatasetPrompts", "seed_everything",
            "guarded_rewards", "prepare_output_dir", "check_model", "RUN_OUTPUTS", "EVAL_FILE", "PLOT_FILE"]
