@@ -23,7 +23,7 @@ def registries() -> dict[str, Registry]:
     from jetrl.quant.recipe import RECIPES
     from jetrl.rl.advantages import ADVANTAGE_ESTIMATORS
     from jetrl.rl.losses import AGGREGATIONS, KL_ESTIMATORS
-    from jetrl.rl.optim import LR_SCHEDULES
+    from jetrl.train.optim import LR_SCHEDULES
 
     return {
         "recipe": Registry("precision recipes", "jetrl.quant.recipe.RECIPES", tuple(RECIPES)),
@@ -37,7 +37,7 @@ def registries() -> dict[str, Registry]:
                                         tuple(ADVANTAGE_ESTIMATORS)),
         "loss_aggregation": Registry("loss aggregations", "jetrl.rl.losses.AGGREGATIONS", tuple(AGGREGATIONS)),
         "kl_estimator": Registry("KL estimators", "jetrl.rl.losses.KL_ESTIMATORS", tuple(KL_ESTIMATORS)),
-        "lr_schedule": Registry("learning-rate schedules", "jetrl.rl.optim.LR_SCHEDULES", tuple(LR_SCHEDULES)),
+        "lr_schedule": Registry("learning-rate schedules", "jetrl.train.optim.LR_SCHEDULES", tuple(LR_SCHEDULES)),
         "kernel_setting": Registry("kernel settings", "jetrl.quant.kernels.tuning.KernelTuning",
                                    settable_fields(), also="each as `KEY=VALUE`, the value of the field's type"),
     }

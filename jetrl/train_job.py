@@ -5,9 +5,10 @@ problems of the run's built-in task, in the run's precision recipe, before train
 (:func:`jetrl.evaluate.held_out_accuracy`; skipped when the run resumes, whose starting weights are not the
 configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``
 with the recipe's name; the run's curves in ``<output_dir>/curves.png`` (:func:`jetrl.plotting.plot_runs`);
-and its summary rows (:func:`jetrl.plotting.summarize_run`). The run's CPU threads are set first
-(:func:`jetrl.rl.loop.configure_run_threads`), so the evaluation before training uses them too. It is a separate module because the RL stage imports neither
-the evaluation nor the plotting.
+and its summary rows (:func:`jetrl.plotting.summarize_run`). The run's process settings -- its CPU threads and
+its kernel settings (``kernels:``) -- are entered once around the whole job (:func:`jetrl.rl.loop.run_settings`),
+so both evaluations compute with them too. It is a separate module because the RL stage imports neither the
+evaluation nor the plotting.
 
 Under torchrun only rank 0 calls it, after preparing the output folder
 (:func:`jetrl.rl.loop.prepare_output_dir`); the other ranks call :func:`jetrl.rl.loop.run` with the
@@ -26,8 +27,9 @@ from jetrl.config import RunConfig
 from jetrl.evaluate import EVAL_SEED, held_out_accuracy
 from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
 from jetrl.progress import Progress
-from jetrl.rl.checkpoint import latest_checkpoint
-from jetrl.rl.loop import CHECKPOINT_SUBDIR, EVAL_FILE, PLOT_FILE, configure_run_threads, run
+from jetrl.rl.loop import EVAL_FILE, PLOT_FILE, run, run_settings
+from jetrl.train.checkpoint import latest_checkpoint
+from jetrl.train.policy import CHECKPOINT_SUBDIR
 
 
 @dataclass
@@ -81,9 +83,15 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
     ``num_eval`` > 0 needs a built-in task (``data.task``); the problems are drawn with
     :data:`jetrl.evaluate.EVAL_SEED`. ``require_checkpoint`` is :func:`jetrl.rl.loop.run`'s. ``progress``
     shows bars over the evaluations and the steps; without it each step is a ``log`` line. ``log`` also
-    announces each evaluation."""
+    announces each evaluation. The run's threads and kernel settings are in force throughout
+    (:func:`jetrl.rl.loop.run_settings`)."""
+    with run_settings(config):  # the evaluations compute with the run's threads and kernels too
+        return _train_and_evaluate(config, num_eval, require_checkpoint, progress, log)
+
+
+def _train_and_evaluate(config: RunConfig, num_eval: int, require_checkpoint: bool, progress: bool,
+                        log: Callable[[str], None]) -> TrainJobResult:
     before = None
-    configure_run_threads(config)  # the evaluations compute with the run's thread count too
     if num_eval and not config.trainer.resume:
         log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems before training ...")
         before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import exp_common as common
 from jetrl.evaluate import held_out_accuracy
 from jetrl.plotting import plot_runs
-from jetrl.rl.checkpoint import latest_checkpoint
+from jetrl.train.checkpoint import latest_checkpoint
 from jetrl.rl.loop import run
 from jetrl.rl.metrics import read_jsonl
 

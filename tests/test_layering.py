@@ -1,6 +1,6 @@
-"""Imports point one way: quant <- models <- (parallel) <- rollout <- rl, and data <- rl; every top-level
-module and package of jetrl has the set of jetrl parts it may import, checked on every import statement
-(inside functions too)."""
+"""Imports point one way: quant <- models <- (parallel) <- rollout <- rl, (parallel) <- train <- rl and sft, and
+data <- rl; every top-level module and package of jetrl has the set of jetrl parts it may import, checked on every
+import statement (inside functions too)."""
 
 import ast
 from pathlib import Path
@@ -21,19 +21,21 @@ ALLOWED = {
     # the schema checks recipes against the quant registry (read on first use) and kernel settings against the
     # tuning object; the RL stage's choice names live in the config itself (jetrl.config.choices)
     "config": {"jetrl.quant.recipe", "jetrl.quant.kernels.tuning"},
-    "rl": {"quant", "models", "parallel", "rollout", "data", "config"},
+    # the training stage under rl and sft: checkpoint files and policy, the master-weight optimizer
+    "train": {"quant", "models", "parallel", "config"},
+    "rl": {"quant", "models", "parallel", "rollout", "data", "config", "train"},
     "evaluate": {"quant", "models", "rollout", "data", "config"},
-    # sft checkpoints through the RL loop's atomic, checksummed checkpoint files and trains BF16 with its
+    # sft checkpoints through the training stage's atomic, checksummed checkpoint files and trains BF16 with its
     # master-weight AdamW
-    "sft": {"quant", "models", "data", "evaluate", "jetrl.rl.checkpoint", "jetrl.rl.optim"},
+    "sft": {"quant", "models", "data", "evaluate", "train"},
     "plotting": set(),
     "asset_files": set(),
     "bench_scripts": set(),
     "tables": set(),
     # an RL run with its held-out check and plot: the RL loop plus what rl itself may not import
-    "train_job": {"config", "evaluate", "plotting", "jetrl.rl.loop", "jetrl.rl.checkpoint"},
+    "train_job": {"config", "evaluate", "plotting", "jetrl.rl.loop", "train"},
     # every registry a config field names, for the configuration reference and `jetrl config check`
-    "registries": {"config", "quant", "data", "rl"},
+    "registries": {"config", "quant", "data", "rl", "train"},
     "cli": {"quant", "models", "parallel", "rollout", "data", "config", "rl", "evaluate", "sft", "plotting",
             "asset_files", "bench_scripts", "tables", "train_job", "registries"},
     "__main__": {"cli"},

@@ -16,7 +16,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "advantage_estimator": ("grpo", "rloo", "reinforce"),          # jetrl.rl.advantages.ADVANTAGE_ESTIMATORS
     "kl_estimator": ("k1", "k2", "k3"),                            # jetrl.rl.losses.KL_ESTIMATORS
     "loss_aggregation": ("token", "sequence", "sequence-sum-norm"),  # jetrl.rl.losses.AGGREGATIONS
-    "lr_schedule": ("constant", "cosine", "linear"),               # jetrl.rl.optim.LR_SCHEDULES
+    "lr_schedule": ("constant", "cosine", "linear"),               # jetrl.train.optim.LR_SCHEDULES
 }
 
 V = TypeVar("V")

@@ -21,7 +21,7 @@ for. So :func:`save_sharded` accepts tensors only (no pickled entries are ever w
 Both functions are collective: every rank calls them with the same folder (on a file system every rank
 sees). One process without a process group is the one-rank case. A failed write (a full disk) is a
 :class:`ShardedWriteError` on every rank, naming the ranks that failed. Atomicity (a checkpoint counts only
-when complete) is the caller's: :mod:`jetrl.rl.checkpoint` writes into a temporary folder and renames it.
+when complete) is the caller's: :mod:`jetrl.train.checkpoint` writes into a temporary folder and renames it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The RL algorithm of jetrl: advantages and losses as pure tensor functions, the trainer and the loop.
 
 ``Trainer`` and ``run`` import the models and the rollout engine, so they load lazily: the pure parts
-(advantages, losses, mismatch metrics, checkpoints) import nothing beyond torch and the config's
-choice names.
+(advantages, losses, mismatch metrics) import nothing beyond torch and the config's choice names. Checkpoints
+and the optimizer live in the training stage below (:mod:`jetrl.train`), which SFT shares.
 """
 
 from jetrl.rl.advantages import (

@@ -67,7 +67,7 @@ from jetrl.rl.losses import truncated_is_weights
 from jetrl.rl.micro_batch import micro_batch_loss, pack, packed_logprobs, stat_names
 from jetrl.rl.metrics import PhaseTimer, step_metrics
 from jetrl.rl.minibatch import mini_batch_rows
-from jetrl.rl.optim import (MasterWeightAdamW, OptimizerStepper, build_lr_scheduler, release_fp8_weights,
+from jetrl.train.optim import (MasterWeightAdamW, OptimizerStepper, build_lr_scheduler, release_fp8_weights,
                             restore_fp8_weights)
 from jetrl.rl.update_graphs import UpdateGraphs, graphs_apply
 

@@ -21,7 +21,7 @@ What a replay relies on, checked before each one (:meth:`UpdateGraphs.storage_ke
 graph, and the next micro-batches capture again):
 
 * parameters and their gradient buffers stay where they were captured. The optimizer keeps the gradient buffers
-  and zeroes them in place (:class:`~jetrl.rl.optim.MasterWeightAdamW` with ``keep_grads``), and autograd
+  and zeroes them in place (:class:`~jetrl.train.optim.MasterWeightAdamW` with ``keep_grads``), and autograd
   accumulates into them inside the graph;
 * the FP8 weight caches stay where they were captured: they are brought to the current weights in place before
   each replay (``current_fp8_tensors``);

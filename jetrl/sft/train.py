@@ -21,7 +21,7 @@ Two layouts of a step's sequences, the same loss (to fp32 rounding; a test check
   per layer is faster than the per-sequence varlen path.
 
 Precision: ``dtype="float32"`` trains fp32 parameters; ``dtype="bfloat16"`` trains BF16 parameters with
-fp32 master weights and moments (:class:`jetrl.rl.optim.MasterWeightAdamW`, the RL trainer's optimizer),
+fp32 master weights and moments (:class:`jetrl.train.optim.MasterWeightAdamW`, the RL trainer's optimizer too),
 which on CUDA runs the fused kernels of the backend seam (RMSNorm, SwiGLU, the chunked log-probabilities)
 and BF16 tensor-core GEMMs. The model stays in the ``bf16`` recipe: SFT makes the warm start every
 precision recipe of the experiments starts from.
@@ -32,7 +32,7 @@ chosen so the model is weak but not hopeless on its task, which leaves RL room t
 
 Interruptions: every ``checkpoint_every`` steps (and after the last) the weights, the optimizer state
 and the run state (step -- which is also the data position, since examples are drawn by index -- loss
-average, history) go into ``<output_dir>/checkpoints/`` through :mod:`jetrl.rl.checkpoint`'s atomic,
+average, history) go into ``<output_dir>/checkpoints/`` through :mod:`jetrl.train.checkpoint`'s atomic,
 checksummed, pickle-free checkpoints. ``run_sft(..., resume=True)`` continues from the newest complete
 one and ends with exactly the weights an uninterrupted run would have; the folder is removed once the
 final model is written (unless ``keep_checkpoints``). A fresh run into an ``output_dir`` that holds an
@@ -290,8 +290,8 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     and start from step 0. Without ``resume``, an ``output_dir`` holding checkpoints is an error."""
     from jetrl.evaluate import evaluate
     from jetrl.models import build_model, save_model
-    from jetrl.rl.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-    from jetrl.rl.optim import MasterWeightAdamW
+    from jetrl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+    from jetrl.train.optim import MasterWeightAdamW
 
     start = time.perf_counter()
     out = os.fspath(config.output_dir)

@@ -162,7 +162,8 @@ def test_choice_fields_follow_the_registries_that_own_them():
     from jetrl.config import registered_names
     from jetrl.config.choices import choice_registry
     from jetrl.quant.recipe import RECIPES
-    from jetrl.rl import advantages, losses, optim
+    from jetrl.rl import advantages, losses
+    from jetrl.train import optim
 
     registries = {"recipe": RECIPES, "advantage_estimator": advantages.ADVANTAGE_ESTIMATORS,
                   "kl_estimator": losses.KL_ESTIMATORS, "loss_aggregation": losses.AGGREGATIONS,

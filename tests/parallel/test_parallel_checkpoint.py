@@ -12,7 +12,7 @@ OVERRIDES = ["--algorithm.mini_batch_size=4", "--algorithm.micro_batch_size=2"]
 def _run(rank, root, resume, num_steps, save):
     """Optionally resume from ``root``, run ``num_steps`` steps, optionally checkpoint into ``root``."""
     from jetrl.parallel import init_parallel
-    from jetrl.rl.loop import resume_trainer, save_trainer_checkpoint
+    from jetrl.train.policy import resume_trainer, save_trainer_checkpoint
 
     trainer = make_trainer("bf16", OVERRIDES, init_parallel("cpu"))
     if resume:

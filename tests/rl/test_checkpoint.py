@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import jetrl.rl.checkpoint as ckpt_mod
-from jetrl.rl.checkpoint import (
+import jetrl.train.checkpoint as ckpt_mod
+from jetrl.train.checkpoint import (
     MARKER, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, verify_checkpoint,
 )
-from jetrl.rl.optim import MasterWeightAdamW, build_lr_scheduler
+from jetrl.train.optim import MasterWeightAdamW, build_lr_scheduler
 
 
 class TiedLM(nn.Module):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from jetrl.config import ConfigError, load_config
-from jetrl.rl.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
-from jetrl.rl.loop import (
+from jetrl.train.checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
+from jetrl.train.policy import (
     CheckpointSpaceError, CheckpointWriteError, checkpoint_size, resume_trainer, save_trainer_checkpoint,
 )
 from toy_rl import MODEL, ToyPrompts, decode, low_token_reward
@@ -109,3 +109,24 @@ def test_weights_only_checkpoints_hold_the_policy_and_are_not_resumed(tmp_path):
         resume_trainer(fresh, tmp_path)
     with pytest.raises(ConfigError, match="trainer.weights_only must be one of"):
         load_config(None, ["--trainer.weights_only=yes"])
+
+
+def test_which_steps_checkpoint_and_which_hold_the_policy_alone():
+    from jetrl.config import TrainerConfig
+    from jetrl.train.policy import checkpoint_due, weights_only_at
+
+    every3 = TrainerConfig(steps=7, checkpoint_every=3, weights_only="final")
+    assert [s for s in range(1, 8) if checkpoint_due(s, every3)] == [3, 6, 7]  # and after the last
+    assert [weights_only_at(s, every3) for s in (3, 6, 7)] == [False, False, True]
+    final_only = TrainerConfig(steps=4, checkpoint_every=0, weights_only="all")
+    assert [s for s in range(1, 5) if checkpoint_due(s, final_only)] == [4]
+    assert weights_only_at(4, final_only) and not weights_only_at(4, TrainerConfig(steps=4))
+
+
+def test_resuming_from_nothing_warns_or_fails(tmp_path):
+    from jetrl.train.policy import check_resumable
+
+    with pytest.warns(RuntimeWarning, match="nothing to resume"):
+        assert check_resumable(tmp_path, require_checkpoint=False) is False
+    with pytest.raises(FileNotFoundError, match="nothing to resume"):
+        check_resumable(tmp_path, require_checkpoint=True)

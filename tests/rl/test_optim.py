@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import jetrl.rl.optim as optim_mod
-from jetrl.rl.optim import (
+import jetrl.train.optim as optim_mod
+from jetrl.train.optim import (
     LRSchedule, MasterWeightAdamW, NonFiniteError, OptimizerStepper, build_lr_scheduler, clip_grad_norm,
 )
 

@@ -1,5 +1,5 @@
 """``jet`` holds no BF16 copy of its FP8 linears' weights: they quantize from their fp32 optimizer masters
-(:func:`jetrl.rl.optim.release_fp8_weights`). Same bits as keeping the copy: the training steps, the FP8 weights,
+(:func:`jetrl.train.optim.release_fp8_weights`). Same bits as keeping the copy: the training steps, the FP8 weights,
 the state dict and the HuggingFace export, a resumed run; the dropped storage; what is refused."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_jet_drops_the_bf16_weights_and_trains_bitwise_as_with_them(monkeypatch)
 
 
 def test_a_resumed_run_with_released_weights_is_bitwise(tmp_path):
-    from jetrl.rl.loop import resume_trainer, save_trainer_checkpoint
+    from jetrl.train.policy import resume_trainer, save_trainer_checkpoint
 
     straight = _jet()
     ref = [straight.step() for _ in range(2)]
@@ -116,7 +116,7 @@ def test_what_cannot_drop_its_weight():
 def test_a_second_trainer_on_a_released_model_starts_from_its_values():
     """A model an earlier trainer released: the next trainer restores its weights before copying or optimizing them
     (its masters start from them, as from any BF16 weight); an optimizer built on the placeholders is refused."""
-    from jetrl.rl.optim import MasterWeightAdamW, restore_fp8_weights
+    from jetrl.train.optim import MasterWeightAdamW, restore_fp8_weights
 
     first = _jet()
     first.step()

@@ -112,7 +112,7 @@ def test_jet_is_on_policy_on_the_cpu_at_smollm2_shapes():
 
 
 def test_resume_is_bitwise(tmp_path):
-    from jetrl.rl.loop import resume_trainer, save_trainer_checkpoint
+    from jetrl.train.policy import resume_trainer, save_trainer_checkpoint
 
     """2N steps straight == N steps, checkpoint, (a step that is lost), resume, N steps; N = 1 with two
     optimizer steps per RL step, so the restored Adam moments and LR schedule are exercised."""

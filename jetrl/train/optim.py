@@ -1,4 +1,4 @@
-"""The optimizer side of an RL step: AdamW on fp32 master state, clipping, LR schedule, non-finite guard.
+"""The optimizer side of a training step (RL and SFT): AdamW on fp32 master state, clipping, LR schedule, non-finite guard.
 
 **Master weights.** RL updates are tiny (learning rates around 1e-6), far below the resolution of a BF16
 weight (8 mantissa bits: a relative step of 2^-8), so applying AdamW directly to BF16 parameters would
@@ -60,7 +60,7 @@ class MasterWeightAdamW:
         if placeholders:
             raise ValueError(f"{len(placeholders)} parameters are placeholders of FP8 weights whose values live in "
                              f"another optimizer's masters (release_fp8_weights): call "
-                             f"jetrl.rl.optim.restore_fp8_weights(model) before building a new optimizer")
+                             f"jetrl.train.optim.restore_fp8_weights(model) before building a new optimizer")
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
                         for p in self.params]
         decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
