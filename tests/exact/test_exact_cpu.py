@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jetrl.config import ConfigError, load_config
-from jetrl.models import DecoderConfig, build_model, token_logprobs
+from jetrl.models import DecoderConfig, build_model
 from jetrl.models.attention import (
     PagedAttentionMetadata,
     exact_attention_reference,
@@ -21,6 +21,7 @@ from jetrl.quant.formats import WEIGHT
 from jetrl.quant.norm import rms_norm
 from jetrl.quant.swiglu import swiglu
 from jetrl.rollout import RolloutEngine, SamplingParams
+from trainer_scoring import trainer_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest (tests/conftest.py)
 
@@ -46,26 +47,8 @@ def models():
 
 
 def _score(model, prompts, completions, micro: int | None = None, kv_fp8: bool = False) -> list[torch.Tensor]:
-    """The trainer's view: packed forward (all sequences at once, or ``micro`` at a time), exact mode
-    (``kv_fp8``: over fake-quantized K/V, as the trainer runs jet with an FP8 KV cache)."""
-    out = []
-    step = micro or len(completions)
-    for s in range(0, len(completions), step):
-        group = completions[s:s + step]
-        ids, pos, cu, tg = [], [], [0], []
-        for c in group:
-            seq = prompts[c.prompt_index] + c.token_ids
-            ids += seq
-            pos += range(len(seq))
-            cu.append(cu[-1] + len(seq))
-            tg += seq[1:] + [-1]
-        with torch.no_grad():
-            lp, _ = token_logprobs(model, torch.tensor(ids), torch.tensor(pos), torch.tensor(cu), None,
-                                   torch.tensor(tg), 1.0, exact=True, kv_fp8=kv_fp8)
-        for i, c in enumerate(group):
-            start = cu[i] + len(prompts[c.prompt_index]) - 1
-            out.append(lp[start:start + len(c.token_ids)])
-    return out
+    """The trainer's view in exact mode (tests/trainer_scoring.py)."""
+    return trainer_logprobs(model, prompts, completions, micro=micro, kv_fp8=kv_fp8)
 
 
 @pytest.mark.parametrize("recipe,dtype,kv_fp8", CASES,
@@ -102,16 +85,8 @@ def test_fast_mode_is_not_exact_but_exact_mode_is(models):
     for exact in (False, True):
         engine = RolloutEngine(model, max_num_seqs=8, num_blocks=64, block_size=4, progress=False, exact=exact)
         outs = engine.generate(prompts, params)
-        ids, pos, cu, tg = [], [], [0], []
-        for c in outs:
-            seq = prompts[c.prompt_index] + c.token_ids
-            ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
-            cu.append(cu[-1] + len(seq))
-        with torch.no_grad():
-            lp, _ = token_logprobs(model, torch.tensor(ids), torch.tensor(pos), torch.tensor(cu), None,
-                                   torch.tensor(tg), 1.0, exact=exact)
-        gaps[exact] = max(float((lp[cu[i] + len(prompts[c.prompt_index]) - 1:][:len(c.token_ids)]
-                                 - torch.tensor(c.logprobs)).abs().max()) for i, c in enumerate(outs))
+        gaps[exact] = max(float((lp - torch.tensor(c.logprobs)).abs().max())
+                          for c, lp in zip(outs, trainer_logprobs(model, prompts, outs, exact=exact)))
     assert gaps[True] == 0.0 and gaps[False] > 0.0, gaps
 
 

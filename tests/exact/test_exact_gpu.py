@@ -18,10 +18,11 @@ import math
 import pytest
 import torch
 
-from jetrl.models import DecoderConfig, build_model, token_logprobs
+from jetrl.models import DecoderConfig, build_model
 from jetrl.quant import ACT, WEIGHT, quantize_tensor
 from jetrl.quant.exact import exact_fp8_gemm, exact_linear
 from jetrl.rollout import RolloutEngine, SamplingParams
+from trainer_scoring import trainer_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -251,22 +252,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 
 def _score(model, prompts, outs, micro: int, kv_fp8: bool = False) -> list[torch.Tensor]:
-    scored = []
-    for s in range(0, len(outs), micro):
-        group = outs[s:s + micro]
-        ids, pos, cu, tg = [], [], [0], []
-        for c in group:
-            seq = prompts[c.prompt_index] + c.token_ids
-            ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
-            cu.append(cu[-1] + len(seq))
-        with torch.no_grad():
-            lp, _ = token_logprobs(model, torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
-                                   torch.tensor(cu, device="cuda"), None, torch.tensor(tg, device="cuda"), 1.0,
-                                   exact=True, kv_fp8=kv_fp8)
-        for i, c in enumerate(group):
-            start = cu[i] + len(prompts[c.prompt_index]) - 1
-            scored.append(lp[start:start + len(c.token_ids)].cpu())
-    return scored
+    return trainer_logprobs(model, prompts, outs, micro=micro, kv_fp8=kv_fp8)
 
 
 ARMS = [("bf16", False), ("jet", False), ("jet", True)]  # (recipe, FP8 KV cache)

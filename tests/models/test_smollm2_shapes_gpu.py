@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetrl.models import DecoderConfig, build_model, load_model, save_model, token_logprobs
+from jetrl.models import DecoderConfig, build_model, load_model, save_model
 from jetrl.models.checkpoint import fp8_unaligned_layers
 from jetrl.quant import FP8Linear, get_backend
 from jetrl.quant import reference as R
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT
 from jetrl.rollout import RolloutEngine, SamplingParams
+from trainer_scoring import trainer_logprobs
 
 pytestmark = pytest.mark.gpu
 
@@ -49,19 +50,6 @@ def test_quantization_bitwise_and_gemms_to_output_rounding(n, k, rows):
     assert torch.isfinite(out).all() and bool(((out.double() - exact).abs() <= tol).all())
 
 
-def _score(model, prompts, outs, kv_fp8: bool) -> list[torch.Tensor]:
-    ids, pos, cu, tg = [], [], [0], []
-    for c in outs:
-        seq = prompts[c.prompt_index] + c.token_ids
-        ids, pos, tg = ids + seq, pos + list(range(len(seq))), tg + seq[1:] + [-1]
-        cu.append(cu[-1] + len(seq))
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, torch.tensor(ids, device="cuda"), torch.tensor(pos, device="cuda"),
-                               torch.tensor(cu, device="cuda"), None, torch.tensor(tg, device="cuda"), 1.0,
-                               exact=True, kv_fp8=kv_fp8)
-    return [lp[cu[i] + len(prompts[c.prompt_index]) - 1:][:len(c.token_ids)].cpu() for i, c in enumerate(outs)]
-
-
 @pytest.mark.parametrize("recipe,kv_fp8", [("bf16", False), ("jet", False), ("jet", True)],
                          ids=["bf16", "jet", "jet-kv8"])
 def test_exact_mode_engine_equals_trainer_bitwise(models, recipe, kv_fp8):
@@ -72,7 +60,7 @@ def test_exact_mode_engine_equals_trainer_bitwise(models, recipe, kv_fp8):
     prompts = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in torch.randint(1, 200, (13,), generator=g)]
     outs = engine.generate(prompts, SamplingParams(n=3, temperature=1.0, max_tokens=40, seed=5, ignore_eos=True))
     assert engine.runner.graphs is not None, "the decode step was not captured"
-    for c, lp in zip(outs, _score(model, prompts, outs, kv_fp8)):
+    for c, lp in zip(outs, trainer_logprobs(model, prompts, outs, kv_fp8=kv_fp8)):
         assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), lp), (recipe, kv_fp8)
 
 
