@@ -112,14 +112,14 @@ def plot(results: dict[str, Any], out: Path, title: str = "Experiment 2") -> lis
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (key, title, log_scale) in zip(axes.flat, HEALTH_PANELS):
+    for ax, (key, panel, log_scale) in zip(axes.flat, HEALTH_PANELS):
         for label, r in zip(labels, runs):
             points = [(rec["step"], float(rec[key])) for rec in r["records"] if key in rec]
             if points:
                 ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=label)
         if log_scale:
             common.log_scale_with_zero(ax, [float(rec[key]) for r in runs for rec in r["records"] if key in rec])
-        ax.set_title(title)
+        ax.set_title(panel)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
@@ -128,7 +128,45 @@ def plot(results: dict[str, Any], out: Path, title: str = "Experiment 2") -> lis
     paths.append(out / "exp_rl_health.png")
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
-    return paths
+    held_out = plot_held_out(runs, out / "exp_rl_held_out.png", title)
+    return paths + ([held_out] if held_out else [])
+
+
+def plot_held_out(runs: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Held-out accuracy before and after RL per arm: bars at the mean over seeds, each seed a dot; None when no
+    run measured it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        if r.get("held_out_before") is not None and r.get("held_out_after") is not None:
+            arms.setdefault(r["arm"], []).append(r)
+    if not arms:
+        return None
+    fig, ax = plt.subplots(figsize=(1.6 * len(arms) + 2, 4))
+    for i, (arm, rs) in enumerate(arms.items()):
+        for j, (key, label, color) in enumerate((("held_out_before", "before", "0.7"),
+                                                 ("held_out_after", "after RL", "C0"))):
+            values = [r[key] for r in rs]
+            x = i + (j - 0.5) * 0.38
+            ax.bar(x, _mean(values), width=0.36, color=color, label=label if i == 0 else None)
+            ax.scatter([x] * len(values), values, color="k", s=10, zorder=3)
+        steps = sorted({len(r["records"]) for r in rs})
+        span = str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+        ax.annotate(f"{len(rs)} seed{'s' if len(rs) > 1 else ''}, {span} steps", (i, 0.01), ha="center", fontsize=8)
+    ax.set_xticks(range(len(arms)), list(arms))
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(f"{title}: held-out accuracy before and after RL")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def summary_tables(results: dict[str, Any]) -> str:

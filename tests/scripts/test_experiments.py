@@ -107,7 +107,8 @@ def test_exp_rl_smoke_with_a_time_budget_and_two_seeds(common, warm_model, tmp_p
     assert exp_rl.main(["--smoke", "--model", warm_model, "--out", str(out), "--work", str(tmp_path / "w"),
                         "--arms", "bf16,tis3", "--arm", "tis3:recipe=fp8-rollout;algorithm.tis_cap=3.0",
                         "--seeds", "0,1", "--steps", "3", "--time-budget", "0", "--eval-examples", "1"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["exp_rl.json", "exp_rl_curves.png", "exp_rl_health.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["exp_rl.json", "exp_rl_curves.png", "exp_rl_health.png",
+                                                     "exp_rl_held_out.png"]
     results = json.loads((out / "exp_rl.json").read_text())
     runs = results["runs"]
     assert [(r["arm"], r["seed"]) for r in runs] == [("bf16", 0), ("tis3", 0), ("bf16", 1), ("tis3", 1)]
