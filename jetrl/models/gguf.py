@@ -70,7 +70,12 @@ def inspect_gguf(path: str | os.PathLike) -> tuple[str, dict[str, int]]:
     """The HuggingFace model_type of the GGUF file at ``path`` and its tensor types (name -> count), read from
     the header alone. Raises a ValueError for an architecture jetrl does not build or a tensor type it does
     not dequantize, before any tensor data is read."""
-    path = os.fspath(path)
+    return _inspect(os.fspath(path))[:2]
+
+
+def _inspect(path: str):
+    """:func:`inspect_gguf`'s (model_type, tensor types) and the reader, whose header the caller may read further
+    (parsing it reads the whole vocabulary: seconds for a 49K-token tokenizer, so once per conversion)."""
     reader = _reader(path)
     field = reader.fields.get("general.architecture")
     if field is None:
@@ -86,17 +91,16 @@ def inspect_gguf(path: str | os.PathLike) -> tuple[str, dict[str, int]]:
         raise ValueError(f"{path} has tensors of type {unsupported}, which jetrl does not dequantize (it reads "
                          f"{', '.join(DEQUANTIZED_TYPES)}); convert the model with another quantization type, or "
                          f"use its original HuggingFace checkpoint")
-    return ARCHITECTURES[arch], types
+    return ARCHITECTURES[arch], types, reader
 
 
 SPECIAL_TOKEN_FIELDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
                         "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
 
 
-def _set_special_tokens(tokenizer, path: str) -> None:
-    """Name the file's own BOS/EOS/UNK/PAD tokens on the tokenizer (transformers versions differ in which ones
-    their GGUF reading sets: 5.17 makes SmolLM2's BOS its EOS)."""
-    reader = _reader(path)
+def _set_special_tokens(tokenizer, reader, path: str) -> None:
+    """Name the file's own BOS/EOS/UNK/PAD tokens (read by ``reader``) on the tokenizer (transformers versions
+    differ in which ones their GGUF reading sets: 5.17 makes SmolLM2's BOS its EOS)."""
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     for attribute, key in SPECIAL_TOKEN_FIELDS.items():
         field = reader.fields.get(key)
@@ -108,7 +112,7 @@ def _set_special_tokens(tokenizer, path: str) -> None:
         setattr(tokenizer, attribute, tokens.contents(index))
 
 
-def _hf_parts(path: str):
+def _hf_parts(path: str, reader):
     """transformers' reading of the file: (config dict, tokenizer, {HF tensor name: fp32 tensor})."""
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -118,7 +122,7 @@ def _hf_parts(path: str):
     folder, name = os.path.split(os.path.abspath(path))
     hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    _set_special_tokens(tokenizer, path)
+    _set_special_tokens(tokenizer, reader, path)
     with torch.device("meta"):  # names and shapes only: transformers maps GGUF tensor names through it
         skeleton = AutoModelForCausalLM.from_config(hf_config)
     tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
@@ -150,12 +154,12 @@ def convert_gguf(path: str | os.PathLike, output: str | os.PathLike, overwrite: 
     config, with its shape, and every parameter must have one, so a file transformers reads differently is an
     error, not a silently different model."""
     path, output = os.fspath(path), os.fspath(output)
-    model_type, _ = inspect_gguf(path)
+    model_type, _, reader = _inspect(path)
     if os.path.exists(output) and not os.path.isdir(output):
         raise FileExistsError(f"the destination {output} is a file; give a folder")
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
         raise FileExistsError(f"the destination {output} is not empty; choose a new folder, or pass --overwrite")
-    hf, tokenizer, tensors = _hf_parts(path)
+    hf, tokenizer, tensors = _hf_parts(path, reader)
     config = DecoderConfig.from_hf(hf, source=path)
     if config.model_type != model_type:
         raise ValueError(f"{path}: transformers reads a {config.model_type!r} config from a {model_type!r} file")
@@ -208,7 +212,8 @@ def gguf_folder(path: str | os.PathLike) -> str:
     """The HuggingFace folder converted from the GGUF file ``path``, converted now if the cache lacks it.
     The cache key is the file's absolute path, size and modification time: a replaced file converts anew."""
     path = os.path.abspath(os.fspath(path))
-    inspect_gguf(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
     stat = os.stat(path)
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = cache_root() / f"{Path(path).stem}-{key}"
