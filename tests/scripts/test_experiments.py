@@ -211,6 +211,6 @@ def test_exp_mismatch_layers_finds_where_the_sides_part(scripts_path, tmp_path):
     assert exp_mismatch_layers.main(["--smoke", "--recipes", "jet,fp8-rollout", "--json", str(tmp_path / "l.json")]) == 0
     jet, fp8_rollout = json.loads((tmp_path / "l.json").read_text())
     assert jet["first_differing"] is None and jet["logp_abs_diff_max"] < 1e-5
-    assert len(jet["modules"]) == 9 * 4 and jet["decode_steps"] == 5
+    assert len(jet["modules"]) == 11 * 4 and jet["decode_steps"] == 5 and jet["unrecorded"] == []
     assert fp8_rollout["first_differing"] == "model.layers.0.self_attn.q_proj"
     assert fp8_rollout["logp_abs_diff_mean"] > 1e-3
