@@ -477,7 +477,8 @@ def run_case(model, shape_label: str, shape: dict, batch: int, arm: Arm, args, d
     engine = RolloutEngine(model, memory_budget=args.memory_budget if cuda else 2 ** 30, max_num_seqs=batch,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            max_model_len=args.prompt_len + args.new_tokens, progress=False,
-                           cuda_graphs=not args.no_cuda_graphs, exact=arm.exact, kv_fp8=arm.kv_fp8)
+                           cuda_graphs=not args.no_cuda_graphs, exact=arm.exact, kv_fp8=arm.kv_fp8,
+                           decode_steps=1)  # one step per launch: the probe's steps are the device's
     trace_dir = args.trace_dir or tempfile.mkdtemp(prefix="decode_profile_")
     os.makedirs(trace_dir, exist_ok=True)
     trace_path = os.path.join(trace_dir, f"{_arm_file_name(shape_label)}_b{batch}_{_arm_file_name(arm.name)}.json")

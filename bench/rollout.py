@@ -91,6 +91,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from jetrl.rollout.engine import DEFAULT_DECODE_STEPS
+
 try:  # repository root on sys.path (python -m bench.rollout, the tests)
     from bench.common import (LLAMA31_8B, QWEN2_15B, QWEN25_05B, QWEN25_7B, QWEN25_32B, TINY_LLAMA, Arm,
                               add_tuning_argument, arms_help, fast_arm_of, parse_arm_args, random_prompts,
@@ -379,7 +381,8 @@ def _run_engine(model, prompts, warmup_prompts, n, new_tokens, arm: Arm, args, d
     engine = RolloutEngine(model, memory_budget=args.memory_budget if device.type == "cuda" else 2 ** 30,
                            max_num_seqs=len(prompts) * n, max_num_batched_tokens=args.max_num_batched_tokens,
                            max_model_len=len(prompts[0]) + new_tokens, progress=args.progress,
-                           cuda_graphs=not args.no_cuda_graphs, exact=arm.exact, kv_fp8=arm.kv_fp8)
+                           cuda_graphs=not args.no_cuda_graphs, exact=arm.exact, kv_fp8=arm.kv_fp8,
+                           decode_steps=args.decode_steps)
     # a seed per prompt, as the trainer gives (jetrl.rl.trainer): the sampler's path of jetrl train
     params = [SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=i)
               for i in range(len(prompts))]
@@ -662,6 +665,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s for the roofline")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
+                        help="decode steps the engine runs per host iteration (1: the host between every step)")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 4 prompts, 8 tokens")
     parser.add_argument("--json", default=None)

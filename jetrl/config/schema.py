@@ -188,6 +188,8 @@ class RolloutConfig(_Section):
     max_tokens: int = setting(512, "new tokens per completion at most")
     stop_token_ids: tuple[int, ...] = setting((), "token ids that end a completion, besides the tokenizer's EOS")
     ignore_eos: bool = setting(False, "keep generating past EOS up to max_tokens (benchmarks)")
+    decode_steps: int = setting(8, "decode steps the GPU runs back to back per host iteration (each step's "
+                                "sampled tokens feed the next on the device); 1: the host between every step")
     progress: bool = setting(False, "show the rollout engine's own progress bar")
     memory_budget: float | None = setting(None, "KV cache size: a fraction of free GPU memory (<= 1) or bytes; "
                                           "null: the engine's default")
@@ -203,6 +205,7 @@ class RolloutConfig(_Section):
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         _at_least("rollout", "max_tokens", self.max_tokens, 1)
+        _at_least("rollout", "decode_steps", self.decode_steps, 1)
         negative = [t for t in self.stop_token_ids if t < 0]
         if negative:
             raise ConfigError(f"rollout.stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)}")

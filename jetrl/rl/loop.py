@@ -266,7 +266,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
                            max_num_seqs=min(256, config.rollout_batch_size),
                            max_model_len=config.data.max_prompt_tokens + config.rollout.max_tokens,
                            memory_budget=config.rollout.memory_budget, exact=config.exact,
-                           kv_fp8=config.kv_fp8)
+                           kv_fp8=config.kv_fp8, decode_steps=config.rollout.decode_steps)
     pool = RewardPool(reward, reward_pool_config(config))
     guard = RewardFailureGuard(stop_fraction=config.reward.stop_fraction)
     trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, guard), prompts.decode, parallel=parallel)

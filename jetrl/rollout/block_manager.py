@@ -81,13 +81,22 @@ class BlockManager:
             return 1
         return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
 
-    def prepare_append(self, seq: Sequence) -> tuple[int, int] | None:
-        """Make the slot of the token at ``seq.num_computed_tokens`` writable by ``seq`` alone.
+    def blocks_needed_to_write(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks (new or copies) that writing ``num_tokens`` tokens from ``seq.num_computed_tokens`` on takes."""
+        pos = seq.num_computed_tokens
+        fresh = max(self.blocks_for_tokens(pos + num_tokens) - len(seq.block_table), 0)
+        index = pos // self.block_size
+        shared = index < len(seq.block_table) and self.ref_counts[seq.block_table[index]] > 1
+        return fresh + shared  # only the block holding the first written slot can be shared
+
+    def prepare_append(self, seq: Sequence, position: int | None = None) -> tuple[int, int] | None:
+        """Make the slot of the token at ``position`` (default ``seq.num_computed_tokens``) writable by ``seq``
+        alone.
 
         Allocates a fresh block at a block boundary; copies a shared partial block (returns the
         ``(src, dst)`` pair the engine must copy before the write); otherwise does nothing.
         """
-        pos = seq.num_computed_tokens
+        pos = seq.num_computed_tokens if position is None else position
         index = pos // self.block_size
         if index > len(seq.block_table):
             raise RuntimeError(f"{seq}: block table has a gap at position {pos}")

@@ -35,6 +35,8 @@ from jetrl.rollout.sampling import SamplingParams
 from jetrl.rollout.scheduler import Scheduler, SchedulerOutput
 from jetrl.rollout.sequence import Completion, Sequence
 
+DEFAULT_DECODE_STEPS = 8
+
 
 class _RolloutProgress:
     """Requests done, with the output tokens/s since the start (refreshed at most twice a second)."""
@@ -89,6 +91,14 @@ class RolloutEngine:
             The engine takes it with any model and dtype (attention dequantizes to the model's dtype), BF16
             linears included: only the run config refuses ``kv_fp8`` under ``bf16``, whose rollout must stay
             the BF16 reference.
+        decode_steps: decode steps the device runs back to back per host iteration (a decode run, see
+            :mod:`jetrl.rollout.scheduler`): each step's sampled tokens are the next step's inputs on the
+            device, and the host schedules, launches and reads back once per run, so its per-step work (which
+            grows with the batch) no longer bounds small models' decoding. A run is never longer than the
+            shortest remaining ``max_tokens`` of the batch; a sample that stops inside one is computed to the
+            run's end for nothing, and a waiting prompt joins at most ``decode_steps - 1`` steps later.
+            Seeded and greedy samples are the same tokens as with 1 (up to the batch-size dependence of the
+            GEMMs' rounding, none in exact mode). 1: a host iteration per step.
 
     The KV-cache and CUDA-graph arguments configure :attr:`runner`, the
     :class:`~jetrl.rollout.model_runner.ModelRunner` that runs the model; ``last_stats`` holds the stats of
@@ -99,12 +109,13 @@ class RolloutEngine:
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, num_blocks: int | None = None, progress: bool = True,
                  cuda_graphs: bool = True, graph_batch_sizes: Seq[int] | None = None,
-                 async_scheduling: bool = True, exact: bool = False, kv_fp8: bool = False) -> None:
+                 async_scheduling: bool = True, exact: bool = False, kv_fp8: bool = False,
+                 decode_steps: int = DEFAULT_DECODE_STEPS) -> None:
         if not hasattr(model, "forward_paged") or not hasattr(model, "config"):
             raise TypeError(f"RolloutEngine needs a jetrl decoder with forward_paged and config, "
                             f"got {type(model).__name__}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)):
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("decode_steps", decode_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RolloutEngine: {name} must be a positive int, got {value!r}")
         self.model = model
@@ -124,6 +135,7 @@ class RolloutEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.progress = progress
         self.async_scheduling = bool(async_scheduling)
+        self.decode_steps = decode_steps
         self.runner = ModelRunner(model, max_model_len=self.max_model_len, block_size=block_size,
                                   max_num_seqs=max_num_seqs, memory_budget=memory_budget, num_blocks=num_blocks,
                                   cuda_graphs=cuda_graphs, graph_batch_sizes=graph_batch_sizes, exact=exact,
@@ -162,7 +174,7 @@ class RolloutEngine:
         captures, capture_seconds = runner.graph_captures, runner.graph_capture_seconds
         runner.begin(all_seqs)
         progress = _RolloutProgress(len(all_seqs), self.progress)
-        num_steps = num_decode_steps = num_generated = decode_tokens = 0
+        num_steps = num_decode_steps = num_decode_launches = num_generated = decode_tokens = 0
         step_seconds = [0.0, 0.0]  # prefill, decode
         wait_seconds = 0.0  # the host waiting for the device
         start = time.perf_counter()
@@ -173,8 +185,8 @@ class RolloutEngine:
             nonlocal num_generated, decode_tokens, last_finish, wait_seconds
             tokens, logprobs = runner.collect(step.launched)
             wait_seconds += step.launched.wait_seconds
-            finished = scheduler.resolve(step.rows, tokens, logprobs, self._stop_string_hit) + step.finished
-            n = sum(1 for r in step.rows if r is not None)
+            finished, n = scheduler.resolve(step.rows, tokens, logprobs, self._stop_string_hit, step.out.steps)
+            finished += step.finished
             num_generated += n
             decode_tokens += n if step.out.is_decode else 0
             now = time.perf_counter()  # steps overlap when asynchronous: count each span once
@@ -184,7 +196,7 @@ class RolloutEngine:
 
         try:
             while scheduler.has_unfinished:
-                out = scheduler.schedule()
+                out = scheduler.schedule(self.decode_steps)
                 if not out.chunks:
                     if in_flight is not None:  # what the scheduler waits for may be freed by the last step
                         finish(in_flight)
@@ -197,7 +209,8 @@ class RolloutEngine:
                     finish(in_flight)
                 rows, finished = scheduler.advance(out)
                 num_steps += 1
-                num_decode_steps += out.is_decode
+                num_decode_steps += out.steps if out.is_decode else 0
+                num_decode_launches += out.is_decode
                 in_flight = _InFlight(out, step_start, launched, rows, finished)
                 if not self.async_scheduling:
                     finish(in_flight)
@@ -208,6 +221,7 @@ class RolloutEngine:
             progress.close()
         elapsed = time.perf_counter() - start
         self.last_stats = dict(seconds=elapsed, steps=num_steps, decode_steps=num_decode_steps,
+                               decode_launches=num_decode_launches,  # host iterations of decoding
                                generated_tokens=num_generated, tokens_per_s=num_generated / max(elapsed, 1e-9),
                                preemptions=scheduler.num_preemptions, num_blocks=num_blocks,
                                kv_capacity_tokens=num_blocks * self.block_size,

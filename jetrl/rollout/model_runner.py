@@ -17,7 +17,9 @@ cache is its ``kv_fp8`` flag: E4M3 pools plus fp32 scale pools, see :mod:`jetrl.
   depend on changed (see **CUDA graphs** below), and start a host mirror of the sequences' block tables.
 - ``launch(out, prev) -> LaunchedStep`` -- queue one :class:`~jetrl.rollout.scheduler.SchedulerOutput`
   (block copies, inputs, forward, sampling, the copy of the sampled tokens to the host) without waiting for
-  the device. Decode inputs that are still placeholders (sampled by ``prev``, the step launched before and
+  the device; a decode run's ``out.steps`` forwards and samplings back to back, each step's inputs made on
+  the device from the step before (sampled tokens; positions, context lengths and KV slots one further,
+  within the blocks the scheduler made writable for the whole run). Decode inputs that are still placeholders (sampled by ``prev``, the step launched before and
   not yet collected) are read from ``prev``'s sampled tokens on the device.
 - ``collect(step) -> (tokens, logprobs)`` -- wait for a launched step; its sampled tokens and
   log-probabilities on the host, one per sampled row in chunk order (empty when it sampled nothing).
@@ -432,19 +434,28 @@ class ModelRunner:
         # forward on the GPU without the host waiting in between
         batch = self._sampling_batch(sampled, out_pos, out_pos_t) if sample_rows else None
         graphs = self._graphs_for(n_rows) if out.is_decode else None
-        if graphs is not None:
-            logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
-        else:
-            meta = PagedAttentionMetadata(
-                query_start_loc=qsl_t.to(torch.int32), context_lens=ctx_t, block_tables=table_t, slot_mapping=slots_t,
-                max_query_len=max(c.num_tokens for c in out.chunks), max_context_len=max(ctx))
-            rows = None if out.is_decode else rows_t
-            logits = self._forward(ids_t, pos_t, meta, rows)
-            if batch is None:  # prefill chunks that end mid-prompt: nothing to sample this step
-                return step
-        tokens, logprobs = sample(logits, batch, exact=self.exact)
+        qsl_t = qsl_t.to(torch.int32)
+        tokens_run, logprobs_run = [], []
+        for j in range(out.steps):  # a decode run: each step's sampled tokens are the next one's inputs
+            if j:
+                ids_t, pos_t, ctx_t = tokens, pos_t + 1, ctx_t + 1
+                slots_t = table_t.gather(1, (pos_t // bs)[:, None]).squeeze(1) * bs + pos_t % bs
+                batch = dataclasses.replace(batch, position=batch.position + 1)
+            if graphs is not None:
+                logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
+            else:
+                meta = PagedAttentionMetadata(
+                    query_start_loc=qsl_t, context_lens=ctx_t, block_tables=table_t, slot_mapping=slots_t,
+                    max_query_len=max(c.num_tokens for c in out.chunks), max_context_len=max(ctx) + j)
+                rows = None if out.is_decode else rows_t
+                logits = self._forward(ids_t, pos_t, meta, rows)
+                if batch is None:  # prefill chunks that end mid-prompt: nothing to sample this step
+                    return step
+            tokens, logprobs = sample(logits, batch, exact=self.exact)
+            tokens_run.append(tokens)
+            logprobs_run.append(logprobs)
         step.tokens = tokens
-        packed = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        packed = torch.stack([torch.stack(tokens_run).to(torch.float64), torch.stack(logprobs_run).to(torch.float64)])
         if dev.type == "cuda":  # one D2H copy into pinned memory, waited for in collect
             step.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             step.host.copy_(packed, non_blocking=True)
@@ -466,14 +477,15 @@ class ModelRunner:
         return dataclasses.replace(cached[1], position=out_pos_t)
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
-        """The step's sampled tokens and log-probabilities on the host (waits for the step)."""
+        """The step's sampled tokens and log-probabilities on the host (waits for the step); a decode run's
+        step-major (row i's token of step j at ``j * rows + i``)."""
         if step.host is None:
             return [], []
         wait_start = time.perf_counter()
         if step.done is not None:
             step.done.synchronize()
         step.wait_seconds = time.perf_counter() - wait_start
-        return [int(t) for t in step.host[0].tolist()], step.host[1].tolist()
+        return [int(t) for t in step.host[0].reshape(-1).tolist()], step.host[1].reshape(-1).tolist()
 
 
 __all__ = ["ModelRunner", "LaunchedStep"]

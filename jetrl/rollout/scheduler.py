@@ -10,6 +10,15 @@ in total; a prompt longer than that is split over several steps: chunked prefill
 (one new token for every running sequence, the shape CUDA graphs capture). Prefill has priority: a
 waiting entry joins as soon as it fits (continuous batching), which keeps the decode batch full.
 
+**Decode runs.** ``schedule(decode_steps=k)`` may make a decode step a *run* of up to ``k`` steps
+(``SchedulerOutput.steps``) that the device takes without the host in between: each step's sampled tokens
+are the next step's inputs on the device. A run is as long as every running sequence can go without reaching
+its length limit (so none finishes by length inside it) and as the free blocks allow: the blocks of all its
+steps are made writable up front (fresh blocks, copy-on-write of a shared tail). A sequence that a stop token
+or stop string ends inside a run keeps the tokens up to the stop; the rest of its run is computed for nothing
+and dropped (:meth:`Scheduler.resolve`). When not even the blocks for a run of 2 are free, the step is a single
+decode step, which preempts as usual.
+
 When a decode step needs a block and none is free, the newest running entry is **preempted by
 recomputation**: its blocks are freed, it goes back to the front of the waiting queue keeping its
 generated tokens, and later re-prefills them. Nothing is ever truncated; a sequence that cannot fit in
@@ -39,14 +48,16 @@ class ScheduledChunk:
     seqs: list[Sequence]
     start: int
     end: int
+    # fixed when scheduled: a stop found inside the run before (resolved after this step was queued) may
+    # shorten the sequence, and the step still samples the row it was launched with
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == len(self.seqs[0])
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
-
-    @property
-    def samples(self) -> bool:
-        return self.end == len(self.seqs[0])
 
 
 @dataclass
@@ -54,6 +65,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     is_decode: bool
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy before the step
+    steps: int = 1  # decode steps the device runs back to back (a decode run; see the module doc)
 
     @property
     def num_tokens(self) -> int:
@@ -110,11 +122,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, decode_steps: int = 1) -> SchedulerOutput:
+        """The next step: prefill chunks if any can run, else a decode step, or a run of up to
+        ``decode_steps`` decode steps (see the module doc)."""
         out = self._schedule_prefill()
         if out.chunks:
             return out
-        return self._schedule_decode()
+        steps = self._run_length(decode_steps)
+        return self._schedule_run(steps) if steps > 1 else self._schedule_decode()
 
     def _schedule_prefill(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -162,6 +177,33 @@ class Scheduler:
         partial = len(seq) % self.blocks.block_size != 0 and len(entry) > 1  # copy-on-write of the shared tail
         return len(entry) * (max(final_blocks - held, 0) + partial)
 
+    def _run_length(self, limit: int) -> int:
+        """Decode steps (at most ``limit``) every running sequence can take before its length limit, and whose
+        blocks are free."""
+        steps = limit
+        for entry in self.running:
+            seq = entry[0]
+            steps = min(steps, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
+            if steps <= 1:
+                return 1
+        free = self.blocks.num_free_blocks
+        while steps > 1 and sum(self.blocks.blocks_needed_to_write(e[0], steps) for e in self.running) > free:
+            steps -= 1  # a shorter run whose blocks are free
+        return steps
+
+    def _schedule_run(self, steps: int) -> SchedulerOutput:
+        chunks: list[ScheduledChunk] = []
+        copies: list[tuple[int, int]] = []
+        for entry in self.running:
+            seq = entry[0]
+            start = seq.num_computed_tokens
+            for position in range(start, start + steps):
+                pair = self.blocks.prepare_append(seq, position)
+                if pair is not None:
+                    copies.append(pair)
+            chunks.append(ScheduledChunk(entry, start, start + 1))
+        return SchedulerOutput(chunks, is_decode=True, copies=copies, steps=steps)
+
     def _schedule_decode(self) -> SchedulerOutput:
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
@@ -207,15 +249,17 @@ class Scheduler:
     # ``postprocess`` is both at once (the synchronous engine loop).
 
     def advance(self, out: SchedulerOutput) -> tuple[list[Sequence | None], list[Sequence]]:
-        """Placeholders for the step's sampled tokens; returns (one entry per sampled row, in chunk order:
-        the sequence, or None for a sequence that had already finished; the sequences finished by length)."""
+        """Placeholders for the step's sampled tokens (``out.steps`` per sequence); returns (one entry per
+        sampled row, in chunk order: the sequence, or None for a sequence that had already finished; the
+        sequences finished by length)."""
         rows: list[Sequence | None] = []
         finished: list[Sequence] = []
         replaced: dict[int, list[list[Sequence]]] = {}
+        extra = out.steps - 1  # a run computes its sampled tokens but the last as well
         for chunk in out.chunks:
             for seq in chunk.seqs:
                 if not seq.is_finished:
-                    seq.num_computed_tokens = chunk.end
+                    seq.num_computed_tokens = chunk.end + extra
             if not chunk.samples:
                 continue
             survivors: list[list[Sequence]] = []
@@ -223,7 +267,8 @@ class Scheduler:
                 if seq.is_finished:  # stopped at the previous step, after this one was queued
                     rows.append(None)
                     continue
-                seq.append(PLACEHOLDER, float("nan"))
+                for _ in range(out.steps):
+                    seq.append(PLACEHOLDER, float("nan"))
                 rows.append(seq)
                 if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
                     self._finish(seq, "length")
@@ -237,19 +282,31 @@ class Scheduler:
         return rows, finished
 
     def resolve(self, rows: list[Sequence | None], tokens: list[int], logprobs: list[float],
-                is_stopped: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
-        """Write the sampled tokens over the placeholders of :meth:`advance` (``rows``) and retire the
-        sequences a stop token or stop string ends; returns them."""
-        if len(rows) != len(tokens) or len(tokens) != len(logprobs):
-            raise RuntimeError(f"scheduler expected {len(rows)} sampled tokens, got {len(tokens)}")
+                is_stopped: Callable[[Sequence], bool] | None = None, steps: int = 1) -> tuple[list[Sequence], int]:
+        """Write the sampled tokens over the placeholders of :meth:`advance` (``rows``; ``steps`` tokens per
+        row, step-major: row i's token of step j is ``tokens[j * len(rows) + i]``) and retire the sequences a
+        stop token or stop string ends, keeping their tokens up to the stop; returns them and the number of
+        tokens kept."""
+        if len(rows) * steps != len(tokens) or len(tokens) != len(logprobs):
+            raise RuntimeError(f"scheduler expected {len(rows) * steps} sampled tokens, got {len(tokens)}")
         finished: list[Sequence] = []
-        for seq, token, logprob in zip(rows, tokens, logprobs):
+        kept = 0
+        width = len(rows)
+        for i, seq in enumerate(rows):
             if seq is None:
                 continue
-            index = self._placeholder_index(seq)
-            seq.token_ids[index] = token
-            seq.logprobs[index - seq.num_prompt_tokens] = logprob
-            stopped = token in seq.stop_ids or (is_stopped is not None and bool(seq.params.stop) and is_stopped(seq))
+            index = self._placeholder_index(seq, steps)
+            del seq.token_ids[index:]  # appended back one by one: a stop string sees the output up to its token
+            del seq.logprobs[index - seq.num_prompt_tokens:]
+            stopped = False
+            for j in range(steps):
+                token = tokens[j * width + i]
+                seq.append(token, logprobs[j * width + i])
+                kept += 1
+                stopped = token in seq.stop_ids or (is_stopped is not None and bool(seq.params.stop)
+                                                    and is_stopped(seq))
+                if stopped:
+                    break
             if not stopped:
                 continue
             if seq.is_finished:  # also at its length limit: a stop says more
@@ -260,21 +317,22 @@ class Scheduler:
                 self.waiting = deque(e for e in self.waiting if seq not in e)
             self._finish(seq, "stop")
             finished.append(seq)
-        return finished
+        return finished, kept
 
     def postprocess(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float],
                     is_stopped: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
-        """Record the step's sampled tokens (one per sampled sequence, in chunk order) and retire the
-        finished sequences; returns them. ``is_stopped`` adds stop-string checks."""
+        """Record the step's sampled tokens (``out.steps`` per sampled sequence, step-major, in chunk order) and
+        retire the finished sequences; returns them. ``is_stopped`` adds stop-string checks."""
         rows, finished = self.advance(out)
-        return finished + self.resolve(rows, tokens, logprobs, is_stopped)
+        return finished + self.resolve(rows, tokens, logprobs, is_stopped, out.steps)[0]
 
     @staticmethod
-    def _placeholder_index(seq: Sequence) -> int:
-        # the only unresolved token of a sequence is its newest: resolve() runs before the next advance()
-        index = len(seq.token_ids) - 1
-        if seq.token_ids[index] != PLACEHOLDER:
-            raise RuntimeError(f"{seq!r}: no sampled token is pending (scheduler bug)")
+    def _placeholder_index(seq: Sequence, steps: int) -> int:
+        # a sequence's only unresolved tokens are its newest step's (or run's): resolve() runs before the next
+        # advance()
+        index = len(seq.token_ids) - steps
+        if index < seq.num_prompt_tokens or any(t != PLACEHOLDER for t in seq.token_ids[index:]):
+            raise RuntimeError(f"{seq!r}: no {steps} sampled tokens are pending (scheduler bug)")
         return index
 
     def _finish(self, seq: Sequence, reason: str) -> None:

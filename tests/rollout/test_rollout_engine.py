@@ -250,3 +250,46 @@ def test_async_scheduling_equals_synchronous(models, recipe):
         assert stats["generated_tokens"] == sum(len(c.token_ids) for c in asyn)
         if kw:
             assert stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_decode_runs_equal_single_steps(models, recipe):
+    """Several decode steps per host iteration (each step's inputs made on the device from the step before)
+    give the completions of one step per iteration: seeded, greedy and top-k/top-p samples, stops by token,
+    string and length inside runs, prefix sharing, chunked prefill, preemption in a small pool, prompts
+    joining as others finish, synchronous and asynchronous; and far fewer host iterations."""
+    model = models[recipe]
+    probe = _engine(model, decode_steps=1).generate(PROMPTS, SamplingParams(n=2, temperature=1.0, seed=3,
+                                                                            max_tokens=12, ignore_eos=True))
+    stop_ids = (probe[0].token_ids[2], probe[5].token_ids[6])
+    stop_str = _LetterTokenizer().decode(probe[3].token_ids[4:6])
+    params = [SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, stop_token_ids=stop_ids),
+              SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=19, ignore_eos=True, top_k=20, top_p=0.9),
+              SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, stop=(stop_str,), ignore_eos=True),
+              SamplingParams(n=1, temperature=0.0, max_tokens=4)]
+    for kw in (dict(), dict(num_blocks=10, max_num_seqs=5, max_num_batched_tokens=8)):
+        for asyn in (False, True):
+            runs, stats = {}, {}
+            for steps in (1, 3, 8):
+                engine = _engine(model, tokenizer=_LetterTokenizer(), async_scheduling=asyn, decode_steps=steps,
+                                 **kw)
+                runs[steps] = engine.generate(PROMPTS, params)
+                stats[steps] = engine.last_stats
+            for steps in (3, 8):
+                got, ref = runs[steps], runs[1]
+                assert [c.token_ids for c in got] == [c.token_ids for c in ref], (kw, asyn, steps)
+                assert [c.finish_reason for c in got] == [c.finish_reason for c in ref]
+                for a, b in zip(got, ref):
+                    assert all(t >= 0 for t in a.token_ids) and len(a.logprobs) == len(a.token_ids)
+                    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0,
+                                               atol=2e-5)
+                assert stats[steps]["generated_tokens"] == sum(len(c.token_ids) for c in got)
+                assert stats[steps]["decode_launches"] < stats[1]["decode_launches"]
+            assert stats[1]["decode_launches"] == stats[1]["decode_steps"]
+            assert {c.finish_reason for c in runs[1]} == {"stop", "length"}
+            if kw:
+                assert stats[8]["preemptions"] > 0
+    long = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=40, ignore_eos=True)
+    engine = _engine(model, decode_steps=8)
+    engine.generate(PROMPTS[:2], long)
+    assert engine.last_stats["decode_launches"] <= engine.last_stats["decode_steps"] / 6

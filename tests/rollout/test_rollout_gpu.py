@@ -90,3 +90,47 @@ def test_decode_graphs_are_captured_on_first_use_and_kept():
     moved = engine.generate(prompts, params)
     assert engine.last_stats["graph_captures"] == 1
     assert [c.token_ids for c in moved] == [c.token_ids for c in first]
+
+
+@pytest.mark.parametrize("recipe,kv_fp8,exact", [("bf16", False, False), ("jet", False, False),
+                                                 ("jet", True, False), ("jet", False, True), ("jet", True, True)],
+                         ids=["bf16", "jet", "jet-kv8", "jet-exact", "jet-kv8-exact"])
+def test_decode_runs_equal_single_steps_with_graphs(recipe, kv_fp8, exact):
+    """Runs of 8 decode steps per host iteration (CUDA graphs; each step's inputs made on the device) against one
+    step per iteration. Where every row runs to max_tokens the batches are the same, so the completions are
+    bitwise the same; with stop tokens mid-run a run keeps stopped rows in its batch (another graph size, another
+    GEMM rounding), so fast mode agrees on the tokens up to the first difference and exact mode (no batch
+    dependence) bitwise. Seeded, greedy and top-k/top-p samples; GQA 6 at head_dim 128."""
+    config = DecoderConfig(model_type="qwen2", vocab_size=1000, hidden_size=768, intermediate_size=1024,
+                           num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=1, head_dim=128,
+                           max_position_embeddings=512, eos_token_id=0)
+    model = build_model(config, dtype=torch.bfloat16, device="cuda", recipe=recipe, seed=0)
+    prompts = [[(7 * i + j) % 900 + 1 for j in range(3 + 5 * i)] for i in range(13)]
+    plain = [SamplingParams(n=3, temperature=0.9, seed=i, max_tokens=37, ignore_eos=True) for i in range(12)] + \
+        [SamplingParams(n=1, temperature=0.0, max_tokens=37, ignore_eos=True)]
+    probe = RolloutEngine(model, max_num_seqs=64, progress=False, max_model_len=256, kv_fp8=kv_fp8, exact=exact,
+                          decode_steps=1).generate(prompts, plain)
+    stops = tuple({c.token_ids[k] for c, k in zip(probe, range(3, 40, 3))})
+    stopping = [SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=30 + i, stop_token_ids=stops,
+                               top_k=50 if i % 2 else -1, top_p=0.95 if i % 3 else 1.0) for i in range(13)]
+    for params, bitwise in ((plain, True), (stopping, exact)):
+        runs = {}
+        for steps in (1, 8):
+            engine = RolloutEngine(model, max_num_seqs=64, progress=False, max_model_len=256, kv_fp8=kv_fp8,
+                                   exact=exact, decode_steps=steps)
+            runs[steps] = engine.generate(prompts, params)
+            assert engine.runner.graphs is not None and engine.runner.graphs.graphs
+            if steps == 8:
+                assert engine.last_stats["decode_launches"] * 3 < engine.last_stats["decode_steps"]
+        for a, b in zip(runs[8], runs[1]):
+            assert all(t >= 0 for t in a.token_ids)
+            if bitwise:
+                assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.finish_reason == b.finish_reason
+            else:
+                common = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t),
+                              min(len(a.token_ids), len(b.token_ids)))
+                assert common >= 1 and max(abs(p - q) for p, q in zip(a.logprobs[:common], b.logprobs[:common])) < 5e-2
+        if not bitwise:
+            assert sum(a.token_ids == b.token_ids for a, b in zip(runs[8], runs[1])) >= len(runs[1]) // 2
+        reasons = {c.finish_reason for c in runs[1]}
+        assert reasons == {"length"} if params is plain else "stop" in reasons

@@ -50,7 +50,9 @@ def test_block_manager_sharing_and_copy_on_write():
 class _SimulatedRun:
     """Runs a scheduler to completion with a fake sampler (next token = f(history)) and a slot store."""
 
-    def __init__(self, num_blocks, block_size, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128):
+    def __init__(self, num_blocks, block_size, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                 decode_steps=1):
+        self.decode_steps = decode_steps
         self.bm = BlockManager(num_blocks, block_size)
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                max_model_len=max_model_len)
@@ -58,17 +60,20 @@ class _SimulatedRun:
         self.steps = {"prefill": 0, "decode": 0}
 
     @staticmethod
-    def next_token(seq):  # depends on the whole history, like a model would
-        return (sum((i + 1) * t for i, t in enumerate(seq.token_ids)) * 31 + seq.sample_index) % 97
+    def next_token(seq, history=None):  # depends on the whole history, like a model would
+        history = seq.token_ids if history is None else history
+        return (sum((i + 1) * t for i, t in enumerate(history)) * 31 + seq.sample_index) % 97
 
     def run(self, groups):
         for g in groups:
             self.sched.add(g)
         finished = []
         while self.sched.has_unfinished:
-            out = self.sched.schedule()
+            out = self.sched.schedule(self.decode_steps)
             assert out.chunks, "empty step with work pending"
+            assert out.steps == 1 or (out.is_decode and out.steps <= self.decode_steps)
             self.steps["decode" if out.is_decode else "prefill"] += 1
+            self.steps["runs"] = self.steps.get("runs", 0) + (out.steps > 1)
             if out.is_decode:
                 assert all(c.num_tokens == 1 for c in out.chunks)
             assert out.num_tokens <= max(self.sched.max_num_batched_tokens, len(out.chunks))
@@ -86,6 +91,15 @@ class _SimulatedRun:
                     for p in range(chunk.end):
                         assert self.store[self.bm.slot(s, p)] == s.token_ids[p], (s, p)
             tokens = [self.next_token(s) for c in out.chunks if c.samples for s in c.seqs]
+            if out.steps > 1:  # a decode run: the device writes each step's input and samples the next
+                histories = [list(c.seqs[0].token_ids) for c in out.chunks]
+                tokens = []
+                for _ in range(out.steps):
+                    for c, history in zip(out.chunks, histories):
+                        leader = c.seqs[0]
+                        self.store[self.bm.slot(leader, len(history) - 1)] = history[-1]
+                        history.append(self.next_token(leader, history))
+                        tokens.append(history[-1])
             finished += self.sched.postprocess(out, tokens, [0.0] * len(tokens))
             for entry in self.sched.running:  # cached prefixes stay intact across steps
                 for s in entry:
@@ -137,8 +151,8 @@ def test_chunked_prefill_and_seq_limit():
     sched = run.sched
     orig = sched.schedule
 
-    def checked():
-        out = orig()
+    def checked(*args):
+        out = orig(*args)
         assert sum(len(e) for e in sched.running) <= 4
         return out
 
@@ -222,3 +236,53 @@ def test_block_table_mirror_follows_every_kind_of_table_change():
             bm.allocate_shared([s], max(s.num_computed_tokens, 1))
         check(rng.sample(seqs, rng.randint(1, len(seqs))))
     check(seqs)
+
+
+@pytest.mark.parametrize("steps", [2, 3, 8])
+def test_decode_runs_give_the_same_tokens_in_every_setting(steps):
+    """Runs of several decode steps (blocks made writable for the whole run up front, copy-on-write of the
+    shared prompt tail included) give the step-by-step scheduler's tokens: a large pool, a tiny pool that
+    preempts (runs fall back to single steps when their blocks are not free), a sequence limit with chunked
+    prefill (prompts join between runs), stop tokens inside runs, and the context limit."""
+    for kw, max_tokens in ((dict(num_blocks=200), 9), (dict(num_blocks=10), 9),
+                           (dict(num_blocks=200, max_num_seqs=4, max_num_batched_tokens=7), 13)):
+        reference = _outputs(_SimulatedRun(block_size=4, **kw).run(_groups(PROMPTS, n=3, max_tokens=max_tokens)))
+        run = _SimulatedRun(block_size=4, decode_steps=steps, **kw)
+        assert _outputs(run.run(_groups(PROMPTS, n=3, max_tokens=max_tokens))) == reference, kw
+        assert run.steps["runs"] > 0
+        if kw["num_blocks"] == 10:
+            assert run.sched.num_preemptions > 0
+    stop = frozenset({SimStop.token})
+    for at in range(6):  # a stop at every offset of a run
+        run = _SimulatedRun(num_blocks=50, block_size=4, max_model_len=40, decode_steps=steps)
+        def next_token(seq, history=None, at=at):
+            length = len(seq.token_ids if history is None else history)
+            return SimStop.token if length - 3 == at + 2 else 10 + length
+        run.next_token = next_token
+        (seq,) = run.run(_groups([[3, 4, 5]], n=1, max_tokens=50, stop_ids=stop))
+        assert seq.output_ids == [13 + i for i in range(at + 2)] + [SimStop.token] and seq.finish_reason == "stop"
+    run = _SimulatedRun(num_blocks=50, block_size=4, max_model_len=12, decode_steps=steps)
+    (seq,) = run.run(_groups([[3, 4, 5]], n=1, max_tokens=50))
+    assert len(seq) == 12 and seq.finish_reason == "length"
+
+
+def test_a_run_is_as_long_as_the_shortest_remaining_budget_and_the_free_blocks_allow():
+    bm = BlockManager(num_blocks=9, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    a, b = _seq(0, [1] * 6, max_tokens=20), _seq(1, [2] * 3, max_tokens=5)
+    for s in (a, b):
+        sched.add([s])
+    out = sched.schedule(8)  # the prefill of both
+    sched.postprocess(out, [7, 7], [0.0, 0.0])
+    out = sched.schedule(8)
+    assert out.is_decode and out.steps == 4  # b may sample 4 more tokens
+    assert [len(s.block_table) for s in (a, b)] == [3, 2]  # a writes positions 6..9, b 3..6
+    sched.postprocess(out, [7] * 8, [0.0] * 8)
+    assert b.is_finished and b.finish_reason == "length" and len(b.output_ids) == 5
+    assert sched.schedule(8).steps == 8 and len(a.block_table) == 5  # a alone: positions 10..17
+    tight = Scheduler(BlockManager(num_blocks=3, block_size=4), max_num_seqs=1, max_num_batched_tokens=64,
+                      max_model_len=64)
+    c = _seq(2, [1] * 7, max_tokens=30)
+    tight.add([c])
+    tight.postprocess(tight.schedule(8), [7], [0.0])
+    assert tight.schedule(8).steps == 5  # 3 blocks hold positions up to 11: no run reaches into a 4th
