@@ -314,8 +314,9 @@ def copy_bandwidth(device: torch.device) -> float | None:
 
 
 def run_row(shape: Shape, case: Case, route: str, config: Config | None, device: torch.device, calls: int,
-            replays: int) -> dict:
-    """One row: ``route`` (:data:`ROUTES`) with ``config`` (None: the route's default launch)."""
+            replays: int, splits: int | None = None) -> dict:
+    """One row: ``route`` (:data:`ROUTES`) with ``config`` (None: the route's default launch); ``splits`` forces
+    the BF16 route's context split (a ``--bf16-splits`` row)."""
     from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.paged_attention_triton import choose_num_splits, launch_config, paged_decode
 
@@ -325,7 +326,7 @@ def run_row(shape: Shape, case: Case, route: str, config: Config | None, device:
     if fp8:
         fn = lambda: paged_decode(case.q, case.kd, case.vd, case.meta, scale, case.ks, case.vs)  # noqa: E731
     else:
-        fn = lambda: paged_decode(case.q, case.k, case.v, case.meta, scale)  # noqa: E731
+        fn = lambda: paged_decode(case.q, case.k, case.v, case.meta, scale, num_splits=splits)  # noqa: E731
     with tuning.override(**settings):
         knobs = tuning.current()
         if route == "kv8-streams":  # the Gluon kernel's launch (tuning's kv_decode_stream_*)
@@ -349,11 +350,14 @@ def run_row(shape: Shape, case: Case, route: str, config: Config | None, device:
             launch = asdict(triton_launch)
             name = Config(triton_launch.block_n, triton_launch.num_warps, triton_launch.num_stages,
                           triton_launch.split_waves, triton_launch.max_splits, triton_launch.max_registers).name
-            splits = choose_num_splits(case.num_seqs, shape.num_kv_heads, case.context, case.q.device,
-                                       triton_launch.block_n, triton_launch.split_waves, triton_launch.max_splits)
+            if splits is None:
+                splits = choose_num_splits(case.num_seqs, shape.num_kv_heads, case.context, case.q.device,
+                                           triton_launch.block_n, triton_launch.split_waves, triton_launch.max_splits)
+            else:
+                name = f"{name}@{splits}"
         result = measure(fn, case.ref8 if fp8 else case.ref, shape.tolerance, device, calls, replays)
     row = {"setting": f"{case.num_seqs}x{case.context}", "route": route, "config": name,
-           "grid": config is not None, **launch, "splits": splits,
+           "grid": config is not None or name.count("@") > 0, **launch, "splits": splits,
            "bytes": bytes_moved(shape, case.num_seqs, case.context, fp8), **result}
     if "us" in row:
         row["gbps"] = row["bytes"] / row["us"] / 1e3
@@ -426,6 +430,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-seconds", type=float, default=480.0,
                         help="time budget: grid rows not started by then are skipped (counted in the report; the "
                              "routes' default rows always run); default 480")
+    parser.add_argument("--heads", default=None, help="QUERY:KV:HEAD_DIM heads of the model (default 32:8:128, "
+                                                       "Llama-3.1-8B's; e.g. 12:2:128 Qwen2-1.5B, 14:2:64 Qwen2.5-0.5B)")
+    parser.add_argument("--bf16-splits", default=None, help="comma list of context splits: BF16-cache rows with "
+                                                             "each forced (besides the default split)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run under the Triton interpreter")
     parser.add_argument("--json", default=None, help="also write the report to this JSON file")
     add_tuning_argument(parser)
@@ -462,6 +470,15 @@ def main(argv: list[str] | None = None) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit("bench/attention.py needs a CUDA GPU (use --tiny for a CPU smoke run)")
         device, shape = torch.device("cuda"), LLAMA8B_HEADS
+    if args.heads:
+        try:
+            hq, hkv, hd = (int(x) for x in args.heads.split(":"))
+            if hq < 1 or hkv < 1 or hd < 1 or hq % hkv:
+                raise ValueError
+        except ValueError:
+            parser.error(f"--heads is QUERY:KV:HEAD_DIM, positive ints, QUERY a multiple of KV; got {args.heads!r}")
+        shape = Shape(hq, hkv, hd, shape.page, shape.dtype)
+    bf16_splits = _numbers(args.bf16_splits, int) if args.bf16_splits else []
     calls = args.calls or (1 if tiny else 20)
     from jetrl.quant.kernels import tuning
 
@@ -479,6 +496,7 @@ def main(argv: list[str] | None = None) -> dict:
         for num_seqs, context in settings:
             case = make_case(shape, num_seqs, context, device)
             rows = [run_row(shape, case, route, None, device, calls, args.replays) for route in routes]
+            rows += [run_row(shape, case, "bf16", None, device, calls, args.replays, splits=n) for n in bf16_splits]
             for route in grid_routes:
                 for config in configs:
                     if time.perf_counter() - started > args.max_seconds:
