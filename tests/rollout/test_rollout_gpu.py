@@ -120,8 +120,8 @@ def test_decode_runs_equal_single_steps_with_graphs(recipe, kv_fp8, exact):
                                    exact=exact, decode_steps=steps)
             runs[steps] = engine.generate(prompts, params)
             assert engine.runner.graphs is not None and engine.runner.graphs.graphs
-            if steps == 8:
-                assert engine.last_stats["decode_launches"] * 3 < engine.last_stats["decode_steps"]
+            if steps == 8 and params is plain:  # one max_tokens: runs of 8 but the last
+                assert engine.last_stats["decode_launches"] * 6 < engine.last_stats["decode_steps"]
         for a, b in zip(runs[8], runs[1]):
             assert all(t >= 0 for t in a.token_ids)
             if bitwise:
