@@ -23,8 +23,8 @@ All entry points flatten tokens to rows (N, hidden) and differ only in how atten
   :func:`jetrl.models.token_logprobs` for chunked fp32 log-probabilities. ``kv_fp8=True`` makes attention
   read K and V as an FP8 KV cache would hold them (the training side of the FP8 cache).
 * ``forward_paged(input_ids, positions, meta, kv_cache, logits_indices)``: one rollout step over a
-  paged KV cache (see :mod:`jetrl.models.attention`; BF16 or FP8, as the cache holds); returns fp32 logits
-  of the selected rows.
+  paged KV cache (see :mod:`jetrl.models.attention`; BF16 or FP8, as the cache holds); returns the logits of
+  the selected rows in the LM head's dtype (the sampler reads them as their fp32 values).
 """
 
 from __future__ import annotations
@@ -349,7 +349,9 @@ class DecoderLM(nn.Module):
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
                       kv_cache: PagedKVCache, logits_indices: torch.Tensor | None = None, *,
                       exact: bool = False) -> torch.Tensor:
-        """One rollout step over a paged KV cache -> fp32 logits (L, vocab) of the rows in ``logits_indices``.
+        """One rollout step over a paged KV cache -> logits (L, vocab) of the rows in ``logits_indices``, in the LM
+        head's dtype: the sampler reads them as their fp32 values, the numbers :meth:`compute_logits` widens, without
+        a (L, vocab) fp32 copy per step.
 
         Writes K/V of the N new tokens at ``meta.slot_mapping``, then attends through
         :func:`jetrl.models.attention.paged_attention`. Only tensor ops on the given tensors run inside
@@ -374,7 +376,7 @@ class DecoderLM(nn.Module):
         hidden = self.model(input_ids, positions, attend, exact)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return self.compute_logits(hidden, exact=exact)
+        return call_linear(self.lm_head, hidden, exact=exact)
 
     def compute_logits(self, hidden: torch.Tensor, *, exact: bool = False) -> torch.Tensor:
         """LM head on hidden rows (..., hidden) -> fp32 logits (..., vocab); ``exact``: batch-invariant."""

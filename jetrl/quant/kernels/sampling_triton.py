@@ -4,15 +4,18 @@ The PyTorch sampler (:func:`jetrl.rollout.sampling.sample`) builds the counter-b
 with a chain of int64 tensor ops over the whole (B, V) logits, then the Gumbel transform, the argmax and
 a full log-softmax: many small kernel launches per decode step, each reading and writing all (B, V)
 elements, so at a large vocabulary the sampler costs a noticeable share of a small model's decode step
-(docs/benchmark-history.md has the numbers). This kernel does the same in one pass over the logits, one program per row:
+(docs/benchmark-history.md has the numbers). This kernel does the same in one pass over the logits, each row split over several programs (about four per SM
+over the batch) whose partials a second, tiny kernel merges:
 
-* ``scaled = logits / T`` (IEEE division; T = 1 for greedy rows), an online max / sum-of-exponentials of
-  ``scaled`` for the log-probability ``scaled[token] - logsumexp(scaled)``;
+* ``scaled = logits / T`` (IEEE division; T = 1 for greedy rows; 16-bit logits read as their fp32 values), a
+  max / sum-of-exponentials of ``scaled`` per tile, folded into the program's and then the row's, for the
+  log-probability ``scaled[token] - logsumexp(scaled)``;
 * the noise bits from the same 32-bit hash of ``(seed, sample index, position, token id)`` as
   :func:`~jetrl.rollout.sampling.seeded_uniform` (exact: unsigned 32-bit arithmetic wraps like the
   reference's masked int64), ``u = ((bits >> 8) + 0.5) / 2^24`` and ``g = -log(-log(u))`` with the
   device's libm ``log`` (the function PyTorch's CUDA ``log`` calls);
-* the first index of the largest ``scaled + g`` (of ``logits`` for greedy rows), as ``argmax`` picks it.
+* the first index of the largest ``scaled + g`` (of ``logits`` for greedy rows), as ``argmax`` picks it: the
+  first index within a tile, the earliest tile of a program, the first program of the row.
 
 The tokens are therefore those of the reference (on the GPU; the interpreter's ``log`` is NumPy's, which
 may differ by an ulp), and the log-probability equals the reference's up to fp32 summation order.
@@ -53,8 +56,12 @@ def _mix32(x):
 
 @triton.jit
 def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, seed_hi_ptr, index_ptr, pos_ptr,
-                                 token_ptr, logprob_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+                                 part_ptr, part_idx_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr,
+                                 TILES: tl.constexpr, SPLITS: tl.constexpr):
+    """Program (row, split): tiles ``split * TILES ..`` of the row -> its partials: the max and sum of
+    exponentials of ``scaled`` (logsumexp in two numbers), the best score, its ``scaled`` and its index."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
     t = tl.load(temp_ptr + row)
     greedy = t == 0.0
     t = tl.where(greedy, 1.0, t)
@@ -67,20 +74,22 @@ def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, 
     key = _mix32(key ^ _mix32(position + 0xC2B2AE35))
 
     offs = tl.arange(0, BLOCK_V)
-    run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)  # per-lane online logsumexp of scaled
-    run_sum = tl.zeros([BLOCK_V], tl.float32)
+    run_max = tl.full([1], float("-inf"), tl.float32)  # logsumexp of scaled so far: max and sum of exp(. - max)
+    run_sum = tl.zeros([1], tl.float32)
     best = tl.full([1], float("-inf"), tl.float32)
     best_idx = tl.full([1], 0, tl.int32)
     best_scaled = tl.full([1], 0.0, tl.float32)
     base = logits_ptr + row.to(tl.int64) * stride_row
-    for v0 in range(0, V, BLOCK_V):
+    for i in range(TILES):
+        v0 = (split * TILES + i) * BLOCK_V
         v = v0 + offs
         ok = v < V
         x = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32)
         scaled = tl.div_rn(x, tl.full([BLOCK_V], 1.0, tl.float32) * t)
-        new_max = tl.maximum(run_max, scaled)
+        tile_max = tl.max(scaled, 0)
+        new_max = tl.maximum(run_max, tile_max)
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe) + tl.where(ok, tl.exp(scaled - safe), 0.0)
+        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.where(ok, tl.exp(scaled - safe), 0.0), 0)
         run_max = new_max
         bits = _mix32(_mix32(key ^ v.to(tl.uint32)) + key)
         u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
@@ -94,18 +103,54 @@ def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, 
         best_idx = tl.where(better, v0 + tile_idx, best_idx)
         best_scaled = tl.where(better, tile_scaled, best_scaled)
         best = tl.where(better, tile_best, best)
-    total_max = tl.max(run_max, 0)
-    total = tl.sum(run_sum * tl.exp(run_max - total_max), 0)
-    logprob = best_scaled - (total_max + _log(total))
     one = tl.arange(0, 1)
-    tl.store(token_ptr + row + one, best_idx.to(tl.int64))
-    tl.store(logprob_ptr + row + one, logprob)
+    cell = (row * SPLITS + split) * 4
+    tl.store(part_ptr + cell + one, run_max)
+    tl.store(part_ptr + cell + 1 + one, run_sum)
+    tl.store(part_ptr + cell + 2 + one, best)
+    tl.store(part_ptr + cell + 3 + one, best_scaled)
+    tl.store(part_idx_ptr + row * SPLITS + split + one, best_idx)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, part_idx_ptr, token_ptr, logprob_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Program per row: the best score over the splits (the first split of a tie holds the first index) and the
+    logsumexp of the splits' (max, sum) pairs."""
+    row = tl.program_id(0)
+    s = tl.arange(0, BLOCK_S)
+    ok = s < SPLITS
+    cell = (row * SPLITS + s) * 4
+    run_max = tl.load(part_ptr + cell, mask=ok, other=float("-inf"))
+    run_sum = tl.load(part_ptr + cell + 1, mask=ok, other=0.0)
+    best = tl.load(part_ptr + cell + 2, mask=ok, other=float("-inf"))
+    best_scaled = tl.load(part_ptr + cell + 3, mask=ok, other=0.0)
+    best_idx = tl.load(part_idx_ptr + row * SPLITS + s, mask=ok, other=0)
+    total_max = tl.max(run_max, 0)
+    safe = tl.where(total_max == float("-inf"), 0.0, total_max)
+    total = tl.sum(tl.where(ok, run_sum * tl.exp(run_max - safe), 0.0), 0)
+    top = tl.max(best, 0)
+    win = tl.min(tl.where(ok & (best == top), s, BLOCK_S), 0)
+    token = tl.sum(tl.where(s == win, best_idx, 0), 0)
+    scaled = tl.sum(tl.where(s == win, best_scaled, 0.0), 0)
+    one = tl.arange(0, 1)
+    tl.store(token_ptr + row + one, tl.full([1], 0, tl.int64) + token.to(tl.int64))
+    tl.store(logprob_ptr + row + one, tl.full([1], 0.0, tl.float32) + (scaled - (safe + _log(total))))
+
+
+def vocab_splits(rows: int, tiles: int, device: torch.device) -> int:
+    """Programs per row: about four per SM over the batch (a row is one program's work only when the batch alone
+    fills the GPU), at most one per tile."""
+    from jetrl.quant.kernels.decode_splits import sm_count
+
+    return max(1, min(tiles, -(-4 * sm_count(device) // max(rows, 1))))
 
 
 def seeded_sample(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-                  sample_index: torch.Tensor, position: torch.Tensor, block_v: int = 4096
+                  sample_index: torch.Tensor, position: torch.Tensor, block_v: int = 4096, splits: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens (B,) int64, logprobs (B,) fp32) for rows that are seeded or greedy (T = 0), no truncation."""
+    """(tokens (B,) int64, logprobs (B,) fp32) for rows that are seeded or greedy (T = 0), no truncation. The
+    logits are read as their fp32 values (16-bit logits are not widened in memory first); each row is split over
+    ``splits`` programs (default :func:`vocab_splits`) whose partials one more small kernel merges."""
     if logits.dim() != 2:
         raise ValueError(f"seeded_sample expects (B, V) logits, got shape {tuple(logits.shape)}")
     if logits.stride(-1) != 1:
@@ -116,11 +161,19 @@ def seeded_sample(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torc
     if b == 0:
         return tokens, logprobs
     block_v = min(block_v, triton.next_power_of_2(v))
-    _seeded_gumbel_sample_kernel[(b,)](
+    tiles = -(-v // block_v)
+    splits = vocab_splits(b, tiles, logits.device) if splits is None else max(1, min(int(splits), tiles))
+    per_split = -(-tiles // splits)
+    splits = -(-tiles // per_split)
+    part = torch.empty(b, splits, 4, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(b, splits, dtype=torch.int32, device=logits.device)
+    _seeded_gumbel_sample_kernel[(b, splits)](
         logits, logits.stride(0), temperature.float().contiguous(), seed_lo.contiguous(), seed_hi.contiguous(),
-        sample_index.contiguous(), position.contiguous(), tokens, logprobs, V=v, BLOCK_V=block_v, num_warps=8,
-        **COMPILE_OPTIONS)
+        sample_index.contiguous(), position.contiguous(), part, part_idx, V=v, BLOCK_V=block_v, TILES=per_split,
+        SPLITS=splits, num_warps=8, **COMPILE_OPTIONS)
+    _merge_kernel[(b,)](part, part_idx, tokens, logprobs, SPLITS=splits,
+                        BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1, **COMPILE_OPTIONS)
     return tokens, logprobs
 
 
-__all__ = ["seeded_sample"]
+__all__ = ["seeded_sample", "vocab_splits"]
