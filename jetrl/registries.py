@@ -39,7 +39,8 @@ def registries() -> dict[str, Registry]:
         "kl_estimator": Registry("KL estimators", "jetrl.rl.losses.KL_ESTIMATORS", tuple(KL_ESTIMATORS)),
         "lr_schedule": Registry("learning-rate schedules", "jetrl.train.optim.LR_SCHEDULES", tuple(LR_SCHEDULES)),
         "kernel_setting": Registry("kernel settings", "jetrl.quant.kernels.tuning.KernelTuning",
-                                   settable_fields(), also="each as `KEY=VALUE`, the value of the field's type"),
+                                   settable_fields(), also="each as `KEY=VALUE`; their meanings under "
+                                                           "[Kernel settings](#kernel-settings)"),
     }
 
 
@@ -72,8 +73,23 @@ def check_names(config: RunConfig) -> None:
 
 
 def configuration_reference() -> str:
-    """The text of ``docs/configuration.md``: every field of the schema and the names of every registry."""
-    return reference_markdown(registries())
+    """The text of ``docs/configuration.md``: every field of the schema, the names of every registry, and every
+    kernel setting with its default, what it accepts and its meaning."""
+    from jetrl.quant.kernels.tuning import setting_docs
+
+    out = ["", "## Kernel settings", "",
+           "`kernels: [KEY=VALUE, ...]` sets these for the whole run (the benchmarks' `--tuning` and arms take the "
+           "same). None changes a result's bits except the GEMM path, exact mode's K split (`exact_split_k` and its "
+           "heuristic's fields) and the FP8-cache decode attention's tiles and splits (summation order); the rest are "
+           "schedules. What each does in depth: `jetrl.quant.kernels.tuning.KernelTuning`.", ""]
+    family = None
+    for fam, name, default, rule, meaning in setting_docs():
+        if fam != family:
+            family = fam
+            out += ["", f"### {fam[0].upper() + fam[1:]}", "", "| setting | default | accepts | meaning |",
+                    "| --- | --- | --- | --- |"]
+        out.append(f"| `{name}` | `{default}` | {rule} | {meaning} |")
+    return reference_markdown(registries()) + "\n".join(out).replace("\n\n\n", "\n\n") + "\n"
 
 
 __all__ = ["registries", "check_config", "check_names", "configuration_reference"]

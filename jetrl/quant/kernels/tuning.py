@@ -34,7 +34,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from jetrl.quant.formats import BLOCK_SIZE
 
@@ -180,6 +180,52 @@ def _pow2(v: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
 
 
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a field accepts: ``text`` completes "must be ..." in its error and in the configuration reference."""
+
+    text: str
+    accepts: Callable[[object], bool]
+
+
+_BOOL = Rule("a bool", lambda v: isinstance(v, bool))
+_INT0 = Rule("a non-negative int", lambda v: _int(v) and v >= 0)
+_INT1 = Rule("a positive int", lambda v: _int(v) and v >= 1)
+_INT_TO_DECODE = Rule(f"an int in 0..{DECODE_GEMM_MAX_M} (the decode GEMM's rows)",
+                      lambda v: _int(v) and 0 <= v <= DECODE_GEMM_MAX_M)
+_POW2 = Rule("a power of two", _pow2)
+_POW2_TO_BLOCK = Rule(f"a power of two in 1..{BLOCK_SIZE}", lambda v: _pow2(v) and v <= BLOCK_SIZE)
+_POW2_16_256 = Rule("a power of two in 16..256", lambda v: _pow2(v) and 16 <= v <= 256)
+_POW2_1_16 = Rule("a power of two in 1..16", lambda v: _pow2(v) and v <= 16)
+_POW2_1_8 = Rule("a power of two in 1..8", lambda v: _pow2(v) and v <= 8)
+_TILE_OR_0 = Rule("0 (the route's own tile) or a power of two in 16..256",
+                  lambda v: _int(v) and (v == 0 or (_pow2(v) and 16 <= v <= 256)))
+_REGISTERS = Rule("0 (the compiler's choice) or an int in 24..255", lambda v: _int(v) and (v == 0 or 24 <= v <= 255))
+_POSITIVE = Rule("a positive finite number",
+                 lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < float("inf"))
+_RING_SLOTS = Rule("an int >= 2 (ring slots: the tile read and at least one in flight)", lambda v: _int(v) and v >= 2)
+
+# the families of fields, in the order the configuration reference lists them
+GEMM = "GEMM routing"
+QUANT = "quantization and log-probability kernels"
+EXACT = "exact mode's schedule"
+KV = "decode attention over an FP8 cache"
+FAMILIES = (GEMM, QUANT, EXACT, KV)
+
+
+def knob(default, family: str, meaning: str, rule: Rule | None, factory: bool = False):
+    """A :class:`KernelTuning` field: its default, family, one-line meaning and rule (None: not settable from text;
+    the object checks it as a whole); ``factory`` for a mapping default (one per object)."""
+    meta = {"family": family, "meaning": meaning, "rule": rule}
+    if factory:
+        return field(default_factory=lambda: default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class KernelTuning:
     """The kernels' settings; read with :func:`current`, changed for a block with :func:`override`.
@@ -302,62 +348,84 @@ class KernelTuning:
     kernel's bits (the GPU tests check it), with ``exact_decode_attention_stages`` pipeline stages.
     """
 
-    gemm: str = "auto"
-    deepgemm_decode_max_m: int = DECODE_GEMM_MAX_M
-    deepgemm_split_k_max_m: int = 128
-    decode_max_m: int = 64
-    grouped_decode_max_m: int = 64
-    decode_max_m_by_shape: Mapping[tuple, int] = field(default_factory=lambda: DECODE_MAX_M_BY_SHAPE)
-    decode_policies: tuple[DecodePolicy, ...] = DECODE_POLICIES
-    decode_shape_configs: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = field(
-        default_factory=lambda: DECODE_SHAPE_CONFIGS)
-    decode_gemm_pdl: bool = True
-    gluon: bool = True
-    act_block_m: int = 32
-    act_num_warps: int = 4
-    token_block_k: int = 32
-    token_num_warps: int = 1
-    requant_block_k: int = 32
-    requant_num_warps: int = 1
-    weight_num_warps: int = 4
-    cache_weight_t: bool = False
-    logprob_stats_num_warps: int = 8
-    logprob_grad_num_warps: int = 8
-    exact_block_m: int = 64
-    exact_block_n: int = 128
-    exact_narrow_block_n: int = 64
-    exact_narrow_n: int = 1024
-    exact_num_warps: int = 4
-    exact_num_stages: int = 3
-    exact_split_k: int = 0
-    exact_split_programs: int = 112
-    exact_max_split: int = 8
-    exact_min_kb_per_split: int = 28
-    exact_split_max_m: int = 256
-    exact_wide_min_m: int = 256
-    exact_wide_block_m: int = 128
-    exact_wide_block_n: int = 128
-    exact_wide_mm_block_n: int = 256
-    exact_wide_num_warps: int = 8
-    exact_wide_num_stages: int = 3
-    exact_cublas_min_m: int = 65
-    exact_decode_max_m: int = 64
-    exact_decode_attention_swapped: bool = True
-    exact_decode_attention_stages: int = 1
-    kv_decode_factored: bool = True
-    kv_decode_bit_convert: bool = True
-    kv_decode_block_n: int = 0
-    kv_decode_num_warps: int = 4
-    kv_decode_num_stages: int = 1
-    kv_decode_split_waves: float = 2.0
-    kv_decode_max_splits: int = 16
-    kv_decode_max_registers: int = 128
-    kv_decode_streams: bool = True
-    kv_decode_stream_warps: int = 1
-    kv_decode_stream_stages: int = 3
-    kv_decode_stream_waves: float = 6.0
-    kv_decode_stream_max_splits: int = 64
-    kv_decode_stream_max_registers: int = 128
+    gemm: str = knob("auto", GEMM, "the FP8 GEMM path: auto (decode kernel, cuBLAS, Triton by shape), deepgemm, or "
+                     "one forced: cublas, triton, decode; default from JETRL_FP8_GEMM", None)
+    deepgemm_decode_max_m: int = knob(DECODE_GEMM_MAX_M, GEMM, "under gemm=deepgemm: the most rows of a rollout "
+                                      "GEMM that DeepGEMM takes (0: none)", _INT_TO_DECODE)
+    deepgemm_split_k_max_m: int = knob(128, GEMM, "under gemm=deepgemm: up to this many rows a weight with K > 2N "
+                                       "stays on the split-K decode kernel", _INT_TO_DECODE)
+    decode_max_m: int = knob(64, GEMM, "the most rows a single FP8 GEMM sends to the split-K decode kernel", _INT0)
+    grouped_decode_max_m: int = knob(64, GEMM, "the same for a grouped launch (q/k/v, gate/up)", _INT0)
+    decode_max_m_by_shape: Mapping[tuple, int] = knob(DECODE_MAX_M_BY_SHAPE, GEMM, "per-shape exceptions to the two "
+                                                      "bounds above", None, factory=True)
+    decode_policies: tuple[DecodePolicy, ...] = knob(DECODE_POLICIES, GEMM, "the decode GEMM's configs by rows", None)
+    decode_shape_configs: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = knob(
+        DECODE_SHAPE_CONFIGS, GEMM, "the decode GEMM's configs of measured shapes", None, factory=True)
+    decode_gemm_pdl: bool = knob(True, GEMM, "on Hopper: the decode GEMM launches while the kernel feeding it "
+                                 "runs (programmatic dependent launch; the same bits)", _BOOL)
+    gluon: bool = knob(True, QUANT, "the 128x1 quantizers (and grad_out's two-way pass) in Gluon where Triton has "
+                       "it; off: Triton", _BOOL)
+    act_block_m: int = knob(32, QUANT, "rows per program of the 1x128 activation quantizer", _POW2)
+    act_num_warps: int = knob(4, QUANT, "warps of the 1x128 activation quantizer", _POW2)
+    token_block_k: int = knob(32, QUANT, "columns per program of the Triton 128x1 quantizer", _POW2_TO_BLOCK)
+    token_num_warps: int = knob(1, QUANT, "warps of the Triton 128x1 quantizer", _POW2)
+    requant_block_k: int = knob(32, QUANT, "columns per program of the 1x128 -> 128x1 requantizer", _POW2_TO_BLOCK)
+    requant_num_warps: int = knob(1, QUANT, "warps of the 1x128 -> 128x1 requantizer", _POW2)
+    weight_num_warps: int = knob(4, QUANT, "warps of the 128x128 weight quantizer", _POW2)
+    cache_weight_t: bool = knob(False, QUANT, "keep W^T's FP8 form beside W's for the weight's version (off: each "
+                                "backward transposes W's FP8 tiles)", _BOOL)
+    logprob_stats_num_warps: int = knob(8, QUANT, "warps of the LM-head log-probability kernel", _POW2)
+    logprob_grad_num_warps: int = knob(8, QUANT, "warps of its gradient kernel", _POW2)
+    exact_block_m: int = knob(64, EXACT, "exact GEMM tile rows (a schedule: the same bits)", _POW2)
+    exact_block_n: int = knob(128, EXACT, "exact GEMM tile columns", _POW2)
+    exact_narrow_block_n: int = knob(64, EXACT, "exact GEMM tile columns for weights of at most exact_narrow_n "
+                                     "rows", _POW2)
+    exact_narrow_n: int = knob(1024, EXACT, "the widest weight that gets narrow tiles", _INT1)
+    exact_num_warps: int = knob(4, EXACT, "exact GEMM warps", _POW2)
+    exact_num_stages: int = knob(3, EXACT, "exact GEMM pipeline stages", _INT1)
+    exact_split_k: int = knob(0, EXACT, "exact mode's K split on every weight (0: the heuristic below); changes the "
+                              "bits, the same on both sides", _INT0)
+    exact_split_programs: int = knob(112, EXACT, "the program count the K-split heuristic aims for (a constant, so "
+                                     "the bits do not depend on the device)", _INT0)
+    exact_max_split: int = knob(8, EXACT, "the K-split heuristic's most splits", _POW2)
+    exact_min_kb_per_split: int = knob(28, EXACT, "the fewest 128-wide K blocks per split", _INT0)
+    exact_split_max_m: int = knob(256, EXACT, "up to this many rows the splits run as separate programs (a "
+                                  "schedule)", _INT0)
+    exact_wide_min_m: int = knob(256, EXACT, "from this many rows on, the wide tiles below and TMA loads (a "
+                                 "schedule; 0: never)", _INT0)
+    exact_wide_block_m: int = knob(128, EXACT, "wide tile rows", _POW2_16_256)
+    exact_wide_block_n: int = knob(128, EXACT, "wide tile columns", _POW2_16_256)
+    exact_wide_mm_block_n: int = knob(256, EXACT, "wide tile columns of the 16/32-bit path (the LM head)",
+                                      _POW2_16_256)
+    exact_wide_num_warps: int = knob(8, EXACT, "wide tile warps", _POW2_1_16)
+    exact_wide_num_stages: int = knob(3, EXACT, "wide tile pipeline stages", _INT1)
+    exact_cublas_min_m: int = knob(65, EXACT, "from this many rows on, an unsplit weight multiplies on cuBLAS (the "
+                                   "same bits; 0: never)", _INT0)
+    exact_decode_max_m: int = knob(64, EXACT, "up to this many rows, exact GEMMs run on the split-K decode kernel "
+                                   "with exact mode's split (the same bits; 0: never)", _INT_TO_DECODE)
+    exact_decode_attention_swapped: bool = knob(True, EXACT, "a decode step's exact attention on the swapped "
+                                                "one-row kernel (the same bits)", _BOOL)
+    exact_decode_attention_stages: int = knob(1, EXACT, "that kernel's pipeline stages", _INT1)
+    kv_decode_factored: bool = knob(True, KV, "FP8-cache decode attention reads E4M3 tiles into its dots, scales on "
+                                    "the fp32 side (off: dequantized in registers)", _BOOL)
+    kv_decode_bit_convert: bool = knob(True, KV, "the factored route converts E4M3 by bit operations (off: "
+                                       "Triton's conversion; the same values)", _BOOL)
+    kv_decode_block_n: int = knob(0, KV, "tokens per tile of the Triton FP8-cache kernel (0: the route's own, 128 "
+                                  "factored, 64 in registers)", _TILE_OR_0)
+    kv_decode_num_warps: int = knob(4, KV, "its warps", _POW2_1_16)
+    kv_decode_num_stages: int = knob(1, KV, "its pipeline stages", _INT1)
+    kv_decode_split_waves: float = knob(2.0, KV, "waves of programs over the SMs its context split aims for",
+                                        _POSITIVE)
+    kv_decode_max_splits: int = knob(16, KV, "its most context splits", _INT1)
+    kv_decode_max_registers: int = knob(128, KV, "its registers per thread (maxnreg)", _REGISTERS)
+    kv_decode_streams: bool = knob(True, KV, "FP8-cache decode steps on the Gluon kernel where it applies (bf16 "
+                                   "queries, head_dim 128, pages % 16, groups <= 8)", _BOOL)
+    kv_decode_stream_warps: int = knob(1, KV, "warp streams per program of the Gluon kernel", _POW2_1_8)
+    kv_decode_stream_stages: int = knob(3, KV, "its ring slots of 16-token tiles (the tile read and the rest in "
+                                        "flight)", _RING_SLOTS)
+    kv_decode_stream_waves: float = knob(6.0, KV, "programs per SM its context split aims for", _POSITIVE)
+    kv_decode_stream_max_splits: int = knob(64, KV, "its most context splits", _INT1)
+    kv_decode_stream_max_registers: int = knob(128, KV, "its registers per thread (maxnreg)", _REGISTERS)
 
     def __post_init__(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -366,68 +434,16 @@ class KernelTuning:
         if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
             raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
                              "not installed (build it from github.com/deepseek-ai/DeepGEMM)")
-        self._check_ints(("decode_max_m", "grouped_decode_max_m", "deepgemm_decode_max_m", "deepgemm_split_k_max_m"),
-                         0)
-        for name in ("act_block_m", "act_num_warps", "token_block_k", "token_num_warps", "requant_block_k",
-                     "requant_num_warps", "weight_num_warps", "logprob_stats_num_warps", "logprob_grad_num_warps"):
-            if not _pow2(getattr(self, name)):
-                raise ValueError(f"KernelTuning.{name} must be a power of two, got {getattr(self, name)!r}")
-        for name in ("token_block_k", "requant_block_k"):
-            if getattr(self, name) > BLOCK_SIZE:
-                raise ValueError(f"KernelTuning.{name} must be at most {BLOCK_SIZE}, got {getattr(self, name)}")
-        self._check_ints(("exact_split_k", "exact_split_programs", "exact_min_kb_per_split", "exact_split_max_m",
-                          "exact_wide_min_m", "exact_cublas_min_m", "exact_decode_max_m"), 0)
-        if self.deepgemm_split_k_max_m > DECODE_GEMM_MAX_M:
-            raise ValueError(f"KernelTuning.deepgemm_split_k_max_m must be at most {DECODE_GEMM_MAX_M} (the decode "
-                             f"GEMM's rows), got {self.deepgemm_split_k_max_m}")
-        if self.exact_decode_max_m > DECODE_GEMM_MAX_M:
-            raise ValueError(f"KernelTuning.exact_decode_max_m must be at most {DECODE_GEMM_MAX_M} (the decode "
-                             f"GEMM's rows), got {self.exact_decode_max_m}")
-        self._check_ints(("exact_wide_num_stages",), 1)
-        for name, low, high in (("exact_wide_block_m", 16, 256), ("exact_wide_block_n", 16, 256),
-                                ("exact_wide_mm_block_n", 16, 256), ("exact_wide_num_warps", 1, 16)):
-            value = getattr(self, name)
-            if not (_pow2(value) and low <= value <= high):
-                raise ValueError(f"KernelTuning.{name} must be a power of two in {low}..{high}, got {value!r}")
-        if not _pow2(self.exact_max_split):
-            raise ValueError(f"KernelTuning.exact_max_split must be a power of two, got {self.exact_max_split!r}")
-        if not isinstance(self.exact_decode_attention_swapped, bool):
-            raise ValueError(f"KernelTuning.exact_decode_attention_swapped must be a bool, "
-                             f"got {self.exact_decode_attention_swapped!r}")
-        self._check_ints(("exact_decode_attention_stages",), 1)
-        for name in ("kv_decode_factored", "kv_decode_bit_convert", "kv_decode_streams",
-                     "decode_gemm_pdl"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"KernelTuning.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.kv_decode_block_n and not (_pow2(self.kv_decode_block_n) and 16 <= self.kv_decode_block_n <= 256):
-            raise ValueError(f"KernelTuning.kv_decode_block_n must be 0 (the route's own tile) or a power of two in "
-                             f"16..256, got {self.kv_decode_block_n!r}")
-        if not (_pow2(self.kv_decode_num_warps) and self.kv_decode_num_warps <= 16):
-            raise ValueError(f"KernelTuning.kv_decode_num_warps must be a power of two in 1..16, "
-                             f"got {self.kv_decode_num_warps!r}")
-        self._check_ints(("kv_decode_num_stages", "kv_decode_max_splits"), 1)
-        for name in ("kv_decode_max_registers", "kv_decode_stream_max_registers"):
-            regs = getattr(self, name)
-            if isinstance(regs, bool) or not isinstance(regs, int) or not (regs == 0 or 24 <= regs <= 255):
-                raise ValueError(f"KernelTuning.{name} must be 0 (the compiler's choice) or an int in 24..255, "
-                                 f"got {regs!r}")
-        for name in ("kv_decode_split_waves", "kv_decode_stream_waves"):
-            waves = getattr(self, name)
-            if isinstance(waves, bool) or not isinstance(waves, (int, float)) or not 0 < waves < float("inf"):
-                raise ValueError(f"KernelTuning.{name} must be a positive finite number, got {waves!r}")
-        if not (_pow2(self.kv_decode_stream_warps) and self.kv_decode_stream_warps <= 8):
-            raise ValueError(f"KernelTuning.kv_decode_stream_warps must be a power of two in 1..8, "
-                             f"got {self.kv_decode_stream_warps!r}")
-        self._check_ints(("kv_decode_stream_max_splits",), 1)
-        stages = self.kv_decode_stream_stages
-        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2:
-            raise ValueError(f"KernelTuning.kv_decode_stream_stages must be an int >= 2 (ring slots: the tile read "
-                             f"and at least one in flight), got {stages!r}")
-        ring = stages * self.kv_decode_stream_warps * STREAM_SLOT_BYTES
+        for f in fields(self):  # each field's own rule (its metadata, which the configuration reference prints)
+            rule = f.metadata.get("rule")
+            value = getattr(self, f.name)
+            if rule is not None and not rule.accepts(value):
+                raise ValueError(f"KernelTuning.{f.name} must be {rule.text}, got {value!r}")
+        ring = self.kv_decode_stream_stages * self.kv_decode_stream_warps * STREAM_SLOT_BYTES
         if ring > STREAM_RING_MAX_BYTES:
-            raise ValueError(f"KernelTuning.kv_decode_stream_stages x kv_decode_stream_warps: a ring of {stages} "
-                             f"slots for {self.kv_decode_stream_warps} warps is {ring} bytes of shared memory, more "
-                             f"than the {STREAM_RING_MAX_BYTES} a program may use")
+            raise ValueError(f"KernelTuning.kv_decode_stream_stages x kv_decode_stream_warps: a ring of "
+                             f"{self.kv_decode_stream_stages} slots for {self.kv_decode_stream_warps} warps is {ring} "
+                             f"bytes of shared memory, more than the {STREAM_RING_MAX_BYTES} a program may use")
         bounds = [p.max_m for p in self.decode_policies]
         if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
@@ -438,14 +454,6 @@ class KernelTuning:
     def deepgemm_rule(self) -> dict[str, int]:
         """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`), as its keywords."""
         return dict(decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
-
-    def _check_ints(self, names: tuple[str, ...], minimum: int) -> None:
-        """Each field of ``names`` must be an int (not a bool) of at least ``minimum`` (0 or 1)."""
-        for name in names:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                kind = "a non-negative int" if minimum == 0 else "a positive int"
-                raise ValueError(f"KernelTuning.{name} must be {kind}, got {value!r}")
 
     def decode_policy(self, m: int) -> DecodePolicy:
         """The :attr:`decode_policies` entry for ``m`` rows."""
@@ -584,6 +592,19 @@ def settable_fields() -> tuple[str, ...]:
     ``kernels``), in declaration order: those holding a bool, int, float or str."""
     now = current()
     return tuple(f.name for f in fields(KernelTuning) if type(getattr(now, f.name)) in SETTING_TYPES)
+
+
+def setting_docs() -> tuple[tuple[str, str, str, str, str], ...]:
+    """``(family, name, default, rule, meaning)`` of every field :func:`parse_settings` can set, family by family
+    (:data:`FAMILIES`) and in declaration order within one: what the configuration reference prints. The default
+    is the declared one (``JETRL_FP8_GEMM`` may change ``gemm``'s in a process); the rule completes "must be ..."."""
+    settable = set(settable_fields())
+    rows = [(f.metadata["family"], f.name, f.default, f.metadata["rule"], f.metadata["meaning"])
+            for f in fields(KernelTuning) if f.name in settable]
+    rows.sort(key=lambda r: FAMILIES.index(r[0]))  # stable: declaration order within a family
+    return tuple((family, name, str(value).lower() if isinstance(value, bool) else str(value),
+                  rule.text if rule else f"one of {', '.join(GEMM_CHOICES)}", meaning)
+                 for family, name, value, rule, meaning in rows)
 
 
 def parse_settings(items, what: str = "kernels") -> dict:
