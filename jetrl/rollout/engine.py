@@ -185,7 +185,8 @@ class RolloutEngine:
             nonlocal num_generated, decode_tokens, last_finish, wait_seconds
             tokens, logprobs = runner.collect(step.launched)
             wait_seconds += step.launched.wait_seconds
-            finished, n = scheduler.resolve(step.rows, tokens, logprobs, self._stop_string_hit, step.out.steps)
+            finished, n = scheduler.resolve(step.rows, tokens, logprobs, self._stop_string_hit, step.out.steps,
+                                            step.out.row_steps)
             finished += step.finished
             num_generated += n
             decode_tokens += n if step.out.is_decode else 0

@@ -418,13 +418,15 @@ class ModelRunner:
         if from_prev and (prev is None or prev.tokens is None):
             raise RuntimeError("a placeholder token without the step that samples it (model runner bug)")
         fill = [r for r, _ in from_prev] + [q for _, q in from_prev]  # rows to fill, prev's sampled rows
-        head = np.array(ids + pos + slots + qsl + ctx + sample_rows + fill + out_pos, dtype=np.int64)
+        row_steps = list(out.row_steps or ())  # a run's steps per row where some take fewer
+        head = np.array(ids + pos + slots + qsl + ctx + sample_rows + fill + out_pos + row_steps, dtype=np.int64)
         host = torch.from_numpy(np.concatenate([head, tables.reshape(-1)]))
         if dev.type == "cuda":  # one host-to-device transfer for the whole step's metadata (pinned, so
             host = host.pin_memory()  # it does not wait for the steps already queued)
         packed = host.to(dev, non_blocking=True)
-        ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, fill_t, out_pos_t, table_t = packed.split(
-            [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), len(fill), len(out_pos), n_seqs * width])
+        ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, fill_t, out_pos_t, row_steps_t, table_t = packed.split(
+            [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), len(fill), len(out_pos), len(row_steps),
+             n_seqs * width])
         if from_prev:  # placeholder inputs: the previous step's sampled tokens, still on the device
             k = len(from_prev)
             ids_t = ids_t.index_put((fill_t[:k],), prev.tokens[fill_t[k:]].to(ids_t.dtype))
@@ -437,10 +439,16 @@ class ModelRunner:
         qsl_t = qsl_t.to(torch.int32)
         tokens_run, logprobs_run = [], []
         for j in range(out.steps):  # a decode run: each step's sampled tokens are the next one's inputs
-            if j:
+            if j and not row_steps:
                 ids_t, pos_t, ctx_t = tokens, pos_t + 1, ctx_t + 1
                 slots_t = table_t.gather(1, (pos_t // bs)[:, None]).squeeze(1) * bs + pos_t % bs
                 batch = dataclasses.replace(batch, position=batch.position + 1)
+            elif j:  # a row past its own steps idles: it stays where it is and writes into the scratch block
+                live = row_steps_t > j
+                ids_t, pos_t, ctx_t = tokens, pos_t + live, ctx_t + live.to(ctx_t.dtype)
+                slots_t = torch.where(live, table_t.gather(1, (pos_t // bs)[:, None]).squeeze(1) * bs + pos_t % bs,
+                                      self.scratch_block * bs)
+                batch = dataclasses.replace(batch, position=batch.position + live)
             if graphs is not None:
                 logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
             else:

@@ -12,9 +12,11 @@ waiting entry joins as soon as it fits (continuous batching), which keeps the de
 
 **Decode runs.** ``schedule(decode_steps=k)`` may make a decode step a *run* of up to ``k`` steps
 (``SchedulerOutput.steps``) that the device takes without the host in between: each step's sampled tokens
-are the next step's inputs on the device. A run is as long as every running sequence can go without reaching
-its length limit (so none finishes by length inside it) and as the free blocks allow: the blocks of all its
-steps are made writable up front (fresh blocks, copy-on-write of a shared tail). A sequence that a stop token
+are the next step's inputs on the device. A sequence takes the run's steps up to its length limit
+(``SchedulerOutput.row_steps`` where some take fewer: such a row idles for the rest of the run, writing
+nowhere but the scratch block, and finishes by length); the run is as long as the longest of them and as the
+free blocks allow, the blocks of all its steps made writable up front (fresh blocks, copy-on-write of a shared
+tail). A sequence that a stop token
 or stop string ends inside a run keeps the tokens up to the stop; the rest of its run is computed for nothing
 and dropped (:meth:`Scheduler.resolve`). When not even the blocks for a run of 2 are free, the step is a single
 decode step, which preempts as usual.
@@ -66,6 +68,11 @@ class SchedulerOutput:
     is_decode: bool
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks to copy before the step
     steps: int = 1  # decode steps the device runs back to back (a decode run; see the module doc)
+    row_steps: tuple[int, ...] | None = None  # a run's steps per chunk where some take fewer (None: all take steps)
+
+    def steps_of(self, index: int) -> int:
+        """The steps chunk ``index`` takes in this step or run."""
+        return self.steps if self.row_steps is None else self.row_steps[index]
 
     @property
     def num_tokens(self) -> int:
@@ -128,8 +135,8 @@ class Scheduler:
         out = self._schedule_prefill()
         if out.chunks:
             return out
-        steps = self._run_length(decode_steps)
-        return self._schedule_run(steps) if steps > 1 else self._schedule_decode()
+        steps, row_steps = self._run_plan(decode_steps)
+        return self._schedule_run(steps, row_steps) if steps > 1 else self._schedule_decode()
 
     def _schedule_prefill(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -177,32 +184,33 @@ class Scheduler:
         partial = len(seq) % self.blocks.block_size != 0 and len(entry) > 1  # copy-on-write of the shared tail
         return len(entry) * (max(final_blocks - held, 0) + partial)
 
-    def _run_length(self, limit: int) -> int:
-        """Decode steps (at most ``limit``) every running sequence can take before its length limit, and whose
-        blocks are free."""
-        steps = limit
-        for entry in self.running:
-            seq = entry[0]
-            steps = min(steps, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
-            if steps <= 1:
-                return 1
+    def _run_plan(self, limit: int) -> tuple[int, tuple[int, ...] | None]:
+        """A run's steps (at most ``limit``, at most the most any running sequence has left before its length
+        limit) and each sequence's (its own limit where that is fewer; None: all the same), the longest run whose
+        blocks are free; ``(1, None)``: a single decode step."""
+        if limit <= 1 or not self.running:
+            return 1, None
+        left = [min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
+                for seq in (entry[0] for entry in self.running)]
         free = self.blocks.num_free_blocks
-        while steps > 1 and sum(self.blocks.blocks_needed_to_write(e[0], steps) for e in self.running) > free:
-            steps -= 1  # a shorter run whose blocks are free
-        return steps
+        for steps in range(min(limit, max(left)), 1, -1):  # the longest whose blocks are free
+            rows = [min(steps, n) for n in left]
+            if sum(self.blocks.blocks_needed_to_write(e[0], n) for e, n in zip(self.running, rows)) <= free:
+                return steps, None if min(rows) == steps else tuple(rows)
+        return 1, None
 
-    def _schedule_run(self, steps: int) -> SchedulerOutput:
+    def _schedule_run(self, steps: int, row_steps: tuple[int, ...] | None) -> SchedulerOutput:
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
-        for entry in self.running:
+        for i, entry in enumerate(self.running):
             seq = entry[0]
             start = seq.num_computed_tokens
-            for position in range(start, start + steps):
+            for position in range(start, start + (steps if row_steps is None else row_steps[i])):
                 pair = self.blocks.prepare_append(seq, position)
                 if pair is not None:
                     copies.append(pair)
             chunks.append(ScheduledChunk(entry, start, start + 1))
-        return SchedulerOutput(chunks, is_decode=True, copies=copies, steps=steps)
+        return SchedulerOutput(chunks, is_decode=True, copies=copies, steps=steps, row_steps=row_steps)
 
     def _schedule_decode(self) -> SchedulerOutput:
         chunks: list[ScheduledChunk] = []
@@ -249,17 +257,17 @@ class Scheduler:
     # ``postprocess`` is both at once (the synchronous engine loop).
 
     def advance(self, out: SchedulerOutput) -> tuple[list[Sequence | None], list[Sequence]]:
-        """Placeholders for the step's sampled tokens (``out.steps`` per sequence); returns (one entry per
-        sampled row, in chunk order: the sequence, or None for a sequence that had already finished; the
+        """Placeholders for the step's sampled tokens (``out.steps_of(chunk)`` per sequence); returns (one entry
+        per sampled row, in chunk order: the sequence, or None for a sequence that had already finished; the
         sequences finished by length)."""
         rows: list[Sequence | None] = []
         finished: list[Sequence] = []
         replaced: dict[int, list[list[Sequence]]] = {}
-        extra = out.steps - 1  # a run computes its sampled tokens but the last as well
-        for chunk in out.chunks:
+        for index, chunk in enumerate(out.chunks):
+            steps = out.steps_of(index)
             for seq in chunk.seqs:
-                if not seq.is_finished:
-                    seq.num_computed_tokens = chunk.end + extra
+                if not seq.is_finished:  # a run computes its sampled tokens but the last as well
+                    seq.num_computed_tokens = chunk.end + steps - 1
             if not chunk.samples:
                 continue
             survivors: list[list[Sequence]] = []
@@ -267,7 +275,7 @@ class Scheduler:
                 if seq.is_finished:  # stopped at the previous step, after this one was queued
                     rows.append(None)
                     continue
-                for _ in range(out.steps):
+                for _ in range(steps):
                     seq.append(PLACEHOLDER, float("nan"))
                 rows.append(seq)
                 if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
@@ -282,11 +290,12 @@ class Scheduler:
         return rows, finished
 
     def resolve(self, rows: list[Sequence | None], tokens: list[int], logprobs: list[float],
-                is_stopped: Callable[[Sequence], bool] | None = None, steps: int = 1) -> tuple[list[Sequence], int]:
+                is_stopped: Callable[[Sequence], bool] | None = None, steps: int = 1,
+                row_steps: tuple[int, ...] | None = None) -> tuple[list[Sequence], int]:
         """Write the sampled tokens over the placeholders of :meth:`advance` (``rows``; ``steps`` tokens per
-        row, step-major: row i's token of step j is ``tokens[j * len(rows) + i]``) and retire the sequences a
-        stop token or stop string ends, keeping their tokens up to the stop; returns them and the number of
-        tokens kept."""
+        row, step-major: row i's token of step j is ``tokens[j * len(rows) + i]``, of which row i keeps its
+        ``row_steps[i]`` where given) and retire the sequences a stop token or stop string ends, keeping their
+        tokens up to the stop; returns them and the number of tokens kept."""
         if len(rows) * steps != len(tokens) or len(tokens) != len(logprobs):
             raise RuntimeError(f"scheduler expected {len(rows) * steps} sampled tokens, got {len(tokens)}")
         finished: list[Sequence] = []
@@ -295,11 +304,12 @@ class Scheduler:
         for i, seq in enumerate(rows):
             if seq is None:
                 continue
-            index = self._placeholder_index(seq, steps)
+            own = steps if row_steps is None else row_steps[i]
+            index = self._placeholder_index(seq, own)
             del seq.token_ids[index:]  # appended back one by one: a stop string sees the output up to its token
             del seq.logprobs[index - seq.num_prompt_tokens:]
             stopped = False
-            for j in range(steps):
+            for j in range(own):
                 token = tokens[j * width + i]
                 seq.append(token, logprobs[j * width + i])
                 kept += 1
@@ -324,7 +334,7 @@ class Scheduler:
         """Record the step's sampled tokens (``out.steps`` per sampled sequence, step-major, in chunk order) and
         retire the finished sequences; returns them. ``is_stopped`` adds stop-string checks."""
         rows, finished = self.advance(out)
-        return finished + self.resolve(rows, tokens, logprobs, is_stopped, out.steps)[0]
+        return finished + self.resolve(rows, tokens, logprobs, is_stopped, out.steps, out.row_steps)[0]
 
     @staticmethod
     def _placeholder_index(seq: Sequence, steps: int) -> int:

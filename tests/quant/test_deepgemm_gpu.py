@@ -17,6 +17,9 @@ from jetrl.quant import ACT, WEIGHT
 from jetrl.quant.kernels import tuning
 
 pytestmark = pytest.mark.gpu
+# each engine's KV pool, in bytes: the GPU tests run in several processes on one GPU, and a pool of most of the free
+# memory (the default) would leave another process's graph capture without any (a capture fails, decoding runs eagerly)
+POOL_BYTES = 1 << 30
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +141,13 @@ def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):
         return real_gemm(a, b, *args, **kw)
 
     with tuning.override(gemm="deepgemm"):
-        eager = RolloutEngine(model, cuda_graphs=False, max_num_seqs=32, progress=False, max_model_len=128)
+        eager = RolloutEngine(model, memory_budget=POOL_BYTES, cuda_graphs=False, max_num_seqs=32, progress=False,
+                              max_model_len=128)
         a = eager.generate(prompts, params)
         monkeypatch.setattr(dg, "compile_kernels", spy_compile)
         monkeypatch.setattr(dg, "gemm", spy_gemm)
-        graphs = RolloutEngine(model, cuda_graphs=True, max_num_seqs=32, graph_batch_sizes=[8, 32], progress=False,
+        graphs = RolloutEngine(model, memory_budget=POOL_BYTES, cuda_graphs=True, max_num_seqs=32,
+                               graph_batch_sizes=[8, 32], progress=False,
                                max_model_len=128)
         b = graphs.generate(prompts, params)
     assert graphs.runner.graphs is not None and 32 in graphs.runner.graphs.graphs

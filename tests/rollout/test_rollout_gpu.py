@@ -7,6 +7,9 @@ from jetrl.models import DecoderConfig, PagedAttentionMetadata, build_model, pag
 from jetrl.rollout import RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
+# each engine's KV pool, in bytes: the GPU tests run in several processes on one GPU, and a pool of most of the free
+# memory (the default) would leave another process's graph capture without any (a capture fails, decoding runs eagerly)
+POOL_BYTES = 1 << 30
 
 
 @pytest.mark.parametrize("num_seqs,num_heads,num_kv_heads,head_dim,page,splits", [
@@ -45,8 +48,10 @@ def test_cuda_graph_decoding_equals_eager(recipe, kv_fp8):
     model = build_model(config, dtype=torch.bfloat16, device="cuda", recipe=recipe, seed=0)
     prompts = [[(7 * i + j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(16)]
     params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=40, ignore_eos=True)
-    eager = RolloutEngine(model, cuda_graphs=False, max_num_seqs=32, progress=False, max_model_len=256, kv_fp8=kv_fp8)
-    graphs = RolloutEngine(model, cuda_graphs=True, max_num_seqs=32, progress=False, max_model_len=256, kv_fp8=kv_fp8)
+    eager = RolloutEngine(model, memory_budget=POOL_BYTES, cuda_graphs=False, max_num_seqs=32, progress=False,
+                          max_model_len=256, kv_fp8=kv_fp8)
+    graphs = RolloutEngine(model, memory_budget=POOL_BYTES, cuda_graphs=True, max_num_seqs=32, progress=False,
+                           max_model_len=256, kv_fp8=kv_fp8)
     # 32 samples decode at a captured size (no padding), 11 x 2 = 22 are padded to 32. The graph's attention
     # may split the context differently from eager decoding (its max_context_len is max_model_len), so
     # results agree to BF16 summation-order noise: identical first tokens (shared prefill), close logprobs
@@ -75,7 +80,8 @@ def test_decode_graphs_are_captured_on_first_use_and_kept():
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=512, eos_token_id=0)
     model = build_model(config, dtype=torch.bfloat16, device="cuda", recipe="bf16", seed=0)
-    engine = RolloutEngine(model, cuda_graphs=True, max_num_seqs=64, progress=False, max_model_len=128)
+    engine = RolloutEngine(model, memory_budget=POOL_BYTES, cuda_graphs=True, max_num_seqs=64, progress=False,
+                           max_model_len=128)
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)
     prompts = [[5 + i, 9, 11 + i] for i in range(4)]
     first = engine.generate(prompts, params)
@@ -108,16 +114,16 @@ def test_decode_runs_equal_single_steps_with_graphs(recipe, kv_fp8, exact):
     prompts = [[(7 * i + j) % 900 + 1 for j in range(3 + 5 * i)] for i in range(13)]
     plain = [SamplingParams(n=3, temperature=0.9, seed=i, max_tokens=37, ignore_eos=True) for i in range(12)] + \
         [SamplingParams(n=1, temperature=0.0, max_tokens=37, ignore_eos=True)]
-    probe = RolloutEngine(model, max_num_seqs=64, progress=False, max_model_len=256, kv_fp8=kv_fp8, exact=exact,
-                          decode_steps=1).generate(prompts, plain)
+    probe = RolloutEngine(model, memory_budget=POOL_BYTES, max_num_seqs=64, progress=False, max_model_len=256,
+                          kv_fp8=kv_fp8, exact=exact, decode_steps=1).generate(prompts, plain)
     stops = tuple({c.token_ids[k] for c, k in zip(probe, range(3, 36, 3))})
     stopping = [SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=30 + i, stop_token_ids=stops,
                                top_k=50 if i % 2 else -1, top_p=0.95 if i % 3 else 1.0) for i in range(13)]
     for params, bitwise in ((plain, True), (stopping, exact)):
         runs = {}
         for steps in (1, 8):
-            engine = RolloutEngine(model, max_num_seqs=64, progress=False, max_model_len=256, kv_fp8=kv_fp8,
-                                   exact=exact, decode_steps=steps)
+            engine = RolloutEngine(model, memory_budget=POOL_BYTES, max_num_seqs=64, progress=False,
+                                   max_model_len=256, kv_fp8=kv_fp8, exact=exact, decode_steps=steps)
             runs[steps] = engine.generate(prompts, params)
             assert engine.runner.graphs is not None and engine.runner.graphs.graphs
             if steps == 8 and params is plain:  # one max_tokens: runs of 8 but the last

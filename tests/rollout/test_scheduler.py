@@ -59,6 +59,8 @@ class _SimulatedRun:
         self.store = {}
         self.steps = {"prefill": 0, "decode": 0}
 
+    FILLER = 1000  # what an idle row of a decode run samples (never a token of the fake model)
+
     @staticmethod
     def next_token(seq, history=None):  # depends on the whole history, like a model would
         history = seq.token_ids if history is None else history
@@ -94,8 +96,13 @@ class _SimulatedRun:
             if out.steps > 1:  # a decode run: the device writes each step's input and samples the next
                 histories = [list(c.seqs[0].token_ids) for c in out.chunks]
                 tokens = []
-                for _ in range(out.steps):
-                    for c, history in zip(out.chunks, histories):
+                self.steps["short rows"] = self.steps.get("short rows", 0) + sum(
+                    out.steps_of(i) < out.steps for i in range(len(out.chunks)))
+                for j in range(out.steps):
+                    for i, (c, history) in enumerate(zip(out.chunks, histories)):
+                        if j >= out.steps_of(i):  # past its own steps: the row idles, its token is dropped
+                            tokens.append(self.FILLER)
+                            continue
                         leader = c.seqs[0]
                         self.store[self.bm.slot(leader, len(history) - 1)] = history[-1]
                         history.append(self.next_token(leader, history))
@@ -106,6 +113,7 @@ class _SimulatedRun:
                     for p in range(s.num_computed_tokens):
                         assert self.store[self.bm.slot(s, p)] == s.token_ids[p]
         assert self.bm.num_free_blocks == self.bm.num_blocks and all(c == 0 for c in self.bm.ref_counts)
+        assert all(self.FILLER not in s.token_ids for s in finished)
         return finished
 
 
@@ -114,7 +122,8 @@ def _groups(prompts, n, max_tokens, stop_ids=frozenset()):
     for i, prompt in enumerate(prompts):
         group = []
         for j in range(n):
-            group.append(Sequence(k, i, j, prompt, SamplingParams(n=n, max_tokens=max_tokens), stop_ids))
+            limit = max_tokens[i] if isinstance(max_tokens, list) else max_tokens  # one per prompt, or for all
+            group.append(Sequence(k, i, j, prompt, SamplingParams(n=n, max_tokens=limit), stop_ids))
             k += 1
         groups.append(group)
     return groups
@@ -244,14 +253,18 @@ def test_decode_runs_give_the_same_tokens_in_every_setting(steps):
     shared prompt tail included) give the step-by-step scheduler's tokens: a large pool, a tiny pool that
     preempts (runs fall back to single steps when their blocks are not free), a sequence limit with chunked
     prefill (prompts join between runs), stop tokens inside runs, and the context limit."""
+    short_rows = 0
     for kw, max_tokens in ((dict(num_blocks=200), 9), (dict(num_blocks=10), 9),
-                           (dict(num_blocks=200, max_num_seqs=4, max_num_batched_tokens=7), 13)):
+                           (dict(num_blocks=200, max_num_seqs=4, max_num_batched_tokens=7), 13),
+                           (dict(num_blocks=200), [9, 4, 11, 6, 13, 5])):
         reference = _outputs(_SimulatedRun(block_size=4, **kw).run(_groups(PROMPTS, n=3, max_tokens=max_tokens)))
         run = _SimulatedRun(block_size=4, decode_steps=steps, **kw)
         assert _outputs(run.run(_groups(PROMPTS, n=3, max_tokens=max_tokens))) == reference, kw
         assert run.steps["runs"] > 0
+        short_rows += run.steps.get("short rows", 0)
         if kw["num_blocks"] == 10:
             assert run.sched.num_preemptions > 0
+    assert short_rows > 0  # rows that reach their max_tokens inside a run
     stop = frozenset({SimStop.token})
     for at in range(6):  # a stop at every offset of a run
         run = _SimulatedRun(num_blocks=50, block_size=4, max_model_len=40, decode_steps=steps)
@@ -266,7 +279,7 @@ def test_decode_runs_give_the_same_tokens_in_every_setting(steps):
     assert len(seq) == 12 and seq.finish_reason == "length"
 
 
-def test_a_run_is_as_long_as_the_shortest_remaining_budget_and_the_free_blocks_allow():
+def test_a_run_is_as_long_as_the_longest_remaining_budget_and_the_free_blocks_allow():
     bm = BlockManager(num_blocks=9, block_size=4)
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     a, b = _seq(0, [1] * 6, max_tokens=20), _seq(1, [2] * 3, max_tokens=5)
@@ -275,11 +288,15 @@ def test_a_run_is_as_long_as_the_shortest_remaining_budget_and_the_free_blocks_a
     out = sched.schedule(8)  # the prefill of both
     sched.postprocess(out, [7, 7], [0.0, 0.0])
     out = sched.schedule(8)
-    assert out.is_decode and out.steps == 4  # b may sample 4 more tokens
-    assert [len(s.block_table) for s in (a, b)] == [3, 2]  # a writes positions 6..9, b 3..6
+    assert out.is_decode and out.steps == 8 and out.row_steps == (8, 4)  # b may sample 4 more tokens
+    assert [len(s.block_table) for s in (a, b)] == [4, 2]  # a writes positions 6..13, b 3..6
+    sched.postprocess(out, [7] * 16, [0.0] * 16)
+    assert b.is_finished and b.finish_reason == "length" and len(b.output_ids) == 5 and len(a.output_ids) == 9
+    out = sched.schedule(8)
+    assert out.steps == 8 and out.row_steps is None and len(a.block_table) == 6  # a alone: positions 14..21
     sched.postprocess(out, [7] * 8, [0.0] * 8)
-    assert b.is_finished and b.finish_reason == "length" and len(b.output_ids) == 5
-    assert sched.schedule(8).steps == 8 and len(a.block_table) == 5  # a alone: positions 10..17
+    out = sched.schedule(8)
+    assert out.steps == 3 and out.row_steps is None  # a's last 3 tokens: a run no longer than any row needs
     tight = Scheduler(BlockManager(num_blocks=3, block_size=4), max_num_seqs=1, max_num_batched_tokens=64,
                       max_model_len=64)
     c = _seq(2, [1] * 7, max_tokens=30)
