@@ -74,7 +74,8 @@ SHAPES: dict[str, dict] = {
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=0,
                  eos_token_id=0, max_position_embeddings=4096),
 }
-RECIPES = ("bf16", "fp8-rollout", "jet")
+RECIPES = {"bf16": ("bf16", False), "fp8-rollout": ("fp8-rollout", False), "jet": ("jet", False),
+           "jet+kv8": ("jet", True)}  # name: (recipe, FP8 KV cache)
 PHASES = ("rollout", "reward", "old_logprob", "reference", "update", "weight_refresh")
 EOS = "<|endoftext|>"
 
@@ -160,7 +161,7 @@ def run_recipe(recipe: str, base: Any, steps: int, out_root: Path) -> dict[str, 
     metrics, the peak memory and the wall time."""
     from jetrl.rl.loop import run
 
-    config = dataclasses.replace(base, recipe=recipe,
+    config = dataclasses.replace(base, recipe=RECIPES[recipe][0], kv_fp8=RECIPES[recipe][1],
                                  trainer=dataclasses.replace(base.trainer, output_dir=os.fspath(out_root / recipe),
                                                              steps=steps + 1))
     device = torch.device(config.model.device)
@@ -258,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
-    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--recipes", default="bf16,fp8-rollout,jet",
+                        help=f"among {', '.join(RECIPES)} (jet+kv8: jet with the FP8 KV cache)")
     parser.add_argument("--steps", type=int, default=None,
                         help="RL steps per recipe (default 8, --tiny 2); medians over steps 2 and later")
     parser.add_argument("--config", default=os.fspath(EXAMPLE), help="the run config (default: the shipped example)")
@@ -272,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{k}: {v[0]}" for k, v in sorted(SETTINGS.items())))
     parser.add_argument("--mean-response", type=int, default=None,
                         help="mean response length aimed at (0: every response runs to --max-tokens)")
-    parser.add_argument("--mini-batch", type=int, default=128, help="algorithm.mini_batch_size")
+    parser.add_argument("--mini-batch", type=int, default=None,
+                        help="algorithm.mini_batch_size (default 128, or the whole batch where it is smaller)")
     parser.add_argument("--micro-tokens", type=int, default=16384, help="algorithm.max_tokens_per_micro_batch")
     parser.add_argument("--tokenizer-vocab", type=int, default=8192)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -293,6 +296,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     args.prompts = prompts if args.prompts is None else args.prompts
     args.max_tokens = max_tokens if args.max_tokens is None else args.max_tokens
     args.mean_response = mean_response if args.mean_response is None else args.mean_response
+    args.mini_batch = min(128, args.prompts * args.n) if args.mini_batch is None else args.mini_batch
     if args.mean_response < 0:
         parser.error("--mean-response must be >= 0")
     return args

@@ -118,10 +118,11 @@ def load_arm(model_path: str, config):
 
 def measure(model: torch.nn.Module, tokenizer, length: int, num_prompts: int, n: int, seed: int, eval_seed: int,
             bin_size: int, max_tokens_per_forward: int, exact: bool = False, kv_fp8: bool = False,
-            kv_fp8_train: bool = False) -> dict[str, Any]:
+            kv_fp8_train: bool = False, ignore_eos: bool = False) -> dict[str, Any]:
     """Experiment 1 for one arm's model at one rollout length: the mismatch statistics, the ratio spread,
     rollout accuracy and length, and the position profile. ``kv_fp8``: the engine's FP8 KV cache;
-    ``kv_fp8_train``: the training-side forward quantizes K/V the same way (a run config's ``kv_fp8_train``)."""
+    ``kv_fp8_train``: the training-side forward quantizes K/V the same way (a run config's ``kv_fp8_train``);
+    ``ignore_eos``: every rollout runs to ``max_tokens``, past the model's end-of-sequence token."""
     clock = common.Clock()
     difficulty = difficulty_for_tokens(length)
     problems = ChainTask(difficulty, seed=eval_seed).examples(num_prompts)
@@ -130,7 +131,8 @@ def measure(model: torch.nn.Module, tokenizer, length: int, num_prompts: int, n:
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=min(256, num_prompts * n),
                            max_model_len=max(len(p) for p in prompts) + max_tokens, exact=exact,
                            kv_fp8=kv_fp8)
-    params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed * 1_000_003 + i)
+    params = [SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, seed=seed * 1_000_003 + i,
+                             ignore_eos=ignore_eos)
               for i in range(len(prompts))]
     completions = engine.generate(prompts, params)
     engine.free_cache()
@@ -242,7 +244,8 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
     results: dict[str, Any] = {
         "experiment": "mismatch_vs_length", "smoke": args.smoke, "warm_start": warm, "lengths": lengths,
         "arm_overrides": arms, "num_prompts": args.prompts, "n": args.n, "seed": args.seed, "eval_seed": args.eval_seed,
-        "deadline": args.deadline, "skipped": [], "failed": [], "arms": {name: {} for name in configs}}
+        "deadline": args.deadline, "ignore_eos": args.ignore_eos, "skipped": [], "failed": [],
+        "arms": {name: {} for name in configs}}
     json_path = out / "exp_mismatch.json"
     # shortest lengths first, every arm at each: a call that runs out of time has whole rows of the table
     for length in lengths:
@@ -254,7 +257,7 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
             try:
                 m = measure(models[name], tokenizer, length, args.prompts, args.n, args.seed, args.eval_seed,
                             args.bin_size, args.max_tokens_per_forward, exact=config.exact, kv_fp8=config.kv_fp8,
-                            kv_fp8_train=config.kv_fp8_train)
+                            kv_fp8_train=config.kv_fp8_train, ignore_eos=args.ignore_eos)
             except Exception as exc:  # one broken arm must not cost the other cells of a device call
                 if args.smoke:
                     raise
@@ -284,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (the same for every arm)")
     p.add_argument("--eval-seed", type=int, default=12345, help="task seed of the prompts (unseen by the SFT)")
     p.add_argument("--bin-size", type=int, default=None, help="tokens per position bin (default 256; smoke 8)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="rollouts run to their max_tokens past the end-of-sequence token: lengths a pretrained model "
+                        "that answers briefly does not reach by itself (its own continuation, sampled as RL would)")
     p.add_argument("--max-tokens-per-forward", type=int, default=65536, help="training-side scoring budget")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds after the start past which no new (length, arm) cell starts (default 540 on the GPU, "
