@@ -34,7 +34,6 @@ parameters collectively, so those run eagerly (:func:`graphs_apply`).
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -42,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from jetrl.models.attention import flash_varlen_supported
-from jetrl.quant import fp8_linears
+from jetrl.models.cuda_graphs import CaptureFailed, capture, storage_key, warn_eager
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.micro_batch import (MicroBatchShape, PackedMicroBatch, blob_sizes, bucket_shape, micro_batch_loss,
                                   micro_batch_sizes, pack, packed_logprobs)
@@ -119,19 +118,10 @@ class UpdateGraphs:
         return pack(batch, rows, shape.width, shape)
 
     def storage_key(self) -> tuple:
-        """The addresses a replay reads and writes (parameters, gradients, FP8 weights, brought to the current
-        weights in place first) and the kernel tuning in force."""
-        from jetrl.quant.kernels import tuning
-
-        ptrs: list = [tuning.current()]
-        for p in self.model.parameters():
-            ptrs += [p.data_ptr(), -1 if p.grad is None else p.grad.data_ptr()]
-        for layer in fp8_linears(self.model):
-            ptrs.append(id(layer))
-            if layer.uses_fp8():
-                for q in layer.current_fp8_tensors():
-                    ptrs += [q.data.data_ptr(), q.scale.data_ptr()]
-        return tuple(ptrs)
+        """What a replay reads and writes (:func:`~jetrl.models.cuda_graphs.storage_key`: parameters, gradients,
+        FP8 weights with their W^T copies, brought to the current weights in place first) and the kernel tuning
+        in force."""
+        return storage_key(self.model, grads=True, transposes=True)
 
     def _step(self, packed: PackedMicroBatch, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
         if g.score:
@@ -196,7 +186,7 @@ class UpdateGraphs:
         shape = packed.shape
         main = torch.cuda.current_stream(self.device)
         if self.capture_first and g.score in self.warm:
-            if self._capture(packed, g, main):
+            if self._capture(packed, g):
                 self._store(shape, present, g, key)
                 return self._replay(g, b, width)
             self.capture_first = False  # something here needs its eager run first: warm up every new shape
@@ -208,34 +198,24 @@ class UpdateGraphs:
         main.wait_stream(self.stream)
         lp.record_stream(main)
         stats.record_stream(main)
-        if not self._capture(packed, g, main):  # a path that cannot be captured still trains, eagerly (this
+        if not self._capture(packed, g):  # a path that cannot be captured still trains, eagerly (this
             self.graphs.clear()                  # micro-batch already did)
             what = "old-logprob pass's" if g.score else "update's"
-            warnings.warn(f"CUDA graph capture of the {what} micro-batch failed ({self.failed}); the update and the "
-                          "old-logprob pass run eagerly from here (algorithm.cuda_graphs: false says so up front)",
-                          RuntimeWarning, stacklevel=5)
+            warn_eager(f"the {what} micro-batch", CaptureFailed(self.failed), "the update and the old-logprob pass "
+                       "run eagerly from here (algorithm.cuda_graphs: false says so up front)", stacklevel=5)
             return lp, stats
         self.failed = None
         self._store(shape, present, g, key)
         return lp, stats
 
-    def _capture(self, packed: PackedMicroBatch, g: _Graph, main: torch.cuda.Stream) -> bool:
+    def _capture(self, packed: PackedMicroBatch, g: _Graph) -> bool:
         """Capture ``g``'s micro-batch on the graphs' stream (nothing runs); False, with :attr:`failed` set, if
         the capture failed."""
-        graph = torch.cuda.CUDAGraph()
         try:
-            # torch.cuda.graph() would also synchronize, collect garbage and empty the allocator's cache per capture
-            with torch.cuda.stream(self.stream):
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    g.lp, g.stats = self._step(packed, g)
-                finally:
-                    graph.capture_end()
-            main.wait_stream(self.stream)
-        except Exception as exc:
-            self.failed = f"{type(exc).__name__}: {exc}"
+            g.graph, (g.lp, g.stats) = capture(lambda: self._step(packed, g), stream=self.stream, pool=self.pool)
+        except CaptureFailed as exc:
+            self.failed = str(exc)
             return False
-        g.graph = graph
         return True
 
     def _store(self, shape: MicroBatchShape, present: tuple[str, ...] | None, g: _Graph, key: tuple) -> None:

@@ -36,7 +36,8 @@ candidate set; a batch is padded to the next candidate with rows that write into
 owns (the pool's last block). A size is captured the first time a step needs it. Besides ``free_cache``, the
 graphs are dropped and captured again only when what they depend on changes: a parameter, or a cached FP8
 weight or its scale, moves to new storage; the recipe swaps the linear layers for new modules; or the kernel
-tuning in force changes (a graph replays the kernels chosen when it was captured). A new weight version is
+tuning in force changes (:func:`jetrl.models.cuda_graphs.storage_key`, shared with the update's graphs, as is
+the capture itself: :func:`~jetrl.models.cuda_graphs.capture`, after one eager warm-up). A new weight version is
 re-quantized into the same FP8 buffers, so graphs survive optimizer steps in ``jet``, but a sharded model's
 weights, gathered for each rollout, move every step. The first capture of a set of graphs first compiles the
 GEMM kernels that compile at first use (DeepGEMM's, under ``gemm="deepgemm"``) for every candidate size at once.
@@ -53,14 +54,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 from typing import Sequence as Seq
 
 import numpy as np
 import torch
 
 from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache
-from jetrl.quant import fp8_linears, precision_side
+from jetrl.models.cuda_graphs import capture, storage_key, warn_eager
+from jetrl.quant import precision_side
 from jetrl.quant.backend import prepare_gemms
 from jetrl.quant.recipe import check_exact
 from jetrl.rollout.block_manager import BlockTableMirror
@@ -109,6 +110,7 @@ class _DecodeGraphs:
         self.scratch_block, self.block_size = runner.scratch_block, runner.block_size
         self._park(0, max_b)
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(dev)  # warm-ups and captures run here
         self.prepared = False  # GEMM kernels compiled ahead for every size (the first capture does it)
 
     def _park(self, start: int, stop: int) -> None:
@@ -132,16 +134,9 @@ class _DecodeGraphs:
             prepare_gemms(self.sizes, self.runner.device)
         self._park(0, b)
         meta = self._meta(b)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.runner._forward(self.input_ids[:b], self.positions[:b], meta, None)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[b] = self.runner._forward(self.input_ids[:b], self.positions[:b], meta, None)
-        self.graphs[b] = graph
-        torch.cuda.synchronize()
+        self.graphs[b], self.outputs[b] = capture(
+            lambda: self.runner._forward(self.input_ids[:b], self.positions[:b], meta, None), stream=self.stream,
+            pool=self.pool, warmup=True)
 
     def _meta(self, b: int) -> PagedAttentionMetadata:
         return PagedAttentionMetadata(self.query_start_loc[:b + 1], self.context_lens[:b], self.block_tables[:b],
@@ -292,22 +287,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _weights_key(self) -> tuple:
-        """What the captured CUDA graphs depend on: the kernel tuning in force (a graph replays the kernels chosen
-        when it was captured) and the storage of every parameter and of every FP8 weight the layers hold (brought to
-        the current weight version in place first; a grouped layer's are its group's stacked weight, so no
-        per-layer copy is made). The graphs stay valid while it is unchanged (compared with ``==``: an equal tuning
-        object counts as unchanged)."""
-        from jetrl.quant.kernels import tuning
-
-        ptrs: list = [tuning.current()]
-        ptrs += [p.data_ptr() for p in self.model.parameters()]
+        """What the captured CUDA graphs depend on (:func:`~jetrl.models.cuda_graphs.storage_key`): the kernel
+        tuning, the parameters and the rollout side's FP8 weights without their W^T copies (a grouped layer's are
+        its group's stacked weight, so no per-layer copy is made)."""
         with precision_side("rollout"):
-            for layer in fp8_linears(self.model):
-                ptrs.append(id(layer))  # a recipe swap replaces the modules the graphs captured
-                if layer.uses_fp8():
-                    for q in layer.current_fp8_tensors(transposes=False):  # the update's W^T is not read here
-                        ptrs += [q.data.data_ptr(), q.scale.data_ptr()]
-        return tuple(ptrs)
+            return storage_key(self.model, grads=False, transposes=False)
 
     def _ensure_graphs(self) -> None:
         if not self.use_cuda_graphs:
@@ -322,8 +306,7 @@ class ModelRunner:
             self.graphs = graphs
             self._graph_key = key
         except Exception as exc:  # a model path that cannot be captured still runs, eagerly
-            warnings.warn(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc}); "
-                          f"decoding eagerly", RuntimeWarning, stacklevel=4)
+            warn_eager("the decode step", exc, "decoding eagerly", stacklevel=4)
             self.use_cuda_graphs = False
 
     def _graphs_for(self, rows: int) -> _DecodeGraphs | None:
@@ -338,8 +321,7 @@ class ModelRunner:
         try:
             graphs.capture(size)
         except Exception as exc:  # a model path that cannot be captured still runs, eagerly
-            warnings.warn(f"CUDA graph capture of the decode step failed ({type(exc).__name__}: {exc}); "
-                          f"decoding eagerly", RuntimeWarning, stacklevel=4)
+            warn_eager("the decode step", exc, "decoding eagerly", stacklevel=4)
             self.use_cuda_graphs = False
             self.graphs = None
             return None

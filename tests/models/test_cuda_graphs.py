@@ -1,0 +1,106 @@
+"""The CUDA-graph toolkit the decode steps and the update share: the storage key (CPU), the capture and its
+failure (GPU)."""
+
+import warnings
+
+import pytest
+import torch
+
+from jetrl.models import DecoderConfig, build_model
+from jetrl.models.cuda_graphs import CaptureFailed, capture, storage_key, warn_eager
+from jetrl.quant import fp8_linears, precision_side
+from jetrl.quant.kernels import tuning
+
+CONFIG = dict(model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, eos_token_id=1)
+
+
+def _jet_model(dtype=torch.float32, device="cpu"):
+    model = build_model(DecoderConfig(**CONFIG), dtype=dtype, device=device, recipe="jet", seed=0)
+    ids = torch.randint(2, 256, (1, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    model(ids).float().sum().backward()  # the training side quantizes W and W^T: FP8 caches exist
+    return model
+
+
+def test_storage_key_follows_parameters_gradients_fp8_caches_and_tuning():
+    model = _jet_model()
+    key = storage_key(model, grads=True, transposes=True)
+    assert storage_key(model, grads=True, transposes=True) == key  # nothing moved
+    assert any(layer.uses_fp8() and layer.cached_fp8_tensors() for layer in fp8_linears(model))
+
+    # a new weight version is re-quantized in place: the FP8 buffers stay, so the key does too
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    assert storage_key(model, grads=True, transposes=True) == key
+
+    # a gradient buffer replaced (not zeroed in place) moves what an update graph accumulates into
+    param = next(p for p in model.parameters() if p.grad is not None)
+    param.grad = param.grad.clone()
+    moved = storage_key(model, grads=True, transposes=True)
+    assert moved != key
+    assert storage_key(model, grads=False, transposes=True) == storage_key(model, grads=False, transposes=True)
+
+    # a parameter moved to new storage
+    before = storage_key(model, grads=False, transposes=False)
+    param.data = param.data.clone()
+    assert storage_key(model, grads=False, transposes=False) != before
+
+    # the kernel tuning in force: a different one is another key, an equal one the same
+    base = storage_key(model, grads=False, transposes=False)
+    with tuning.override(kv_decode_factored=not tuning.current().kv_decode_factored):
+        assert storage_key(model, grads=False, transposes=False) != base
+    with tuning.override(exact_split_k=tuning.current().exact_split_k):
+        assert storage_key(model, grads=False, transposes=False) == base
+
+
+@pytest.mark.gpu
+def test_storage_key_reads_the_transposes_only_when_asked():
+    """A forward-only graph (the decode step) reads W alone: its key leaves the W^T copies out, so dropping them
+    does not recapture the decode graphs; the update's key includes them (on the GPU the training side keeps
+    W^T in FP8 for DGrad)."""
+    model = _jet_model(dtype=torch.bfloat16, device="cuda")
+    with precision_side("train"):
+        with_t = storage_key(model, grads=False, transposes=True)
+        without = storage_key(model, grads=False, transposes=False)
+    assert len(with_t) > len(without)
+
+
+def test_a_failed_capture_warns_once_with_its_reason():
+    with pytest.warns(RuntimeWarning, match=r"CUDA graph capture of the decode step failed \(RuntimeError: boom\); "
+                                            r"decoding eagerly"):
+        warn_eager("the decode step", CaptureFailed("RuntimeError: boom"), "decoding eagerly")
+    with pytest.warns(RuntimeWarning, match=r"failed \(ValueError: bad\)"):
+        warn_eager("the update's micro-batch", ValueError("bad"), "eagerly")
+
+
+@pytest.mark.gpu
+def test_capture_replays_fresh_inputs_and_reports_a_failed_capture():
+    x = torch.randn(1000, device="cuda")
+    w = torch.randn(1000, device="cuda")
+    calls = []
+
+    def run():
+        calls.append(1)
+        return torch.tanh(x * w).cumsum(0)
+
+    stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+    graph, out = capture(run, stream=stream, pool=pool, warmup=True)
+    assert len(calls) == 2  # the warm-up and the capture
+    for _ in range(3):
+        x.copy_(torch.randn(1000, device="cuda"))
+        graph.replay()
+        assert torch.equal(out, torch.tanh(x * w).cumsum(0))
+
+    def forbidden():  # a host synchronization inside a capture invalidates it
+        y = x * 2
+        torch.cuda.synchronize()
+        return y
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own warning about resetting the failed graph
+        with pytest.raises(CaptureFailed):
+            capture(forbidden, stream=stream, pool=pool)
+    graph2, out2 = capture(run, stream=stream, pool=pool)  # the device is still usable after a failed capture
+    graph2.replay()
+    assert torch.equal(out2, torch.tanh(x * w).cumsum(0))
