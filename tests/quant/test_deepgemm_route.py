@@ -9,12 +9,14 @@ from jetrl.quant.kernels import tuning
 from jetrl.rl.micro_batch import round_up
 
 
-def test_the_rule_takes_the_rollouts_decode_rows_except_long_k_weights_up_to_the_split_k_bound():
+def test_the_rule_takes_decode_sized_gemms_except_long_k_weights_up_to_the_split_k_bound():
+    """The rule reads the GEMM's shape alone: the rows of a rollout's decode step, or of a training micro-batch
+    that small, go to DeepGEMM; prefill and training-sized GEMMs (Fprop and DGrad) to the default route."""
     rule = tuning.KernelTuning().deepgemm_rule()
     assert rule["decode_max_m"] == 256 and rule["split_k_max_m"] == 128
 
-    def where(m, n, k, rollout=True, **kw):
-        return dg.route(m, n, k, rollout=rollout, **{**rule, **kw})
+    def where(m, n, k, **kw):
+        return dg.route(m, n, k, **{**rule, **kw})
 
     for m in (1, 3, 16, 100, 256):
         assert where(m, 2048, 1536) == "deepgemm"  # q/k/v stacked, o, gate/up: K <= 2N
@@ -24,19 +26,29 @@ def test_the_rule_takes_the_rollouts_decode_rows_except_long_k_weights_up_to_the
             assert where(m, n, k) == ("deepgemm" if m > 128 else "decode")  # split-K's case up to 128 rows
         # a grouped launch with biases (the caller's decode bound) keeps the decode kernel up to that bound
         assert where(m, 4608, 3584, decode_bound=64) == ("deepgemm" if m > 64 else "decode")
-        # the training side (an update or scoring micro-batch this small, DGrad among them) is not the rollout's
-        assert where(m, 2048, 1536, rollout=False) is None
     assert where(257, 2048, 1536) is None  # above the decode bound: the default route's
     assert where(16, 2048, 1536, decode_max_m=0) is None  # the decode route off
-    # the training GEMMs stay on the default route
-    assert where(2048, 2048, 1536, rollout=False) is None and where(15360, 17920, 1536, rollout=False) is None
+    # training-sized GEMMs (a micro-batch's Fprop, its DGrad against W^T) stay on the default route
+    assert where(2048, 2048, 1536) is None and where(15360, 17920, 1536) is None and where(4099, 1536, 8960) is None
+
+
+def test_no_kernel_module_reads_the_precision_side():
+    """GEMM routing (and every other kernel choice) decides from the operands and the tuning, not from which
+    phase runs it: only the recipe's choice of precision per side (quant/linear.py) reads the side."""
+    import pathlib
+
+    import jetrl.quant
+
+    root = pathlib.Path(jetrl.quant.__file__).parent
+    readers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if "current_side" in p.read_text() and p.name not in ("side.py", "__init__.py"))
+    assert readers == ["linear.py"]
 
 
 def test_the_plan_covers_no_training_rows():
     seen = {(2048, 1536), (1536, 2048)}
     buckets = sorted({round_up(t, 128) for t in range(1024, 4097, 128)})
-    assert not dg.planned_shapes(buckets, rollout=False, seen=seen, **tuning.KernelTuning().deepgemm_rule())
-    assert not dg.planned_shapes([128, 256], rollout=False, seen=seen, **tuning.KernelTuning().deepgemm_rule())
+    assert not dg.planned_shapes(buckets, seen=seen, **tuning.KernelTuning().deepgemm_rule())
 
 
 def test_the_plan_covers_the_decode_graph_sizes():
@@ -44,7 +56,7 @@ def test_the_plan_covers_the_decode_graph_sizes():
     (K > 2N) above the split-K bound only, and the stacked q/k/v with biases above its decode bound only."""
     seen = {(2048, 1536), (17920, 1536), (1536, 1536), (1536, 8960)}
     sizes = [1, 2, 4, 8, 16, 32, 128, 144, 256]
-    plan = dg.planned_shapes(sizes, rollout=True, seen=seen, **tuning.KernelTuning().deepgemm_rule(),
+    plan = dg.planned_shapes(sizes, seen=seen, **tuning.KernelTuning().deepgemm_rule(),
                              decode_bound=lambda n, k: 64 if (n, k) == (2048, 1536) else 0)
     assert sorted(plan, key=lambda s: (s.n, s.k, s.m)) == sorted(
         [dg.GemmShape(m, n, 1536) for n in (17920, 1536) for m in sizes]

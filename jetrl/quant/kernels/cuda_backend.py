@@ -14,7 +14,7 @@ backend (quantization bit for bit, GEMMs to output rounding):
   (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
   FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
   grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; with the tuning's
-  ``gemm="deepgemm"`` (opt-in), the rollout's decode GEMMs go to DeepGEMM
+  ``gemm="deepgemm"`` (opt-in), decode-sized GEMMs go to DeepGEMM
   (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
   cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
   the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
@@ -40,7 +40,6 @@ import torch
 
 from jetrl.quant import reference
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
-from jetrl.quant.side import current_side
 from jetrl.quant.kernels import bias_triton
 from jetrl.quant.kernels import gemm_decode_triton as dk
 from jetrl.quant.kernels import gemm_deepgemm as deepgemm
@@ -115,7 +114,8 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
     docstring); ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``, ``biased``
     with biases, which the grouped decode kernel adds in its epilogue and DeepGEMM cannot (two more launches), so
     under ``gemm="deepgemm"`` such a launch keeps the decode kernel where its bound takes the rows
-    (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`, on the rollout side)."""
+    (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`). The choice reads the GEMM's operands and the tuning, never
+    which phase (rollout or training) runs it."""
     cfg = tuning.current()
     choice = cfg.gemm
     m, k = a.shape[0], a.shape[1]
@@ -125,8 +125,8 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
     n = grouped_n if grouped else b.shape[0]
     if choice == "deepgemm" and deepgemm.supports(a, b, out_dtype):
         # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
-        where = deepgemm.route(m, n, k, rollout=current_side() == "rollout",
-                               decode_bound=decode_max_m(n, k, grouped) if biased else 0, **cfg.deepgemm_rule())
+        where = deepgemm.route(m, n, k, decode_bound=decode_max_m(n, k, grouped) if biased else 0,
+                               **cfg.deepgemm_rule())
         if where == "deepgemm" and not deepgemm.is_available(a.data.device):
             raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
                                "DeepGEMM does not load here (see the warning before); rebuild it "
@@ -245,14 +245,15 @@ class CudaBackend:
         return gemm_triton.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
 
     def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
-        """Compile ahead DeepGEMM's kernels for the GEMMs met so far at these token counts (rows), where the tuning
-        routes them there on the side in force (the rollout's decode graphs), by :func:`gemm_path`'s rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
+        """Compile ahead DeepGEMM's kernels for the GEMMs met so far at these token counts (rows: the rollout's
+        decode graph sizes), where :func:`gemm_path`'s rule routes them there
+        (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
         cfg = tuning.current()
         if cfg.gemm != "deepgemm" or not deepgemm.is_available(device):
             return 0.0
         biased = deepgemm.biased_groups()  # as gemm_path's biased grouped launches (the stacked q/k/v's shape)
         shapes = deepgemm.planned_shapes(
-            token_counts, rollout=current_side() == "rollout", **cfg.deepgemm_rule(),
+            token_counts, **cfg.deepgemm_rule(),
             decode_bound=lambda n, k: decode_max_m(n, k, grouped=True) if (n, k) in biased else 0)
         return deepgemm.compile_kernels(shapes, device)
 

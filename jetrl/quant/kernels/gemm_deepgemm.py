@@ -77,25 +77,27 @@ def supports(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
     return a.block == ACT and b.block == WEIGHT and out_dtype == torch.bfloat16 and scaled_mm.supports(a, b)
 
 
-def route(m: int, n: int, k: int, *, rollout: bool, decode_max_m: int = 0, split_k_max_m: int = 0,
+def route(m: int, n: int, k: int, *, decode_max_m: int = 0, split_k_max_m: int = 0,
           decode_bound: int = 0) -> str | None:
     """Where ``gemm="deepgemm"`` sends ``a`` (m, k) @ ``b`` (n, k)^T that DeepGEMM's layouts take (:func:`supports`):
     ``"deepgemm"``, ``"decode"`` (jetrl's split-K decode kernel keeps it) or None (the default route decides: the
     decode kernel up to its bound, cuBLAS above). The bounds are the tuning's
-    (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.deepgemm_rule`); ``rollout``: the GEMM runs on the rollout
-    side (:func:`jetrl.quant.side.current_side`); ``decode_bound``: rows up to which the caller's launch is better
-    on the decode kernel whatever its shape (a grouped launch with biases, which that kernel adds in its epilogue
-    and DeepGEMM cannot; 0: none).
+    (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.deepgemm_rule`); ``decode_bound``: rows up to which the
+    caller's launch is better on the decode kernel whatever its shape (a grouped launch with biases, which that
+    kernel adds in its epilogue and DeepGEMM cannot; 0: none).
 
-    The rollout's Fprop of at most ``decode_max_m`` rows (its decode steps, whose CUDA graphs' row counts are
-    compiled ahead at their first capture) goes to DeepGEMM, whose persistent kernel is faster there than both
-    cuBLAS's blockwise GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an
-    MLP's down projection) up to ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles
-    leave most SMs idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, "FP8 kernels":
-    "Decode GEMMs, 1.5B, with DeepGEMM"). Every other GEMM (larger row counts, the training side) is left to the
-    default route.
+    The rule reads the GEMM's shape alone, not which phase runs it. A GEMM of at most ``decode_max_m`` rows (a
+    rollout's decode step, whose CUDA graphs' row counts are compiled ahead at their first capture) goes to
+    DeepGEMM, whose persistent kernel is faster there than both cuBLAS's blockwise GEMM and the split-K decode
+    kernel, except on weights whose K is more than twice their N (an MLP's down projection) up to
+    ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles leave most SMs idle over a
+    long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, "FP8 kernels": "Decode GEMMs, 1.5B, with
+    DeepGEMM"). Every larger GEMM (prefill, the trainer's micro-batches, their DGrad) is left to the default
+    route; a training micro-batch of at most ``decode_max_m`` tokens is a decode-sized GEMM like any other and
+    takes DeepGEMM too, compiled at its first use. WGrad never reaches here (its right operand is 128x1-blocked
+    activations, not a weight: :func:`supports`).
     """
-    if not rollout or m > decode_max_m:
+    if m > decode_max_m:
         return None
     if (k > 2 * n and m <= split_k_max_m) or m <= decode_bound:
         return "decode"
@@ -234,16 +236,16 @@ def biased_groups() -> frozenset[tuple[int, int]]:
     return frozenset(_BIASED_GROUPS)
 
 
-def planned_shapes(token_counts: list[int], *, rollout: bool, seen: set[tuple[int, int]] | None = None,
+def planned_shapes(token_counts: list[int], *, seen: set[tuple[int, int]] | None = None,
                    decode_bound=None, **rule: int) -> list[GemmShape]:
     """The DeepGEMM launches that the weights ``seen`` (default: those this process has run, :func:`note`) make at
-    each of ``token_counts`` rows on the ``rollout`` side or the training side, by :func:`route` with the bounds
-    ``rule``; ``decode_bound(n, k)`` gives a weight's ``decode_bound`` (default 0)."""
+    each of ``token_counts`` rows, by :func:`route` with the bounds ``rule``; ``decode_bound(n, k)`` gives a
+    weight's ``decode_bound`` (default 0)."""
     out = []
     for n, k in sorted(_SEEN if seen is None else seen):
         bound = 0 if decode_bound is None else decode_bound(n, k)
         for m in token_counts:
-            if route(m, n, k, rollout=rollout, decode_bound=bound, **rule) == "deepgemm":
+            if route(m, n, k, decode_bound=bound, **rule) == "deepgemm":
                 out.append(GemmShape(m, n, k))
     return out
 
