@@ -106,9 +106,12 @@ def test_caches_of_other_strides_are_not_taken():
 
 @pytest.mark.parametrize("seqs, kv_heads, context, warps, waves, max_splits, want", [
     (256, 8, 768, 1, 8.0, 64, 1),  # 2,048 programs already past 8 per SM of 132
-    (64, 8, 768, 1, 8.0, 64, 3),  # ceil(1056 / 512)
-    (64, 8, 4352, 1, 8.0, 64, 3),
+    (64, 8, 768, 1, 8.0, 64, 2),  # a short context aims for half the waves: ceil(528 / 512)
+    (64, 8, 4352, 1, 8.0, 64, 3),  # from 4,096 tokens on the full waves: ceil(1056 / 512)
     (64, 8, 4352, 1, 6.0, 64, 2),  # the default waves: ceil(792 / 512)
+    (64, 2, 3072, 1, 6.0, 64, 5),  # in between, in proportion: 6 x 0.75 waves, ceil(594 / 128)
+    (64, 2, 1280, 1, 6.0, 64, 4),  # 1.5B heads, 64 x (256 + 1,024): 3 waves, ceil(396 / 128)
+    (256, 2, 1280, 1, 6.0, 64, 1),  # ... at 256 sequences 512 programs already
     (256, 8, 768, 1, 6.0, 64, 1),
     (16, 8, 4352, 1, 6.0, 64, 7),  # ceil(792 / 128)
     (1, 8, 8000, 1, 8.0, 64, 64),  # the cap

@@ -338,12 +338,23 @@ def shapes_supported(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer
             and k_cache_layer.data_ptr() % 16 == 0 and v_cache_layer.data_ptr() % 16 == 0)
 
 
+# The context from which a split aims for the tuning's full ``waves``; shorter contexts aim for fewer programs, down
+# to half of them (see num_splits).
+FULL_WAVES_CONTEXT = 4096
+
+
 def num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, sm_count: int, num_warps: int, waves: float,
                max_splits: int) -> int:
     """Context splits per sequence: enough programs for ``waves`` programs per SM (``ceil(waves * SMs)`` over the
     ``num_seqs * num_kv_heads`` programs of one split, rounded up), at most ``max_splits``, and never more splits
-    than the longest context has rounds of ``num_warps`` tiles."""
+    than the longest context has rounds of ``num_warps`` tiles.
+
+    ``waves`` holds from :data:`FULL_WAVES_CONTEXT` tokens of context on and shrinks in proportion below it, to
+    half at most: a short context's programs are short, so the merge launch and each program's set-up weigh more
+    against the parallelism a further split buys (BENCHMARKS.md, "Decode attention"). In the rollout's CUDA
+    graphs ``max_context_len`` is the engine's longest context, so the split follows the setting, not the step."""
     programs = max(num_seqs * num_kv_heads, 1)
+    waves *= min(1.0, max(0.5, max_context_len / FULL_WAVES_CONTEXT))
     want = -(-math.ceil(waves * sm_count) // programs)
     rounds = max(-(-max(max_context_len, 1) // (num_warps * TILE)), 1)
     return int(max(1, min(want, max_splits, rounds)))
@@ -383,4 +394,5 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
     return out
 
 
-__all__ = ["paged_decode_streams", "supports", "shapes_supported", "num_splits", "TILE", "HEAD_DIM", "MAX_GROUP"]
+__all__ = ["paged_decode_streams", "supports", "shapes_supported", "num_splits", "TILE", "HEAD_DIM", "MAX_GROUP",
+           "FULL_WAVES_CONTEXT"]
