@@ -99,13 +99,6 @@ def _copy_bandwidth() -> float:
     return 2 * src.numel() / ms / 1e6  # GB/s, bytes read + written
 
 
-def _tuned(settings: dict, fn, *args):
-    """``fn(*args)`` with the tuning object's ``settings`` in force."""
-    from jetrl.quant.kernels import tuning
-
-    with tuning.override(**settings):
-        return fn(*args)
-
 
 def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
     from jetrl.quant.kernels import quantize_triton as tk
@@ -115,7 +108,7 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
         q, s = tk.quantize_act_1x128(x)
         kb, mb = -(-k // 128), -(-m // 128)
         cases = {
-            # name: (fn, bytes moved); tiles and warps are the tuning object's defaults
+            # name: (fn, bytes moved); tiles and warps are the kernels' defaults
             "act 1x128": (lambda: tk.quantize_act_1x128(x), 2 * m * k + m * k + 4 * m * kb),
             "token 128x1": (lambda: tk.quantize_token_128x1(x), 2 * m * k + m * k + 4 * mb * k),
             "requant 1x128->128x1": (lambda: tk.requantize_act_to_token(q, s), 2 * m * k + 4 * (m * kb + mb * k)),
@@ -124,12 +117,12 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
             "act 1x128 + 128x1 [two kernels]": (lambda: (tk.quantize_act_1x128(x), tk.quantize_token_128x1(x)),
                                                 2 * m * k + 2 * m * k + 4 * (m * kb + mb * k)),
         }
-        for bk, warps in TOKEN_TILES:  # the Triton 128x1 kernels' tile sweep, through the tuning object
+        for bk, warps in TOKEN_TILES:  # the Triton 128x1 kernels' tile sweep, passed to their launchers
             tag = f" [bk{bk} w{warps}]"
-            tiles = dict(token_block_k=bk, token_num_warps=warps, requant_block_k=bk, requant_num_warps=warps)
-            cases["token 128x1" + tag] = (lambda t=tiles: _tuned(t, tk.quantize_token_128x1, x),
+            tiles = dict(block_k=bk, num_warps=warps)
+            cases["token 128x1" + tag] = (lambda t=tiles: tk.quantize_token_128x1(x, **t),
                                           2 * m * k + m * k + 4 * mb * k)
-            cases["requant 1x128->128x1" + tag] = (lambda t=tiles: _tuned(t, tk.requantize_act_to_token, q, s),
+            cases["requant 1x128->128x1" + tag] = (lambda t=tiles: tk.requantize_act_to_token(q, s, **t),
                                                    2 * m * k + 4 * (m * kb + mb * k))
         try:  # the Gluon 128x1 kernels (the tile staged in shared memory, one whole column per thread)
             from jetrl.quant.kernels import quantize_gluon as tg
@@ -154,22 +147,22 @@ def bench_quantization(rep: Report, shapes: list[tuple[int, int]]) -> None:
             rep.add("quant", kernel=name, shape=f"{m}x{k}", us=ms * 1e3, gbps=gbps, frac_copy=gbps / rep.copy_gbps)
 
 
-# quant-sweep: per kernel, the configurations timed (settings of the tuning object, jetrl.quant.kernels.tuning).
-# Every configuration gives the same bits (tests/quant/test_triton_interpret.py, tests/quant/test_kernels_gpu.py).
+# quant-sweep: per kernel, the configurations timed (keyword arguments of its launcher in
+# jetrl.quant.kernels.quantize_triton, whose constants are the defaults). Every configuration gives the same bits
+# (tests/quant/test_triton_interpret.py, tests/quant/test_kernels_gpu.py).
 def _quant_sweep_configs() -> dict[str, list[dict]]:
     return {
-        "act 1x128": [dict(act_block_m=bm, act_num_warps=w) for bm, w in ((32, 4), (64, 8), (16, 4))],
-        "token 128x1": [dict(token_block_k=bk, token_num_warps=w) for bk, w in ((32, 1), (64, 4), (32, 2), (64, 2),
-                                                                                 (128, 4))],
-        "requant 1x128->128x1": [dict(requant_block_k=bk, requant_num_warps=w) for bk, w in ((32, 1), (32, 4), (32, 2),
-                                                                                           (64, 2), (128, 4))],
-        "weight 128x128 + W^T": [dict(weight_num_warps=w) for w in (8, 4)],
+        "act 1x128": [dict(block_m=bm, num_warps=w) for bm, w in ((32, 4), (64, 8), (16, 4))],
+        "token 128x1": [dict(block_k=bk, num_warps=w) for bk, w in ((32, 1), (64, 4), (32, 2), (64, 2), (128, 4))],
+        "requant 1x128->128x1": [dict(block_k=bk, num_warps=w) for bk, w in ((32, 1), (32, 4), (32, 2), (64, 2),
+                                                                             (128, 4))],
+        "weight 128x128 + W^T": [dict(num_warps=w) for w in (8, 4)],
     }
 
 
 def _config_name(cfg: dict) -> str:
     short = {"block_m": "bm", "block_k": "bk", "num_warps": "w"}
-    return " ".join(f"{short[k.split('_', 1)[1]]}={v}" for k, v in cfg.items())
+    return " ".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
 def bench_quant_sweep(rep: Report, shapes: list[tuple[int, int]]) -> None:
@@ -195,11 +188,11 @@ def bench_quant_sweep(rep: Report, shapes: list[tuple[int, int]]) -> None:
         q, s = tk.quantize_act_1x128(x)
         kb, mb = -(-k // 128), -(-m // 128)
         calls = {  # kernel: (call with a configuration, bytes moved)
-            "act 1x128": (lambda c: _tuned(c, tk.quantize_act_1x128, x), 2 * m * k + m * k + 4 * m * kb),
-            "token 128x1": (lambda c: _tuned(c, tk.quantize_token_128x1, x), 2 * m * k + m * k + 4 * mb * k),
-            "requant 1x128->128x1": (lambda c: _tuned(c, tk.requantize_act_to_token, q, s),
+            "act 1x128": (lambda c: tk.quantize_act_1x128(x, **c), 2 * m * k + m * k + 4 * m * kb),
+            "token 128x1": (lambda c: tk.quantize_token_128x1(x, **c), 2 * m * k + m * k + 4 * mb * k),
+            "requant 1x128->128x1": (lambda c: tk.requantize_act_to_token(q, s, **c),
                                      2 * m * k + 4 * (m * kb + mb * k)),
-            "weight 128x128 + W^T": (lambda c: _tuned(c, lambda w: tk.quantize_weight_128x128(w, emit_t=True), x),
+            "weight 128x128 + W^T": (lambda c: tk.quantize_weight_128x128(x, emit_t=True, **c),
                                      2 * m * k + 2 * m * k),
         }
         for kernel, (call, nbytes) in calls.items():
@@ -251,18 +244,19 @@ def bench_gemms(rep: Report, ms_list: list[int], nk_list: list[tuple[int, int]])
                         speedup=tb / t8)
 
 
-# exact mode's GEMM schedules timed by the exact-gemm section: name -> tuning overrides (the decode-sized tiles
-# first: the bits every other one is checked against)
-def _exact_wide(bm: int, bn: int, warps: int, stages: int) -> dict:
-    return dict(exact_wide_min_m=1, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
+# exact mode's GEMM schedules timed by the exact-gemm section: name -> (tuning overrides, keyword arguments of
+# jetrl.quant.kernels.gemm_exact_triton.ExactTiles for the launch; the decode-sized tiles first: the bits every
+# other one is checked against)
+def _exact_wide(bm: int, bn: int, warps: int, stages: int) -> tuple[dict, dict]:
+    return dict(exact_wide_min_m=1), dict(wide_block_m=bm, wide_block_n=bn, wide_mm_block_n=bn,
+                                          wide_num_warps=warps, wide_num_stages=stages)
 
 
 EXACT_SCHEDULES = {
-    "decode-tiles": dict(exact_wide_min_m=0),
-    "tma-decode-tiles": dict(exact_wide_min_m=1),  # the default walk (FP8: TMA, row scales)
-    "tma-s4": dict(exact_wide_min_m=1, exact_num_stages=4),
-    "tma-128x128w8": dict(exact_wide_min_m=1, exact_block_m=128, exact_num_warps=8),
+    "decode-tiles": (dict(exact_wide_min_m=0), {}),
+    "tma-decode-tiles": (dict(exact_wide_min_m=1), {}),  # the default walk (FP8: TMA, row scales)
+    "tma-s4": (dict(exact_wide_min_m=1), dict(num_stages=4)),
+    "tma-128x128w8": (dict(exact_wide_min_m=1), dict(block_m=128, num_warps=8)),
 }
 # the wide tiles of the 16/32-bit path (the LM head; the FP8 walk loads the decode-sized tiles through TMA)
 EXACT_WIDE_SCHEDULES = {
@@ -280,29 +274,32 @@ def bench_exact_gemm(rep: Report, ms_list: list[int], nk_list: list[tuple[int, i
     blockwise FP8 GEMM and BF16 ``torch.matmul`` of the same shape (the LM head: its bf16 exact GEMM against
     ``torch.matmul``)."""
     from jetrl.quant.kernels import tuning
-    from jetrl.quant.kernels.gemm_exact_triton import exact_fp8_gemm, exact_matmul
+    from jetrl.quant.kernels.gemm_exact_triton import ExactTiles, exact_fp8_gemm, exact_matmul
 
     for n, k in nk_list + [EXACT_LM_HEAD]:
         for m in ms_list:
             lm_head = (n, k) == EXACT_LM_HEAD
             be, (x, w, _), (qx, qw, *_rest) = _gemm_operands(m, n, k)
             if lm_head:
-                exact = lambda: exact_matmul(x, w)  # noqa: E731
+                exact = lambda tiles: exact_matmul(x, w, tiles=tiles)  # noqa: E731
                 fast = lambda: torch.matmul(x, w.t())  # noqa: E731
             else:
-                exact = lambda: exact_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128)  # noqa: E731
+                exact = lambda tiles: exact_fp8_gemm(qx.data, qx.scale, qw.data, qw.scale, 128,  # noqa: E731
+                                                     tiles=tiles)
                 fast = lambda: be.gemm(qx, qw)  # noqa: E731
             flop = 2.0 * m * n * k
             t_bf16 = _bench_ms(lambda: torch.matmul(x, w.t()))
             t_fast = _bench_ms(fast)
             base = None
-            for name, over in (EXACT_SCHEDULES | EXACT_WIDE_SCHEDULES if lm_head else EXACT_SCHEDULES).items():
+            for name, (over, launch) in (EXACT_SCHEDULES | EXACT_WIDE_SCHEDULES if lm_head
+                                         else EXACT_SCHEDULES).items():
+                tiles = ExactTiles(**launch)
                 try:
                     with tuning.override(**over):
-                        out = exact()
+                        out = exact(tiles)
                         base = out if base is None else base
                         same = bool(torch.equal(out, base))
-                        t = _bench_ms(exact)
+                        t = _bench_ms(lambda: exact(tiles))
                 except Exception as exc:  # a tile that does not compile (shared memory) is reported, not fatal
                     print(f"  {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     continue

@@ -31,11 +31,11 @@ def test_tuned_arms_parse_typed_and_round_trip(common):
     # canonical: keys sorted by name, bools true/false, no spaces; the name parses back to the same arm
     assert arm.name == "jet+kv8@exact_split_k=2;kv_decode_factored=true"
     assert list(arm.tuning) == ["exact_split_k", "kv_decode_factored"]
-    for name in ["bf16", "jet+kv8-exact", "jet-exact@exact_split_k=0", "jet@gemm=triton;token_block_k=64",
+    for name in ["bf16", "jet+kv8-exact", "jet-exact@exact_split_k=0", "jet@gemm=triton;kv_decode_block_n=64",
                  "jet+kv8@kv_decode_factored=false", "jet+kv8-exact@exact_split_k=4;kv_decode_factored=true"]:
         assert parse_arm(name).name == name
         assert parse_arm(parse_arm(name).name) == parse_arm(name)
-    assert parse_arm("jet@token_block_k=64;gemm=triton").name == "jet@gemm=triton;token_block_k=64"
+    assert parse_arm("jet@kv_decode_block_n=64;gemm=triton").name == "jet@gemm=triton;kv_decode_block_n=64"
     assert parse_arm("jet+kv8@kv_decode_factored=0").name == "jet+kv8@kv_decode_factored=false"
     # the order a mapping is given in does not matter to equality, hashing or the name
     a = Arm("jet", tuning={"kv_decode_factored": True, "exact_split_k": 0})

@@ -3,7 +3,7 @@
 * the batch-invariant kernels one by one at the 8B shapes: a row's bits for M = 1 .. 8192; the exact GEMMs'
   split-K: rows bitwise across M and both schedules, one split bitwise the kernel before split-K
   (``unsplit_exact_gemm.py``), every split within output rounding of the exact product; the wide schedule's
-  tiles (``exact_wide_*``) give the bits of the decode-sized ones;
+  tiles and other launches (``ExactTiles``) give the bits of the decode-sized ones;
 * the row-wise fused kernels (RMSNorm + residual + FP8, SwiGLU + FP8, RoPE, the exact log-softmax);
 * exact attention's swapped decode kernel: a decode row's bits are the packed training forward's;
 * the engine's log-probabilities == the trainer's packed forward's, bitwise, on 2-block 8B-shaped models in
@@ -125,36 +125,52 @@ def test_exact_split_k_at_8b_shapes(path, n, k):
 
 
 def _wide(bm: int, bn: int, warps: int, stages: int) -> dict:
-    return dict(exact_wide_min_m=200, exact_wide_block_m=bm, exact_wide_block_n=bn, exact_wide_mm_block_n=bn,
-                exact_wide_num_warps=warps, exact_wide_num_stages=stages)
+    return dict(wide_block_m=bm, wide_block_n=bn, wide_mm_block_n=bn, wide_num_warps=warps, wide_num_stages=stages)
 
 
-# The wide schedule's tiles that must not change a bit (bench/kernels.py --sections exact-gemm times them; the
-# 16-bit path's, as the FP8 path walks the decode-sized tiles through TMA there), and that TMA walk (row scales)
+# Launches of the exact GEMM (ExactTiles' fields) that must not change a bit: the wide schedule's tiles
+# (bench/kernels.py --sections exact-gemm times them; the 16-bit path's, as the FP8 path walks the decode-sized
+# tiles through TMA there), the defaults' TMA walk (row scales), and other decode-sized tiles (both schedules)
 SCHEDULES = [_wide(128, 128, 8, 3), _wide(128, 256, 8, 3), _wide(64, 256, 4, 3), _wide(256, 128, 8, 3),
-             dict(exact_wide_min_m=200),
-             dict(exact_wide_min_m=200, exact_num_stages=4),
-             dict(exact_wide_min_m=200, exact_block_m=128, exact_num_warps=8)]
+             dict(), dict(num_stages=4), dict(block_m=128, num_warps=8)]
+
+
+def _kernel_operands(path: str, n: int, k: int):
+    """fn(m, tiles) -> the first m rows of exact mode's Triton GEMM launched with ``tiles`` (an ``ExactTiles``)
+    under the current tuning, for the FP8 path or the bf16 one at (N, K), 512 input rows: the kernel itself, not
+    the backend's route (which takes cuBLAS or the decode kernel at some row counts)."""
+    from jetrl.quant.kernels import gemm_exact_triton as E
+
+    g = torch.Generator(device="cuda").manual_seed(n * 3 + k)
+    x = torch.randn(512, k, device="cuda", generator=g, dtype=torch.bfloat16)
+    if path == "fp8":
+        w = quantize_tensor(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16), WEIGHT)
+        qx = quantize_tensor(x, ACT)
+        return lambda m, tiles: E.exact_fp8_gemm(qx.data[:m], qx.scale[:m], w.data, w.scale, 128, tiles=tiles)
+    w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
+    return lambda m, tiles: E.exact_matmul(x[:m], w, tiles=tiles)
 
 
 @pytest.mark.parametrize("path", ["fp8", "bf16"])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)])
 def test_exact_gemm_schedules_give_the_same_bits(path, n, k):
-    """The wide schedule (larger tiles and more warps from ``exact_wide_min_m`` rows on, or the TMA walk) is a
-    schedule: every candidate gives, for all 512 rows, the bits of the decode-sized tiles, with the shape's default
-    K split and with none (S = 1), and the rows of M = 100..511 (below and above the wide threshold) agree with
-    them."""
+    """The wide schedule (larger tiles and more warps from ``exact_wide_min_m`` rows on, or the TMA walk) and the
+    decode-sized tiles' launch are schedules: every candidate launch gives, for all 512 rows, the bits of the
+    default decode-sized tiles, with the shape's default K split and with none (S = 1), and the rows of
+    M = 100..511 (below and above the wide threshold) agree with them."""
     from jetrl.quant.kernels import tuning
+    from jetrl.quant.kernels.gemm_exact_triton import EXACT_TILES, ExactTiles
 
-    fn, _, _, _ = _split_operands(path, n, k)
+    fn = _kernel_operands(path, n, k)
     for split in (0, 1):
         with tuning.override(exact_split_k=split, exact_wide_min_m=0):
-            base = fn(512)
-        for over in SCHEDULES:
-            with tuning.override(exact_split_k=split, **over):
-                assert torch.equal(fn(512), base), (split, over)
+            base = fn(512, EXACT_TILES)
+        for launch in SCHEDULES:
+            tiles = ExactTiles(**launch)
+            with tuning.override(exact_split_k=split, exact_wide_min_m=200):
+                assert torch.equal(fn(512, tiles), base), (split, launch)
                 for m in (100, 200, 257, 511):
-                    assert torch.equal(fn(m), base[:m]), (split, over, m)
+                    assert torch.equal(fn(m, tiles), base[:m]), (split, launch, m)
 
 
 def test_row_wise_kernels_are_batch_invariant():
@@ -231,11 +247,12 @@ def test_swapped_decode_gives_the_training_forwards_bits(heads):
                                   packed.context_lens, packed.block_tables,
                                   torch.zeros(len(lengths), dtype=torch.long, device="cuda"), 1, max(lengths))
     assert torch.isfinite(want).all()
-    for over in ({}, dict(exact_decode_attention_stages=2), dict(exact_decode_attention_stages=3),
-                 dict(exact_decode_attention_swapped=False)):
+    # (tuning, launch): the swapped kernel at its default pipeline stages and two others, then the tile kernel
+    for over, launch in (({}, {}), ({}, dict(decode_stages=2)), ({}, dict(decode_stages=3)),
+                         (dict(exact_decode_attention_swapped=False), {})):
         with tuning.override(**over):
-            got = exact_attention_fwd(q[last], k[:, None], v[:, None], meta, 0.088)
-        assert torch.equal(got, want[last]), (over, (got.float() - want[last].float()).abs().max())
+            got = exact_attention_fwd(q[last], k[:, None], v[:, None], meta, 0.088, **launch)
+        assert torch.equal(got, want[last]), (over, launch, (got.float() - want[last].float()).abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -339,12 +356,13 @@ def test_exact_gemm_on_cublas_gives_the_triton_bits(n, k):
 
 
 # Exact mode's decode schedule (the split-K decode kernel at exact mode's split): the 8B model's weights as the
-# model runs them (q/o, k/v, gate/up alone and grouped, q/k/v grouped, down)
+# model runs them (q/o, k/v, gate/up alone and grouped, q/k/v grouped, down), and two weights sharing an input
+# whose default splits differ (4 and 1: no grouped launch)
 DECODE_SCHEDULE_CASES = [((4096,), 4096), ((1024,), 4096), ((14336,), 4096), ((14336, 14336), 4096),
-                         ((4096,), 14336), ((4096, 1024, 1024), 4096)]
+                         ((4096,), 14336), ((4096, 1024, 1024), 4096), ((4096, 28672), 14336)]
 
 
-@pytest.mark.parametrize("split", [dict(), dict(exact_split_k=1), dict(exact_min_kb_per_split=4)])
+@pytest.mark.parametrize("split", [dict(), dict(exact_split_k=1), dict(exact_split_k=8)])
 @pytest.mark.parametrize("widths,k", DECODE_SCHEDULE_CASES)
 def test_exact_decode_schedule_gives_the_triton_bits(widths, k, split):
     """``exact_decode_max_m`` is a schedule: up to 64 rows (the default) exact mode's FP8 GEMM runs on the split-K

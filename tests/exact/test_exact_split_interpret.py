@@ -33,7 +33,8 @@ FULL = 136  # 3 row tiles; with exact_split_max_m = 128 (set below; the default 
             # as separate programs (workspace + reduction), M = 130 and 136 one program per tile walking its splits
 
 def cases(name, fn, ref, k, splits_list, bound):
-    """fn(m, over) -> the first m rows through the kernel under tuning.override(**over)."""
+    """fn(m, over, tiles) -> the first m rows through the kernel under tuning.override(**over), launched with
+    ``tiles`` (E.ExactTiles; default E.EXACT_TILES)."""
     with tuning.override(exact_split_k=1):
         s1 = fn(FULL, {})
     out[f"{name}-s1-equals-unsplit"] = bool(torch.equal(s1, ref))
@@ -51,8 +52,9 @@ def cases(name, fn, ref, k, splits_list, bound):
             out[f"{name}-s{splits}-differs-from-s1"] = not torch.equal(full, s1)
         out[f"{name}-s{splits}-close"] = bool(((full.double() - R_ref[name]).abs() <= bound(splits)).all())
         if splits == splits_list[0]:  # the wide schedule's larger tiles (bitwise: the GPU's claim, test_exact_gpu.py)
-            wide = fn(FULL, dict(over, exact_wide_min_m=FULL, exact_wide_block_m=128, exact_wide_block_n=64,
-                                 exact_wide_num_warps=8, exact_wide_num_stages=2))
+            wide = fn(FULL, dict(over, exact_wide_min_m=FULL),
+                      E.ExactTiles(wide_block_m=128, wide_block_n=64, wide_mm_block_n=64, wide_num_warps=8,
+                                   wide_num_stages=2))
             out[f"{name}-wide"] = bool(((wide.double() - R_ref[name]).abs() <= bound(splits)).all())
 
 R_ref = {}
@@ -65,9 +67,10 @@ for name, n, k, rows_b, splits_list in (("fp8-w", 192, 700, 128, (2, 3)), ("fp8-
     x = torch.randn(FULL, k, generator=g)
     qx = quantize_tensor(x, ACT)
     qw = quantize_tensor(torch.randn(n, k, generator=g), WEIGHT if rows_b == 128 else ACT)
-    def fn(m, over, qx=qx, qw=qw, rows_b=rows_b):
+    def fn(m, over, tiles=E.EXACT_TILES, qx=qx, qw=qw, rows_b=rows_b):
         with tuning.override(**over):
-            return E.exact_fp8_gemm(qx.data[:m], qx.scale[:m], qw.data, qw.scale, rows_b, torch.float32)
+            return E.exact_fp8_gemm(qx.data[:m], qx.scale[:m], qw.data, qw.scale, rows_b, torch.float32,
+                                    tiles=tiles)
     ref = unsplit_gemm(qx.data, qw.data, qx.scale, qw.scale, rows_b, torch.float32)
     R_ref[name] = R.gemm_exact(qx, qw, torch.float32).double()
     mag = (qx.dequantize().double().abs() @ qw.dequantize().double().abs().t())
@@ -81,9 +84,9 @@ for dtype in (torch.float32, torch.float16):
     name = f"mm-{dtype}"
     x = torch.randn(FULL, 600, generator=g).to(dtype)
     w = torch.randn(80, 600, generator=g).to(dtype)
-    def fn(m, over, x=x, w=w):
+    def fn(m, over, tiles=E.EXACT_TILES, x=x, w=w):
         with tuning.override(**over):
-            return E.exact_matmul(x[:m], w)
+            return E.exact_matmul(x[:m], w, tiles=tiles)
     ref = unsplit_gemm(x, w)
     R_ref[name] = x.double() @ w.double().t()
     mag = x.double().abs() @ w.double().abs().t()
@@ -125,20 +128,22 @@ def test_exact_gemm_split_k(interpreted, what):
 
 
 def test_exact_split_heuristic_at_8b_shapes():
-    """The documented defaults: ceil(N / tile) * S reaches the 112 programs where K allows it, S <= 8, at least 28
-    K blocks per split (only long K splits: the 8B model's down projection); never a function of M (the method
-    takes no M). With 4 K blocks per split (the earlier default) the short-K weights split too."""
+    """The fixed rule (tuning.EXACT_SPLIT_RULE): ceil(N / tile) * S reaches the 112 programs where K allows it,
+    S <= 8, at least 28 K blocks per split (only long K splits: the 8B model's down projection); never a function
+    of M (the method takes no M). A rule of 4 K blocks per split (the earlier default) splits the short-K weights
+    too."""
     assert tuning.current().exact_split_k == 0  # the heuristic is the default
     t = tuning.current()
     expected = {(4096, 4096): 1, (1024, 4096): 1, (6144, 4096): 1, (14336, 4096): 1, (28672, 4096): 1,
                 (4096, 14336): 4, (128256, 4096): 1, (4096, 1024): 1, (1024, 512): 1, (4096, 100): 1,
                 (1536, 8960): 2, (8960, 1536): 1}
     assert {shape: t.exact_split(*shape) for shape in expected} == expected
-    with tuning.override(exact_min_kb_per_split=4):
-        t = tuning.current()
-        expected = {(4096, 4096): 4, (1024, 4096): 8, (6144, 4096): 4, (14336, 4096): 1, (4096, 14336): 4,
-                    (4096, 1024): 2}
-        assert {shape: t.exact_split(*shape) for shape in expected} == expected
+    assert tuning.EXACT_SPLIT_RULE == tuning.ExactSplitRule(programs=112, max_split=8, min_kb_per_split=28,
+                                                            block_n=128, narrow_block_n=64, narrow_n=1024)
+    rule = tuning.ExactSplitRule(min_kb_per_split=4)
+    expected = {(4096, 4096): 4, (1024, 4096): 8, (6144, 4096): 4, (14336, 4096): 1, (4096, 14336): 4,
+                (4096, 1024): 2}
+    assert {shape: t.exact_split(*shape, rule) for shape in expected} == expected
 
 
 def test_exact_on_cublas_only_from_its_rows_and_only_unsplit():
@@ -188,8 +193,8 @@ def test_exact_decode_config_is_the_decode_tiles_at_the_exact_split():
     # the split is the weight's, whatever the row count and the device's SMs
     assert {t.exact_decode_config(m, (4096,), 14336, sm).split_k for m in (1, 64) for sm in (78, 132)} == {4}
     assert t.exact_decode_config(64, (4096, 1024, 1024), 4096, 132).split_k == 1  # q/k/v in one launch
-    with tuning.override(exact_min_kb_per_split=4):  # q/k/v: S = 4, 8, 8
-        assert tuning.current().exact_decode_config(64, (4096, 1024, 1024), 4096, 132) is None
+    assert [t.exact_split(n, 14336) for n in (4096, 28672)] == [4, 1]  # splits that differ: no grouped launch
+    assert t.exact_decode_config(64, (4096, 28672), 14336, 132) is None
     assert t.exact_decode_config(65, (4096,), 4096, 132) is None
     assert t.exact_decode_config(64, (), 4096, 132) is None
     with tuning.override(exact_decode_max_m=0):
@@ -210,20 +215,18 @@ def test_exact_split_holds_whole_k_blocks_and_none_is_empty(forced):
                 s = t.exact_split(n, k)
                 kb = -(-k // 128)
                 per = -(-kb // s)
-                assert 1 <= s <= max(1, min(kb, forced or t.exact_max_split)), (n, k, s)
+                assert 1 <= s <= max(1, min(kb, forced or tuning.EXACT_SPLIT_RULE.max_split)), (n, k, s)
                 assert (s - 1) * per < kb <= s * per, (n, k, s)  # s ranges of `per` whole blocks, none empty
                 if forced:
                     assert s == -(-kb // -(-kb // min(forced, kb))), (n, k, s)
 
 
 def test_exact_split_settings_are_checked():
-    with pytest.raises(ValueError, match="exact_max_split"):
-        tuning.KernelTuning(exact_max_split=3)
-    with pytest.raises(ValueError, match="exact_split_k"):
-        tuning.KernelTuning(exact_split_k=-1)
-    for bad in (dict(exact_wide_min_m=-1), dict(exact_wide_block_m=96), dict(exact_wide_block_n=8),
-                dict(exact_wide_block_n=512), dict(exact_wide_num_warps=32), dict(exact_wide_num_stages=0),
-                dict(exact_wide_num_warps=True), dict(exact_wide_mm_block_n=384)):
+    for bad in (dict(max_split=3), dict(block_n=96), dict(narrow_block_n=0), dict(min_kb_per_split=-1),
+                dict(programs=True)):
+        with pytest.raises(ValueError, match="ExactSplitRule"):
+            tuning.ExactSplitRule(**bad)
+    for bad in (dict(exact_split_k=-1), dict(exact_split_max_m=-1), dict(exact_wide_min_m=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             tuning.KernelTuning(**bad)
 

@@ -93,7 +93,7 @@ def test_fused_act_and_token_and_requant_and_weight_pair(cuda_backend, shape, po
 @pytest.mark.parametrize("shape", [(130, 300), (3, 129), (1000, 1000), (4096, 512)])
 def test_quantize_kernels_bitwise_at_tuned_tiles(cuda_backend, shape, dtype, pow2):
     """Every Triton quantization kernel at the default tiles and warps and at the others the benchmark sweeps
-    (through the tuning object), on inputs with partial blocks, a zero row, saturation and signed zeros: the
+    (passed to the launchers), on inputs with partial blocks, a zero row, saturation and signed zeros: the
     reference's bytes."""
     from jetrl.quant.kernels import quantize_triton as tk
 
@@ -102,19 +102,20 @@ def test_quantize_kernels_bitwise_at_tuned_tiles(cuda_backend, shape, dtype, pow
     ra, rt, rw = (R.quantize_tensor(x, b, pow2) for b in (ACT, TOKEN, WEIGHT))
     qa = R.quantize_tensor(x, ACT, pow2)
     rq = R.requantize(qa, TOKEN, pow2)
-    for settings in ({}, dict(act_block_m=64, act_num_warps=8, weight_num_warps=8, token_num_warps=2,
-                              requant_num_warps=2), dict(token_block_k=64, requant_block_k=64, token_num_warps=4,
-                                                         requant_num_warps=4)):
-        with tuning.override(**settings):
-            d, s = tk.quantize_act_1x128(x, pow2)
-            _same(Fp8Tensor(d, s, ACT), ra)
-            d, s, dt = tk.quantize_weight_128x128(x, pow2, emit_t=True)
-            _same(Fp8Tensor(d, s, WEIGHT), rw)
-            assert _bitwise(dt, rw.data.t())
-            td, ts = tk.quantize_token_128x1(x, pow2)
-            _same(Fp8Tensor(td, ts, TOKEN), rt)
-            td, ts = tk.requantize_act_to_token(qa.data, qa.scale, pow2)
-            _same(Fp8Tensor(td, ts, TOKEN), rq)
+    # (1x128 kernel, 128x128 kernel, 128x1 kernel, requantizer) launches: the defaults, then others
+    for act, weight, token, requant in (
+            ({}, {}, {}, {}),
+            (dict(block_m=64, num_warps=8), dict(num_warps=8), dict(num_warps=2), dict(num_warps=2)),
+            ({}, {}, dict(block_k=64, num_warps=4), dict(block_k=64, num_warps=4))):
+        d, s = tk.quantize_act_1x128(x, pow2, **act)
+        _same(Fp8Tensor(d, s, ACT), ra)
+        d, s, dt = tk.quantize_weight_128x128(x, pow2, emit_t=True, **weight)
+        _same(Fp8Tensor(d, s, WEIGHT), rw)
+        assert _bitwise(dt, rw.data.t())
+        td, ts = tk.quantize_token_128x1(x, pow2, **token)
+        _same(Fp8Tensor(td, ts, TOKEN), rt)
+        td, ts = tk.requantize_act_to_token(qa.data, qa.scale, pow2, **requant)
+        _same(Fp8Tensor(td, ts, TOKEN), rq)
 
 
 @pytest.mark.parametrize("pow2", [False, True])

@@ -100,10 +100,10 @@ def test_rollout_and_model_ops_ask_the_seam(monkeypatch, gen):
 
 def test_tuning_override_nests_restores_and_rejects_unknown_settings():
     base = tuning.current()
-    with tuning.override(token_block_k=64) as outer:
-        assert outer.token_block_k == 64 and tuning.current() is outer
+    with tuning.override(kv_decode_block_n=64) as outer:
+        assert outer.kv_decode_block_n == 64 and tuning.current() is outer
         with tuning.override(gluon=False):
-            assert tuning.current().token_block_k == 64 and tuning.current().gluon is False
+            assert tuning.current().kv_decode_block_n == 64 and tuning.current().gluon is False
         assert tuning.current().gluon is base.gluon
     assert tuning.current() is base
     with pytest.raises(TypeError, match="unknown setting"):
@@ -112,7 +112,7 @@ def test_tuning_override_nests_restores_and_rejects_unknown_settings():
     with pytest.raises(ValueError, match="must be one of"):
         tuning.KernelTuning(gemm="cutlass")
     with pytest.raises(ValueError, match="power of two"):
-        tuning.KernelTuning(token_block_k=48)
+        tuning.KernelTuning(kv_decode_num_warps=3)
     with pytest.raises(Exception):  # frozen
         base.gluon = False  # type: ignore[misc]
 

@@ -54,6 +54,7 @@ _INTERPRETED = tuning.interpreting()
 ROWS_PER_PROGRAM = 64  # MMA rows of every program: query rows x their group's heads (padded to a power of two)
 ROW_SUM_COLS = tl.constexpr(16)  # columns of the ones the row sums multiply (the narrowest Hopper MMA of 64 rows)
 DECODE_MIN_COLS = 16  # the swapped decode kernel's MMA columns: its query heads, padded to at least this many
+DECODE_STAGES = 1  # the swapped decode kernel's pipeline stages (a schedule: any count gives the same bits)
 _MMA_ROWS = tl.constexpr(ROWS_PER_PROGRAM)
 
 
@@ -279,13 +280,14 @@ def _acc_update(l_i, acc, alpha, p, v, IEEE: tl.constexpr):
 
 def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, meta,
                         softmax_scale: float, k_scale: torch.Tensor | None = None,
-                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        v_scale: torch.Tensor | None = None, *, decode_stages: int = DECODE_STAGES) -> torch.Tensor:
     """q (N, Hq, D) over the paged cache (num_blocks, page, Hkv, D) described by ``meta`` (a
     :class:`~jetrl.models.attention.PagedAttentionMetadata`) -> (N, Hq, D) in q's dtype. No host syncs.
 
     The cache is in q's dtype, or FP8: ``float8_e4m3fn`` K/V with ``k_scale``/``v_scale`` (num_blocks, page, Hkv)
     fp32 powers of two, each chunk dequantized in registers to ``jetrl.models.attention.dequantize_kv``'s values
-    before the same math: bit for bit this function over the dequantized cache."""
+    before the same math: bit for bit this function over the dequantized cache. ``decode_stages``: the swapped
+    decode kernel's pipeline stages (the same bits)."""
     num_rows, num_heads, head_dim = q.shape
     _, page, num_kv_heads, cache_dim = k_cache_layer.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -319,7 +321,7 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
                   num_warps=4)
     if swapped:  # one query row per program, the MMAs' operands swapped
         _exact_decode_kernel[grid](*args, **common, COLS=max(DECODE_MIN_COLS, group_p2),
-                                   num_stages=tuning.current().exact_decode_attention_stages, **COMPILE_OPTIONS)
+                                   num_stages=decode_stages, **COMPILE_OPTIONS)
         return out
     _exact_attention_kernel[grid](*args, **common, GROUP_P2=group_p2, BLOCK_Q=block_q, num_stages=2,
                                   **COMPILE_OPTIONS)

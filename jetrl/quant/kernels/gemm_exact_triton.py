@@ -7,7 +7,8 @@ not depend on M, so everything that decides a row's *arithmetic* is fixed per we
   (:func:`exact_config`, never a function of M);
 * one K split per (N, K): the K blocks are cut into S contiguous ranges of whole 128-wide blocks
   (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`: enough ranges that a row tile's
-  ``ceil(N / BLOCK_N) * S`` programs fill the GPU, from a fixed program count, never from M;
+  ``ceil(N / BLOCK_N) * S`` programs fill the GPU, from a fixed program count, never from M
+  (:class:`~jetrl.quant.kernels.tuning.ExactSplitRule`, which also holds the N tiles);
   ``exact_split_k=1`` forces the single walk). Each range's
   partial is accumulated in fp32 from zero, its K blocks walked in order; the S partials are then summed in the
   fixed order ``((p_0 + p_1) + p_2) + ...`` and cast once. No atomics, no stream-K: nothing depends on which
@@ -17,30 +18,31 @@ not depend on M, so everything that decides a row's *arithmetic* is fixed per we
   (fp32 inputs with IEEE products, not TF32);
 * M is not specialised on (``do_not_specialize``), so M = 1, 16 or 8192 run the same compiled kernels.
 
-Only the *schedule* may follow M, because it does not change a bit: up to ``exact_split_max_m`` rows (decode,
-where N / BLOCK_N tiles alone leave most SMs idle) program (tile, split) computes one range's partial and writes
-it to an fp32 workspace (S, M, N), and a small second kernel sums the S planes in order; above it (prefill and
-training, where the row tiles fill the GPU and an (S, M, N) workspace would cost more traffic than the weight)
-one program per tile walks its S ranges itself, adding each partial to its running total in the same order.
-Both run the same partial code (:func:`_k_range_partial`), store the partials exactly (fp32), and add them in
-the same order, so they give the same bits; with S = 1 the kernel is the single in-order walk exact mode had
-before split-K, bit for bit. From ``exact_wide_min_m`` rows on, the walking schedule also takes larger tiles and
-more warps (``exact_wide_*``; wider ones on the 16-bit path, which runs the LM head; fp32 operands keep the
-small tiles). The decode-sized 64-row tiles underfeed the tensor cores at training sizes, and a tile's extent is
-not part of a row's arithmetic (next paragraph). The FP8 walk instead keeps the decode-sized tiles and loads them
-through TMA descriptors where the layouts allow (:func:`_exact_gemm_tma_kernel`; else the wide tiles): without the
-pointer tensors a 64 x 128 tile of 4 warps leaves registers for two programs per SM, whose MMAs and scale
-epilogues then overlap (Triton waits for each block's MMA before scaling it); a tile inside one 128-row weight scale
-block scales each row by one factor (the same fp32 products as the outer product of scales).
+Only the *schedule* may follow M, because it does not change a bit: up to ``exact_split_max_m`` rows (decode, where
+N / BLOCK_N tiles alone leave most SMs idle) program (tile, split) computes one range's partial and writes it to an
+fp32 workspace (S, M, N), and a small second kernel sums the S planes in order; above it (prefill and training,
+where the row tiles fill the GPU and an (S, M, N) workspace would cost more traffic than the weight) one program per
+tile walks its S ranges itself, adding each partial to its running total in the same order. Both run the same
+partial code (:func:`_k_range_partial`), store the partials exactly (fp32), and add them in the same order, so they
+give the same bits; with S = 1 the kernel is the single in-order walk exact mode had before split-K, bit for bit.
+From ``exact_wide_min_m`` rows on, the walking schedule also takes larger tiles and more warps (:class:`ExactTiles`'
+``wide_*``; wider ones on the 16-bit path, which runs the LM head; fp32 operands keep the small tiles). The
+decode-sized 64-row tiles underfeed the tensor cores at training sizes, and a tile's extent is not part of a row's
+arithmetic (next paragraph). The FP8 walk instead keeps the decode-sized tiles and loads them through TMA
+descriptors where the layouts allow (:func:`_exact_gemm_tma_kernel`; else the wide tiles): without the pointer
+tensors a 64 x 128 tile of 4 warps leaves registers for two programs per SM, whose MMAs and scale epilogues then
+overlap (Triton waits for each block's MMA before scaling it); a tile inside one 128-row weight scale block scales
+each row by one factor (the same fp32 products as the outer product of scales).
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
 reduce along K per row, whatever the instruction's M and N extent or the warps sharing the tile), so a row's bits
 are independent of its tile neighbours and of the tile's size. (The Triton interpreter's ``tl.dot`` is numpy's
-sgemm, which does not promise that; the tile-size claim is checked on the GPU.) A different S (or tile) is a
-different summation order, so the rollout and the trainer must run the same tuning; both read it per weight
-shape. The cost against the fast path: the partials' round trip for decode-sized M, and no cuBLAS for large M
-(measured in docs/benchmark-history.md). The settings come from the tuning object (:mod:`~jetrl.quant.kernels.tuning`,
-``exact_*``).
+sgemm, which does not promise that; the tile-size claim is checked on the GPU.) A different S is a different
+summation order, so the rollout and the trainer must run the same split; both compute it per weight shape. The
+cost against the fast path: the partials' round trip for decode-sized M, and no cuBLAS for large M
+(measured in docs/benchmark-history.md). The K split and the schedule's row bounds come from the tuning object
+(:mod:`~jetrl.quant.kernels.tuning`, ``exact_*``); the launch's tiles, warps and stages are :data:`EXACT_TILES`,
+or the :class:`ExactTiles` a caller passes (the tests and ``bench/kernels.py`` run others: the same bits).
 """
 
 from __future__ import annotations
@@ -196,6 +198,24 @@ def _exact_reduce_kernel(ws_ptr, c_ptr, M, N, stride_cm, stride_cn, SPLITS: tl.c
 
 
 @dataclass(frozen=True)
+class ExactTiles:
+    """The launch of exact mode's GEMM besides its N tiles (:class:`~jetrl.quant.kernels.tuning.ExactSplitRule`):
+    a schedule, any values give the same bits (module doc)."""
+
+    block_m: int = 64  # tile rows (decode-sized: they bound decode's padding waste)
+    num_warps: int = 4  # warps of those tiles
+    num_stages: int = 3  # their pipeline stages
+    wide_block_m: int = 128  # tile rows of the walking schedule's plain kernel from exact_wide_min_m rows on
+    wide_block_n: int = 128  # its tile columns on the FP8 path
+    wide_mm_block_n: int = 256  # its tile columns on the 16/32-bit path (the LM head)
+    wide_num_warps: int = 8  # its warps
+    wide_num_stages: int = 3  # its pipeline stages
+
+
+EXACT_TILES = ExactTiles()
+
+
+@dataclass(frozen=True)
 class ExactGemmConfig:
     """The tile configuration and K split of an exact GEMM for a weight shape (never chosen by M).
 
@@ -210,26 +230,26 @@ class ExactGemmConfig:
     split_kb: int = 0
 
 
-def exact_config(n: int, k: int) -> ExactGemmConfig:
-    """The configuration for an (N, K) weight, from the tuning object's ``exact_*`` fields: 64-row tiles (they
-    bound decode's padding waste), 128-wide N tiles, narrower ones for narrow weights (more programs), and the K
+def exact_config(n: int, k: int, tiles: ExactTiles = EXACT_TILES) -> ExactGemmConfig:
+    """The configuration for an (N, K) weight: the decode-sized tiles of ``tiles``, the N tile of
+    :data:`~jetrl.quant.kernels.tuning.EXACT_SPLIT_RULE` (narrower for narrow weights: more programs), and the K
     split of :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`."""
     t = tuning.current()
-    return ExactGemmConfig(t.exact_block_m, t.exact_tile_n(n), t.exact_num_warps, t.exact_num_stages,
+    return ExactGemmConfig(tiles.block_m, tuning.EXACT_SPLIT_RULE.tile_n(n), tiles.num_warps, tiles.num_stages,
                            split_k=t.exact_split(n, k), split_kb=t.exact_split_kb(n, k))
 
 
 _REDUCE_BLOCK_M, _REDUCE_BLOCK_N = 32, 128
 
 
-def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.Tensor:
+def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int, tiles: ExactTiles) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
-    cfg = exact_config(n, k)
+    cfg = exact_config(n, k, tiles)
     block_k = BLOCK if fp8 else 64
     num_kb = _cdiv(k, block_k)
     # K blocks per split in this path's blocks (64-wide without FP8): at most num_kb, the last split the rest
@@ -240,15 +260,15 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int) -> torch.
     # a schedule, the same bits (module doc); fp32 operands (tests) keep the decode-sized tiles: their wide tiles
     # would not fit in shared memory
     if not across and t.exact_wide_min_m and m >= t.exact_wide_min_m and a.dtype != torch.float32:
-        block_m, block_n = t.exact_wide_block_m, t.exact_wide_block_n if fp8 else t.exact_wide_mm_block_n
-        warps, stages = t.exact_wide_num_warps, t.exact_wide_num_stages
+        block_m, block_n = tiles.wide_block_m, tiles.wide_block_n if fp8 else tiles.wide_mm_block_n
+        warps, stages = tiles.wide_num_warps, tiles.wide_num_stages
     if (fp8 and not across and t.exact_wide_min_m and m >= t.exact_wide_min_m and _tma_ok(a) and _tma_ok(b)):
         return _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows, cfg, num_kb, split_kb)
     ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a.device) if across else out
     scales = (a_scale, b_scale) if fp8 else (out, out)  # unused without FP8
     strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0, 0)
-    tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
-    _exact_gemm_kernel[(tiles, cfg.split_k if across else 1)](
+    grid_tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
+    _exact_gemm_kernel[(grid_tiles, cfg.split_k if across else 1)](
         a, b, out, ws, *scales, m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), *strides,
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, ACROSS=across, BLOCK_K=block_k, FP8=fp8,
@@ -288,19 +308,21 @@ def _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows: int, cfg: ExactGemmCo
 
 
 def exact_fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
-                   b_scale_rows: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                   b_scale_rows: int, out_dtype: torch.dtype = torch.bfloat16, *,
+                   tiles: ExactTiles = EXACT_TILES) -> torch.Tensor:
     """``a @ b.T``: a (M, K) with 1x128 scales (M, Kb), b (N, K) with 128x128 scales (``b_scale_rows=128``) or
-    1x128 scales (``b_scale_rows=1``); batch-invariant in M."""
+    1x128 scales (``b_scale_rows=1``); batch-invariant in M. ``tiles``: the launch (the same bits)."""
     out = torch.empty((a_data.shape[0], b_data.shape[0]), dtype=out_dtype, device=a_data.device)
-    return _launch(a_data, b_data, a_scale, b_scale, out, True, b_scale_rows)
+    return _launch(a_data, b_data, a_scale, b_scale, out, True, b_scale_rows, tiles)
 
 
-def exact_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` in x's dtype (bf16/fp16: fp32 accumulation; fp32: IEEE products); batch-invariant in M."""
+def exact_matmul(x: torch.Tensor, w: torch.Tensor, *, tiles: ExactTiles = EXACT_TILES) -> torch.Tensor:
+    """``x @ w.T`` in x's dtype (bf16/fp16: fp32 accumulation; fp32: IEEE products); batch-invariant in M.
+    ``tiles``: the launch (the same bits)."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.dtype != x.dtype:
         raise TypeError(f"exact_matmul: x and w must share a 16/32-bit float dtype, got {x.dtype} and {w.dtype}")
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    return _launch(x, w, None, None, out, False, 1)
+    return _launch(x, w, None, None, out, False, 1, tiles)
 
 
-__all__ = ["exact_fp8_gemm", "exact_matmul", "exact_config", "ExactGemmConfig"]
+__all__ = ["exact_fp8_gemm", "exact_matmul", "exact_config", "ExactGemmConfig", "ExactTiles", "EXACT_TILES"]

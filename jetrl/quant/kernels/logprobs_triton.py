@@ -21,8 +21,8 @@ Arithmetic (the reference is ``jetrl.models.logprobs.chunk_stats_reference`` /
 backward ``dz = g_lp * (onehot(target) - p) - g_ent * p * (z - lse + entropy)``, ``dlogit = dz / T``.
 Only the summation order differs from the reference, so results agree to fp32 rounding.
 
-Imported lazily (Triton is optional); runs on CPU tensors under ``TRITON_INTERPRET=1``. Warps per program
-come from the tuning object (:mod:`jetrl.quant.kernels.tuning`).
+Imported lazily (Triton is optional); runs on CPU tensors under ``TRITON_INTERPRET=1``. Warps per program are
+the constants below.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import cast_rne
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 STATS_BLOCK_V = 4096
 GRAD_BLOCK_V = 2048
-EXACT_NUM_WARPS = 8  # exact mode's statistics kernel: fixed, so a tuning setting cannot move its bits
+STATS_NUM_WARPS = 8  # warps of the statistics kernel (logprob_stats)
+GRAD_NUM_WARPS = 8  # warps of the gradient kernel (logprob_grad_)
+EXACT_NUM_WARPS = 8  # exact mode's statistics kernel: its warps set the order of its sums, part of its bits
 
 
 @triton.jit
@@ -142,7 +143,7 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
         _logprob_stats_kernel[(rows,)](logits, targets, out[0], out[1], out[2], out[0], vocab, logits.stride(0),
                                        float(temperature), SCALE=float(temperature) != 1.0, EXACT=False,
                                        NUM_BLOCKS=triton.cdiv(vocab, STATS_BLOCK_V), BLOCK_V=STATS_BLOCK_V,
-                                       num_warps=tuning.current().logprob_stats_num_warps, **COMPILE_OPTIONS)
+                                       num_warps=STATS_NUM_WARPS, **COMPILE_OPTIONS)
     return out[0], out[1], out[2]
 
 
@@ -152,7 +153,7 @@ def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
     each row at its own temperature (``temperature``: (rows,) fp32; a target < 0 gives logprob 0).
 
     Batch-invariant by construction: one program per row walks that row's vocabulary in the fixed blocks of
-    ``STATS_BLOCK_V`` with a fixed warp count (``EXACT_NUM_WARPS``, not the tuning object's, so no setting can
+    ``STATS_BLOCK_V`` with a fixed warp count (``EXACT_NUM_WARPS``, its own, so no other kernel's launch can
     change a bit), and nothing the compiled kernel depends on changes with the number of rows. Nor with the dtype:
     a 16-bit logit widens to fp32 exactly, and the kernel caps the contiguous run each thread loads at 4 elements,
     so Triton gives fp32 and 16-bit logits the same register layout and thus the same order of every sum (without
@@ -194,7 +195,7 @@ def logprob_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
             dummy if grad_entropy is None else grad_entropy.float().contiguous(),
             vocab, logits.stride(0), float(temperature), SCALE=float(temperature) != 1.0,
             HAS_GLP=grad_logprob is not None, HAS_GENT=grad_entropy is not None, BLOCK_V=GRAD_BLOCK_V,
-            num_warps=tuning.current().logprob_grad_num_warps, **COMPILE_OPTIONS
+            num_warps=GRAD_NUM_WARPS, **COMPILE_OPTIONS
         )
     return logits
 

@@ -297,7 +297,16 @@ def _requantize_act_to_token_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
-# host wrappers: tiles and warps come from the tuning object (:mod:`jetrl.quant.kernels.tuning`)
+# host wrappers: tiles and warps are the constants below unless a caller passes others. A schedule: any values give
+# the same bytes (tests/quant/test_triton_interpret.py and test_kernels_gpu.py run others, bench/kernels.py times them)
+
+ACT_BLOCK_M = 32  # rows per program of the 1x128 kernel
+ACT_NUM_WARPS = 4  # warps of the 1x128 kernel
+TOKEN_BLOCK_K = 32  # columns per program of the Triton 128x1 kernel (a power of two <= 128)
+TOKEN_NUM_WARPS = 1  # warps of the Triton 128x1 kernel
+REQUANT_BLOCK_K = 32  # columns per program of the Triton 1x128 -> 128x1 requantizer (a power of two <= 128)
+REQUANT_NUM_WARPS = 1  # warps of the Triton 1x128 -> 128x1 requantizer
+WEIGHT_NUM_WARPS = 4  # warps of the 128x128 kernel and of the W^T tile transpose
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -325,35 +334,36 @@ def token_rows(m: int, whole_blocks: bool) -> int:
     return -(-m // BLOCK) * BLOCK if whole_blocks else m
 
 
-def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False):
+def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, *, block_m: int = ACT_BLOCK_M,
+                       num_warps: int = ACT_NUM_WARPS):
     """Quantize x (M, K) per 1x128. Returns ``(data, scale)``: data (M, K) row-major, scale the (M, Kb)
     outer-dim-major view of a (Kb, M') buffer (the layout cuBLAS reads), both with :func:`act_rows` rows
-    allocated (:func:`act_buffers`)."""
+    allocated (:func:`act_buffers`). ``block_m`` rows per program, ``num_warps``: the launch (the same bytes)."""
     m, k = x.shape
     data, scale_buf = act_buffers(m, k, x.device)
     if m and k:
-        cfg = tuning.current()
-        _quantize_rows_cols_kernel[(_cdiv(m, cfg.act_block_m), scale_buf.shape[0])](
+        _quantize_rows_cols_kernel[(_cdiv(m, block_m), scale_buf.shape[0])](
             x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, scale_buf.shape[1], 0,  # OUT_M: 128x1 only
-            POW2=pow2_scale, ROWS=True, BLOCK_M=cfg.act_block_m, BLOCK_K=BLOCK, num_warps=cfg.act_num_warps,
+            POW2=pow2_scale, ROWS=True, BLOCK_M=block_m, BLOCK_K=BLOCK, num_warps=num_warps,
             LAUNCH_DEPS=tuning.early_dependents(x.device), **COMPILE_OPTIONS
         )
     return data, scale_buf[:, :m].t()
 
 
-def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, whole_blocks: bool = False):
+def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, whole_blocks: bool = False, *,
+                         block_k: int = TOKEN_BLOCK_K, num_warps: int = TOKEN_NUM_WARPS):
     """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M', K) view of a row-major (K, M')
     data buffer and the (Mb, K) row-major scales, M' = :func:`token_rows` (``whole_blocks``: zero rows to a
-    multiple of 128, so a GEMM contracting over the rows sees whole blocks)."""
+    multiple of 128, so a GEMM contracting over the rows sees whole blocks). ``block_k`` columns per program (a
+    power of two <= 128), ``num_warps``: the launch (the same bytes)."""
     m, k = x.shape
     out_m = token_rows(m, whole_blocks)
     tok = torch.empty((k, out_m), dtype=E4M3, device=x.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
     if m and k:
-        cfg = tuning.current()
-        _quantize_rows_cols_kernel[(_cdiv(m, BLOCK), _cdiv(k, cfg.token_block_k))](
+        _quantize_rows_cols_kernel[(_cdiv(m, BLOCK), _cdiv(k, block_k))](
             x, m, k, x.stride(0), x.stride(1), tok, tok_scale, 1, 1, out_m,
-            POW2=pow2_scale, ROWS=False, BLOCK_M=BLOCK, BLOCK_K=cfg.token_block_k, num_warps=cfg.token_num_warps,
+            POW2=pow2_scale, ROWS=False, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=num_warps,
             **COMPILE_OPTIONS
         )
     elif out_m:
@@ -368,16 +378,18 @@ def tile_scale_buffer(rows: int, cols: int, device: torch.device) -> torch.Tenso
     return torch.zeros((rows, -(-cols // 4) * 4), dtype=torch.float32, device=device)[:, :cols]
 
 
-def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: bool = False):
+def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: bool = False, *,
+                            num_warps: int = WEIGHT_NUM_WARPS):
     """Quantize W (N, K) per 128x128 tile. Returns ``(data, scale, data_t)``: data (N, K) row-major,
-    scale (Nb, Kb), data_t a row-major (K, N) copy of data^T (``None`` unless ``emit_t``)."""
+    scale (Nb, Kb), data_t a row-major (K, N) copy of data^T (``None`` unless ``emit_t``). ``num_warps``: the
+    launch's (the same bytes)."""
     n, k = w.shape
     if emit_t and w.dtype == torch.float32 and w.is_cuda:
         # On the H200 the in-kernel transposed write gave wrong bytes for an fp32 4096 x 512 input
         # (tests/quant/test_kernels_gpu.py::test_quantize_kernels_bitwise_at_tuned_tiles; bf16 and fp16 inputs
         # are bitwise at every tested shape). Until that is understood, fp32 weights take two exact steps: the
         # plain kernel, then a transposed copy of its E4M3 bytes.
-        data, scale, _ = quantize_weight_128x128(w, pow2_scale, False)
+        data, scale, _ = quantize_weight_128x128(w, pow2_scale, False, num_warps=num_warps)
         return data, scale, data.t().contiguous()
     data = torch.empty((n, k), dtype=E4M3, device=w.device)
     data_t = torch.empty((k, n), dtype=E4M3, device=w.device) if emit_t else None
@@ -385,15 +397,17 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
     if n and k:
         _quantize_weight_kernel[(_cdiv(n, BLOCK), _cdiv(k, BLOCK))](
             w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale, scale.stride(0),
-            POW2=pow2_scale, EMIT_T=emit_t, num_warps=tuning.current().weight_num_warps, **COMPILE_OPTIONS
+            POW2=pow2_scale, EMIT_T=emit_t, num_warps=num_warps, **COMPILE_OPTIONS
         )
     return data, scale, data_t
 
 
-def transpose_weight_128x128(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def transpose_weight_128x128(data: torch.Tensor, scale: torch.Tensor, *,
+                             num_warps: int = WEIGHT_NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """W^T's 128x128 quantization from W's (data (N, K) row-major E4M3, scale (Nb, Kb)): ``(data_t, scale_t)``, data_t
     a row-major (K, N) copy of ``data.t()`` and scale_t the (Kb, Nb) ``scale.t()`` in cuBLAS's padded layout
-    (:func:`tile_scale_buffer`); one launch. The bytes of :func:`quantize_weight_128x128`'s ``emit_t`` copy."""
+    (:func:`tile_scale_buffer`); one launch of ``num_warps``. The bytes of :func:`quantize_weight_128x128`'s
+    ``emit_t`` copy."""
     n, k = data.shape
     if data.stride() != (k, 1):
         raise ValueError(f"transpose_weight_128x128 needs row-major data, got strides {tuple(data.stride())}")
@@ -402,24 +416,25 @@ def transpose_weight_128x128(data: torch.Tensor, scale: torch.Tensor) -> tuple[t
     if n and k:
         _transpose_tiles_kernel[(_cdiv(n, BLOCK), _cdiv(k, BLOCK))](
             data.view(torch.uint8), scale, n, k, scale.stride(0), scale.stride(1), data_t.view(torch.uint8), scale_t,
-            scale_t.stride(0), num_warps=tuning.current().weight_num_warps, **COMPILE_OPTIONS)
+            scale_t.stride(0), num_warps=num_warps, **COMPILE_OPTIONS)
     return data_t, scale_t
 
 
 def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
-                            whole_blocks: bool = False):
+                            whole_blocks: bool = False, *, block_k: int = REQUANT_BLOCK_K,
+                            num_warps: int = REQUANT_NUM_WARPS):
     """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory.
     Returns the (M', K) view of a row-major (K, M') data buffer and (Mb, K) row-major scales, M' =
-    :func:`token_rows` (``whole_blocks``: zero rows to a multiple of 128)."""
+    :func:`token_rows` (``whole_blocks``: zero rows to a multiple of 128). ``block_k`` columns per program (a
+    power of two <= 128), ``num_warps``: the launch (the same bytes)."""
     m, k = data.shape
     out_m = token_rows(m, whole_blocks)
     tok = torch.empty((k, out_m), dtype=E4M3, device=data.device)
     tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=data.device)
     if m and k:
-        cfg = tuning.current()
-        _requantize_act_to_token_kernel[(_cdiv(m, BLOCK), _cdiv(k, cfg.requant_block_k))](
+        _requantize_act_to_token_kernel[(_cdiv(m, BLOCK), _cdiv(k, block_k))](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
-            tok, tok_scale, out_m, POW2=pow2_scale, BLOCK_K=cfg.requant_block_k, num_warps=cfg.requant_num_warps,
+            tok, tok_scale, out_m, POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps,
             **COMPILE_OPTIONS
         )
     elif out_m:

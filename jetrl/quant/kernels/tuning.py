@@ -1,19 +1,26 @@
-"""Every tunable of the kernels in one frozen object: which path runs, tile sizes, warps and per-shape configs.
+"""Every setting of the kernels in one frozen object: which path runs, the decode GEMM's and the FP8-cache decode
+attention's configs, and exact mode's K split and schedules.
 
 Nothing here changes a result's bits except the GEMM path (``gemm``, and the decode-routing bounds, which pick
-between GEMMs that agree to output rounding), exact mode's K split (``exact_split_k`` and the fields of its
-heuristic, :meth:`KernelTuning.exact_split`: a different split is a different summation order, the same for
-every M) and the fast decode attention over an FP8 cache (``kv_decode_factored`` and the ``kv_decode_*`` tile and
-split fields: summation order, within the bounds of that kernel's doc; exact mode's attention never reads them,
-and its tile schedules keep every bit): the tiles and warps of the quantization kernels, the Gluon/Triton
-choice of the 128x1 kernels and the decode GEMM's configs all give the same bytes. The measured reasons for each
-default are in BENCHMARKS.md ("FP8 kernels": the decode GEMM sweep) and docs/benchmark-history.md (the
-quantization-kernel tile sweeps); this file keeps the values only.
+between GEMMs that agree to output rounding), exact mode's K split (``exact_split_k``: a different split is a
+different summation order, the same for every M) and the fast decode attention over an FP8 cache
+(``kv_decode_factored`` and the ``kv_decode_*`` tile and split fields: summation order, within the bounds of that
+kernel's doc; exact mode's attention never reads them). The Gluon/Triton choice of the 128x1 kernels, the decode
+GEMM's configs and exact mode's schedules give the same bytes. The measured reasons for the defaults are in
+BENCHMARKS.md and docs/benchmark-history.md; this file keeps the values only.
+
+The launch parameters of one kernel that no run sets (tiles, warps, stages) are not settings: they are constants
+beside their kernel, and its launcher takes others as keyword arguments (the tests check that other values give the
+same bits, ``bench/kernels.py`` times them): the quantizers' in :mod:`~jetrl.quant.kernels.quantize_triton`, the
+log-probability kernels' in :mod:`~jetrl.quant.kernels.logprobs_triton`, exact mode's GEMM tiles
+(:class:`~jetrl.quant.kernels.gemm_exact_triton.ExactTiles`) and its swapped decode attention's pipeline stages
+(:mod:`~jetrl.quant.kernels.exact_attention_triton`). Exact mode's K-split heuristic and the N tiles it counts are
+fixed here (:class:`ExactSplitRule`): they decide bits, and the CUDA backend's routing reads them through this module.
 
 :func:`current` is what the kernels and the CUDA backend read at every launch; :func:`override` replaces fields
-for a block of code (tests and ``bench/kernels.py`` sweep with it)::
+for a block of code (tests and benchmarks use it)::
 
-    with tuning.override(gemm="triton", token_block_k=64):
+    with tuning.override(gemm="triton", exact_split_k=1):
         ...
 
 A run sets fields from its config (``kernels: ["exact_split_k=1", ...]``, read by :func:`parse_settings`, the one
@@ -185,6 +192,38 @@ def _int(v) -> bool:
 
 
 @dataclass(frozen=True)
+class ExactSplitRule:
+    """Exact mode's K-split heuristic (:meth:`KernelTuning.exact_split` where ``exact_split_k`` is 0) and the N
+    tiles of exact mode's GEMM (:mod:`~jetrl.quant.kernels.gemm_exact_triton`), whose count it reads.
+
+    Constants, not settings: the split is part of exact mode's arithmetic, so the rollout and the trainer must run
+    the same one; every run uses :data:`EXACT_SPLIT_RULE`, another rule is for tests. They live here, not beside the
+    kernel, because the CUDA backend's routing (:meth:`KernelTuning.exact_on_cublas`,
+    :meth:`KernelTuning.exact_decode_config`) reads the split through this module, which imports no Triton.
+    """
+
+    programs: int = 112  # the program count (N tiles x splits) a split aims for: fixed, not the device's SMs
+    max_split: int = 8  # the most splits (a power of two)
+    min_kb_per_split: int = 28  # the fewest 128-wide K blocks per split: only long K splits
+    block_n: int = 128  # exact mode's GEMM tile columns
+    narrow_block_n: int = 64  # its tile columns for weights of at most narrow_n rows (more programs)
+    narrow_n: int = 1024  # the widest weight that gets the narrow tiles
+
+    def __post_init__(self) -> None:
+        if not (all(_pow2(v) for v in (self.max_split, self.block_n, self.narrow_block_n))
+                and all(_int(v) and v >= 0 for v in (self.programs, self.min_kb_per_split, self.narrow_n))):
+            raise ValueError(f"ExactSplitRule: max_split and the tiles must be powers of two, the rest non-negative "
+                             f"ints, got {self}")
+
+    def tile_n(self, n: int) -> int:
+        """The N tile of exact mode's GEMM for a weight of ``n`` rows."""
+        return self.narrow_block_n if n <= self.narrow_n else self.block_n
+
+
+EXACT_SPLIT_RULE = ExactSplitRule()
+
+
+@dataclass(frozen=True)
 class Rule:
     """What a field accepts: ``text`` completes "must be ..." in its error and in the configuration reference."""
 
@@ -197,9 +236,6 @@ _INT0 = Rule("a non-negative int", lambda v: _int(v) and v >= 0)
 _INT1 = Rule("a positive int", lambda v: _int(v) and v >= 1)
 _INT_TO_DECODE = Rule(f"an int in 0..{DECODE_GEMM_MAX_M} (the decode GEMM's rows)",
                       lambda v: _int(v) and 0 <= v <= DECODE_GEMM_MAX_M)
-_POW2 = Rule("a power of two", _pow2)
-_POW2_TO_BLOCK = Rule(f"a power of two in 1..{BLOCK_SIZE}", lambda v: _pow2(v) and v <= BLOCK_SIZE)
-_POW2_16_256 = Rule("a power of two in 16..256", lambda v: _pow2(v) and 16 <= v <= 256)
 _POW2_1_16 = Rule("a power of two in 1..16", lambda v: _pow2(v) and v <= 16)
 _POW2_1_8 = Rule("a power of two in 1..8", lambda v: _pow2(v) and v <= 8)
 _TILE_OR_0 = Rule("0 (the route's own tile) or a power of two in 16..256",
@@ -211,7 +247,7 @@ _RING_SLOTS = Rule("an int >= 2 (ring slots: the tile read and at least one in f
 
 # the families of fields, in the order the configuration reference lists them
 GEMM = "GEMM routing"
-QUANT = "quantization and log-probability kernels"
+QUANT = "quantization kernels and FP8 weights"
 EXACT = "exact mode's schedule"
 KV = "decode attention over an FP8 cache"
 FAMILIES = (GEMM, QUANT, EXACT, KV)
@@ -245,25 +281,18 @@ class KernelTuning:
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
     * ``decode_gemm_pdl`` (on): on a Hopper or later GPU the decode GEMM is a programmatic dependent launch of the
-      kernel before it, and the kernels that feed it (fused norm, SwiGLU, activation quantizer) let it launch as soon as all
-      their programs have started; the GEMM waits for their writes before it reads anything. The same bits either
-      way (:mod:`~jetrl.quant.kernels.gemm_decode_triton`).
+      kernel before it, and the kernels that feed it (fused norm, SwiGLU, activation quantizer) let it launch as
+      soon as all their programs have started; the GEMM waits for their writes before it reads anything. The same
+      bits either way (:mod:`~jetrl.quant.kernels.gemm_decode_triton`).
 
-    Quantization kernels (same bytes for every value):
+    Quantization kernels and FP8 weights (the same bytes either way): ``gluon`` (on): the 128x1 kernels and
+    grad_out's one-pass 1x128 + 128x1 in Gluon where the installed Triton has it and the rows have unit stride; off
+    (or no Gluon), the Triton 128x1 kernels, and grad_out as two Triton kernels (1x128, then 128x1).
+    ``cache_weight_t`` (off) keeps W^T's FP8 form (1 byte per parameter) with each linear's FP8 weight for the
+    weight's version; off, each backward transposes W's FP8 tiles into a transient W^T (one launch per linear: the
+    same bytes). The training side then holds one FP8 copy of its weights, not two.
 
-    * ``gluon``: the 128x1 kernels and grad_out's one-pass 1x128 + 128x1 in Gluon where the installed Triton has
-      it and the rows have unit stride; ``False`` (or no Gluon) runs the Triton 128x1 kernels, and grad_out as two
-      Triton kernels (1x128, then 128x1);
-    * ``act_block_m`` rows per program and ``act_num_warps`` of the 1x128 kernel; ``token_block_k`` columns per
-      program (a power of two <= 128) and ``token_num_warps`` of the Triton 128x1 kernel; ``requant_block_k``
-      (divides 128) and ``requant_num_warps`` of the Triton 1x128 -> 128x1 kernel; ``weight_num_warps`` of the
-      128x128 kernel.
-
-    Memory: ``cache_weight_t`` (off) keeps W^T's FP8 form (1 byte per parameter) with each linear's FP8 weight
-    for the weight's version; off, each backward transposes W's FP8 tiles into a transient W^T (one launch per
-    linear: the same bytes). The training side then holds one FP8 copy of its weights, not two.
-
-    Other kernels: ``logprob_stats_num_warps`` / ``logprob_grad_num_warps`` of the LM-head log-probability kernels.
+    Decode attention over an FP8 cache:
     ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
     the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
     tile is dequantized in registers first (the route an fp16 query always takes). On by default.
@@ -275,83 +304,68 @@ class KernelTuning:
     the GPU the MMA operand layout may round the accumulation apart). On by default (faster on the H200,
     docs/benchmark-history.md); off, Triton's conversion.
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
-    tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default: the
-    route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a power of
-    two up to 16) and ``kv_decode_num_stages`` (>= 1; 1 by default: a second stage adds no overlap to this loop,
-    only shared memory) of the Triton launch, and the context split
-    (``choose_num_splits``): ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims
-    for, at most ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread
-    (Triton's ``maxnreg``; 0: the compiler's choice; 128, the default, lets 4 programs of 4 warps share an SM
-    where the shared memory allows, at the cost of a few spills). The defaults are the fastest launch of the H200
-    sweep in docs/benchmark-history.md. Any values give the attention over the dequantized cache
-    to summation order (the tile and the split set that order); ``bench/attention.py`` sweeps them.
-    ``kv_decode_streams`` (on by default; faster on the H200, BENCHMARKS.md, "Decode attention") runs an
-    FP8-cache decode step on the
-    Gluon kernel of :mod:`~jetrl.quant.kernels.paged_attention_gluon` wherever it applies (bf16 queries,
-    ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8 query heads per KV head, a Triton with Gluon),
-    and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams per
-    program (a power of two up to 8), ``kv_decode_stream_stages`` ring slots of 16-token tiles (>= 2: the tile
+    tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default:
+    the route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a
+    power of two up to 16) and ``kv_decode_num_stages`` (>= 1; 1 by default: a second stage adds no overlap to this
+    loop, only shared memory) of the Triton launch, and the context split (``choose_num_splits``):
+    ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims for, at most
+    ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread (Triton's
+    ``maxnreg``; 0: the compiler's choice; 128, the default, lets 4 programs of 4 warps share an SM where the shared
+    memory allows, at the cost of a few spills). The defaults are the fastest launch of the H200 sweep in
+    docs/benchmark-history.md. Any values give the attention over the dequantized cache to summation order (the tile
+    and the split set that order); ``bench/attention.py`` sweeps them.
+    ``kv_decode_streams`` (on by default; faster on the H200, BENCHMARKS.md, "Decode attention") runs an FP8-cache
+    decode step on the Gluon kernel of :mod:`~jetrl.quant.kernels.paged_attention_gluon` wherever it applies (bf16
+    queries, ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8 query heads per KV head, a Triton with
+    Gluon), and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams
+    per program (a power of two up to 8), ``kv_decode_stream_stages`` ring slots of 16-token tiles (>= 2: the tile
     read and ``stages - 1`` in flight; ``stages x warps`` slots of :data:`STREAM_SLOT_BYTES` within
-    :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM,
-    at most ``kv_decode_stream_max_splits`` splits, and at most ``kv_decode_stream_max_registers`` registers per
-    thread (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same attention over the dequantized cache, to summation
-    order.
+    :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM (from
+    4,096 tokens of context on; fewer at shorter contexts, :func:`~jetrl.quant.kernels.paged_attention_gluon.
+    num_splits`), at most ``kv_decode_stream_max_splits`` splits, and at most ``kv_decode_stream_max_registers`` registers per thread
+    (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same attention over the
+    dequantized cache, to summation order.
 
-    Exact mode's GEMMs (:mod:`~jetrl.quant.kernels.gemm_exact_triton`): ``exact_block_m`` x ``exact_block_n``
-    tiles (``exact_narrow_block_n`` for weights of at most ``exact_narrow_n`` rows), ``exact_num_warps``,
-    ``exact_num_stages``, and the K split (:meth:`exact_split`): ``exact_split_k`` (0, the default: the heuristic
-    below; a positive count forces that many splits on every weight, at most one per 128-wide K block; 1 is the one
-    in-order K walk of the first exact kernel, ``tuning.override(exact_split_k=1)``),
-    ``exact_split_programs`` (the program count a split aims for, a constant so that the bits do not depend on the
-    device a side runs on: 112, most of an H200's 132 SMs), ``exact_max_split`` and ``exact_min_kb_per_split``
-    (28 128-wide K blocks at least per split: a weight with K up to 7,168 walks K unsplit, and such weights train
-    on cuBLAS, see ``exact_cublas_min_m``, and decode as one grouped launch where they share an input, q/k/v and
-    gate/up; an 8B model's down projection, K = 14,336, splits in 4, so that its decode streams the weight with
-    enough programs; docs/benchmark-history.md has the RL step of both choices). These fix the arithmetic,
-    never chosen by M;
-    the rollout and the trainer must run the same values (any values are batch-invariant, but two different ones
-    are two different reduction orders).
-    ``exact_split_max_m`` only picks the schedule: up to that many rows (256, a decode batch's most) the splits
-    run as separate programs (partials through a workspace), above it one program walks all splits of its tile;
-    both give the same bits.
-    ``exact_wide_min_m`` (0: never) is a schedule as well: from that many rows on (prefill and the trainer's
-    packed passes) the walking schedule's FP8 GEMMs run the decode-sized ``exact_block_*`` tiles, warps and stages
-    with TMA loads where the layouts allow (no pointer tensors in registers, so two programs share an SM; a tile
-    whose columns lie in one 128-row weight scale block multiplies each K block's MMA result by one factor per row,
-    ``sa[m] * sb``, the same fp32 products as the outer product of scales: faster on the H200,
-    docs/benchmark-history.md), and its other GEMMs (the 16/32-bit path, e.g. the LM head, and FP8 layouts TMA
-    cannot load) ``exact_wide_block_m`` x ``exact_wide_block_n`` tiles (``exact_wide_mm_block_n`` wide on the
-    16/32-bit path) with ``exact_wide_num_warps`` and ``exact_wide_num_stages`` instead of the decode-sized ones.
-    The tile's extent in M and N is not part of a row's arithmetic (the K blocks, the split and the scale
-    application are), so the bits stay the same; the GPU tests check it at the 8B shapes.
-    ``exact_cublas_min_m`` (0: never) is a schedule of the FP8 path: from that many rows on, a weight whose K is
-    walked in one range (:meth:`exact_split` is 1) multiplies on cuBLAS's blockwise GEMM, the fast path's
-    (:meth:`exact_on_cublas`). Its arithmetic is the in-order walk's: each 128-wide K block's MMA sum from zero,
-    scaled by ``sa * sb`` into one fp32 accumulator, K blocks in order, one rounding at the end. It has no
-    split-K at those sizes, so it gives the Triton kernel's bits; the GPU tests check it at the 8B shapes (at
-    a few rows cuBLAS may split K for some shapes, see docs/benchmark-history.md, so the default, 65, starts
-    past the decode
-    kernel's rows), and every RL step's ``mismatch/logp_abs_diff_max`` would show a drift.
-    ``exact_decode_max_m`` (0: never; at most 256) is a schedule too: up to that many rows an exact FP8 GEMM runs
-    on the fast path's split-K decode kernel (:mod:`~jetrl.quant.kernels.gemm_decode_triton`, its tiles, TMA and
-    grouped launches), forced to exact mode's K split (:meth:`exact_decode_config`; the decode config's K blocks per
-    loop trip where they divide a split's blocks, so that the split boundaries stay exact mode's, else one). That
-    kernel's arithmetic is the exact kernel's: each split's K blocks walked in order from zero with ``acc += dot *
-    (sa * sb)``, the partials summed in split order, one rounding (an unrolled loop adds the same blocks in the same
-    order); the swapped MMA operands (weight rows as the MMA's M) multiply the same pairs in the same K order. The
-    GPU tests check the bits at the 8B shapes; weights that share an input and a split (q/k/v, gate/up) run as one
-    grouped launch.
-    ``exact_decode_attention_swapped`` (on) runs a decode step's exact attention
-    (:mod:`~jetrl.quant.kernels.exact_attention_triton`) (at most one query row per
-    sequence) on the swapped decode kernel: one row per program, the chunk's keys as the MMA's 64 rows and the
-    row's heads as its columns, a quarter of the tile kernel's MMA work at GQA group 4; it computes the tile
-    kernel's bits (the GPU tests check it), with ``exact_decode_attention_stages`` pipeline stages.
+    Exact mode (:mod:`jetrl.quant.exact`). Its GEMMs' K split (:meth:`exact_split`) fixes their arithmetic, never
+    chosen by M: ``exact_split_k`` (0, the default: the heuristic of :data:`EXACT_SPLIT_RULE`, at least 28 128-wide K
+    blocks per split, so that a weight with K up to 7,168 walks K unsplit, trains on cuBLAS and decodes as one
+    grouped launch where it shares an input, and an 8B model's down projection, K = 14,336, splits in 4; a positive
+    count forces that many splits on every weight, at most one per 128-wide K block; 1 is the one in-order K walk of
+    the first exact kernel). The rollout and the trainer must run the same split (any is batch-invariant, but two
+    different ones are two different reduction orders). The other fields are schedules, the same bits (the GPU tests
+    check them at the 8B shapes):
+
+    * ``exact_split_max_m``: up to that many rows (256, a decode batch's most) the splits run as separate programs
+      (partials through a workspace), above it one program walks all splits of its tile;
+    * ``exact_wide_min_m`` (0: never): from that many rows on (prefill and the trainer's packed passes) the walking
+      schedule's FP8 GEMMs load the decode-sized tiles through TMA where the layouts allow (a tile whose columns lie
+      in one 128-row weight scale block multiplies each K block's MMA result by one factor per row, the same fp32
+      products as the outer product of scales), and its other GEMMs (the 16/32-bit path, e.g. the LM head, and FP8
+      layouts TMA cannot load) run wide tiles (:class:`~jetrl.quant.kernels.gemm_exact_triton.ExactTiles`): a
+      tile's extent in M and N is not part of a row's arithmetic;
+    * ``exact_cublas_min_m`` (0: never): from that many rows on, a weight whose K is walked in one range
+      (:meth:`exact_split` is 1) multiplies on cuBLAS's blockwise GEMM (:meth:`exact_on_cublas`), whose arithmetic
+      is the in-order walk's: each 128-wide K block's MMA sum from zero, scaled by ``sa * sb`` into one fp32
+      accumulator, K blocks in order, one rounding. At a few rows cuBLAS may split K for some shapes
+      (docs/benchmark-history.md), so the default, 65, starts past the decode kernel's rows; every RL step's
+      ``mismatch/logp_abs_diff_max`` would show a drift;
+    * ``exact_decode_max_m`` (0: never; at most 256): up to that many rows an exact FP8 GEMM runs on the fast
+      path's split-K decode kernel (:mod:`~jetrl.quant.kernels.gemm_decode_triton`, its tiles, TMA and grouped
+      launches) forced to exact mode's K split (:meth:`exact_decode_config`: the decode config's K blocks per loop
+      trip where they divide a split's blocks, so that the split boundaries stay exact mode's, else one). Its
+      arithmetic is the exact kernel's: each split's K blocks walked in order from zero with ``acc += dot * (sa *
+      sb)``, the partials summed in split order, one rounding; the swapped MMA operands multiply the same pairs in
+      the same K order. Weights that share an input and a split (q/k/v, gate/up) run as one grouped launch;
+    * ``exact_decode_attention_swapped`` (on): a decode step's exact attention
+      (:mod:`~jetrl.quant.kernels.exact_attention_triton`, at most one query row per sequence) runs on the swapped
+      decode kernel: one row per program, the chunk's keys as the MMA's 64 rows and the row's heads as its columns;
+      it computes the tile kernel's bits.
     """
 
     gemm: str = knob("auto", GEMM, "the FP8 GEMM path: auto (decode kernel, cuBLAS, Triton by shape), deepgemm, or "
                      "one forced: cublas, triton, decode; default from JETRL_FP8_GEMM", None)
-    deepgemm_decode_max_m: int = knob(DECODE_GEMM_MAX_M, GEMM, "under gemm=deepgemm: the most rows of a rollout "
-                                      "GEMM that DeepGEMM takes (0: none)", _INT_TO_DECODE)
+    deepgemm_decode_max_m: int = knob(DECODE_GEMM_MAX_M, GEMM, "under gemm=deepgemm: the most rows of a GEMM "
+                                      "(a decode step's) that DeepGEMM takes (0: none)", _INT_TO_DECODE)
     deepgemm_split_k_max_m: int = knob(128, GEMM, "under gemm=deepgemm: up to this many rows a weight with K > 2N "
                                        "stays on the split-K decode kernel", _INT_TO_DECODE)
     decode_max_m: int = knob(64, GEMM, "the most rows a single FP8 GEMM sends to the split-K decode kernel", _INT0)
@@ -365,47 +379,20 @@ class KernelTuning:
                                  "runs (programmatic dependent launch; the same bits)", _BOOL)
     gluon: bool = knob(True, QUANT, "the 128x1 quantizers (and grad_out's two-way pass) in Gluon where Triton has "
                        "it; off: Triton", _BOOL)
-    act_block_m: int = knob(32, QUANT, "rows per program of the 1x128 activation quantizer", _POW2)
-    act_num_warps: int = knob(4, QUANT, "warps of the 1x128 activation quantizer", _POW2)
-    token_block_k: int = knob(32, QUANT, "columns per program of the Triton 128x1 quantizer", _POW2_TO_BLOCK)
-    token_num_warps: int = knob(1, QUANT, "warps of the Triton 128x1 quantizer", _POW2)
-    requant_block_k: int = knob(32, QUANT, "columns per program of the 1x128 -> 128x1 requantizer", _POW2_TO_BLOCK)
-    requant_num_warps: int = knob(1, QUANT, "warps of the 1x128 -> 128x1 requantizer", _POW2)
-    weight_num_warps: int = knob(4, QUANT, "warps of the 128x128 weight quantizer", _POW2)
     cache_weight_t: bool = knob(False, QUANT, "keep W^T's FP8 form beside W's for the weight's version (off: each "
                                 "backward transposes W's FP8 tiles)", _BOOL)
-    logprob_stats_num_warps: int = knob(8, QUANT, "warps of the LM-head log-probability kernel", _POW2)
-    logprob_grad_num_warps: int = knob(8, QUANT, "warps of its gradient kernel", _POW2)
-    exact_block_m: int = knob(64, EXACT, "exact GEMM tile rows (a schedule: the same bits)", _POW2)
-    exact_block_n: int = knob(128, EXACT, "exact GEMM tile columns", _POW2)
-    exact_narrow_block_n: int = knob(64, EXACT, "exact GEMM tile columns for weights of at most exact_narrow_n "
-                                     "rows", _POW2)
-    exact_narrow_n: int = knob(1024, EXACT, "the widest weight that gets narrow tiles", _INT1)
-    exact_num_warps: int = knob(4, EXACT, "exact GEMM warps", _POW2)
-    exact_num_stages: int = knob(3, EXACT, "exact GEMM pipeline stages", _INT1)
-    exact_split_k: int = knob(0, EXACT, "exact mode's K split on every weight (0: the heuristic below); changes the "
-                              "bits, the same on both sides", _INT0)
-    exact_split_programs: int = knob(112, EXACT, "the program count the K-split heuristic aims for (a constant, so "
-                                     "the bits do not depend on the device)", _INT0)
-    exact_max_split: int = knob(8, EXACT, "the K-split heuristic's most splits", _POW2)
-    exact_min_kb_per_split: int = knob(28, EXACT, "the fewest 128-wide K blocks per split", _INT0)
+    exact_split_k: int = knob(0, EXACT, "exact mode's K split on every weight (0: the fixed heuristic, "
+                              "ExactSplitRule); changes the bits, the same on both sides", _INT0)
     exact_split_max_m: int = knob(256, EXACT, "up to this many rows the splits run as separate programs (a "
                                   "schedule)", _INT0)
-    exact_wide_min_m: int = knob(256, EXACT, "from this many rows on, the wide tiles below and TMA loads (a "
+    exact_wide_min_m: int = knob(256, EXACT, "from this many rows on, exact GEMMs on wide tiles and TMA loads (a "
                                  "schedule; 0: never)", _INT0)
-    exact_wide_block_m: int = knob(128, EXACT, "wide tile rows", _POW2_16_256)
-    exact_wide_block_n: int = knob(128, EXACT, "wide tile columns", _POW2_16_256)
-    exact_wide_mm_block_n: int = knob(256, EXACT, "wide tile columns of the 16/32-bit path (the LM head)",
-                                      _POW2_16_256)
-    exact_wide_num_warps: int = knob(8, EXACT, "wide tile warps", _POW2_1_16)
-    exact_wide_num_stages: int = knob(3, EXACT, "wide tile pipeline stages", _INT1)
     exact_cublas_min_m: int = knob(65, EXACT, "from this many rows on, an unsplit weight multiplies on cuBLAS (the "
                                    "same bits; 0: never)", _INT0)
     exact_decode_max_m: int = knob(64, EXACT, "up to this many rows, exact GEMMs run on the split-K decode kernel "
                                    "with exact mode's split (the same bits; 0: never)", _INT_TO_DECODE)
     exact_decode_attention_swapped: bool = knob(True, EXACT, "a decode step's exact attention on the swapped "
                                                 "one-row kernel (the same bits)", _BOOL)
-    exact_decode_attention_stages: int = knob(1, EXACT, "that kernel's pipeline stages", _INT1)
     kv_decode_factored: bool = knob(True, KV, "FP8-cache decode attention reads E4M3 tiles into its dots, scales on "
                                     "the fp32 side (off: dequantized in registers)", _BOOL)
     kv_decode_bit_convert: bool = knob(True, KV, "the factored route converts E4M3 by bit operations (off: "
@@ -423,7 +410,8 @@ class KernelTuning:
     kv_decode_stream_warps: int = knob(1, KV, "warp streams per program of the Gluon kernel", _POW2_1_8)
     kv_decode_stream_stages: int = knob(3, KV, "its ring slots of 16-token tiles (the tile read and the rest in "
                                         "flight)", _RING_SLOTS)
-    kv_decode_stream_waves: float = knob(6.0, KV, "programs per SM its context split aims for", _POSITIVE)
+    kv_decode_stream_waves: float = knob(6.0, KV, "programs per SM its context split aims for from 4,096 tokens of "
+                                         "context on (fewer below, to half)", _POSITIVE)
     kv_decode_stream_max_splits: int = knob(64, KV, "its most context splits", _INT1)
     kv_decode_stream_max_registers: int = knob(128, KV, "its registers per thread (maxnreg)", _REGISTERS)
 
@@ -471,17 +459,14 @@ class KernelTuning:
             return tuned
         return self.decode_policy(m).config(m, n, k, sm_count)
 
-    def exact_tile_n(self, n: int) -> int:
-        """The N tile of exact mode's GEMM for a weight of ``n`` rows (narrow weights get narrower tiles)."""
-        return self.exact_narrow_block_n if n <= self.exact_narrow_n else self.exact_block_n
-
-    def exact_split(self, n: int, k: int) -> int:
+    def exact_split(self, n: int, k: int, rule: ExactSplitRule = EXACT_SPLIT_RULE) -> int:
         """How many contiguous K ranges exact mode's GEMM splits an (N, K) weight's reduction into (a function of
-        the weight's shape and these settings only, never of M).
+        the weight's shape, ``exact_split_k`` and ``rule`` only, never of M; ``rule``: the fixed heuristic, another
+        one only in tests).
 
-        Heuristic: the smallest power of two S <= ``exact_max_split`` whose ``ceil(N / block_n) * S`` programs
-        (one row tile's worth) reach ``exact_split_programs``, else the largest allowed, and no larger than
-        ``Kb // exact_min_kb_per_split`` (Kb: K's 128-wide blocks). ``exact_split_k > 0`` forces S instead (at
+        Heuristic: the smallest power of two S <= ``rule.max_split`` whose ``ceil(N / rule.tile_n(N)) * S``
+        programs (one row tile's worth) reach ``rule.programs``, else the largest allowed, and no larger than
+        ``Kb // rule.min_kb_per_split`` (Kb: K's 128-wide blocks). ``exact_split_k > 0`` forces S instead (at
         most Kb). The splits hold whole K blocks, ``ceil(Kb / S)`` each, the last one the rest (with K's partial
         block if any); what is returned is the number of non-empty splits that makes (e.g. Kb = 33 in 8 asked
         splits of 5 blocks: 7 splits).
@@ -492,10 +477,10 @@ class KernelTuning:
         if self.exact_split_k:
             split = min(self.exact_split_k, kb)
         else:
-            tiles = -(-n // self.exact_tile_n(n))
-            cap = max(1, min(self.exact_max_split, kb // max(1, self.exact_min_kb_per_split)))
+            tiles = -(-n // rule.tile_n(n))
+            cap = max(1, min(rule.max_split, kb // max(1, rule.min_kb_per_split)))
             split = 1
-            while split * 2 <= cap and tiles * split < self.exact_split_programs:
+            while split * 2 <= cap and tiles * split < rule.programs:
                 split *= 2
         return -(-kb // -(-kb // split))
 
