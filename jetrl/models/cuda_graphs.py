@@ -13,8 +13,9 @@ the same things staying put, and capture the same way:
   run there (autotuning, lazily made caches and kernels); in thread-local error mode, so that another thread's
   CUDA calls cannot invalidate it, and without the synchronize, garbage collection and cache release that
   ``torch.cuda.graph`` does per capture (a capture then issues kernels without waiting for the GPU). A capture
-  that fails raises :class:`CaptureFailed`; its caller falls back to running eagerly and says so once
-  (:func:`warn_eager`).
+  that fails raises :class:`CaptureFailed` and leaves the device able to capture again (torch alone would leave
+  the allocator recording into the failed capture's pool); its caller falls back to running eagerly and says so
+  once (:func:`warn_eager`).
 """
 
 from __future__ import annotations
@@ -68,12 +69,24 @@ def capture(run: Callable[[], T], *, stream: torch.cuda.Stream, pool, warmup: bo
             try:
                 out = run()
             finally:
-                graph.capture_end()
+                _end_capture(graph, pool, stream.device)
     except Exception as exc:
         main.wait_stream(stream)
         raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc
     main.wait_stream(stream)
     return graph, out
+
+
+def _end_capture(graph: torch.cuda.CUDAGraph, pool, device: torch.device) -> None:
+    """``graph.capture_end()``, and where it fails (a capture that something invalidated, e.g. a host
+    synchronization), the end of the allocator's routing of the capture's allocations to ``pool``, which torch
+    leaves on in that case: without it every later capture into any pool on this device fails ("already recording
+    to mempool") for the life of the process."""
+    try:
+        graph.capture_end()
+    except Exception:
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+        raise
 
 
 def warn_eager(what: str, error: BaseException, consequence: str, stacklevel: int = 3) -> None:

@@ -60,10 +60,12 @@ def test_storage_key_reads_the_transposes_only_when_asked():
     does not recapture the decode graphs; the update's key includes them (on the GPU the training side keeps
     W^T in FP8 for DGrad)."""
     model = _jet_model(dtype=torch.bfloat16, device="cuda")
-    with precision_side("train"):
+    with tuning.override(cache_weight_t=True), precision_side("train"):  # W^T kept beside W for its version
         with_t = storage_key(model, grads=False, transposes=True)
         without = storage_key(model, grads=False, transposes=False)
     assert len(with_t) > len(without)
+    with precision_side("train"):  # the default: W^T made from W's bytes per backward, nothing held to key on
+        assert len(storage_key(model, grads=False, transposes=True)) == len(without)
 
 
 def test_a_failed_capture_warns_once_with_its_reason():
@@ -101,6 +103,10 @@ def test_capture_replays_fresh_inputs_and_reports_a_failed_capture():
         warnings.simplefilter("ignore")  # torch's own warning about resetting the failed graph
         with pytest.raises(CaptureFailed):
             capture(forbidden, stream=stream, pool=pool)
-    graph2, out2 = capture(run, stream=stream, pool=pool)  # the device is still usable after a failed capture
+    # the device can still capture, into the same pool and into a fresh one, after a failed capture
+    graph2, out2 = capture(run, stream=stream, pool=pool)
+    graph3, out3 = capture(run, stream=torch.cuda.Stream(), pool=torch.cuda.graph_pool_handle())
+    x.copy_(torch.randn(1000, device="cuda"))
     graph2.replay()
-    assert torch.equal(out2, torch.tanh(x * w).cumsum(0))
+    graph3.replay()
+    assert torch.equal(out2, torch.tanh(x * w).cumsum(0)) and torch.equal(out3, out2)
