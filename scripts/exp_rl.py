@@ -169,6 +169,94 @@ def plot_held_out(runs: list[dict[str, Any]], path: Path, title: str) -> Path | 
     return path
 
 
+def _finite(value: Any) -> float | None:
+    value = float(value) if isinstance(value, (int, float, str)) else math.nan  # non-finite floats log as strings
+    return value if math.isfinite(value) else None
+
+
+def plot_arm_bands(runs: list[dict[str, Any]], path: Path, panels: Sequence[tuple[str, str, bool]], title: str,
+                   absent_note: str = "not logged", notes: dict[str, str] | None = None) -> Path:
+    """One line per arm in each of the four ``panels`` ((key, title, log scale), e.g. ``jetrl.plotting.PANELS``
+    or ``HEALTH_PANELS``): the mean over the arm's seeds at each step (of the seeds that logged it), and a band
+    over their range (min-max). Only the runs' ``records`` are read (no run folders). A panel draws the arms that
+    logged its key and names the others in its title with ``absent_note``; ``notes`` adds a line per key. On a
+    log panel the axis is symlog down to 0 (:func:`exp_common.log_scale_with_zero`), so an arm at exactly 0
+    is drawn on 0 and named in the panel rather than left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    arms: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        arms.setdefault(r["arm"], []).append(r)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {arm: colors[i % len(colors)] for i, arm in enumerate(arms)}
+    labels = {}
+    for arm, rs in arms.items():
+        steps = [max((rec["step"] for rec in r["records"]), default=0) for r in rs]
+        span = f"{steps[0]} steps" if len(set(steps)) == 1 else f"{', '.join(map(str, steps))} steps"
+        labels[arm] = f"{arm} ({len(rs)} seed{'s' if len(rs) > 1 else ''}, {span})"
+    logged = {arm: {key for key, _, _ in panels if any(_finite(rec.get(key)) is not None
+                                                       for r in rs for rec in r["records"])}
+              for arm, rs in arms.items()}
+    nowhere = [arm for arm in arms if not logged[arm]]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, (key, name, log_scale) in zip(axes.flat, panels):
+        absent, zero, drawn = [], [], []
+        for arm, rs in arms.items():
+            by_step: dict[int, list[float]] = {}
+            for r in rs:
+                for rec in r["records"]:
+                    if (v := _finite(rec.get(key))) is not None:
+                        by_step.setdefault(int(rec["step"]), []).append(v)
+            if not by_step:
+                absent += [] if arm in nowhere else [arm]
+                continue
+            steps = sorted(by_step)
+            values = [by_step[s] for s in steps]
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=color[arm], alpha=0.2,
+                            linewidth=0)
+            drawn += [x for v in values for x in v]
+            if log_scale and all(x == 0 for v in values for x in v):
+                zero.append(arm)
+            ax.plot(steps, [_mean(v) for v in values], color=color[arm], linewidth=2.5 if arm in zero else 1.8,
+                    zorder=3 if arm in zero else 2)
+        if log_scale and any(x == 0 for x in drawn):
+            common.log_scale_with_zero(ax, drawn)
+            if zero:  # room under 0 (the linear part of the symlog axis), so the line on 0 is not the frame
+                ax.set_ylim(bottom=-0.3 * min(x for x in drawn if x > 0) if any(x > 0 for x in drawn) else -0.1)
+                ax.annotate(f"{', '.join(zero)} = 0", (0.02, 0.03), xycoords="axes fraction", fontsize=8,
+                            color=color[zero[0]])
+        elif log_scale and any(x > 0 for x in drawn):
+            ax.set_yscale("log")
+        lines = [name]
+        if absent:
+            lines.append(f"(no {', '.join(absent)}: {absent_note})")
+        if zero:
+            lines.append(f"({', '.join(zero)}: exactly 0 at every step of every seed, the line on 0)")
+        if notes and key in notes:
+            lines.append(notes[key])
+        ax.set_title("\n".join(lines), fontsize=9 if len(lines) > 1 else None)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    shown = [a for a in arms if a not in nowhere]
+    handles = [(Patch(facecolor=color[a], alpha=0.2, linewidth=0), Line2D([], [], color=color[a], linewidth=1.8))
+               for a in shown]
+    fig.legend(handles, [labels[a] for a in shown], loc="lower center", ncol=min(3, len(shown)), frameon=False,
+               fontsize=9, title_fontsize=9,
+               title=f"not drawn: {', '.join(labels[a] for a in nowhere)}: {absent_note}" if nowhere else None)
+    fig.suptitle(f"{title}\nper arm: mean over its seeds (line) and their min-max range (band)")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def summary_tables(results: dict[str, Any]) -> str:
     """Per run: steps, held-out accuracy before -> after, reward and mismatch at the start and the end;
     then per arm over seeds: the mean change of held-out accuracy and reward with the seed spread."""

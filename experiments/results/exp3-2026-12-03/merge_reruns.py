@@ -5,7 +5,12 @@ folder) came back. Each log has one line per step (reward, mean |dlogp|) and the
 is that row plus per-step records holding only ``reward/mean`` and ``mismatch/logp_abs_diff_mean`` (rounded as
 logged). `bf16`, `jet` and `fp8-rollout` come from ``exp_rl.json`` (its 1-seed `jet-exact` / `jet-kv8` runs,
 cut at 19 and 25 steps, are dropped). Writes ``exp_rl_heldout_runs.json`` (the merged runs, records trimmed to the
-keys the tables use), ``table.txt`` and ``exp_rl_held_out.png`` (``plot_held_out`` of ``scripts/exp_rl.py``).
+keys the tables use), ``table.txt``, ``exp_rl_held_out.png`` (``plot_held_out`` of ``scripts/exp_rl.py``) and, from
+the same merged runs with their full records, ``exp_rl_curves.png`` (reward, accuracy, response length, |dlogp|:
+``jetrl.plotting.PANELS``) and ``exp_rl_health.png`` (k3 KL, |dp| > 1e-3 fraction, entropy, clip fraction:
+``HEALTH_PANELS``), both by ``plot_arm_bands``: per arm the mean over its 3 seeds per step and their min-max band.
+The re-runs appear only in the reward and |dlogp| panels; the others name them as absent. `jet-exact`'s |dlogp|
+is 0 at every step: that panel's axis is symlog down to 0, and the panel says so.
 
     python experiments/results/exp3-2026-12-03/merge_reruns.py
 """
@@ -18,7 +23,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2] / "scripts"))
 
 import exp_common as common  # noqa: E402
-from exp_rl import _ends, _mean, _with_spread, plot_held_out, step_matched_table  # noqa: E402
+from exp_rl import (HEALTH_PANELS, _ends, _mean, _with_spread, plot_arm_bands, plot_held_out,  # noqa: E402
+                    step_matched_table)
+from jetrl.plotting import PANELS  # noqa: E402
 
 KEEP = ("step", "reward/mean", "mismatch/logp_abs_diff_mean", "mismatch/kl_k3")
 RERUN_ARMS = ("jet-exact", "jet-kv8")
@@ -95,13 +102,22 @@ def main() -> None:
     (HERE / "table.txt").write_text(text)
     print(text)
 
+    title = "Experiment 3 (SmolLM2-135M-Instruct, arithmetic)"
+    full = [{**r, "records": r.get("full_records", r["records"])} for r in runs]
+    assert all(x["reward/mean"] == x["reward/accuracy"] for r in full for x in r["records"] if "reward/accuracy" in x)
+    absent = "their re-run logs kept only reward and |Δ logp|"
+    plot_arm_bands(full, HERE / "exp_rl_curves.png", PANELS, f"{title}: RL from one warm start", absent,
+                   notes={"reward/accuracy": "(0/1 rewards: accuracy = mean reward at every step of the arms drawn)"})
+    plot_arm_bands(full, HERE / "exp_rl_health.png", HEALTH_PANELS, f"{title}: mismatch and policy health per step",
+                   absent)
+
     for r in runs:
         r["records"] = [{k: x[k] for k in KEEP if k in x} for x in r.pop("full_records", r["records"])]
         r.pop("run_dir", None)
     common.write_json(HERE / "exp_rl_heldout_runs.json",
                       {"experiment": "rl_arms", "sources": ["exp_rl.json", *(r["source"] for r in runs if "source" in r)],
                        "records_keys": list(KEEP), "runs": runs})
-    plot_held_out(runs, HERE / "exp_rl_held_out.png", "Experiment 3 (SmolLM2-135M-Instruct, arithmetic)")
+    plot_held_out(runs, HERE / "exp_rl_held_out.png", title)
 
 
 if __name__ == "__main__":
