@@ -13,9 +13,9 @@ the same things staying put, and capture the same way:
   run there (autotuning, lazily made caches and kernels); in thread-local error mode, so that another thread's
   CUDA calls cannot invalidate it, and without the synchronize, garbage collection and cache release that
   ``torch.cuda.graph`` does per capture (a capture then issues kernels without waiting for the GPU). A capture
-  that fails raises :class:`CaptureFailed` and leaves the device able to capture again (torch alone would leave
-  the allocator recording into the failed capture's pool); its caller falls back to running eagerly and says so
-  once (:func:`warn_eager`).
+  that fails raises :class:`CaptureFailed` and leaves the device able to capture again, into another pool (torch
+  keeps the failed capture's pool marked as recording, so no later capture can begin in it); its caller falls back
+  to running eagerly and says so once (:func:`warn_eager`), and captures later only into a fresh pool.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def capture(run: Callable[[], T], *, stream: torch.cuda.Stream, pool, warmup: bo
 
 def _end_capture(graph: torch.cuda.CUDAGraph, pool, device: torch.device) -> None:
     """``graph.capture_end()``, and where it fails (a capture that something invalidated, e.g. a host
-    synchronization), the end of the allocator's routing of the capture's allocations to ``pool``, which torch
-    leaves on in that case: without it every later capture into any pool on this device fails ("already recording
-    to mempool") for the life of the process."""
+    synchronization), the end of the device allocator's routing of the capture's allocations to ``pool``, which
+    torch leaves on in that case. ``pool`` itself stays unusable: a capture that begins in it again fails ("already
+    recording to mempool_id"), so callers move to a fresh pool."""
     try:
         graph.capture_end()
     except Exception:

@@ -215,6 +215,7 @@ class UpdateGraphs:
             g.graph, (g.lp, g.stats) = capture(lambda: self._step(packed, g), stream=self.stream, pool=self.pool)
         except CaptureFailed as exc:
             self.failed = str(exc)
+            self.pool = torch.cuda.graph_pool_handle()  # a failed capture's pool takes no other (the toolkit's doc)
             return False
         return True
 
