@@ -32,12 +32,22 @@ import functools
 import importlib
 import importlib.util
 import os
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 
 from jetrl.quant import reference
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
+
+
+class GemmWeight(NamedTuple):
+    """An FP8 weight a model's forward multiplies, as GEMM planning sees it: ``n`` x ``k`` (a group's stacked
+    weight for linears that run as one, q/k/v or gate/up), ``biased_group``: such a group with biases (its
+    decode-sized launches may keep the decode kernel, which adds them in its epilogue)."""
+
+    n: int
+    k: int
+    biased_group: bool = False
 
 
 class Fp8Backend(Protocol):
@@ -87,9 +97,9 @@ class Fp8Backend(Protocol):
         each sum rounded once to y's dtype. May write into ``y`` (a fresh GEMM output nobody else holds)."""
         ...
 
-    def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
-        """Compile ahead what the GEMMs met so far need at these token counts (kernels compiled at first use, such
-        as DeepGEMM's); the seconds taken, 0 where nothing is compiled ahead."""
+    def prepare_gemms(self, token_counts: list[int], device: torch.device, weights: Sequence[GemmWeight]) -> float:
+        """Compile ahead what GEMMs of these weights need at these token counts (kernels compiled at first use,
+        such as DeepGEMM's); the seconds taken, 0 where nothing is compiled ahead."""
         ...
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -146,7 +156,7 @@ class ReferenceBackend:
     def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return y + bias.to(y.dtype)
 
-    def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
+    def prepare_gemms(self, token_counts: list[int], device: torch.device, weights: Sequence[GemmWeight]) -> float:
         return 0.0  # nothing compiled at first use
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -340,8 +350,9 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) ->
     return get_backend(a.data.device).gemm(a, b, out_dtype)
 
 
-def prepare_gemms(token_counts: list[int], device: torch.device | str) -> float:
-    """Compile ahead, on ``device``'s backend, what the FP8 GEMMs met so far need at these token counts (the CUDA
-    backend: DeepGEMM's kernels, where it runs them); the seconds taken."""
+def prepare_gemms(token_counts: list[int], device: torch.device | str, weights: Sequence[GemmWeight]) -> float:
+    """Compile ahead, on ``device``'s backend, what FP8 GEMMs of ``weights`` (e.g. a model's,
+    :func:`jetrl.quant.linear.forward_gemm_weights`) need at these token counts (the CUDA backend: DeepGEMM's
+    kernels, where it runs them); the seconds taken."""
     device = torch.device(device)
-    return get_backend(device).prepare_gemms(list(token_counts), device)
+    return get_backend(device).prepare_gemms(list(token_counts), device, list(weights))

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetrl.quant.backend import get_backend, selected_backend_name
+from jetrl.quant.backend import GemmWeight, get_backend, selected_backend_name
 from jetrl.quant.exact import exact_linear
 from jetrl.quant.formats import ACT, Fp8Tensor
 from jetrl.quant.linear_op import fp8_linear_group
@@ -192,6 +192,16 @@ class FP8Linear(nn.Linear):
             if members.qweight is not None:
                 _group_weights(members.modules, with_transpose=False)
 
+    def forward_gemm_weights(self) -> list[GemmWeight]:
+        """The FP8 weights this layer's forwards have multiplied so far: its own W where it ran alone, and the
+        stacked W of each group it leads (:func:`grouped_linear`) with whether that group has biases."""
+        out = [GemmWeight(self.out_features, self.in_features)] if self._qweight is not None else []
+        for cache in self._group_caches.values():
+            if cache.qweight is not None:
+                out.append(GemmWeight(cache.qweight.shape[0], cache.qweight.shape[1],
+                                      biased_group=cache.modules[0].bias is not None))
+        return out
+
     def cached_fp8_tensors(self) -> list[Fp8Tensor]:
         """The FP8 weights this layer holds: its own W (and W^T), and those of the groups it leads."""
         held = [self._qweight, self._qweight_t]
@@ -291,6 +301,17 @@ def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = No
     if x_fp8 is None:
         return module(x)
     return module(x, x_fp8=x_fp8)
+
+
+def forward_gemm_weights(model: nn.Module) -> list[GemmWeight]:
+    """Every FP8 weight ``model``'s forwards have multiplied so far on the precision side in force (each once):
+    what :func:`jetrl.quant.backend.prepare_gemms` compiles ahead for, e.g. before the rollout's decode graphs are
+    captured (the prefill has run every layer by then)."""
+    seen: dict[GemmWeight, None] = {}
+    for layer in model.modules():
+        if isinstance(layer, FP8Linear) and layer.uses_fp8():
+            seen.update(dict.fromkeys(layer.forward_gemm_weights()))
+    return list(seen)
 
 
 def groupable(modules: tuple[nn.Module, ...] | list[nn.Module]) -> bool:

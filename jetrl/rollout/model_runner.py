@@ -63,6 +63,7 @@ from jetrl.models.attention import PagedAttentionMetadata, PagedKVCache
 from jetrl.models.cuda_graphs import capture, storage_key, warn_eager
 from jetrl.quant import precision_side
 from jetrl.quant.backend import prepare_gemms
+from jetrl.quant.linear import forward_gemm_weights
 from jetrl.quant.recipe import check_exact
 from jetrl.rollout.block_manager import BlockTableMirror
 from jetrl.rollout.sampling import SamplingBatch, sample
@@ -126,12 +127,13 @@ class _DecodeGraphs:
         """Capture the decode step for ``b`` rows: a warm-up forward (autotuning, caches), then the capture,
         both over parked rows so that nothing is written outside the scratch block. The first capture first
         compiles ahead the GEMM kernels that every candidate size needs and that compile at first use
-        (:func:`~jetrl.quant.backend.prepare_gemms`: DeepGEMM's, under ``gemm="deepgemm"``; the GEMMs are those
-        the process has run, the prefill's at least), in parallel, rather than one size's at a time in the
-        warm-ups."""
+        (:func:`~jetrl.quant.backend.prepare_gemms`: DeepGEMM's, under ``gemm="deepgemm"``; for the FP8 weights
+        the model's rollout-side forwards have multiplied, the prefill's at least), in parallel, rather than one
+        size's at a time in the warm-ups."""
         if not self.prepared:
             self.prepared = True
-            prepare_gemms(self.sizes, self.runner.device)
+            with precision_side("rollout"):
+                prepare_gemms(self.sizes, self.runner.device, forward_gemm_weights(self.runner.model))
         self._park(0, b)
         meta = self._meta(b)
         self.graphs[b], self.outputs[b] = capture(

@@ -48,7 +48,7 @@ def test_no_kernel_module_reads_the_precision_side():
 def test_the_plan_covers_no_training_rows():
     seen = {(2048, 1536), (1536, 2048)}
     buckets = sorted({round_up(t, 128) for t in range(1024, 4097, 128)})
-    assert not dg.planned_shapes(buckets, seen=seen, **tuning.KernelTuning().deepgemm_rule())
+    assert not dg.planned_shapes(buckets, seen, **tuning.KernelTuning().deepgemm_rule())
 
 
 def test_the_plan_covers_the_decode_graph_sizes():
@@ -56,7 +56,7 @@ def test_the_plan_covers_the_decode_graph_sizes():
     (K > 2N) above the split-K bound only, and the stacked q/k/v with biases above its decode bound only."""
     seen = {(2048, 1536), (17920, 1536), (1536, 1536), (1536, 8960)}
     sizes = [1, 2, 4, 8, 16, 32, 128, 144, 256]
-    plan = dg.planned_shapes(sizes, seen=seen, **tuning.KernelTuning().deepgemm_rule(),
+    plan = dg.planned_shapes(sizes, seen, **tuning.KernelTuning().deepgemm_rule(),
                              decode_bound=lambda n, k: 64 if (n, k) == (2048, 1536) else 0)
     assert sorted(plan, key=lambda s: (s.n, s.k, s.m)) == sorted(
         [dg.GemmShape(m, n, 1536) for n in (17920, 1536) for m in sizes]
@@ -107,3 +107,26 @@ def test_compile_workers_share_the_cpus_between_the_jobs_processes(monkeypatch):
     assert dg.default_workers() == max(1, min(8, cpus // 8))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cpus))
     assert dg.default_workers() == 1
+
+
+def test_the_plan_reads_the_models_fp8_weights_after_a_forward():
+    """prepare_gemms plans for the FP8 weights a model's forwards multiplied (no process-wide record of GEMMs):
+    q/k/v stacked with their biases (a Qwen2 model), gate/up stacked, o and down alone, each once."""
+    import torch
+
+    from jetrl.models import DecoderConfig, build_model
+    from jetrl.quant import precision_side
+    from jetrl.quant.backend import GemmWeight
+    from jetrl.quant.linear import forward_gemm_weights
+
+    config = DecoderConfig(model_type="qwen2", vocab_size=300, hidden_size=256, intermediate_size=384,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                           max_position_embeddings=64, eos_token_id=1, qkv_bias=True)
+    model = build_model(config, dtype=torch.float32, device="cpu", recipe="jet", seed=0)
+    with precision_side("rollout"):
+        assert forward_gemm_weights(model) == []  # nothing multiplied yet
+        with torch.no_grad():
+            model(torch.randint(2, 300, (1, 7), generator=torch.Generator().manual_seed(1)))
+        got = forward_gemm_weights(model)
+    assert sorted(got) == sorted([GemmWeight(512, 256, biased_group=True), GemmWeight(768, 256),
+                                  GemmWeight(256, 256), GemmWeight(256, 384)])

@@ -36,6 +36,8 @@ decode routing; ``gluon``). Importing this module imports Triton; the seam impor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import torch
 
 from jetrl.quant import reference
@@ -48,6 +50,9 @@ from jetrl.quant.kernels import gemm_exact_triton, gemm_triton
 from jetrl.quant.kernels import quantize_gluon
 from jetrl.quant.kernels import quantize_triton as tk
 from jetrl.quant.kernels import tuning
+
+if TYPE_CHECKING:
+    from jetrl.quant.backend import GemmWeight
 
 
 def uses_gluon(x: torch.Tensor) -> bool:
@@ -208,8 +213,6 @@ class CudaBackend:
         """``cat([a @ w.T (+ bias)])`` in one launch for decode-sized ``a`` and 128x128-block weights that
         share it; ``None`` where this does not apply (the caller then runs the GEMMs one by one)."""
         biased, width = any(b is not None for b in biases), sum(w.shape[0] for w in weights)
-        if biased and a.block == ACT and tuning.current().gemm == "deepgemm":
-            deepgemm.note_biased_group(width, a.shape[1])  # for the decode plan
         if (a.block != ACT or not 1 <= len(weights) <= 3 or any(w.block != WEIGHT for w in weights)
                 or gemm_path(a, weights[0], grouped_n=width, out_dtype=out_dtype, biased=biased) != "decode"
                 or (biased and any(b is None for b in biases))):
@@ -234,8 +237,6 @@ class CudaBackend:
         _check_cuda(a.data, "the left operand")
         path = gemm_path(a, b, out_dtype=out_dtype)
         rows = 128 if b.block == WEIGHT else 1
-        if path == "deepgemm" or (path == "cublas" and tuning.current().gemm == "deepgemm"):
-            deepgemm.note(a, b, out_dtype)
         if path == "deepgemm":
             return deepgemm.gemm(a, b, out_dtype)
         if path == "cublas":
@@ -244,16 +245,17 @@ class CudaBackend:
             return dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
         return gemm_triton.blockwise_fp8_gemm(a.data, a.scale, b.data, b.scale, rows, out_dtype)
 
-    def prepare_gemms(self, token_counts: list[int], device: torch.device) -> float:
-        """Compile ahead DeepGEMM's kernels for the GEMMs met so far at these token counts (rows: the rollout's
-        decode graph sizes), where :func:`gemm_path`'s rule routes them there
+    def prepare_gemms(self, token_counts: list[int], device: torch.device, weights: Sequence[GemmWeight]) -> float:
+        """Compile ahead DeepGEMM's kernels for GEMMs of ``weights`` at these token counts (rows: the rollout's
+        decode graph sizes), where :func:`gemm_path`'s rule routes them there, a group with biases keeping the
+        decode kernel up to its bound as :meth:`grouped_gemm` does
         (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
         cfg = tuning.current()
         if cfg.gemm != "deepgemm" or not deepgemm.is_available(device):
             return 0.0
-        biased = deepgemm.biased_groups()  # as gemm_path's biased grouped launches (the stacked q/k/v's shape)
+        biased = {(w.n, w.k) for w in weights if w.biased_group}
         shapes = deepgemm.planned_shapes(
-            token_counts, **cfg.deepgemm_rule(),
+            token_counts, {(w.n, w.k) for w in weights}, **cfg.deepgemm_rule(),
             decode_bound=lambda n, k: decode_max_m(n, k, grouped=True) if (n, k) in biased else 0)
         return deepgemm.compile_kernels(shapes, device)
 

@@ -210,39 +210,16 @@ def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: in
     return time.perf_counter() - start
 
 
-# the weights (N, K) of the GEMMs this process has routed to cuBLAS or DeepGEMM: what :func:`planned_shapes` plans
-_SEEN: set[tuple[int, int]] = set()
-# (N, K) of the stacked weights of grouped launches with biases this process has met (:func:`note_biased_group`)
-_BIASED_GROUPS: set[tuple[int, int]] = set()
 # the launches :func:`compile_kernels` has compiled and loaded in this process
 _PREPARED: set[GemmShape] = set()
 
 
-def note(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> None:
-    """Record the weight shape (N, K) of a GEMM the backend ran (for :func:`planned_shapes`): a weight of 128x128
-    tiles with a BF16 output."""
-    if b.block == WEIGHT and out_dtype == torch.bfloat16:
-        _SEEN.add((b.shape[0], b.shape[1]))
-
-
-def note_biased_group(n: int, k: int) -> None:
-    """Record that the (n, k) stacked weight of a grouped launch has biases (its decode rows may stay on the
-    decode kernel: :func:`route`'s ``decode_bound``)."""
-    _BIASED_GROUPS.add((n, k))
-
-
-def biased_groups() -> frozenset[tuple[int, int]]:
-    """(N, K) of the grouped launches with biases met so far (:func:`note_biased_group`)."""
-    return frozenset(_BIASED_GROUPS)
-
-
-def planned_shapes(token_counts: list[int], *, seen: set[tuple[int, int]] | None = None,
-                   decode_bound=None, **rule: int) -> list[GemmShape]:
-    """The DeepGEMM launches that the weights ``seen`` (default: those this process has run, :func:`note`) make at
-    each of ``token_counts`` rows, by :func:`route` with the bounds ``rule``; ``decode_bound(n, k)`` gives a
-    weight's ``decode_bound`` (default 0)."""
+def planned_shapes(token_counts: list[int], weights: set[tuple[int, int]], *, decode_bound=None,
+                   **rule: int) -> list[GemmShape]:
+    """The DeepGEMM launches that GEMMs of the (N, K) ``weights`` make at each of ``token_counts`` rows, by
+    :func:`route` with the bounds ``rule``; ``decode_bound(n, k)`` gives a weight's ``decode_bound`` (default 0)."""
     out = []
-    for n, k in sorted(_SEEN if seen is None else seen):
+    for n, k in sorted(weights):
         bound = 0 if decode_bound is None else decode_bound(n, k)
         for m in token_counts:
             if route(m, n, k, decode_bound=bound, **rule) == "deepgemm":
