@@ -20,6 +20,7 @@ the same things staying put, and capture the same way:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Callable, TypeVar
 
@@ -85,7 +86,8 @@ def _end_capture(graph: torch.cuda.CUDAGraph, pool, device: torch.device) -> Non
     try:
         graph.capture_end()
     except Exception:
-        torch._C._cuda_endAllocateToPool(device.index, pool)
+        with contextlib.suppress(RuntimeError):  # capture_end ended the routing itself where it failed later on
+            torch._C._cuda_endAllocateToPool(device.index, pool)
         raise
 
 
