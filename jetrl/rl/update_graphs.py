@@ -199,7 +199,7 @@ class UpdateGraphs:
         lp.record_stream(main)
         stats.record_stream(main)
         if not self._capture(packed, g):  # a path that cannot be captured still trains, eagerly (this
-            self.graphs.clear()                  # micro-batch already did)
+            self.graphs.clear()           # micro-batch already did)
             what = "old-logprob pass's" if g.score else "update's"
             warn_eager(f"the {what} micro-batch", CaptureFailed(self.failed), "the update and the old-logprob pass "
                        "run eagerly from here (algorithm.cuda_graphs: false says so up front)", stacklevel=5)
