@@ -4,29 +4,13 @@ Feeds the RL loop (``data <- rl``); imports nothing else from jetrl.
 """
 
 from jetrl.data.build import DataSpec, build_prompt_dataset
-from jetrl.data.datasets import (
-    DATASET_FORMATS,
-    ColumnMap,
-    DatasetConfig,
-    DatasetFormat,
-    PromptDataset,
-    load_prompt_dataset,
-)
+from jetrl.data.datasets import DATASET_FORMATS, ColumnMap, DatasetConfig, PromptDataset, load_prompt_dataset
 from jetrl.data.prompt import Prompt
 from jetrl.data.prompt_file import read_prompts
-from jetrl.data.reward_pool import RewardPool, RewardPoolConfig, RewardResult
-from jetrl.data.rewards import (
-    BUILTIN_REWARDS,
-    FormatReward,
-    RewardConfig,
-    RewardFn,
-    build_reward_fn,
-    gsm8k_reward,
-    math_reward,
-    resolve_reward,
-)
+from jetrl.data.reward_pool import RewardPool, RewardPoolConfig
+from jetrl.data.rewards import BUILTIN_REWARDS, RewardConfig, build_reward_fn, gsm8k_reward, math_reward, resolve_reward
 from jetrl.data.sampler import BatchLoader, EpochSampler
-from jetrl.data.tasks import TASKS, Task, TaskConfig, TaskExample, get_task, task_dataset
+from jetrl.data.tasks import TASKS, get_task
 from jetrl.data.templates import TemplateConfig, decode_completion, encode_prompt, has_chat_template, render_prompt
 
 __all__ = [
@@ -34,15 +18,9 @@ __all__ = [
     "BUILTIN_REWARDS",
     "DATASET_FORMATS",
     "TASKS",
-    "FormatReward",
     "RewardConfig",
-    "RewardFn",
     "RewardPool",
     "RewardPoolConfig",
-    "RewardResult",
-    "Task",
-    "TaskConfig",
-    "TaskExample",
     "build_prompt_dataset",
     "build_reward_fn",
     "DataSpec",
@@ -52,11 +30,9 @@ __all__ = [
     "gsm8k_reward",
     "math_reward",
     "resolve_reward",
-    "task_dataset",
     "BatchLoader",
     "ColumnMap",
     "DatasetConfig",
-    "DatasetFormat",
     "EpochSampler",
     "Prompt",
     "PromptDataset",

@@ -1,9 +1,9 @@
 """Prompt datasets from JSONL/Parquet files, with column mapping and ready-made GSM8K and MATH formats.
 
 A :class:`DatasetConfig` names a file, a format (``"gsm8k"``, ``"math"`` or ``"custom"``) and, for custom
-files, which columns hold the prompt (or chat messages), the reference answer and optional solution and
-metadata. :func:`load_prompt_dataset` reads it into a :class:`PromptDataset`, an indexable sequence of
-:class:`~jetrl.data.prompt.Prompt` that also knows its reward function name and prompt template.
+files, which columns hold the prompt (or chat messages) and the reference answer. :func:`load_prompt_dataset`
+reads it into a :class:`PromptDataset`, an indexable sequence of :class:`~jetrl.data.prompt.Prompt` that also
+knows its reward function name and prompt template.
 Draw batches with :class:`~jetrl.data.sampler.BatchLoader` (deterministic, resumable).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, overload
 
 from jetrl.data.prompt import Prompt
-from jetrl.data.sources import FILE_TYPES, FileType, read_rows
+from jetrl.data.sources import read_rows
 from jetrl.data.templates import TemplateConfig, render_prompt
 
 
@@ -23,15 +23,12 @@ class ColumnMap:
     """Which columns of a table make a :class:`Prompt`.
 
     Set ``prompt`` (a text column) or ``messages`` (a column of chat turns), not both. ``answer`` is the
-    reference passed to the reward function; ``solution`` (optional) a worked solution; ``metadata``
-    extra columns copied into ``Prompt.metadata``.
+    reference passed to the reward function.
     """
 
     prompt: str | None = "prompt"
     answer: str = "answer"
     messages: str | None = None
-    solution: str | None = None
-    metadata: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.messages is not None and self.prompt is not None:
@@ -41,15 +38,10 @@ class ColumnMap:
             )
         if self.messages is None and self.prompt is None:
             raise ValueError("ColumnMap: one of prompt or messages must name a column")
-        if isinstance(self.metadata, str):
-            self.metadata = (self.metadata,)
-        self.metadata = tuple(self.metadata)
 
     def required(self) -> list[tuple[str, str]]:
         """(role, column) pairs that every row must have."""
-        pairs = [("prompt", self.prompt), ("messages", self.messages), ("answer", self.answer),
-                 ("solution", self.solution)]
-        pairs += [("metadata", c) for c in self.metadata]
+        pairs = [("prompt", self.prompt), ("messages", self.messages), ("answer", self.answer)]
         return [(role, col) for role, col in pairs if col is not None]
 
 
@@ -68,16 +60,9 @@ MATH_INSTRUCTION = "{prompt}\nLet's think step by step and output the final answ
 
 DATASET_FORMATS: dict[str, DatasetFormat] = {
     # GSM8K: ``answer`` is the worked solution ending in ``#### N``; gsm8k_reward reads N from it.
-    "gsm8k": DatasetFormat(
-        "gsm8k", ColumnMap(prompt="question", answer="answer", solution="answer"), GSM8K_INSTRUCTION, "gsm8k"
-    ),
-    # MATH / MATH-500: the reference is the short ``answer``; the ``solution`` carries a \boxed{} answer too.
-    "math": DatasetFormat(
-        "math",
-        ColumnMap(prompt="problem", answer="answer", solution="solution", metadata=("subject", "level", "unique_id")),
-        MATH_INSTRUCTION,
-        "math",
-    ),
+    "gsm8k": DatasetFormat("gsm8k", ColumnMap(prompt="question", answer="answer"), GSM8K_INSTRUCTION, "gsm8k"),
+    # MATH / MATH-500: the reference is the short ``answer``.
+    "math": DatasetFormat("math", ColumnMap(prompt="problem", answer="answer"), MATH_INSTRUCTION, "math"),
     "custom": DatasetFormat("custom", ColumnMap(), "{prompt}", None),
 }
 
@@ -88,8 +73,8 @@ class DatasetConfig:
 
     ``format`` picks a layout from :data:`DATASET_FORMATS`; ``columns`` overrides its column map (for
     ``"custom"`` files name your columns here); ``template`` overrides its prompt template; ``reward``
-    overrides its reward function name (see :func:`jetrl.data.rewards.resolve_reward`). Optional metadata
-    columns of a ready-made format are copied only where present. ``max_examples`` keeps the first N rows.
+    overrides its reward function name (see :func:`jetrl.data.rewards.resolve_reward`). ``max_examples``
+    keeps the first N rows.
     """
 
     path: str
@@ -97,7 +82,6 @@ class DatasetConfig:
     columns: ColumnMap | None = None
     template: TemplateConfig | None = None
     reward: str | None = None
-    file_type: FileType = "auto"
     max_examples: int | None = None
 
     def __post_init__(self) -> None:
@@ -107,8 +91,6 @@ class DatasetConfig:
             self.columns = ColumnMap(**self.columns)
         if isinstance(self.template, dict):
             self.template = TemplateConfig(**self.template)
-        if self.file_type not in FILE_TYPES:
-            raise ValueError(f"file_type must be one of {', '.join(map(repr, FILE_TYPES))}, got {self.file_type!r}")
         if self.max_examples is not None and (not isinstance(self.max_examples, int) or self.max_examples < 1):
             raise ValueError(f"max_examples must be a positive int or None, got {self.max_examples!r}")
 
@@ -153,13 +135,8 @@ def prompts_from_rows(
     columns: ColumnMap,
     available: Sequence[str],
     source: str = "<rows>",
-    optional_metadata: bool = False,
 ) -> list[Prompt]:
     """Map table rows to prompts; unknown columns and missing or null values fail with the row number."""
-    metadata_cols = columns.metadata
-    if optional_metadata:
-        metadata_cols = tuple(c for c in metadata_cols if c in available)
-        columns = replace(columns, metadata=metadata_cols)
     for role, col in columns.required():
         if col not in available:
             raise ValueError(
@@ -179,8 +156,6 @@ def prompts_from_rows(
                 answer=answer if isinstance(answer, str) else str(answer),
                 text=str(value(columns.prompt, "prompt")) if columns.prompt else None,
                 messages=tuple(value(columns.messages, "messages")) if columns.messages else None,
-                solution=str(value(columns.solution, "solution")) if columns.solution else None,
-                metadata={c: row.get(c) for c in metadata_cols},
             )
         )
     return prompts
@@ -200,17 +175,11 @@ def load_prompt_dataset(config: DatasetConfig | str, **overrides: Any) -> Prompt
             raise TypeError(f"unknown DatasetConfig field(s) {unknown}; known: {sorted(known)}")
         config = replace(config, **overrides)
     fmt = DATASET_FORMATS[config.format]
-    rows, available = read_rows(config.path, config.file_type)
+    rows, available = read_rows(config.path)
     if not rows:
         raise ValueError(f"dataset file {config.path!r} has no rows")
     if config.max_examples is not None:
         rows = rows[: config.max_examples]
-    prompts = prompts_from_rows(
-        rows,
-        config.columns or fmt.columns,
-        available,
-        source=config.path,
-        optional_metadata=config.columns is None,
-    )
+    prompts = prompts_from_rows(rows, config.columns or fmt.columns, available, source=config.path)
     template = config.template or TemplateConfig(instruction=fmt.instruction)
     return PromptDataset(prompts, name=config.path, reward=config.reward or fmt.reward, template=template)

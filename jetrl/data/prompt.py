@@ -1,9 +1,8 @@
-"""The record every prompt source produces: one problem, its reference answer, and where it came from."""
+"""The record every prompt source produces: one problem and its reference answer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -13,16 +12,13 @@ class Prompt:
     Exactly one of ``text`` (a plain prompt) and ``messages`` (chat turns, ``[{"role", "content"}, ...]``)
     is set. ``answer`` is the reference the reward function compares against, in the dataset's own form
     (GSM8K: the full ``answer`` text ending in ``#### N``; MATH: the ``answer`` field; built-in tasks: the
-    task's reference string). ``solution`` is a worked solution where the source has one (supervised
-    warm-start uses it). ``index`` is the row in the source, stable across shuffles and resumes.
+    task's reference string). ``index`` is the row in the source, stable across shuffles and resumes.
     """
 
     index: int
     answer: str
     text: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
-    solution: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.messages is None):

@@ -2,7 +2,7 @@
 
 A reward function is user code: it may loop forever on a pathological completion (a sympy expression that
 never simplifies), raise, or crash its interpreter. :class:`RewardPool` runs it in ``num_workers``
-processes (``forkserver`` or ``spawn`` start, so it is safe next to torch and CUDA) and guarantees that
+processes (started by ``forkserver``, so it is safe next to torch and CUDA) and guarantees that
 ``score()`` returns in bounded time: a sample that runs past ``timeout_s`` scores 0.0 and is counted as a
 timeout, its worker is killed and replaced, and the rest of that worker's work is handed out again; a
 sample that raises (or returns a non-finite value) scores 0.0 and is counted as an error; a worker that
@@ -33,31 +33,26 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any, Literal, get_args
+from typing import Any
 
 from jetrl.data.rewards import RewardFn, resolve_reward, warm_up
 
 MAX_ERROR_MESSAGES = 10
 MAX_MESSAGE_CHARS = 500  # an error message is kept (and printed) as an excerpt of at most this many characters
 MAX_STARTUP_DEATHS = 3  # consecutive worker deaths before start-up before the pool gives up
-
-StartMethod = Literal["forkserver", "spawn"]
-START_METHODS: tuple[str, ...] = get_args(StartMethod)
+START_METHOD = "forkserver"  # fast restarts, and safe next to torch and CUDA
+STARTUP_TIMEOUT_S = 120.0  # for a worker to import the reward function and warm up
 
 
 @dataclass
 class RewardPoolConfig:
     """``num_workers`` processes (0: compute inline in the caller, no timeout enforcement -- for
-    debugging only); ``timeout_s`` per sample; ``chunk_size`` samples per message; ``start_method``
-    ``"forkserver"`` (fast restarts) or ``"spawn"``; ``startup_timeout_s`` for a worker to import the
-    reward function and warm up; ``max_abs_reward``: a reward whose magnitude exceeds it scores 0.0 and
-    counts as an error (None: only non-finite rewards do)."""
+    debugging only); ``timeout_s`` per sample; ``chunk_size`` samples per message; ``max_abs_reward``: a reward
+    whose magnitude exceeds it scores 0.0 and counts as an error (None: only non-finite rewards do)."""
 
     num_workers: int = 2
     timeout_s: float = 10.0
     chunk_size: int = 16
-    start_method: StartMethod = "forkserver"
-    startup_timeout_s: float = 120.0
     max_abs_reward: float | None = None
 
     def __post_init__(self) -> None:
@@ -69,14 +64,8 @@ class RewardPoolConfig:
             raise ValueError(f"num_workers must be an int >= 0, got {self.num_workers!r}")
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"chunk_size must be an int >= 1, got {self.chunk_size!r}")
-        for name in ("timeout_s", "startup_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
-        if self.start_method not in START_METHODS:
-            raise ValueError(
-                f"start_method must be one of {', '.join(map(repr, START_METHODS))}, got {self.start_method!r}"
-            )
+        if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {self.timeout_s!r}")
 
 
 @dataclass
@@ -90,7 +79,6 @@ class RewardResult:
     num_timeouts: int = 0
     num_errors: int = 0
     errors: list[str] = field(default_factory=list)
-    elapsed_s: float = 0.0
     _failures: list[tuple[int, str]] = field(default_factory=list, repr=False)  # every failure, in arrival order
 
     @property
@@ -170,9 +158,9 @@ class RewardPool:
     """Score completions against references with ``reward_fn`` in worker processes.
 
     ``reward_fn`` is a reward name or dotted path (see :func:`jetrl.data.rewards.resolve_reward`) or a
-    picklable callable (a module-level function, :class:`~jetrl.data.rewards.FormatReward`, a
-    ``functools.partial`` of one). Workers start at construction and persist across calls; use the pool
-    as a context manager or call :meth:`close`.
+    picklable callable (a module-level function, a ``functools.partial`` of one, what
+    :func:`~jetrl.data.rewards.build_reward_fn` returns). Workers start at construction and persist across
+    calls; use the pool as a context manager or call :meth:`close`.
     """
 
     def __init__(self, reward_fn: str | RewardFn, config: RewardPoolConfig | None = None) -> None:
@@ -190,7 +178,7 @@ class RewardPool:
         self._startup_deaths = 0
         self._workers: list[_Worker] = []
         if self.config.num_workers > 0:
-            self._ctx = mp.get_context(self.config.start_method)
+            self._ctx = mp.get_context(START_METHOD)
             self._workers = [_Worker(self._ctx, self._payload) for _ in range(self.config.num_workers)]
 
     def __enter__(self) -> RewardPool:
@@ -226,7 +214,6 @@ class RewardPool:
             bad = next((i for i, s in enumerate(seq) if not isinstance(s, str)), None)
             if bad is not None:
                 raise TypeError(f"{name}[{bad}] is a {type(seq[bad]).__name__}, expected str")
-        start = time.monotonic()
         n = len(completions)
         result = RewardResult(rewards=[0.0] * n, status=["ok"] * n)
         if n:
@@ -248,7 +235,6 @@ class RewardPool:
         result.errors = [message for _, message in sorted(result._failures)[:MAX_ERROR_MESSAGES]]
         self.total_timeouts += result.num_timeouts
         self.total_errors += result.num_errors
-        result.elapsed_s = time.monotonic() - start
         return result
 
     def _record(self, result: RewardResult, index: int, value: float, error: str | None, kind: str = "error") -> None:
@@ -275,7 +261,7 @@ class RewardPool:
         cfg = self.config
         n = len(completions)
         # Small batches are spread over all workers; large ones go in chunks of chunk_size.
-        chunk_size = max(1, min(cfg.chunk_size, math.ceil(n / (4 * len(self._workers)))))
+        chunk_size = max(1, min(self.config.chunk_size, math.ceil(n / (4 * len(self._workers)))))
         todo: deque[tuple[int, str, str]] = deque((i, completions[i], references[i]) for i in range(n))
         remaining = n
 
@@ -304,7 +290,7 @@ class RewardPool:
             deadlines = []
             for worker in self._workers:
                 if not worker.ready:
-                    deadlines.append(worker.started_at + cfg.startup_timeout_s)
+                    deadlines.append(worker.started_at + STARTUP_TIMEOUT_S)
                 elif worker.pending:
                     deadlines.append(worker.progress_at + cfg.timeout_s)
             wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
@@ -359,9 +345,9 @@ class RewardPool:
                 elif worker.pending and now - worker.progress_at > cfg.timeout_s:
                     fail_current(worker, "timeout", f"timed out after {cfg.timeout_s:g} s")
                     self._replace(worker)
-                elif not worker.ready and now - worker.started_at > cfg.startup_timeout_s:
+                elif not worker.ready and now - worker.started_at > STARTUP_TIMEOUT_S:
                     self.close()
-                    raise RuntimeError(f"reward worker did not start within {cfg.startup_timeout_s:g} s")
+                    raise RuntimeError(f"reward worker did not start within {STARTUP_TIMEOUT_S:g} s")
 
 
 def _warn(message: str) -> None:

@@ -13,17 +13,15 @@ Built in:
 * the built-in tasks' checkers, by task name (``"arithmetic"``, ``"countdown"``, ``"chain"``).
 
 Any other callable with the same signature plugs in by name: :func:`resolve_reward` accepts a built-in
-name or a dotted path ``"package.module:function"``. :class:`RewardConfig` adds an optional format bonus
-(:class:`FormatReward`). Reward functions must be importable at module level so that worker processes
-(:mod:`jetrl.data.reward_pool`) can load them; everything here is picklable for that reason.
+name or a dotted path ``"package.module:function"``. Reward functions must be importable at module level so
+that worker processes (:mod:`jetrl.data.reward_pool`) can load them; everything here is picklable for that
+reason.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import math
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,15 +36,6 @@ BUILTIN_REWARDS: dict[str, str] = {
     "arithmetic": "jetrl.data.tasks.arithmetic:arithmetic_reward",
     "countdown": "jetrl.data.tasks.countdown:countdown_reward",
     "chain": "jetrl.data.tasks.chain:chain_reward",
-}
-
-# What a well-formed final answer looks like, per built-in reward (used by the format bonus).
-FORMAT_PATTERNS: dict[str, str] = {
-    "gsm8k": r"####\s*\\?\$?\s*-?[\d.,]*\d",
-    "math": r"\\boxed\s*\{",
-    "arithmetic": r"####\s*-?\d+\s*$",
-    "countdown": r"####\s*[\d+\-*/() ]+\s*$",
-    "chain": r"####\s*-?\d+\s*$",
 }
 
 
@@ -156,54 +145,12 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
     return _import_callable(BUILTIN_REWARDS.get(spec, spec))
 
 
-@dataclass(frozen=True)
-class FormatReward:
-    """``base(completion, reference) + weight * [completion matches pattern]``: a small bonus for
-    answering in the expected format, which helps a fresh policy find the answer channel. Picklable
-    (holds the base reward by name), so it runs in worker processes."""
-
-    base: str
-    weight: float
-    pattern: str
-
-    def __post_init__(self) -> None:
-        try:
-            re.compile(self.pattern)
-        except re.error as e:
-            raise ValueError(f"format pattern {self.pattern!r} is not a valid regular expression: {e}") from None
-        if not math.isfinite(self.weight):
-            raise ValueError(f"format weight must be finite, got {self.weight}")
-
-    def warmup(self) -> None:
-        warm_up(resolve_reward(self.base))
-
-    def __call__(self, completion_text: str, reference_answer: str) -> float:
-        score = float(resolve_reward(self.base)(completion_text, reference_answer))
-        if re.search(self.pattern, completion_text, flags=re.MULTILINE):
-            score += self.weight
-        return score
-
-
-def format_reward(completion_text: str, pattern: str) -> float:
-    """1.0 if ``completion_text`` contains a match of ``pattern`` (multi-line mode), else 0.0."""
-    return 1.0 if re.search(pattern, completion_text, flags=re.MULTILINE) else 0.0
-
-
 @dataclass
 class RewardConfig:
-    """Which reward to compute. ``name`` is a built-in name or ``"package.module:function"`` (None: the
-    dataset's default); ``format_weight`` > 0 adds a bonus for a well-formed answer, matched by
-    ``format_pattern`` (default: the built-in reward's pattern)."""
+    """Which reward to compute: ``name`` is a built-in name or ``"package.module:function"`` (None: the
+    dataset's default)."""
 
     name: str | None = None
-    format_weight: float = 0.0
-    format_pattern: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.format_weight, (int, float)) or not math.isfinite(self.format_weight):
-            raise ValueError(f"format_weight must be a finite number, got {self.format_weight!r}")
-        if self.format_weight < 0:
-            raise ValueError(f"format_weight must be >= 0, got {self.format_weight}")
 
 
 def build_reward_fn(config: RewardConfig, default: str | None = None) -> RewardFn:
@@ -211,14 +158,9 @@ def build_reward_fn(config: RewardConfig, default: str | None = None) -> RewardF
     Resolves the name now, so a typo fails at start-up rather than in a worker."""
     name = config.name or default
     if name is None:
-        raise ValueError("no reward function: set reward.name (e.g. 'gsm8k', 'math' or 'package.module:function')")
+        raise ValueError("no reward function: set data.reward (e.g. 'gsm8k', 'math' or 'package.module:function')")
     resolve_reward(name)
-    if config.format_weight == 0:
-        return _NamedReward(name)
-    pattern = config.format_pattern or FORMAT_PATTERNS.get(name)
-    if pattern is None:
-        raise ValueError(f"format_weight > 0 needs format_pattern for the custom reward {name!r}")
-    return FormatReward(name, float(config.format_weight), pattern)
+    return _NamedReward(name)
 
 
 @dataclass(frozen=True)

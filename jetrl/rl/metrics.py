@@ -219,10 +219,6 @@ class TensorBoardWriter:
             return
         self._writer = SummaryWriter(log_dir=str(log_dir))
 
-    @property
-    def enabled(self) -> bool:
-        return self._writer is not None
-
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self._writer is None:
             return
@@ -294,19 +290,12 @@ class PhaseTimer:
                 peak = torch.cuda.max_memory_allocated(self._device)
                 self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
 
-    def metrics(self, prefix: str = "time/") -> dict[str, float]:
-        return {f"{prefix}{k}": v for k, v in self.seconds.items()}
-
     def memory_metrics(self) -> dict[str, float]:
         """``memory/<phase>_peak_gib`` per phase and ``memory/peak_gib`` (their maximum); empty off the GPU."""
         out = {f"memory/{k}_peak_gib": v / 2 ** 30 for k, v in self.peak_bytes.items()}
         if out:
             out["memory/peak_gib"] = max(out.values())
         return out
-
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.peak_bytes.clear()
 
 
 __all__ = ["METRICS_FILE", "TENSORBOARD_SUBDIR", "step_metrics", "batch_metrics", "logprob_metrics", "timing_metrics",

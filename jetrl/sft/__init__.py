@@ -3,9 +3,7 @@
 ``jetrl sft`` trains the embedded default model from scratch with :func:`jetrl.sft.train.run_sft`.
 """
 
-from jetrl.sft.tokenizer import SPECIAL_TOKENS, build_char_tokenizer, save_char_tokenizer
-
-__all__ = ["SPECIAL_TOKENS", "build_char_tokenizer", "save_char_tokenizer", "SFTConfig", "run_sft"]
+__all__ = ["SFTConfig", "run_sft"]
 
 
 def __getattr__(name: str):

@@ -46,7 +46,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
@@ -73,7 +73,6 @@ class SFTConfig:
     output_dir: str = "tiny-arith"
     task: str = "arithmetic"
     difficulty: int | tuple[int, int] = 3
-    task_options: dict[str, Any] = field(default_factory=dict)
     train_seed: int = 1
     eval_seed: int = 12345
     eval_examples: int = 200
@@ -133,7 +132,7 @@ class SFTConfig:
     def build_task(self, seed: int):
         from jetrl.data.tasks import get_task
 
-        return get_task(self.task, difficulty=self.difficulty, seed=seed, style="compact", **self.task_options)
+        return get_task(self.task, difficulty=self.difficulty, seed=seed, style="compact")
 
     def model_config(self, tokenizer) -> dict[str, Any]:
         """The HF ``config.json`` dict of the Llama-style model (tied embeddings, vocab = tokenizer size)."""
@@ -442,8 +441,7 @@ def model_task(model_dir: str | os.PathLike) -> ModelTask | None:
 
         difficulty = config["difficulty"]
         difficulty = tuple(difficulty) if isinstance(difficulty, list) else difficulty
-        task = get_task(config["task"], difficulty=difficulty, seed=config["eval_seed"], style="compact",
-                        **config.get("task_options", {}))
+        task = get_task(config["task"], difficulty=difficulty, seed=config["eval_seed"], style="compact")
     except (OSError, ValueError, KeyError, TypeError):
         return None
     steps = "-".join(map(str, difficulty)) if isinstance(difficulty, tuple) else str(difficulty)

@@ -16,7 +16,7 @@ ROWS = [
     {"q": "What is 7*6?", "a": 42, "sol": "7*6=42", "tag": "mid", "id": 11},
     {"q": "Solve $x^{2}=9$ for $x>0$.", "a": "3", "sol": "x=3", "tag": "hard", "id": 12},
 ]
-COLUMNS = ColumnMap(prompt="q", answer="a", solution="sol", metadata=("tag", "id"))
+COLUMNS = ColumnMap(prompt="q", answer="a")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -36,15 +36,14 @@ def test_custom_columns_from_file(tmp_path, writer, name):
     ds = load_prompt_dataset(DatasetConfig(path=str(path), columns=COLUMNS, reward="gsm8k"))
     assert isinstance(ds, PromptDataset) and len(ds) == 3 and ds.reward == "gsm8k"
     for i, (prompt, row) in enumerate(zip(ds, ROWS)):
-        assert prompt == Prompt(index=i, text=row["q"], answer=str(row["a"]), solution=row["sol"],
-                                metadata={"tag": row["tag"], "id": row["id"]})
+        assert prompt == Prompt(index=i, text=row["q"], answer=str(row["a"]))
 
 
 def test_columns_given_as_dict_and_max_examples(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     ds = load_prompt_dataset(str(path), columns={"prompt": "q", "answer": "a"}, max_examples=2)
     assert [p.text for p in ds] == [ROWS[0]["q"], ROWS[1]["q"]]
-    assert ds[1].answer == "42" and ds[1].solution is None and ds[1].metadata == {}
+    assert ds[1].answer == "42"
 
 
 def test_chat_messages_column(tmp_path):
@@ -63,8 +62,8 @@ def test_unknown_column_lists_available(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
     with pytest.raises(ValueError, match=r"unknown prompt column 'question'.*'q', 'a', 'sol', 'tag', 'id'"):
         load_prompt_dataset(str(path), format="gsm8k")
-    with pytest.raises(ValueError, match=r"unknown metadata column 'nope'"):
-        load_prompt_dataset(str(path), columns=ColumnMap(prompt="q", answer="a", metadata=("nope",)))
+    with pytest.raises(ValueError, match=r"unknown answer column 'nope'"):
+        load_prompt_dataset(str(path), columns=ColumnMap(prompt="q", answer="nope"))
 
 
 def test_empty_and_malformed_files(tmp_path):
@@ -105,7 +104,7 @@ def test_gsm8k_format_on_shared_data(gsm8k_test_path, gsm8k_test_rows):
     ds = load_prompt_dataset(str(gsm8k_test_path), format="gsm8k")
     assert len(ds) == len(gsm8k_test_rows) == 1319 and ds.reward == "gsm8k"
     for prompt, row in zip(ds, gsm8k_test_rows):
-        assert prompt.text == row["question"] and prompt.answer == row["answer"] == prompt.solution
+        assert prompt.text == row["question"] and prompt.answer == row["answer"]
         assert "\n#### " in prompt.answer
     rendered = ds.render(ds[0])
     assert rendered.startswith(gsm8k_test_rows[0]["question"]) and rendered.endswith('after "####".')
@@ -115,14 +114,12 @@ def test_math_format_on_shared_data(math500_path, math500_rows):
     ds = load_prompt_dataset(DatasetConfig(path=str(math500_path), format="math"))
     assert len(ds) == len(math500_rows) == 500 and ds.reward == "math"
     for prompt, row in zip(ds, math500_rows):
-        assert (prompt.text, prompt.answer, prompt.solution) == (row["problem"], row["answer"], row["solution"])
-        assert prompt.metadata == {"subject": row["subject"], "level": row["level"], "unique_id": row["unique_id"]}
-        assert "\\boxed" in prompt.solution
+        assert (prompt.text, prompt.answer) == (row["problem"], row["answer"])
     assert ds.render(ds[0]).endswith("within \\boxed{}.")
 
 
-def test_math_format_on_parquet_without_optional_columns(tmp_path, math500_rows):
-    rows = [{"problem": r["problem"], "solution": r["solution"], "answer": r["answer"]} for r in math500_rows[:20]]
+def test_math_format_on_parquet_with_only_its_columns(tmp_path, math500_rows):
+    rows = [{"problem": r["problem"], "answer": r["answer"]} for r in math500_rows[:20]]
     path = write_parquet(tmp_path / "math.parquet", rows)
     ds = load_prompt_dataset(str(path), format="math")
-    assert [p.answer for p in ds] == [r["answer"] for r in rows] and ds[0].metadata == {}
+    assert [p.answer for p in ds] == [r["answer"] for r in rows]

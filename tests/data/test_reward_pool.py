@@ -76,6 +76,8 @@ def test_clear_errors():
         RewardPoolConfig(timeout_s=0)
     with pytest.raises(ValueError, match="num_workers"):
         RewardPoolConfig(num_workers=-1)
+    with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+        RewardPoolConfig(chunk_size=0)
     pool = RewardPool("gsm8k", RewardPoolConfig(num_workers=1))
     with pytest.raises(ValueError, match="2 completions but 1 references"):
         pool.score(["a", "b"], ["a"])

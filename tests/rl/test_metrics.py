@@ -141,7 +141,7 @@ def test_logger_and_tensorboard_fallback(tmp_path):
     else:
         with pytest.warns(UserWarning, match="tensorboard is not installed"):
             logger = MetricsLogger(tmp_path, tensorboard=True)
-    assert logger.tensorboard.enabled == has_tb
+    assert (logger.tensorboard._writer is not None) == has_tb
     logger.log(1, {"reward/mean": 0.25, "note": "x"})
     logger.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.25, "note": "x"}]
@@ -155,7 +155,5 @@ def test_phase_timer():
         time.sleep(0.01)
     with t.phase("update"):
         pass
-    m = t.metrics()
-    assert 0.03 <= m["time/rollout"] < 0.5 and 0 <= m["time/update"] < m["time/rollout"]
-    t.reset()
-    assert t.metrics() == {}
+    m = t.seconds
+    assert 0.03 <= m["rollout"] < 0.5 and 0 <= m["update"] < m["rollout"]

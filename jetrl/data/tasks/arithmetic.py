@@ -8,8 +8,8 @@ Compact prompt ``12+7-3*2\\n`` (strictly left to right, no precedence), worked s
     #### 32
 
 Every operation must be carried out, so a correct chain of thought is exactly ``difficulty`` lines long.
-Multiplication and division use a one-digit operand, division only when exact, and every intermediate
-value stays within ``±max_value``.
+Operands of + and - lie in 1..:data:`MAX_OPERAND`; multiplication and division use a one-digit operand,
+division only when exact, and every intermediate value stays within ``±``:data:`MAX_VALUE`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from __future__ import annotations
 import random
 
 from jetrl.data.answers import extract_final_number, parse_number
-from jetrl.data.tasks.base import Style, Task, TaskExample, final_answer_line
+from jetrl.data.tasks.base import Task, TaskExample, final_answer_line
 
+MAX_OPERAND = 20  # the start value and the operands of + and - lie in 1..MAX_OPERAND
+MAX_VALUE = 999  # every intermediate value stays within +-MAX_VALUE
 _WORDS = {"+": "add {}", "-": "subtract {}", "*": "multiply by {}", "/": "divide by {}"}
 
 
@@ -38,34 +40,20 @@ class ArithmeticTask(Task):
     name = "arithmetic"
     compact_format = "a bare expression of + - * / applied left to right, no precedence"
 
-    def __init__(
-        self,
-        difficulty: int | tuple[int, int] = 3,
-        seed: int = 0,
-        style: Style = "compact",
-        max_operand: int = 20,
-        max_value: int = 999,
-    ) -> None:
-        super().__init__(difficulty, seed, style)
-        if max_operand < 2 or max_value < max_operand * 9:
-            raise ValueError(f"need max_operand >= 2 and max_value >= 9 * max_operand, got {max_operand}, {max_value}")
-        self.max_operand = max_operand
-        self.max_value = max_value
-
     def _generate(self, rng: random.Random, difficulty: int, index: int) -> TaskExample:
-        value = rng.randint(1, self.max_operand)
+        value = rng.randint(1, MAX_OPERAND)
         start, ops, lines = value, [], []
         for _ in range(difficulty):
-            options = [("+", rng.randint(1, self.max_operand)), ("-", rng.randint(1, self.max_operand))]
+            options = [("+", rng.randint(1, MAX_OPERAND)), ("-", rng.randint(1, MAX_OPERAND))]
             k = rng.randint(2, 9)
-            if abs(value * k) <= self.max_value:
+            if abs(value * k) <= MAX_VALUE:
                 options.append(("*", k))
             if value != 0 and value % k == 0:
                 options.append(("/", k))
             op, operand = rng.choice(options)
-            if op == "+" and value + operand > self.max_value:
+            if op == "+" and value + operand > MAX_VALUE:
                 op = "-"
-            if op == "-" and value - operand < -self.max_value:
+            if op == "-" and value - operand < -MAX_VALUE:
                 op = "+"
             new = _apply(op, value, operand)
             lines.append(f"{value}{op}{operand}={new}")
@@ -81,9 +69,6 @@ class ArithmeticTask(Task):
             )
         solution = "\n".join(lines) + f"\n#### {value}"
         return TaskExample(index=index, prompt=prompt, solution=solution, answer=str(value), difficulty=difficulty)
-
-    def check(self, completion_text: str, reference_answer: str) -> bool:
-        return check_arithmetic(completion_text, reference_answer)
 
 
 def check_arithmetic(completion_text: str, reference_answer: str) -> bool:

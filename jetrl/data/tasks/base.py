@@ -1,4 +1,4 @@
-"""What a built-in synthetic task is: a seeded generator of problems with worked solutions, and a checker.
+"""What a built-in synthetic task is: a seeded generator of problems with worked solutions.
 
 Each example is a pure function of ``(task name, seed, index)``: example 17 of seed 0 is the same on every
 machine and in every run, and no list needs storing. ``difficulty`` is the number of reasoning steps a
@@ -31,7 +31,7 @@ COMPACT_ALPHABET = "0123456789+-*/=()>,# \n"
 @dataclass(frozen=True)
 class TaskExample:
     """One generated problem: the ``prompt`` text, a worked ``solution`` (chain of thought, then
-    ``#### <answer>``), the ``answer`` reference the checker takes, and its ``difficulty`` in steps."""
+    ``#### <answer>``), the ``answer`` reference the task's reward takes, and its ``difficulty`` in steps."""
 
     index: int
     prompt: str
@@ -39,19 +39,14 @@ class TaskExample:
     answer: str
     difficulty: int
 
-    def to_prompt(self, task: str) -> Prompt:
-        return Prompt(
-            index=self.index,
-            text=self.prompt,
-            answer=self.answer,
-            solution=self.solution,
-            metadata={"task": task, "difficulty": self.difficulty},
-        )
+    def to_prompt(self) -> Prompt:
+        return Prompt(index=self.index, text=self.prompt, answer=self.answer)
 
 
 class Task(ABC):
-    """A seeded problem generator with an answer checker. Subclasses set ``name`` and ``compact_format`` and
-    implement ``_generate`` (from a private ``random.Random``) and ``check``."""
+    """A seeded problem generator. Subclasses set ``name`` and ``compact_format`` and implement ``_generate``
+    (from a private ``random.Random``); the task's reward is registered under ``name`` in
+    :data:`jetrl.data.rewards.BUILTIN_REWARDS`."""
 
     name: ClassVar[str]
     compact_format: ClassVar[str] = ""  # what a compact prompt is, in words (``jetrl generate`` shows it)
@@ -89,19 +84,12 @@ class Task(ABC):
         ``seed`` (or a disjoint ``start`` range) for an evaluation set."""
         if num_examples < 1:
             raise ValueError(f"num_examples must be >= 1, got {num_examples}")
-        prompts = [ex.to_prompt(self.name) for ex in self.examples(num_examples, start)]
+        prompts = [ex.to_prompt() for ex in self.examples(num_examples, start)]
         name = f"{self.name}(seed={self.seed})"
         return PromptDataset(prompts, name=name, reward=self.name, template=TemplateConfig())
 
-    def reward(self, completion_text: str, reference_answer: str) -> float:
-        return 1.0 if self.check(completion_text, reference_answer) else 0.0
-
     @abstractmethod
     def _generate(self, rng: random.Random, difficulty: int, index: int) -> TaskExample: ...
-
-    @abstractmethod
-    def check(self, completion_text: str, reference_answer: str) -> bool:
-        """Whether ``completion_text`` ends with a correct final answer for the reference."""
 
 
 def final_answer_line(text: str) -> str | None:

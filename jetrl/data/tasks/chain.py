@@ -103,9 +103,6 @@ class ChainTask(Task):
         solution = "\n".join(lines) + f"\n#### {value}"
         return TaskExample(index=index, prompt=prompt, solution=solution, answer=str(value), difficulty=difficulty)
 
-    def check(self, completion_text: str, reference_answer: str) -> bool:
-        return check_chain(completion_text, reference_answer)
-
 
 def check_chain(completion_text: str, reference_answer: str) -> bool:
     """True when the completion's ``#### <integer>`` line (the last one) equals the reference integer."""

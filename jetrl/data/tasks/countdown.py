@@ -11,9 +11,10 @@ way: no negative or fractional intermediates), so a worked solution exists with 
     #### 5*3+7+2
 
 Shorter solutions may exist (a subset of the numbers can hit the target), so ``difficulty`` bounds the
-solution length from above; ``num_distractors`` adds unused numbers to widen the search. The checker
-parses the final expression with a small recursive-descent parser (no ``eval``), evaluates it in exact
-fractions, and requires every number used to be available (multiset) and the value to equal the target.
+solution length from above. The numbers lie in 1..:data:`MAX_NUMBER`, the target (and every product on
+the way) in 1..:data:`MAX_TARGET`. The checker parses the final expression with a small recursive-descent
+parser (no ``eval``), evaluates it in exact fractions, and requires every number used to be available
+(multiset) and the value to equal the target.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import re
 from collections import Counter
 from fractions import Fraction
 
-from jetrl.data.tasks.base import Style, Task, TaskExample, final_answer_line
+from jetrl.data.tasks.base import Task, TaskExample, final_answer_line
 
+MAX_NUMBER = 20  # the given numbers lie in 1..MAX_NUMBER
+MAX_TARGET = 999  # the target, and every product on the way to it, lie in 1..MAX_TARGET
 MAX_EXPRESSION_CHARS = 200
 _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
 _TOKEN = re.compile(r"\s*(\d+|[-+*/()])")
@@ -32,65 +35,42 @@ _REFERENCE = re.compile(r"^\s*(\d+(?:\s*,\s*\d+)*)\s*>\s*(\d+)\s*$")
 
 
 class CountdownTask(Task):
-    """Reach a target from ``difficulty + 1`` numbers in 1..``max_number`` (plus distractors)."""
+    """Reach a target from ``difficulty + 1`` numbers in 1..:data:`MAX_NUMBER`."""
 
     name = "countdown"
     compact_format = "numbers, '>', then the target to reach with them"
     max_difficulty = 8
 
-    def __init__(
-        self,
-        difficulty: int | tuple[int, int] = 3,
-        seed: int = 0,
-        style: Style = "compact",
-        max_number: int = 20,
-        max_target: int = 999,
-        num_distractors: int = 0,
-    ) -> None:
-        super().__init__(difficulty, seed, style)
-        if max_number < 2 or max_target < max_number or num_distractors < 0:
-            raise ValueError(
-                f"need max_number >= 2, max_target >= max_number, num_distractors >= 0; "
-                f"got {max_number}, {max_target}, {num_distractors}"
-            )
-        self.max_number = max_number
-        self.max_target = max_target
-        self.num_distractors = num_distractors
-
     def _generate(self, rng: random.Random, difficulty: int, index: int) -> TaskExample:
         while True:  # rejection sampling; each draw advances the same seeded rng, so it stays deterministic
-            numbers = [rng.randint(1, self.max_number) for _ in range(difficulty + 1)]
+            numbers = [rng.randint(1, MAX_NUMBER) for _ in range(difficulty + 1)]
             pool = [(n, str(n), 3) for n in numbers]  # (value, expression, precedence of its top operator)
             lines = []
             while len(pool) > 1:
                 (a, ea, pa), (b, eb, pb) = [pool.pop(rng.randrange(len(pool))) for _ in range(2)]
                 if a < b:
                     (a, ea, pa), (b, eb, pb) = (b, eb, pb), (a, ea, pa)
-                ops = ["+"] + (["-"] if a > b else []) + (["*"] if a * b <= self.max_target else [])
+                ops = ["+"] + (["-"] if a > b else []) + (["*"] if a * b <= MAX_TARGET else [])
                 ops += ["/"] if b > 1 and a % b == 0 else []
                 op = rng.choice(ops)
                 value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
                 lines.append(f"{a}{op}{b}={value}")
                 pool.append((value, _join(ea, pa, op, eb, pb), _PRECEDENCE[op]))
             target, expression, _ = pool[0]
-            if 1 <= target <= self.max_target and target not in numbers:
+            if 1 <= target <= MAX_TARGET and target not in numbers:
                 break
-        shown = numbers + [rng.randint(1, self.max_number) for _ in range(self.num_distractors)]
-        rng.shuffle(shown)
-        reference = ",".join(map(str, shown)) + f">{target}"
+        rng.shuffle(numbers)
+        reference = ",".join(map(str, numbers)) + f">{target}"
         if self.style == "compact":
             prompt = reference + "\n"
         else:
             prompt = (
-                f"Using the numbers {', '.join(map(str, shown))} (each at most once) and the operations "
+                f"Using the numbers {', '.join(map(str, numbers))} (each at most once) and the operations "
                 f"+, -, *, /, write an expression equal to {target}. Work one operation per line, then give "
                 f'the expression after "####".'
             )
         solution = "\n".join(lines) + f"\n#### {expression}"
         return TaskExample(index=index, prompt=prompt, solution=solution, answer=reference, difficulty=difficulty)
-
-    def check(self, completion_text: str, reference_answer: str) -> bool:
-        return check_countdown(completion_text, reference_answer)
 
 
 def _join(left: str, left_prec: int, op: str, right: str, right_prec: int) -> str:
