@@ -1,6 +1,6 @@
 """One RL step of a Llama-3.1-8B-shaped policy, ``bf16`` vs ``jet`` (+ FP8 KV cache): phase times, speed-ups.
 
-The step is :meth:`jetrl.rl.Trainer.step` itself (rollout -> reward -> old-logprob forward -> reference
+The step is :meth:`jetrl.rl.trainer.Trainer.step` itself (rollout -> reward -> old-logprob forward -> reference
 forward -> PPO update -> FP8 weight refresh), timed by the trainer's own phase timers. The model has random
 weights built from a config (no download), BF16 parameters, fp32 master weights and AdamW moments, and
 per-block activation checkpointing in the update. The reference policy is a frozen copy in the same recipe

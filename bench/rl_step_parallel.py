@@ -1,7 +1,7 @@
 """One RL step on several GPUs (FSDP2 + data-parallel rollout), ``bf16`` vs ``jet``: phases, memory, comms.
 
 The distributed sibling of ``bench/rl_step.py`` (same step, same setting, same trainer): launch it with
-``torchrun --nproc-per-node N``; every rank builds the policy, :class:`jetrl.rl.Trainer` shards it (and the
+``torchrun --nproc-per-node N``; every rank builds the policy, :class:`jetrl.rl.trainer.Trainer` shards it (and the
 reference) with FSDP2 over the N GPUs and each rank rolls out and trains on 1/N of the prompt groups.
 Without torchrun it is the one-GPU run (no sharding) of the same step: the scaling baseline.
 

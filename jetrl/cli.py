@@ -2,7 +2,7 @@
 
 ``jetrl`` alone runs ``jetrl train`` on the embedded default: RL of the packaged tiny model on its
 arithmetic task, a few minutes on a CPU. Every command's work lives in a library function of the stage
-that owns it (:func:`jetrl.train_job.train_and_evaluate` around :func:`jetrl.rl.run`,
+that owns it (:func:`jetrl.train_job.train_and_evaluate` around :func:`jetrl.rl.loop.run`,
 :func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`, :func:`jetrl.evaluate.generate_texts`,
 :func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`, ``jetrl config``'s
 :func:`jetrl.config.reference.commented_yaml` and :mod:`jetrl.registries`; ``jetrl:NAME`` and the paths a
@@ -11,7 +11,7 @@ arguments into their inputs and their results into text (tables: :func:`jetrl.ta
 bench`` is dispatch alone: it runs a script of the source checkout's ``bench/`` folder by name
 (:mod:`jetrl.bench_scripts`). Choice lists of library settings (recipes, tasks, dataset formats, dtypes)
 come from the registries that own them; the one choice of the CLI's own, ``--resume``'s ``auto``/``must``
-(its spelling of :func:`jetrl.rl.run`'s ``require_checkpoint``), is defined here.
+(its spelling of :func:`jetrl.rl.loop.run`'s ``require_checkpoint``), is defined here.
 
 User errors (a missing file, a bad config key, an unknown dataset column, a tokenizer that lacks a
 needed special token or belongs to another model, an output folder that holds another run) print one

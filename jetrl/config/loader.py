@@ -1,18 +1,16 @@
-"""Reading and writing run configs: YAML / JSON / TOML files and ``--section.key=value`` overrides.
+"""Reading run configs (YAML / JSON / TOML files and ``--section.key=value`` overrides) and writing them (YAML).
 
 Sources, later ones winning: the defaults of :mod:`jetrl.config.schema`, a file, then command-line
 overrides, each parsed by the type of the field it sets (``--optim.betas=0.9,0.95`` is a tuple of two
 floats, ``--optim.grad_clip=none`` is None). An unknown key names the closest valid one. The resolved tree
-is then built and validated by the schema. :func:`save_config` writes it next to the run's outputs so a run
-can be reproduced from its own folder.
+is then built and validated by the schema. :func:`save_config` writes it next to the run's outputs
+(``config.yaml``) so a run can be reproduced from its own folder.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
-import typing
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -82,11 +80,11 @@ def parse_override(item: str) -> tuple[list[str], str]:
     return key.split("."), value
 
 
-def apply_override(data: dict[str, Any], item: str, cls: type = None) -> None:
-    """Set one ``--a.b=value`` override into the nested mapping ``data``, parsed by the field type."""
-    cls = cls or RunConfig
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set one ``--a.b=value`` override into the nested mapping ``data`` (a :class:`RunConfig`'s), parsed by the
+    field type."""
     path, text = parse_override(item)
-    node, node_cls, prefix = data, cls, ""
+    node, node_cls, prefix = data, RunConfig, ""
     for i, part in enumerate(path):
         known = field_types(node_cls)
         if part not in known:
@@ -115,56 +113,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return from_dict(RunConfig, data)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _to_toml(config: Any, prefix: str = "") -> str:
-    """TOML text of a config dataclass. TOML has no null: a None number/bool/list field is written as
-    "none" (read back as None); a None string field is left out, which reads back as its default, None."""
-    hints = typing.get_type_hints(type(config))
-    scalars, sections = [], []
-    for f in dataclasses.fields(config):
-        v = getattr(config, f.name)
-        if dataclasses.is_dataclass(v):
-            sections.append(_to_toml(v, f"{prefix}.{f.name}" if prefix else f.name))
-            continue
-        if v is None:
-            if str in typing.get_args(hints[f.name]):
-                if f.default is not None:
-                    raise ConfigError(f"cannot write {prefix}.{f.name}=None to TOML (its default is not None)")
-                continue
-            v = "none"
-        scalars.append(f"{f.name} = {_toml_value(to_dict(v) if isinstance(v, tuple) else v)}")
-    head = ((f"[{prefix}]\n" if prefix else "") + "\n".join(scalars) + "\n") if scalars else ""
-    return "\n".join([head] + sections) if head else "\n".join(sections)
-
-
 def save_config(config: RunConfig, path: str | Path) -> Path:
-    """Write ``config`` to ``path`` in the format its suffix names (.json, .yaml/.yml, .toml).
-
-    TOML has no null: None is written as the string "none", which reads back as None."""
+    """Write ``config`` to ``path``, a .yaml / .yml file (the other formats are read, not written)."""
     path = Path(path)
-    data = to_dict(config)
-    suffix = path.suffix.lower()
-    if suffix == ".json":
-        text = json.dumps(data, indent=2) + "\n"
-    elif suffix in (".yaml", ".yml"):
-        text = yaml.safe_dump(data, sort_keys=False)
-    elif suffix == ".toml":
-        text = _to_toml(config)
-    else:
-        raise ConfigError(f"config file {path} must end in .yaml, .yml, .json or .toml")
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise ConfigError(f"config file {path} must end in .yaml or .yml to be written")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     return path
 
 

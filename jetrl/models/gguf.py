@@ -49,7 +49,7 @@ INSTALL_HINT = "pip install 'jetrl[gguf]' (the gguf package)"
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
-    """Whether ``path`` names a GGUF file (by its suffix; :func:`inspect_gguf` checks the contents)."""
+    """Whether ``path`` names a GGUF file (by its suffix; :func:`convert_gguf` checks the contents)."""
     return os.fspath(path).lower().endswith(GGUF_SUFFIX)
 
 
@@ -66,16 +66,11 @@ def _reader(path: str):
         raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
-def inspect_gguf(path: str | os.PathLike) -> tuple[str, dict[str, int]]:
-    """The HuggingFace model_type of the GGUF file at ``path`` and its tensor types (name -> count), read from
-    the header alone. Raises a ValueError for an architecture jetrl does not build or a tensor type it does
-    not dequantize, before any tensor data is read."""
-    return _inspect(os.fspath(path))[:2]
-
-
 def _inspect(path: str):
-    """:func:`inspect_gguf`'s (model_type, tensor types) and the reader, whose header the caller may read further
-    (parsing it reads the whole vocabulary: seconds for a 49K-token tokenizer, so once per conversion)."""
+    """The HuggingFace model_type of the GGUF file at ``path`` and its reader, whose header the caller may read
+    further (parsing it reads the whole vocabulary: seconds for a 49K-token tokenizer, so once per conversion).
+    Raises a ValueError for an architecture jetrl does not build or a tensor type it does not dequantize, from the
+    header alone, before any tensor data is read."""
     reader = _reader(path)
     field = reader.fields.get("general.architecture")
     if field is None:
@@ -91,7 +86,7 @@ def _inspect(path: str):
         raise ValueError(f"{path} has tensors of type {unsupported}, which jetrl does not dequantize (it reads "
                          f"{', '.join(DEQUANTIZED_TYPES)}); convert the model with another quantization type, or "
                          f"use its original HuggingFace checkpoint")
-    return ARCHITECTURES[arch], types, reader
+    return ARCHITECTURES[arch], reader
 
 
 SPECIAL_TOKEN_FIELDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
@@ -154,7 +149,7 @@ def convert_gguf(path: str | os.PathLike, output: str | os.PathLike, overwrite: 
     config, with its shape, and every parameter must have one, so a file transformers reads differently is an
     error, not a silently different model."""
     path, output = os.fspath(path), os.fspath(output)
-    model_type, _, reader = _inspect(path)
+    model_type, reader = _inspect(path)
     if os.path.exists(output) and not os.path.isdir(output):
         raise FileExistsError(f"the destination {output} is a file; give a folder")
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
@@ -224,5 +219,4 @@ def gguf_folder(path: str | os.PathLike) -> str:
     return convert_gguf(path, folder, overwrite=True)
 
 
-__all__ = ["ARCHITECTURES", "DEQUANTIZED_TYPES", "cache_root", "convert_gguf", "gguf_folder", "inspect_gguf",
-           "is_gguf"]
+__all__ = ["ARCHITECTURES", "DEQUANTIZED_TYPES", "cache_root", "convert_gguf", "gguf_folder", "is_gguf"]

@@ -93,10 +93,6 @@ class ParallelContext:
         """Element-wise minimum over ranks."""
         return self._reduce(values, dist.ReduceOp.MIN)
 
-    def all_true(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on every rank."""
-        return self.min([1.0 if flag else 0.0])[0] > 0.5
-
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order, on every rank."""
         if not self.is_distributed:

@@ -9,20 +9,18 @@ their tuning live one folder down, in :mod:`jetrl.quant.kernels`, imported only 
 """
 
 from jetrl.quant.backend import dequantize, fused_impl, gemm, get_backend, quantize, set_backend, use_backend
-from jetrl.quant.formats import ACT, E4M3, E4M3_MAX, TOKEN, WEIGHT, Fp8Tensor
+from jetrl.quant.formats import ACT, E4M3, TOKEN, WEIGHT, Fp8Tensor
 from jetrl.quant.linear import FP8Linear, call_linear, fp8_input_scaling, grouped_linear, linears_shared_input
-from jetrl.quant.linear_op import fp8_linear, fp8_linear_group
-from jetrl.quant.recipe import (RECIPES, PrecisionRecipe, apply_recipe, fp8_linears, fp8_weight_bytes, get_recipe,
+from jetrl.quant.recipe import (PrecisionRecipe, apply_recipe, fp8_linears, fp8_weight_bytes, get_recipe,
                                 refresh_fp8_weights)
 from jetrl.quant.reference import quantize_tensor
 from jetrl.quant.side import current_side, precision_side
 
 __all__ = [
-    "ACT", "WEIGHT", "TOKEN", "E4M3", "E4M3_MAX", "Fp8Tensor",
+    "ACT", "WEIGHT", "TOKEN", "E4M3", "Fp8Tensor",
     "quantize", "dequantize", "gemm", "quantize_tensor",
-    "FP8Linear", "fp8_linear", "fp8_linear_group", "fp8_input_scaling", "call_linear", "linears_shared_input",
-    "grouped_linear",
-    "PrecisionRecipe", "RECIPES", "get_recipe", "apply_recipe", "fp8_linears", "fp8_weight_bytes", "refresh_fp8_weights",
+    "FP8Linear", "fp8_input_scaling", "call_linear", "linears_shared_input", "grouped_linear",
+    "PrecisionRecipe", "get_recipe", "apply_recipe", "fp8_linears", "fp8_weight_bytes", "refresh_fp8_weights",
     "precision_side", "current_side",
     "get_backend", "set_backend", "use_backend", "fused_impl",
 ]

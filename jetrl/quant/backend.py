@@ -180,16 +180,10 @@ _INSTANCES: dict[str, Fp8Backend] = {}
 _override: str | None = None
 
 
-def register_backend(name: str, factory: Callable[[], Fp8Backend]) -> None:
-    """Make another backend selectable by name (it must implement the whole :class:`Fp8Backend`)."""
-    _FACTORIES[name] = factory
-    _INSTANCES.pop(name, None)
-
-
 def _instance(name: str) -> Fp8Backend:
     if name not in _INSTANCES:
         if name not in _FACTORIES:
-            raise ValueError(f"unknown FP8 backend {name!r}; choose one of {sorted(set(CHOICES) | set(_FACTORIES))}")
+            raise ValueError(f"unknown FP8 backend {name!r}; choose one of {CHOICES}")
         _INSTANCES[name] = _FACTORIES[name]()
     return _INSTANCES[name]
 
@@ -217,7 +211,7 @@ def _cuda_kernels_usable(device: torch.device) -> bool:
 def selected_backend_name() -> str:
     """The configured choice: an override, else ``JETRL_FP8_BACKEND``, else ``"auto"``."""
     name = _override or os.environ.get("JETRL_FP8_BACKEND", "auto")
-    if name != "auto" and name not in CHOICES and name not in _FACTORIES:
+    if name not in CHOICES:
         raise ValueError(f"unknown FP8 backend {name!r} (JETRL_FP8_BACKEND?); choose one of {CHOICES}")
     return name
 

@@ -179,11 +179,6 @@ class FP8Linear(nn.Linear):
         return (src._version, src.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
                 selected_backend_name(), self._cache_epoch)
 
-    def has_cached_weights(self) -> bool:
-        """Whether this layer holds quantized weights of its own or of a group it leads (what an eager refresh
-        re-quantizes)."""
-        return self._qweight is not None or any(c.qweight is not None for c in self._group_caches.values())
-
     def refresh_cached_weights(self) -> None:
         """Re-quantize the weights this layer held (its own, its groups'), into the same buffers."""
         if self._qweight is not None:
@@ -228,12 +223,6 @@ class FP8Linear(nn.Linear):
     def quantized_weight(self) -> Fp8Tensor:
         """The (128, 128)-block FP8 weight for the current weight version, quantized at most once."""
         return self._cached_weights(with_transpose=False)[0]
-
-    def quantized_weight_t(self) -> Fp8Tensor | None:
-        """W^T's quantized form with row-major data, as DGrad reads it: same values as ``quantized_weight().t()``,
-        made once per weight version and kept with it (grad-enabled forwards keep it only with the tuning's
-        ``cache_weight_t``)."""
-        return self._cached_weights(with_transpose=True)[1]
 
     def _cached_weights(self, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
         """W's FP8 form (and W^T's with ``with_transpose``) for the current weight version (the layer's cache,

@@ -1,7 +1,6 @@
 """The FP8 linear op: the three GEMMs of ``y = x W^T`` in blockwise FP8, as one autograd function, and its
-functional entry points :func:`fp8_linear` and :func:`fp8_linear_group` (the module is
-:class:`jetrl.quant.linear.FP8Linear`; the quantized weights it hands the op are cached by
-:mod:`jetrl.quant.weight_cache`).
+functional entry point :func:`fp8_linear_group` (the module is :class:`jetrl.quant.linear.FP8Linear`; the
+quantized weights it hands the op are cached by :mod:`jetrl.quant.weight_cache`).
 
 A linear layer ``y = x W^T`` (x: (M, K) tokens x in-features, W: (N, K)) costs three GEMMs per training
 step, and jetrl runs all three in E4M3 with fp32 block scales:
@@ -117,26 +116,17 @@ def _wgrad(backend, qg_tok: Fp8Tensor, x_data, x_scale, pow2_scale: bool, weight
     return backend.gemm(qg_tok.t(), qx_tok, out_dtype=weight_dtype)  # (N, M') @ (K, M')^T
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, qweight: Fp8Tensor,
-               pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None,
-               x_fp8: Fp8Tensor | None = None, exact: bool = False) -> torch.Tensor:
-    """``F.linear`` in FP8 for a 2-D ``x`` (M, K) given the (128, 128)-quantized ``weight``.
-
-    ``qweight_t`` optionally gives W^T's quantized form with row-major data (values equal to
-    ``qweight.t()``), which DGrad then reads instead of the transposed view. ``x_fp8`` optionally gives
-    x's 1x128 quantization (bitwise what the backend would compute from x), so x is not read again.
-    ``exact``: Fprop through the backend's batch-invariant ``gemm_exact`` (see :mod:`jetrl.quant.exact`).
-    """
-    return fp8_linear_group(x, [weight], [bias] if bias is not None else [], qweight, pow2_scale, qweight_t, x_fp8,
-                            exact)
-
-
 def fp8_linear_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], qweight: Fp8Tensor,
                      pow2_scale: bool = False, qweight_t: Fp8Tensor | None = None,
                      x_fp8: Fp8Tensor | None = None, exact: bool = False) -> torch.Tensor:
-    """The linears of ``weights`` (and ``biases``: one each, or none) on the same ``x`` (M, K), side by side:
-    (M, sum of their widths), from ``qweight``, their FP8 weights stacked along the output dim (and
-    ``qweight_t`` its transpose); gradients flow to each weight and bias. See :func:`fp8_linear`."""
+    """``F.linear`` in FP8 of the linears of ``weights`` (and ``biases``: one each, or none) on the same 2-D ``x``
+    (M, K), side by side: (M, sum of their widths), from ``qweight``, their (128, 128)-quantized weights stacked
+    along the output dim; gradients flow to each weight and bias.
+
+    ``qweight_t`` optionally gives W^T's quantized form with row-major data (values equal to ``qweight.t()``),
+    which DGrad then reads instead of transposing W's tiles. ``x_fp8`` optionally gives x's 1x128 quantization
+    (bitwise what the backend would compute from x), so x is not read again. ``exact``: Fprop through the
+    backend's batch-invariant ``gemm_exact`` (see :mod:`jetrl.quant.exact`)."""
     xq_data, xq_scale = (x_fp8.data, x_fp8.scale) if x_fp8 is not None else (None, None)
     if not torch.is_grad_enabled():  # no graph to record (rollout, scoring): Fprop alone, without autograd's cost
         return _fprop(x, qweight.data, qweight.scale, pow2_scale, xq_data, xq_scale, exact, biases)[0]

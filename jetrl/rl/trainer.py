@@ -116,16 +116,14 @@ class Trainer:
             :class:`~jetrl.data.reward_pool.RewardResult` also reports failed samples (``reward/errors``,
             ``reward/timeouts`` in the step's metrics).
         decode: token ids -> text, for the reward function.
-        ref_model: the frozen reference policy; made as a copy of ``model`` when ``kl_coef > 0`` and none
-            is given.
         parallel: this process's rank in the job (:func:`jetrl.parallel.init_parallel`); None = one
             process. With several ranks the model and reference are sharded here with FSDP2 (the engine
             keeps working on the same, now sharded, module).
     """
 
     def __init__(self, config: RunConfig, model: nn.Module, engine: RolloutEngine, prompts: PromptSource,
-                 reward_fn: RewardFn, decode: Callable[[list[int]], str], ref_model: nn.Module | None = None,
-                 parallel: ParallelContext | None = None) -> None:
+                 reward_fn: RewardFn, decode: Callable[[list[int]], str], parallel: ParallelContext | None = None
+                 ) -> None:
         self.config = config
         self.model = model
         self.engine = engine
@@ -146,9 +144,9 @@ class Trainer:
             raise ValueError(f"data.prompts_per_step ({config.data.prompts_per_step}) and the mini-batch "
                              f"({config.mini_batch_size} sequences) must be multiples of the number of ranks ({world})")
         restore_fp8_weights(model)  # a model an earlier trainer released: its values back before they are copied
-        self.ref_model = None
+        self.ref_model = None  # the frozen reference policy (the KL penalty's): a copy of the initial model
         if alg.kl_coef > 0:
-            self.ref_model = ref_model if ref_model is not None else copy.deepcopy(model)
+            self.ref_model = copy.deepcopy(model)
             self.ref_model.requires_grad_(False).eval()
             shard_model(self.ref_model, self.parallel)
         shard_model(model, self.parallel)

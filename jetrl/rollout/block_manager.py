@@ -112,10 +112,6 @@ class BlockManager:
         seq.table_version += 1
         return (block, new)
 
-    def slot(self, seq: Sequence, position: int) -> int:
-        """Flat slot (block_id * block_size + offset) of ``seq``'s token at ``position``."""
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
-
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody else holds return to the pool."""
         for block in seq.block_table:

@@ -74,14 +74,6 @@ class SchedulerOutput:
         """The steps chunk ``index`` takes in this step or run."""
         return self.steps if self.row_steps is None else self.row_steps[index]
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def num_sampled(self) -> int:
-        return sum(len(c.seqs) for c in self.chunks if c.samples)
-
 
 class Scheduler:
     """Waiting and running queues over a :class:`BlockManager`."""
@@ -254,7 +246,6 @@ class Scheduler:
     #   resolve(...)  once the tokens are on the host: placeholders become tokens, stop tokens and stop
     #                 strings end their sequences. A sequence that stopped may already be part of the next
     #                 step, computed once more for nothing; advance() of that step skips it.
-    # ``postprocess`` is both at once (the synchronous engine loop).
 
     def advance(self, out: SchedulerOutput) -> tuple[list[Sequence | None], list[Sequence]]:
         """Placeholders for the step's sampled tokens (``out.steps_of(chunk)`` per sequence); returns (one entry
@@ -328,13 +319,6 @@ class Scheduler:
             self._finish(seq, "stop")
             finished.append(seq)
         return finished, kept
-
-    def postprocess(self, out: SchedulerOutput, tokens: list[int], logprobs: list[float],
-                    is_stopped: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
-        """Record the step's sampled tokens (``out.steps`` per sampled sequence, step-major, in chunk order) and
-        retire the finished sequences; returns them. ``is_stopped`` adds stop-string checks."""
-        rows, finished = self.advance(out)
-        return finished + self.resolve(rows, tokens, logprobs, is_stopped, out.steps, out.row_steps)[0]
 
     @staticmethod
     def _placeholder_index(seq: Sequence, steps: int) -> int:

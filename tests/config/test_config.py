@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from jetrl.config import (
-    AlgorithmConfig, ConfigError, ConfigTypeError, RunConfig, from_dict, load_config, save_config,
+    AlgorithmConfig, ConfigError, ConfigTypeError, RunConfig, from_dict, load_config, save_config, to_dict,
 )
 
 
@@ -107,16 +107,30 @@ def test_direct_construction_is_checked_too():
     assert from_dict(RunConfig, {}) == RunConfig()
 
 
-@pytest.mark.parametrize("suffix", [".json", ".yaml", ".toml"])
-def test_round_trip(tmp_path, suffix):
-    if suffix == ".yaml":
-        pytest.importorskip("yaml")
-    c = load_config(None, ["--recipe=bf16", "--optim.betas=0.8,0.9", "--optim.grad_clip=null",
-                           "--algorithm.tis_cap=2.5", '--data.instruction="{prompt}" \\ say "hi"',
-                           "--data.path=/tmp/x.jsonl", "--rollout.stop_token_ids=1,2", "--optim.lr=2e-7"])
-    p = save_config(c, tmp_path / f"run{suffix}")
+ROUND_TRIP = ["--recipe=bf16", "--optim.betas=0.8,0.9", "--optim.grad_clip=null", "--algorithm.tis_cap=2.5",
+              '--data.instruction="{prompt}" \\ say "hi"', "--data.path=/tmp/x.jsonl", "--rollout.stop_token_ids=1,2",
+              "--optim.lr=2e-7"]
+
+
+def test_round_trip(tmp_path):
+    c = load_config(None, ROUND_TRIP)
+    p = save_config(c, tmp_path / "run.yaml")
     assert load_config(p) == c
-    assert load_config(save_config(RunConfig(), tmp_path / f"default{suffix}")) == RunConfig()
+    assert load_config(save_config(RunConfig(), tmp_path / "default.yml")) == RunConfig()
+    with pytest.raises(ConfigError, match=r"must end in \.yaml or \.yml to be written"):
+        save_config(c, tmp_path / "run.json")
+
+
+def test_json_and_toml_files(tmp_path):
+    c = load_config(None, ROUND_TRIP)
+    p = tmp_path / "run.json"
+    p.write_text(json.dumps(to_dict(c), indent=2))
+    assert load_config(p) == c
+    p = tmp_path / "run.toml"  # TOML has no null: the string "none" reads as None
+    p.write_text('recipe = "bf16"\n[optim]\nbetas = [0.8, 0.9]\ngrad_clip = "none"\nlr = 2e-7\n'
+                 '[algorithm]\ntis_cap = 2.5\n[data]\ninstruction = "\\"{prompt}\\" \\\\ say \\"hi\\""\n'
+                 'path = "/tmp/x.jsonl"\n[rollout]\nstop_token_ids = [1, 2]\n')
+    assert load_config(p) == c
 
 
 def test_yaml_float_strings(tmp_path):

@@ -62,7 +62,7 @@ def test_storage_key_reads_the_transposes_only_when_asked():
     model = _jet_model(dtype=torch.bfloat16, device="cuda")
     with tuning.override(cache_weight_t=True), precision_side("train"):  # W^T kept beside W for its version
         for layer in fp8_linears(model):
-            layer.quantized_weight_t()
+            layer._cached_weights(with_transpose=True)
         with_t = storage_key(model, grads=False, transposes=True)
         without = storage_key(model, grads=False, transposes=False)
     assert len(with_t) > len(without)

@@ -20,7 +20,7 @@ from gguf_file import dequantized, random_weights, write_gguf  # noqa: E402  (te
 
 import jetrl.models as jm  # noqa: E402
 from jetrl.cli import main  # noqa: E402
-from jetrl.models.gguf import convert_gguf, gguf_folder, inspect_gguf  # noqa: E402
+from jetrl.models.gguf import convert_gguf, gguf_folder  # noqa: E402
 
 SHAPE = dict(vocab=300, hidden=128, ffn=160, layers=2, heads=4, kv_heads=2)
 QUANTIZED = {"model.layers.1.mlp.up_proj.weight": "Q8_0", "model.layers.0.self_attn.q_proj.weight": "Q4_1"}
@@ -100,7 +100,7 @@ def test_unsupported_files_are_refused_before_any_work(tmp_path, monkeypatch):
     bad = tmp_path / "noise.gguf"
     bad.write_bytes(os.urandom(4096))
     with pytest.raises(ValueError, match="not a readable GGUF file"):
-        inspect_gguf(bad)
+        convert_gguf(bad, tmp_path / "never")
     other = tmp_path / "gemma.gguf"
     writer = gguf.GGUFWriter(str(other), "gemma")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
@@ -125,7 +125,7 @@ def test_unsupported_files_are_refused_before_any_work(tmp_path, monkeypatch):
     assert not (tmp_path / "never").exists()
     monkeypatch.setitem(sys.modules, "gguf", None)
     with pytest.raises(ImportError, match=r"pip install 'jetrl\[gguf\]'"):
-        inspect_gguf(iq)
+        convert_gguf(iq, tmp_path / "never")
 
 
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -110,27 +110,26 @@ def test_not_grouped_where_the_layers_differ():
     assert not groupable(_layers((256,)))
 
 
-def test_backward_on_another_thread_runs_under_the_forwards_context():
+def test_backward_on_another_thread_runs_under_the_forwards_context(monkeypatch):
     """Autograd runs a CUDA backward on its own device threads, which start with empty context variables; the FP8
     backward runs in the forward's (here: a fused-implementation choice forced around the forward, read by a spy
     backend in the backward, which runs on a fresh thread as on the GPU)."""
     import threading
 
-    from jetrl.quant.backend import ReferenceBackend, _FORCED, fused_impl, register_backend, use_backend
+    from jetrl.quant import backend
+    from jetrl.quant.backend import ReferenceBackend, _FORCED, fused_impl, use_backend
 
     seen = []
 
     class Spy(ReferenceBackend):
-        name = "spy-context"
-
         def gemm(self, a, b, out_dtype=torch.bfloat16):
             seen.append(_FORCED.get())
             return super().gemm(a, b, out_dtype)
 
-    register_backend(Spy.name, Spy)
+    monkeypatch.setitem(backend._INSTANCES, "reference", Spy())  # the reference backend, spied on
     layer = _layers((256,), bias=False)[0]
     x = torch.randn(7, 256, requires_grad=True)
-    with use_backend(Spy.name):  # process-wide
+    with use_backend("reference"):  # process-wide
         with fused_impl("reference"):  # a context variable: the forward's
             y = layer(x)
         seen.clear()

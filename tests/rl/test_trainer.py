@@ -160,7 +160,7 @@ def test_all_options_in_one_step():
 
 def test_run_reports_missing_inputs_before_loading(tmp_path):
     from jetrl.config import ConfigError, RunConfig
-    from jetrl.rl import run
+    from jetrl.rl.loop import run
 
     with pytest.raises(ConfigError, match="no prompts: set data.path"):
         run(RunConfig())
@@ -229,13 +229,13 @@ def test_jet_with_fp8_kv_cache_trains_on_the_values_it_sampled_from():
 
 
 def test_a_run_runs_under_its_kernel_settings(tmp_path):
-    """``jetrl.rl.run`` holds the config's kernel settings in force for the whole run (rollout and training read
+    """``jetrl.rl.loop.run`` holds the config's kernel settings in force for the whole run (rollout and training read
     them), and restores the defaults after."""
     from pathlib import Path
 
     import jetrl
     from jetrl.quant.kernels import tuning
-    from jetrl.rl import run
+    from jetrl.rl.loop import run
 
     seen = []
     cfg = load_config(None, [f"--model.path={Path(jetrl.__file__).parent / 'assets' / 'tiny-arith'}", "--model.device=cpu",

@@ -16,6 +16,17 @@ def _seq(i, prompt, n_index=0, max_tokens=8, stop_ids=frozenset()):
     return Sequence(i, i, n_index, prompt, SamplingParams(max_tokens=max_tokens), stop_ids)
 
 
+def _slot(bm, seq, position):
+    """Flat slot (block_id * block_size + offset) of ``seq``'s token at ``position``."""
+    return seq.block_table[position // bm.block_size] * bm.block_size + position % bm.block_size
+
+
+def _postprocess(sched, out, tokens, logprobs):
+    """Record a step's sampled tokens as the engine does (:meth:`advance`, then :meth:`resolve`); the finished."""
+    rows, finished = sched.advance(out)
+    return finished + sched.resolve(rows, tokens, logprobs, None, out.steps, out.row_steps)[0]
+
+
 def test_block_manager_sharing_and_copy_on_write():
     bm = BlockManager(num_blocks=6, block_size=4)
     seqs = [_seq(i, [1, 2, 3, 4, 5, 6]) for i in range(3)]  # 6 tokens: one full block + 2 in a partial one
@@ -29,7 +40,7 @@ def test_block_manager_sharing_and_copy_on_write():
     pair1 = bm.prepare_append(seqs[1])
     pair2 = bm.prepare_append(seqs[2])  # the last holder writes in place
     assert pair0[0] == partial and pair1[0] == partial and pair2 is None
-    assert bm.slot(seqs[0], 6) == pair0[1] * 4 + 2 and bm.slot(seqs[2], 5) == partial * 4 + 1
+    assert _slot(bm, seqs[0], 6) == pair0[1] * 4 + 2 and _slot(bm, seqs[2], 5) == partial * 4 + 1
     assert len({seqs[0].block_table[1], seqs[1].block_table[1], seqs[2].block_table[1]}) == 3
     assert seqs[2].block_table[1] == partial and bm.ref_counts[partial] == 1 and bm.ref_counts[full] == 3
     assert bm.num_free_blocks == 2
@@ -78,7 +89,7 @@ class _SimulatedRun:
             self.steps["runs"] = self.steps.get("runs", 0) + (out.steps > 1)
             if out.is_decode:
                 assert all(c.num_tokens == 1 for c in out.chunks)
-            assert out.num_tokens <= max(self.sched.max_num_batched_tokens, len(out.chunks))
+            assert sum(c.num_tokens for c in out.chunks) <= max(self.sched.max_num_batched_tokens, len(out.chunks))
             for src, dst in out.copies:
                 for off in range(self.bm.block_size):
                     key = src * self.bm.block_size + off
@@ -87,11 +98,11 @@ class _SimulatedRun:
             for chunk in out.chunks:
                 leader = chunk.seqs[0]
                 for p in range(chunk.start, chunk.end):
-                    self.store[self.bm.slot(leader, p)] = leader.token_ids[p]
+                    self.store[_slot(self.bm, leader, p)] = leader.token_ids[p]
                 for s in chunk.seqs:  # every sharer sees the same blocks and tokens
                     assert s.token_ids == leader.token_ids
                     for p in range(chunk.end):
-                        assert self.store[self.bm.slot(s, p)] == s.token_ids[p], (s, p)
+                        assert self.store[_slot(self.bm, s, p)] == s.token_ids[p], (s, p)
             tokens = [self.next_token(s) for c in out.chunks if c.samples for s in c.seqs]
             if out.steps > 1:  # a decode run: the device writes each step's input and samples the next
                 histories = [list(c.seqs[0].token_ids) for c in out.chunks]
@@ -104,14 +115,14 @@ class _SimulatedRun:
                             tokens.append(self.FILLER)
                             continue
                         leader = c.seqs[0]
-                        self.store[self.bm.slot(leader, len(history) - 1)] = history[-1]
+                        self.store[_slot(self.bm, leader, len(history) - 1)] = history[-1]
                         history.append(self.next_token(leader, history))
                         tokens.append(history[-1])
-            finished += self.sched.postprocess(out, tokens, [0.0] * len(tokens))
+            finished += _postprocess(self.sched, out, tokens, [0.0] * len(tokens))
             for entry in self.sched.running:  # cached prefixes stay intact across steps
                 for s in entry:
                     for p in range(s.num_computed_tokens):
-                        assert self.store[self.bm.slot(s, p)] == s.token_ids[p]
+                        assert self.store[_slot(self.bm, s, p)] == s.token_ids[p]
         assert self.bm.num_free_blocks == self.bm.num_blocks and all(c == 0 for c in self.bm.ref_counts)
         assert all(self.FILLER not in s.token_ids for s in finished)
         return finished
@@ -286,20 +297,20 @@ def test_a_run_is_as_long_as_the_longest_remaining_budget_and_the_free_blocks_al
     for s in (a, b):
         sched.add([s])
     out = sched.schedule(8)  # the prefill of both
-    sched.postprocess(out, [7, 7], [0.0, 0.0])
+    _postprocess(sched, out, [7, 7], [0.0, 0.0])
     out = sched.schedule(8)
     assert out.is_decode and out.steps == 8 and out.row_steps == (8, 4)  # b may sample 4 more tokens
     assert [len(s.block_table) for s in (a, b)] == [4, 2]  # a writes positions 6..13, b 3..6
-    sched.postprocess(out, [7] * 16, [0.0] * 16)
+    _postprocess(sched, out, [7] * 16, [0.0] * 16)
     assert b.is_finished and b.finish_reason == "length" and len(b.output_ids) == 5 and len(a.output_ids) == 9
     out = sched.schedule(8)
     assert out.steps == 8 and out.row_steps is None and len(a.block_table) == 6  # a alone: positions 14..21
-    sched.postprocess(out, [7] * 8, [0.0] * 8)
+    _postprocess(sched, out, [7] * 8, [0.0] * 8)
     out = sched.schedule(8)
     assert out.steps == 3 and out.row_steps is None  # a's last 3 tokens: a run no longer than any row needs
     tight = Scheduler(BlockManager(num_blocks=3, block_size=4), max_num_seqs=1, max_num_batched_tokens=64,
                       max_model_len=64)
     c = _seq(2, [1] * 7, max_tokens=30)
     tight.add([c])
-    tight.postprocess(tight.schedule(8), [7], [0.0])
+    _postprocess(tight, tight.schedule(8), [7], [0.0])
     assert tight.schedule(8).steps == 5  # 3 blocks hold positions up to 11: no run reaches into a 4th
