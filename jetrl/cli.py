@@ -119,12 +119,20 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
         config.model.tokenizer = resolve_asset(config.model.tokenizer)
     if config.data.path:
         config.data.path = existing_path(config.data.path, "data file", "set data.path to a JSONL or Parquet file")
+    if config.data.eval_path:
+        config.data.eval_path = existing_path(config.data.eval_path, "held-out file",
+                                              "set data.eval_path to a JSONL or Parquet file")
     return config
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = _train_config(args)
     # everything that can be checked without the weights, before the evaluation that precedes training
+    held_out = config.data.task or config.data.eval_path
+    num_eval = args.eval_examples if args.eval_examples is not None else (200 if held_out else 0)
+    if num_eval and not held_out:
+        raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task) or a held-out "
+                         "file (data.eval_path, e.g. GSM8K's test split)")
     resolve_device(config.model.device)
     if config.model.path:
         folder, _, tokenizer = check_model(config)
@@ -133,10 +141,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     is_main = launched_rank() == 0
     if is_main:
         prepare_output_dir(config, overwrite=args.overwrite)  # last: --overwrite deletes the old run
-    num_eval = args.eval_examples if args.eval_examples is not None else (200 if config.data.task else 0)
-    if num_eval and not config.data.task:
-        raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task); for a dataset "
-                         "file run jetrl eval on the checkpoints instead")
     if not is_main:
         run(config, require_checkpoint=args.resume == "must")
         return 0
@@ -335,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="delete the output dir's previous run (checkpoints, "
                    "metrics, plot) before starting")
     p.add_argument("--eval-examples", type=int, default=None, help="greedy accuracy on N held-out problems before "
-                   "and after the run (built-in tasks; default 200, 0 = off)")
+                   "and after the run (a built-in task, or data.eval_path's first N rows; default 200, 0 = off)")
     p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
     p.set_defaults(func=_cmd_train, overrides=[], takes_overrides=True)

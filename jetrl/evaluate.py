@@ -15,9 +15,9 @@ pass@k uses the unbiased estimator of Chen et al. (2021): with ``n`` samples of 
 ``pass@k = 1 - C(n - c, k) / C(n, k)``, averaged over prompts. Greedy decoding (``temperature=0``)
 draws one sample per prompt, so its accuracy is pass@1.
 
-:func:`held_out_accuracy` is the before/after check of an RL run (a built-in task's problems drawn with
-another seed than the training prompts, or a held-out file's); :func:`generate_texts` is what ``jetrl generate`` prints;
-:func:`write_samples` writes the samples an evaluation kept (``keep_samples``) as JSONL.
+:func:`held_out_accuracy` is the before/after check of an RL run (a held-out file's rows, ``data.eval_path``, or a
+built-in task's problems drawn with another seed than the training prompts); :func:`generate_texts` is what
+``jetrl generate`` prints; :func:`write_samples` writes the samples an evaluation kept (``keep_samples``) as JSONL.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any, Sequence
 
 import torch
 
-from jetrl.config import DataConfig, RunConfig
-from jetrl.data import DataSpec, Prompt, RewardPool, RewardPoolConfig, build_prompt_dataset, render_prompt
+from jetrl.config import RunConfig
+from jetrl.data import Prompt, RewardPool, RewardPoolConfig, build_prompt_dataset, render_prompt
 from jetrl.data.reward_pool import RewardFailureGuard
 # the RL loop's own prompt encoding (a single BOS under chat templates) and reward text (no special tokens)
 from jetrl.data.templates import decode_completion, encode_prompt
@@ -178,25 +178,21 @@ def _check_context(model: torch.nn.Module, ids: Sequence[Sequence[int]], max_tok
 
 
 def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, seed: int = EVAL_SEED,
-                      progress: bool = False, data: DataSpec | None = None) -> float:
+                      progress: bool = False) -> float:
     """Greedy accuracy of the checkpoint at ``model_path`` on ``num_examples`` held-out problems, in the run's
-    recipe, dtype and KV-cache format: by default problems of the run's built-in task drawn with another seed
-    than the training prompts; ``data`` names other held-out prompts (a file's rows, e.g. GSM8K's test split
-    for a run that trains on its train split; its first ``num_examples``). ``progress`` shows a bar over the
-    problems."""
-    if data is None:
-        if config.data.task is None:
-            raise ValueError("held-out accuracy of a run on a dataset file needs held-out prompts: pass data= "
-                             "(a data section naming a held-out file)")
+    recipe, dtype and KV-cache format: the first rows of ``data.eval_path`` (a run on a file, e.g. GSM8K's test
+    split beside its train split, read in the run's format), or problems of the run's built-in task drawn with
+    another seed than the training prompts. ``progress`` shows a bar over the problems."""
+    if config.data.eval_path is not None:
+        data = dataclasses.replace(config.data, path=config.data.eval_path, task=None, max_examples=num_examples)
+    elif config.data.task is not None:
         if seed == config.trainer.seed:
             raise ValueError(f"the held-out seed {seed} equals trainer.seed: the evaluation problems would be "
                              f"training problems")
-        data = DataConfig(task=config.data.task, difficulty=config.data.difficulty, task_style=config.data.task_style,
-                          num_examples=num_examples)
-    elif data.path is not None:
-        data = dataclasses.replace(data, max_examples=num_examples)
-    elif data.task is not None:
-        data = dataclasses.replace(data, num_examples=num_examples)
+        data = dataclasses.replace(config.data, num_examples=num_examples)
+    else:
+        raise ValueError("held-out accuracy of a run on a dataset file needs held-out prompts: set data.eval_path "
+                         "(a file in the run's format)")
     dataset = build_prompt_dataset(data, seed=seed)
     model = load_model(model_path, dtype=getattr(torch, config.model.dtype),
                        device=resolve_device(config.model.device), recipe=config.recipe)

@@ -1,7 +1,8 @@
 """An RL run with its held-out check, as ``jetrl train`` does it: :func:`train_and_evaluate`.
 
 Around :func:`jetrl.rl.loop.run` it adds what a finished run is judged by: greedy accuracy on held-out
-problems of the run's built-in task, in the run's precision recipe, before training
+problems (the run's built-in task drawn with another seed, or the held-out file ``data.eval_path``), in the run's
+precision recipe, before training
 (:func:`jetrl.evaluate.held_out_accuracy`; skipped when the run resumes, whose starting weights are not the
 configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``
 with the recipe's name; the run's curves in ``<output_dir>/curves.png`` (:func:`jetrl.plotting.plot_runs`);
@@ -80,8 +81,9 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
                        progress: bool = True, log: Callable[[str], None] = print) -> TrainJobResult:
     """Run RL as configured, with greedy accuracy on ``num_eval`` held-out problems before and after.
 
-    ``num_eval`` > 0 needs a built-in task (``data.task``); the problems are drawn with
-    :data:`jetrl.evaluate.EVAL_SEED`. ``require_checkpoint`` is :func:`jetrl.rl.loop.run`'s. ``progress``
+    ``num_eval`` > 0 needs a built-in task (``data.task``; its problems drawn with
+    :data:`jetrl.evaluate.EVAL_SEED`) or a held-out file (``data.eval_path``; its first ``num_eval`` rows).
+    ``require_checkpoint`` is :func:`jetrl.rl.loop.run`'s. ``progress``
     shows bars over the evaluations and the steps; without it each step is a ``log`` line. ``log`` also
     announces each evaluation. The run's threads and kernel settings are in force throughout
     (:func:`jetrl.rl.loop.run_settings`)."""
@@ -106,7 +108,8 @@ def _train_and_evaluate(config: RunConfig, num_eval: int, require_checkpoint: bo
         final = latest_checkpoint(out / CHECKPOINT_SUBDIR)
         log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems after training ...")
         after = held_out_accuracy(str(final / "model"), config, num_eval, progress=progress)
-        (out / EVAL_FILE).write_text(json.dumps({"seed": EVAL_SEED, "num_examples": num_eval, "recipe": config.recipe,
+        (out / EVAL_FILE).write_text(json.dumps({"seed": EVAL_SEED, "file": config.data.eval_path,
+                                                 "num_examples": num_eval, "recipe": config.recipe,
                                                  "greedy_accuracy_before": before, "greedy_accuracy_after": after,
                                                  "checkpoint": str(final)}))
         result.accuracy_before, result.accuracy_after, result.checkpoint = before, after, final

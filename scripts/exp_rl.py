@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import exp_common as common
-from jetrl.config import DataConfig
 from jetrl.evaluate import held_out_accuracy
 from jetrl.plotting import plot_runs
 from jetrl.train.checkpoint import latest_checkpoint
@@ -64,17 +63,16 @@ HEALTH_PANELS = (("mismatch/kl_k3", "k3 KL(rollout || train)", True),
 
 
 def run_arm(name: str, overrides: Sequence[str], base: Sequence[str], model_path: str, run_dir: Path, seed: int,
-            steps: int, time_budget: float, num_eval: int, log=print, eval_data: DataConfig | None = None,
-            cross_eval: bool = False) -> dict[str, Any]:
+            steps: int, time_budget: float, num_eval: int, log=print, cross_eval: bool = False) -> dict[str, Any]:
     """One arm and seed: held-out accuracy, RL for ``steps`` steps or ``time_budget`` seconds, held-out
-    accuracy of the final checkpoint; returns the summary and every logged step. ``eval_data``: held-out
-    prompts from a file (a run on a dataset file); default the task's problems of another seed. ``cross_eval``:
+    accuracy of the final checkpoint (a task's problems of another seed, or ``data.eval_path``'s rows for a run on
+    a file: ``--override data.eval_path=...``); returns the summary and every logged step. ``cross_eval``:
     the final checkpoint is also evaluated in the other precision (``bf16``'s in the FP8 flow, an FP8 arm's in
     BF16), which separates what FP8 inference costs from what FP8 training learned."""
     config = common.arm_config([*base, f"model.path={model_path}", f"trainer.output_dir={run_dir}",
                                 f"trainer.seed={seed}", f"trainer.steps={steps}"], overrides)
     clock = common.Clock()
-    before = held_out_accuracy(model_path, config, num_eval, data=eval_data) if num_eval else None
+    before = held_out_accuracy(model_path, config, num_eval) if num_eval else None
     train_clock = common.Clock()
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
@@ -86,12 +84,12 @@ def run_arm(name: str, overrides: Sequence[str], base: Sequence[str], model_path
     run(config, on_step=on_step)
     train_seconds = train_clock.elapsed()
     final = latest_checkpoint(run_dir / "checkpoints")
-    after = held_out_accuracy(str(final / "model"), config, num_eval, data=eval_data) if num_eval else None
+    after = held_out_accuracy(str(final / "model"), config, num_eval) if num_eval else None
     after_other = None
     if cross_eval and num_eval:
         other = copy.deepcopy(config)
         other.recipe, other.exact, other.kv_fp8 = ("jet" if config.recipe == "bf16" else "bf16"), False, False
-        after_other = held_out_accuracy(str(final / "model"), other, num_eval, data=eval_data)
+        after_other = held_out_accuracy(str(final / "model"), other, num_eval)
         log(f"{name} seed {seed}: held-out after {after}, in {other.recipe} {after_other}")
     records = read_jsonl(run_dir / "metrics.jsonl")
     return {"arm": name, "seed": seed, "overrides": list(overrides), "recipe": config.recipe,
@@ -363,7 +361,6 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
                                "arm_overrides": arms, "seeds": seeds, "steps": args.steps,
                                "time_budget_per_arm": args.time_budget, "deadline": args.deadline, "runs": [],
                                "skipped": []}
-    eval_data = DataConfig(path=args.eval_file, format=args.eval_format) if args.eval_file else None
     json_path = out / "exp_rl.json"
     todo = [(seed, name) for seed in seeds for name in arms]
     for i, (seed, name) in enumerate(todo):
@@ -376,7 +373,7 @@ def run_experiment(args: argparse.Namespace, log=print) -> dict[str, Any]:
             log(f"{name} seed {seed}: skipped, no time left before the {args.deadline:.0f} s deadline")
             continue
         result = run_arm(name, arms[name], base, model_path, work / "rl" / f"{name}-s{seed}", seed, args.steps,
-                         budget, args.eval_examples, log=log, eval_data=eval_data, cross_eval=args.cross_eval)
+                         budget, args.eval_examples, log=log, cross_eval=args.cross_eval)
         results["runs"].append(result)
         common.write_json(json_path, results)  # a call cut short still brings the finished runs
     common.write_json(json_path, results)
@@ -410,12 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds of RL per arm; the run ends after the step that crosses it (default 150; smoke 600)")
     p.add_argument("--eval-examples", type=int, default=None, help="held-out problems (default 128; smoke 2; 0 = off)")
-    p.add_argument("--eval-file", default=None,
-                   help="held-out prompts from this file (its first --eval-examples rows), for runs on a dataset "
-                        "file (e.g. GSM8K's test split when data.path is its train split); default: the task's")
     p.add_argument("--cross-eval", action="store_true",
                    help="also evaluate each final checkpoint in the other precision (bf16 <-> the FP8 flow)")
-    p.add_argument("--eval-format", default="gsm8k", help="the --eval-file's format (data.format's choices)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds after the start by which every run should be done (default 540 on the GPU, none in "
                         "smoke): each run's budget is at most its share of the time left, less --reserve")

@@ -158,6 +158,8 @@ class DataConfig(_Section):
     reward: str | None = setting(None, "reward function: a built-in name or package.module:function; null: the "
                                  "format's or task's", registry="reward")
     max_examples: int | None = setting(None, "files: use only the first N rows; null: all")
+    eval_path: str | None = setting(None, "files: held-out prompts in the same format (e.g. GSM8K's test split) "
+                                    "for the greedy accuracy jetrl train reports before and after training")
     prompts_per_step: int = setting(8, "prompts per RL step (each sampled rollout.n times)")
     shuffle: bool = setting(True, "shuffle the prompts every epoch")
     max_prompt_tokens: int = setting(512, "longest prompt in tokens; a longer one is an error, not truncated")
@@ -166,6 +168,9 @@ class DataConfig(_Section):
         # neither set is allowed while composing a config; the loop reports it before loading data
         if self.path is not None and self.task is not None:
             raise ConfigError(f"data.path ({self.path!r}) and data.task ({self.task!r}) are exclusive: set one")
+        if self.eval_path is not None and self.task is not None:
+            raise ConfigError(f"data.eval_path ({self.eval_path!r}) is for a run on a file; a built-in task's held-out "
+                              f"problems are drawn with another seed: unset one")
         _at_least("data", "prompts_per_step", self.prompts_per_step, 1)
         _at_least("data", "max_prompt_tokens", self.max_prompt_tokens, 1)
         _at_least("data", "difficulty", self.difficulty, 1)

@@ -72,13 +72,13 @@ def test_held_out_accuracy_refuses_training_problems_and_files():
 
 
 def test_held_out_accuracy_on_a_held_out_file(tiny, tmp_path):
-    """A run on a dataset file is evaluated on another file's first rows: the same accuracy as ``evaluate`` on
-    those rows, in the run's recipe (here the embedded model on arithmetic rows written as a GSM8K-format file)."""
-    import dataclasses
+    """A run on a dataset file is evaluated on ``data.eval_path``'s first rows, read in the run's format: the same
+    accuracy as ``evaluate`` on those rows (here the embedded model on arithmetic rows in a GSM8K-format file)."""
     import json
 
     from jetrl.asset_files import EMBEDDED_MODEL, resolve_asset
-    from jetrl.config import DataConfig, load_config
+    from jetrl.config import DataConfig, ConfigError, load_config
+    from jetrl.data import build_prompt_dataset
     from jetrl.data.tasks import get_task
     from jetrl.evaluate import held_out_accuracy
 
@@ -87,15 +87,15 @@ def test_held_out_accuracy_on_a_held_out_file(tiny, tmp_path):
     path = tmp_path / "held_out.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"question": "1+1", "answer": "#### 2"}] * 5))
     config = load_config(None, [f"--data.path={tmp_path / 'train.jsonl'}", "--data.format=gsm8k",
+                                "--data.instruction={prompt}", f"--data.eval_path={path}",  # the compact model's prompts
                                 "--model.dtype=float32", "--model.device=cpu", "--rollout.max_tokens=64"])
-    held_out = DataConfig(path=str(path), format="gsm8k", instruction="{prompt}")  # the compact model's prompts
-    got = held_out_accuracy(str(resolve_asset(EMBEDDED_MODEL)), config, 12, data=held_out)
+    got = held_out_accuracy(str(resolve_asset(EMBEDDED_MODEL)), config, 12)
     model, tok = tiny
-    from jetrl.data import build_prompt_dataset
-
-    want = evaluate(model, tok, build_prompt_dataset(dataclasses.replace(held_out, max_examples=12), 0),
-                    max_tokens=64).accuracy
+    held_out = DataConfig(path=str(path), format="gsm8k", instruction="{prompt}", max_examples=12)
+    want = evaluate(model, tok, build_prompt_dataset(held_out, 0), max_tokens=64).accuracy
     assert got == want and 0.0 < got < 1.0
+    with pytest.raises(ConfigError, match="data.eval_path .* is for a run on a file"):
+        load_config(None, ["--data.task=arithmetic", f"--data.eval_path={path}"])
 
 
 def test_generate_texts_greedy_completions(tiny):

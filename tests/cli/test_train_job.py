@@ -76,3 +76,32 @@ def test_the_loop_alone_applies_the_settings_and_inside_a_job_leaves_them(tmp_pa
     with loop.run_settings(config):
         loop.run(other)  # another run's settings inside the job: its own apply
     assert seen[-1] == SPLIT + 2 and len(thread_setups) == 4
+
+
+def test_jetrl_train_on_a_file_reports_held_out_accuracy_on_data_eval_path(tmp_path, monkeypatch, capsys):
+    """A run on a dataset file with a held-out file evaluates its first --eval-examples rows before and after
+    training (the embedded model, arithmetic rows in the compact format); without one, --eval-examples is one
+    error before any work."""
+    import json
+
+    from jetrl.data.tasks import get_task
+
+    monkeypatch.chdir(tmp_path)
+
+    def write(name, seed, n):
+        problems = get_task("arithmetic", difficulty=3, seed=seed, style="compact").dataset(n)
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"prompt": p.text, "answer": p.answer}) + "\n" for p in problems))
+        return path
+
+    train, held_out = write("train.jsonl", 1, 16), write("test.jsonl", 2, 12)
+    data = ["--data.task=none", f"--data.path={train}", "--data.reward=arithmetic"]
+    assert main(["train", *data, f"--data.eval_path={held_out}", "--eval-examples", "6", "--output-dir", "run",
+                 *TINY]) == 0
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["file"] == str(held_out) and report["num_examples"] == 6
+    assert 0.0 <= report["greedy_accuracy_before"] <= 1.0 and 0.0 <= report["greedy_accuracy_after"] <= 1.0
+    capsys.readouterr()
+    assert main(["train", *data, "--eval-examples", "4", "--output-dir", "run2", *TINY]) != 0
+    assert "held-out file (data.eval_path" in capsys.readouterr().err
+    assert not (tmp_path / "run2").exists()  # refused before the output folder is made
