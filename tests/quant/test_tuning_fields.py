@@ -47,3 +47,18 @@ def test_each_field_is_checked_by_its_declared_rule():
         tuning.KernelTuning(gemm="fastest")
     with pytest.raises(ValueError, match="kernels: KernelTuning.kv_decode_stream_warps must be a power of two in 1..8"):
         tuning.parse_settings(["kv_decode_stream_warps=3"])
+
+
+def test_the_settings_are_four_frozen_families():
+    """KernelTuning is its four family dataclasses and nothing else: every field is declared by exactly one family,
+    in the reference's order, and each family is frozen like the whole."""
+    names = [f.name for cls in tuning.FAMILY_CLASSES for f in dataclasses.fields(cls)]
+    assert names == [f.name for f in dataclasses.fields(tuning.KernelTuning)] and len(names) == len(set(names))
+    assert len(names) <= 35
+    for cls, title in zip(tuning.FAMILY_CLASSES, tuning.FAMILIES):
+        assert cls.__dataclass_params__.frozen and issubclass(tuning.KernelTuning, cls)
+        assert {tuning.family_of(f.name) for f in dataclasses.fields(cls)} == {title}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tuning.current().gluon = False
+    with pytest.raises(KeyError):
+        tuning.family_of("not_a_setting")

@@ -1,5 +1,8 @@
-"""Every setting of the kernels in one frozen object: which path runs, the decode GEMM's and the FP8-cache decode
-attention's configs, and exact mode's K split and schedules.
+"""Every setting of the kernels in one frozen object, :class:`KernelTuning`, made of four families, each a small
+frozen dataclass whose fields declare a one-line meaning and a rule: which path each GEMM runs
+(:class:`GemmRouting`, with the decode GEMM's configs), the quantizers and FP8 weights (:class:`Quantizers`), exact
+mode's K split and schedules (:class:`ExactSchedule`) and the FP8-cache decode attention's launch
+(:class:`DecodeAttention`).
 
 Nothing here changes a result's bits except the GEMM path (``gemm``, and the decode-routing bounds, which pick
 between GEMMs that agree to output rounding), exact mode's K split (``exact_split_k``: a different split is a
@@ -245,28 +248,21 @@ _POSITIVE = Rule("a positive finite number",
                  lambda v: not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < float("inf"))
 _RING_SLOTS = Rule("an int >= 2 (ring slots: the tile read and at least one in flight)", lambda v: _int(v) and v >= 2)
 
-# the families of fields, in the order the configuration reference lists them
-GEMM = "GEMM routing"
-QUANT = "quantization kernels and FP8 weights"
-EXACT = "exact mode's schedule"
-KV = "decode attention over an FP8 cache"
-FAMILIES = (GEMM, QUANT, EXACT, KV)
 
-
-def knob(default, family: str, meaning: str, rule: Rule | None, factory: bool = False):
-    """A :class:`KernelTuning` field: its default, family, one-line meaning and rule (None: not settable from text;
-    the object checks it as a whole); ``factory`` for a mapping default (one per object)."""
-    meta = {"family": family, "meaning": meaning, "rule": rule}
+def knob(default, meaning: str, rule: Rule | None, factory: bool = False):
+    """A kernel setting: its default, one-line meaning and rule (None: not settable from text; its family checks it
+    as a whole); ``factory`` for a mapping default (one per object). Its family is the dataclass that declares it."""
+    meta = {"meaning": meaning, "rule": rule}
     if factory:
         return field(default_factory=lambda: default, metadata=meta)
     return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
-class KernelTuning:
-    """The kernels' settings; read with :func:`current`, changed for a block with :func:`override`.
+class GemmRouting:
+    """GEMM routing.
 
-    GEMM routing (the CUDA backend, :func:`jetrl.quant.kernels.cuda_backend.gemm_path`):
+    Where each FP8 GEMM runs (the CUDA backend, :func:`jetrl.quant.kernels.cuda_backend.gemm_path`):
 
     * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
       rules hold, else the Triton GEMM); ``"deepgemm"``: the same, but the GEMMs its rule takes go to DeepGEMM
@@ -284,49 +280,93 @@ class KernelTuning:
       kernel before it, and the kernels that feed it (fused norm, SwiGLU, activation quantizer) let it launch as
       soon as all their programs have started; the GEMM waits for their writes before it reads anything. The same
       bits either way (:mod:`~jetrl.quant.kernels.gemm_decode_triton`).
+    """
 
-    Quantization kernels and FP8 weights (the same bytes either way): ``gluon`` (on): the 128x1 kernels and
+    gemm: str = knob("auto", "the FP8 GEMM path: auto (decode kernel, cuBLAS, Triton by shape), deepgemm, or "
+                     "one forced: cublas, triton, decode; default from JETRL_FP8_GEMM", None)
+    deepgemm_decode_max_m: int = knob(DECODE_GEMM_MAX_M, "under gemm=deepgemm: the most rows of a GEMM "
+                                      "(a decode step's) that DeepGEMM takes (0: none)", _INT_TO_DECODE)
+    deepgemm_split_k_max_m: int = knob(128, "under gemm=deepgemm: up to this many rows a weight with K > 2N "
+                                       "stays on the split-K decode kernel", _INT_TO_DECODE)
+    decode_max_m: int = knob(64, "the most rows a single FP8 GEMM sends to the split-K decode kernel", _INT0)
+    grouped_decode_max_m: int = knob(64, "the same for a grouped launch (q/k/v, gate/up)", _INT0)
+    decode_max_m_by_shape: Mapping[tuple, int] = knob(DECODE_MAX_M_BY_SHAPE, "per-shape exceptions to the two "
+                                                      "bounds above", None, factory=True)
+    decode_policies: tuple[DecodePolicy, ...] = knob(DECODE_POLICIES, "the decode GEMM's configs by rows", None)
+    decode_shape_configs: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = knob(
+        DECODE_SHAPE_CONFIGS, "the decode GEMM's configs of measured shapes", None, factory=True)
+    decode_gemm_pdl: bool = knob(True, "on Hopper: the decode GEMM launches while the kernel feeding it "
+                                 "runs (programmatic dependent launch; the same bits)", _BOOL)
+
+    def _check(self) -> None:
+        if self.gemm not in GEMM_CHOICES:
+            raise ValueError(f"the FP8 GEMM path (JETRL_FP8_GEMM or tuning gemm=) must be one of {GEMM_CHOICES}, "
+                             f"got {self.gemm!r}")
+        if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
+            raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
+                             "not installed (build it from github.com/deepseek-ai/DeepGEMM)")
+        bounds = [p.max_m for p in self.decode_policies]
+        if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
+            raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
+        # tables given as plain dicts are frozen too
+        object.__setattr__(self, "decode_max_m_by_shape", MappingProxyType(dict(self.decode_max_m_by_shape)))
+        object.__setattr__(self, "decode_shape_configs", MappingProxyType(dict(self.decode_shape_configs)))
+
+    def deepgemm_rule(self) -> dict[str, int]:
+        """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`), as its keywords."""
+        return dict(decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
+
+    def decode_policy(self, m: int) -> DecodePolicy:
+        """The :attr:`decode_policies` entry for ``m`` rows."""
+        for policy in self.decode_policies:
+            if m <= policy.max_m:
+                return policy
+        raise ValueError(f"no decode policy for {m} rows (the decode GEMM handles at most {DECODE_GEMM_MAX_M})")
+
+    def decode_config(self, m: int, n: int, k: int, sm_count: int, grouped: bool = False) -> DecodeGemmConfig:
+        """The decode GEMM's config for (m, n, k) (``n``: total width of a grouped launch) on ``sm_count`` SMs:
+        the :attr:`decode_shape_configs` entry where there is one, else the per-M policy."""
+        bucket = 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
+        tuned = self.decode_shape_configs.get((bucket, n, k, bool(grouped)))
+        if tuned is not None:
+            return tuned
+        return self.decode_policy(m).config(m, n, k, sm_count)
+
+    def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
+        """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
+        launch): the general bound, or its :attr:`decode_max_m_by_shape` exception."""
+        bound = max(self.decode_max_m, self.grouped_decode_max_m) if grouped else self.decode_max_m
+        bound = self.decode_max_m_by_shape.get(("grouped", n, k) if grouped else (n, k), bound)
+        return min(bound, DECODE_GEMM_MAX_M)
+
+
+@dataclass(frozen=True)
+class Quantizers:
+    """Quantization kernels and FP8 weights.
+
+    The same bytes either way. ``gluon`` (on): the 128x1 kernels and
     grad_out's one-pass 1x128 + 128x1 in Gluon where the installed Triton has it and the rows have unit stride; off
     (or no Gluon), the Triton 128x1 kernels, and grad_out as two Triton kernels (1x128, then 128x1).
     ``cache_weight_t`` (off) keeps W^T's FP8 form (1 byte per parameter) with each linear's FP8 weight for the
     weight's version; off, each backward transposes W's FP8 tiles into a transient W^T (one launch per linear: the
     same bytes). The training side then holds one FP8 copy of its weights, not two.
+    """
 
-    Decode attention over an FP8 cache:
-    ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
-    the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
-    tile is dequantized in registers first (the route an fp16 query always takes). On by default.
-    ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
-    and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
-    instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
-    attention to summation order (a tile of bytes converted 4 at a time in a call Triton cannot see through, so both
-    converted tiles reach their dots through shared memory with the operands of a BF16 cache; any cache layout; on
-    the GPU the MMA operand layout may round the accumulation apart). On by default (faster on the H200,
-    docs/benchmark-history.md); off, Triton's conversion.
-    That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
-    tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default:
-    the route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a
-    power of two up to 16) and ``kv_decode_num_stages`` (>= 1; 1 by default: a second stage adds no overlap to this
-    loop, only shared memory) of the Triton launch, and the context split (``choose_num_splits``):
-    ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims for, at most
-    ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread (Triton's
-    ``maxnreg``; 0: the compiler's choice; 128, the default, lets 4 programs of 4 warps share an SM where the shared
-    memory allows, at the cost of a few spills). The defaults are the fastest launch of the H200 sweep in
-    docs/benchmark-history.md. Any values give the attention over the dequantized cache to summation order (the tile
-    and the split set that order); ``bench/attention.py`` sweeps them.
-    ``kv_decode_streams`` (on by default; faster on the H200, BENCHMARKS.md, "Decode attention") runs an FP8-cache
-    decode step on the Gluon kernel of :mod:`~jetrl.quant.kernels.paged_attention_gluon` wherever it applies (bf16
-    queries, ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8 query heads per KV head, a Triton with
-    Gluon), and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams
-    per program (a power of two up to 8), ``kv_decode_stream_stages`` ring slots of 16-token tiles (>= 2: the tile
-    read and ``stages - 1`` in flight; ``stages x warps`` slots of :data:`STREAM_SLOT_BYTES` within
-    :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM (from
-    4,096 tokens of context on; fewer at shorter contexts, :func:`~jetrl.quant.kernels.paged_attention_gluon.
-    num_splits`), at most ``kv_decode_stream_max_splits`` splits, and at most ``kv_decode_stream_max_registers`` registers per thread
-    (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same attention over the
-    dequantized cache, to summation order.
+    gluon: bool = knob(True, "the 128x1 quantizers (and grad_out's two-way pass) in Gluon where Triton has "
+                       "it; off: Triton", _BOOL)
+    cache_weight_t: bool = knob(False, "keep W^T's FP8 form beside W's for the weight's version (off: each "
+                                "backward transposes W's FP8 tiles)", _BOOL)
 
-    Exact mode (:mod:`jetrl.quant.exact`). Its GEMMs' K split (:meth:`exact_split`) fixes their arithmetic, never
+    def _check(self) -> None:
+        """Nothing spans this family's fields: each field's rule is all there is to check."""
+
+
+@dataclass(frozen=True)
+class ExactSchedule:
+    """Exact mode's schedule (:mod:`jetrl.quant.exact`; beside :class:`GemmRouting` in :class:`KernelTuning`, whose
+    decode configs its decode schedule uses).
+
+    Its GEMMs' K split (:meth:`exact_split`) fixes their arithmetic, never
     chosen by M: ``exact_split_k`` (0, the default: the heuristic of :data:`EXACT_SPLIT_RULE`, at least 28 128-wide K
     blocks per split, so that a weight with K up to 7,168 walks K unsplit, trains on cuBLAS and decodes as one
     grouped launch where it shares an input, and an 8B model's down projection, K = 14,336, splits in 4; a positive
@@ -362,102 +402,21 @@ class KernelTuning:
       it computes the tile kernel's bits.
     """
 
-    gemm: str = knob("auto", GEMM, "the FP8 GEMM path: auto (decode kernel, cuBLAS, Triton by shape), deepgemm, or "
-                     "one forced: cublas, triton, decode; default from JETRL_FP8_GEMM", None)
-    deepgemm_decode_max_m: int = knob(DECODE_GEMM_MAX_M, GEMM, "under gemm=deepgemm: the most rows of a GEMM "
-                                      "(a decode step's) that DeepGEMM takes (0: none)", _INT_TO_DECODE)
-    deepgemm_split_k_max_m: int = knob(128, GEMM, "under gemm=deepgemm: up to this many rows a weight with K > 2N "
-                                       "stays on the split-K decode kernel", _INT_TO_DECODE)
-    decode_max_m: int = knob(64, GEMM, "the most rows a single FP8 GEMM sends to the split-K decode kernel", _INT0)
-    grouped_decode_max_m: int = knob(64, GEMM, "the same for a grouped launch (q/k/v, gate/up)", _INT0)
-    decode_max_m_by_shape: Mapping[tuple, int] = knob(DECODE_MAX_M_BY_SHAPE, GEMM, "per-shape exceptions to the two "
-                                                      "bounds above", None, factory=True)
-    decode_policies: tuple[DecodePolicy, ...] = knob(DECODE_POLICIES, GEMM, "the decode GEMM's configs by rows", None)
-    decode_shape_configs: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = knob(
-        DECODE_SHAPE_CONFIGS, GEMM, "the decode GEMM's configs of measured shapes", None, factory=True)
-    decode_gemm_pdl: bool = knob(True, GEMM, "on Hopper: the decode GEMM launches while the kernel feeding it "
-                                 "runs (programmatic dependent launch; the same bits)", _BOOL)
-    gluon: bool = knob(True, QUANT, "the 128x1 quantizers (and grad_out's two-way pass) in Gluon where Triton has "
-                       "it; off: Triton", _BOOL)
-    cache_weight_t: bool = knob(False, QUANT, "keep W^T's FP8 form beside W's for the weight's version (off: each "
-                                "backward transposes W's FP8 tiles)", _BOOL)
-    exact_split_k: int = knob(0, EXACT, "exact mode's K split on every weight (0: the fixed heuristic, "
+    exact_split_k: int = knob(0, "exact mode's K split on every weight (0: the fixed heuristic, "
                               "ExactSplitRule); changes the bits, the same on both sides", _INT0)
-    exact_split_max_m: int = knob(256, EXACT, "up to this many rows the splits run as separate programs (a "
+    exact_split_max_m: int = knob(256, "up to this many rows the splits run as separate programs (a "
                                   "schedule)", _INT0)
-    exact_wide_min_m: int = knob(256, EXACT, "from this many rows on, exact GEMMs on wide tiles and TMA loads (a "
+    exact_wide_min_m: int = knob(256, "from this many rows on, exact GEMMs on wide tiles and TMA loads (a "
                                  "schedule; 0: never)", _INT0)
-    exact_cublas_min_m: int = knob(65, EXACT, "from this many rows on, an unsplit weight multiplies on cuBLAS (the "
+    exact_cublas_min_m: int = knob(65, "from this many rows on, an unsplit weight multiplies on cuBLAS (the "
                                    "same bits; 0: never)", _INT0)
-    exact_decode_max_m: int = knob(64, EXACT, "up to this many rows, exact GEMMs run on the split-K decode kernel "
+    exact_decode_max_m: int = knob(64, "up to this many rows, exact GEMMs run on the split-K decode kernel "
                                    "with exact mode's split (the same bits; 0: never)", _INT_TO_DECODE)
-    exact_decode_attention_swapped: bool = knob(True, EXACT, "a decode step's exact attention on the swapped "
+    exact_decode_attention_swapped: bool = knob(True, "a decode step's exact attention on the swapped "
                                                 "one-row kernel (the same bits)", _BOOL)
-    kv_decode_factored: bool = knob(True, KV, "FP8-cache decode attention reads E4M3 tiles into its dots, scales on "
-                                    "the fp32 side (off: dequantized in registers)", _BOOL)
-    kv_decode_bit_convert: bool = knob(True, KV, "the factored route converts E4M3 by bit operations (off: "
-                                       "Triton's conversion; the same values)", _BOOL)
-    kv_decode_block_n: int = knob(0, KV, "tokens per tile of the Triton FP8-cache kernel (0: the route's own, 128 "
-                                  "factored, 64 in registers)", _TILE_OR_0)
-    kv_decode_num_warps: int = knob(4, KV, "its warps", _POW2_1_16)
-    kv_decode_num_stages: int = knob(1, KV, "its pipeline stages", _INT1)
-    kv_decode_split_waves: float = knob(2.0, KV, "waves of programs over the SMs its context split aims for",
-                                        _POSITIVE)
-    kv_decode_max_splits: int = knob(16, KV, "its most context splits", _INT1)
-    kv_decode_max_registers: int = knob(128, KV, "its registers per thread (maxnreg)", _REGISTERS)
-    kv_decode_streams: bool = knob(True, KV, "FP8-cache decode steps on the Gluon kernel where it applies (bf16 "
-                                   "queries, head_dim 128, pages % 16, groups <= 8)", _BOOL)
-    kv_decode_stream_warps: int = knob(1, KV, "warp streams per program of the Gluon kernel", _POW2_1_8)
-    kv_decode_stream_stages: int = knob(3, KV, "its ring slots of 16-token tiles (the tile read and the rest in "
-                                        "flight)", _RING_SLOTS)
-    kv_decode_stream_waves: float = knob(6.0, KV, "programs per SM its context split aims for from 4,096 tokens of "
-                                         "context on (fewer below, to half)", _POSITIVE)
-    kv_decode_stream_max_splits: int = knob(64, KV, "its most context splits", _INT1)
-    kv_decode_stream_max_registers: int = knob(128, KV, "its registers per thread (maxnreg)", _REGISTERS)
 
-    def __post_init__(self) -> None:
-        if self.gemm not in GEMM_CHOICES:
-            raise ValueError(f"the FP8 GEMM path (JETRL_FP8_GEMM or tuning gemm=) must be one of {GEMM_CHOICES}, "
-                             f"got {self.gemm!r}")
-        if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
-            raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
-                             "not installed (build it from github.com/deepseek-ai/DeepGEMM)")
-        for f in fields(self):  # each field's own rule (its metadata, which the configuration reference prints)
-            rule = f.metadata.get("rule")
-            value = getattr(self, f.name)
-            if rule is not None and not rule.accepts(value):
-                raise ValueError(f"KernelTuning.{f.name} must be {rule.text}, got {value!r}")
-        ring = self.kv_decode_stream_stages * self.kv_decode_stream_warps * STREAM_SLOT_BYTES
-        if ring > STREAM_RING_MAX_BYTES:
-            raise ValueError(f"KernelTuning.kv_decode_stream_stages x kv_decode_stream_warps: a ring of "
-                             f"{self.kv_decode_stream_stages} slots for {self.kv_decode_stream_warps} warps is {ring} "
-                             f"bytes of shared memory, more than the {STREAM_RING_MAX_BYTES} a program may use")
-        bounds = [p.max_m for p in self.decode_policies]
-        if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
-            raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
-        # tables given as plain dicts are frozen too
-        object.__setattr__(self, "decode_max_m_by_shape", MappingProxyType(dict(self.decode_max_m_by_shape)))
-        object.__setattr__(self, "decode_shape_configs", MappingProxyType(dict(self.decode_shape_configs)))
-
-    def deepgemm_rule(self) -> dict[str, int]:
-        """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`), as its keywords."""
-        return dict(decode_max_m=self.deepgemm_decode_max_m, split_k_max_m=self.deepgemm_split_k_max_m)
-
-    def decode_policy(self, m: int) -> DecodePolicy:
-        """The :attr:`decode_policies` entry for ``m`` rows."""
-        for policy in self.decode_policies:
-            if m <= policy.max_m:
-                return policy
-        raise ValueError(f"no decode policy for {m} rows (the decode GEMM handles at most {DECODE_GEMM_MAX_M})")
-
-    def decode_config(self, m: int, n: int, k: int, sm_count: int, grouped: bool = False) -> DecodeGemmConfig:
-        """The decode GEMM's config for (m, n, k) (``n``: total width of a grouped launch) on ``sm_count`` SMs:
-        the :attr:`decode_shape_configs` entry where there is one, else the per-M policy."""
-        bucket = 32 if m <= 32 else 64 if m <= 64 else 128 if m <= 128 else 256
-        tuned = self.decode_shape_configs.get((bucket, n, k, bool(grouped)))
-        if tuned is not None:
-            return tuned
-        return self.decode_policy(m).config(m, n, k, sm_count)
+    def _check(self) -> None:
+        """Nothing spans this family's fields: each field's rule is all there is to check."""
 
     def exact_split(self, n: int, k: int, rule: ExactSplitRule = EXACT_SPLIT_RULE) -> int:
         """How many contiguous K ranges exact mode's GEMM splits an (N, K) weight's reduction into (a function of
@@ -508,16 +467,108 @@ class KernelTuning:
         if len(splits) != 1:
             return None
         split = splits.pop()
-        tiles = self.decode_config(m, sum(widths), k, sm_count, grouped=len(widths) > 1)
+        tiles = self.decode_config(m, sum(widths), k, sm_count, grouped=len(widths) > 1)  # GemmRouting's
         unroll = tiles.k_unroll if self.exact_split_kb(widths[0], k) % tiles.k_unroll == 0 else 1
         return dataclasses.replace(tiles, split_k=split, k_unroll=unroll)
 
-    def decode_rows(self, n: int, k: int, grouped: bool = False) -> int:
-        """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
-        launch): the general bound, or its :attr:`decode_max_m_by_shape` exception."""
-        bound = max(self.decode_max_m, self.grouped_decode_max_m) if grouped else self.decode_max_m
-        bound = self.decode_max_m_by_shape.get(("grouped", n, k) if grouped else (n, k), bound)
-        return min(bound, DECODE_GEMM_MAX_M)
+
+@dataclass(frozen=True)
+class DecodeAttention:
+    """Decode attention over an FP8 cache.
+
+    ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
+    the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
+    tile is dequantized in registers first (the route an fp16 query always takes). On by default.
+    ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
+    and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
+    instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
+    attention to summation order (a tile of bytes converted 4 at a time in a call Triton cannot see through, so both
+    converted tiles reach their dots through shared memory with the operands of a BF16 cache; any cache layout; on
+    the GPU the MMA operand layout may round the accumulation apart). On by default (faster on the H200,
+    docs/benchmark-history.md); off, Triton's conversion.
+    That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
+    tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default:
+    the route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a
+    power of two up to 16) and ``kv_decode_num_stages`` (>= 1; 1 by default: a second stage adds no overlap to this
+    loop, only shared memory) of the Triton launch, and the context split (``choose_num_splits``):
+    ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims for, at most
+    ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread (Triton's
+    ``maxnreg``; 0: the compiler's choice; 128, the default, lets 4 programs of 4 warps share an SM where the shared
+    memory allows, at the cost of a few spills). The defaults are the fastest launch of the H200 sweep in
+    docs/benchmark-history.md. Any values give the attention over the dequantized cache to summation order (the tile
+    and the split set that order); ``bench/attention.py`` sweeps them.
+    ``kv_decode_streams`` (on by default; faster on the H200, BENCHMARKS.md, "Decode attention") runs an FP8-cache
+    decode step on the Gluon kernel of :mod:`~jetrl.quant.kernels.paged_attention_gluon` wherever it applies (bf16
+    queries, ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8 query heads per KV head, a Triton with
+    Gluon), and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams
+    per program (a power of two up to 8), ``kv_decode_stream_stages`` ring slots of 16-token tiles (>= 2: the tile
+    read and ``stages - 1`` in flight; ``stages x warps`` slots of :data:`STREAM_SLOT_BYTES` within
+    :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM (from
+    4,096 tokens of context on; fewer at shorter contexts, :func:`~jetrl.quant.kernels.paged_attention_gluon.
+    num_splits`), at most ``kv_decode_stream_max_splits`` splits, and at most ``kv_decode_stream_max_registers``
+    registers per thread (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same attention over the
+    dequantized cache, to summation order.
+    """
+
+    kv_decode_factored: bool = knob(True, "FP8-cache decode attention reads E4M3 tiles into its dots, scales on "
+                                    "the fp32 side (off: dequantized in registers)", _BOOL)
+    kv_decode_bit_convert: bool = knob(True, "the factored route converts E4M3 by bit operations (off: "
+                                       "Triton's conversion; the same values)", _BOOL)
+    kv_decode_block_n: int = knob(0, "tokens per tile of the Triton FP8-cache kernel (0: the route's own, 128 "
+                                  "factored, 64 in registers)", _TILE_OR_0)
+    kv_decode_num_warps: int = knob(4, "its warps", _POW2_1_16)
+    kv_decode_num_stages: int = knob(1, "its pipeline stages", _INT1)
+    kv_decode_split_waves: float = knob(2.0, "waves of programs over the SMs its context split aims for",
+                                        _POSITIVE)
+    kv_decode_max_splits: int = knob(16, "its most context splits", _INT1)
+    kv_decode_max_registers: int = knob(128, "its registers per thread (maxnreg)", _REGISTERS)
+    kv_decode_streams: bool = knob(True, "FP8-cache decode steps on the Gluon kernel where it applies (bf16 "
+                                   "queries, head_dim 128, pages % 16, groups <= 8)", _BOOL)
+    kv_decode_stream_warps: int = knob(1, "warp streams per program of the Gluon kernel", _POW2_1_8)
+    kv_decode_stream_stages: int = knob(3, "its ring slots of 16-token tiles (the tile read and the rest in "
+                                        "flight)", _RING_SLOTS)
+    kv_decode_stream_waves: float = knob(6.0, "programs per SM its context split aims for from 4,096 tokens of "
+                                         "context on (fewer below, to half)", _POSITIVE)
+    kv_decode_stream_max_splits: int = knob(64, "its most context splits", _INT1)
+    kv_decode_stream_max_registers: int = knob(128, "its registers per thread (maxnreg)", _REGISTERS)
+
+    def _check(self) -> None:
+        ring = self.kv_decode_stream_stages * self.kv_decode_stream_warps * STREAM_SLOT_BYTES
+        if ring > STREAM_RING_MAX_BYTES:
+            raise ValueError(f"KernelTuning.kv_decode_stream_stages x kv_decode_stream_warps: a ring of "
+                             f"{self.kv_decode_stream_stages} slots for {self.kv_decode_stream_warps} warps is {ring} "
+                             f"bytes of shared memory, more than the {STREAM_RING_MAX_BYTES} a program may use")
+
+
+# the families, in the order the configuration reference lists them (and KernelTuning declares their fields)
+FAMILY_CLASSES = (GemmRouting, Quantizers, ExactSchedule, DecodeAttention)
+FAMILIES = ("GEMM routing", "quantization kernels and FP8 weights", "exact mode's schedule",
+            "decode attention over an FP8 cache")
+
+
+@dataclass(frozen=True)
+class KernelTuning(DecodeAttention, ExactSchedule, Quantizers, GemmRouting):
+    """The kernels' settings, one family of fields each (:data:`FAMILY_CLASSES`: GEMM routing, the quantizers,
+    exact mode's schedule, decode attention over an FP8 cache); read with :func:`current`, changed for a block with
+    :func:`override`. Each field declares its one-line meaning and its rule, which the object checks and the
+    configuration reference prints; each family checks what spans its fields."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # each field's own rule (its metadata, which the configuration reference prints)
+            rule = f.metadata.get("rule")
+            value = getattr(self, f.name)
+            if rule is not None and not rule.accepts(value):
+                raise ValueError(f"KernelTuning.{f.name} must be {rule.text}, got {value!r}")
+        for family in FAMILY_CLASSES:
+            family._check(self)
+
+
+def family_of(name: str) -> str:
+    """The family (:data:`FAMILIES`) of the :class:`KernelTuning` field ``name``."""
+    for cls, title in zip(FAMILY_CLASSES, FAMILIES):
+        if name in {f.name for f in fields(cls)}:
+            return title
+    raise KeyError(name)
 
 
 _DEFAULT = KernelTuning(gemm=os.environ.get("JETRL_FP8_GEMM", "auto"))
@@ -584,7 +635,7 @@ def setting_docs() -> tuple[tuple[str, str, str, str, str], ...]:
     (:data:`FAMILIES`) and in declaration order within one: what the configuration reference prints. The default
     is the declared one (``JETRL_FP8_GEMM`` may change ``gemm``'s in a process); the rule completes "must be ..."."""
     settable = set(settable_fields())
-    rows = [(f.metadata["family"], f.name, f.default, f.metadata["rule"], f.metadata["meaning"])
+    rows = [(family_of(f.name), f.name, f.default, f.metadata["rule"], f.metadata["meaning"])
             for f in fields(KernelTuning) if f.name in settable]
     rows.sort(key=lambda r: FAMILIES.index(r[0]))  # stable: declaration order within a family
     return tuple((family, name, str(value).lower() if isinstance(value, bool) else str(value),
