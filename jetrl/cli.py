@@ -119,9 +119,6 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
         config.model.tokenizer = resolve_asset(config.model.tokenizer)
     if config.data.path:
         config.data.path = existing_path(config.data.path, "data file", "set data.path to a JSONL or Parquet file")
-    if config.data.eval_path:
-        config.data.eval_path = existing_path(config.data.eval_path, "held-out file",
-                                              "set data.eval_path to a JSONL or Parquet file")
     return config
 
 
@@ -133,6 +130,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if num_eval and not held_out:
         raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task) or a held-out "
                          "file (data.eval_path, e.g. GSM8K's test split)")
+    if config.data.eval_path and not config.data.path:
+        raise UsageError("data.eval_path holds the held-out rows of a run on a file: set data.path too")
+    if num_eval and config.data.eval_path:
+        config.data.eval_path = existing_path(config.data.eval_path, "held-out file", "set data.eval_path to a JSONL "
+                                              "or Parquet file, or pass --eval-examples 0 to skip the evaluation")
     resolve_device(config.model.device)
     if config.model.path:
         folder, _, tokenizer = check_model(config)

@@ -272,8 +272,8 @@ def format_duration(seconds: float) -> str:
 
 def _check_same_run(saved: dict[str, Any], config: SFTConfig, path: str) -> None:
     current = json.loads(json.dumps(asdict(config)))  # as saved: tuples become lists
-    changed = sorted(k for k in set(saved) | set(current)
-                     if k not in RESUMABLE_CHANGES and saved.get(k) != current.get(k))
+    # a saved key that is no longer a setting (an option since removed, e.g. task_options) shaped nothing now read
+    changed = sorted(k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k])
     if changed:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
         raise ValueError(f"sft: cannot resume from {path}: it was trained with other settings ({detail}); resume "

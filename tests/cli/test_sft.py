@@ -211,3 +211,17 @@ def test_sft_command_names_the_recipe_of_its_accuracy(tmp_path, capsys):
     assert main(["sft", "--output-dir", str(tmp_path / "m"), "--steps", "2", "--batch-size", "4", "--eval-examples",
                  "2", "--checkpoint-every", "0", "--no-progress"]) == 0
     assert "greedy accuracy (bf16, 2 unseen)" in capsys.readouterr().out
+
+
+def test_a_saved_setting_since_removed_does_not_block_resume():
+    """A checkpoint's saved config may hold a key that is no longer an SFTConfig field (task_options, before it
+    became constants): it shaped nothing now read, so resume goes on; a changed field still stops it."""
+    import dataclasses
+
+    from jetrl.sft.train import _check_same_run
+
+    config = SFTConfig(output_dir="out", **TINY)
+    saved = {**json.loads(json.dumps(dataclasses.asdict(config))), "task_options": {}}
+    _check_same_run(saved, config, "ckpt")
+    with pytest.raises(ValueError, match=r"other settings \(lr: 0.02 -> 0.01\)"):
+        _check_same_run({**saved, "lr": 0.02}, config, "ckpt")

@@ -1,6 +1,8 @@
 """``jetrl train`` as one job: the run's kernel settings (``kernels:``) and CPU threads are entered once around
 the held-out evaluations and the RL run together, and :func:`jetrl.rl.loop.run` called alone applies them itself."""
 
+import json
+
 import pytest
 
 import jetrl.rl.loop as loop
@@ -105,3 +107,20 @@ def test_jetrl_train_on_a_file_reports_held_out_accuracy_on_data_eval_path(tmp_p
     assert main(["train", *data, "--eval-examples", "4", "--output-dir", "run2", *TINY]) != 0
     assert "held-out file (data.eval_path" in capsys.readouterr().err
     assert not (tmp_path / "run2").exists()  # refused before the output folder is made
+
+
+def test_eval_path_errors_come_before_any_work(tmp_path, monkeypatch, capsys):
+    """A held-out file without a training file, or one that does not exist, is one error before the output folder
+    is made; --eval-examples 0 skips the evaluation and so the file."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--data.task=none", f"--data.eval_path={tmp_path / 'test.jsonl'}", "--output-dir", "a",
+                 *TINY]) != 0
+    assert "set data.path too" in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert main(["train", f"--data.eval_path={tmp_path / 'test.jsonl'}", "--output-dir", "a", *TINY]) != 0
+    assert "is for a run on a file" in capsys.readouterr().err and not (tmp_path / "a").exists()  # a task run
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{i}+1\n", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    data = ["--data.task=none", f"--data.path={train}", "--data.reward=arithmetic", "--data.eval_path=missing.jsonl"]
+    assert main(["train", *data, "--output-dir", "b", *TINY]) != 0
+    assert "--eval-examples 0" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    assert main(["train", *data, "--eval-examples", "0", "--output-dir", "c", *TINY]) == 0

@@ -551,7 +551,8 @@ class KernelTuning(DecodeAttention, ExactSchedule, Quantizers, GemmRouting):
     """The kernels' settings, one family of fields each (:data:`FAMILY_CLASSES`: GEMM routing, the quantizers,
     exact mode's schedule, decode attention over an FP8 cache); read with :func:`current`, changed for a block with
     :func:`override`. Each field declares its one-line meaning and its rule, which the object checks and the
-    configuration reference prints; each family checks what spans its fields."""
+    configuration reference prints; each family checks what spans its fields. The families are its parts, not
+    settings objects of their own: only this object runs their checks."""
 
     def __post_init__(self) -> None:
         for f in fields(self):  # each field's own rule (its metadata, which the configuration reference prints)
