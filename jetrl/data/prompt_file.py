@@ -11,8 +11,8 @@ from jetrl.data.sources import read_jsonl, read_text
 def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
     """Prompts from the arguments, then from ``file`` (UTF-8; one per line, where the two characters ``\\n``
     stand for a line break; JSONL lines take their "prompt"). A missing file, bytes that are not UTF-8, a
-    JSONL line that is not an object, an object without "prompt", or no prompt at all is an error naming the
-    file and the line (or object)."""
+    JSONL line that is not an object or has no "prompt", or no prompt at all is an error naming the file and
+    the line."""
     out = list(prompts)
     if file:
         path = Path(file)
@@ -20,10 +20,7 @@ def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
             raise FileNotFoundError(f"prompt file {file} does not exist; give a text file with one prompt per line, "
                                     f"or JSONL with 'prompt'")
         if path.suffix == ".jsonl":
-            for i, row in enumerate(read_jsonl(path)):
-                if "prompt" not in row:
-                    raise ValueError(f"{file}: JSON object {i + 1} has no 'prompt' field")
-                out.append(str(row["prompt"]))
+            out += [str(row["prompt"]) for row in read_jsonl(path, required=("prompt",))]
         else:
             out += [line.replace("\\n", "\n") for line in read_text(path).splitlines() if line.strip()]
     if not out:

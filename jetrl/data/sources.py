@@ -38,9 +38,9 @@ def read_text(path: Path) -> str:
         raise ValueError(f"{path} line {line} is not UTF-8 text; save the file as UTF-8") from None
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a UTF-8 file, one a line (blank lines skipped); anything else is an error naming the
-    line."""
+def read_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The JSON objects of a UTF-8 file, one a line (blank lines skipped), each holding the keys ``required``;
+    anything else is an error naming the line."""
     rows = []
     for line_number, line in enumerate(read_text(path).split("\n"), start=1):
         if not line.strip():
@@ -53,6 +53,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             ) from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{line_number}: expected a JSON object per line, got {type(row).__name__}")
+        missing = [key for key in required if key not in row]
+        if missing:
+            raise ValueError(f"{path}:{line_number}: no {', '.join(repr(k) for k in missing)} field")
         rows.append(row)
     return rows
 

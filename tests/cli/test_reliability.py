@@ -67,6 +67,12 @@ def test_prompt_files_keep_non_ascii_text(tmp_path):
     prompts.write_bytes("caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"p.txt line 1 is not UTF-8 text"):
         read_prompts([], str(prompts))
+    rows = tmp_path / "p.jsonl"
+    rows.write_text('{"prompt": "é"}\n\n{"text": "no prompt"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"p.jsonl:3: no 'prompt' field"):  # its line, blank lines counted
+        read_prompts([], str(rows))
+    rows.write_text('{"prompt": "é"}\n\n{"prompt": 2}\n', encoding="utf-8")
+    assert read_prompts(["a"], str(rows)) == ["a", "é", "2"]
 
 
 def test_malformed_config_and_output_folder_under_a_file(capsys, tmp_path, monkeypatch):
