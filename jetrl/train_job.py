@@ -108,7 +108,8 @@ def _train_and_evaluate(config: RunConfig, num_eval: int, require_checkpoint: bo
         final = latest_checkpoint(out / CHECKPOINT_SUBDIR)
         log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems after training ...")
         after = held_out_accuracy(str(final / "model"), config, num_eval, progress=progress)
-        (out / EVAL_FILE).write_text(json.dumps({"seed": None if config.data.eval_path else EVAL_SEED, "file": config.data.eval_path,
+        (out / EVAL_FILE).write_text(json.dumps({"seed": None if config.data.eval_path else EVAL_SEED,
+                                                 "file": config.data.eval_path,
                                                  "num_examples": num_eval, "recipe": config.recipe,
                                                  "greedy_accuracy_before": before, "greedy_accuracy_after": after,
                                                  "checkpoint": str(final)}))

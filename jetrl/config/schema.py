@@ -398,7 +398,8 @@ class RunConfig(_Section):
     # K and V stored as E4M3 with one power-of-two fp32 scale per token and KV head; under jet the training forward
     # attends over the same quantized K/V (fp8-rollout: the rollout side only, the comparison arm; bf16: an error)
     kv_fp8: bool = setting(False, "FP8 KV cache in the rollout engine (jet, fp8-rollout)")
-    # KEY a field of jetrl.quant.kernels.tuning.KernelTuning (its family dataclasses' docs say what each does); on the command line
+    # KEY a field of jetrl.quant.kernels.tuning.KernelTuning (its family dataclasses' docs say what each does); on
+    # the command line
     # --kernels=exact_split_k=1,...
     kernels: tuple[str, ...] = setting((), "kernel settings for the whole run, KEY=VALUE, e.g. [exact_split_k=1]",
                                        registry="kernel_setting")

@@ -87,7 +87,8 @@ def test_held_out_accuracy_on_a_held_out_file(tiny, tmp_path):
     path = tmp_path / "held_out.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows + [{"question": "1+1", "answer": "#### 2"}] * 5))
     config = load_config(None, [f"--data.path={tmp_path / 'train.jsonl'}", "--data.format=gsm8k",
-                                "--data.instruction={prompt}", f"--data.eval_path={path}",  # the compact model's prompts
+                                "--data.instruction={prompt}",  # the compact model's prompts
+                                f"--data.eval_path={path}",
                                 "--model.dtype=float32", "--model.device=cpu", "--rollout.max_tokens=64"])
     got = held_out_accuracy(str(resolve_asset(EMBEDDED_MODEL)), config, 12)
     model, tok = tiny

@@ -70,8 +70,9 @@ def main() -> None:
         dlogp = [x["mismatch/logp_abs_diff_mean"] for x in recs]
         print(f"\nGSM8K, {r['arm']} seed {r['seed']}, {len(recs)} steps: held-out {r['held_out_before']:.3f} -> "
               f"{r['held_out_after']:.3f} ({r['held_out_examples']} test problems); reward {min(reward):.3f}-"
-              f"{max(reward):.3f} (first 5 {statistics.fmean(reward[:5]):.3f}, last 5 {statistics.fmean(reward[-5:]):.3f}); "
-              f"response tokens {min(length):.0f}-{max(length):.0f}, truncated at 512: {min(trunc):.2f}-{max(trunc):.2f}; "
+              f"{max(reward):.3f} (first 5 {statistics.fmean(reward[:5]):.3f}, last 5 "
+              f"{statistics.fmean(reward[-5:]):.3f}); response tokens {min(length):.0f}-{max(length):.0f}, truncated "
+              f"at 512: {min(trunc):.2f}-{max(trunc):.2f}; "
               f"|dlogp| {min(dlogp):.2e}-{max(dlogp):.2e}")
     plot_held_out(runs, HERE / "exp_rl_held_out.png", "SmolLM2-135M-Instruct, arithmetic (1 step)")
 

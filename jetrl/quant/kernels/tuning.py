@@ -506,8 +506,8 @@ class DecodeAttention:
     :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM (from
     4,096 tokens of context on; fewer at shorter contexts, :func:`~jetrl.quant.kernels.paged_attention_gluon.
     num_splits`), at most ``kv_decode_stream_max_splits`` splits, and at most ``kv_decode_stream_max_registers``
-    registers per thread (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same attention over the
-    dequantized cache, to summation order.
+    registers per thread (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same
+    attention over the dequantized cache, to summation order.
     """
 
     kv_decode_factored: bool = knob(True, "FP8-cache decode attention reads E4M3 tiles into its dots, scales on "
