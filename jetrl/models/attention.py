@@ -247,9 +247,11 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
              v_scale_layer: torch.Tensor | None = None, impl: str | None = None) -> None:
     """Store the new tokens' K/V (N, Hkv, D) at their flat slots, in place. No host syncs.
 
-    With scale pools (an FP8 cache) each token is quantized (:func:`quantize_kv`) and its data and scales
-    scattered: one Triton kernel (:func:`jetrl.quant.kernels.kv_cache_triton.write_kv_fp8`, bitwise this
-    reference) where the seam picks the kernels (``impl``: ``None``, ``"reference"`` or ``"triton"``)."""
+    Without scale pools K and V are copied (cast to the pools' dtype); with them (an FP8 cache) each token is
+    quantized (:func:`quantize_kv`) and its data and scales scattered. Where the seam picks the kernels (``impl``:
+    ``None``, ``"reference"`` or ``"triton"``) one Triton launch writes K and V, bitwise this reference
+    (:mod:`jetrl.quant.kernels.kv_cache_triton`); a copy whose K/V dtype differs from the pools' stays on the
+    reference's two ``index_copy_``."""
     num_kv_heads, head_dim = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k_flat = k_cache_layer.view(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, Hkv, D)
     v_flat = v_cache_layer.view(-1, num_kv_heads, head_dim)
@@ -259,6 +261,12 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
         raise ValueError(f"write_kv: {E4M3} pools need k_scale_layer and v_scale_layer (new tokens are quantized "
                          "with one scale per token and KV head)")
     if k_scale_layer is None:
+        same_dtype = k.dtype == v.dtype == k_cache_layer.dtype == v_cache_layer.dtype
+        if choose_impl(k, impl, op="kv_write", eligible=same_dtype) == "triton":
+            from jetrl.quant.kernels.kv_cache_triton import write_kv_copy
+
+            write_kv_copy(k, v, k_cache_layer, v_cache_layer, slot_mapping)
+            return
         k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
         return

@@ -4,6 +4,7 @@ scale per (token, KV head), and the fused quantize-and-scatter write of new toke
 The contract (``jetrl.models.attention.quantize_kv`` / ``dequantize_kv``) is restated here as two small helpers,
 so that these tests hold the kernels to the formulas themselves:
 
+* ``write_kv_copy`` (a cache of K/V's own dtype: BF16) == two ``index_copy_``, BITWISE, every slot;
 * ``write_kv_fp8`` == quantize (``scale = compute_scale(amax over head_dim, pow2_scale=True)``, ``data =
   e4m3(clamp(x / scale))``) then scatter to the slots, BITWISE (data bytes and scales; slots not written keep
   their bytes); at head_dim 128 that is the linears' 1x128 quantization with power-of-two scales;
@@ -154,6 +155,21 @@ def check_write(k, v, pools, slots) -> dict:
     }
 
 
+def check_copy(k, v, num_blocks, page, slots) -> dict:
+    """Run write_kv_copy into pools of k's dtype prefilled with a pattern; compare with two ``index_copy_``: every
+    slot bitwise (the written ones hold K/V, the others their pattern)."""
+    from jetrl.quant.kernels.kv_cache_triton import write_kv_copy
+
+    shape = (num_blocks, page, k.shape[1], k.shape[2])
+    pattern = torch.arange(torch.Size(shape).numel(), device=k.device).remainder(97).to(k.dtype).view(shape) - 48
+    kc, vc = pattern.clone(), -pattern
+    rk, rv = kc.clone().flatten(0, 1), vc.clone().flatten(0, 1)
+    rk.index_copy_(0, slots.long(), k)
+    rv.index_copy_(0, slots.long(), v)
+    write_kv_copy(k, v, kc, vc, slots)
+    return {"k": same_bits(kc.flatten(0, 1), rk), "v": same_bits(vc.flatten(0, 1), rv)}
+
+
 def attend(kernel, q, meta, kd, ks, vd, vs, **kw):
     """``kernel`` over the FP8 cache and over its dequantized copy (q's dtype): ``(fp8_out, dequantized_out, kq,
     vq)``."""
@@ -167,7 +183,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 _SHARED = [quantize_kv_ref, dequantize_kv_ref, same_bits, same_bits_but_subnormal, kv_values, paged_case, write_case,
-           check_write, attend, rel_err]
+           check_write, check_copy, attend, rel_err]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -198,6 +214,13 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 same_bits(rk.reshape(-1, 128), data) and same_bits(rks.reshape(-1, 1), scale))
 k, v, pools, slots = write_case(g, 7, 2, 32, torch.bfloat16, num_blocks=4, page=4)
 out["write-int32-slots"] = check_write(k, v, pools, slots.to(torch.int32))
+# the copy into a cache of K/V's own dtype (the BF16 cache): the same strided rows, negative zeros, int32 slots
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for n, hkv, d in ((9, 3, 40), (6, 2, 128)):
+        k, v, _, slots = write_case(g, n, hkv, d, dtype, num_blocks=5, page=4)
+        out[f"copy-{n}x{hkv}x{d}-{str(dtype)[6:]}"] = check_copy(k, v, 5, 4, slots)
+k, v, _, slots = write_case(g, 7, 2, 32, torch.bfloat16, num_blocks=4, page=4)
+out["copy-int32-slots"] = check_copy(k, v, 4, 4, slots.to(torch.int32))
 
 # decode: partial and whole pages, a context of 1, shared prefix blocks, split contexts (3 splits); GQA group 2 and
 # MQA (group 6, not a power of two); 16-token tiles and the default FP8 tile (128 tokens, contexts up to 300).
@@ -297,6 +320,13 @@ def test_write_kv_fp8_is_the_formula_bitwise(interpreted):
         assert set(r) == {"k_data", "v_data", "k_scale", "v_scale", "others_kept"} and all(r.values()), (name, r)
 
 
+def test_write_kv_copy_is_index_copy_bitwise(interpreted):
+    cases = _cases(interpreted, "copy-")
+    assert len(cases) == 7, sorted(cases)
+    for name, r in cases.items():
+        assert r == {"k": True, "v": True}, (name, r)
+
+
 # tolerances (relative error norms) against the references over the same dequantized values: fp32 to summation
 # order; fp16 rounds the probabilities to fp16 for P @ V (~3e-4)
 TOL = {"float32": 1e-6, "float16": 2e-3}
@@ -385,6 +415,22 @@ def test_write_kv_fp8_rejects_bad_inputs():
         write_kv_fp8(k, v[:4], kc, vc, ks, vs, slots)
 
 
+def test_write_kv_copy_rejects_bad_inputs():
+    from jetrl.quant.kernels.kv_cache_triton import write_kv_copy
+
+    gen = torch.Generator().manual_seed(0)
+    k, v, _, slots = write_case(gen, 5, 2, 16, torch.bfloat16, num_blocks=3, page=4)
+    kc, vc = torch.zeros(3, 4, 2, 16, dtype=torch.bfloat16), torch.zeros(3, 4, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k, v and the caches must have one dtype"):
+        write_kv_copy(k.float(), v.float(), kc, vc, slots)
+    with pytest.raises(ValueError, match="slot_mapping must be int32/int64 of shape"):
+        write_kv_copy(k, v, kc, vc, slots[:4])
+    with pytest.raises(ValueError, match="does not match the cache"):
+        write_kv_copy(k[:, :1], v[:, :1], kc, vc, slots)
+    with pytest.raises(ValueError, match="k and v must be \\(N, Hkv, D\\) of one shape"):
+        write_kv_copy(k, v[:4], kc, vc, slots)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # GPU: the Llama-3.1-8B head shapes (32 query heads, 8 KV heads, head_dim 128, bf16, pages of 16)
 
@@ -400,6 +446,43 @@ def test_write_kv_fp8_bitwise_at_8b_shape(num_tokens, dtype):
                                     device="cuda")
     r = check_write(k, v, pools, slots)
     assert all(r.values()), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_copy_bitwise_at_8b_shape(num_tokens, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    k, v, _, slots = write_case(gen, num_tokens, HKV, D, dtype, num_blocks=num_tokens // PAGE + 3, page=PAGE,
+                                device="cuda")
+    r = check_copy(k, v, num_tokens // PAGE + 3, PAGE, slots)
+    assert r == {"k": True, "v": True}, r
+
+
+@pytest.mark.gpu
+def test_write_kv_takes_the_one_launch_copy_on_the_gpu():
+    """The seam: a BF16 cache on the GPU is written by the one-launch copy (equal to the reference's two
+    index_copy_); K/V of another dtype than the pools go through the reference's cast."""
+    from jetrl.models.attention import write_kv
+    from jetrl.quant.backend import fused_impl
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k, v, _, slots = write_case(gen, 37, HKV, D, torch.bfloat16, num_blocks=6, page=PAGE, device="cuda")
+    pools = [torch.randn(6, PAGE, HKV, D, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2)]
+    ref = [t.clone() for t in pools]
+    with fused_impl("reference"):
+        write_kv(*ref, k, v, slots)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        write_kv(*pools, k, v, slots)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("_scatter_kv_kernel" in n for n in names) and not any("index_copy" in n for n in names), names
+    assert all(same_bits(a, b) for a, b in zip(pools, ref))
+    cast = [t.clone() for t in ref]
+    with fused_impl("reference"):
+        write_kv(*ref, k.float(), v.float(), slots)
+    write_kv(*cast, k.float(), v.float(), slots)
+    assert all(same_bits(a, b) for a, b in zip(cast, ref))
 
 
 # batch sizes and their contexts: 1 and 5 sequences split their long contexts across programs (flash-decoding),

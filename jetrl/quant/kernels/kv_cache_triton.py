@@ -1,6 +1,9 @@
-"""Triton write of new tokens' K and V into an FP8 paged cache: quantize per (token, KV head), scatter to the slots.
+"""Triton writes of new tokens' K and V into a paged cache, K and V in one launch: scattered to the slots as they
+are (:func:`write_kv_copy`, a BF16/fp16/fp32 cache), or quantized per (token, KV head) (:func:`write_kv_fp8`).
 
-The kernel of :func:`jetrl.models.attention.write_kv` when the cache is FP8 (specification:
+A copy is bit for bit two ``index_copy_`` calls of the same dtype, one launch instead of two.
+
+The FP8 write is the kernel of :func:`jetrl.models.attention.write_kv` when the cache is FP8 (specification:
 :func:`jetrl.models.attention.quantize_kv` followed by an ``index_copy_`` of data and scales). One program per new
 token quantizes that token's K and V rows, ``(Hkv, D)`` each, with one power-of-two fp32 scale per KV head (a 1 x
 head_dim block), bit for bit the reference's arithmetic (the shared helpers of
@@ -61,38 +64,84 @@ def _quantize_scatter_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, 
                          stride_vch, vs_ptr + block * stride_vsb + offset * stride_vst, stride_vsh, h, d, h_ok, mask)
 
 
+@triton.jit
+def _scatter_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, stride_kn, stride_kh, stride_vn, stride_vh,
+                       stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                       NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One new token: its K and V rows (Hkv, D) copied, bits unchanged, to its slot of the pools."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    block = slot // PAGE
+    offset = slot % PAGE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    row = token.to(tl.int64)
+    k = tl.load(k_ptr + row * stride_kn + h * stride_kh + d, mask=mask)
+    tl.store(kc_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d, k, mask=mask)
+    v = tl.load(v_ptr + row * stride_vn + h * stride_vh + d, mask=mask)
+    tl.store(vc_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d, v, mask=mask)
+
+
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+def _check(fn, k, v, k_cache, v_cache, slot_mapping, scales=()) -> None:
+    """The checks both writes share (``fn``: the caller's name for the messages); ``scales``: the FP8 write's."""
     if k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"write_kv_fp8: k and v must be (N, Hkv, D) of one shape, got {tuple(k.shape)} and "
+        raise ValueError(f"{fn}: k and v must be (N, Hkv, D) of one shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
     if k.dtype not in _FLOAT_INPUTS or v.dtype not in _FLOAT_INPUTS:
-        raise ValueError(f"write_kv_fp8: k and v must be bfloat16/float16/float32, got {k.dtype} and {v.dtype}")
+        raise ValueError(f"{fn}: k and v must be bfloat16/float16/float32, got {k.dtype} and {v.dtype}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"write_kv_fp8: the caches must be (num_blocks, block_size, Hkv, D) of one shape, got "
+        raise ValueError(f"{fn}: the caches must be (num_blocks, block_size, Hkv, D) of one shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if k_cache.dtype != E4M3 or v_cache.dtype != E4M3:
-        raise ValueError(f"write_kv_fp8: the caches must be {E4M3}, got {k_cache.dtype} and {v_cache.dtype}")
+    if scales and (k_cache.dtype != E4M3 or v_cache.dtype != E4M3):
+        raise ValueError(f"{fn}: the caches must be {E4M3}, got {k_cache.dtype} and {v_cache.dtype}")
+    if not scales and not k.dtype == v.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"{fn}: k, v and the caches must have one dtype (a copy), got {k.dtype}, {v.dtype}, "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
     if tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
-        raise ValueError(f"write_kv_fp8: k {tuple(k.shape)} does not match the cache {tuple(k_cache.shape)} "
-                         "(Hkv, D)")
+        raise ValueError(f"{fn}: k {tuple(k.shape)} does not match the cache {tuple(k_cache.shape)} (Hkv, D)")
     want = tuple(k_cache.shape[:3])
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, scale in zip(("k_scale", "v_scale"), scales):
         if scale.dtype != torch.float32 or tuple(scale.shape) != want:
-            raise ValueError(f"write_kv_fp8: {name} must be float32 of shape {want} (num_blocks, block_size, Hkv), "
+            raise ValueError(f"{fn}: {name} must be float32 of shape {want} (num_blocks, block_size, Hkv), "
                              f"got {scale.dtype} {tuple(scale.shape)}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype not in (torch.int32,
                                                                                                     torch.int64):
-        raise ValueError(f"write_kv_fp8: slot_mapping must be int32/int64 of shape ({k.shape[0]},), got "
+        raise ValueError(f"{fn}: slot_mapping must be int32/int64 of shape ({k.shape[0]},), got "
                          f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    devices = {t.device for t in (k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)}
+    devices = {t.device for t in (k, v, k_cache, v_cache, *scales, slot_mapping)}
     if len(devices) != 1:
-        raise ValueError(f"write_kv_fp8: all tensors must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
-            raise ValueError(f"write_kv_fp8: {name}'s head_dim must be contiguous")
+            raise ValueError(f"{fn}: {name}'s head_dim must be contiguous")
+
+
+def _tiles(num_kv_heads: int, head_dim: int) -> dict:
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    return dict(BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 1)
+
+
+def write_kv_copy(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K and V (N, Hkv, D) at their flat slots of the pools ``k_cache``/``v_cache``
+    (num_blocks, block_size, Hkv, D) of the same dtype, in place, ``slot_mapping`` (N,) int: bit for bit
+    ``index_copy_`` of each (:func:`jetrl.models.attention.write_kv`'s reference path), in one launch, no host
+    syncs."""
+    _check("write_kv_copy", k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _scatter_kv_kernel[(num_tokens,)](
+        k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
+        **_tiles(num_kv_heads, head_dim), **COMPILE_OPTIONS)
 
 
 def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -105,20 +154,18 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     Bit for bit ``data, scale = quantize_kv(x)`` then ``index_copy_`` of both at the slots
     (:func:`jetrl.models.attention.write_kv`'s reference path). One launch, no host syncs.
     """
-    _check(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    _check("write_kv_fp8", k, v, k_cache, v_cache, slot_mapping, (k_scale, v_scale))
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    block_h = triton.next_power_of_2(num_kv_heads)
-    block_d = triton.next_power_of_2(head_dim)
     _quantize_scatter_kv_kernel[(num_tokens,)](
         k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0),
         v_scale.stride(1), v_scale.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d >= 1024 else 1, **COMPILE_OPTIONS)
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], **_tiles(num_kv_heads, head_dim),
+        **COMPILE_OPTIONS)
 
 
-__all__ = ["write_kv_fp8"]
+__all__ = ["write_kv_copy", "write_kv_fp8"]
