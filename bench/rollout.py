@@ -386,8 +386,12 @@ def _run_engine(model, prompts, warmup_prompts, n, new_tokens, arm: Arm, args, d
     # a seed per prompt, as the trainer gives (jetrl.rl.trainer): the sampler's path of jetrl train
     params = [SamplingParams(n=n, temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=i)
               for i in range(len(prompts))]
-    engine.generate(warmup_prompts, SamplingParams(n=n, temperature=1.0, max_tokens=min(8, new_tokens),
-                                                   ignore_eos=True))
+    # the warm-up samples as the timed generations do (seeded: the same sampling kernels) and runs past one decode
+    # run, so that no kernel is compiled and no graph captured inside the timing (the first arm of a fresh machine
+    # compiled the seeded sampler there)
+    warm_tokens = min(2 * max(1, args.decode_steps) + 1, new_tokens)
+    engine.generate(warmup_prompts, [SamplingParams(n=n, temperature=1.0, max_tokens=warm_tokens, ignore_eos=True,
+                                                    seed=i) for i in range(len(warmup_prompts))])
     times = []
     try:
         for _ in range(args.repeats):

@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shape["num_hidden_layers"] = args.layers
     device = torch.device(args.device)
     rows = gsm8k_rows(Path(args.data) if args.data else None, 0 if not args.tiny else 200, seed=0)
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         root = Path(tmp)
         data = root / "gsm8k.jsonl"
