@@ -1,5 +1,6 @@
-"""Triton writes of new tokens' K and V into a paged cache, K and V in one launch: scattered to the slots as they
-are (:func:`write_kv_copy`, a BF16/fp16/fp32 cache), or quantized per (token, KV head) (:func:`write_kv_fp8`).
+"""Triton writes of new tokens' K and V into a paged cache, K and V in one launch of one kernel: scattered to the
+slots as they are (:func:`write_kv_copy`, a BF16/fp16/fp32 cache), or quantized per (token, KV head)
+(:func:`write_kv_fp8`).
 
 A copy is bit for bit two ``index_copy_`` calls of the same dtype, one launch instead of two.
 
@@ -32,23 +33,28 @@ from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 
 @triton.jit
-def _quantize_store_rows(x_row, stride_xh, data_slot, stride_dh, scale_slot, stride_sh, h, d, h_ok, mask):
-    """One token's K or V (BLOCK_H heads, BLOCK_D) from ``x_row``: one scale per head, data and scales stored at
-    the slot's pointers. Masked lanes load 0 and change no head's amax."""
-    x = tl.load(x_row + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = _block_scale(tl.max(tl.abs(x), axis=1), True)  # (BLOCK_H,) powers of two
-    tl.store(data_slot + h[:, None] * stride_dh + d[None, :], _quantize_e4m3(x, scale[:, None], True), mask=mask)
-    tl.store(scale_slot + h * stride_sh, scale, mask=h_ok)
+def _store_rows(x_row, stride_xh, data_slot, stride_dh, scale_slot, stride_sh, h, d, h_ok, mask, QUANT: tl.constexpr):
+    """One token's K or V (BLOCK_H heads, BLOCK_D) from ``x_row`` to the slot's pointers: copied as it is, or with
+    ``QUANT`` quantized with one scale per head (data and scales stored; masked lanes load 0 and change no head's
+    amax)."""
+    x = tl.load(x_row + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0)
+    if QUANT:
+        x = x.to(tl.float32)
+        scale = _block_scale(tl.max(tl.abs(x), axis=1), True)  # (BLOCK_H,) powers of two
+        tl.store(scale_slot + h * stride_sh, scale, mask=h_ok)
+        x = _quantize_e4m3(x, scale[:, None], True)
+    tl.store(data_slot + h[:, None] * stride_dh + d[None, :], x, mask=mask)
 
 
 @triton.jit
-def _quantize_scatter_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                                stride_kn, stride_kh, stride_vn, stride_vh,
-                                stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                                stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
-                                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One new token: its K and V rows quantized per KV head, stored at its slot of the pools."""
+def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                     stride_kn, stride_kh, stride_vn, stride_vh,
+                     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+                     stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+    """One new token: its K and V rows stored at its slot of the pools, with ``QUANT`` quantized per KV head (the
+    scale pools ``ks_ptr``/``vs_ptr`` are written only then)."""
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     block = slot // PAGE
@@ -58,30 +64,10 @@ def _quantize_scatter_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, 
     h_ok = h < NUM_KV_HEADS
     mask = h_ok[:, None] & (d < HEAD_DIM)[None, :]
     row = token.to(tl.int64)
-    _quantize_store_rows(k_ptr + row * stride_kn, stride_kh, kc_ptr + block * stride_kcb + offset * stride_kct,
-                         stride_kch, ks_ptr + block * stride_ksb + offset * stride_kst, stride_ksh, h, d, h_ok, mask)
-    _quantize_store_rows(v_ptr + row * stride_vn, stride_vh, vc_ptr + block * stride_vcb + offset * stride_vct,
-                         stride_vch, vs_ptr + block * stride_vsb + offset * stride_vst, stride_vsh, h, d, h_ok, mask)
-
-
-@triton.jit
-def _scatter_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, stride_kn, stride_kh, stride_vn, stride_vh,
-                       stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-                       NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One new token: its K and V rows (Hkv, D) copied, bits unchanged, to its slot of the pools."""
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    block = slot // PAGE
-    offset = slot % PAGE
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    row = token.to(tl.int64)
-    k = tl.load(k_ptr + row * stride_kn + h * stride_kh + d, mask=mask)
-    tl.store(kc_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d, k, mask=mask)
-    v = tl.load(v_ptr + row * stride_vn + h * stride_vh + d, mask=mask)
-    tl.store(vc_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d, v, mask=mask)
+    _store_rows(k_ptr + row * stride_kn, stride_kh, kc_ptr + block * stride_kcb + offset * stride_kct, stride_kch,
+                ks_ptr + block * stride_ksb + offset * stride_kst, stride_ksh, h, d, h_ok, mask, QUANT)
+    _store_rows(v_ptr + row * stride_vn, stride_vh, vc_ptr + block * stride_vcb + offset * stride_vct, stride_vch,
+                vs_ptr + block * stride_vsb + offset * stride_vst, stride_vsh, h, d, h_ok, mask, QUANT)
 
 
 _FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
@@ -121,10 +107,19 @@ def _check(fn, k, v, k_cache, v_cache, slot_mapping, scales=()) -> None:
             raise ValueError(f"{fn}: {name}'s head_dim must be contiguous")
 
 
-def _tiles(num_kv_heads: int, head_dim: int) -> dict:
+def _launch(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, quant: bool) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    return dict(BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 1)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), *k_scale.stride(), *v_scale.stride(),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
+        QUANT=quant, num_warps=4 if block_h * block_d >= 1024 else 1, **COMPILE_OPTIONS)
 
 
 def write_kv_copy(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -134,14 +129,8 @@ def write_kv_copy(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     ``index_copy_`` of each (:func:`jetrl.models.attention.write_kv`'s reference path), in one launch, no host
     syncs."""
     _check("write_kv_copy", k, v, k_cache, v_cache, slot_mapping)
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    _scatter_kv_kernel[(num_tokens,)](
-        k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1],
-        **_tiles(num_kv_heads, head_dim), **COMPILE_OPTIONS)
+    unused = k_cache.new_empty((1, 1, 1))  # no scale pools: the kernel's scale arguments, never read or written
+    _launch(k, v, k_cache, v_cache, unused, unused, slot_mapping, quant=False)
 
 
 def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -155,17 +144,6 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     (:func:`jetrl.models.attention.write_kv`'s reference path). One launch, no host syncs.
     """
     _check("write_kv_fp8", k, v, k_cache, v_cache, slot_mapping, (k_scale, v_scale))
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    _quantize_scatter_kv_kernel[(num_tokens,)](
-        k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0),
-        v_scale.stride(1), v_scale.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], **_tiles(num_kv_heads, head_dim),
-        **COMPILE_OPTIONS)
-
+    _launch(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, quant=True)
 
 __all__ = ["write_kv_copy", "write_kv_fp8"]
