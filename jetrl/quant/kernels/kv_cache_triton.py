@@ -107,17 +107,21 @@ def _check(fn, k, v, k_cache, v_cache, slot_mapping, scales=()) -> None:
             raise ValueError(f"{fn}: {name}'s head_dim must be contiguous")
 
 
-def _launch(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, quant: bool) -> None:
+def _launch(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+    """The kernel over the N new tokens; without scale pools (``None``) a copy, whose scale arguments are never read
+    (the K pool and zero strides stand in for them)."""
+    quant = k_scale is not None
+    scales = (k_scale, v_scale, *k_scale.stride(), *v_scale.stride()) if quant else (k_cache, v_cache) + (0,) * 6
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](
-        k, v, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+        k, v, slot_mapping, k_cache, v_cache, *scales[:2],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), *k_scale.stride(), *v_scale.stride(),
+        v_cache.stride(2), *scales[2:],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
         QUANT=quant, num_warps=4 if block_h * block_d >= 1024 else 1, **COMPILE_OPTIONS)
 
@@ -129,8 +133,7 @@ def write_kv_copy(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     ``index_copy_`` of each (:func:`jetrl.models.attention.write_kv`'s reference path), in one launch, no host
     syncs."""
     _check("write_kv_copy", k, v, k_cache, v_cache, slot_mapping)
-    unused = k_cache.new_empty((1, 1, 1))  # no scale pools: the kernel's scale arguments, never read or written
-    _launch(k, v, k_cache, v_cache, unused, unused, slot_mapping, quant=False)
+    _launch(k, v, k_cache, v_cache, None, None, slot_mapping)
 
 
 def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -144,6 +147,6 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     (:func:`jetrl.models.attention.write_kv`'s reference path). One launch, no host syncs.
     """
     _check("write_kv_fp8", k, v, k_cache, v_cache, slot_mapping, (k_scale, v_scale))
-    _launch(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, quant=True)
+    _launch(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
 
 __all__ = ["write_kv_copy", "write_kv_fp8"]
