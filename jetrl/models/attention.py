@@ -242,6 +242,9 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *scales))
 
 
+_COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the one-launch copy's (kv_cache_triton's inputs)
+
+
 def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale_layer: torch.Tensor | None = None,
              v_scale_layer: torch.Tensor | None = None, impl: str | None = None) -> None:
@@ -250,8 +253,9 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
     Without scale pools K and V are copied (cast to the pools' dtype); with them (an FP8 cache) each token is
     quantized (:func:`quantize_kv`) and its data and scales scattered. Where the seam picks the kernels (``impl``:
     ``None``, ``"reference"`` or ``"triton"``) one Triton launch writes K and V, bitwise this reference
-    (:mod:`jetrl.quant.kernels.kv_cache_triton`); a copy whose K/V dtype differs from the pools' stays on the
-    reference's two ``index_copy_``."""
+    (:mod:`jetrl.quant.kernels.kv_cache_triton`). The copy's kernel takes K, V and pools of one dtype (bf16, fp16,
+    fp32) with a contiguous head_dim and contiguous slots: anything else stays on the reference's two
+    ``index_copy_``, also inside a block that forces the kernels; ``impl="triton"`` for it is a ``TypeError``."""
     num_kv_heads, head_dim = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k_flat = k_cache_layer.view(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, Hkv, D)
     v_flat = v_cache_layer.view(-1, num_kv_heads, head_dim)
@@ -261,8 +265,14 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
         raise ValueError(f"write_kv: {E4M3} pools need k_scale_layer and v_scale_layer (new tokens are quantized "
                          "with one scale per token and KV head)")
     if k_scale_layer is None:
-        same_dtype = k.dtype == v.dtype == k_cache_layer.dtype == v_cache_layer.dtype
-        if choose_impl(k, impl, op="kv_write", eligible=same_dtype) == "triton":
+        pools = (k, v, k_cache_layer, v_cache_layer)
+        copyable = (k.dtype == v.dtype == k_cache_layer.dtype == v_cache_layer.dtype and k.dtype in _COPY_DTYPES
+                    and all(t.stride(-1) == 1 for t in pools) and slot_mapping.is_contiguous())
+        if impl == "triton" and not copyable:
+            raise TypeError(f"write_kv: the one-launch copy takes K, V and pools of one dtype (bf16/fp16/fp32), a "
+                            f"contiguous head_dim and contiguous slots; got {[str(t.dtype) for t in pools]}, "
+                            f"head_dim strides {[t.stride(-1) for t in pools]}, slot stride {slot_mapping.stride()}")
+        if copyable and choose_impl(k, impl, op="kv_write", eligible=copyable) == "triton":
             from jetrl.quant.kernels.kv_cache_triton import write_kv_copy
 
             write_kv_copy(k, v, k_cache_layer, v_cache_layer, slot_mapping)

@@ -58,9 +58,15 @@ def dequantize_kv_ref(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype == torch.float8_e4m3fn:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    """The same dtype, shape and bits (floats compared as integers of their width: -0.0 is not +0.0, a NaN equals
+    only its own bits)."""
+    ints = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+            torch.float32: torch.int32}
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype in ints:
+        a, b = a.contiguous().view(ints[a.dtype]), b.contiguous().view(ints[b.dtype])
+    return bool(torch.equal(a, b))
 
 
 def same_bits_but_subnormal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -221,6 +227,20 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         out[f"copy-{n}x{hkv}x{d}-{str(dtype)[6:]}"] = check_copy(k, v, 5, 4, slots)
 k, v, _, slots = write_case(g, 7, 2, 32, torch.bfloat16, num_blocks=4, page=4)
 out["copy-int32-slots"] = check_copy(k, v, 4, 4, slots.to(torch.int32))
+# the seam: write_kv on a BF16 cache with the kernels forced is the reference's two index_copy_; K/V of another
+# dtype than the pools stay on the reference inside a block forcing the kernels (the cast)
+from jetrl.models.attention import write_kv
+from jetrl.quant.backend import fused_impl
+k, v, _, slots = write_case(g, 9, 3, 40, torch.bfloat16, num_blocks=5, page=4)
+pools = [torch.randn(5, 4, 3, 40, generator=g).to(torch.bfloat16) for _ in range(2)]
+ref = [t.clone() for t in pools]
+write_kv(*ref, k, v, slots, impl="reference")
+write_kv(*pools, k, v, slots, impl="triton")
+out["seam-copy-forced"] = {"k": same_bits(pools[0], ref[0]), "v": same_bits(pools[1], ref[1])}
+write_kv(*ref, k.float(), v.float(), slots, impl="reference")
+with fused_impl("triton"):
+    write_kv(*pools, k.float(), v.float(), slots)
+out["seam-cast-in-forced-block"] = {"k": same_bits(pools[0], ref[0]), "v": same_bits(pools[1], ref[1])}
 
 # decode: partial and whole pages, a context of 1, shared prefix blocks, split contexts (3 splits); GQA group 2 and
 # MQA (group 6, not a power of two); 16-token tiles and the default FP8 tile (128 tokens, contexts up to 300).
@@ -325,6 +345,27 @@ def test_write_kv_copy_is_index_copy_bitwise(interpreted):
     assert len(cases) == 7, sorted(cases)
     for name, r in cases.items():
         assert r == {"k": True, "v": True}, (name, r)
+    seam = _cases(interpreted, "seam-")
+    assert sorted(seam) == ["seam-cast-in-forced-block", "seam-copy-forced"], sorted(seam)
+    assert all(r == {"k": True, "v": True} for r in seam.values()), seam
+
+
+def test_same_bits_tells_signed_zeros_apart():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert not same_bits(torch.tensor([0.0, 1.0], dtype=dtype), torch.tensor([-0.0, 1.0], dtype=dtype))
+        assert same_bits(torch.tensor([-0.0, 1.0], dtype=dtype), torch.tensor([-0.0, 1.0], dtype=dtype))
+
+
+def test_write_kv_forced_copy_rejects_what_its_kernel_cannot_take():
+    from jetrl.models.attention import write_kv
+
+    gen = torch.Generator().manual_seed(1)
+    k, v, _, slots = write_case(gen, 5, 2, 16, torch.bfloat16, num_blocks=3, page=4)
+    pools = [torch.zeros(3, 4, 2, 16, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(TypeError, match="the one-launch copy takes K, V and pools of one dtype"):
+        write_kv(*pools, k.float(), v.float(), slots, impl="triton")
+    with pytest.raises(TypeError, match="contiguous slots"):
+        write_kv(*pools, k, v, torch.arange(10)[::2], impl="triton")
 
 
 # tolerances (relative error norms) against the references over the same dequantized values: fp32 to summation
@@ -405,7 +446,7 @@ def test_write_kv_fp8_rejects_bad_inputs():
         write_kv_fp8(k, v, kc.float(), vc.float(), ks, vs, slots)
     with pytest.raises(ValueError, match="v_scale must be float32 of shape"):
         write_kv_fp8(k, v, kc, vc, ks, vs[:, :, :1], slots)
-    with pytest.raises(ValueError, match="slot_mapping must be int32/int64 of shape"):
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous int32/int64 of shape"):
         write_kv_fp8(k, v, kc, vc, ks, vs, slots[:4])
     with pytest.raises(ValueError, match="does not match the cache"):
         write_kv_fp8(k[:, :1], v[:, :1], kc, vc, ks, vs, slots)
@@ -423,8 +464,10 @@ def test_write_kv_copy_rejects_bad_inputs():
     kc, vc = torch.zeros(3, 4, 2, 16, dtype=torch.bfloat16), torch.zeros(3, 4, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="k, v and the caches must have one dtype"):
         write_kv_copy(k.float(), v.float(), kc, vc, slots)
-    with pytest.raises(ValueError, match="slot_mapping must be int32/int64 of shape"):
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous int32/int64 of shape"):
         write_kv_copy(k, v, kc, vc, slots[:4])
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        write_kv_copy(k, v, kc, vc, torch.arange(10)[::2])
     with pytest.raises(ValueError, match="does not match the cache"):
         write_kv_copy(k[:, :1], v[:, :1], kc, vc, slots)
     with pytest.raises(ValueError, match="k and v must be \\(N, Hkv, D\\) of one shape"):

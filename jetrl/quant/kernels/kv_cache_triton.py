@@ -95,10 +95,10 @@ def _check(fn, k, v, k_cache, v_cache, slot_mapping, scales=()) -> None:
         if scale.dtype != torch.float32 or tuple(scale.shape) != want:
             raise ValueError(f"{fn}: {name} must be float32 of shape {want} (num_blocks, block_size, Hkv), "
                              f"got {scale.dtype} {tuple(scale.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or slot_mapping.dtype not in (torch.int32,
-                                                                                                    torch.int64):
-        raise ValueError(f"{fn}: slot_mapping must be int32/int64 of shape ({k.shape[0]},), got "
-                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if (slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or not slot_mapping.is_contiguous()
+            or slot_mapping.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"{fn}: slot_mapping must be contiguous int32/int64 of shape ({k.shape[0]},), got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)} with stride {slot_mapping.stride()}")
     devices = {t.device for t in (k, v, k_cache, v_cache, *scales, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"{fn}: all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -148,5 +148,6 @@ def write_kv_fp8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
     """
     _check("write_kv_fp8", k, v, k_cache, v_cache, slot_mapping, (k_scale, v_scale))
     _launch(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+
 
 __all__ = ["write_kv_copy", "write_kv_fp8"]
