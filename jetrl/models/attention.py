@@ -345,8 +345,14 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
         keys = dequantize_kv(keys, k_scale[tables].reshape(num_seqs, num_keys, num_kv_heads), q.dtype)
         values = dequantize_kv(values, v_scale[tables].reshape(num_seqs, num_keys, num_kv_heads), q.dtype)
     group = num_heads // num_kv_heads
-    keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # (S, Hq, L, D)
-    values = values.transpose(1, 2).repeat_interleave(group, dim=1)
+    dtype = reference_dtype(q)
+    if q.is_cuda:  # each query head's own copy of its KV head: (S, Hq, L, D)
+        keys = keys.transpose(1, 2).repeat_interleave(group, dim=1)
+        values = values.transpose(1, 2).repeat_interleave(group, dim=1)
+    else:  # (S, Hkv, L, D), widened once into a contiguous copy; SDPA shares a KV head among its group: the same
+        # numbers as repeating the heads, without the copies that made most of a CPU rollout's attention time
+        keys = keys.permute(0, 2, 1, 3).to(dtype, memory_format=torch.contiguous_format)
+        values = values.permute(0, 2, 1, 3).to(dtype, memory_format=torch.contiguous_format)
 
     if max_q == 1 and num_rows == num_seqs:  # decode: row s is sequence s
         q_pad = q.view(num_seqs, 1, num_heads, head_dim)
@@ -365,10 +371,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     limit = ctx[:, None] - (q_len[:, None] - 1 - i[None, :])  # (S, max_q): visible keys are < limit
     mask = key_pos[None, None, :] < limit[:, :, None]  # (S, max_q, L)
     mask = mask | (key_pos == 0)[None, None, :] & (limit <= 0)[:, :, None]  # keep empty rows finite
-    dtype = reference_dtype(q)
     with sdpa_backends(q):
         out = F.scaled_dot_product_attention(q_pad.to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask[:, None],
-                                             scale=softmax_scale)  # (S, Hq, max_q, D)
+                                             scale=softmax_scale, enable_gqa=not q.is_cuda and group > 1)
     out = out.to(q.dtype).transpose(1, 2)  # (S, max_q, Hq, D)
     if seq_of_row is None:
         return out.reshape(num_rows, num_heads, head_dim)

@@ -80,6 +80,38 @@ def test_reference_decode_only(gen):
     assert rel_err(out, ref) < 1e-6
 
 
+@pytest.mark.parametrize("hq,hkv,d,dtype", [(6, 2, 64, torch.bfloat16), (9, 3, 64, torch.float32),
+                                             (7, 1, 128, torch.bfloat16), (8, 8, 128, torch.float32)])
+def test_cpu_reference_shares_kv_heads_with_the_same_bits_as_repeating_them(gen, hq, hkv, d, dtype):
+    """On the CPU the reference lets SDPA share each KV head among its query heads (no repeated copies); that is
+    the same float64 computation as repeating the heads, bit for bit (GQA groups 1-7, decode and prefill rows)."""
+    import torch.nn.functional as F
+
+    bs, num_blocks = 16, 24
+    cache = PagedKVCache.allocate(1, num_blocks, bs, hkv, d, dtype, "cpu")
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=gen))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=gen))
+    totals, new = [37, 1, 70, 5], [1, 1, 9, 5]
+    tables = scatter_blocks(totals, bs, num_blocks, gen)
+    qsl = torch.tensor([0] + new).cumsum(0).to(torch.int32)
+    meta = PagedAttentionMetadata(qsl, torch.tensor(totals, dtype=torch.int32), tables,
+                                  torch.zeros(sum(new), dtype=torch.long), max(new), max(totals))
+    q = torch.randn(sum(new), hq, d, generator=gen).to(dtype)
+    out = jm.paged_attention_reference(q, cache.k[0], cache.v[0], meta, d ** -0.5)
+    group, width = hq // hkv, tables.shape[1] * bs
+    for s in range(4):
+        rows = q[qsl[s]:qsl[s + 1]].transpose(0, 1)[None].double()  # (1, Hq, n, D)
+        blocks = tables[s].clamp(min=0).long()
+        keys, values = (c[0][blocks].reshape(width, hkv, d).transpose(0, 1).repeat_interleave(group, 0)[None].double()
+                        for c in (cache.k, cache.v))
+        limit = totals[s] - (new[s] - 1 - torch.arange(new[s]))
+        mask = torch.arange(width)[None, :] < limit[:, None]
+        ref = F.scaled_dot_product_attention(rows, keys, values, attn_mask=mask[None, None], scale=d ** -0.5)
+        expect = ref[0].transpose(0, 1).to(dtype)
+        assert torch.equal(out[qsl[s]:qsl[s + 1]].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           expect.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), s
+
+
 def test_allocate_rejects_bad_sizes():
     with pytest.raises(ValueError, match="block_size"):
         PagedKVCache.allocate(2, 8, 0, 2, 64, torch.bfloat16, "cpu")
