@@ -483,23 +483,14 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_write_kv_fp8_bitwise_at_8b_shape(num_tokens, dtype):
+@pytest.mark.parametrize("write", ["fp8", "copy"])
+def test_write_kv_bitwise_at_8b_shape(write, num_tokens, dtype):
+    """The FP8 write against its formula, the copy against index_copy_: bit for bit."""
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
-    k, v, pools, slots = write_case(gen, num_tokens, HKV, D, dtype, num_blocks=num_tokens // PAGE + 3, page=PAGE,
-                                    device="cuda")
-    r = check_write(k, v, pools, slots)
-    assert all(r.values()), r
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 64, 4096])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_write_kv_copy_bitwise_at_8b_shape(num_tokens, dtype):
-    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
-    k, v, _, slots = write_case(gen, num_tokens, HKV, D, dtype, num_blocks=num_tokens // PAGE + 3, page=PAGE,
-                                device="cuda")
-    r = check_copy(k, v, num_tokens // PAGE + 3, PAGE, slots)
-    assert r == {"k": True, "v": True}, r
+    num_blocks = num_tokens // PAGE + 3
+    k, v, pools, slots = write_case(gen, num_tokens, HKV, D, dtype, num_blocks=num_blocks, page=PAGE, device="cuda")
+    r = check_write(k, v, pools, slots) if write == "fp8" else check_copy(k, v, num_blocks, PAGE, slots)
+    assert r and all(r.values()), r
 
 
 @pytest.mark.gpu
