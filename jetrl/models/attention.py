@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from jetrl.quant.backend import choose_impl
+from jetrl.quant.backend import KERNEL_DTYPES, choose_impl
 from jetrl.quant.exact import EXACT_KV_CHUNK
 from jetrl.quant.formats import E4M3, E4M3_MAX
 from jetrl.quant.reference import compute_scale
@@ -242,9 +242,6 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *scales))
 
 
-_COPY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the one-launch copy's (kv_cache_triton's inputs)
-
-
 def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale_layer: torch.Tensor | None = None,
              v_scale_layer: torch.Tensor | None = None, impl: str | None = None) -> None:
@@ -266,7 +263,7 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
                          "with one scale per token and KV head)")
     if k_scale_layer is None:
         pools = (k, v, k_cache_layer, v_cache_layer)
-        copyable = (k.dtype == v.dtype == k_cache_layer.dtype == v_cache_layer.dtype and k.dtype in _COPY_DTYPES
+        copyable = (k.dtype == v.dtype == k_cache_layer.dtype == v_cache_layer.dtype and k.dtype in KERNEL_DTYPES
                     and all(t.stride(-1) == 1 for t in pools) and slot_mapping.is_contiguous())
         if impl == "triton" and not copyable:
             raise TypeError(f"write_kv: the one-launch copy takes K, V and pools of one dtype (bf16/fp16/fp32), a "

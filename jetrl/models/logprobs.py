@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from jetrl.quant.backend import choose_impl
+from jetrl.quant.backend import KERNEL_DTYPES, choose_impl
 from jetrl.quant.exact import exact_linear
 
 DEFAULT_CHUNK_SIZE = 512  # the PyTorch path's rows per chunk (its fp32 temporaries: ~14 bytes per logit)
@@ -44,7 +44,6 @@ FUSED_CHUNK_SIZE = 2048  # the kernels' (the logits in the model dtype only: ~2 
 # With autograd on the kernels' path, logits up to this size are kept for the backward rather than recomputed
 # there (saves one of the LM head's four GEMMs; 8,192 rows x 128k vocab in bf16 is 2 GiB)
 KEEP_LOGITS_BYTES = 4 << 30
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the dtypes of hidden the fast kernels take
 
 
 def chunk_stats_reference(logits: torch.Tensor, targets: torch.Tensor,
@@ -113,7 +112,7 @@ def exact_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temp
     if choose_impl(logits, impl, op="logprobs") == "triton":
         from jetrl.quant.kernels.logprobs_triton import exact_logprob_stats
 
-        return exact_logprob_stats(logits if logits.dtype in _KERNEL_DTYPES else logits.float(), targets,
+        return exact_logprob_stats(logits if logits.dtype in KERNEL_DTYPES else logits.float(), targets,
                                    temperature.to(torch.float32))
     return exact_stats_reference(logits, targets, temperature)
 
@@ -270,7 +269,7 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
             raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) must match the LM head "
                              f"({weight.dtype}, {weight.device})")
         # exact mode: the sampler's rule (device and backend only), so both sides reach the same implementation
-        chosen = choose_impl(hidden, impl, eligible=exact or hidden.dtype in _KERNEL_DTYPES, op="logprobs")
+        chosen = choose_impl(hidden, impl, eligible=exact or hidden.dtype in KERNEL_DTYPES, op="logprobs")
         if check_targets and chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:
             # the kernels would read past a row (a host sync: ``check_targets=False`` from a caller that checked)
             raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")

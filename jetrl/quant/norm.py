@@ -17,10 +17,9 @@ import torch
 
 from jetrl.quant import reference
 from jetrl.quant.formats import ACT, Fp8Tensor
-from jetrl.quant.backend import choose_impl, keeps_forward_context
+from jetrl.quant.backend import KERNEL_DTYPES, choose_impl, keeps_forward_context
 
 # dtypes the kernels handle (activations and weight); anything else takes the reference path
-KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.quant.backend import KERNEL_DTYPES
 from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
@@ -70,15 +71,12 @@ def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                 vs_ptr + block * stride_vsb + offset * stride_vst, stride_vsh, h, d, h_ok, mask, QUANT)
 
 
-_FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def _check(fn, k, v, k_cache, v_cache, slot_mapping, scales=()) -> None:
     """The checks both writes share (``fn``: the caller's name for the messages); ``scales``: the FP8 write's."""
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"{fn}: k and v must be (N, Hkv, D) of one shape, got {tuple(k.shape)} and "
                          f"{tuple(v.shape)}")
-    if k.dtype not in _FLOAT_INPUTS or v.dtype not in _FLOAT_INPUTS:
+    if k.dtype not in KERNEL_DTYPES or v.dtype not in KERNEL_DTYPES:
         raise ValueError(f"{fn}: k and v must be bfloat16/float16/float32, got {k.dtype} and {v.dtype}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"{fn}: the caches must be (num_blocks, block_size, Hkv, D) of one shape, got "
