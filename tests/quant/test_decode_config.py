@@ -65,16 +65,14 @@ def test_bad_configs_get_clear_errors(bad):
 
 def test_decode_routing_reads_the_per_shape_bounds():
     """The measured per-shape bounds replace the general ones; other shapes keep the general bounds."""
-    from jetrl.quant.kernels import cuda_backend as cuda_mod
-
     for key, bound in DEFAULTS.decode_max_m_by_shape.items():
         grouped = key[0] == "grouped"
         n, k = key[1:] if grouped else key
-        assert cuda_mod.decode_max_m(n, k, grouped=grouped) == min(bound, dk.DECODE_GEMM_MAX_M)
-    assert cuda_mod.decode_max_m(1536, 1536) == DEFAULTS.decode_max_m  # o of the 1.5B shape: cuBLAS past 64
-    assert cuda_mod.decode_max_m(17920, 1536, grouped=True) == DEFAULTS.grouped_decode_max_m
-    with tuning.override(decode_max_m=16, decode_max_m_by_shape={}):
-        assert cuda_mod.decode_max_m(1536, 8960) == 16
+        assert DEFAULTS.decode_rows(n, k, grouped=grouped) == min(bound, dk.DECODE_GEMM_MAX_M)
+    assert DEFAULTS.decode_rows(1536, 1536) == DEFAULTS.decode_max_m  # o of the 1.5B shape: cuBLAS past 64
+    assert DEFAULTS.decode_rows(17920, 1536, grouped=True) == DEFAULTS.grouped_decode_max_m
+    with tuning.override(decode_max_m=16, decode_max_m_by_shape={}) as knobs:
+        assert knobs.decode_rows(1536, 8960) == 16
 
 
 def test_decode_tables_are_frozen():

@@ -3,7 +3,8 @@
 Nothing outside this folder imports these modules at import time: the seam (:mod:`jetrl.quant.backend`) loads
 :mod:`~jetrl.quant.kernels.cuda_backend` when the CUDA backend is first chosen, and the fused ops import their
 kernel module when the seam picks it. Every module here imports Triton but :mod:`~jetrl.quant.kernels.tuning`,
-:mod:`~jetrl.quant.kernels.gemm_scaled_mm` and :mod:`~jetrl.quant.kernels.gemm_deepgemm`.
+:mod:`~jetrl.quant.kernels.gemm_scaled_mm` and :mod:`~jetrl.quant.kernels.gemm_deepgemm`; with ``TRITON_INTERPRET=1``
+set before Triton is imported, the Triton kernels run on CPU tensors (the tests do).
 
 =============================  ==============================================================================
 module                         what it holds

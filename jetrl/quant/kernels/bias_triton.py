@@ -5,9 +5,9 @@ sends it to ATen's generic (not vectorized) elementwise loop: at a training micr
 loop reads and writes far below the copy bandwidth. This kernel adds the bias tile by tile, each row of a tile
 reading the same bias slice.
 
-The arithmetic is ATen's: both operands in fp32, one addition, the sum rounded to y's dtype (nearest even), so
-the result is bitwise ``y + bias.to(y.dtype)``. Under ``TRITON_INTERPRET=1`` (CPU tests) the interpreter's
-fp32 -> bf16 cast truncates, so bf16 sums are first rounded to the bf16 grid in fp32 (exact, ties to even).
+The arithmetic is ATen's: both operands in fp32, one addition, the sum rounded to y's dtype (nearest even, under
+the interpreter too: :func:`~jetrl.quant.kernels.quantize_triton.cast_rne`), so the result is bitwise
+``y + bias.to(y.dtype)``.
 """
 
 from __future__ import annotations
@@ -16,18 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
-from jetrl.quant.kernels.tuning import interpreting
+from jetrl.quant.kernels.quantize_triton import cast_rne
 
-_INTERPRET = tl.constexpr(interpreting())
 BLOCK_M = 16
 BLOCK_N = 256
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _add_bias_kernel(y_ptr, b_ptr, M, N, stride_m, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+def _add_bias_kernel(y_ptr, b_ptr, M, N, stride_m, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -35,9 +32,7 @@ def _add_bias_kernel(y_ptr, b_ptr, M, N, stride_m, IS_BF16: tl.constexpr, BLOCK_
     bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     ptrs = y_ptr + rm.to(tl.int64)[:, None] * stride_m + rn[None, :]
     out = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32) + bias[None, :]
-    if _INTERPRET and IS_BF16:
-        out = _round_to_bf16_grid(out)
-    tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs, cast_rne(out, y_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(y: torch.Tensor, bias: torch.Tensor) -> bool:
@@ -57,6 +52,6 @@ def add_bias_(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     m, n = y.shape
     if m and n:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-        _add_bias_kernel[grid](y, bias, m, n, y.stride(0), IS_BF16=y.dtype == torch.bfloat16, BLOCK_M=BLOCK_M,
-                               BLOCK_N=BLOCK_N, num_warps=4, enable_fp_fusion=False)
+        _add_bias_kernel[grid](y, bias, m, n, y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=4,
+                               enable_fp_fusion=False)
     return y

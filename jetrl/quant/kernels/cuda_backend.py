@@ -5,27 +5,16 @@ backend (quantization bit for bit, GEMMs to output rounding):
 
 * quantization: 1x128 and 128x128 by the Triton kernels (:mod:`~jetrl.quant.kernels.quantize_triton`); 128x1,
   the 1x128 -> 128x1 re-quantization and grad_out's two blockings in one pass by the Gluon kernels
-  (:mod:`~jetrl.quant.kernels.quantize_gluon`) where they run (a Triton with Gluon, rows with unit stride, a
-  16- or 32-bit float input), else by the Triton kernels, grad_out then as two kernels (1x128, then 128x1);
-* :meth:`CudaBackend.quantize_weight_pair`: W and the row-major W^T copy DGrad reads, one pass;
-  :meth:`CudaBackend.transpose_weight`: that copy from W's FP8 bytes (one launch per backward where W^T is not
-  cached);
-* GEMMs, per shape class (:func:`gemm_path`): decode-sized M goes to the split-K decode GEMM
-  (:mod:`~jetrl.quant.kernels.gemm_decode_triton`: bound by the weight's bytes, so it is built to stream the
-  FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise kernel does not at small M), and so do
-  grouped launches of weights sharing an input (q/k/v, gate/up) up to their own bound; with the tuning's
-  ``gemm="deepgemm"`` (opt-in), decode-sized GEMMs go to DeepGEMM
-  (:mod:`~jetrl.quant.kernels.gemm_deepgemm`, its rule); everything else goes to
-  cuBLAS blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold,
-  the Triton blockwise GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`) otherwise;
-* exact mode's ``gemm_exact``, ``grouped_gemm_exact`` and ``matmul_exact``: the batch-invariant Triton GEMMs
-  of :mod:`~jetrl.quant.kernels.gemm_exact_triton` (tiles and K split fixed per weight shape), with two
-  schedules that compute the same bits (:func:`exact_gemm_path`): up to the tuning's ``exact_decode_max_m``
-  rows the split-K decode kernel at exact mode's split (q/k/v and gate/up each in one launch), and from
-  ``exact_cublas_min_m`` rows on, for an FP8 weight whose K is not split, cuBLAS's blockwise GEMM
-  (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_decode_config`, ``exact_on_cublas``);
-* :meth:`CudaBackend.add_bias`: a linear layer's bias over its GEMM's output rows, in place
-  (:mod:`~jetrl.quant.kernels.bias_triton`);
+  (:mod:`~jetrl.quant.kernels.quantize_gluon`) where they run (:func:`uses_gluon`), else by the Triton kernels;
+* GEMMs, per shape class (:func:`gemm_path`): decode-sized M, and grouped launches of weights sharing an input
+  (q/k/v, gate/up) up to their own bound, on the split-K decode GEMM (:mod:`~jetrl.quant.kernels.gemm_decode_triton`:
+  bound by the weight's bytes, it streams the FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise
+  kernel does not at small M), or with the tuning's ``gemm="deepgemm"`` on DeepGEMM (its rule); the rest on
+  cuBLAS's blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold, else
+  the Triton GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`);
+* exact mode's GEMMs: the batch-invariant Triton GEMMs of :mod:`~jetrl.quant.kernels.gemm_exact_triton`, or one of
+  two schedules with the same bits (:func:`exact_gemm_path`: the split-K decode kernel at exact mode's split,
+  cuBLAS for a weight walked unsplit);
 * ``fused_kernels = True``: RMSNorm, SwiGLU, RoPE, LM-head log-probabilities, paged decode attention, the
   seeded sampler, exact mode's attention and the FP8 KV-cache write run their kernels of this folder (the
   seam's :func:`~jetrl.quant.backend.choose_impl`, over :data:`~jetrl.quant.backend.FUSED_OPS`).
@@ -80,12 +69,6 @@ def _check_cuda(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"the 'cuda' FP8 backend needs CUDA tensors; {what} is on {x.device}")
 
 
-def decode_max_m(n: int, k: int, grouped: bool = False) -> int:
-    """The most rows for which the decode kernel runs an (N, K) weight (``n``: the total width of a grouped
-    launch), by the tuning object's bounds (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.decode_rows`)."""
-    return tuning.current().decode_rows(n, k, grouped)
-
-
 def _exact_decode_config(a: Fp8Tensor, weights: list[Fp8Tensor]):
     return tuning.current().exact_decode_config(a.shape[0], tuple(w.shape[0] for w in weights), a.shape[1],
                                                 dk._sm_count(a.data.device))
@@ -130,7 +113,7 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
     n = grouped_n if grouped else b.shape[0]
     if choice == "deepgemm" and deepgemm.supports(a, b, out_dtype):
         # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
-        where = deepgemm.route(m, n, k, decode_bound=decode_max_m(n, k, grouped) if biased else 0,
+        where = deepgemm.route(m, n, k, decode_bound=cfg.decode_rows(n, k, grouped) if biased else 0,
                                **cfg.deepgemm_rule())
         if where == "deepgemm" and not deepgemm.is_available(a.data.device):
             raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
@@ -138,7 +121,7 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
                                "(github.com/deepseek-ai/DeepGEMM), or choose another path")
         if where is not None:
             return where
-    if choice in ("auto", "deepgemm") and m <= decode_max_m(n, k, grouped):
+    if choice in ("auto", "deepgemm") and m <= cfg.decode_rows(n, k, grouped):
         return "decode"
     if choice == "triton" or not (scaled_mm.is_available(a.data.device) and scaled_mm.supports(a, b)):
         return "triton"
@@ -256,7 +239,7 @@ class CudaBackend:
         biased = {(w.n, w.k) for w in weights if w.biased_group}
         shapes = deepgemm.planned_shapes(
             token_counts, {(w.n, w.k) for w in weights}, **cfg.deepgemm_rule(),
-            decode_bound=lambda n, k: decode_max_m(n, k, grouped=True) if (n, k) in biased else 0)
+            decode_bound=lambda n, k: cfg.decode_rows(n, k, grouped=True) if (n, k) in biased else 0)
         return deepgemm.compile_kernels(shapes, device)
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -1,8 +1,6 @@
 """What the paged decode-attention kernels share: the merge of a step's context splits (flash-decoding's second
-kernel), the GPU's SM count their split policies aim at, and whether 32-bit offsets reach every element.
-
-Used by :mod:`~jetrl.quant.kernels.paged_attention_triton` and :mod:`~jetrl.quant.kernels.paged_attention_gluon`;
-imported lazily with them.
+kernel), the GPU's SM count their split policies aim at (the other kernels' launch policies read it too), and
+whether 32-bit offsets reach every element.
 """
 
 from __future__ import annotations

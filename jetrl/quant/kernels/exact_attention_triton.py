@@ -80,7 +80,8 @@ def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl
     rows, heads, row_ok, limit = _tile_rows(first, seq_end, ctx, kv_head, GROUP, GROUP_P2, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = _load_q(q_ptr, rows, heads, row_ok, d, d_ok, stride_qn, stride_qh)  # (R, BLOCK_D)
+    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (R, BLOCK_D)
     m_i = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P2, BLOCK_D], tl.float32)
@@ -100,7 +101,9 @@ def _exact_attention_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl
             m_i, l_i, acc = _attend_chunk(q, m_i, l_i, acc, t0 + n, limit, end, d, d_ok, table_row, k_head, v_head,
                                           ks_head, vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
                                           stride_ksb, stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8)
-    _store_out(out_ptr, acc, l_i, rows, heads, row_ok, d, d_ok, stride_on, stride_oh)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -112,10 +115,8 @@ def _exact_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, qsl_pt
                          GROUP: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr,
                          WHILE_LOOP: tl.constexpr):
-    """One program: ONE query row x the GROUP heads of one KV head, with the MMAs' operands swapped (the decode
-    schedule, see the module doc): the chunk's keys are the MMA rows and the heads its ``COLS`` columns, so a
-    decode token pays for a 64 x COLS product per chunk instead of the tile's 64 x 64. The same elementwise
-    steps as :func:`_scores_update` and :func:`_acc_update`, transposed."""
+    """One program: ONE query row x the GROUP heads of one KV head, with the MMAs' operands swapped (the module
+    doc's swapped decode): the same elementwise steps as :func:`_scores_update` and :func:`_acc_update`, transposed."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + pid)
@@ -160,18 +161,14 @@ def _decode_chunk(qt, m_i, l_i, acc, t, limit, d, d_ok, table_row, k_head, v_hea
                   stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                   PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     """:func:`_attend_chunk` for one query row, transposed: scores ``K @ q^T`` (BLOCK_N, COLS), the row sum
-    ``ones @ p^T`` and ``V^T @ p^T``: each element the same products, summed in the same K order, as the tile
-    kernel's (the MMA's per-element arithmetic does not depend on which operand holds the rows)."""
+    ``ones @ p^T`` and ``V^T @ p^T``."""
     t_ok = t < limit
     page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
     slot = t % PAGE
     kv_mask = t_ok[:, None] & d_ok[None, :]
     k = _load_kv_rows(k_head, ks_head, page, slot, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
                       qt.dtype, FP8)
-    if IEEE:
-        st = tl.dot(k, qt, input_precision="ieee")
-    else:
-        st = tl.dot(k, qt)  # (BLOCK_N, COLS), fp32 accumulation
+    st = tl.dot(k, qt, input_precision="ieee" if IEEE else None)  # (BLOCK_N, COLS), fp32 accumulation
     st = tl.where(t[:, None] < limit, st * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(st, 0))
     alpha = tl.exp2(m_i - m_new)
@@ -179,12 +176,8 @@ def _decode_chunk(qt, m_i, l_i, acc, t, limit, d, d_ok, table_row, k_head, v_hea
     v = _load_kv_rows(v_head, vs_head, page, slot, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
                       qt.dtype, FP8)
     ones = tl.full((_MMA_ROWS, pt.shape[0]), 1.0, pt.dtype)
-    if IEEE:
-        row_sum = tl.dot(ones, pt, input_precision="ieee")
-        pv = tl.dot(tl.trans(v), pt, input_precision="ieee")
-    else:
-        row_sum = tl.dot(ones, pt)
-        pv = tl.dot(tl.trans(v), pt)  # (BLOCK_D, COLS)
+    row_sum = tl.dot(ones, pt, input_precision="ieee" if IEEE else None)
+    pv = tl.dot(tl.trans(v), pt, input_precision="ieee" if IEEE else None)  # (BLOCK_D, COLS)
     l_i = l_i * alpha + tl.max(row_sum, 0)  # every row is the column sum
     acc = acc * alpha[None, :] + pv
     return m_new, l_i, acc
@@ -196,8 +189,7 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
                   PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr):
     """One chunk of key positions ``t`` (BLOCK_N,) for every MMA row: gather K/V through the block table (an FP8
     cache dequantized in registers, exactly), mask each row's invisible keys (``t >= limit``), online-softmax
-    update. A fully masked row keeps its state exactly (``exp2(0) = 1``, its probabilities 0), so a row's bits do
-    not depend on the tile's other rows."""
+    update (a fully masked row keeps its state exactly, the module doc)."""
     t_ok = t < end
     page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
     slot = t % PAGE
@@ -235,26 +227,10 @@ def _tile_rows(first, seq_end, ctx, kv_head, GROUP: tl.constexpr, GROUP_P2: tl.c
 
 
 @triton.jit
-def _load_q(q_ptr, rows, heads, row_ok, d, d_ok, stride_qn, stride_qh):
-    return tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qn + heads[:, None] * stride_qh + d[None, :],
-                   mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-
-
-@triton.jit
-def _store_out(out_ptr, acc, l_i, rows, heads, row_ok, d, d_ok, stride_on, stride_oh):
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_on + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
 def _scores_update(q, m_i, k, t, limit, scale_log2, IEEE: tl.constexpr):
     """Scores of one chunk (keys ``t >= limit`` masked to -inf) and the online softmax's new maximum: returns
     (m_new, alpha = exp2(m - m_new), p = exp2(s - m_new) rounded to the values' dtype)."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))  # (R, BLOCK_N), fp32 accumulation
+    s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None)  # (R, BLOCK_N), fp32 accumulation
     s = tl.where(t[None, :] < limit[:, None], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -264,15 +240,10 @@ def _scores_update(q, m_i, k, t, limit, scale_log2, IEEE: tl.constexpr):
 
 @triton.jit
 def _acc_update(l_i, acc, alpha, p, v, IEEE: tl.constexpr):
-    """``l = l * alpha + rowsum(p)``, ``acc = acc * alpha + p @ v``: both sums are MMAs over the rounded
-    probabilities (the row sum as ``p @ ones``), so the decode kernel's swapped MMAs give the same bits."""
+    """``l = l * alpha + rowsum(p)``, ``acc = acc * alpha + p @ v``: both MMAs (the module doc's chunk update)."""
     ones = tl.full((p.shape[1], ROW_SUM_COLS), 1.0, p.dtype)
-    if IEEE:
-        row_sum = tl.dot(p, ones, input_precision="ieee")
-        pv = tl.dot(p, v, input_precision="ieee")
-    else:
-        row_sum = tl.dot(p, ones)
-        pv = tl.dot(p, v)
+    row_sum = tl.dot(p, ones, input_precision="ieee" if IEEE else None)
+    pv = tl.dot(p, v, input_precision="ieee" if IEEE else None)
     l_i = l_i * alpha + tl.max(row_sum, 1)  # every column is the row sum
     acc = acc * alpha[:, None] + pv
     return l_i, acc

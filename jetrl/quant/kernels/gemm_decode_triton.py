@@ -3,7 +3,6 @@
 At decode sizes the GEMM is bound by the weight's bytes: the kernel streams the weight once, split along K
 over enough programs to keep every SM busy, and reduces the partials deterministically in the kernel.
 Operands and scales are laid out as for :func:`jetrl.quant.kernels.gemm_triton.blockwise_fp8_gemm`.
-Imported lazily by the CUDA backend, like every Triton module of jetrl.
 
 **Programmatic dependent launch.** On a Hopper or later GPU the kernel is launched as a programmatic dependent of
 the kernel before it (``tuning.decode_gemm_pdl``, :func:`~jetrl.quant.kernels.tuning.early_dependents`): the
@@ -12,11 +11,8 @@ as soon as all their programs have started, so the GEMM's programs are placed an
 their first instruction waits (``griddepcontrol.wait``) until it has finished and its writes are visible. Nothing
 is read or written before that wait, so the result is the same bits.
 
-Tuning knobs (:class:`~jetrl.quant.kernels.tuning.DecodeGemmConfig`): weight rows per program, K splits,
-warps, pipeline stages, K blocks per loop iteration, TMA (tensor-descriptor) loads, and row tiles for M > 64.
-The tuning object (:mod:`jetrl.quant.kernels.tuning`) holds the per-row-count policies that turn them into the
-default config and the per-shape configs that override it; ``bench/kernels.py --sections decode-sweep``
-measures them.
+The launch is a :class:`~jetrl.quant.kernels.tuning.DecodeGemmConfig`: by default from the tuning object's per-M
+policies and per-shape configs, which ``bench/kernels.py --sections decode-sweep`` measures.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from jetrl.quant.kernels import tuning
+from jetrl.quant.kernels.decode_splits import sm_count
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv, cast_rne
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 from jetrl.quant.kernels.tuning import DECODE_GEMM_MAX_M, DecodeGemmConfig, DecodePolicy  # noqa: F401 (re-exported)
@@ -58,7 +55,7 @@ def _fp8_decode_gemm_kernel(
     column tiles follow one another and their outputs lie side by side in C. With ``HAS_BIAS`` the BF16
     result gets the bias added after rounding, as ``F.linear``-style ``y + bias`` would. With ``USE_TMA``
     the ``b*_ptr`` and ``a_ptr`` arguments are tensor descriptors (TMA loads, zero-filled out of bounds).
-    ``PDL``: launched as a programmatic dependent; the kernel waits for the kernel before it first (module doc).
+    ``PDL``: launched as a programmatic dependent (module doc).
     """
     if PDL:
         gdc_wait()  # the kernel before has finished: its writes (A, A's scales) are visible from here on
@@ -103,12 +100,8 @@ def _fp8_decode_gemm_kernel(
     row0 = tile_n * BLOCK_N
     kb0 = pid_k * KB_PER_SPLIT
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if not USE_TMA:
+    if not USE_TMA or NUM_GROUPS == 1:  # b_ptr: the group's pointer, or the one descriptor
         acc = _decode_k_loop(acc, a_ptr, b_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0, row0, kb0, K,
-                             stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
-                             stride_bsk, KB_PER_SPLIT, K_UNROLL, B_SCALE_ROWS, USE_TMA, BLOCK_M, BLOCK_N)
-    elif NUM_GROUPS == 1:
-        acc = _decode_k_loop(acc, a_ptr, b0_ptr, as_ptr, bs_ptr, rm, rn, m_ok, n_ok, m0, row0, kb0, K,
                              stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn,
                              stride_bsk, KB_PER_SPLIT, K_UNROLL, B_SCALE_ROWS, USE_TMA, BLOCK_M, BLOCK_N)
     else:  # one branch per descriptor: each loop reads one fixed descriptor
@@ -201,9 +194,8 @@ _LOCK_SLOTS = 1 << 14
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The SMs the default configs aim at: the GPU's, an H200's 132 off the GPU (the interpreter)."""
+    return sm_count(device) if device.type == "cuda" else 132
 
 
 def decode_policy(m: int) -> DecodePolicy:

@@ -14,15 +14,11 @@ the padded rows as the cuBLAS route does), ``b`` 128x128 tiles (scales contiguou
 compiled per (N, K), M is a runtime argument.
 
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
-tuning's ``gemm`` is ``"deepgemm"`` (``JETRL_FP8_GEMM=deepgemm``, or ``kernels: [gemm=deepgemm]`` in a run's config).
-It is opt-in because DeepGEMM is built from source. It takes the rollout's decode steps, where it is faster than
-both of jetrl's own routes (BENCHMARKS.md, "FP8 kernels"); the training GEMMs stay on the default route (cuBLAS:
-DeepGEMM was no faster there in a whole 1.5B run). DeepGEMM picks its tile sizes per call from M, so a run meets a
-kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes,
-into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
-(:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first capture for
-every graph size). Where decoding runs without CUDA graphs nothing is compiled ahead: a kernel compiles when first
-met (seconds, once per machine through the disk cache).
+tuning's ``gemm`` is ``"deepgemm"`` (opt-in, as DeepGEMM is built from source). DeepGEMM picks its tile sizes per
+call from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set
+ahead, in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later
+process reads (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first
+capture). Without CUDA graphs a kernel compiles when first met (seconds, once per machine through the disk cache).
 """
 
 from __future__ import annotations
@@ -87,15 +83,12 @@ def route(m: int, n: int, k: int, *, decode_max_m: int = 0, split_k_max_m: int =
     kernel adds in its epilogue and DeepGEMM cannot; 0: none).
 
     The rule reads the GEMM's shape alone, not which phase runs it. A GEMM of at most ``decode_max_m`` rows (a
-    rollout's decode step, whose CUDA graphs' row counts are compiled ahead at their first capture) goes to
-    DeepGEMM, whose persistent kernel is faster there than both cuBLAS's blockwise GEMM and the split-K decode
-    kernel, except on weights whose K is more than twice their N (an MLP's down projection) up to
-    ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles leave most SMs idle over a
-    long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, "FP8 kernels": "Decode GEMMs, 1.5B, with
-    DeepGEMM"). Every larger GEMM (prefill, the trainer's micro-batches, their DGrad) is left to the default
-    route; a training micro-batch of at most ``decode_max_m`` tokens is a decode-sized GEMM like any other and
-    takes DeepGEMM too, compiled at its first use. WGrad never reaches here (its right operand is 128x1-blocked
-    activations, not a weight: :func:`supports`).
+    rollout's decode step) goes to DeepGEMM, whose persistent kernel is faster there than both cuBLAS's blockwise
+    GEMM and the split-K decode kernel, except on weights whose K is more than twice their N (an MLP's down
+    projection) up to ``split_k_max_m`` rows, which stay on the decode kernel: their few output tiles leave most SMs
+    idle over a long K unless K is split, which DeepGEMM does not do (BENCHMARKS.md, "FP8 kernels"). Every larger
+    GEMM (prefill, the trainer's micro-batches, their DGrad) is left to the default route, where DeepGEMM was no
+    faster in a whole 1.5B run. WGrad never reaches here (its right operand is not a weight: :func:`supports`).
     """
     if m > decode_max_m:
         return None

@@ -3,46 +3,35 @@
 The CUDA backend's ``gemm_exact`` and ``matmul_exact`` (see :mod:`jetrl.quant.exact`). A row's result must
 not depend on M, so everything that decides a row's *arithmetic* is fixed per weight shape (N, K):
 
-* one K block width (128 on the FP8 path, 64 on the 16/32-bit one) and one decode tile configuration per (N, K)
+* one K block width (128 on the FP8 path, 64 on the 16/32-bit one) and one tile configuration per (N, K)
   (:func:`exact_config`, never a function of M);
-* one K split per (N, K): the K blocks are cut into S contiguous ranges of whole 128-wide blocks
-  (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`: enough ranges that a row tile's
-  ``ceil(N / BLOCK_N) * S`` programs fill the GPU, from a fixed program count, never from M
-  (:class:`~jetrl.quant.kernels.tuning.ExactSplitRule`, which also holds the N tiles);
-  ``exact_split_k=1`` forces the single walk). Each range's
-  partial is accumulated in fp32 from zero, its K blocks walked in order; the S partials are then summed in the
-  fixed order ``((p_0 + p_1) + p_2) + ...`` and cast once. No atomics, no stream-K: nothing depends on which
-  program finishes first;
+* one K split per (N, K) (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`, from a fixed program count,
+  :class:`~jetrl.quant.kernels.tuning.ExactSplitRule`; ``exact_split_k=1`` forces the single walk): S contiguous
+  ranges of whole 128-wide K blocks, each range's partial accumulated in fp32 from zero, its K blocks walked in
+  order, the S partials summed in the fixed order ``((p_0 + p_1) + p_2) + ...`` and cast once. No atomics, no
+  stream-K: nothing depends on which program finishes first;
 * the FP8 path applies the scales exactly as the blockwise GEMM does (``acc += dot(a_k, b_k) * (sa * sb)``
   per 128-wide K block); the 16/32-bit path accumulates ``dot(x_k, w_k)`` over 64-wide K blocks in fp32
   (fp32 inputs with IEEE products, not TF32);
 * M is not specialised on (``do_not_specialize``), so M = 1, 16 or 8192 run the same compiled kernels.
 
 Only the *schedule* may follow M, because it does not change a bit: up to ``exact_split_max_m`` rows (decode, where
-N / BLOCK_N tiles alone leave most SMs idle) program (tile, split) computes one range's partial and writes it to an
-fp32 workspace (S, M, N), and a small second kernel sums the S planes in order; above it (prefill and training,
-where the row tiles fill the GPU and an (S, M, N) workspace would cost more traffic than the weight) one program per
-tile walks its S ranges itself, adding each partial to its running total in the same order. Both run the same
-partial code (:func:`_k_range_partial`), store the partials exactly (fp32), and add them in the same order, so they
-give the same bits; with S = 1 the kernel is the single in-order walk exact mode had before split-K, bit for bit.
-From ``exact_wide_min_m`` rows on, the walking schedule also takes larger tiles and more warps (:class:`ExactTiles`'
-``wide_*``; wider ones on the 16-bit path, which runs the LM head; fp32 operands keep the small tiles). The
-decode-sized 64-row tiles underfeed the tensor cores at training sizes, and a tile's extent is not part of a row's
-arithmetic (next paragraph). The FP8 walk instead keeps the decode-sized tiles and loads them through TMA
-descriptors where the layouts allow (:func:`_exact_gemm_tma_kernel`; else the wide tiles): without the pointer
-tensors a 64 x 128 tile of 4 warps leaves registers for two programs per SM, whose MMAs and scale epilogues then
-overlap (Triton waits for each block's MMA before scaling it); a tile inside one 128-row weight scale block scales
-each row by one factor (the same fp32 products as the outer product of scales).
+N / BLOCK_N tiles alone leave most SMs idle) program (tile, split) writes its range's partial to an fp32 workspace
+(S, M, N), and a small second kernel sums the S planes in order; above it (where the row tiles fill the GPU and the
+workspace would cost more traffic than the weight) one program per tile walks its S ranges itself, adding each
+partial to its running total in the same order. Both run the same partial code (:func:`_k_range_partial`), store
+the partials exactly (fp32) and add them in the same order, so they give the same bits; with S = 1 the kernel is the
+single in-order walk. From ``exact_wide_min_m`` rows on the walking schedule takes wide tiles (:class:`ExactTiles`'
+``wide_*``; fp32 operands keep the small ones), or on the FP8 path the decode-sized tiles loaded through TMA where
+the layouts allow (:func:`_launch_tma`; the tuning's ``ExactSchedule`` says why either keeps the bits).
 
 Within a tile, ``tl.dot`` computes each output row from that row's operands only (the MMA instructions
 reduce along K per row, whatever the instruction's M and N extent or the warps sharing the tile), so a row's bits
 are independent of its tile neighbours and of the tile's size. (The Triton interpreter's ``tl.dot`` is numpy's
 sgemm, which does not promise that; the tile-size claim is checked on the GPU.) A different S is a different
 summation order, so the rollout and the trainer must run the same split; both compute it per weight shape. The
-cost against the fast path: the partials' round trip for decode-sized M, and no cuBLAS for large M
-(measured in docs/benchmark-history.md). The K split and the schedule's row bounds come from the tuning object
-(:mod:`~jetrl.quant.kernels.tuning`, ``exact_*``); the launch's tiles, warps and stages are :data:`EXACT_TILES`,
-or the :class:`ExactTiles` a caller passes (the tests and ``bench/kernels.py`` run others: the same bits).
+launch's tiles, warps and stages are :data:`EXACT_TILES`, or the :class:`ExactTiles` a caller passes (the tests and
+``bench/kernels.py`` run others: the same bits).
 """
 
 from __future__ import annotations
@@ -256,14 +245,13 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int, tiles: Ex
     split_kb = cfg.split_kb * (BLOCK // block_k) if cfg.split_k > 1 else num_kb
     t = tuning.current()
     across = cfg.split_k > 1 and m <= t.exact_split_max_m
+    wide = not across and t.exact_wide_min_m and m >= t.exact_wide_min_m  # a schedule, the same bits (module doc)
+    if wide and fp8 and _tma_ok(a) and _tma_ok(b):
+        return _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows, cfg, num_kb, split_kb)
     block_m, block_n, warps, stages = cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages
-    # a schedule, the same bits (module doc); fp32 operands (tests) keep the decode-sized tiles: their wide tiles
-    # would not fit in shared memory
-    if not across and t.exact_wide_min_m and m >= t.exact_wide_min_m and a.dtype != torch.float32:
+    if wide and a.dtype != torch.float32:  # fp32 operands (tests): wide tiles would not fit in shared memory
         block_m, block_n = tiles.wide_block_m, tiles.wide_block_n if fp8 else tiles.wide_mm_block_n
         warps, stages = tiles.wide_num_warps, tiles.wide_num_stages
-    if (fp8 and not across and t.exact_wide_min_m and m >= t.exact_wide_min_m and _tma_ok(a) and _tma_ok(b)):
-        return _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows, cfg, num_kb, split_kb)
     ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a.device) if across else out
     scales = (a_scale, b_scale) if fp8 else (out, out)  # unused without FP8
     strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0, 0)

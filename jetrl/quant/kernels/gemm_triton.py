@@ -81,16 +81,13 @@ class GemmConfig:
     num_stages: int = 3
 
 
-LARGE_M_CONFIG = GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)
-
-
 def default_config(m: int, n: int) -> GemmConfig:
     """Decode-sized M (<= 64): one tile row covers all of M, so the weight is streamed from memory once,
     in narrow column tiles so that every SM streams a share of it; larger M: 128x128 tiles."""
     if m <= 64:
         block_m = max(16, 1 << (m - 1).bit_length())
         return GemmConfig(block_m=block_m, block_n=32 if n <= 8192 else 64, group_m=1, num_warps=4, num_stages=4)
-    return LARGE_M_CONFIG
+    return GemmConfig(block_m=128, block_n=128)
 
 
 def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,

@@ -8,17 +8,10 @@ The FP8 write is the kernel of :func:`jetrl.models.attention.write_kv` when the 
 :func:`jetrl.models.attention.quantize_kv` followed by an ``index_copy_`` of data and scales). One program per new
 token quantizes that token's K and V rows, ``(Hkv, D)`` each, with one power-of-two fp32 scale per KV head (a 1 x
 head_dim block), bit for bit the reference's arithmetic (the shared helpers of
-:mod:`~jetrl.quant.kernels.quantize_triton`):
-
-* ``scale = max(amax, 1e-4) / 448`` over the head's ``D`` values, with the IEEE division's bits, rounded up to a
-  power of two on its bit pattern (``2^-22 <= scale <= 2^120`` for a finite amax);
-* ``data = e4m3(clamp(x / scale, -448, 448))``, the quotient exact (a multiply by the exact reciprocal
-  ``2^-e``), the cast to nearest even;
-
-and stores data and scales at the token's flat slot (``block * block_size + offset``) of the pools. One launch for
-K and V, no host synchronisation (the grid is the number of new tokens), so a decode step using it can be captured
-in a CUDA graph. Like every slot write, a padding row must carry a valid (scratch) slot: nothing is checked on the
-device.
+:mod:`~jetrl.quant.kernels.quantize_triton`), and stores data and scales at the token's flat slot
+(``block * block_size + offset``) of the pools. One launch for K and V, no host synchronisation (the grid is the
+number of new tokens), so a decode step using it can be captured in a CUDA graph. Like every slot write, a padding
+row must carry a valid (scratch) slot: nothing is checked on the device.
 """
 
 from __future__ import annotations

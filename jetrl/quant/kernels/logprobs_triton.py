@@ -20,9 +20,6 @@ Arithmetic (the reference is ``jetrl.models.logprobs.chunk_stats_reference`` /
 ``logprob = z[target] - lse`` (0 where target < 0), ``entropy = lse - sum(p * z)``;
 backward ``dz = g_lp * (onehot(target) - p) - g_ent * p * (z - lse + entropy)``, ``dlogit = dz / T``.
 Only the summation order differs from the reference, so results agree to fp32 rounding.
-
-Imported lazily (Triton is optional); runs on CPU tensors under ``TRITON_INTERPRET=1``. Warps per program are
-the constants below.
 """
 
 from __future__ import annotations
@@ -68,14 +65,12 @@ def _logprob_stats_kernel(x_ptr, t_ptr, lp_ptr, ent_ptr, lse_ptr, temp_ptr, V, s
                           SCALE: tl.constexpr, EXACT: tl.constexpr, NUM_BLOCKS: tl.constexpr,
                           BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
-    if EXACT:  # exact mode: each row's own temperature
-        temp = tl.load(temp_ptr + row)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     cols = tl.arange(0, BLOCK_V)
-    if EXACT:  # at most 4 contiguous logits per thread, whatever their dtype: the same register layout, so the
-        cols = tl.max_contiguous(cols, 4)  # same order of every sum, for fp32 and 16-bit logits
-    if EXACT:  # a row at temperature 1 skips the division (x / 1.0 == x exactly: the same z, the same sums)
-        if temp == 1.0:
+    if EXACT:  # each row's own temperature; at most 4 contiguous logits per thread, whatever their dtype: the same
+        temp = tl.load(temp_ptr + row)  # register layout, so the same order of every sum, for fp32 and 16-bit logits
+        cols = tl.max_contiguous(cols, 4)
+        if temp == 1.0:  # skips the division (x / 1.0 == x exactly: the same z, the same sums)
             m, s, w = _stats_loop(x_row, cols, V, temp, False, NUM_BLOCKS, BLOCK_V)
         else:
             m, s, w = _stats_loop(x_row, cols, V, temp, True, NUM_BLOCKS, BLOCK_V)
@@ -153,16 +148,13 @@ def exact_logprob_stats(logits: torch.Tensor, targets: torch.Tensor,
     each row at its own temperature (``temperature``: (rows,) fp32; a target < 0 gives logprob 0).
 
     Batch-invariant by construction: one program per row walks that row's vocabulary in the fixed blocks of
-    ``STATS_BLOCK_V`` with a fixed warp count (``EXACT_NUM_WARPS``, its own, so no other kernel's launch can
-    change a bit), and nothing the compiled kernel depends on changes with the number of rows. Nor with the dtype:
-    a 16-bit logit widens to fp32 exactly, and the kernel caps the contiguous run each thread loads at 4 elements,
-    so Triton gives fp32 and 16-bit logits the same register layout and thus the same order of every sum (without
-    the cap a 16-bit row would load 8 per thread, fp32 4, and sum in another order): the sampler's fp32 logits and
-    the trainer's bf16 logits of the same values give the same bits. Rows must have unit stride with ``stride ==
-    vocab`` and a 16-byte-aligned start (the alignment also sets the layout); a tensor that is not is copied first,
-    which changes no value. A row at temperature 1 skips the division in its pass over the vocabulary (``x / 1.0
-    == x`` exactly, so the same values and sums; a runtime branch per row, so the rows of one launch may differ in
-    temperature); the target's logit is divided either way."""
+    ``STATS_BLOCK_V`` with its own fixed warp count (``EXACT_NUM_WARPS``), and nothing the compiled kernel depends on
+    changes with the number of rows. Nor with the dtype: a 16-bit logit widens to fp32 exactly, and the kernel caps
+    each thread's contiguous run at 4 elements, so fp32 and 16-bit logits get the same register layout and thus the
+    same order of every sum (without the cap a 16-bit row would load 8 per thread): the sampler's fp32 logits and the
+    trainer's bf16 logits of the same values give the same bits. Rows that are not dense or start unaligned (the
+    16-byte alignment also sets the layout) are copied first, which changes no value. A row at temperature 1 skips
+    the division in its pass (``x / 1.0 == x`` exactly: the same sums); the target's logit is divided either way."""
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"exact_logprob_stats: logits must be fp32, bf16 or fp16, got {logits.dtype}")
     if logits.dim() != 2 or targets.shape != logits.shape[:1] or temperature.shape != logits.shape[:1]:

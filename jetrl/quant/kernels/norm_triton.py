@@ -19,9 +19,6 @@ default ``MAX_FWD_TILE`` / ``MAX_BWD_TILE``) stay in registers; longer rows are 
 Backward (fp32): ``dn = g * w``, ``n = h * rstd``, ``dh = rstd * (dn - n * mean(dn * n)) (+ grad of the
 residual output)``; ``dweight`` = per-program partial sums of ``g * normed`` (fp32), summed by torch.
 ``h`` is the saved residual stream (or ``x``), ``rstd`` the forward's: no reduction is repeated.
-
-Imported lazily (by :mod:`jetrl.quant.norm`); set ``TRITON_INTERPRET=1`` before importing Triton to run
-the kernels on CPU tensors.
 """
 
 from __future__ import annotations
@@ -32,7 +29,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from jetrl.quant.formats import ACT, BLOCK_SIZE, Fp8Tensor
-from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3, act_buffers
+from jetrl.quant.kernels.decode_splits import sm_count
+from jetrl.quant.kernels.quantize_triton import _block_scale, _cdiv, _quantize_e4m3, act_buffers
 from jetrl.quant.kernels.quantize_triton import cast_rne as _cast  # RNE to bf16 under the interpreter too
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, early_dependents
 
@@ -220,10 +218,6 @@ def _rms_norm_bwd_kernel(
 # host wrappers
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _check_max_tile(max_tile: int) -> None:
     """A tile is a power of two of at least one 1x128 quantization group."""
     if (isinstance(max_tile, bool) or not isinstance(max_tile, int) or max_tile < BLOCK_SIZE
@@ -285,16 +279,9 @@ def rms_norm_forward(
     return out, h, rstd, fp8
 
 
-_SM_COUNT: dict[torch.device, int] = {}
-
-
 def _programs(device: torch.device) -> int:
-    """Backward programs: a few per SM on the GPU (each reduces its rows' share of dweight)."""
-    if device.type != "cuda":
-        return 4
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device] * BWD_PROGRAMS_PER_SM
+    """Backward programs: a few per SM on the GPU (each reduces its rows' share of dweight), 4 on the CPU."""
+    return sm_count(device) * BWD_PROGRAMS_PER_SM if device.type == "cuda" else 4
 
 
 def rms_norm_backward(

@@ -12,10 +12,9 @@ sequence's single query sees cache positions ``< context_lens[s]``), read direct
   (:func:`jetrl.quant.kernels.decode_splits.merge_splits_kernel`).
 
 Over an FP8 cache, :func:`paged_decode` hands the step to the Gluon kernel of
-:mod:`jetrl.quant.kernels.paged_attention_gluon` wherever that one applies (bf16 queries, ``head_dim`` 128, pages of a
-multiple of 16 tokens, at most 8 query heads per KV head; the tuning's ``kv_decode_streams``): this kernel reads an
-FP8 cache well below copy bandwidth (BENCHMARKS.md, "Decode attention"), that one near it. Everything below is this
-kernel.
+:mod:`jetrl.quant.kernels.paged_attention_gluon` wherever that one applies (the tuning's ``kv_decode_streams``): this
+kernel reads an FP8 cache well below copy bandwidth (BENCHMARKS.md, "Decode attention"), that one near it.
+Everything below is this kernel.
 
 **An FP8 cache** (E4M3 K/V, one power-of-two fp32 scale ``2^e`` per token and KV head, written by
 ``jetrl.models.attention.quantize_kv``) is read without dequantizing it. Each E4M3 tile is converted to q's dtype
@@ -40,34 +39,26 @@ on the GPU the two score dots see different operands, so the MMA's accumulation 
 query cannot take this route (fp16's 5 exponent bits do not hold ``p * 2^e``): its K/V tiles are dequantized in
 registers to ``dequantize_kv(data, scale, float16)`` (:func:`_load_kv_rows`), bitwise the kernel over that cache.
 An FP8 tile holds :data:`FP8_BLOCK_N` = 128 tokens, a tile in q's dtype :data:`BLOCK_N` = 64: the same bytes per
-tile, half the loop trips. The factored route is the tuning's ``kv_decode_factored`` (on by default: faster on the H200,
-docs/benchmark-history.md); off, every FP8 tile is dequantized in registers as for an fp16 query. The launch over an FP8
-cache (tokens per tile, warps, pipeline stages, the context split's target waves and cap) is the tuning's
-``kv_decode_*`` fields (:func:`launch_config`; the defaults are the launch the tests pin), swept by
-``bench/attention.py``; a cache in q's dtype keeps :data:`BF16_LAUNCH`.
+tile, half the loop trips. The factored route is the tuning's ``kv_decode_factored``; off, every FP8 tile is
+dequantized in registers as for an fp16 query. The launch over an FP8 cache is the tuning's ``kv_decode_*`` fields
+(:func:`launch_config`), swept by ``bench/attention.py``; a cache in q's dtype keeps :data:`BF16_LAUNCH`.
 
 **The E4M3 -> bf16 conversion** on the factored route is either bit operations (the tuning's
-``kv_decode_bit_convert``, the default: faster on the H200, :func:`_load_e4m3_bytes`) or Triton's
-(``.to(q.dtype)``). Compiled for sm_90, Triton's goes through fp16 (one ``cvt.rn.f16x2.e4m3x2`` per two values, then one ``cvt.bf16.f16`` per value, F2F instructions on
-the slow conversion pipe) in the dots' operand layout, so the V tile, whose dot reduces over tokens while its bytes
-run along head_dim, is read from shared memory one byte at a time (``ld.shared.u8``: 8-bit operands have no
-transposing ``ldmatrix`` on Hopper). The bit route converts a tile of bytes, 4 per inline-PTX call into two bf16x2
-registers (one ``prmt``, ``shl``, ``and`` and ``fma.rn.bf16x2`` by ``2^120`` per pair): no conversion instruction.
-The call is declared impure so that Triton neither sees through it (both dots get the BF16 cache's ``kWidth`` 2:
-``ldmatrix`` for q, p, K and V, no register moves) nor moves it into the dot's layout (where V would be read a byte
-at a time): both converted tiles reach their dots through shared memory as a BF16 cache's tiles do (transposing
-``ldmatrix`` for V). Both conversions give the same bf16 (fp32) tiles, so the same attention to summation order (on
-the GPU the MMA's operand layouts differ, so the accumulation may round apart; under the interpreter they are bit
-for bit equal). The bit route also trims the address arithmetic (unsigned page and row, 32-bit offsets where the
-tensors allow, one offset per token for K and V) and needs no alignment.
+``kv_decode_bit_convert``, :func:`_load_e4m3_bytes`, no conversion instruction) or Triton's (``.to(q.dtype)``).
+Compiled for sm_90, Triton's goes through fp16 (``cvt.rn.f16x2.e4m3x2``, then ``cvt.bf16.f16`` per value, on the
+slow conversion pipe) in the dots' operand layout, so the V tile, whose dot reduces over tokens while its bytes run
+along head_dim, is read from shared memory one byte at a time (8-bit operands have no transposing ``ldmatrix`` on
+Hopper). Both conversions give the same bf16 (fp32) tiles, so the same attention to summation order (on the GPU
+the MMA's operand layouts differ, so the accumulation may round apart; under the interpreter they are bit for bit
+equal).
 
 The launch over an FP8 cache puts the KV heads of a sequence on neighbouring programs (a head-major grid, up to
-65,535 sequences), so that a 32-byte sector of scales (8 heads of one token) and a block-table row are read from DRAM once while the heads
-that share them run; ``kv_decode_max_registers`` caps the registers (``maxnreg``) so that more programs share an
-SM. Neither changes the tiles or the dots: the launch order and the register cap keep every bit.
+65,535 sequences), so that a 32-byte sector of scales (8 heads of one token) and a block-table row are read from
+DRAM once while the heads that share them run. Neither that order nor the register cap
+(``kv_decode_max_registers``) changes a bit.
 
 No host synchronisation: the grid depends only on tensor shapes and the host-side ``max_context_len``,
-so a decode step using it can be captured in a CUDA graph. Imported lazily by the attention dispatcher.
+so a decode step using it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -117,18 +108,13 @@ def _load_e4m3_bytes(head_ptr, off, t_ok, d, HEAD_DIM: tl.constexpr, DTYPE: tl.c
 
     Each E4M3 byte's sign, exponent and mantissa bits are placed into a ``DTYPE`` word whose exponent bias is 127, not
     E4M3's 7, so the word reads ``x * 2^-120`` (E4M3 subnormals land on ``DTYPE`` subnormals, zero on zero);
-    multiplying by ``2^120`` restores ``x`` (exact: a power of two times a representable value; no multiply here
-    flushes subnormals). Per pair of bytes: one ``prmt`` (each byte to a 16-bit lane, sign-extended), ``shl`` by 4,
-    ``and`` with ``0x87F087F0`` (sign, exponent and mantissa to bf16's places) and ``fma.rn.bf16x2`` (``x * 2^120 +
-    -0``: signed zeros kept).
-
-    In bfloat16 the inline PTX takes 4 bytes per call (``pack=4``: one 32-bit register) and returns their 4 bf16 as
-    two bf16x2 registers in byte order, so the result needs no join or reshape. It is declared impure on purpose:
-    Triton then keeps the conversion in the load's layout (16 contiguous bytes per thread at the 8B shapes) and
-    stops there when it sizes the dots' operands, so both dots run bf16 operands of ``kWidth`` 2, as over a BF16
-    cache (``ldmatrix``, transposing for V; no register shuffles of q and p). A pure call is seen through: the byte load makes Triton
-    pick 4, and it converts V in the dot's layout, a byte at a time from shared memory. The interpreter and an fp32
-    ``DTYPE`` convert each byte with Triton's integer ops (the same values)."""
+    multiplying by ``2^120`` restores ``x`` exactly. In bfloat16 the inline PTX takes 4 bytes per call (one 32-bit
+    register: per pair one ``prmt``, ``shl``, ``and`` and ``fma.rn.bf16x2`` by ``2^120`` with ``-0`` added, signed
+    zeros kept) and returns two bf16x2 registers in byte order, so the result needs no join or reshape. It is
+    declared impure on purpose: Triton then keeps the conversion in the load's layout and stops there when it sizes
+    the dots' operands, so both dots run bf16 operands of ``kWidth`` 2 as over a BF16 cache (``ldmatrix``,
+    transposing for V). A pure call is seen through: Triton then converts V in the dot's layout, a byte at a time
+    from shared memory. The interpreter and an fp32 ``DTYPE`` convert with Triton's integer ops (the same values)."""
     b = tl.load(head_ptr + off[:, None] + d[None, :], mask=t_ok[:, None] & (d < HEAD_DIM)[None, :],
                 other=0.0).to(tl.uint8, bitcast=True)
     if PTX and DTYPE == tl.bfloat16:
@@ -188,10 +174,7 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
     else:
         k = _load_kv_rows(k_head, ks_head, page, row, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
                           q.dtype, FP8)  # (BLOCK_N, BLOCK_D)
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))  # (BLOCK_G, BLOCK_N), fp32 accumulation
+    s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None)  # (BLOCK_G, BLOCK_N), fp32 accumulation
     if FACTORED:
         s = s * (k_s * scale_log2)[None, :]  # k_s * scale_log2 is exact (k_s = 2^e)
     else:
@@ -213,10 +196,7 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
     else:
         v = _load_kv_rows(v_head, vs_head, page, row, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
                           q.dtype, FP8)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
     return m_new, l_i, acc
 
 
@@ -384,15 +364,11 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
 
     ``meta`` is a :class:`~jetrl.models.attention.PagedAttentionMetadata` with ``max_query_len == 1``;
     ``num_splits`` overrides the context split and ``block_n`` the tokens per tile (a power of two >= 16); by default
-    both come from :func:`launch_config` (:data:`BLOCK_N` tokens over a cache in q's dtype; over an FP8 cache the
-    tuning's ``kv_decode_block_n``, by default :data:`FP8_BLOCK_N` on the factored route). The cache is in q's
-    dtype, or FP8: ``float8_e4m3fn`` K/V with ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32 powers of
-    two (as ``jetrl.models.attention.quantize_kv`` writes them). With a bf16 or fp32 query the E4M3 tiles feed the dots and
-    the scales their fp32 results: equal to this function over the dequantized cache
-    (``jetrl.models.attention.dequantize_kv``) to summation order, within ``2^-126`` terms (the module doc). With
-    an fp16 query each tile is dequantized in registers: bit for bit this function over the dequantized cache.
-    The tuning's ``kv_decode_bit_convert`` converts the E4M3 tiles of the factored route by bit operations instead
-    of Triton's conversion (the same values; the module doc). Where the tuning's ``kv_decode_streams`` is on and
+    both come from :func:`launch_config`. The cache is in q's dtype, or FP8: ``float8_e4m3fn`` K/V with
+    ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv) fp32 powers of two (as ``jetrl.models.attention.quantize_kv``
+    writes them): with a bf16 or fp32 query equal to this function over the dequantized cache
+    (``jetrl.models.attention.dequantize_kv``) to summation order, within ``2^-126`` terms; with an fp16 query bit for
+    bit (the module doc). Where the tuning's ``kv_decode_streams`` is on and
     :func:`jetrl.quant.kernels.paged_attention_gluon.supports` holds, an FP8-cache step runs on that Gluon kernel
     instead (``num_splits`` kept; an explicit ``block_n``, a tile of this kernel, keeps this kernel).
     """

@@ -18,12 +18,9 @@ Here one program of 4 warps owns a 128 x 128 tile (one 1x128 source block per ro
    transposition hits one bank group) and writes it in whole 128-byte lines.
 
 The one-pass grad_out kernel then reads the tile's rows back from shared memory, 32 at a time, for the
-1x128 quantization: 4 bytes of memory traffic per element against 6 for the two kernels apart.
-
-Whole columns with the staged output beat reading the tile twice in chunks of 16 or 32 rows and each thread
-storing its column chunk straight to memory, and the one-pass kernel's rows read back from shared memory beat
-quantizing them in the registers of the load (docs/benchmark-history.md has the measurements). The arithmetic is the
-reference's, through the same device helpers as the Triton kernels: the same bytes.
+1x128 quantization: 4 bytes of memory traffic per element against 6 for the two kernels apart (the alternatives
+measured are in docs/benchmark-history.md). The arithmetic is the reference's, through the same device helpers
+as the Triton kernels: the same bytes.
 
 Gluon is experimental in Triton; this module imports it lazily (at the first launch), and
 :func:`available` says whether this Triton has it (the CUDA backend runs the Triton kernels where not).
@@ -35,8 +32,7 @@ import functools
 
 import torch
 
-from jetrl.quant.formats import E4M3
-from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv, act_buffers, token_rows
+from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv, act_buffers, token_buffers
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 NUM_WARPS = 4  # one column of the 128-wide tile per thread
@@ -172,16 +168,12 @@ def _check_input(x: torch.Tensor, what: str, floats_only: bool = True) -> None:
 
 def _token(src: torch.Tensor, scale: torch.Tensor | None, pow2_scale: bool, whole_blocks: bool):
     m, k = src.shape
-    out_m = token_rows(m, whole_blocks)
-    tok = torch.empty((k, out_m), dtype=E4M3, device=src.device)
-    tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=src.device)
+    tok, tok_scale = token_buffers(m, k, whole_blocks, src.device)
     if m and k:
         s = scale if scale is not None else tok_scale  # an unused pointer without HAS_SCALE
         _kernels()[0][(_cdiv(m, BLOCK), _cdiv(k, BLOCK))](
-            src, m, k, src.stride(0), s, s.stride(0), s.stride(1), tok, tok_scale, out_m, POW2=pow2_scale,
+            src, m, k, src.stride(0), s, s.stride(0), s.stride(1), tok, tok_scale, tok.shape[1], POW2=pow2_scale,
             HAS_SCALE=scale is not None, VEC=_vec(src.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS)
-    elif out_m:
-        tok.zero_()
     return tok.t(), tok_scale
 
 
@@ -208,15 +200,10 @@ def quantize_act_and_token(x: torch.Tensor, pow2_scale: bool = False, whole_bloc
     ``(data, scale, tok_data, tok_scale)`` in their layouts. bf16, fp16 or fp32 x with unit column stride."""
     _check_input(x, "1x128 + 128x1")
     m, k = x.shape
-    kb = _cdiv(k, BLOCK)
     data, scale_buf = act_buffers(m, k, x.device)
-    out_m = token_rows(m, whole_blocks)
-    tok = torch.empty((k, out_m), dtype=E4M3, device=x.device)
-    tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
+    tok, tok_scale = token_buffers(m, k, whole_blocks, x.device)
     if m and k:
-        _kernels()[1][(_cdiv(m, BLOCK), kb)](x, m, k, x.stride(0), data, scale_buf, scale_buf.shape[1], tok,
-                                            tok_scale, out_m, POW2=pow2_scale, VEC=_vec(x.dtype),
-                                            num_warps=NUM_WARPS, **COMPILE_OPTIONS)
-    elif out_m:
-        tok.zero_()
+        _kernels()[1][(_cdiv(m, BLOCK), _cdiv(k, BLOCK))](x, m, k, x.stride(0), data, scale_buf, scale_buf.shape[1],
+                                                         tok, tok_scale, tok.shape[1], POW2=pow2_scale,
+                                                         VEC=_vec(x.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS)
     return data, scale_buf[:, :m].t(), tok.t(), tok_scale

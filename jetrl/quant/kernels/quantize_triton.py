@@ -22,10 +22,6 @@ column-major, i.e. ``b`` row-major; 1x128 scales "outer-dim-major"):
   row-major (K, M) operand with outer-dim-major (K, Mb) scales: WGrad's operand, with no copy.
 * 128x128 (``WEIGHT``) data is row-major (N, K), optionally with a row-major copy of W^T (K, N) for
   DGrad, written in the same pass; scales are row-major (Nb, Kb).
-
-Like every module of :mod:`jetrl.quant.kernels` this one imports Triton at import time; the seam
-(:mod:`jetrl.quant.backend`) imports it lazily. Set ``TRITON_INTERPRET=1`` before importing Triton to run
-the kernels on CPU tensors (the tests do).
 """
 
 from __future__ import annotations
@@ -334,6 +330,13 @@ def token_rows(m: int, whole_blocks: bool) -> int:
     return -(-m // BLOCK) * BLOCK if whole_blocks else m
 
 
+def token_buffers(m: int, k: int, whole_blocks: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty 128x1 buffers for ``m`` rows: the row-major (K, M') E4M3 data, M' = :func:`token_rows`, and the
+    row-major (Mb, K) scales."""
+    return (torch.empty((k, token_rows(m, whole_blocks)), dtype=E4M3, device=device),
+            torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=device))
+
+
 def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, *, block_m: int = ACT_BLOCK_M,
                        num_warps: int = ACT_NUM_WARPS):
     """Quantize x (M, K) per 1x128. Returns ``(data, scale)``: data (M, K) row-major, scale the (M, Kb)
@@ -357,17 +360,13 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, whole_blocks
     multiple of 128, so a GEMM contracting over the rows sees whole blocks). ``block_k`` columns per program (a
     power of two <= 128), ``num_warps``: the launch (the same bytes)."""
     m, k = x.shape
-    out_m = token_rows(m, whole_blocks)
-    tok = torch.empty((k, out_m), dtype=E4M3, device=x.device)
-    tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=x.device)
+    tok, tok_scale = token_buffers(m, k, whole_blocks, x.device)
     if m and k:
         _quantize_rows_cols_kernel[(_cdiv(m, BLOCK), _cdiv(k, block_k))](
-            x, m, k, x.stride(0), x.stride(1), tok, tok_scale, 1, 1, out_m,
+            x, m, k, x.stride(0), x.stride(1), tok, tok_scale, 1, 1, tok.shape[1],
             POW2=pow2_scale, ROWS=False, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=num_warps,
             **COMPILE_OPTIONS
         )
-    elif out_m:
-        tok.zero_()
     return tok.t(), tok_scale
 
 
@@ -428,15 +427,11 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
     :func:`token_rows` (``whole_blocks``: zero rows to a multiple of 128). ``block_k`` columns per program (a
     power of two <= 128), ``num_warps``: the launch (the same bytes)."""
     m, k = data.shape
-    out_m = token_rows(m, whole_blocks)
-    tok = torch.empty((k, out_m), dtype=E4M3, device=data.device)
-    tok_scale = torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=data.device)
+    tok, tok_scale = token_buffers(m, k, whole_blocks, data.device)
     if m and k:
         _requantize_act_to_token_kernel[(_cdiv(m, BLOCK), _cdiv(k, block_k))](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
-            tok, tok_scale, out_m, POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps,
+            tok, tok_scale, tok.shape[1], POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps,
             **COMPILE_OPTIONS
         )
-    elif out_m:
-        tok.zero_()
     return tok.t(), tok_scale

@@ -12,10 +12,8 @@ and autograd of it, for an incoming gradient g, ``g * cos + rot^T(g * sin)``::
 (autograd adds the zero-padded slices of ``rnd(g * sin)`` to ``rnd(g * cos)``: one rounding per element).
 The kernel does exactly these operations, so both directions are bitwise the unfused results. Contraction
 of multiply-adds into fma is switched off at launch (``enable_fp_fusion=False``): with fp32 tensors the
-roundings are no-ops and the compiler would otherwise fuse ``x1 * cos1 + ...`` into one fma.
-
-Under ``TRITON_INTERPRET=1`` the interpreter's fp32 -> bf16 cast truncates; values are first rounded to
-the bf16 grid in fp32 (exact, ties to even), so the cast that follows is exact.
+roundings are no-ops and the compiler would otherwise fuse ``x1 * cos1 + ...`` into one fma. The roundings
+are :func:`~jetrl.quant.kernels.quantize_triton.cast_rne`'s, nearest even under the interpreter too.
 """
 
 from __future__ import annotations
@@ -24,26 +22,22 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
-from jetrl.quant.kernels.tuning import interpreting
+from jetrl.quant.kernels.quantize_triton import cast_rne
 
-_INTERPRET = tl.constexpr(interpreting())
 MAX_TILE = 2048  # elements per half-tile (BLOCK_H * BLOCK_HALF): registers for four fp32 tiles at 4 warps
 
 
 @triton.jit
-def _rnd(x, dtype: tl.constexpr, IS_BF16: tl.constexpr):
+def _rnd(x, dtype: tl.constexpr):
     """Round fp32 ``x`` to ``dtype`` (nearest even) and back to fp32; the identity for fp32."""
-    if _INTERPRET and IS_BF16:
-        x = _round_to_bf16_grid(x)
-    return x.to(dtype).to(tl.float32)
+    return cast_rne(x, dtype).to(tl.float32)
 
 
 @triton.jit
 def _rotate_heads(
     x_ptr, out_ptr, cos_ptr, sin_ptr, n, h0, H, HALF,
     stride_xn, stride_xh, stride_xd, stride_cn, stride_cd, stride_sn, stride_sd,
-    BACKWARD: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """Heads ``h0 .. h0 + BLOCK_H`` of token ``n`` of one tensor (strided (N, H, D)) into ``out``
     (contiguous (N, H, D))."""
@@ -69,8 +63,8 @@ def _rotate_heads(
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF * stride_xd, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    out1 = _rnd(_rnd(x1 * cos1, dt, IS_BF16) + _rnd((sign_a * x2) * sin_a, dt, IS_BF16), dt, IS_BF16)
-    out2 = _rnd(_rnd(x2 * cos2, dt, IS_BF16) + _rnd((-sign_a * x1) * sin_b, dt, IS_BF16), dt, IS_BF16)
+    out1 = _rnd(_rnd(x1 * cos1, dt) + _rnd((sign_a * x2) * sin_a, dt), dt)
+    out2 = _rnd(_rnd(x2 * cos2, dt) + _rnd((-sign_a * x1) * sin_b, dt), dt)
     dst = out_ptr + n * (H * 2 * HALF) + rh[:, None] * (2 * HALF) + rd[None, :]
     tl.store(dst, out1.to(dt), mask=mask)  # exact: out1 is on the dtype's grid
     tl.store(dst + HALF, out2.to(dt), mask=mask)
@@ -82,7 +76,7 @@ def _rope_qk_kernel(
     HQ, HK, HALF, NUM_QB,
     stride_qn, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
     stride_cn, stride_cd, stride_sn, stride_sd,
-    BACKWARD: tl.constexpr, IS_BF16: tl.constexpr,
+    BACKWARD: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """Program (n, j) rotates token n's q heads block j (j < NUM_QB), else its k heads block j - NUM_QB."""
@@ -90,11 +84,11 @@ def _rope_qk_kernel(
     j = tl.program_id(1)
     if j < NUM_QB:
         _rotate_heads(q_ptr, q_out_ptr, cos_ptr, sin_ptr, n, j * BLOCK_HQ, HQ, HALF, stride_qn, stride_qh, stride_qd,
-                      stride_cn, stride_cd, stride_sn, stride_sd, BACKWARD, IS_BF16, BLOCK_HQ, BLOCK_HALF)
+                      stride_cn, stride_cd, stride_sn, stride_sd, BACKWARD, BLOCK_HQ, BLOCK_HALF)
     else:
         _rotate_heads(k_ptr, k_out_ptr, cos_ptr, sin_ptr, n, (j - NUM_QB) * BLOCK_HK, HK, HALF,
-                      stride_kn, stride_kh, stride_kd,
-                      stride_cn, stride_cd, stride_sn, stride_sd, BACKWARD, IS_BF16, BLOCK_HK, BLOCK_HALF)
+                      stride_kn, stride_kh, stride_kd, stride_cn, stride_cd, stride_sn, stride_sd, BACKWARD, BLOCK_HK,
+                      BLOCK_HALF)
 
 
 def _block_h(heads: int, block_half: int) -> int:
@@ -122,7 +116,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         hq, hk, half, num_qb,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        BACKWARD=backward, IS_BF16=q.dtype == torch.bfloat16,
+        BACKWARD=backward,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
         num_warps=4, enable_fp_fusion=False,
     )

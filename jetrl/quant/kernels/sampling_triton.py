@@ -19,7 +19,6 @@ over the batch) whose partials a second, tiny kernel merges:
 
 The tokens are therefore those of the reference (on the GPU; the interpreter's ``log`` is NumPy's, which
 may differ by an ulp), and the log-probability equals the reference's up to fp32 summation order.
-Imported lazily; ``TRITON_INTERPRET=1`` runs it on CPU tensors (the tests).
 """
 
 from __future__ import annotations

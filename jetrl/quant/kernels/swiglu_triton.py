@@ -30,14 +30,11 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from jetrl.quant.kernels import tuning
-from jetrl.quant.kernels.quantize_triton import _block_scale, _quantize_e4m3, act_buffers
+from jetrl.quant.kernels.quantize_triton import _block_scale, _cdiv, _quantize_e4m3, act_buffers
 from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
 
 
 BLOCK_K = 128  # one 1x128 scale block per program along the columns
-# ATen's silu_backward ``dy * s * (1 + x * (1 - s))`` is compiled by nvcc with multiply-add contraction on
-# (its default), i.e. ``(dy * s) * fma(x, 1 - s, 1)``, and so is d gate here (tests/quant/test_swiglu.py checks it
-# bitwise against autograd on the GPU).
 _BLOCK_K = tl.constexpr(BLOCK_K)
 _INTERPRET = tl.constexpr(tuning.interpreting())
 
@@ -125,10 +122,6 @@ def _swiglu_bwd_kernel(
     # exact casts: the values are on the dtype's grid
     tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate.to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up.to(dup_ptr.dtype.element_ty), mask=mask)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _block_m(m: int) -> int:

@@ -14,11 +14,8 @@ BENCHMARKS.md and docs/benchmark-history.md; this file keeps the values only.
 
 The launch parameters of one kernel that no run sets (tiles, warps, stages) are not settings: they are constants
 beside their kernel, and its launcher takes others as keyword arguments (the tests check that other values give the
-same bits, ``bench/kernels.py`` times them): the quantizers' in :mod:`~jetrl.quant.kernels.quantize_triton`, the
-log-probability kernels' in :mod:`~jetrl.quant.kernels.logprobs_triton`, exact mode's GEMM tiles
-(:class:`~jetrl.quant.kernels.gemm_exact_triton.ExactTiles`) and its swapped decode attention's pipeline stages
-(:mod:`~jetrl.quant.kernels.exact_attention_triton`). Exact mode's K-split heuristic and the N tiles it counts are
-fixed here (:class:`ExactSplitRule`): they decide bits, and the CUDA backend's routing reads them through this module.
+same bits, ``bench/kernels.py`` times them). Exact mode's K-split heuristic and the N tiles it counts are constants
+too, but here (:class:`ExactSplitRule`).
 
 :func:`current` is what the kernels and the CUDA backend read at every launch; :func:`override` replaces fields
 for a block of code (tests and benchmarks use it)::
@@ -108,13 +105,12 @@ class DecodeGemmConfig:
                 + ("tma" if self.tma else ""))
 
 
-@dataclass(frozen=True)
-class DecodePolicy:
-    """How the default :class:`DecodeGemmConfig` is derived for row counts up to ``max_m``.
-
-    The K split is the power of two that brings the program count nearest ``programs_per_sm`` per SM from
-    below (``round_up=False``) or above (``round_up=True``), at most ``max_split`` and at least
-    ``min_kb_per_split`` 128-wide K blocks per split; the other fields are copied into the config.
+@dataclass(frozen=True, kw_only=True)
+class DecodePolicy(DecodeGemmConfig):
+    """How the default :class:`DecodeGemmConfig` is derived for row counts up to ``max_m``: the config's own fields
+    are its tiles (``split_k`` aside), and the K split is the power of two that brings the program count nearest
+    ``programs_per_sm`` per SM from below (``round_up=False``) or above (``round_up=True``), at most ``max_split``
+    and at least ``min_kb_per_split`` 128-wide K blocks per split.
     """
 
     max_m: int
@@ -122,12 +118,6 @@ class DecodePolicy:
     round_up: bool = True
     max_split: int = 16
     min_kb_per_split: int = 4
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    block_m: int = 0
-    k_unroll: int = 1
-    tma: bool = False
 
     def config(self, m: int, n: int, k: int, sm_count: int) -> DecodeGemmConfig:
         """The config for an (m, n, k) GEMM (n: total width of a grouped launch) on ``sm_count`` SMs."""
@@ -138,9 +128,8 @@ class DecodePolicy:
         else:
             split = 1 << max(0, (programs // tiles).bit_length() - 1)
         split = max(1, min(split, self.max_split, max(1, -(-k // BLOCK_SIZE) // self.min_kb_per_split)))
-        return DecodeGemmConfig(block_n=self.block_n, split_k=split, num_warps=self.num_warps,
-                                num_stages=self.num_stages, block_m=self.block_m, k_unroll=self.k_unroll,
-                                tma=self.tma)
+        tiles = {f.name: getattr(self, f.name) for f in fields(DecodeGemmConfig)}
+        return DecodeGemmConfig(**tiles | {"split_k": split})
 
 
 # The decode GEMM's default config per row count (first match wins): M <= 32 about three programs per SM,
@@ -277,9 +266,8 @@ class GemmRouting:
       to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
     * ``decode_gemm_pdl`` (on): on a Hopper or later GPU the decode GEMM is a programmatic dependent launch of the
-      kernel before it, and the kernels that feed it (fused norm, SwiGLU, activation quantizer) let it launch as
-      soon as all their programs have started; the GEMM waits for their writes before it reads anything. The same
-      bits either way (:mod:`~jetrl.quant.kernels.gemm_decode_triton`).
+      kernel that feeds it, and waits for its writes before it reads anything: the same bits either way
+      (:mod:`~jetrl.quant.kernels.gemm_decode_triton`).
     """
 
     gemm: str = knob("auto", "the FP8 GEMM path: auto (decode kernel, cuBLAS, Triton by shape), deepgemm, or "
@@ -366,40 +354,34 @@ class ExactSchedule:
     """Exact mode's schedule (:mod:`jetrl.quant.exact`; beside :class:`GemmRouting` in :class:`KernelTuning`, whose
     decode configs its decode schedule uses).
 
-    Its GEMMs' K split (:meth:`exact_split`) fixes their arithmetic, never
-    chosen by M: ``exact_split_k`` (0, the default: the heuristic of :data:`EXACT_SPLIT_RULE`, at least 28 128-wide K
-    blocks per split, so that a weight with K up to 7,168 walks K unsplit, trains on cuBLAS and decodes as one
-    grouped launch where it shares an input, and an 8B model's down projection, K = 14,336, splits in 4; a positive
-    count forces that many splits on every weight, at most one per 128-wide K block; 1 is the one in-order K walk of
-    the first exact kernel). The rollout and the trainer must run the same split (any is batch-invariant, but two
-    different ones are two different reduction orders). The other fields are schedules, the same bits (the GPU tests
-    check them at the 8B shapes):
+    Its GEMMs' K split (:meth:`exact_split`) fixes their arithmetic, never chosen by M: ``exact_split_k`` (0, the
+    default: the heuristic of :data:`EXACT_SPLIT_RULE`, so that a weight with K up to 7,168 walks K unsplit, trains
+    on cuBLAS and decodes as one grouped launch where it shares an input, and an 8B model's down projection,
+    K = 14,336, splits in 4; a positive count forces that many splits; 1 is the one in-order K walk). The rollout and
+    the trainer must run the same split (any is batch-invariant, but two different ones are two different reduction
+    orders). The other fields are schedules, the same bits (the GPU tests check them at the 8B shapes):
 
     * ``exact_split_max_m``: up to that many rows (256, a decode batch's most) the splits run as separate programs
       (partials through a workspace), above it one program walks all splits of its tile;
     * ``exact_wide_min_m`` (0: never): from that many rows on (prefill and the trainer's packed passes) the walking
       schedule's FP8 GEMMs load the decode-sized tiles through TMA where the layouts allow (a tile whose columns lie
-      in one 128-row weight scale block multiplies each K block's MMA result by one factor per row, the same fp32
-      products as the outer product of scales), and its other GEMMs (the 16/32-bit path, e.g. the LM head, and FP8
-      layouts TMA cannot load) run wide tiles (:class:`~jetrl.quant.kernels.gemm_exact_triton.ExactTiles`): a
-      tile's extent in M and N is not part of a row's arithmetic;
+      in one 128-row weight scale block scales by rows: the same fp32 products as the outer product of scales), and
+      its other GEMMs run wide tiles (:class:`~jetrl.quant.kernels.gemm_exact_triton.ExactTiles`): a tile's extent
+      in M and N is not part of a row's arithmetic;
     * ``exact_cublas_min_m`` (0: never): from that many rows on, a weight whose K is walked in one range
       (:meth:`exact_split` is 1) multiplies on cuBLAS's blockwise GEMM (:meth:`exact_on_cublas`), whose arithmetic
       is the in-order walk's: each 128-wide K block's MMA sum from zero, scaled by ``sa * sb`` into one fp32
       accumulator, K blocks in order, one rounding. At a few rows cuBLAS may split K for some shapes
       (docs/benchmark-history.md), so the default, 65, starts past the decode kernel's rows; every RL step's
       ``mismatch/logp_abs_diff_max`` would show a drift;
-    * ``exact_decode_max_m`` (0: never; at most 256): up to that many rows an exact FP8 GEMM runs on the fast
-      path's split-K decode kernel (:mod:`~jetrl.quant.kernels.gemm_decode_triton`, its tiles, TMA and grouped
-      launches) forced to exact mode's K split (:meth:`exact_decode_config`: the decode config's K blocks per loop
-      trip where they divide a split's blocks, so that the split boundaries stay exact mode's, else one). Its
-      arithmetic is the exact kernel's: each split's K blocks walked in order from zero with ``acc += dot * (sa *
-      sb)``, the partials summed in split order, one rounding; the swapped MMA operands multiply the same pairs in
-      the same K order. Weights that share an input and a split (q/k/v, gate/up) run as one grouped launch;
-    * ``exact_decode_attention_swapped`` (on): a decode step's exact attention
-      (:mod:`~jetrl.quant.kernels.exact_attention_triton`, at most one query row per sequence) runs on the swapped
-      decode kernel: one row per program, the chunk's keys as the MMA's 64 rows and the row's heads as its columns;
-      it computes the tile kernel's bits.
+    * ``exact_decode_max_m`` (0: never): up to that many rows an exact FP8 GEMM runs on the fast path's split-K
+      decode kernel (:mod:`~jetrl.quant.kernels.gemm_decode_triton`) forced to exact mode's K split
+      (:meth:`exact_decode_config`). Its arithmetic is the exact kernel's: each split's K blocks walked in order from
+      zero with ``acc += dot * (sa * sb)``, the partials summed in split order, one rounding; the swapped MMA operands
+      multiply the same pairs in the same K order. Weights that share an input and a split (q/k/v, gate/up) run as
+      one grouped launch;
+    * ``exact_decode_attention_swapped`` (on): a decode step's exact attention runs on the swapped one-row kernel
+      of :mod:`~jetrl.quant.kernels.exact_attention_triton`, which computes the tile kernel's bits.
     """
 
     exact_split_k: int = knob(0, "exact mode's K split on every weight (0: the fixed heuristic, "
@@ -480,34 +462,26 @@ class DecodeAttention:
     the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
     tile is dequantized in registers first (the route an fp16 query always takes). On by default.
     ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
-    and one exact multiply by ``2^120`` instead of Triton's conversion (E4M3 -> fp16 -> bf16, one slow conversion
-    instruction per value, and the V tile read from shared memory a byte at a time); the same values, so the same
-    attention to summation order (a tile of bytes converted 4 at a time in a call Triton cannot see through, so both
-    converted tiles reach their dots through shared memory with the operands of a BF16 cache; any cache layout; on
-    the GPU the MMA operand layout may round the accumulation apart). On by default (faster on the H200,
+    and one exact multiply by ``2^120`` instead of Triton's slow conversion; the same values, so the same attention
+    to summation order (:mod:`~jetrl.quant.kernels.paged_attention_triton`). On by default (faster on the H200,
     docs/benchmark-history.md); off, Triton's conversion.
-    That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch, 64-token
-    tiles, 4 warps, 2 stages, 2 waves, 16 splits at most): ``kv_decode_block_n`` tokens per tile (0, the default:
-    the route's own, 128 factored, 64 in registers; else a power of two in 16..256), ``kv_decode_num_warps`` (a
-    power of two up to 16) and ``kv_decode_num_stages`` (>= 1; 1 by default: a second stage adds no overlap to this
-    loop, only shared memory) of the Triton launch, and the context split (``choose_num_splits``):
-    ``kv_decode_split_waves`` (> 0) waves of programs over the SMs that the split aims for, at most
-    ``kv_decode_max_splits`` splits (>= 1); ``kv_decode_max_registers`` caps the registers per thread (Triton's
-    ``maxnreg``; 0: the compiler's choice; 128, the default, lets 4 programs of 4 warps share an SM where the shared
-    memory allows, at the cost of a few spills). The defaults are the fastest launch of the H200 sweep in
-    docs/benchmark-history.md. Any values give the attention over the dequantized cache to summation order (the tile
-    and the split set that order); ``bench/attention.py`` sweeps them.
+    That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch,
+    ``BF16_LAUNCH``): ``kv_decode_block_n`` tokens per tile (0: the route's own, 128 factored, 64 in registers),
+    ``kv_decode_num_warps`` and ``kv_decode_num_stages`` (1 by default: a second stage adds no overlap to this loop,
+    only shared memory), the context split (``choose_num_splits``) aiming at ``kv_decode_split_waves`` waves of
+    programs over the SMs, at most ``kv_decode_max_splits``, and ``kv_decode_max_registers`` (``maxnreg``; 128 lets
+    4 programs of 4 warps share an SM where the shared memory allows, at the cost of a few spills). The defaults are
+    the fastest launch of the H200 sweep in docs/benchmark-history.md. Any values give the attention over the
+    dequantized cache to summation order (the tile and the split set that order); ``bench/attention.py`` sweeps them.
     ``kv_decode_streams`` (on by default; faster on the H200, BENCHMARKS.md, "Decode attention") runs an FP8-cache
-    decode step on the Gluon kernel of :mod:`~jetrl.quant.kernels.paged_attention_gluon` wherever it applies (bf16
-    queries, ``head_dim`` 128, pages of a multiple of 16 tokens, at most 8 query heads per KV head, a Triton with
-    Gluon), and the Triton kernel above elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams
-    per program (a power of two up to 8), ``kv_decode_stream_stages`` ring slots of 16-token tiles (>= 2: the tile
-    read and ``stages - 1`` in flight; ``stages x warps`` slots of :data:`STREAM_SLOT_BYTES` within
-    :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM (from
-    4,096 tokens of context on; fewer at shorter contexts, :func:`~jetrl.quant.kernels.paged_attention_gluon.
-    num_splits`), at most ``kv_decode_stream_max_splits`` splits, and at most ``kv_decode_stream_max_registers``
-    registers per thread (``maxnreg``; 0: the compiler's choice; 128 lets 16 one-warp programs share an SM). The same
-    attention over the dequantized cache, to summation order.
+    decode step on the Gluon kernel of :mod:`~jetrl.quant.kernels.paged_attention_gluon` wherever it applies
+    (:func:`~jetrl.quant.kernels.paged_attention_gluon.supports`, a Triton with Gluon), and the Triton kernel above
+    elsewhere (or with the field off): ``kv_decode_stream_warps`` warp streams per program,
+    ``kv_decode_stream_stages`` ring slots of 16-token tiles (``stages x warps`` slots of :data:`STREAM_SLOT_BYTES`
+    within :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM
+    (:func:`~jetrl.quant.kernels.paged_attention_gluon.num_splits`), at most ``kv_decode_stream_max_splits``, and
+    ``kv_decode_stream_max_registers`` (``maxnreg``; 128 lets 16 one-warp programs share an SM). The same attention
+    over the dequantized cache, to summation order.
     """
 
     kv_decode_factored: bool = knob(True, "FP8-cache decode attention reads E4M3 tiles into its dots, scales on "
