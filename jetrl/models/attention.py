@@ -4,8 +4,8 @@ Two paths read the same projections of the same weights:
 
 * **Packed** (training, scoring): the sequences of a batch are concatenated into ``N`` rows with
   ``cu_seqlens`` (S+1 cumulative lengths). Attention is block-diagonal causal: a token sees the earlier
-  tokens of its own sequence only. :func:`varlen_attention` runs one causal ``scaled_dot_product_attention``
-  per sequence (flash / memory-efficient kernels on CUDA), so no padding is ever computed.
+  tokens of its own sequence only. :func:`varlen_attention` runs them in one flash-attention launch where it
+  can, else one causal ``scaled_dot_product_attention`` per sequence, so no padding is ever computed.
 * **Paged** (rollout): K/V of every generated token live in fixed-size blocks of a pool owned by the
   rollout engine (:class:`PagedKVCache`); :class:`PagedAttentionMetadata` says, for one engine step,
   where each sequence's blocks are and where the new tokens' K/V go. :func:`paged_attention_reference`
@@ -13,12 +13,10 @@ Two paths read the same projections of the same weights:
   (:func:`jetrl.quant.kernels.paged_attention_triton.paged_decode`) where the seam
   (:func:`jetrl.quant.backend.choose_impl`) picks the kernels: CUDA tensors under the CUDA backend.
 
-Softmax always runs in fp32 inside SDPA (for BF16 inputs the kernels accumulate in fp32). Every SDPA call
-on CUDA runs inside :func:`sdpa_backends`, which leaves out the cuDNN backend: PyTorch may prefer it on
-Hopper, and it builds (and caches) a cuDNN graph for every new sequence length, which is a large cost per new
-length. Packed RL and SFT batches bring new lengths at every step, so that cost never goes away. Flash
-attention (first choice, GQA included) and the other backends need no per-shape setup. The context is entered
-once per attention call (not per sequence): entering it costs host time.
+Softmax always runs in fp32 inside SDPA (for BF16 inputs the kernels accumulate in fp32). Every SDPA call on CUDA
+runs inside :func:`sdpa_backends`, which leaves out the cuDNN backend: it builds (and caches) a cuDNN graph for every
+new sequence length, and packed RL and SFT batches bring new lengths at every step. The context is entered once per
+attention call (not per sequence): entering it costs host time.
 
 **Exact mode** (:mod:`jetrl.quant.exact`) replaces all three (prefill, paged decode, the packed training forward)
 by ONE function, :func:`exact_attention`: each query row walks the keys of its sequence in fixed chunks of
@@ -29,22 +27,15 @@ decode step, a prefill chunk, after a preemption, or in the trainer's packed bat
 must agree: the packed path's backward is the fast one (SDPA's, recomputed).
 
 **FP8 KV cache** (the run config's ``kv_fp8``): the paged cache stores K (after RoPE) and V as E4M3 with one
-power-of-two fp32 scale per token per KV head, i.e. one block of ``1 x head_dim`` values (at head_dim 128 exactly
-the 1x128 activation format of the FP8 linears with UE8M0-style scales, :func:`jetrl.quant.reference.quantize`
-with ``ACT`` and ``pow2_scale=True``), computed from the block's own amax when the token is written
-(:func:`quantize_kv`): no calibration, no stale scales. A token costs ``head_dim + 4`` bytes per KV head and K or V
-instead of ``2 * head_dim``, so the same memory holds about twice the tokens. Attention over such a cache attends
-over ``dequantize_kv(data, scale, q.dtype)``; with power-of-two scales these values are exact in bf16 and fp32
-(:func:`dequantize_kv` says why), which lets each kernel read the cache its own way: exact mode's kernel
-dequantizes every chunk in registers and runs the unchanged BF16 math (bitwise the same kernel over the
-dequantized cache), the decode kernel feeds the E4M3 tiles straight to its dot products and applies the scales to
-their fp32 results (equal to the attention over the dequantized cache to summation order). Under ``jet`` the
-training forward attends over the very same values: ``forward_packed(..., kv_fp8=True)`` passes K and V through
-:func:`fake_quantize_kv` (quantize, dequantize; the gradient goes straight through to the BF16 K and V). If only
-the rollout quantized its K/V, the policy that sampled the tokens and the one that is trained would differ in
-every attention layer (the off-policy gap ``jet`` exists to remove; ``fp8-rollout`` with ``kv_fp8`` is exactly
-that, as a comparison arm); with both sides on the same values, exact mode keeps the rollout's and the trainer's
-log-probabilities bitwise equal.
+power-of-two fp32 scale per token per KV head (:func:`quantize_kv`: from the block's own amax when the token is
+written, no calibration), so a token costs ``head_dim + 4`` bytes per KV head and K or V instead of
+``2 * head_dim``. Attention attends over ``dequantize_kv(data, scale, q.dtype)``, values that are exact in bf16 and
+fp32 (:func:`dequantize_kv` says why), which lets each kernel read the cache its own way: exact mode's kernel
+dequantizes each chunk in registers (bitwise the same kernel over the dequantized cache), the decode kernel feeds
+the E4M3 tiles to its dot products and scales their fp32 results (equal to summation order). Under ``jet`` the
+training forward attends over the very same values (``forward_packed(..., kv_fp8=True)``: :func:`fake_quantize_kv`,
+the gradient straight through), so the policy that sampled the tokens is the one trained (``fp8-rollout`` with
+``kv_fp8`` is the off-policy comparison arm), and exact mode keeps both sides' log-probabilities bitwise equal.
 
 Padding rows (e.g. a CUDA-graph batch padded to a captured size) must still carry a valid slot in
 ``slot_mapping`` (point them at a scratch block the engine never hands out): :func:`write_kv` runs
@@ -76,11 +67,10 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rounded to E4M3, all in fp32. At D = 128 this is bitwise ``jetrl.quant.reference.quantize(x.reshape(-1, 128),
     ACT, pow2_scale=True)``, the activation format of the linears with power-of-two scales.
 
-    The range of ``e``: the amax floor gives ``scale >= RU2(1e-4 / 448) = 2^-22``, a finite fp32 amax
-    ``scale <= 2^120``; an infinite amax gives ``scale = inf`` (that block's data are 0 and NaN, as the reference
-    division gives). Dividing by ``2^e`` is exact (the quotient is a normal fp32 or below E4M3's rounding range), so
-    the only rounding is the one to E4M3, and ``|x / scale| <= 448`` up to the last bit of the fp32 quotient
-    ``amax / 448`` (the clamp catches that bit).
+    The scale ``2^e`` has ``-22 <= e <= 120`` for finite inputs (the amax floor, the fp32 range; an infinite amax gives
+    ``scale = inf`` and data 0 and NaN, as the reference division does). Dividing by it is exact (the quotient is a
+    normal fp32 or below E4M3's rounding range), so the only rounding is the one to E4M3 (the clamp catches the last
+    bit of the fp32 quotient ``amax / 448``).
     """
     if not x.is_floating_point():
         raise TypeError(f"quantize_kv needs a floating-point tensor (N, Hkv, D), got {x.dtype} of shape "
@@ -208,14 +198,13 @@ class PagedKVCache:
             if int(value) <= 0:
                 raise ValueError(f"PagedKVCache.allocate: {name} must be positive, got {value}")
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        pool_dtype = E4M3 if kv_fp8 else dtype
-        k = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
-        v = [torch.zeros(shape, dtype=pool_dtype, device=device) for _ in range(num_layers)]
+
+        def pools(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         if not kv_fp8:
-            return PagedKVCache(k=k, v=v, block_size=block_size)
-        k_scale = [torch.zeros(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
-        v_scale = [torch.zeros(shape[:-1], dtype=torch.float32, device=device) for _ in range(num_layers)]
-        return PagedKVCache(k=k, v=v, block_size=block_size, k_scale=k_scale, v_scale=v_scale)
+            return PagedKVCache(pools(shape, dtype), pools(shape, dtype), block_size)
+        return PagedKVCache(pools(shape, E4M3), pools(shape, E4M3), block_size, pools(shape[:-1], torch.float32),
+                            pools(shape[:-1], torch.float32))
 
     @property
     def is_fp8(self) -> bool:
@@ -224,9 +213,8 @@ class PagedKVCache:
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Layer ``i``'s ``(k, v, k_scale, v_scale)`` (scales None for a cache in the model's dtype)."""
-        if self.k_scale is None:
-            return self.k[i], self.v[i], None, None
-        return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
+        scales = (None, None) if self.k_scale is None else (self.k_scale[i], self.v_scale[i])
+        return self.k[i], self.v[i], *scales
 
     @property
     def num_layers(self) -> int:
@@ -300,9 +288,19 @@ def _row_coordinates(meta: PagedAttentionMetadata, num_rows: int, device: torch.
     return seq_of_row, index_in_seq, qsl
 
 
-def _check_scales(k_cache_layer: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
-    """An E4M3 cache comes with both scale pools, a cache in the model's dtype with none (the bytes alone are not
-    the values: read without their scales they would be attended over silently wrong)."""
+def _seq_lengths(cu_seqlens: list[int], num_rows: int | None = None) -> list[int]:
+    """The sequence lengths of S+1 host offsets; with ``num_rows``, checked to rise from 0 to it."""
+    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    if num_rows is not None and (any(n < 0 for n in lengths) or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_rows):
+        raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({num_rows}), got {cu_seqlens}")
+    return lengths
+
+
+def _paged_dims(q: torch.Tensor, k_cache_layer: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> tuple[int, int, int, int, int]:
+    """``(num_rows, num_heads, head_dim, block_size, num_kv_heads)`` of attention over a paged cache, checked: an E4M3
+    cache comes with both scale pools, a cache in the model's dtype with none (the bytes alone are not the values:
+    read without their scales they would be attended over silently wrong)."""
     if (k_scale is None) != (v_scale is None):
         raise ValueError("attention over an FP8 cache needs both k_scale and v_scale (or neither: a BF16 cache)")
     if (k_cache_layer.dtype == E4M3) != (k_scale is not None):
@@ -311,6 +309,11 @@ def _check_scales(k_cache_layer: torch.Tensor, k_scale: torch.Tensor | None, v_s
     if k_scale is not None and k_scale.shape != k_cache_layer.shape[:-1]:
         raise ValueError(f"k_scale must have the cache's shape without head_dim {tuple(k_cache_layer.shape[:-1])}, "
                          f"got {tuple(k_scale.shape)}")
+    num_rows, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache_layer.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    return num_rows, num_heads, head_dim, block_size, num_kv_heads
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
@@ -325,11 +328,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv): an FP8 cache, whose gathered keys and values are
     dequantized to ``q``'s dtype (:func:`dequantize_kv`) before the same math.
     """
-    _check_scales(k_cache_layer, k_scale, v_scale)
-    num_rows, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache_layer.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    num_rows, num_heads, head_dim, block_size, num_kv_heads = _paged_dims(q, k_cache_layer, k_scale, v_scale)
     device = q.device
     num_seqs, max_blocks = meta.block_tables.shape
     max_q = int(meta.max_query_len)
@@ -437,12 +436,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     each sequence runs one causal SDPA on its own rows. Either way the cost is sum(len^2), never N^2, and
     nothing is padded.
     """
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
-    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-    if any(n < 0 for n in lengths) or cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0]:
-        raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({q.shape[0]}), got {cu_seqlens}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    lengths = _seq_lengths(cu_seqlens, q.shape[0])
     if q.shape[0] and flash_varlen_eligible(q, k):
         if cu_seqlens_device is None:
             cu_seqlens_device = torch.tensor(cu_seqlens, dtype=torch.int32, device=q.device)
@@ -472,9 +468,8 @@ def varlen_attention_on_device(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int],
                                softmax_scale: float) -> torch.Tensor:
     """:func:`varlen_attention` as one causal SDPA per sequence (any device and dtype): its reference."""
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-    gqa = num_heads != num_kv_heads
+    lengths = _seq_lengths(cu_seqlens)
+    gqa = q.shape[1] != k.shape[1]
     out_dtype, dtype = q.dtype, reference_dtype(q)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     with sdpa_backends(q):
@@ -511,11 +506,7 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     An FP8 cache (``k_scale``/``v_scale`` given): each chunk's keys and values are dequantized to ``q``'s dtype
     first (:func:`dequantize_kv`), so the result is bitwise this function over the dequantized cache.
     """
-    _check_scales(k_cache_layer, k_scale, v_scale)
-    num_rows, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache_layer.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    num_rows, num_heads, head_dim, block_size, num_kv_heads = _paged_dims(q, k_cache_layer, k_scale, v_scale)
     device = q.device
     seq_of_row, index_in_seq, qsl = _row_coordinates(meta, num_rows, device)
     q_len = qsl[1:] - qsl[:-1]  # (S,)
@@ -590,7 +581,7 @@ def plan_exact_attention(meta: PagedAttentionMetadata, q_like: torch.Tensor, num
 def packed_as_paged(cu_seqlens: list[int], device: torch.device | str) -> PagedAttentionMetadata:
     """Packed sequences (``cu_seqlens``: S+1 host offsets) as paged metadata over a cache of one-token blocks:
     the packed K (N, Hkv, D) viewed as (N, 1, Hkv, D), sequence s's position j in block ``cu[s] + j``."""
-    lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    lengths = _seq_lengths(cu_seqlens)
     width = max(1, max(lengths))
     starts = torch.tensor(cu_seqlens[:-1], dtype=torch.int64)
     cols = torch.arange(width, dtype=torch.int64)
@@ -629,8 +620,7 @@ def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     """:func:`varlen_attention`'s inputs and result, computed by :func:`exact_attention` (the rollout's function
     and order) over the packed rows; differentiable, with SDPA's backward. ``meta``: ``packed_as_paged(cu_seqlens,
     q.device)`` made once by a caller that attends over the same packing in every layer (None: made here)."""
-    if cu_seqlens[0] != 0 or cu_seqlens[-1] != q.shape[0] or any(b < a for a, b in zip(cu_seqlens, cu_seqlens[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({q.shape[0]}), got {cu_seqlens}")
+    _seq_lengths(cu_seqlens, q.shape[0])
     if q.shape[0] == 0:
         return q.new_zeros(q.shape)
     if meta is None:

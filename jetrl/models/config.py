@@ -203,7 +203,6 @@ class DecoderConfig:
         kwargs["torch_dtype"] = hf.get("torch_dtype", hf.get("dtype"))
         if kwargs.get("head_dim") is None:
             kwargs.pop("head_dim", None)
-        kwargs.setdefault("num_key_value_heads", hf["num_attention_heads"])
         if kwargs.get("num_key_value_heads") is None:
             kwargs["num_key_value_heads"] = hf["num_attention_heads"]
         if model_type != "llama":

@@ -78,10 +78,7 @@ def _inspect(path: str):
     arch = field.contents()
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path} holds a {arch!r} model; jetrl builds {sorted(ARCHITECTURES)} (Llama, Qwen2, Qwen3)")
-    types: dict[str, int] = {}
-    for tensor in reader.tensors:
-        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
-    unsupported = sorted(set(types) - set(DEQUANTIZED_TYPES))
+    unsupported = sorted({tensor.tensor_type.name for tensor in reader.tensors} - set(DEQUANTIZED_TYPES))
     if unsupported:
         raise ValueError(f"{path} has tensors of type {unsupported}, which jetrl does not dequantize (it reads "
                          f"{', '.join(DEQUANTIZED_TYPES)}); convert the model with another quantization type, or "

@@ -11,22 +11,18 @@ No tensor larger than ``chunk_size x vocab`` is created, forward or backward, un
 for the backward (``keep_logits_bytes``: the default on CUDA when they fit in ``KEEP_LOGITS_BYTES``), which
 saves recomputing them: one of the head's four GEMMs.
 
-The per-chunk statistics and logit gradients have two implementations with one dispatch rule
-(the seam, :func:`jetrl.quant.backend.choose_impl`): with the CUDA backend one Triton kernel each way
-(:mod:`jetrl.quant.kernels.logprobs_triton`: the chunk's logits in the model dtype are read once, ~2 bytes of
-extra memory per logit), elsewhere the PyTorch formulas below (fp32 copies: ~14 bytes per logit, e.g.
-512 x 152k vocab: ~1.1 GB). Heads that are not a plain bias-free ``nn.Linear`` take the generic path
-(``model.compute_logits`` under activation checkpointing, per chunk).
+The per-chunk statistics and logit gradients have two implementations, picked by the seam
+(:func:`jetrl.quant.backend.choose_impl`): one Triton kernel each way (:mod:`jetrl.quant.kernels.logprobs_triton`,
+reading the chunk's logits in the model dtype once), or the PyTorch formulas below (fp32 copies). Heads that are not
+a plain bias-free ``nn.Linear`` take the generic path (``model.compute_logits`` per chunk under activation
+checkpointing).
 
 **Exact mode** (``exact=True``, :mod:`jetrl.quant.exact`): the rollout sampler and the trainer compute the
-log-probability with ONE function, :func:`exact_logprobs_from_logits` (per row ``log_softmax(logits / T)`` at
-the target, ``T`` an fp32 tensor on both sides: on CUDA one batch-invariant Triton pass over each row's logits,
-which gives the sampler's fp32 logits and the trainer's bf16 ones of the same values the same bits, elsewhere
-PyTorch's ``log_softmax``), from the logits of the batch-invariant LM head (the values of
-``model.compute_logits(..., exact=True)``), so the two are bitwise equal. A plain head runs the same chunked
-function as fast mode with the exact GEMM for the logits and that function for the statistics; the backward is
-the same hand-written logit gradient (only forward values must match the rollout's). Other heads run
-``compute_logits(exact=True)`` per chunk under activation checkpointing, with that gradient too.
+log-probability with ONE function, :func:`exact_logprobs_from_logits`, from the logits of the batch-invariant LM
+head (the values of ``model.compute_logits(..., exact=True)``), so the two are bitwise equal. A plain head runs the
+chunked function of fast mode with the exact GEMM for the logits and that function for the statistics; other heads
+run ``compute_logits(exact=True)`` per chunk under activation checkpointing. Either way the backward is the
+hand-written logit gradient of fast mode (only forward values must match the rollout's).
 """
 
 from __future__ import annotations
@@ -230,8 +226,8 @@ def _plain_head_weight(model) -> torch.Tensor | None:
     return None
 
 
-def _chunk_logprobs(compute_logits, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
-    lp, ent, _ = chunk_stats_reference(compute_logits(hidden), targets, temperature)
+def _chunk_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    lp, ent, _ = chunk_stats_reference(model.compute_logits(hidden), targets, temperature)
     return lp, ent
 
 
@@ -264,59 +260,42 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     targets = targets.long()
     temperature = float(temperature)
     weight = _plain_head_weight(model)
-    if weight is not None:
-        if weight.dtype != hidden.dtype or weight.device != hidden.device:
-            raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) must match the LM head "
-                             f"({weight.dtype}, {weight.device})")
-        # exact mode: the sampler's rule (device and backend only), so both sides reach the same implementation
-        chosen = choose_impl(hidden, impl, eligible=exact or hidden.dtype in KERNEL_DTYPES, op="logprobs")
-        if check_targets and chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:
-            # the kernels would read past a row (a host sync: ``check_targets=False`` from a caller that checked)
-            raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")
-        size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            budget = keep_logits_bytes if keep_logits_bytes is not None else (
-                KEEP_LOGITS_BYTES if chosen == "triton" else 0)
-            keep = hidden.shape[0] * weight.shape[0] * hidden.element_size() <= budget
-            return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen, keep, exact)
-        with torch.no_grad():
-            return _LMHeadLogprobs.forward(_NoCtx(), hidden, weight, targets, temperature, size, chosen, False,
-                                           exact)
-    if exact:
-        return _exact_logprobs(model, hidden, targets, temperature, chunk_size, impl)
-    size = int(chunk_size or DEFAULT_CHUNK_SIZE)
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
-    lps, ents = [], []
-    for start in range(0, hidden.shape[0], size):
-        h, t = hidden[start:start + size], targets[start:start + size]
-        if recompute:
-            lp, ent = checkpoint(_chunk_logprobs, model.compute_logits, h, t, temperature, use_reentrant=False,
-                                  preserve_rng_state=False)
-        else:
-            lp, ent = _chunk_logprobs(model.compute_logits, h, t, temperature)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty.clone()
-    return torch.cat(lps), torch.cat(ents)
-
-
-def _exact_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    chunk_size: int | None, impl: str | None):
-    """Exact mode for a head that is not a plain ``nn.Linear`` (:func:`_plain_head_weight`): per chunk,
-    ``model.compute_logits(exact=True)`` then :class:`_ExactStats`, under activation checkpointing with grad."""
-    chosen = choose_impl(hidden, impl, op="logprobs")  # resolved once: the backward runs the same implementation
+    if weight is None and not exact:
+        return _chunked(_chunk_logprobs, model, hidden, targets, temperature, int(chunk_size or DEFAULT_CHUNK_SIZE))
+    if weight is not None and (weight.dtype != hidden.dtype or weight.device != hidden.device):
+        raise ValueError(f"hidden ({hidden.dtype}, {hidden.device}) must match the LM head "
+                         f"({weight.dtype}, {weight.device})")
+    # exact mode: the sampler's rule (device and backend only), so both sides reach the same implementation;
+    # resolved once, so a backward runs the same one
+    chosen = choose_impl(hidden, impl, eligible=exact or hidden.dtype in KERNEL_DTYPES, op="logprobs")
     size = int(chunk_size or (FUSED_CHUNK_SIZE if chosen == "triton" else DEFAULT_CHUNK_SIZE))
+    if weight is None:
+        return _chunked(_exact_chunk, model, hidden, targets, temperature, size, chosen)
+    if check_targets and chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:
+        # the kernels would read past a row (a host sync: ``check_targets=False`` from a caller that checked)
+        raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        budget = keep_logits_bytes if keep_logits_bytes is not None else (
+            KEEP_LOGITS_BYTES if chosen == "triton" else 0)
+        keep = hidden.shape[0] * weight.shape[0] * hidden.element_size() <= budget
+        return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen, keep, exact)
+    with torch.no_grad():
+        return _LMHeadLogprobs.forward(_NoCtx(), hidden, weight, targets, temperature, size, chosen, False, exact)
+
+
+def _chunked(chunk_fn, model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, size: int, *args):
+    """The generic path, for a head that is not a plain ``nn.Linear`` (:func:`_plain_head_weight`):
+    ``chunk_fn(model, hidden, targets, temperature, *args) -> (logprob, entropy)`` per chunk of ``size`` rows,
+    under activation checkpointing with grad."""
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     lps, ents = [], []
     for start in range(0, hidden.shape[0], size):
         h, t = hidden[start:start + size], targets[start:start + size]
         if recompute:
-            lp, ent = checkpoint(_exact_chunk, model, h, t, temperature, chosen, use_reentrant=False,
-                                  preserve_rng_state=False)
+            lp, ent = checkpoint(chunk_fn, model, h, t, temperature, *args, use_reentrant=False,
+                                 preserve_rng_state=False)
         else:
-            lp, ent = _exact_chunk(model, h, t, temperature, chosen)
+            lp, ent = chunk_fn(model, h, t, temperature, *args)
         lps.append(lp)
         ents.append(ent)
     if not lps:

@@ -11,10 +11,8 @@ so the Triton forward is bitwise equal to it for bf16, fp16 and fp32. RoPE is li
 ``g * cos + rot^T(g * sin)`` with ``rot^T(v) = cat(v[..., half:], -v[..., :half])``, rounded where autograd
 of the unfused code rounds (each product, then the sum), so it is bitwise equal to that too.
 
-Dispatch (the seam, :func:`jetrl.quant.backend.choose_impl`): CUDA tensors go to the Triton kernel
-(:mod:`jetrl.quant.kernels.rope_triton`) when the FP8 backend for the device is ``"cuda"``; everything else
-runs the reference. ``impl="reference" | "triton"`` forces one (the Triton
-kernel runs on CPU tensors under ``TRITON_INTERPRET=1``).
+Dispatch: :func:`jetrl.quant.backend.choose_impl` (the kernel: :mod:`jetrl.quant.kernels.rope_triton`;
+``impl="reference" | "triton"`` forces one).
 """
 
 from __future__ import annotations
@@ -33,25 +31,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def use_triton(x: torch.Tensor, impl: str | None) -> bool:
-    """Whether ``impl`` (``None`` = automatic, see :func:`jetrl.quant.backend.choose_impl`) selects the kernel."""
-    return choose_impl(x, impl, op="rope") == "triton"
-
-
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+    for name, t, shape in (("q", q, "3-D (N, heads, head_dim)"), ("k", k, "3-D (N, heads, head_dim)"),
+                           ("cos", cos, "2-D (N, head_dim)"), ("sin", sin, "2-D (N, head_dim)")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"apply_rope_qk: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPES:
             raise TypeError(f"apply_rope_qk: {name} must be bfloat16, float16 or float32, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"apply_rope_qk: {name} is on {t.device} but q is on {q.device}")
-    for name, t in (("q", q), ("k", k)):
-        if t.dim() != 3:
-            raise ValueError(f"apply_rope_qk: {name} must be 3-D (N, heads, head_dim), got shape {tuple(t.shape)}")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dim() != 2:
-            raise ValueError(f"apply_rope_qk: {name} must be 2-D (N, head_dim), got shape {tuple(t.shape)}")
+        if t.dim() != int(shape[0]):
+            raise ValueError(f"apply_rope_qk: {name} must be {shape}, got shape {tuple(t.shape)}")
     n, _, d = q.shape
     if k.shape[0] != n or k.shape[2] != d:
         raise ValueError(f"apply_rope_qk: k {tuple(k.shape)} must have q's tokens and head_dim, q is {tuple(q.shape)}")
@@ -92,6 +82,6 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     contiguous tensors and is differentiable in q and k (cos and sin get no gradient).
     """
     _check(q, k, cos, sin)
-    if not use_triton(q, impl):
+    if choose_impl(q, impl, op="rope") != "triton":
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return _RopeQK.apply(q, k, cos, sin)

@@ -4,22 +4,18 @@ Everything above this module (``FP8Linear``, the fused norm and SwiGLU, the mode
 log-probabilities, the rollout sampler, the trainer) asks here; nothing else in jetrl tests ``x.is_cuda`` to
 pick a kernel, or probes a backend for an operation.
 
-**The FP8 backend** (:class:`Fp8Backend`) computes every FP8 operation: ``quantize``, ``requantize`` and ``gemm``
-(and ``add_bias``, a GEMM output's bias), and the fused entry points ``quantize_weight_pair``,
-``quantize_act_and_token`` and ``grouped_gemm``, which the reference backend builds from its basic operations (so
-callers never check whether a backend has them). Two
+**The FP8 backend** (:class:`Fp8Backend`) computes every FP8 operation, the fused entry points included (the
+reference backend builds those from its basic operations, so callers never check whether a backend has them). Two
 backends exist: ``"reference"`` (:class:`ReferenceBackend`, pure PyTorch, any device: the specification) and
-``"cuda"`` (:mod:`jetrl.quant.kernels.cuda_backend`: Triton and Gluon kernels and cuBLAS on Hopper).
-Selection, in order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_BACKEND`` environment variable,
-then ``"auto"`` (the CUDA kernels on a Hopper-or-newer GPU when Triton imports, the reference everywhere else).
+``"cuda"`` (:mod:`jetrl.quant.kernels.cuda_backend`: Triton and Gluon kernels and cuBLAS on Hopper). Selection, in
+order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_BACKEND`` environment variable, then ``"auto"``
+(the CUDA kernels on a Hopper-or-newer GPU when Triton imports, the reference everywhere else).
 
-**The fused kernels** (:data:`FUSED_OPS`: RMSNorm(+residual)(+quantize), SwiGLU(+quantize), RoPE, the LM-head
-log-probabilities, paged decode attention, the seeded sampler, exact mode's attention, the FP8 KV-cache write)
-follow the backend: :func:`choose_impl` says ``"triton"`` (the kernels of :mod:`jetrl.quant.kernels`) where the device's backend has
-``fused_kernels`` (the CUDA backend), ``"reference"`` (the PyTorch formulas, the specification of each kernel)
-elsewhere. So ``JETRL_FP8_BACKEND=reference`` turns every custom kernel off at once. :func:`fused_impl` forces one
-implementation for a block of code; the tests run a whole model through the interpreted kernels on CPU with
-``fused_impl("triton")`` under ``TRITON_INTERPRET=1``.
+**The fused kernels** (:data:`FUSED_OPS`) follow the backend: :func:`choose_impl` says ``"triton"`` (the kernels of
+:mod:`jetrl.quant.kernels`) where the device's backend has ``fused_kernels`` (the CUDA backend), ``"reference"``
+(the PyTorch formulas, the specification of each kernel) elsewhere. So ``JETRL_FP8_BACKEND=reference`` turns every
+custom kernel off at once. :func:`fused_impl` forces one implementation for a block of code; the tests run a whole
+model through the interpreted kernels on CPU with ``fused_impl("triton")`` under ``TRITON_INTERPRET=1``.
 
 **Public FP8 operations**: :func:`quantize`, :func:`dequantize` and :func:`gemm` dispatch through the backend.
 """
@@ -58,9 +54,8 @@ class Fp8Backend(Protocol):
 
     def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool = False, *,
                  whole_blocks: bool = False) -> Fp8Tensor:
-        """``x`` per ``block``. ``whole_blocks``: the quantization of ``x`` with zero rows appended up to a multiple
-        of ``block[0]`` (the same bytes and scales on x's rows: zeros move no block's maximum), so that a GEMM
-        contracting over the rows (WGrad, over tokens) sees whole 128-row blocks whatever x's row count."""
+        """``x`` per ``block``. ``whole_blocks``: that of ``x`` with zero rows up to a multiple of ``block[0]``
+        (:func:`jetrl.quant.reference.pad_to_whole_blocks`: WGrad's operands)."""
         ...
 
     def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False, *,

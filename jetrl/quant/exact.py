@@ -16,8 +16,8 @@ whatever the other rows are.
   fixed-shape ``(EXACT_ROW_CHUNK, K) @ (K, N)`` product per chunk: one shape, so one algorithm, and a row's
   result does not depend on its position in the chunk or on the other rows (the tests check both). The CUDA
   backend runs Triton GEMMs (:mod:`jetrl.quant.kernels.gemm_exact_triton`) with one K split per weight shape:
-  K is cut into S contiguous ranges (S from the weight's (N, K), never from M, so
-  that decode's few rows can fill the GPU, :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`), each range summed in order from zero,
+  K is cut into S contiguous ranges (S from the weight's (N, K), never from M, so that decode's few rows can fill
+  the GPU, :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`), each range summed in order from zero,
   the S partials added in the fixed order 0..S-1 without atomics. What must not vary with M is the arithmetic
   (the K blocks, S, the order of every sum); how the work is spread over programs, tiles and kernels may, and
   does (the splits as separate programs for decode, one program walking them for training, larger tiles from
@@ -26,26 +26,14 @@ whatever the other rows are.
   rows on), since every schedule adds the same fp32 partials in the same order (the GPU tests check each one
   bitwise against the exact kernel).
 * **Attention** (:func:`jetrl.models.attention.exact_attention`): one function for prefill, paged decode and
-  the packed training forward, walking each sequence's keys in fixed chunks of :data:`EXACT_KV_CHUNK`
-  positions from position 0 with an online softmax whose two sums (the probabilities', and their products with
-  V) are MMAs. A decode step runs the kernel with the MMA's operands swapped (keys as rows, heads as columns),
-  which gives the same bits with a fraction of the work.
-* **Row-wise ops** (RMSNorm with its residual add, SwiGLU, RoPE, the 1x128 quantization) read one row each;
-  they stay as they are (tests prove their batch invariance, at several CPU thread counts too), but for one: reading
-  one row is not enough where an op computes an element one way or another by its place in the tensor. ATen's CPU
-  ``silu`` takes the SIMD ``exp`` on whole vectors and the C library's on the leftovers of each contiguous run and
-  of each thread's share, which differ in the last bit, so its bits follow the number of rows and the thread count.
-  Exact mode's SwiGLU therefore runs :func:`jetrl.quant.swiglu.silu` with ``exact`` (the same formula from ops that
-  compute every element alike) on the CPU. For the same reason each sum of the CPU reference of exact attention
-  reduces the innermost, contiguous dimension (an outer reduction's kernel sums a column in an order that depends on
-  the columns its thread is given).
+  the packed training forward, walking each sequence's keys in fixed chunks of :data:`EXACT_KV_CHUNK` positions
+  from position 0 with an online softmax (see its reference for the order).
+* **Row-wise ops** (RMSNorm with its residual add, SwiGLU, RoPE, the 1x128 quantization) read one row each and stay
+  as they are (tests prove their batch invariance, at several CPU thread counts too), except ATen's CPU ``silu``,
+  whose bits depend on an element's place in the tensor: exact mode's SwiGLU runs :func:`jetrl.quant.swiglu.silu`
+  with ``exact`` on the CPU (:mod:`jetrl.quant.swiglu` says why).
 * **The LM head's log-probabilities** (:func:`jetrl.models.logprobs.exact_logprobs_from_logits`): one function
-  for the sampler and the trainer, over the logits of the exact LM head (fp32 in the sampler, the model's dtype in
-  the trainer's chunked head: the same values); on CUDA one Triton pass per row in a fixed configuration whose bits
-  do not depend on that dtype (:func:`jetrl.quant.kernels.logprobs_triton.exact_logprob_stats`), elsewhere
-  PyTorch's per-row ``log_softmax``. The two differ in the last bits, which does not matter: both sides of
-  exact mode reach the same one on a given device. The trainer's backward is the hand-written logit gradient
-  of the fast path.
+  for the sampler and the trainer, over the logits of the exact LM head (:mod:`jetrl.models.logprobs`).
 
 Only forward values must agree: the backward of an exact linear is the ordinary one (:class:`_ExactLinear`).
 
@@ -58,11 +46,10 @@ relative: almost always both sides round to the same E4M3 value, but now and the
 sets its block's scale) sits within an ulp of a rounding boundary and the two sides round to neighbouring
 values, a 2^-3-sized step that moves the token's log-probability by up to about 1e-2. Those flips are rare and
 independent per token, so the *mean* gap stays tiny while the *max* is the largest of many rare events: it
-grows with the number of tokens compared, not with any change to the kernels. A bisection over the repository's
-history on a random 2-layer Qwen3-shaped model (fp32, hidden 128) gives the same bits at every commit since the
-first rollout engine: no change made the gap grow; a small test batch simply sees few flips and a large run many
-(docs/benchmark-history.md has the numbers). The fused RMSNorm and SwiGLU quantization paths produce bitwise the bytes
-the unfused code produces, so they are not a cause. Exact mode removes the flips' cause, the differing orders.
+grows with the number of tokens compared, not with any change to the kernels (a bisection over the repository's
+history gives the same bits at every commit since the first rollout engine; docs/benchmark-history.md). The fused
+RMSNorm and SwiGLU quantization paths produce bitwise the bytes of the unfused code, so they are not a cause.
+Exact mode removes the flips' cause, the differing orders.
 """
 
 from __future__ import annotations
@@ -71,7 +58,7 @@ import torch
 
 from jetrl.quant.backend import get_backend
 from jetrl.quant.formats import Fp8Tensor
-from jetrl.quant.reference import EXACT_KV_CHUNK, EXACT_ROW_CHUNK, row_invariant_matmul
+from jetrl.quant.reference import EXACT_KV_CHUNK, EXACT_ROW_CHUNK, check_gemm_operands, row_invariant_matmul
 
 
 class _ExactLinear(torch.autograd.Function):
@@ -110,8 +97,6 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def exact_fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Blockwise FP8 ``a @ b.T`` (operands as :func:`jetrl.quant.gemm`), batch-invariant in ``a``'s rows."""
-    from jetrl.quant.reference import check_gemm_operands
-
     check_gemm_operands(a, b)
     return get_backend(a.data.device).gemm_exact(a, b, out_dtype)
 

@@ -3,15 +3,11 @@
 with a fused producer's FP8 input, :func:`fp8_input_scaling`), :func:`grouped_linear` and
 :func:`linears_shared_input` (linears that read the same input, as one stacked FP8 linear).
 
-**Unified precision flow.** Rollout and training call this same module on the same weight. Rollout
-reuses the quantized weight cached for the current weight version; training quantizes identically
-(it reads the same cache), so the tokens the policy learns from were produced by exactly the FP8 policy
-that is being trained. The quantized weight is recomputed when the weight changes (its version counter
-moves, e.g. after an optimizer step) or when :meth:`FP8Linear.invalidate_weight_cache` is called; no
-calibration is involved.
-
-Which precision each side runs is set by the recipe (see :mod:`jetrl.quant.recipe`): the module holds
-``fp8_rollout`` and ``fp8_train`` and reads the side from :func:`jetrl.quant.side.current_side`.
+**Unified precision flow.** Rollout and training call this same module on the same weight and read the same
+quantized weight (cached per weight version, :mod:`jetrl.quant.weight_cache`; no calibration), so the tokens the
+policy learns from were produced by exactly the FP8 policy that is being trained. Which precision each side runs is
+set by the recipe (:mod:`jetrl.quant.recipe`): the module holds ``fp8_rollout`` and ``fp8_train`` and reads the
+side from :func:`jetrl.quant.side.current_side`.
 """
 
 from __future__ import annotations
@@ -27,8 +23,8 @@ from jetrl.quant.exact import exact_linear
 from jetrl.quant.formats import ACT, Fp8Tensor
 from jetrl.quant.linear_op import fp8_linear_group
 from jetrl.quant.side import current_side
-from jetrl.quant.weight_cache import (_caches_transpose, _group_cache, _group_weights, _layer_weights,
-                                      _layouts_stack, _member_weights, _WeightCache)
+from jetrl.quant.weight_cache import (_caches_transpose, _group_cache, _group_weights, _layouts_stack,
+                                      _member_weights, _stacked_weights, _WeightCache)
 
 
 class FP8Linear(nn.Linear):
@@ -48,6 +44,7 @@ class FP8Linear(nn.Linear):
         self.fp8_rollout = fp8_rollout
         self.pow2_scale = pow2_scale
         self.check_finite = check_finite
+        # the layer's own FP8 weight and W^T, and the weight keys they are current for (:mod:`~.weight_cache`)
         self._qweight_key: tuple | None = None
         self._qweight: Fp8Tensor | None = None
         self._qweight_t: Fp8Tensor | None = None
@@ -139,11 +136,8 @@ class FP8Linear(nn.Linear):
         """Wrap an existing ``nn.Linear``, sharing its parameters (optimizers and tied weights stay valid)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"FP8Linear.from_linear needs an nn.Linear, got {type(linear).__name__}")
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta", **options)
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new.train(linear.training)
-        return new
+        return _sharing(cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                            **options), linear)
 
     def to_linear(self) -> nn.Linear:
         """A plain ``nn.Linear`` sharing this layer's parameters (not after :meth:`release_weight`: its weight's
@@ -151,11 +145,8 @@ class FP8Linear(nn.Linear):
         if self._master is not None:
             raise ValueError(f"{self!r} dropped its BF16 weight (its values are its optimizer's fp32 master): a plain "
                              f"nn.Linear cannot share it; change the recipe before training starts")
-        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        plain.weight = self.weight
-        plain.bias = self.bias
-        plain.train(self.training)
-        return plain
+        return _sharing(nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta"),
+                        self)
 
     def uses_fp8(self) -> bool:
         """Whether the current side runs this layer in FP8."""
@@ -168,8 +159,7 @@ class FP8Linear(nn.Linear):
         The next use re-quantizes into the same buffers, so their addresses stay fixed and CUDA graphs
         captured by the rollout engine stay valid across optimizer steps.
         """
-        self._qweight_key = None
-        self._cache_epoch += 1
+        self._cache_epoch += 1  # part of weight_key: every cache of this layer's weight goes stale
 
     def weight_key(self) -> tuple:
         """What the quantized weight depends on: the weight's storage and version (the master's after
@@ -179,46 +169,37 @@ class FP8Linear(nn.Linear):
         return (src._version, src.data_ptr(), w.device, w.dtype, tuple(w.shape), self.pow2_scale,
                 selected_backend_name(), self._cache_epoch)
 
+    def _holders(self) -> list:
+        """``(holder, members)`` of each FP8 weight this layer may hold: its own, then each group's it leads."""
+        return [(self, (self,))] + [(cache, cache.modules) for cache in self._group_caches.values()]
+
     def refresh_cached_weights(self) -> None:
         """Re-quantize the weights this layer held (its own, its groups'), into the same buffers."""
-        if self._qweight is not None:
-            self.quantized_weight()
-        for members in list(self._group_caches.values()):
-            if members.qweight is not None:
-                _group_weights(members.modules, with_transpose=False)
+        for holder, members in self._holders():
+            if holder._qweight is not None:
+                _stacked_weights(holder, members, with_transpose=False)
 
     def forward_gemm_weights(self) -> list[GemmWeight]:
         """The FP8 weights this layer's forwards have multiplied so far: its own W where it ran alone, and the
         stacked W of each group it leads (:func:`grouped_linear`) with whether that group has biases."""
-        out = [GemmWeight(self.out_features, self.in_features)] if self._qweight is not None else []
-        for cache in self._group_caches.values():
-            if cache.qweight is not None:
-                out.append(GemmWeight(cache.qweight.shape[0], cache.qweight.shape[1],
-                                      biased_group=cache.modules[0].bias is not None))
-        return out
+        return [GemmWeight(*holder._qweight.shape, biased_group=holder is not self and members[0].bias is not None)
+                for holder, members in self._holders() if holder._qweight is not None]
 
     def cached_fp8_tensors(self) -> list[Fp8Tensor]:
         """The FP8 weights this layer holds: its own W (and W^T), and those of the groups it leads."""
-        held = [self._qweight, self._qweight_t]
-        for cache in self._group_caches.values():
-            held += [cache.qweight, cache.qweight_t]
-        return [q for q in held if q is not None]
+        return [q for holder, _ in self._holders() for q in (holder._qweight, holder._qweight_t) if q is not None]
 
     def current_fp8_tensors(self, transposes: bool = True) -> list[Fp8Tensor]:
         """:meth:`cached_fp8_tensors`, each first brought to the current weight version (re-quantized into its own
         buffers where the weight moved); no copy is made that the layer did not hold. Without ``transposes`` the
         W^T copies are left out of the list (a forward reads W alone): what a captured decode graph reads, and
         where."""
-        if self._qweight is not None:
-            self._cached_weights(with_transpose=self._qweight_t is not None)
-        for cache in list(self._group_caches.values()):
-            if cache.qweight is not None:
-                _group_weights(cache.modules, with_transpose=cache.qweight_t is not None)
-        held = self.cached_fp8_tensors()
+        for holder, members in self._holders():
+            if holder._qweight is not None:
+                _stacked_weights(holder, members, with_transpose=holder._qweight_t is not None)
         if transposes:
-            return held
-        forward = [self._qweight] + [c.qweight for c in self._group_caches.values()]
-        return [q for q in held if any(q is f for f in forward)]
+            return self.cached_fp8_tensors()
+        return [holder._qweight for holder, _ in self._holders() if holder._qweight is not None]
 
     def quantized_weight(self) -> Fp8Tensor:
         """The (128, 128)-block FP8 weight for the current weight version, quantized at most once."""
@@ -227,7 +208,7 @@ class FP8Linear(nn.Linear):
     def _cached_weights(self, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
         """W's FP8 form (and W^T's with ``with_transpose``) for the current weight version (the layer's cache,
         :mod:`jetrl.quant.weight_cache`)."""
-        return _layer_weights(self, with_transpose)
+        return _stacked_weights(self, (self,), with_transpose)
 
     def forward(self, x: torch.Tensor, x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> torch.Tensor:
         """``x`` (..., in_features). ``x_fp8``: x flattened to 2-D and quantized per 1x128 with this layer's
@@ -259,6 +240,12 @@ class FP8Linear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, fp8_train={self.fp8_train}, fp8_rollout={self.fp8_rollout}"
                 + (", pow2_scale=True" if self.pow2_scale else ""))
+
+
+def _sharing(new: nn.Linear, old: nn.Linear) -> nn.Linear:
+    """``new`` (built on the meta device) holding ``old``'s parameters, in ``old``'s training mode."""
+    new.weight, new.bias = old.weight, old.bias
+    return new.train(old.training)
 
 
 def fp8_input_scaling(*modules: nn.Module) -> bool | None:

@@ -11,10 +11,9 @@ step, and jetrl runs all three in E4M3 with fp32 block scales:
   scales, no re-quantization) give W^T's quantized form, so DGrad reads *the same* FP8 weight as Fprop.
 * **WGrad** ``dW = dy^T @ x``: the contraction runs over tokens, so both operands are grouped by 128
   tokens: dy quantized per (128, 1), and the *FP8* input saved by Fprop re-quantized to (128, 1). The
-  BF16 input is never saved: activations live in FP8 between forward and backward. Both operands are
-  made with zero token rows up to a multiple of 128 (``whole_blocks``): the same bytes on the real tokens,
-  zeros that add nothing to dW, and a contraction of whole blocks, which the fast blockwise GEMM needs, at
-  any token count.
+  BF16 input is never saved: activations live in FP8 between forward and backward. Both operands get zero
+  token rows up to a multiple of 128 (``whole_blocks``), so the contraction runs over whole blocks, which the
+  fast blockwise GEMM needs, at any token count (zeros add nothing to dW).
 
 Gradients flow between ops in BF16; the master weight stays BF16 (its gradient is in its dtype).
 """
@@ -108,10 +107,8 @@ def _dgrad(backend, qg: Fp8Tensor, w_data, w_scale, wt_data, wt_scale, x_dtype: 
 
 
 def _wgrad(backend, qg_tok: Fp8Tensor, x_data, x_scale, pow2_scale: bool, weight_dtype: torch.dtype) -> torch.Tensor:
-    """WGrad: dy^T @ x, both grouped by 128 tokens, (N, K). Both operands are quantized with zero rows up to M' (M
-    rounded up to 128; ``qg_tok`` made with ``whole_blocks``): the same bytes and scales on the M tokens, and zeros
-    add nothing to dW, so the GEMM's contraction runs over whole 128-token blocks (cuBLAS's blockwise rule) whatever
-    the micro-batch's token count."""
+    """WGrad: dy^T @ x, both grouped by 128 tokens, (N, K); both operands with zero rows up to M' (M rounded up to
+    128, ``whole_blocks``; ``qg_tok`` made so), as the module doc says."""
     qx_tok = backend.requantize(Fp8Tensor(x_data, x_scale, ACT), TOKEN, pow2_scale, whole_blocks=True).t()  # (K, M')
     return backend.gemm(qg_tok.t(), qx_tok, out_dtype=weight_dtype)  # (N, M') @ (K, M')^T
 

@@ -51,12 +51,9 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     if residual is not None:
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"rms_norm: residual must be a torch.Tensor or None, got {type(residual).__name__}")
-        if residual.shape != x.shape:
-            raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"rms_norm: residual dtype {residual.dtype} differs from x dtype {x.dtype}")
-        if residual.device != x.device:
-            raise ValueError(f"rms_norm: residual is on {residual.device} but x is on {x.device}")
+        for what, error in (("shape", ValueError), ("dtype", TypeError), ("device", ValueError)):
+            if getattr(residual, what) != getattr(x, what):
+                raise error(f"rms_norm: residual {what} {getattr(residual, what)} differs from x's {getattr(x, what)}")
 
 
 def rms_norm_reference(
@@ -74,9 +71,7 @@ def rms_norm_reference(
     h32 = h.float()
     normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
     out = weight * normed
-    out_fp8 = None
-    if quantize:
-        out_fp8 = reference.quantize_tensor(out.detach().reshape(-1, out.shape[-1]), ACT, pow2_scale)
+    out_fp8 = reference.quantize_tensor(out.detach().reshape(-1, out.shape[-1]), ACT, pow2_scale) if quantize else None
     return NormOutput(out, h if residual is not None else None, out_fp8)
 
 

@@ -63,11 +63,11 @@ RECIPES: dict[str, PrecisionRecipe] = {
 
 def get_recipe(recipe: str | PrecisionRecipe, **overrides) -> PrecisionRecipe:
     """Look a recipe up by name (``"bf16" | "fp8-rollout" | "jet"``) or pass one through."""
-    if isinstance(recipe, PrecisionRecipe):
-        return replace(recipe, **overrides) if overrides else recipe
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown precision recipe {recipe!r}; choose one of {sorted(RECIPES)}")
-    return replace(RECIPES[recipe], **overrides) if overrides else RECIPES[recipe]
+    if not isinstance(recipe, PrecisionRecipe):
+        if recipe not in RECIPES:
+            raise ValueError(f"unknown precision recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+        recipe = RECIPES[recipe]
+    return replace(recipe, **overrides) if overrides else recipe
 
 
 def kv_fp8_train(recipe: str | PrecisionRecipe, kv_fp8: bool) -> bool:

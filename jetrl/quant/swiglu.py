@@ -11,21 +11,15 @@ the dtype, the product rounded to the dtype, the FP8 taken of that rounded produ
 where autograd of the unfused code rounds, so training sees the same gradients with or without fusion.
 
 **Exact mode** (``exact=True``, :mod:`jetrl.quant.exact`) needs silu batch-invariant, and ATen's CPU ``F.silu`` is
-not: its loop computes ``x / (1 + exp(-x))`` with the SIMD ``exp`` on whole vectors but with the C library's
-``exp`` on the elements left over at the end of each contiguous run (fewer than two vectors), on strided inputs,
-and at the ends of the ranges that several threads split a large tensor into. The two ``exp`` differ in the last
-bit for a few percent of inputs, so an element's bits depend on where it lands in the tensor: on the number of rows
-and, with several threads, on how that number divides among them (in fp32 nothing rounds the difference away: the
-engine's and the trainer's log-probabilities then differ by an ulp). With ``exact`` the reference on the CPU
-computes the formula from ops that evaluate every element alike (:func:`silu`): ``torch.exp`` (one vector-math
-function over the whole buffer, leftover elements included; strided inputs through a contiguous buffer), a
-negation, an addition and an IEEE division, in fp32, rounded to the dtype once; the backward is ATen's
-``silu_backward``, as under ``F.silu``. Fast mode keeps ``F.silu`` (its CPU numerics unchanged); so does CUDA,
-where ``F.silu`` and the kernels compute every element alike.
+not: it takes the SIMD ``exp`` on whole vectors but the C library's on the leftovers of each contiguous run, on
+strided inputs and at the ends of each thread's range. The two differ in the last bit for a few percent of inputs,
+so an element's bits follow the number of rows and the thread count (in fp32 nothing rounds that away: the
+engine's and the trainer's log-probabilities then differ by an ulp). With ``exact`` the CPU reference computes
+:func:`silu` from ops that evaluate every element alike (``torch.exp`` over one contiguous buffer, a negation, an
+addition and an IEEE division, in fp32, rounded to the dtype once; the backward is ATen's ``silu_backward``, as
+under ``F.silu``). Fast mode and CUDA, where every element is computed alike, keep ``F.silu``.
 
-Dispatch (:func:`jetrl.quant.backend.choose_impl`): CUDA tensors go to the Triton kernels when the FP8 backend
-for the device is ``"cuda"``; everything else runs the reference. ``impl="reference" | "triton"`` forces one (the Triton
-kernels run on CPU tensors under ``TRITON_INTERPRET=1``).
+Dispatch: :func:`jetrl.quant.backend.choose_impl` (``impl="reference" | "triton"`` forces one).
 """
 
 from __future__ import annotations
@@ -38,11 +32,6 @@ from jetrl.quant.backend import choose_impl, keeps_forward_context
 from jetrl.quant.formats import ACT, Fp8Tensor
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def use_triton(x: torch.Tensor, impl: str | None) -> bool:
-    """Whether ``impl`` (``None`` = automatic, see :func:`jetrl.quant.backend.choose_impl`) selects the kernels."""
-    return choose_impl(x, impl, op="swiglu") == "triton"
 
 
 class _SiLU(torch.autograd.Function):
@@ -62,9 +51,8 @@ class _SiLU(torch.autograd.Function):
 
 
 def silu(x: torch.Tensor, exact: bool = False) -> torch.Tensor:
-    """``F.silu(x)``; ``exact``: batch-invariant, an element's bits depending on its value alone (not on its position
-    in ``x``, ``x``'s size or strides, or the thread count): on the CPU the formula from ops that compute every element
-    alike (ATen's CPU ``F.silu`` does not, see the module doc), elsewhere ``F.silu``."""
+    """``F.silu(x)``; ``exact``: batch-invariant, an element's bits depending on its value alone (on the CPU
+    :class:`_SiLU`, see the module doc)."""
     return _SiLU.apply(x) if exact and x.device.type == "cpu" else F.silu(x)
 
 
@@ -96,18 +84,29 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
 
 
+def _halves(a: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)``, or with ``b`` None the two halves of ``a``'s columns (``cat([gate, up], -1)``)."""
+    if b is not None:
+        return a, b
+    k = a.shape[1] // 2
+    return a[:, :k], a[:, k:]
+
+
 @keeps_forward_context  # the backward kernels read the forward's tuning on autograd's CUDA threads too
 class _SwiGLU(torch.autograd.Function):
-    """Triton forward/backward of ``silu(gate) * up`` on 2-D inputs; the FP8 outputs carry no gradient."""
+    """Triton forward/backward of ``silu(gate) * up`` on 2-D inputs ``gate`` and ``up``, or with ``up`` None on one
+    (M, 2K) input ``cat([gate, up], -1)``, whose gradient is then one (M, 2K) tensor. The FP8 outputs carry no
+    gradient."""
 
     @staticmethod
-    def forward(ctx, gate, up, quantize: bool, pow2_scale: bool, fp8_only: bool):
+    def forward(ctx, a, b, quantize: bool, pow2_scale: bool, fp8_only: bool):
         from jetrl.quant.kernels import swiglu_triton
 
+        gate, up = _halves(a, b)
         out, data, scale = swiglu_triton.swiglu_fwd(gate, up, quantize, pow2_scale, write_out=not fp8_only)
         if out is None:
             out = _unwritten(gate)
-        ctx.save_for_backward(gate, up)
+        ctx.save_for_backward(a, b)
         if quantize:
             ctx.mark_non_differentiable(data, scale)
         return out, data, scale
@@ -116,40 +115,11 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad, _grad_data, _grad_scale):
         from jetrl.quant.kernels import swiglu_triton
 
-        gate, up = ctx.saved_tensors
-        d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        d_up = torch.empty(up.shape, dtype=up.dtype, device=up.device)
-        swiglu_triton.swiglu_bwd(_rows(grad), gate, up, d_gate, d_up)
-        return d_gate, d_up, None, None, None
-
-
-@keeps_forward_context  # the backward kernels read the forward's tuning on autograd's CUDA threads too
-class _SwiGLUPacked(torch.autograd.Function):
-    """As :class:`_SwiGLU` for one (M, 2K) input ``cat([gate, up], -1)``; its gradient is one (M, 2K) tensor."""
-
-    @staticmethod
-    def forward(ctx, gate_up, quantize: bool, pow2_scale: bool, fp8_only: bool):
-        from jetrl.quant.kernels import swiglu_triton
-
-        k = gate_up.shape[1] // 2
-        out, data, scale = swiglu_triton.swiglu_fwd(gate_up[:, :k], gate_up[:, k:], quantize, pow2_scale,
-                                                    write_out=not fp8_only)
-        if out is None:
-            out = _unwritten(gate_up[:, :k])
-        ctx.save_for_backward(gate_up)
-        if quantize:
-            ctx.mark_non_differentiable(data, scale)
-        return out, data, scale
-
-    @staticmethod
-    def backward(ctx, grad, _grad_data, _grad_scale):
-        from jetrl.quant.kernels import swiglu_triton
-
-        (gate_up,) = ctx.saved_tensors
-        k = gate_up.shape[1] // 2
-        d = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
-        swiglu_triton.swiglu_bwd(_rows(grad), gate_up[:, :k], gate_up[:, k:], d[:, :k], d[:, k:])
-        return d, None, None, None
+        a, b = ctx.saved_tensors
+        d_a = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+        d_b = None if b is None else torch.empty(b.shape, dtype=b.dtype, device=b.device)
+        swiglu_triton.swiglu_bwd(_rows(grad), *_halves(a, b), *_halves(d_a, d_b))
+        return d_a, d_b, None, None, None
 
 
 def _unwritten(like: torch.Tensor) -> torch.Tensor:
@@ -158,27 +128,20 @@ def _unwritten(like: torch.Tensor) -> torch.Tensor:
     return torch.full((), float("nan"), dtype=like.dtype, device=like.device).expand(like.shape)
 
 
-def _finish(out2d: torch.Tensor, data, scale, lead_shape, quantize: bool):
-    out = out2d.reshape(*lead_shape, out2d.shape[-1])
-    return out, (Fp8Tensor(data, scale, ACT) if quantize else None)
-
-
-def _fp8_only(fp8_only: bool, quantize: bool) -> bool:
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, gate_up: torch.Tensor | None, quantize: bool, pow2_scale: bool,
+            fp8_only: bool, impl: str | None, exact: bool) -> tuple[torch.Tensor, Fp8Tensor | None]:
+    """:func:`swiglu`; ``gate_up``: the packed input whose halves ``gate`` and ``up`` are (None: two tensors)."""
+    _check_pair(gate, up)
     if fp8_only and not quantize:
         raise ValueError("swiglu: fp8_only=True needs quantize=True (the FP8 output is the only one written)")
-    return bool(fp8_only)
-
-
-def _reference_out(out: torch.Tensor, fp8_only: bool) -> torch.Tensor:
-    """The reference's ``out``; under ``fp8_only`` NaN everywhere like the kernels' unwritten one (``out + NaN``:
-    the gradient still flows as through ``out``)."""
-    return out + _unwritten(out) if fp8_only else out
-
-
-def _reference_fp8(out: torch.Tensor, quantize: bool, pow2_scale: bool) -> Fp8Tensor | None:
-    if not quantize:
-        return None
-    return reference.quantize_tensor(out.detach().reshape(-1, out.shape[-1]), ACT, pow2_scale)
+    if choose_impl(gate, impl, op="swiglu") != "triton":
+        out = swiglu_reference(gate, up, exact)
+        fp8 = reference.quantize_tensor(out.detach().reshape(-1, out.shape[-1]), ACT, pow2_scale) if quantize else None
+        # under fp8_only NaN everywhere like the kernels' unwritten out (``out + NaN``: the gradient still flows)
+        return (out + _unwritten(out) if fp8_only else out), fp8
+    a, b = (_rows(gate), _rows(up)) if gate_up is None else (_rows(gate_up), None)
+    out, data, scale = _SwiGLU.apply(a, b, quantize, pow2_scale, bool(fp8_only))
+    return out.reshape(*gate.shape[:-1], out.shape[-1]), (Fp8Tensor(data, scale, ACT) if quantize else None)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, quantize: bool = False, pow2_scale: bool = False,
@@ -195,13 +158,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, quantize: bool = False, pow2
     the BF16 product is not written: ``out`` then reads NaN everywhere (one NaN broadcast on the kernels' path; the
     product plus NaN on the reference's), and it stays differentiable: the gradient flows as through the product.
     """
-    _check_pair(gate, up)
-    fp8_only = _fp8_only(fp8_only, quantize)
-    if not use_triton(gate, impl):
-        out = swiglu_reference(gate, up, exact)
-        return _reference_out(out, fp8_only), _reference_fp8(out, quantize, pow2_scale)
-    out, data, scale = _SwiGLU.apply(_rows(gate), _rows(up), quantize, pow2_scale, fp8_only)
-    return _finish(out, data, scale, gate.shape[:-1], quantize)
+    return _swiglu(gate, up, None, quantize, pow2_scale, fp8_only, impl, exact)
 
 
 def swiglu_packed(gate_up: torch.Tensor, *, quantize: bool = False, pow2_scale: bool = False,
@@ -218,10 +175,4 @@ def swiglu_packed(gate_up: torch.Tensor, *, quantize: bool = False, pow2_scale: 
         raise ValueError(f"swiglu_packed: gate_up's last dimension must be even (gate and up side by side), "
                          f"got shape {tuple(gate_up.shape)}")
     k = gate_up.shape[-1] // 2
-    _check_pair(gate_up[..., :k], gate_up[..., k:])
-    fp8_only = _fp8_only(fp8_only, quantize)
-    if not use_triton(gate_up, impl):
-        out = swiglu_reference(gate_up[..., :k], gate_up[..., k:], exact)
-        return _reference_out(out, fp8_only), _reference_fp8(out, quantize, pow2_scale)
-    out, data, scale = _SwiGLUPacked.apply(_rows(gate_up), quantize, pow2_scale, fp8_only)
-    return _finish(out, data, scale, gate_up.shape[:-1], quantize)
+    return _swiglu(gate_up[..., :k], gate_up[..., k:], gate_up, quantize, pow2_scale, fp8_only, impl, exact)

@@ -40,43 +40,50 @@ def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | Non
     return old
 
 
-def _layer_weights(layer: nn.Linear, with_transpose: bool) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """The layer's own FP8 weight (and W^T with row-major data, with ``with_transpose``) for its current weight
-    version, quantized at most once per version, in the same buffers across versions; held by the layer
-    (``_qweight``, ``_qweight_t``, current while ``_qweight_key`` is its ``weight_key()``)."""
-    key = layer.weight_key()
-    q, q_t = layer._qweight, layer._qweight_t
-    if layer._qweight_key == key and q is not None and (q_t is not None or not with_transpose):
+def _stacked_weights(holder, modules: tuple[nn.Linear, ...], with_transpose: bool,
+                     key: tuple | None = None) -> tuple[Fp8Tensor, Fp8Tensor | None]:
+    """The FP8 weight of ``modules`` stacked along the output dim (one layer: its own weight), and W^T's with
+    row-major data with ``with_transpose``, for their current weights: quantized at most once per weight version,
+    in the same buffers across versions (stable addresses for the rollout's CUDA graphs). Tiles never straddle two
+    members (widths of whole tiles), so each member's rows are bitwise that member's own quantization. Held by
+    ``holder`` (the layer itself, or the group's :class:`_WeightCache`) in ``_qweight`` and ``_qweight_t``, current
+    while ``_qweight_key`` is the members' weight keys (``key``, where the caller has them)."""
+    if key is None:
+        key = tuple(m.weight_key() for m in modules)
+    q, q_t = holder._qweight, holder._qweight_t
+    if holder._qweight_key == key and q is not None and (q_t is not None or not with_transpose):
         return q, q_t  # current: every call after the first per weight version
     stale_q = stale_t = None
-    if layer._qweight_key != key:
-        stale_q, stale_t = layer._qweight, layer._qweight_t
-        layer._qweight = layer._qweight_t = None
-        layer._qweight_key = key
-    backend = get_backend(layer.weight.device)
+    if holder._qweight_key != key:
+        stale_q, stale_t = q, q_t
+        holder._qweight = holder._qweight_t = None
+        holder._qweight_key = key
+    first = modules[0]
+    backend = get_backend(first.weight.device)
     with torch.no_grad():
-        if with_transpose and layer._qweight_t is None:
-            if layer._qweight is None:  # W and W^T from one read of the weight
-                layer._qweight, layer._qweight_t = backend.quantize_weight_pair(layer.weight_values(),
-                                                                               layer.pow2_scale)
+        if holder._qweight is None:
+            w = torch.cat([m.weight_values() for m in modules]) if len(modules) > 1 else first.weight_values()
+            if with_transpose:  # W and W^T from one read of the weight
+                q, q_t = backend.quantize_weight_pair(w, first.pow2_scale)
+                holder._qweight_t = _write_into(stale_t, q_t)
             else:
-                layer._qweight_t = backend.transpose_weight(layer._qweight)
-        elif layer._qweight is None:
-            layer._qweight = backend.quantize(layer.weight_values(), WEIGHT, layer.pow2_scale)
-        layer._qweight = _write_into(stale_q, layer._qweight)
-        layer._qweight_t = _write_into(stale_t, layer._qweight_t)
-    return layer._qweight, layer._qweight_t
+                q = backend.quantize(w, WEIGHT, first.pow2_scale)
+            holder._qweight = _write_into(stale_q, q)
+        elif with_transpose:  # W^T from W's tiles, without reading the weight again
+            holder._qweight_t = backend.transpose_weight(holder._qweight)
+    return holder._qweight, holder._qweight_t
 
 
 class _WeightCache:
-    """The FP8 weights of a group of linears sharing an input, stacked along the output dim: W (sum N, K) and, once a
-    grad-enabled forward asked for it, W^T with row-major data; with the member layers (for re-quantization)."""
+    """The FP8 weights of a group of linears sharing an input, stacked along the output dim (held as a layer holds
+    its own, :func:`_stacked_weights`): W (sum N, K) and, once a grad-enabled forward asked for it, W^T; with the
+    member layers (for re-quantization)."""
 
     def __init__(self, modules: tuple[nn.Linear, ...]) -> None:
         self.modules = modules
-        self.key: tuple | None = None
-        self.qweight: Fp8Tensor | None = None
-        self.qweight_t: Fp8Tensor | None = None
+        self._qweight_key: tuple | None = None
+        self._qweight: Fp8Tensor | None = None
+        self._qweight_t: Fp8Tensor | None = None
         # whether the members' layouts stack (:func:`_layouts_stack`), for the weight keys and biases it was decided on
         self.layout: tuple | None = None
         self.stacks = False
@@ -93,41 +100,17 @@ def _layouts_stack(modules: tuple[nn.Linear, ...]) -> bool:
 
 def _group_cache(modules: tuple[nn.Linear, ...]) -> _WeightCache:
     """The group's cache, kept by its first member under the members' ids."""
-    first = modules[0]
     ids = tuple(id(m) for m in modules)
-    cache = first._group_caches.get(ids)
+    cache = modules[0]._group_caches.get(ids)
     if cache is None:
-        cache = first._group_caches[ids] = _WeightCache(modules)
+        cache = modules[0]._group_caches[ids] = _WeightCache(modules)
     return cache
 
 
 def _group_weights(modules: tuple[nn.Linear, ...], with_transpose: bool,
                    key: tuple | None = None) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """The stacked FP8 weight of ``modules`` (and its transpose with ``with_transpose``) for their current weights,
-    quantized at most once per weight version, in the same buffers across versions (stable addresses for the
-    rollout's CUDA graphs). Tiles never straddle two members (widths of whole tiles), so each member's rows are
-    bitwise that member's own quantization. ``key``: the members' weight keys, where the caller has them."""
-    first = modules[0]
-    cache = _group_cache(modules)
-    if key is None:
-        key = tuple(m.weight_key() for m in modules)
-    stale_q = stale_t = None
-    if cache.key != key:
-        stale_q, stale_t = cache.qweight, cache.qweight_t
-        cache.qweight = cache.qweight_t = None
-        cache.key = key
-    need_t = with_transpose and cache.qweight_t is None
-    if cache.qweight is None or need_t:
-        backend = get_backend(first.weight.device)
-        with torch.no_grad():
-            stacked = torch.cat([m.weight_values() for m in modules])
-            if need_t:  # W and W^T from one read (W's bytes rewritten, the same, where it was already made)
-                qweight, qweight_t = backend.quantize_weight_pair(stacked, first.pow2_scale)
-                cache.qweight_t = _write_into(stale_t, qweight_t)
-            else:
-                qweight = backend.quantize(stacked, WEIGHT, first.pow2_scale)
-            cache.qweight = _write_into(cache.qweight if cache.qweight is not None else stale_q, qweight)
-    return cache.qweight, cache.qweight_t
+    """The group's stacked FP8 weight (and W^T), held by its cache (:func:`_stacked_weights`)."""
+    return _stacked_weights(_group_cache(modules), modules, with_transpose, key)
 
 
 def _member_weights(qweight: Fp8Tensor, modules: tuple[nn.Linear, ...]) -> list[Fp8Tensor]:

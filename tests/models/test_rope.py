@@ -12,11 +12,18 @@ import pytest
 import torch
 
 from jetrl.models import transformer
-from jetrl.models.rope import apply_rope, apply_rope_qk, use_triton
+from jetrl.models.rope import apply_rope, apply_rope_qk
+from jetrl.quant.backend import choose_impl
 
 from interpreted import run_interpreted
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def use_triton(x, impl):
+    """Whether the seam picks the kernels for this op."""
+    return choose_impl(x, impl, op="rope") == "triton"
+
 
 
 def _cos_sin(n: int, d: int, dtype: torch.dtype, gen: torch.Generator, device="cpu"):

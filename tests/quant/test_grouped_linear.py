@@ -94,7 +94,7 @@ def test_eager_refresh_requantizes_the_group_only():
             layer.weight.data.mul_(-1.0)  # behind autograd's back: the version counter does not move
     assert refresh_fp8_weights(model, eager=True) == 2
     cache = next(iter(layers[0]._group_caches.values()))
-    assert cache.key == tuple(layer.weight_key() for layer in layers)  # fresh: made by the refresh
+    assert cache._qweight_key == tuple(layer.weight_key() for layer in layers)  # fresh: made by the refresh
     with torch.no_grad():
         after = grouped_linear(layers, x)
     assert torch.allclose(after, -before, rtol=1e-6, atol=1e-7)
@@ -156,7 +156,7 @@ def test_without_a_cached_transpose_the_gradients_are_the_same_bits(grouped):
         grads = [x.grad] + [p.grad for layer in layers for p in (layer.weight, layer.bias)]
         assert all(torch.isfinite(g).all() for g in grads)
         if grouped:
-            held = [c.qweight_t for c in layers[0]._group_caches.values()]
+            held = [c._qweight_t for c in layers[0]._group_caches.values()]
         else:
             held = [layer._qweight_t for layer in layers]
         assert all((t is not None) == cache for t in held), held

@@ -15,11 +15,18 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.quant import reference as R
-from jetrl.quant.swiglu import swiglu, swiglu_packed, swiglu_reference, use_triton
+from jetrl.quant.backend import choose_impl
+from jetrl.quant.swiglu import swiglu, swiglu_packed, swiglu_reference
 
 from interpreted import run_interpreted
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def use_triton(x, impl):
+    """Whether the seam picks the kernels for this op."""
+    return choose_impl(x, impl, op="swiglu") == "triton"
+
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
