@@ -14,9 +14,8 @@ place.
 
 Loading runs no code from the folder. DCP reads its ``.metadata`` with plain ``pickle`` and non-tensor
 entries with ``torch.load(weights_only=False)``, either of which would run whatever a crafted file asks
-for. So :func:`save_sharded` accepts tensors only (no pickled entries are ever written), and
-:func:`load_sharded` first unpickles ``.metadata`` with an allow-list of the metadata classes DCP writes
-(:func:`check_metadata`), refusing any other global and any non-tensor entry, before DCP reads it.
+for. So :func:`save_sharded` accepts tensors only, and :func:`load_sharded` checks ``.metadata`` first
+(:func:`check_metadata`).
 
 Both functions are collective: every rank calls them with the same folder (on a file system every rank
 sees). One process without a process group is the one-rank case. A failed write (a full disk) is a
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -51,7 +51,7 @@ def save_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     _check_tensors_only(state)
     with _one_process_is_intended():
         try:
-            dcp.save(state, checkpoint_id=str(folder), no_dist=not _distributed())
+            dcp.save(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
         except CheckpointException as e:  # a BaseException, which carries every failed rank's traceback
             raise ShardedWriteError(f"writing {folder} failed on rank(s) {sorted(e.failures)}: "
                                     f"{_first_failure(e)}") from e
@@ -73,7 +73,7 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     if optimizer_state is not None:
         state["optim"] = optimizer_state
     with _one_process_is_intended():
-        dcp.load(state, checkpoint_id=str(folder), no_dist=not _distributed())
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     if optimizer_state is not None:
         _copy_into(optimizer_state, state["optim"])
@@ -143,13 +143,6 @@ def _check_tensors_only(state: Any, prefix: str = "") -> None:
                         f"(store it as a tensor, or in the trainer state)")
 
 
-def _distributed() -> bool:
-    """Whether a process group exists (one process without torchrun has none: DCP then runs locally)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 @contextlib.contextmanager
 def _one_process_is_intended() -> Iterator[None]:
     """Silence DCP's warning that it runs without a process group: one process is a supported case."""
@@ -169,4 +162,5 @@ def _copy_into(target: dict[str, Any], loaded: dict[str, Any]) -> None:
             target[key].copy_(value)
 
 
-__all__ = ["save_sharded", "load_sharded", "check_metadata", "UnsafeCheckpointError", "ShardedWriteError", "SHARDED_SUBDIR"]
+__all__ = ["save_sharded", "load_sharded", "check_metadata", "UnsafeCheckpointError", "ShardedWriteError",
+           "SHARDED_SUBDIR"]

@@ -9,9 +9,6 @@ optimizer then works on those slices (fp32 master weights and moments sharded wi
 *summed* over ranks (divide factor 1): the trainer normalises every rank's loss by the whole mini-batch's
 token / sequence counts, so the sum is exactly the one-process gradient of the same global batch.
 
-The trainer calls ``forward_packed`` (training) and the engine ``forward_paged`` (rollout) rather than
-``forward``; both are registered as FSDP forward methods so the root gathers its parameters for them.
-
 **FP8.** An :class:`jetrl.quant.FP8Linear` quantizes ``self.weight`` inside its forward, which under
 FSDP2 is the all-gathered BF16 weight: the FP8 bytes and scales are bitwise those of one process (the
 same tensor, the same quantizer). Quantizing after the gather costs the gather in BF16 (2 bytes per
@@ -20,8 +17,6 @@ parameter); its alternative, gathering each rank's locally quantized 128-row blo
 **Rollout.** :func:`full_weights` gathers every parameter once and keeps it gathered while the engine
 generates (no per-block gather at every decode step), then frees it; in the FP8 recipes the first use
 of each ``FP8Linear`` quantizes the full weight into its cache, which is what the engine reads.
-
-On one rank (no mesh) :func:`shard_model` and :func:`full_weights` do nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +29,8 @@ import torch.nn as nn
 from jetrl.parallel.mesh import ParallelContext
 from jetrl.quant import refresh_fp8_weights
 
-# the model's forward methods besides ``forward`` (see the module doc)
+# the model's forward methods besides ``forward`` (the trainer's and the engine's), registered with FSDP so that the
+# root gathers its parameters for them
 FORWARD_METHODS = ("forward_packed", "forward_paged")
 
 

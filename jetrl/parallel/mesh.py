@@ -17,8 +17,7 @@ A process started without torchrun is the one-rank case of the same code: :class
 ``world_size == 1``, no process group and no mesh; every collective below returns its input, so the
 trainer calls them unconditionally.
 
-**Failures.** A rank that raises inside :meth:`ParallelContext.guard` logs the error with its rank and
-aborts the process group, so peers blocked in a collective fail at once instead of waiting; any rank that
+**Failures.** A rank that raises inside :meth:`ParallelContext.guard` brings its peers down at once; one that
 dies silently (killed, stuck) makes the others' collectives fail after ``timeout_s``. Under torchrun the
 first rank to exit non-zero brings the job down.
 """
@@ -42,9 +41,8 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT
 
 @dataclass
 class ParallelContext:
-    """Where this process sits in the job: its rank, the world size, its device and the FSDP mesh.
-
-    ``mesh`` is None in the one-rank case (nothing to shard). The collectives are over all ranks."""
+    """Where this process sits in the job: its rank, the world size, its device and the FSDP mesh (None in the
+    one-rank case: nothing to shard). The collectives are over all ranks."""
 
     rank: int = 0
     world_size: int = 1
@@ -88,10 +86,6 @@ class ParallelContext:
     def max(self, values: Sequence[float]) -> list[float]:
         """Element-wise maximum over ranks."""
         return self._reduce(values, dist.ReduceOp.MAX)
-
-    def min(self, values: Sequence[float]) -> list[float]:
-        """Element-wise minimum over ranks."""
-        return self._reduce(values, dist.ReduceOp.MIN)
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order, on every rank."""

@@ -4,12 +4,10 @@ Row ``p`` holds the rewards of the ``n`` samples drawn for prompt ``p`` (the rol
 prompt-major order, so ``rewards = torch.tensor(flat).view(P, n)``). Every estimator returns one advantage
 per sample, ``(P, n)``, that the loss broadcasts over the sample's response tokens.
 
-* :func:`group_advantages` (GRPO): ``(r - mean_group) / (std_group + eps)``. With ``std_normalize=False``
-  it is Dr. GRPO's variant, which drops the std division because it up-weights near-uniform groups (too
-  easy or too hard prompts) and biases the gradient.
-* :func:`rloo_advantages` (REINFORCE leave-one-out): the baseline of sample ``i`` is the mean of the other
-  ``n - 1`` samples of its group, which makes the estimator unbiased.
-* :func:`batch_baseline_advantages` (REINFORCE with a global baseline): the batch mean reward.
+* :func:`group_advantages` (GRPO; Dr. GRPO without the std division, which up-weights near-uniform groups:
+  too easy or too hard prompts).
+* :func:`rloo_advantages` (REINFORCE leave-one-out: the mean of the group's other samples as the baseline).
+* :func:`batch_baseline_advantages` (REINFORCE with the batch mean reward as the baseline).
 
 A group whose rewards are all equal carries no learning signal under a group baseline: its advantages
 are exactly 0 (not a rounding residue of ``r - mean``) and :func:`num_zero_variance_groups` counts such

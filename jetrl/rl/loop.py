@@ -4,35 +4,24 @@
 before the model is loaded. With ``trainer.resume`` the run continues from the latest complete
 checkpoint in ``trainer.output_dir``: model, optimizer, scheduler, RNG states, data position and the
 metrics log (truncated to the checkpoint's cursor) are restored, so a run killed at any moment loses
-only the steps since its last checkpoint and then reproduces them. Resume verifies every file of the
-checkpoint against the SHA-256 its marker recorded; a damaged checkpoint is skipped with a warning and
-the previous complete one is used. Before each checkpoint its size is compared with the free disk space
-(too little: an error naming both, or with ``trainer.on_disk_full: skip`` a warning and no checkpoint); a
-write that fails anyway leaves nothing behind but the previous checkpoint. ``trainer.weights_only`` saves the
-final checkpoint, or all of them, as the policy alone. That checkpoint policy is the training stage's
-(:mod:`jetrl.train.policy`); this module runs it.
+only the steps since its last checkpoint and then reproduces them. Which checkpoints are written (checked
+against the free disk space first: ``trainer.on_disk_full``), kept (``trainer.weights_only``) and resumed from (a
+damaged one is skipped) is the training stage's checkpoint policy (:mod:`jetrl.train.policy`); this module runs it.
 
-A sample whose reward fails (raises, hangs, returns a non-number, a non-finite value or one beyond the
-reward pool's ``max_abs_reward``) scores 0.0 and is counted per step in ``reward/errors`` and
-``reward/timeouts``; the first failure's message is printed once, and the run stops with
-:class:`~jetrl.data.reward_pool.RewardFailureError` when at least ``reward.stop_fraction`` of a step's
-samples failed (default 1.0: every one; see :class:`~jetrl.data.reward_pool.RewardFailureGuard`). The
-bound is ``reward.max_abs``.
+A sample whose reward fails (raises, hangs, returns a non-number, a non-finite value or one beyond
+``reward.max_abs``) scores 0.0 and is counted per step in ``reward/errors`` and ``reward/timeouts``; the run
+stops when at least ``reward.stop_fraction`` of a step's samples failed
+(:class:`~jetrl.data.reward_pool.RewardFailureGuard`).
 
-The output folder belongs to one run: :func:`prepare_output_dir` refuses a fresh run into a folder that
-holds another run's checkpoints (resume it, choose another folder, or ``overwrite``, which deletes that
-run's checkpoints and logs first). Resume with nothing to resume starts from step 0 with a warning, or
-fails with ``require_checkpoint``. Before the model is loaded, the generation length is checked against
-the model's context (``max_position_embeddings``) and the tokenizer against the model's vocabulary and
-special tokens.
+The output folder belongs to one run (:func:`prepare_output_dir`), and the run is checked against the model's
+context and tokenizer before the model is loaded (:func:`check_model`).
 
-**Several GPUs.** ``torchrun --nproc-per-node N -m jetrl train CONFIG`` starts N copies of this run;
-:func:`jetrl.parallel.init_parallel` makes each a rank (one process without torchrun is the one-rank
-case). Every rank builds the model and data the same way; the trainer shards the model and splits each
-step's prompts. Rank 0 alone saves the config, prints progress and writes metrics (which are global);
-checkpoints are written by all ranks together (model and optimizer sharded through DCP, see
-:func:`jetrl.train.policy.save_trainer_checkpoint`) and resume at any number of ranks. A rank that fails logs its error
-with its rank and aborts the process group, so the whole job exits instead of hanging.
+**Several GPUs.** ``torchrun --nproc-per-node N -m jetrl train CONFIG`` starts N copies of this run, each a rank
+(:func:`jetrl.parallel.init_parallel`) that builds the model and data the same way; the trainer shards the model
+and splits each step's prompts. Rank 0 alone saves the config, prints progress and writes metrics (which are
+global); checkpoints are written by all ranks together and resume at any number of ranks
+(:func:`jetrl.train.policy.save_trainer_checkpoint`). A rank that fails brings the whole job down instead of
+hanging (:meth:`jetrl.parallel.ParallelContext.guard`).
 """
 
 from __future__ import annotations
@@ -194,11 +183,9 @@ def run_settings(config: RunConfig) -> Iterator[int]:
     key = (config.trainer.num_threads, reward_pool_config(config).num_workers, tuple(sorted(settings.items())))
     active = _JOB_SETTINGS.get()
     if active is not None and active[0] == key:
-        if tuning.current() is active[2]:
+        # the caller changed the kernels inside the job: the run's settings win, as they would alone
+        with contextlib.nullcontext() if tuning.current() is active[2] else tuning.override(**settings):
             yield active[1]
-        else:  # the caller changed the kernels inside the job: the run's settings win, as they would alone
-            with tuning.override(**settings):
-                yield active[1]
         return
     threads = configure_run_threads(config)
     with tuning.override(**settings) as in_force:  # the rollout's, the trainer's and the evaluations'

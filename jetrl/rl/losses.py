@@ -139,14 +139,6 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     return torch.exp(log_w).clamp(max=cap)
 
 
-def _kl_k1(log_r: torch.Tensor) -> torch.Tensor:
-    return -log_r
-
-
-def _kl_k2(log_r: torch.Tensor) -> torch.Tensor:
-    return 0.5 * log_r.square()
-
-
 def _kl_k3(log_r: torch.Tensor) -> torch.Tensor:
     log_r = log_r.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     return torch.exp(log_r) - 1.0 - log_r
@@ -155,7 +147,7 @@ def _kl_k3(log_r: torch.Tensor) -> torch.Tensor:
 # name -> per-token estimate from log r = logp_ref - logp (see :func:`kl_penalty`), for the names of
 # jetrl.config.choices (the config checks algorithm.kl_estimator against them)
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = choice_registry(
-    "kl_estimator", {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3})
+    "kl_estimator", {"k1": lambda log_r: -log_r, "k2": lambda log_r: 0.5 * log_r.square(), "k3": _kl_k3})
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
@@ -180,15 +172,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO/DAPO clipped surrogate loss and its metrics (see the module doc for the formula).
 
-    Args:
-        logprobs: (B, T) log-probabilities of the taken tokens under the policy being optimised (grad).
-        old_logprobs: (B, T) the same under the policy that the ratio is taken against (no grad).
-        advantages: (B,) per sequence or (B, T) per token.
-        mask: (B, T) bool (or 0/1) marking response tokens; prompt and padding are False.
-        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
-        agg: "token" | "sequence" | "sequence-sum-norm".
-        is_weights: optional (B, T) per-token multiplicative weights, e.g. :func:`truncated_is_weights`.
-        num_tokens, num_seqs, max_len: denominators for micro-batch accumulation (see :func:`aggregate`).
+    ``logprobs`` (B, T) are the taken tokens' log-probabilities under the policy being optimised (grad),
+    ``old_logprobs`` the same under the policy the ratio is taken against (no grad); ``advantages`` (B,) per
+    sequence or (B, T) per token; ``mask`` (B, T) bool (or 0/1) marks response tokens; ``is_weights``: optional
+    (B, T) per-token weights (e.g. :func:`truncated_is_weights`); ``num_tokens``, ``num_seqs``, ``max_len``: as
+    :func:`aggregate`'s.
 
     Returns ``(loss, metrics)``; metrics (detached, over valid tokens): ``pg_loss``, ``clip_frac_low``
     (ratio below ``1 - clip_low`` with A < 0: the gradient is cut), ``clip_frac_high`` (ratio above

@@ -1,11 +1,7 @@
 """The per-step metrics: what one RL step reports, and where it goes (a JSONL file, TensorBoard, timers).
 
 **What a step reports.** :func:`step_metrics` assembles :meth:`jetrl.rl.trainer.Trainer.step`'s flat
-``group/name`` dict from what the step produced, as pure functions of their inputs: ``reward/*``,
-``response/*`` and ``advantage/*`` from the rollout batch (:func:`batch_metrics`); ``mismatch/*`` (rollout
-vs training log-probs, :mod:`jetrl.rl.mismatch`) and ``kl_ref/k3`` (:func:`logprob_metrics`); the update's
-``actor/*``; ``time/*`` and ``throughput/*`` per phase (:func:`timing_metrics`); and the engine's own
-rollout stats named in :data:`ENGINE_STATS`.
+``group/name`` dict, as pure functions of what the step produced (the names: ``docs/metrics.md``).
 
 **JSONL.** One JSON object per line, one line per logged step, written with a single ``write`` of the
 whole line on a file opened for appending and flushed at once, so a crash leaves at most one partial
@@ -14,12 +10,8 @@ the file to it, so the log holds each step exactly once, in order (the steps aft
 re-run and re-logged). Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``
 (strict JSON has no NaN).
 
-**TensorBoard.** Imported lazily; when ``tensorboard`` is not installed the writer warns once and does
-nothing.
-
-**Timers.** :class:`PhaseTimer` measures wall time per named phase (rollout, reference, old-logprob,
-update, weight refresh), synchronising the CUDA device at the boundaries when one is used, so that
-asynchronous kernels are charged to the phase that launched them.
+**Timers.** :class:`PhaseTimer` synchronises the CUDA device at the phase boundaries, so that asynchronous
+kernels are charged to the phase that launched them.
 """
 
 from __future__ import annotations
@@ -40,9 +32,7 @@ from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import _as_bool_mask, aggregate, kl_penalty
 from jetrl.rl.mismatch import mismatch_metrics
 
-# the engine's stats a step reports, and their names: KV-cache pressure (preemptions, and the pool's capacity in
-# tokens, which an FP8 KV cache about doubles), decode speed, and the host time and the time spent capturing the
-# decode step's CUDA graphs (parts of time/rollout, not phases of their own)
+# the engine's stats a step reports, and their names (host and graph-capture time are parts of time/rollout)
 ENGINE_STATS = (("preemptions", "rollout/preemptions"),
                 ("kv_capacity_tokens", "rollout/kv_capacity_tokens"),
                 ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s"),
@@ -112,23 +102,12 @@ def step_metrics(batch: RolloutBatch, train_logprobs: torch.Tensor, ref_logprobs
                  ppo_epochs: int, tis_cap: float | None = None,
                  engine_stats: Mapping[str, float] | None = None,
                  checked: torch.Tensor | None = None) -> dict[str, float]:
-    """One RL step's metrics (flat ``group/name`` keys), assembled from what its phases produced.
-
-    Args:
-        batch: the step's rollout batch (rewards, lengths, advantages, mask, rollout log-probs, tokens).
-        train_logprobs: the training side's ``(S, R)`` log-probs of the same tokens (the old-logprob pass,
-            or the update's own first forwards).
-        ref_logprobs: the reference policy's, when there is a KL penalty.
-        actor: the update's ``actor/*`` metrics.
-        seconds: wall time per phase (``PhaseTimer.seconds``).
-        generated_tokens: tokens the rollout generated; the scoring phases process every token of every
-            sequence, the update ``ppo_epochs`` times.
-        tis_cap: the truncated-IS cap, for the ``mismatch/tis_*`` statistics.
-        engine_stats: the rollout engine's ``last_stats``.
-        checked: ``(S, R)`` bool, the tokens whose training-side log-prob was computed, where not all were
-            (exact mode without the old_logprob pass: the update's first mini-batch; see
-            :func:`logprob_metrics`). ``train_logprobs`` holds the engine's elsewhere.
-    """
+    """One RL step's metrics (flat ``group/name`` keys), assembled from what its phases produced:
+    ``train_logprobs`` are the training side's ``(S, R)`` log-probs of the batch's tokens, ``ref_logprobs`` the
+    reference policy's (with a KL penalty), ``actor`` the update's ``actor/*`` metrics, ``seconds`` the wall time
+    per phase, ``engine_stats`` the engine's ``last_stats``. The scoring phases' throughput counts every token of
+    every sequence, the update's ``ppo_epochs`` times. ``checked``: see :func:`logprob_metrics` (exact mode
+    without the old_logprob pass; ``train_logprobs`` holds the engine's outside it)."""
     scored_tokens = float(sum(t.numel() for t in batch.tokens))
     metrics = batch_metrics(batch)
     metrics.update(logprob_metrics(batch.rollout_logprobs, train_logprobs, batch.mask, ref_logprobs, tis_cap,
@@ -206,50 +185,33 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-class TensorBoardWriter:
-    """Scalars to TensorBoard when it is installed; otherwise a no-op after one warning."""
-
-    def __init__(self, log_dir: str | Path) -> None:
-        self._writer = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except (ImportError, ModuleNotFoundError):
-            warnings.warn("tensorboard is not installed (pip install tensorboard); metrics go to JSONL only",
-                          stacklevel=2)
-            return
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-
-    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        if self._writer is None:
-            return
-        for key, value in metrics.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            self._writer.add_scalar(key, value, global_step=step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-
-
 METRICS_FILE = "metrics.jsonl"  # a run's per-step metrics, one JSON object a line (jetrl.plotting reads it)
 TENSORBOARD_SUBDIR = "tensorboard"
 
 
 class MetricsLogger:
-    """Fans one step's metrics out to the JSONL log and, optionally, TensorBoard."""
+    """Fans one step's metrics out to the JSONL log and, optionally, TensorBoard's scalars (imported lazily; when
+    ``tensorboard`` is not installed, a warning and the JSONL log alone)."""
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = False, resume_cursor: int | None = None,
-                 filename: str = METRICS_FILE) -> None:
-        self.jsonl = JsonlWriter(Path(output_dir) / filename, resume_cursor=resume_cursor)
-        self.tensorboard = TensorBoardWriter(Path(output_dir) / TENSORBOARD_SUBDIR) if tensorboard else None
+    def __init__(self, output_dir: str | Path, tensorboard: bool = False, resume_cursor: int | None = None) -> None:
+        self.jsonl = JsonlWriter(Path(output_dir) / METRICS_FILE, resume_cursor=resume_cursor)
+        self.tensorboard = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                warnings.warn("tensorboard is not installed (pip install tensorboard); metrics go to JSONL only",
+                              stacklevel=2)
+            else:
+                self.tensorboard = SummaryWriter(log_dir=str(Path(output_dir) / TENSORBOARD_SUBDIR))
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        record = {"step": step, **metrics}
-        self.jsonl.write(record)
+        self.jsonl.write({"step": step, **metrics})
         if self.tensorboard is not None:
-            self.tensorboard.write(step, _jsonable(dict(metrics)))
+            for key, value in _jsonable(dict(metrics)).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(key, value, global_step=step)
+            self.tensorboard.flush()
 
     def cursor(self) -> int:
         return self.jsonl.cursor()
@@ -265,26 +227,22 @@ class PhaseTimer:
     peak of allocated memory (:meth:`memory_metrics`; the device's peak counter is reset as a phase starts)."""
 
     def __init__(self, device: torch.device | str | None = None) -> None:
-        device = torch.device(device) if device is not None else None
-        self._cuda = device is not None and device.type == "cuda"
-        self._device = device
+        self._device = torch.device(device) if device is not None else None
+        self._cuda = self._device is not None and self._device.type == "cuda"
         self.seconds: dict[str, float] = {}
         self.peak_bytes: dict[str, int] = {}
 
-    def _sync(self) -> None:
-        if self._cuda:
-            torch.cuda.synchronize()
-
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self._sync()
         if self._cuda:
+            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(self._device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
+            if self._cuda:
+                torch.cuda.synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             if self._cuda:
                 peak = torch.cuda.max_memory_allocated(self._device)
@@ -299,4 +257,4 @@ class PhaseTimer:
 
 
 __all__ = ["METRICS_FILE", "TENSORBOARD_SUBDIR", "step_metrics", "batch_metrics", "logprob_metrics", "timing_metrics",
-           "ENGINE_STATS", "JsonlWriter", "read_jsonl", "TensorBoardWriter", "MetricsLogger", "PhaseTimer"]
+           "ENGINE_STATS", "JsonlWriter", "read_jsonl", "MetricsLogger", "PhaseTimer"]

@@ -11,13 +11,11 @@ One :meth:`Trainer.step`, in order (each phase timed):
    tokens. These are the PPO "old" log-probs (as verl does), so ``fp8-rollout`` is reproduced faithfully:
    samples from the FP8 policy, ratios against the BF16 one. With ``use_rollout_logprobs`` (verl's
    "bypass") the engine's log-probs are the old ones instead. With ``old_logprobs_from_update`` (one
-   optimizer step per RL step) this pass is skipped: the update's own forwards run before the policy
-   moves, so their detached log-probs are the old ones (the same policy, without a second forward). Either
-   way the training-side and the engine's log-probs are compared (:mod:`jetrl.rl.mismatch`): in ``jet``
-   they agree up to summation order. In exact mode they agree bit for bit, so ``use_rollout_logprobs``
-   skips this pass too (it would recompute the engine's bits): the check then runs on the update's first
-   mini-batch, whose forwards come before the first optimizer step (``mismatch/checked_frac`` says which
-   share of the tokens that is; all of them with one mini-batch).
+   optimizer step per RL step) this pass is skipped: the update's own forwards, before the policy moves,
+   give them. Either way the training-side and the engine's log-probs are compared (:mod:`jetrl.rl.mismatch`).
+   In exact mode they agree bit for bit, so ``use_rollout_logprobs`` skips this pass too: the check then runs
+   on the update's first mini-batch, before the first optimizer step (``mismatch/checked_frac``: the share of
+   the tokens checked).
 4. **reference** -- with ``kl_coef > 0``, a frozen copy of the initial policy in the same recipe scores
    the tokens for the KL penalty.
 5. **update** -- ``ppo_epochs`` passes over the batch in shuffled mini-batches (stratified over blocks of
@@ -33,17 +31,14 @@ One :meth:`Trainer.step`, in order (each phase timed):
 contiguous share of whole prompt groups; sampling seeds use the *global* prompt index, so the tokens do
 not depend on the number of ranks. The policy (and reference) are sharded with FSDP2; rollout runs
 inside :func:`jetrl.parallel.full_weights`. Advantages come from the gathered ``(P, n)`` rewards (exact
-for batch-level baselines too). Mini-batch ``k`` of an epoch is a fixed set of sequences whatever the
-number of ranks (:mod:`jetrl.rl.minibatch`), and each rank takes its ``mini_batch_size / world_size``
-sequences of it; the loss normalisers (tokens and sequences of the mini-batch) are summed over ranks, and
-FSDP2 sums the gradients, so N ranks make the one-process update, up to the order in which gradients are
-summed. With fixed-size micro-batches that divide ``mini_batch_size / world_size`` each rank's
-micro-batches are the one process's (same sequences, same order), which also keeps ``jet``'s WGrad
-groups of 128 tokens; packed micro-batches are packed per rank. Ranks
-run the same number of forwards (FSDP2 gathers inside each): a rank with fewer micro-batches repeats its
-first one with a zero loss. The step's metrics are computed on the gathered batch (every rank's
-sequences) with the slowest rank's phase times, so they read like a one-process run's. One process is
-the same code with one rank: every collective returns its input.
+for batch-level baselines too). Each rank takes its ``mini_batch_size / world_size`` sequences of every
+mini-batch, the same sets whatever the number of ranks (:mod:`jetrl.rl.minibatch`, which also says when the
+micro-batches are the one process's; packed micro-batches are packed per rank); the loss normalisers (tokens and
+sequences of the mini-batch) are summed over ranks, and FSDP2 sums the gradients, so N ranks make the one-process
+update, up to the order in which gradients are summed. Ranks run the same number of forwards (FSDP2 gathers
+inside each): a rank with fewer micro-batches repeats its first one with a zero loss. The step's metrics are
+computed on the gathered batch (every rank's sequences) with the slowest rank's phase times, so they read like a
+one-process run's.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
@@ -197,9 +192,6 @@ class Trainer:
                   for i in range(len(items))]
         with full_weights(self.model):
             completions = self.engine.generate([it.ids for it in items], params)
-        if len(completions) != len(items) * r.n:
-            raise RuntimeError(f"the engine returned {len(completions)} completions for {len(items)} prompts x "
-                               f"n={r.n}")
         return completions, float(sum(len(c.token_ids) for c in completions))
 
     def build_batch(self, items: list[PromptItem], completions: list[Any]) -> RolloutBatch:
@@ -235,8 +227,6 @@ class Trainer:
         for s, c in enumerate(completions):
             prompt = items[s // n].ids
             k = len(c.token_ids)
-            if len(c.logprobs) != k:
-                raise RuntimeError(f"completion {s}: {k} tokens but {len(c.logprobs)} logprobs")
             tokens.append(torch.tensor(list(prompt) + list(c.token_ids), dtype=torch.long))
             if int(tokens[-1].min()) < 0 or int(tokens[-1].max()) >= vocab_size:  # host tensors: no GPU sync
                 raise ValueError(f"sequence {s} holds token ids outside the model's vocabulary [0, {vocab_size})")
@@ -346,9 +336,10 @@ class Trainer:
         world = self.parallel.world_size
         num_prompts = batch.num_sequences * world // self.config.rollout.n  # over every rank
         gen = torch.Generator().manual_seed(_seed_for(self.config.trainer.seed, self.step_count, 0xB17C4))
+        names = stat_names(ref_lp is not None)
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
-        extremes = {"actor/ratio_max": -math.inf, "actor/ratio_min": math.inf}
+        ratio_max, ratio_min = -math.inf, math.inf
         grad_norms, num_applied = [], 0
         optimizer_steps = 0  # taken or skipped so far: while 0, the policy is the one that made the rollout
 
@@ -387,21 +378,18 @@ class Trainer:
                         own_lp[idx] = torch.where(mask, lp.float(), torch.zeros((), device=lp.device))
                         recorded[idx] = mask
                     stats.append(micro_stats)
-                names = stat_names(ref_lp is not None)
                 loss_finite, mini_pg_loss = True, 0.0
                 for values in (torch.stack(stats).tolist() if stats else []):
                     v = dict(zip(names, values))
                     ntok = v["num_tokens"]
-                    if "kl_ref" in v:
-                        add("actor/kl_ref", v["kl_ref"], ntok)
+                    for key in ("kl_ref", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl",
+                                "entropy"):
+                        if key in v:
+                            add(f"actor/{key}", v[key], ntok)
                     loss_finite = loss_finite and bool(v["finite"])
                     mini_pg_loss += v["pg_loss"]
-                    for key in ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl"):
-                        add(f"actor/{key}", v[key], ntok)
                     if ntok > 0:
-                        extremes["actor/ratio_max"] = max(extremes["actor/ratio_max"], v["ratio_max"])
-                        extremes["actor/ratio_min"] = min(extremes["actor/ratio_min"], v["ratio_min"])
-                    add("actor/entropy", v["entropy"], ntok)
+                        ratio_max, ratio_min = max(ratio_max, v["ratio_max"]), min(ratio_min, v["ratio_min"])
                 mini_pg_loss, num_nonfinite = self.parallel.sum([mini_pg_loss, 0.0 if loss_finite else 1.0])
                 add("actor/pg_loss", mini_pg_loss, 1.0)
                 result = self.stepper.step(loss_is_finite=num_nonfinite == 0)
@@ -413,10 +401,10 @@ class Trainer:
         totals = self.parallel.sum([sums[k] for k in summed] + [weights[k] for k in summed])
         sums.update(zip(summed, totals[:len(summed)]))
         weights.update(zip(summed, totals[len(summed):]))
-        extremes["actor/ratio_max"] = self.parallel.max([extremes["actor/ratio_max"]])[0]
-        extremes["actor/ratio_min"] = self.parallel.min([extremes["actor/ratio_min"]])[0]
+        ratio_max, neg_ratio_min = self.parallel.max([ratio_max, -ratio_min])
         out = {k: sums[k] / weights[k] if weights[k] else 0.0 for k in sums}
-        out.update({k: (v if math.isfinite(v) else 1.0) for k, v in extremes.items()})
+        out.update({k: (v if math.isfinite(v) else 1.0)  # 1.0: no token had a ratio
+                    for k, v in (("actor/ratio_max", ratio_max), ("actor/ratio_min", -neg_ratio_min))})
         finite = [g for g in grad_norms if math.isfinite(g)]
         out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         out["actor/num_updates"] = float(num_applied)
@@ -443,9 +431,7 @@ class Trainer:
         with timer.phase("reward"):
             batch = self.build_batch(items, completions)
         train_lp = old_lp = checked = None
-        # exact mode: the engine's log-probs are the trainer's bit for bit, so with use_rollout_logprobs the
-        # old_logprob pass would only recompute them; the update's first mini-batch checks them instead
-        skip_pass = self.config.exact and alg.use_rollout_logprobs
+        skip_pass = self.config.exact and alg.use_rollout_logprobs  # the bypass of phase 3 (module doc)
         if skip_pass:
             old_lp = batch.rollout_logprobs
         elif not alg.old_logprobs_from_update:
@@ -496,29 +482,25 @@ class Trainer:
         order, on the CPU), for the metrics; unchanged on one rank."""
         if not self.parallel.is_distributed:
             return batch, train_lp, ref_lp, generated, checked
-        mine = dict(tokens=batch.tokens, prompt_lens=batch.prompt_lens, response_lens=batch.response_lens,
-                    truncated=batch.truncated, rewards=batch.rewards.cpu(), advantages=batch.advantages.cpu(),
-                    mask=batch.mask.cpu(), rollout_lp=batch.rollout_logprobs.cpu(), train_lp=train_lp.cpu(),
-                    ref_lp=None if ref_lp is None else ref_lp.cpu(), generated=generated,
-                    checked=None if checked is None else checked.cpu(),
-                    num_reward_errors=batch.num_reward_errors, num_reward_timeouts=batch.num_reward_timeouts)
-        parts = self.parallel.gather_objects(mine)
-        R = max(p["mask"].shape[1] for p in parts)
+        mine = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch)}
+        mine.update(train_lp=train_lp, ref_lp=ref_lp, generated=generated, checked=checked)
+        parts = self.parallel.gather_objects({k: v.cpu() if torch.is_tensor(v) else v for k, v in mine.items()})
 
-        def cat(key: str) -> torch.Tensor:  # (S, R_rank) each -> (S_total, R), zero-padded like a short row
-            return torch.cat([torch.nn.functional.pad(p[key], (0, R - p[key].shape[1])) for p in parts])
+        def merge(key: str) -> Any:  # lists concatenated, counts summed, tensors concatenated in rank order
+            values = [p[key] for p in parts]
+            if values[0] is None:
+                return None
+            if isinstance(values[0], list):
+                return [x for v in values for x in v]
+            if not torch.is_tensor(values[0]):
+                return sum(values)
+            if values[0].dim() == 2:  # (S, R_rank) -> (S, R), zero-padded like a short row; rewards' (P, n) as is
+                width = max(v.shape[1] for v in values)
+                values = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in values]
+            return torch.cat(values)
 
-        merged = RolloutBatch(tokens=[t for p in parts for t in p["tokens"]],
-                              prompt_lens=[x for p in parts for x in p["prompt_lens"]],
-                              response_lens=[x for p in parts for x in p["response_lens"]],
-                              mask=cat("mask"), rollout_logprobs=cat("rollout_lp"),
-                              rewards=torch.cat([p["rewards"] for p in parts]),
-                              advantages=torch.cat([p["advantages"] for p in parts]),
-                              truncated=[x for p in parts for x in p["truncated"]],
-                              num_reward_errors=sum(p["num_reward_errors"] for p in parts),
-                              num_reward_timeouts=sum(p["num_reward_timeouts"] for p in parts))
-        return (merged, cat("train_lp"), None if ref_lp is None else cat("ref_lp"),
-                float(sum(p["generated"] for p in parts)), None if checked is None else cat("checked"))
+        merged = RolloutBatch(**{f.name: merge(f.name) for f in fields(RolloutBatch)})
+        return merged, merge("train_lp"), merge("ref_lp"), float(merge("generated")), merge("checked")
 
 
 __all__ = ["Trainer", "PromptItem", "PromptSource", "RolloutBatch", "RewardFn"]

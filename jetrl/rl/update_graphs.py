@@ -34,7 +34,7 @@ parameters collectively, so those run eagerly (:func:`graphs_apply`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -78,7 +78,6 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None = None
     lp: torch.Tensor | None = None          # (sequences, width) log-probs, detached
     stats: torch.Tensor | None = None       # micro_batch_loss's statistics
-    replays: int = field(default=0)
 
 
 class UpdateGraphs:
@@ -124,12 +123,10 @@ class UpdateGraphs:
         return storage_key(self.model, grads=True, transposes=True)
 
     def _step(self, packed: PackedMicroBatch, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.set_grad_enabled(not g.score):  # scoring: forward only
+            lp, ent = packed_logprobs(self.model, packed, g.blob, self.temperature, kv_fp8=self.kv_fp8, on_device=True)
         if g.score:
-            with torch.no_grad():
-                lp, _ = packed_logprobs(self.model, packed, g.blob, self.temperature, kv_fp8=self.kv_fp8,
-                                        on_device=True)
             return lp, g.counts
-        lp, ent = packed_logprobs(self.model, packed, g.blob, self.temperature, kv_fp8=self.kv_fp8, on_device=True)
         loss, stats = micro_batch_loss(self.alg, lp, ent, g.mask, g.advantages, old_logprobs=g.inputs.get(
             "old_logprobs"), rollout_logprobs=g.inputs.get("rollout_logprobs"), is_weights=g.inputs.get("is_weights"),
             ref_logprobs=g.inputs.get("ref_logprobs"), num_tokens=g.counts[0], num_seqs=g.counts[1],
@@ -229,7 +226,6 @@ class UpdateGraphs:
 
     def _replay(self, g: _Graph, b: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         g.graph.replay()
-        g.replays += 1
         self.replays += 1
         return g.lp[:b, :width].clone(), g.stats.clone()
 

@@ -3,10 +3,8 @@ prefix sharing of the n samples of a prompt, preemption by recomputation, CUDA-g
 
 ``engine`` (the generate loop: requests, steps, stats) drives ``scheduler`` (which tokens each step
 computes; ``block_manager`` hands out KV blocks; ``sequence`` is one sample's state) and ``model_runner``
-(everything on the device: KV cache, CUDA graphs, step inputs, and the ``sampling`` of the logits).
-
-Log-probabilities are ``log_softmax(logits / T)`` in fp32 before top-k/top-p truncation, the trainer's
-definition (see :mod:`jetrl.rollout.sampling`).
+(everything on the device: KV cache, CUDA graphs, step inputs, and the ``sampling`` of the logits, whose
+log-probabilities are the trainer's definition).
 """
 
 from jetrl.rollout.block_manager import BlockManager, NoFreeBlocks

@@ -7,9 +7,8 @@ stays shared for the whole generation (nobody writes into it again); the last, p
 is copied on the first write by each holder but the last one (copy-on-write), so each sample continues
 its own tail without touching the others'.
 
-The manager only does bookkeeping: it returns the (source, destination) block pairs to copy, which the
-scheduler hands on in its step output; the model runner performs the copies (``ModelRunner._copy_blocks``),
-on every layer, before the forward that writes into the new blocks.
+The manager only does bookkeeping: the (source, destination) block pairs it returns go out with the scheduler's
+step, and the model runner copies them on every layer before the forward that writes into the new blocks.
 """
 
 from __future__ import annotations
@@ -72,14 +71,6 @@ class BlockManager:
         for seq in seqs:
             seq.block_table = list(blocks)
             seq.table_version += 1
-
-    def blocks_needed_to_append(self, seq: Sequence) -> int:
-        """0 or 1: whether writing the token at ``seq.num_computed_tokens`` needs a block (new or a copy)."""
-        pos = seq.num_computed_tokens
-        index = pos // self.block_size
-        if index >= len(seq.block_table):
-            return 1
-        return 1 if self.ref_counts[seq.block_table[index]] > 1 else 0
 
     def blocks_needed_to_write(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks (new or copies) that writing ``num_tokens`` tokens from ``seq.num_computed_tokens`` on takes."""

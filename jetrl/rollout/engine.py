@@ -9,21 +9,19 @@ and their log-probabilities to the host), and gives the sampled tokens back to t
 the stop conditions. Everything on the device (KV cache, CUDA graphs, input tensors, the sampler) is the
 runner's; the engine never touches a tensor.
 
-**Asynchronous scheduling.** Step t+1 is launched before step t's tokens are collected: a decode input
-that is still a placeholder is read on the device from step t's sampled tokens, so scheduling and input
-packing on the host overlap the device's work. See :meth:`RolloutEngine.generate`.
-
 **Stats.** After each ``generate``, ``last_stats`` holds its wall time, steps, generated tokens and
 throughput, preemptions, the KV pool (``num_blocks``, ``kv_capacity_tokens``, ``kv_bytes_per_block``, ``kv_fp8``:
-an FP8 cache holds about twice the tokens of a BF16 one in the same memory, so it preempts less),
-prefill/decode time, the host time not spent waiting for the device, and the decode-step CUDA graphs captured
-during the call (``graph_captures``, ``graph_capture_seconds``: nonzero on the first call, and on every call
-whose weights moved to new storage since the last one, as a sharded model's gathered weights do).
+an FP8 cache holds about twice the tokens of a BF16 one in the same memory, so it preempts less), prefill/decode
+time, the host time not spent waiting for the device (scheduling, input packing, launches: overlapped with the
+device's work when scheduling asynchronously, its idle time between steps when not), and the decode-step CUDA
+graphs captured during the call (``graph_captures``, ``graph_capture_seconds``: nonzero on the first call, and on
+every call whose weights moved to new storage since the last one, as a sharded model's gathered weights do).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import torch
@@ -36,28 +34,6 @@ from jetrl.rollout.scheduler import Scheduler, SchedulerOutput
 from jetrl.rollout.sequence import Completion, Sequence
 
 DEFAULT_DECODE_STEPS = 8
-
-
-class _RolloutProgress:
-    """Requests done, with the output tokens/s since the start (refreshed at most twice a second)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = Progress(total, "rollout", unit="req", enabled=enabled)
-        self.enabled, self.tokens = enabled, 0
-        self.start = self.last = time.perf_counter()
-
-    def update(self, finished: int, new_tokens: int) -> None:
-        if not self.enabled:
-            return
-        self.tokens += new_tokens
-        self.bar.update(finished)
-        now = time.perf_counter()
-        if now - self.last > 0.5:
-            self.bar.set_postfix(speed=f"{self.tokens / max(now - self.start, 1e-9):,.0f} tok/s")
-            self.last = now
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 class RolloutEngine:
@@ -88,17 +64,14 @@ class RolloutEngine:
             :mod:`jetrl.models.attention`): about twice the tokens in the same memory. The trainer's forward
             sees the same values with ``forward_packed(..., kv_fp8=True)`` (the ``jet`` recipe; with ``exact``
             the log-probabilities stay bitwise equal); without it (``fp8-rollout``) it is a rollout-only cache.
-            The engine takes it with any model and dtype (attention dequantizes to the model's dtype), BF16
-            linears included: only the run config refuses ``kv_fp8`` under ``bf16``, whose rollout must stay
-            the BF16 reference.
+            Any model and dtype takes it (attention dequantizes to the model's dtype); only the run config
+            refuses it under ``bf16``, whose rollout must stay the BF16 reference.
         decode_steps: decode steps the device runs back to back per host iteration (a decode run, see
-            :mod:`jetrl.rollout.scheduler`): each step's sampled tokens are the next step's inputs on the
-            device, and the host schedules, launches and reads back once per run, so its per-step work (which
-            grows with the batch) no longer bounds small models' decoding. A run is never longer than the
-            shortest remaining ``max_tokens`` of the batch; a sample that stops inside one is computed to the
-            run's end for nothing, and a waiting prompt joins at most ``decode_steps - 1`` steps later.
-            Seeded and greedy samples are the same tokens as with 1 (up to the batch-size dependence of the
-            GEMMs' rounding, none in exact mode). 1: a host iteration per step.
+            :mod:`jetrl.rollout.scheduler`): the host schedules, launches and reads back once per run, so its
+            per-step work (which grows with the batch) no longer bounds small models' decoding. A sample that
+            stops inside a run is computed to the run's end for nothing, and a waiting prompt joins at most
+            ``decode_steps - 1`` steps later. Seeded and greedy samples are the same tokens as with 1 (up to the
+            batch-size dependence of the GEMMs' rounding, none in exact mode). 1: a host iteration per step.
 
     The KV-cache and CUDA-graph arguments configure :attr:`runner`, the
     :class:`~jetrl.rollout.model_runner.ModelRunner` that runs the model; ``last_stats`` holds the stats of
@@ -173,16 +146,16 @@ class RolloutEngine:
             scheduler.add(group)
         captures, capture_seconds = runner.graph_captures, runner.graph_capture_seconds
         runner.begin(all_seqs)
-        progress = _RolloutProgress(len(all_seqs), self.progress)
+        progress = Progress(len(all_seqs), "rollout", unit="req", enabled=self.progress)
         num_steps = num_decode_steps = num_decode_launches = num_generated = decode_tokens = 0
         step_seconds = [0.0, 0.0]  # prefill, decode
         wait_seconds = 0.0  # the host waiting for the device
         start = time.perf_counter()
         in_flight: _InFlight | None = None
-        last_finish = 0.0
+        last_finish = shown = 0.0
 
         def finish(step: _InFlight) -> None:
-            nonlocal num_generated, decode_tokens, last_finish, wait_seconds
+            nonlocal num_generated, decode_tokens, last_finish, wait_seconds, shown
             tokens, logprobs = runner.collect(step.launched)
             wait_seconds += step.launched.wait_seconds
             finished, n = scheduler.resolve(step.rows, tokens, logprobs, self._stop_string_hit, step.out.steps,
@@ -193,7 +166,10 @@ class RolloutEngine:
             now = time.perf_counter()  # steps overlap when asynchronous: count each span once
             step_seconds[step.out.is_decode] += now - max(step.start, last_finish)
             last_finish = now
-            progress.update(len(finished), n)
+            progress.update(len(finished))
+            if now - shown > 0.5:  # requests done, with the output tokens/s so far (refreshed twice a second)
+                progress.set_postfix(speed=f"{num_generated / max(now - start, 1e-9):,.0f} tok/s")
+                shown = now
 
         try:
             while scheduler.has_unfinished:
@@ -230,27 +206,19 @@ class RolloutEngine:
                                prefill_seconds=step_seconds[0], decode_seconds=step_seconds[1],
                                decode_tokens=decode_tokens,
                                decode_tokens_per_s=decode_tokens / max(step_seconds[1], 1e-9),
-                               # time the host was not waiting for the GPU: scheduling, input building,
-                               # launches; overlapped with the GPU's work when scheduling asynchronously,
-                               # the GPU's idle time between steps when not
-                               host_seconds=elapsed - wait_seconds,
-                               # decode-step CUDA graphs captured during this call (first use of a batch size
-                               # after the weights moved; part of the host time)
-                               graph_captures=runner.graph_captures - captures,
+                               host_seconds=elapsed - wait_seconds, graph_captures=runner.graph_captures - captures,
                                graph_capture_seconds=runner.graph_capture_seconds - capture_seconds)
         return [s.to_completion() for s in all_seqs]
 
     # ------------------------------------------------------------------ internals
 
     def _validate(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
-        if params is None:
-            params = SamplingParams()
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
         if not prompts:
             raise ValueError("prompts is empty: give at least one prompt")
-        if isinstance(params, SamplingParams):
-            per_prompt = [params] * len(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(prompts)
         else:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
@@ -274,9 +242,8 @@ class RolloutEngine:
             if min(prompt) < 0 or max(prompt) >= self.vocab_size:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size})")
             clean.append(list(prompt))
-        for p in per_prompt:
-            if p.stop and self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer: pass tokenizer= to RolloutEngine")
+        if self.tokenizer is None and any(p.stop for p in per_prompt):
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to RolloutEngine")
         return clean, per_prompt
 
     def _stop_string_hit(self, seq: Sequence) -> bool:
@@ -287,15 +254,17 @@ class RolloutEngine:
         return any(s in text for s in seq.params.stop)
 
 
+@dataclass
 class _InFlight:
     """A launched step as the generate loop tracks it: its schedule, when it was launched, the runner's
     handle, and what :meth:`Scheduler.advance` recorded for it (one entry per sampled row, the sequences
     it finished by length)."""
 
-    def __init__(self, out: SchedulerOutput, start: float, launched: LaunchedStep, rows: list[Sequence | None],
-                 finished: list[Sequence]) -> None:
-        self.out, self.start, self.launched = out, start, launched
-        self.rows, self.finished = rows, finished
+    out: SchedulerOutput
+    start: float
+    launched: LaunchedStep
+    rows: list[Sequence | None]
+    finished: list[Sequence]
 
 
 __all__ = ["RolloutEngine"]

@@ -1,30 +1,14 @@
 """``ModelRunner``: runs the policy model for the rollout engine, one scheduled step at a time.
 
-The engine (:mod:`jetrl.rollout.engine`) decides *what* to compute: it validates requests, asks the
-:class:`~jetrl.rollout.scheduler.Scheduler` for each step, applies the sampled tokens and collects stats. The
-runner decides *how* it is computed on the device, and holds everything that lives there: the paged KV
-cache (sized from a memory budget), the CUDA graphs of the decode step, the per-step input tensors, the
-block copies of copy-on-write, and the sampling of the logits. The engine never touches a tensor.
-
-**The interface** (what a runner provides; a distributed rank's runner plugs in here, behind the same calls;
-exact on-policy mode is this runner's ``exact`` flag: every forward, captured or eager, runs the model's exact
-path and the sampler reports the trainer's exact log-probabilities, see :mod:`jetrl.quant.exact`; the FP8 KV
-cache is its ``kv_fp8`` flag: E4M3 pools plus fp32 scale pools, see :mod:`jetrl.models.attention`):
-
-- ``allocate_kv_cache() -> int`` -- make the KV cache if there is none; returns the number of usable blocks
-  (the engine's :class:`~jetrl.rollout.block_manager.BlockManager` hands out block ids ``0 .. n-1``).
-- ``begin(seqs)`` -- a ``generate`` call starts with these sequences: drop the CUDA graphs if what they
-  depend on changed (see **CUDA graphs** below), and start a host mirror of the sequences' block tables.
-- ``launch(out, prev) -> LaunchedStep`` -- queue one :class:`~jetrl.rollout.scheduler.SchedulerOutput`
-  (block copies, inputs, forward, sampling, the copy of the sampled tokens to the host) without waiting for
-  the device; a decode run's ``out.steps`` forwards and samplings back to back, each step's inputs made on
-  the device from the step before (sampled tokens; positions, context lengths and KV slots one further,
-  within the blocks the scheduler made writable for the whole run). Decode inputs that are still placeholders (sampled by ``prev``, the step launched before and
-  not yet collected) are read from ``prev``'s sampled tokens on the device.
-- ``collect(step) -> (tokens, logprobs)`` -- wait for a launched step; its sampled tokens and
-  log-probabilities on the host, one per sampled row in chunk order (empty when it sampled nothing).
-  ``step.wait_seconds`` then holds how long the host waited for the device.
-- ``free_cache()`` -- release the KV cache and the graphs; the next ``allocate_kv_cache`` makes them again.
+The engine (:mod:`jetrl.rollout.engine`) decides *what* to compute; the runner decides *how* it is computed on
+the device, and holds everything that lives there: the paged KV cache (sized from a memory budget), the CUDA
+graphs of the decode step, the per-step input tensors, the block copies of copy-on-write, and the sampling of
+the logits. Its interface, in the order a ``generate`` call uses it: :meth:`~ModelRunner.allocate_kv_cache`,
+:meth:`~ModelRunner.begin`, then :meth:`~ModelRunner.launch` and :meth:`~ModelRunner.collect` per step;
+:meth:`~ModelRunner.free_cache` in between calls. Exact on-policy mode is its ``exact`` flag (every forward,
+captured or eager, runs the model's exact path and the sampler reports the trainer's exact log-probabilities, see
+:mod:`jetrl.quant.exact`); the FP8 KV cache its ``kv_fp8`` flag (E4M3 pools plus fp32 scale pools, see
+:mod:`jetrl.models.attention`).
 
 **Inputs.** A step is packed into one ``model.forward_paged`` call: the chunks' tokens concatenated, their
 positions, the KV slots they write, and :class:`~jetrl.models.attention.PagedAttentionMetadata`. All the
@@ -74,26 +58,31 @@ DEFAULT_CPU_BUDGET_BYTES = 256 * 2 ** 20
 DEFAULT_GPU_FRACTION = 0.5
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied to ``device``; on CUDA from pinned memory, so the copy does not wait for the steps
+    already queued."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+@dataclasses.dataclass
 class LaunchedStep:
     """A step queued on the device: its sampled tokens there and, on their way, on the host.
 
     ``sampled`` lists the sequence of each sampled row (chunk order): the next step finds its placeholder
     inputs among them."""
 
-    def __init__(self) -> None:
-        self.sampled: list[Sequence] = []
-        self.tokens: torch.Tensor | None = None  # (rows,) on the device
-        self.host: torch.Tensor | None = None  # (2, rows) float64: tokens and log-probs, pinned on CUDA
-        self.done: torch.cuda.Event | None = None
-        self.wait_seconds = 0.0
+    sampled: list[Sequence] = dataclasses.field(default_factory=list)
+    tokens: torch.Tensor | None = None  # (rows,) on the device
+    host: torch.Tensor | None = None  # (2, rows) float64: tokens and log-probs, pinned on CUDA
+    done: torch.cuda.Event | None = None
+    wait_seconds: float = 0.0
 
 
 class _DecodeGraphs:
     """CUDA graphs of ``forward_paged`` for decode batches of the candidate sizes, over static buffers.
 
-    A size is captured when a step first needs it (:meth:`capture`, called by the runner), not up front: a
-    rollout whose batch never shrinks captures one graph, and a model whose weights move every step (sharded
-    with FSDP2, gathered for each rollout) pays one capture per size it uses instead of one per candidate."""
+    A size is captured when a step first needs it, not up front: a rollout whose batch never shrinks captures one
+    graph, and a model whose weights move every step pays one capture per size it uses, not per candidate."""
 
     def __init__(self, runner: "ModelRunner", sizes: list[int]) -> None:
         self.runner = runner
@@ -126,29 +115,21 @@ class _DecodeGraphs:
     def capture(self, b: int) -> None:
         """Capture the decode step for ``b`` rows: a warm-up forward (autotuning, caches), then the capture,
         both over parked rows so that nothing is written outside the scratch block. The first capture first
-        compiles ahead the GEMM kernels that every candidate size needs and that compile at first use
-        (:func:`~jetrl.quant.backend.prepare_gemms`: DeepGEMM's, under ``gemm="deepgemm"``; for the FP8 weights
-        the model's rollout-side forwards have multiplied, the prefill's at least), in parallel, rather than one
-        size's at a time in the warm-ups."""
+        compiles the GEMM kernels of every candidate size at once (:func:`~jetrl.quant.backend.prepare_gemms`,
+        for the FP8 weights the rollout-side forwards have multiplied so far, the prefill's at least)."""
         if not self.prepared:
             self.prepared = True
             with precision_side("rollout"):
                 prepare_gemms(self.sizes, self.runner.device, forward_gemm_weights(self.runner.model))
         self._park(0, b)
-        meta = self._meta(b)
+        meta = PagedAttentionMetadata(self.query_start_loc[:b + 1], self.context_lens[:b], self.block_tables[:b],
+                                      self.slot_mapping[:b], max_query_len=1, max_context_len=self.max_context_len)
         self.graphs[b], self.outputs[b] = capture(
             lambda: self.runner._forward(self.input_ids[:b], self.positions[:b], meta, None), stream=self.stream,
             pool=self.pool, warmup=True)
 
-    def _meta(self, b: int) -> PagedAttentionMetadata:
-        return PagedAttentionMetadata(self.query_start_loc[:b + 1], self.context_lens[:b], self.block_tables[:b],
-                                      self.slot_mapping[:b], max_query_len=1, max_context_len=self.max_context_len)
-
     def padded_size(self, b: int) -> int | None:
-        for size in self.sizes:
-            if size >= b:
-                return size
-        return None
+        return next((size for size in self.sizes if size >= b), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
             slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -175,16 +156,10 @@ class ModelRunner:
         max_model_len: context limit in tokens (sizes the block tables and the graphs' attention).
         block_size: tokens per KV block.
         max_num_seqs: most sequences in one decode step (the largest captured graph; caps the pool size).
-        memory_budget: KV-cache size: a fraction (0, 1] of the free GPU memory, or bytes (> 1). On CPU,
-            bytes (default 256 MiB). The pool never exceeds what ``max_num_seqs`` full-length sequences need.
-        num_blocks: exact pool size in blocks (overrides ``memory_budget``).
-        cuda_graphs: capture the decode step on CUDA; ``graph_batch_sizes`` overrides the captured sizes.
-        exact: exact on-policy mode (:mod:`jetrl.quant.exact`): every forward (prefill, decode, the captured
-            graphs) runs ``forward_paged(..., exact=True)`` and the sampler reports the trainer's exact
-            log-probabilities; requires a recipe with one precision on both sides.
-        kv_fp8: store K and V as E4M3 with one fp32 scale per token and KV head (:class:`PagedKVCache` with scale
-            pools): ``head_dim + 4`` bytes per token, head and K or V instead of ``2 * head_dim`` in BF16, so
-            a memory budget holds about twice the blocks. Block copies and the scratch block cover the scales.
+        memory_budget, num_blocks, cuda_graphs, graph_batch_sizes, exact, kv_fp8: as
+            :class:`~jetrl.rollout.engine.RolloutEngine`'s (``exact`` requires a recipe with one precision on both
+            sides). An FP8 cache takes ``head_dim + 4`` bytes per token, head and K or V instead of
+            ``2 * head_dim`` in BF16; block copies and the scratch block cover its scales.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_model_len: int, block_size: int, max_num_seqs: int,
@@ -295,21 +270,11 @@ class ModelRunner:
         with precision_side("rollout"):
             return storage_key(self.model, grads=False, transposes=False)
 
-    def _ensure_graphs(self) -> None:
-        if not self.use_cuda_graphs:
-            return
-        key = self._weights_key()
-        if self.graphs is not None and key == self._graph_key:
-            return
+    def _decode_eagerly(self, exc: Exception, stacklevel: int) -> None:
+        """A model path that cannot be captured still runs, eagerly: warn and turn the graphs off."""
+        warn_eager("the decode step", exc, "decoding eagerly", stacklevel=stacklevel + 1)
+        self.use_cuda_graphs = False
         self.graphs = None
-        try:
-            with torch.no_grad(), precision_side("rollout"):
-                graphs = _DecodeGraphs(self, self.graph_batch_sizes)
-            self.graphs = graphs
-            self._graph_key = key
-        except Exception as exc:  # a model path that cannot be captured still runs, eagerly
-            warn_eager("the decode step", exc, "decoding eagerly", stacklevel=4)
-            self.use_cuda_graphs = False
 
     def _graphs_for(self, rows: int) -> _DecodeGraphs | None:
         """The graphs that replay a decode step of ``rows`` rows, its padded size captured now if this is the
@@ -322,10 +287,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             graphs.capture(size)
-        except Exception as exc:  # a model path that cannot be captured still runs, eagerly
-            warn_eager("the decode step", exc, "decoding eagerly", stacklevel=4)
-            self.use_cuda_graphs = False
-            self.graphs = None
+        except Exception as exc:
+            self._decode_eagerly(exc, stacklevel=4)
             return None
         self.graph_captures += 1
         self.graph_capture_seconds += time.perf_counter() - t0
@@ -337,18 +300,24 @@ class ModelRunner:
     # ------------------------------------------------------------------ steps
 
     def begin(self, seqs: list[Sequence]) -> None:
-        """A ``generate`` call over ``seqs`` starts (after :meth:`allocate_kv_cache`)."""
-        self._ensure_graphs()
+        """A ``generate`` call over ``seqs`` starts (after :meth:`allocate_kv_cache`): drop the CUDA graphs if what
+        they depend on changed, and start a host mirror of the sequences' block tables."""
+        key = self._weights_key() if self.use_cuda_graphs else None
+        if self.use_cuda_graphs and (self.graphs is None or key != self._graph_key):
+            try:
+                with torch.no_grad(), precision_side("rollout"):
+                    self.graphs = _DecodeGraphs(self, self.graph_batch_sizes)
+                self._graph_key = key
+            except Exception as exc:
+                self._decode_eagerly(exc, stacklevel=3)
         self._tables = BlockTableMirror(seqs, self.max_blocks_per_seq)
 
     def _forward(self, input_ids, positions, meta, logits_indices):
         return self.model.forward_paged(input_ids, positions, meta, self.kv_cache, logits_indices, exact=self.exact)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        host = torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long)
-        if self.device.type == "cuda":  # pinned: the copy does not wait for the steps already queued
-            host = host.pin_memory()
-        src, dst = host.to(self.device, non_blocking=True)
+        src, dst = _to_device(torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long),
+                              self.device)
         cache = self.kv_cache
         pools = [*cache.k, *cache.v] + ([*cache.k_scale, *cache.v_scale] if cache.is_fp8 else [])
         for pool in pools:  # an FP8 block's scales travel with its data
@@ -358,7 +327,9 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None) -> LaunchedStep:
         """Queue one step (block copies, inputs, forward, sampling, the copy of its tokens to the host)
-        without waiting for the device.
+        without waiting for the device. A decode run takes ``out.steps`` forwards and samplings back to back,
+        each step's inputs made on the device from the step before (sampled tokens; positions, context lengths
+        and KV slots one further, within the blocks the scheduler made writable for the whole run).
 
         Decode rows whose input token is still a placeholder (sampled by ``prev``, not yet on the host)
         read it from ``prev``'s sampled tokens on the device."""
@@ -404,10 +375,7 @@ class ModelRunner:
         fill = [r for r, _ in from_prev] + [q for _, q in from_prev]  # rows to fill, prev's sampled rows
         row_steps = list(out.row_steps or ())  # a run's steps per row where some take fewer
         head = np.array(ids + pos + slots + qsl + ctx + sample_rows + fill + out_pos + row_steps, dtype=np.int64)
-        host = torch.from_numpy(np.concatenate([head, tables.reshape(-1)]))
-        if dev.type == "cuda":  # one host-to-device transfer for the whole step's metadata (pinned, so
-            host = host.pin_memory()  # it does not wait for the steps already queued)
-        packed = host.to(dev, non_blocking=True)
+        packed = _to_device(torch.from_numpy(np.concatenate([head, tables.reshape(-1)])), dev)  # one transfer
         ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, fill_t, out_pos_t, row_steps_t, table_t = packed.split(
             [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), len(fill), len(out_pos), len(row_steps),
              n_seqs * width])
@@ -423,15 +391,12 @@ class ModelRunner:
         qsl_t = qsl_t.to(torch.int32)
         tokens_run, logprobs_run = [], []
         for j in range(out.steps):  # a decode run: each step's sampled tokens are the next one's inputs
-            if j and not row_steps:
-                ids_t, pos_t, ctx_t = tokens, pos_t + 1, ctx_t + 1
+            if j:  # a row past its own steps idles: it stays where it is and writes into the scratch block
+                live = row_steps_t > j if row_steps else 1
+                ids_t, pos_t, ctx_t = tokens, pos_t + live, ctx_t + live
                 slots_t = table_t.gather(1, (pos_t // bs)[:, None]).squeeze(1) * bs + pos_t % bs
-                batch = dataclasses.replace(batch, position=batch.position + 1)
-            elif j:  # a row past its own steps idles: it stays where it is and writes into the scratch block
-                live = row_steps_t > j
-                ids_t, pos_t, ctx_t = tokens, pos_t + live, ctx_t + live.to(ctx_t.dtype)
-                slots_t = torch.where(live, table_t.gather(1, (pos_t // bs)[:, None]).squeeze(1) * bs + pos_t % bs,
-                                      self.scratch_block * bs)
+                if row_steps:
+                    slots_t = torch.where(live, slots_t, self.scratch_block * bs)
                 batch = dataclasses.replace(batch, position=batch.position + live)
             if graphs is not None:
                 logits = graphs.run(ids_t, pos_t, ctx_t, slots_t, table_t)
@@ -469,8 +434,9 @@ class ModelRunner:
         return dataclasses.replace(cached[1], position=out_pos_t)
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
-        """The step's sampled tokens and log-probabilities on the host (waits for the step); a decode run's
-        step-major (row i's token of step j at ``j * rows + i``)."""
+        """The step's sampled tokens and log-probabilities on the host (waits for the step), one per sampled row
+        in chunk order (empty when it sampled nothing); a decode run's step-major (row i's token of step j at
+        ``j * rows + i``). ``step.wait_seconds`` then holds how long the host waited for the device."""
         if step.host is None:
             return [], []
         wait_start = time.perf_counter()

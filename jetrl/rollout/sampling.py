@@ -21,13 +21,18 @@ generator of the logits' device (cheaper; not reproducible across batch composit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from jetrl.quant.backend import choose_impl
 
 _MASK32 = 0xFFFFFFFF
+
+
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} ({value!r})")
 
 
 @dataclass(frozen=True)
@@ -51,26 +56,21 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        def _int(name: str, value) -> None:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} ({value!r})")
-
-        _int("n", self.n)
+        for name in ("n", "top_k", "max_tokens") + (("seed",) if self.seed is not None else ()):
+            _check_int(name, getattr(self, name))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"SamplingParams.{name} must be a number, got {value!r}")
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1 (samples per prompt), got {self.n}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise TypeError(f"SamplingParams.temperature must be a number, got {self.temperature!r}")
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), "
                              f"got {self.temperature}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
-            raise TypeError(f"SamplingParams.top_p must be a number, got {self.top_p!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        _int("top_k", self.top_k)
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"SamplingParams.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
-        _int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.stop_token_ids, (str, int)):
@@ -78,19 +78,15 @@ class SamplingParams:
                             f"got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
-            _int("stop_token_ids[...]", t)
+            _check_int("stop_token_ids[...]", t)
             if t < 0:
                 raise ValueError(f"SamplingParams.stop_token_ids must be non-negative, got {t}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"SamplingParams.stop must hold non-empty strings, got {s!r}")
-        if self.seed is not None:
-            _int("seed", self.seed)
-            if not (0 <= self.seed < 2 ** 64):
-                raise ValueError(f"SamplingParams.seed must be in [0, 2**64), got {self.seed}")
+        if self.seed is not None and not (0 <= self.seed < 2 ** 64):
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**64), got {self.seed}")
 
     @property
     def is_greedy(self) -> bool:
@@ -114,7 +110,6 @@ class SamplingBatch:
     any_seeded: bool = False
     any_unseeded_random: bool = False
     all_greedy: bool = False
-    extra: dict = field(default_factory=dict)
 
     @staticmethod
     def build(params: list[SamplingParams], sample_index: list[int], position: list[int],
@@ -191,10 +186,8 @@ def _truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None, exact: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` (B, V) -> (tokens (B,) int64, logprobs (B,) fp32).
-
-    See the module docstring for the log-probability definition and the truncation order. Runs entirely
-    on the logits' device with no host synchronisation. Where the seam picks the kernels
+    """Sample one token per row of ``logits`` (B, V) -> (tokens (B,) int64, logprobs (B,) fp32), on the logits'
+    device with no host synchronisation (see the module doc). Where the seam picks the kernels
     (:func:`jetrl.quant.backend.choose_impl`: CUDA tensors under the CUDA backend; ``impl`` forces
     ``"reference"`` or ``"triton"``), a batch of seeded (and greedy) rows without truncation runs as one Triton
     kernel (:mod:`jetrl.quant.kernels.sampling_triton`: the same tokens, the log-probabilities up to fp32
@@ -228,15 +221,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None, 
         scores = scaled
         if batch.any_truncation:
             scores = scores.masked_fill(_truncation_mask(scaled, batch.top_k, batch.top_p), float("-inf"))
-        if batch.any_seeded and not batch.any_unseeded_random:
+        uniform = None  # not all_greedy: some row is seeded or unseeded
+        if batch.any_seeded:
             uniform = seeded_uniform(batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position,
                                      logits.shape[-1])
-        else:
-            uniform = torch.rand_like(scores).clamp_(min=2.0 ** -25, max=1.0 - 2.0 ** -25)
-            if batch.any_seeded:
-                seeded = seeded_uniform(batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position,
-                                        logits.shape[-1])
-                uniform = torch.where(batch.is_seeded[:, None], seeded, uniform)
+        if batch.any_unseeded_random:
+            noise = torch.rand_like(scores).clamp_(min=2.0 ** -25, max=1.0 - 2.0 ** -25)
+            uniform = noise if uniform is None else torch.where(batch.is_seeded[:, None], uniform, noise)
         gumbel = -torch.log(-torch.log(uniform))
         tokens = torch.where(greedy, logits.argmax(dim=-1), (scores + gumbel).argmax(dim=-1))
     logprobs = logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)

@@ -16,10 +16,9 @@ are the next step's inputs on the device. A sequence takes the run's steps up to
 (``SchedulerOutput.row_steps`` where some take fewer: such a row idles for the rest of the run, writing
 nowhere but the scratch block, and finishes by length); the run is as long as the longest of them and as the
 free blocks allow, the blocks of all its steps made writable up front (fresh blocks, copy-on-write of a shared
-tail). A sequence that a stop token
-or stop string ends inside a run keeps the tokens up to the stop; the rest of its run is computed for nothing
-and dropped (:meth:`Scheduler.resolve`). When not even the blocks for a run of 2 are free, the step is a single
-decode step, which preempts as usual.
+tail). A sequence that a stop token or stop string ends inside a run keeps the tokens up to the stop; the rest
+of its run is computed for nothing and dropped (:meth:`Scheduler.resolve`). When not even the blocks for a run
+of 2 are free, the step is a single decode step, which preempts as usual.
 
 When a decode step needs a block and none is free, the newest running entry is **preempted by
 recomputation**: its blocks are freed, it goes back to the front of the waiting queue keeping its
@@ -80,8 +79,6 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -112,9 +109,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _num_running_seqs(self) -> int:
-        return sum(len(e) for e in self.running)
-
     @staticmethod
     def _is_prefilling(entry: list[Sequence]) -> bool:
         return entry[0].num_computed_tokens < len(entry[0]) - 1 or len(entry) > 1
@@ -127,8 +121,7 @@ class Scheduler:
         out = self._schedule_prefill()
         if out.chunks:
             return out
-        steps, row_steps = self._run_plan(decode_steps)
-        return self._schedule_run(steps, row_steps) if steps > 1 else self._schedule_decode()
+        return self._schedule_decode(*self._run_plan(decode_steps))
 
     def _schedule_prefill(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -145,7 +138,7 @@ class Scheduler:
         future = sum(self._future_blocks(e) for e in self.running) if self.waiting else 0
         while self.waiting and budget > 0:
             entry = self.waiting[0]
-            if self._num_running_seqs() + len(entry) > self.max_num_seqs:
+            if sum(len(e) for e in self.running) + len(entry) > self.max_num_seqs:
                 break
             needed = self.blocks.blocks_for_tokens(len(entry[0]))
             # keep a watermark of free blocks (1% of the pool) for the running sequences to grow into, so an
@@ -191,40 +184,28 @@ class Scheduler:
                 return steps, None if min(rows) == steps else tuple(rows)
         return 1, None
 
-    def _schedule_run(self, steps: int, row_steps: tuple[int, ...] | None) -> SchedulerOutput:
-        chunks: list[ScheduledChunk] = []
-        copies: list[tuple[int, int]] = []
-        for i, entry in enumerate(self.running):
-            seq = entry[0]
-            start = seq.num_computed_tokens
-            for position in range(start, start + (steps if row_steps is None else row_steps[i])):
-                pair = self.blocks.prepare_append(seq, position)
-                if pair is not None:
-                    copies.append(pair)
-            chunks.append(ScheduledChunk(entry, start, start + 1))
-        return SchedulerOutput(chunks, is_decode=True, copies=copies, steps=steps, row_steps=row_steps)
-
-    def _schedule_decode(self) -> SchedulerOutput:
+    def _schedule_decode(self, steps: int, row_steps: tuple[int, ...] | None) -> SchedulerOutput:
+        """A decode step (preempting the newest entries while a block is missing), or a run whose blocks
+        :meth:`_run_plan` found free (so nothing is preempted)."""
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
         i = 0
         while i < len(self.running):
             entry = self.running[i]
             seq = entry[0]
-            while self.blocks.blocks_needed_to_append(seq) > self.blocks.num_free_blocks:
+            while self.blocks.blocks_needed_to_write(seq, 1) > self.blocks.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
-                if victim is entry:
-                    break
-            else:
-                pair = self.blocks.prepare_append(seq)
+                if victim is entry:  # it was the newest: nothing after it remains
+                    return SchedulerOutput(chunks, is_decode=True, copies=copies)
+            start = seq.num_computed_tokens
+            for position in range(start, start + (steps if row_steps is None else row_steps[i])):
+                pair = self.blocks.prepare_append(seq, position)
                 if pair is not None:
                     copies.append(pair)
-                chunks.append(ScheduledChunk(entry, seq.num_computed_tokens, seq.num_computed_tokens + 1))
-                i += 1
-                continue
-            break  # the entry itself was preempted: it was the newest, nothing after it remains
-        return SchedulerOutput(chunks, is_decode=True, copies=copies)
+            chunks.append(ScheduledChunk(entry, start, start + 1))
+            i += 1
+        return SchedulerOutput(chunks, is_decode=True, copies=copies, steps=steps, row_steps=row_steps)
 
     def _preempt(self, entry: list[Sequence]) -> None:
         self.running = [e for e in self.running if e is not entry]
@@ -296,7 +277,11 @@ class Scheduler:
             if seq is None:
                 continue
             own = steps if row_steps is None else row_steps[i]
-            index = self._placeholder_index(seq, own)
+            # a sequence's only unresolved tokens are its newest step's (or run's): resolve() runs before the next
+            # advance()
+            index = len(seq.token_ids) - own
+            if index < seq.num_prompt_tokens or any(t != PLACEHOLDER for t in seq.token_ids[index:]):
+                raise RuntimeError(f"{seq!r}: no {own} sampled tokens are pending (scheduler bug)")
             del seq.token_ids[index:]  # appended back one by one: a stop string sees the output up to its token
             del seq.logprobs[index - seq.num_prompt_tokens:]
             stopped = False
@@ -319,15 +304,6 @@ class Scheduler:
             self._finish(seq, "stop")
             finished.append(seq)
         return finished, kept
-
-    @staticmethod
-    def _placeholder_index(seq: Sequence, steps: int) -> int:
-        # a sequence's only unresolved tokens are its newest step's (or run's): resolve() runs before the next
-        # advance()
-        index = len(seq.token_ids) - steps
-        if index < seq.num_prompt_tokens or any(t != PLACEHOLDER for t in seq.token_ids[index:]):
-            raise RuntimeError(f"{seq!r}: no {steps} sampled tokens are pending (scheduler bug)")
-        return index
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -141,7 +141,7 @@ def test_logger_and_tensorboard_fallback(tmp_path):
     else:
         with pytest.warns(UserWarning, match="tensorboard is not installed"):
             logger = MetricsLogger(tmp_path, tensorboard=True)
-    assert (logger.tensorboard._writer is not None) == has_tb
+    assert (logger.tensorboard is not None) == has_tb
     logger.log(1, {"reward/mean": 0.25, "note": "x"})
     logger.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.25, "note": "x"}]

@@ -46,7 +46,7 @@ def test_block_manager_sharing_and_copy_on_write():
     assert bm.num_free_blocks == 2
     for s in seqs:
         s.num_computed_tokens = 8  # next token opens a new block
-    assert bm.blocks_needed_to_append(seqs[0]) == 1
+    assert bm.blocks_needed_to_write(seqs[0], 1) == 1
     bm.prepare_append(seqs[0])
     bm.prepare_append(seqs[1])
     with pytest.raises(NoFreeBlocks):
