@@ -2,16 +2,10 @@
 
 ``jetrl`` alone runs ``jetrl train`` on the embedded default: RL of the packaged tiny model on its
 arithmetic task, a few minutes on a CPU. Every command's work lives in a library function of the stage
-that owns it (:func:`jetrl.train_job.train_and_evaluate` around :func:`jetrl.rl.loop.run`,
-:func:`jetrl.sft.run_sft`, :func:`jetrl.evaluate.evaluate`, :func:`jetrl.evaluate.generate_texts`,
-:func:`jetrl.plotting.plot_runs`, :func:`jetrl.models.export_model`, ``jetrl config``'s
-:func:`jetrl.config.reference.commented_yaml` and :mod:`jetrl.registries`; ``jetrl:NAME`` and the paths a
-command takes through :mod:`jetrl.asset_files`), so scripts and tests call those; this module only turns
-arguments into their inputs and their results into text (tables: :func:`jetrl.tables.text_table`). ``jetrl
-bench`` is dispatch alone: it runs a script of the source checkout's ``bench/`` folder by name
-(:mod:`jetrl.bench_scripts`). Choice lists of library settings (recipes, tasks, dataset formats, dtypes)
-come from the registries that own them; the one choice of the CLI's own, ``--resume``'s ``auto``/``must``
-(its spelling of :func:`jetrl.rl.loop.run`'s ``require_checkpoint``), is defined here.
+that owns it (imported below), so scripts and tests call those; this module only turns arguments into their
+inputs and their results into text. Choice lists of library settings (recipes, tasks, dataset formats,
+dtypes) come from the registries that own them; the one choice of the CLI's own is ``--resume``'s
+``auto``/``must`` (its spelling of :func:`jetrl.rl.loop.run`'s ``require_checkpoint``).
 
 User errors (a missing file, a bad config key, an unknown dataset column, a tokenizer that lacks a
 needed special token or belongs to another model, an output folder that holds another run) print one
@@ -140,12 +134,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         folder, _, tokenizer = check_model(config)
         check_eos(tokenizer, config.model.tokenizer or folder, folder)
     # under torchrun every rank runs this command; rank 0 alone prepares the folder, evaluates and reports
-    is_main = launched_rank() == 0
-    if is_main:
-        prepare_output_dir(config, overwrite=args.overwrite)  # last: --overwrite deletes the old run
-    if not is_main:
+    if launched_rank() != 0:
         run(config, require_checkpoint=args.resume == "must")
         return 0
+    prepare_output_dir(config, overwrite=args.overwrite)  # last: --overwrite deletes the old run
     print(f"jetrl train: {config.recipe} recipe, model {config.model.path}, "
           f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
           file=sys.stderr)
@@ -158,8 +150,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------ config
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    path = config_path(args.config)
-    overrides = _overrides(args.overrides)
+    path, overrides = config_path(args.config), _overrides(args.overrides)
     config = load_config(path, overrides)
     source = " ".join([args.config or DEFAULT_CONFIG, *overrides])
     print(commented_yaml(config, title=f"jetrl config show {source}\nthe resolved configuration: every field, "

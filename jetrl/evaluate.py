@@ -5,19 +5,13 @@ Generation goes through :class:`jetrl.rollout.RolloutEngine` (the same engine, p
 log-probability definition as RL rollouts); rewards through the dataset's reward function in a
 :class:`jetrl.data.RewardPool` (so a pathological answer cannot hang evaluation). A sample counts as
 correct when its reward is at least 1. A failed reward is not a wrong answer: as in training, failed
-samples score 0 and are counted (``reward_errors``, ``reward_timeouts``, shown in the summary), the first
-failure's message is printed once, and evaluation stops with
+samples score 0 and are counted (``reward_errors``, ``reward_timeouts``), and evaluation stops with
 :class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a batch failed (a broken reward
 function must not read as 0% accuracy). A prompt whose tokens plus ``max_tokens`` do not fit in the
-model's context (``max_position_embeddings``) is an error, not a silently shortened answer.
+model's context is an error, not a silently shortened answer.
 
-pass@k uses the unbiased estimator of Chen et al. (2021): with ``n`` samples of which ``c`` are correct,
-``pass@k = 1 - C(n - c, k) / C(n, k)``, averaged over prompts. Greedy decoding (``temperature=0``)
-draws one sample per prompt, so its accuracy is pass@1.
-
-:func:`held_out_accuracy` is the before/after check of an RL run (a held-out file's rows, ``data.eval_path``, or a
-built-in task's problems drawn with another seed than the training prompts); :func:`generate_texts` is what
-``jetrl generate`` prints; :func:`write_samples` writes the samples an evaluation kept (``keep_samples``) as JSONL.
+pass@k uses the unbiased estimator of Chen et al. (2021), averaged over prompts. Greedy decoding
+(``temperature=0``) draws one sample per prompt, so its accuracy is pass@1.
 """
 
 from __future__ import annotations
@@ -71,7 +65,8 @@ class EvalResult:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one prompt with ``c`` correct among ``n`` samples (``k <= n``)."""
+    """Unbiased pass@k of one prompt with ``c`` correct among ``n`` samples (``k <= n``):
+    ``1 - C(n - c, k) / C(n, k)``."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
@@ -225,7 +220,6 @@ def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str
     return [outs[i * n:(i + 1) * n] for i in range(len(texts))]
 
 
-
 def load_policy(path: str, recipe: str, device: str | None, dtype: str, max_tokens: int) -> tuple[Any, Any]:
     """Model and tokenizer from a checkpoint folder, checked before the weights are read: the tokenizer
     against the model (EOS token, vocabulary, special tokens), ``max_tokens`` new tokens against the model's
@@ -240,5 +234,6 @@ def load_policy(path: str, recipe: str, device: str | None, dtype: str, max_toke
     model = load_model(folder, dtype=getattr(torch, dtype), device=device, recipe=recipe)
     return model, tokenizer
 
-__all__ = ["load_policy", "EVAL_REWARD_WORKERS", "EVAL_SEED", "EvalResult", "evaluate", "pass_at_k", "held_out_accuracy", "generate_texts",
-           "write_samples"]
+
+__all__ = ["load_policy", "EVAL_REWARD_WORKERS", "EVAL_SEED", "EvalResult", "evaluate", "pass_at_k",
+           "held_out_accuracy", "generate_texts", "write_samples"]

@@ -6,10 +6,7 @@ labelled by its folder name and precision recipe (read from the run's saved conf
 three recipes on the same task sit side by side: ``jet`` should track ``bf16`` in reward while its
 mismatch stays near rounding level; ``fp8-rollout`` shows the larger mismatch. Noisy curves get a
 moving average drawn over the raw points. :func:`summarize_run` condenses the same log into the rows of
-a run's summary table (start and end of reward, accuracy and length, the final mismatch, the run's failed
-rewards, the time). :func:`default_plot_path` says where a plot goes when no file is named: a run's own
-``curves.png``, or for a comparison a file in the first run's parent folder named after the runs, so
-comparing never overwrites a run's own plot.
+a run's summary table.
 """
 
 from __future__ import annotations
@@ -63,16 +60,12 @@ def _metrics_path(run: str | Path) -> Path:
 
 
 def _recipe_of(run_dir: Path) -> str | None:
-    for name in ("config.yaml", "config.json"):
-        path = run_dir / name
-        if not path.is_file():
-            continue
-        try:
-            if name.endswith(".json"):
-                return json.loads(path.read_text()).get("recipe")
-            return (yaml.safe_load(path.read_text()) or {}).get("recipe")
-        except Exception:
-            return None
+    for path in (run_dir / "config.yaml", run_dir / "config.json"):
+        if path.is_file():
+            try:
+                return (yaml.safe_load(path.read_text()) or {}).get("recipe")  # YAML reads JSON too
+            except Exception:
+                return None
     return None
 
 

@@ -1,18 +1,14 @@
 """How many threads torch computes with on the CPU: :func:`configure_threads`, called where a command's work starts.
 
 torch's default is one intra-op thread per core, which suits one process alone on a machine and fails
-badly beside another busy one. Its OpenMP threads wait for work by spinning before they sleep, and a
-small model (the embedded one) runs thousands of short parallel regions a step: when two processes'
-threads outnumber the cores, each region ends at a barrier that waits for a thread the scheduler has
-parked, while the other process's idle threads spin on the cores it needs. Two runs then cost an order
-of magnitude more than one, not twice as much. The reward pool's worker processes add to the count
-while they score.
+badly beside another busy one: its OpenMP threads spin while waiting, and a small model runs thousands of
+short parallel regions a step, so when two processes' threads outnumber the cores each region waits at a
+barrier for a parked thread while the other process's threads spin on the cores it needs. The reward
+pool's worker processes add to the count while they score.
 
-So by default jetrl uses at most half the cores (two runs side by side still fit the machine) and no
-more than the cores left beside the reward workers, and at least one thread
+So by default jetrl uses at most half the cores and no more than the cores left beside the reward workers
 (:func:`default_num_threads`). The user's choice wins: an explicit count (``trainer.num_threads``,
-``--threads``), or else ``OMP_NUM_THREADS`` in the environment, which torch already read at start-up and
-which jetrl then leaves as it is.
+``--threads``), or else ``OMP_NUM_THREADS``, which torch already read at start-up.
 """
 
 from __future__ import annotations

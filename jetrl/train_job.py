@@ -1,15 +1,10 @@
 """An RL run with its held-out check, as ``jetrl train`` does it: :func:`train_and_evaluate`.
 
 Around :func:`jetrl.rl.loop.run` it adds what a finished run is judged by: greedy accuracy on held-out
-problems (the run's built-in task drawn with another seed, or the held-out file ``data.eval_path``), in the run's
-precision recipe, before training
-(:func:`jetrl.evaluate.held_out_accuracy`; skipped when the run resumes, whose starting weights are not the
-configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``
-with the recipe's name; the run's curves in ``<output_dir>/curves.png`` (:func:`jetrl.plotting.plot_runs`);
-and its summary rows (:func:`jetrl.plotting.summarize_run`). The run's process settings -- its CPU threads and
-its kernel settings (``kernels:``) -- are entered once around the whole job (:func:`jetrl.rl.loop.run_settings`),
-so both evaluations compute with them too. It is a separate module because the RL stage imports neither the
-evaluation nor the plotting.
+problems before training (skipped when the run resumes, whose starting weights are not the configured
+model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``; the run's
+curves in ``<output_dir>/curves.png``; and its summary rows. It is a separate module because the RL stage
+imports neither the evaluation nor the plotting.
 
 Under torchrun only rank 0 calls it, after preparing the output folder
 (:func:`jetrl.rl.loop.prepare_output_dir`); the other ranks call :func:`jetrl.rl.loop.run` with the
@@ -82,38 +77,31 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
     """Run RL as configured, with greedy accuracy on ``num_eval`` held-out problems before and after.
 
     ``num_eval`` > 0 needs a built-in task (``data.task``; its problems drawn with
-    :data:`jetrl.evaluate.EVAL_SEED`) or a held-out file (``data.eval_path``; its first ``num_eval`` rows).
-    ``require_checkpoint`` is :func:`jetrl.rl.loop.run`'s. ``progress``
-    shows bars over the evaluations and the steps; without it each step is a ``log`` line. ``log`` also
-    announces each evaluation. The run's threads and kernel settings are in force throughout
-    (:func:`jetrl.rl.loop.run_settings`)."""
+    :data:`jetrl.evaluate.EVAL_SEED`) or a held-out file (``data.eval_path``; its first ``num_eval`` rows),
+    measured by :func:`jetrl.evaluate.held_out_accuracy` in the run's recipe. ``require_checkpoint`` is
+    :func:`jetrl.rl.loop.run`'s. ``progress`` shows bars over the evaluations and the steps; without it each
+    step is a ``log`` line. ``log`` also announces each evaluation. The run's threads and kernel settings
+    (:func:`jetrl.rl.loop.run_settings`) are in force throughout."""
     with run_settings(config):  # the evaluations compute with the run's threads and kernels too
-        return _train_and_evaluate(config, num_eval, require_checkpoint, progress, log)
-
-
-def _train_and_evaluate(config: RunConfig, num_eval: int, require_checkpoint: bool, progress: bool,
-                        log: Callable[[str], None]) -> TrainJobResult:
-    before = None
-    if num_eval and not config.trainer.resume:
-        log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems before training ...")
-        before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)
-    with Progress(config.trainer.steps, "train", unit="step", enabled=progress) as bar:
-        run(config, on_step=_step_reporter(config.trainer.steps, bar, log=None if progress else log),
-            require_checkpoint=require_checkpoint)
-    out = Path(config.trainer.output_dir)
-    plot = plot_runs([out], out / PLOT_FILE)
-    result = TrainJobResult(output_dir=out, plot=plot, summary=summarize_run(out), recipe=config.recipe,
-                            num_eval=num_eval)
-    if num_eval:
-        final = latest_checkpoint(out / CHECKPOINT_SUBDIR)
-        log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems after training ...")
-        after = held_out_accuracy(str(final / "model"), config, num_eval, progress=progress)
-        (out / EVAL_FILE).write_text(json.dumps({"seed": None if config.data.eval_path else EVAL_SEED,
-                                                 "file": config.data.eval_path,
-                                                 "num_examples": num_eval, "recipe": config.recipe,
-                                                 "greedy_accuracy_before": before, "greedy_accuracy_after": after,
-                                                 "checkpoint": str(final)}))
-        result.accuracy_before, result.accuracy_after, result.checkpoint = before, after, final
+        before = None
+        if num_eval and not config.trainer.resume:
+            log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems before training ...")
+            before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)
+        with Progress(config.trainer.steps, "train", unit="step", enabled=progress) as bar:
+            run(config, on_step=_step_reporter(config.trainer.steps, bar, log=None if progress else log),
+                require_checkpoint=require_checkpoint)
+        out = Path(config.trainer.output_dir)
+        result = TrainJobResult(output_dir=out, plot=plot_runs([out], out / PLOT_FILE), summary=summarize_run(out),
+                                recipe=config.recipe, num_eval=num_eval)
+        if num_eval:
+            final = latest_checkpoint(out / CHECKPOINT_SUBDIR)
+            log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems after training ...")
+            after = held_out_accuracy(str(final / "model"), config, num_eval, progress=progress)
+            (out / EVAL_FILE).write_text(json.dumps({
+                "seed": None if config.data.eval_path else EVAL_SEED, "file": config.data.eval_path,
+                "num_examples": num_eval, "recipe": config.recipe, "greedy_accuracy_before": before,
+                "greedy_accuracy_after": after, "checkpoint": str(final)}))
+            result.accuracy_before, result.accuracy_after, result.checkpoint = before, after, final
     return result
 
 

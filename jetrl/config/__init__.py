@@ -7,26 +7,12 @@ overrides, :mod:`jetrl.config.reference` what each field means (``docs/configura
 
 from jetrl.config.loader import apply_override, load_config, parse_override, save_config
 from jetrl.config.schema import (
-    DTYPES,
-    AlgorithmConfig,
-    ConfigError,
-    ConfigTypeError,
-    DataConfig,
-    DistributedConfig,
-    ModelConfig,
-    OptimConfig,
-    RewardLimitsConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
-    from_dict,
-    registered_names,
-    to_dict,
+    DTYPES, AlgorithmConfig, ConfigError, ConfigTypeError, DataConfig, DistributedConfig, ModelConfig, OptimConfig,
+    RewardLimitsConfig, RolloutConfig, RunConfig, TrainerConfig, from_dict, registered_names, to_dict,
 )
 
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
-    "AlgorithmConfig",
-    "OptimConfig", "TrainerConfig", "DistributedConfig", "load_config", "save_config", "from_dict", "to_dict", "apply_override",
-    "parse_override", "registered_names", "DTYPES",
+    "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "load_config", "save_config", "from_dict",
+    "to_dict", "apply_override", "parse_override", "registered_names", "DTYPES",
 ]

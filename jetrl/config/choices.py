@@ -1,11 +1,9 @@
 """The names a choice field of the config may take, one list per kind, below the stages that implement them.
 
 The RL stage's registries (advantage estimators, KL estimators, loss aggregations, LR schedules) map these
-names to functions; each is built through :func:`choice_registry`, which refuses a registry whose names are
-not this list, in this order. So the names are defined once, here, the config checks a field against them
-without importing the stage above it, and a name added on one side only is an error at import. The
-precision recipes are the exception: they live in :mod:`jetrl.quant.recipe`, a layer below the config,
-which reads them there.
+names to functions through :func:`choice_registry`, which refuses a registry whose names are not this list,
+in this order: the config checks a field against them without importing the stage above it, and a name
+added on one side only is an error at import. (The precision recipes live in :mod:`jetrl.quant.recipe`.)
 """
 
 from __future__ import annotations

@@ -2,19 +2,11 @@
 
 Every section type-checks its fields on construction (coercing where a file or the command line gives a
 string) and then runs its own range and cross-field checks, so an invalid run is reported before a model
-is loaded: a wrong type names the expected type, and range or cross-field constraints (``clip_low < 0``,
-``n < 1``, batch sizes that do not divide) say which fields disagree. Reading files and ``--a.b=value``
-overrides, and writing a resolved config, is :mod:`jetrl.config.loader`'s job.
-
-Every field is declared with :func:`setting`: its default and its one-line meaning, and for a field that names
-an implementation the registry of valid names (read by :mod:`jetrl.config.reference` for
-``docs/configuration.md`` and ``jetrl config show``).
-
-Fields that name one of several implementations (the precision recipe, the advantage and KL estimators,
-the loss aggregation, the LR schedule) are checked against one list of names per kind: the RL choices in
-:mod:`jetrl.config.choices` (the RL stage builds its registries from those names, and refuses a registry that
-differs), the precision recipe against :data:`jetrl.quant.recipe.RECIPES`, a layer below, imported on first
-use: unknown keys, wrong types and out-of-range values are reported without importing torch.
+is loaded (an unknown key, a wrong type or an out-of-range value without importing torch): a wrong type names
+the expected type, and range or cross-field constraints (``clip_low < 0``, ``n < 1``, batch sizes that do not
+divide) say which fields disagree. Every field is declared with :func:`setting`; a field that names an
+implementation is checked against :func:`registered_names`. Reading files and ``--a.b=value`` overrides, and
+writing a resolved config, is :mod:`jetrl.config.loader`'s job.
 
 Batch sizes, in sequences (a sequence is one prompt plus one sampled completion)::
 
@@ -73,15 +65,6 @@ def check_choice(key: str, value: str, choices: Sequence[str]) -> None:
         raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}{hint}")
 
 
-def _choice(section: str, name: str, value: str, choices: Sequence[str]) -> None:
-    check_choice(f"{section}.{name}" if section else name, value, choices)
-
-
-def _at_least(section: str, name: str, value: float, low: float) -> None:
-    if value < low:
-        raise ConfigError(f"{section}.{name} must be >= {low}, got {value}")
-
-
 def setting(default: Any, doc: str, registry: str | None = None) -> Any:
     """A config field: its default, its one-line meaning and, for a field whose value names an implementation,
     the registry that holds the valid names (``"recipe"``, ``"task"``, ...).
@@ -100,12 +83,24 @@ class _Section:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = coerce(getattr(self, f.name), hints[f.name], f"{self._name}.{f.name}".lstrip("."))
-            object.__setattr__(self, f.name, value)
+            object.__setattr__(self, f.name, coerce(getattr(self, f.name), hints[f.name], self._key(f.name)))
         self.validate()
 
     def validate(self) -> None:
         """Range and consistency checks of this section (overridden per section)."""
+
+    def _key(self, name: str) -> str:
+        return f"{self._name}.{name}" if self._name else name
+
+    def _choice(self, name: str, choices: Sequence[str]) -> None:
+        check_choice(self._key(name), getattr(self, name), choices)
+
+    def _at_least(self, low: float, *names: str) -> None:
+        """A ConfigError naming the first of the fields ``names`` that is below ``low`` (null is not)."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ConfigError(f"{self._key(name)} must be >= {low}, got {value}")
 
 
 @dataclass
@@ -125,7 +120,7 @@ class ModelConfig(_Section):
                                             "recomputation, the same gradients); null: every block")
 
     def validate(self) -> None:
-        _choice("model", "dtype", self.dtype, DTYPES)
+        self._choice("dtype", DTYPES)
         if self.checkpoint_blocks is not None:
             if self.checkpoint_blocks < 0:
                 raise ConfigError(f"model.checkpoint_blocks must be >= 0 (or null: every block), got "
@@ -171,12 +166,7 @@ class DataConfig(_Section):
         if self.eval_path is not None and self.task is not None:
             raise ConfigError(f"data.eval_path ({self.eval_path!r}) is for a run on a file; a built-in task's held-out "
                               f"problems are drawn with another seed: unset one")
-        _at_least("data", "prompts_per_step", self.prompts_per_step, 1)
-        _at_least("data", "max_prompt_tokens", self.max_prompt_tokens, 1)
-        _at_least("data", "difficulty", self.difficulty, 1)
-        _at_least("data", "num_examples", self.num_examples, 1)
-        if self.max_examples is not None:
-            _at_least("data", "max_examples", self.max_examples, 1)
+        self._at_least(1, "prompts_per_step", "max_prompt_tokens", "difficulty", "num_examples", "max_examples")
         if self.instruction is not None and "{prompt}" not in self.instruction:
             raise ConfigError(f"data.instruction must contain '{{prompt}}', got {self.instruction!r}")
 
@@ -200,7 +190,7 @@ class RolloutConfig(_Section):
                                           "null: the engine's default")
 
     def validate(self) -> None:
-        _at_least("rollout", "n", self.n, 1)
+        self._at_least(1, "n", "max_tokens", "decode_steps")
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise ConfigError(f"rollout.memory_budget must be > 0 (a fraction or bytes), got {self.memory_budget}")
         if not self.temperature > 0:
@@ -209,10 +199,7 @@ class RolloutConfig(_Section):
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ConfigError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        _at_least("rollout", "max_tokens", self.max_tokens, 1)
-        _at_least("rollout", "decode_steps", self.decode_steps, 1)
-        negative = [t for t in self.stop_token_ids if t < 0]
-        if negative:
+        if any(t < 0 for t in self.stop_token_ids):
             raise ConfigError(f"rollout.stop_token_ids must be token ids >= 0, got {list(self.stop_token_ids)}")
 
 
@@ -250,26 +237,18 @@ class AlgorithmConfig(_Section):
                                 "one per padded shape (one CUDA device, fast mode; elsewhere eager)")
 
     def validate(self) -> None:
-        _choice("algorithm", "advantage_estimator", self.advantage_estimator,
-                registered_names("advantage_estimator"))
-        _choice("algorithm", "agg", self.agg, registered_names("loss_aggregation"))
-        _choice("algorithm", "kl_estimator", self.kl_estimator, registered_names("kl_estimator"))
-        _at_least("algorithm", "clip_low", self.clip_low, 0.0)
-        _at_least("algorithm", "clip_high", self.clip_high, 0.0)
+        self._choice("advantage_estimator", registered_names("advantage_estimator"))
+        self._choice("agg", registered_names("loss_aggregation"))
+        self._choice("kl_estimator", registered_names("kl_estimator"))
+        self._at_least(0.0, "clip_low", "clip_high")
         if self.clip_low >= 1:
             raise ConfigError(f"algorithm.clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), "
                               f"got {self.clip_low}")
-        _at_least("algorithm", "kl_coef", self.kl_coef, 0.0)
-        _at_least("algorithm", "entropy_coef", self.entropy_coef, 0.0)
-        if self.tis_cap is not None:
-            _at_least("algorithm", "tis_cap", self.tis_cap, 1.0)
-        _at_least("algorithm", "ppo_epochs", self.ppo_epochs, 1)
-        if self.mini_batch_size is not None:
-            _at_least("algorithm", "mini_batch_size", self.mini_batch_size, 1)
-        _at_least("algorithm", "micro_batch_size", self.micro_batch_size, 1)
-        if self.max_tokens_per_micro_batch is not None:
-            _at_least("algorithm", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, 1)
-        elif self.mini_batch_size is not None and self.mini_batch_size % self.micro_batch_size:
+        self._at_least(0.0, "kl_coef", "entropy_coef")
+        self._at_least(1.0, "tis_cap")
+        self._at_least(1, "ppo_epochs", "mini_batch_size", "micro_batch_size", "max_tokens_per_micro_batch")
+        if self.max_tokens_per_micro_batch is None and self.mini_batch_size is not None \
+                and self.mini_batch_size % self.micro_batch_size:
             raise ConfigError(f"algorithm.mini_batch_size ({self.mini_batch_size}) must be divisible by "
                               f"algorithm.micro_batch_size ({self.micro_batch_size})")
 
@@ -298,14 +277,13 @@ class OptimConfig(_Section):
                 raise ConfigError(f"optim.betas[{i}] must be in [0, 1), got {b}")
         if not self.eps > 0:
             raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
-        _at_least("optim", "weight_decay", self.weight_decay, 0.0)
-        _at_least("optim", "warmup_steps", self.warmup_steps, 0)
-        _choice("optim", "schedule", self.schedule, registered_names("lr_schedule"))
+        self._at_least(0.0, "weight_decay")
+        self._at_least(0, "warmup_steps", "max_consecutive_nonfinite")
+        self._choice("schedule", registered_names("lr_schedule"))
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ConfigError(f"optim.grad_clip must be > 0 or null (off), got {self.grad_clip}")
-        _at_least("optim", "max_consecutive_nonfinite", self.max_consecutive_nonfinite, 0)
 
 
 @dataclass
@@ -332,15 +310,10 @@ class TrainerConfig(_Section):
                                       "no more than the cores beside the reward workers")
 
     def validate(self) -> None:
-        _at_least("trainer", "steps", self.steps, 1)
-        if self.num_threads is not None:
-            _at_least("trainer", "num_threads", self.num_threads, 1)
-        _at_least("trainer", "seed", self.seed, 0)
-        _at_least("trainer", "checkpoint_every", self.checkpoint_every, 0)
-        _at_least("trainer", "keep_last", self.keep_last, 1)
-        _at_least("trainer", "log_every", self.log_every, 1)
-        _choice("trainer", "weights_only", self.weights_only, WEIGHTS_ONLY)
-        _choice("trainer", "on_disk_full", self.on_disk_full, ON_DISK_FULL)
+        self._at_least(1, "steps", "num_threads", "keep_last", "log_every")
+        self._at_least(0, "seed", "checkpoint_every")
+        self._choice("weights_only", WEIGHTS_ONLY)
+        self._choice("on_disk_full", ON_DISK_FULL)
         if not self.output_dir:
             raise ConfigError("trainer.output_dir must not be empty")
 
@@ -360,8 +333,7 @@ class DistributedConfig(_Section):
     timeout_s: float = setting(600.0, "seconds a collective may wait (a dead or stuck rank) before the job fails")
 
     def validate(self) -> None:
-        if self.shard_size is not None:
-            _at_least("distributed", "shard_size", self.shard_size, 1)
+        self._at_least(1, "shard_size")
         if not self.timeout_s > 0:
             raise ConfigError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
 
@@ -399,8 +371,7 @@ class RunConfig(_Section):
     # attends over the same quantized K/V (fp8-rollout: the rollout side only, the comparison arm; bf16: an error)
     kv_fp8: bool = setting(False, "FP8 KV cache in the rollout engine (jet, fp8-rollout)")
     # KEY a field of jetrl.quant.kernels.tuning.KernelTuning (its family dataclasses' docs say what each does); on
-    # the command line
-    # --kernels=exact_split_k=1,...
+    # the command line --kernels=exact_split_k=1,...
     kernels: tuple[str, ...] = setting((), "kernel settings for the whole run, KEY=VALUE, e.g. [exact_split_k=1]",
                                        registry="kernel_setting")
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -446,7 +417,7 @@ class RunConfig(_Section):
             raise ConfigError("model.path is empty: point it at a HuggingFace checkpoint folder")
 
     def validate(self) -> None:
-        _choice("", "recipe", self.recipe, registered_names("recipe"))
+        self._choice("recipe", registered_names("recipe"))
         if self.kernels:
             try:
                 self.kernel_settings

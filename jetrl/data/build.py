@@ -42,18 +42,15 @@ def build_prompt_dataset(spec: DataSpec, seed: int) -> PromptDataset:
             spec.num_examples)
     if spec.path is None:
         raise ValueError("no prompts: name a file (JSONL/Parquet) or a built-in task")
-    if spec.format not in DATASET_FORMATS:
-        raise ValueError(f"unknown dataset format {spec.format!r}; choose one of {sorted(DATASET_FORMATS)}")
-    fmt = DATASET_FORMATS[spec.format]
-    columns = None
+    config = DatasetConfig(path=spec.path, format=spec.format, reward=spec.reward, max_examples=spec.max_examples)
+    fmt = DATASET_FORMATS[config.format]
     if spec.prompt_column or spec.answer_column:
-        columns = ColumnMap(prompt=spec.prompt_column or fmt.columns.prompt,
-                            answer=spec.answer_column or fmt.columns.answer)
-    template = None
+        config.columns = ColumnMap(prompt=spec.prompt_column or fmt.columns.prompt,
+                                   answer=spec.answer_column or fmt.columns.answer)
     if spec.instruction or spec.system_prompt:
-        template = TemplateConfig(instruction=spec.instruction or fmt.instruction, system_prompt=spec.system_prompt)
-    return load_prompt_dataset(DatasetConfig(path=spec.path, format=spec.format, columns=columns, template=template,
-                                             reward=spec.reward, max_examples=spec.max_examples))
+        config.template = TemplateConfig(instruction=spec.instruction or fmt.instruction,
+                                         system_prompt=spec.system_prompt)
+    return load_prompt_dataset(config)
 
 
 __all__ = ["DataSpec", "build_prompt_dataset"]

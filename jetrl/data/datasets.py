@@ -10,8 +10,8 @@ Draw batches with :class:`~jetrl.data.sampler.BatchLoader` (deterministic, resum
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
-from typing import Any, overload
+from dataclasses import dataclass, replace
+from typing import Any
 
 from jetrl.data.prompt import Prompt
 from jetrl.data.sources import read_rows
@@ -32,10 +32,8 @@ class ColumnMap:
 
     def __post_init__(self) -> None:
         if self.messages is not None and self.prompt is not None:
-            raise ValueError(
-                f"ColumnMap: set either prompt ({self.prompt!r}) or messages ({self.messages!r}), not both; "
-                "use prompt=None with a messages column"
-            )
+            raise ValueError(f"ColumnMap: set either prompt ({self.prompt!r}) or messages ({self.messages!r}), not "
+                             "both; use prompt=None with a messages column")
         if self.messages is None and self.prompt is None:
             raise ValueError("ColumnMap: one of prompt or messages must name a column")
 
@@ -98,13 +96,8 @@ class DatasetConfig:
 class PromptDataset(Sequence[Prompt]):
     """An in-memory, indexable list of prompts plus how to render and score them."""
 
-    def __init__(
-        self,
-        prompts: Iterable[Prompt],
-        name: str = "prompts",
-        reward: str | None = None,
-        template: TemplateConfig | None = None,
-    ) -> None:
+    def __init__(self, prompts: Iterable[Prompt], name: str = "prompts", reward: str | None = None,
+                 template: TemplateConfig | None = None) -> None:
         self.prompts = list(prompts)
         if not self.prompts:
             raise ValueError(f"dataset {name!r} is empty: it has no prompts")
@@ -115,10 +108,6 @@ class PromptDataset(Sequence[Prompt]):
     def __len__(self) -> int:
         return len(self.prompts)
 
-    @overload
-    def __getitem__(self, i: int) -> Prompt: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Prompt]: ...
     def __getitem__(self, i):
         return self.prompts[i]
 
@@ -130,18 +119,13 @@ class PromptDataset(Sequence[Prompt]):
         return f"PromptDataset(name={self.name!r}, size={len(self)}, reward={self.reward!r})"
 
 
-def prompts_from_rows(
-    rows: Sequence[dict[str, Any]],
-    columns: ColumnMap,
-    available: Sequence[str],
-    source: str = "<rows>",
-) -> list[Prompt]:
+def prompts_from_rows(rows: Sequence[dict[str, Any]], columns: ColumnMap, available: Sequence[str],
+                      source: str = "<rows>") -> list[Prompt]:
     """Map table rows to prompts; unknown columns and missing or null values fail with the row number."""
     for role, col in columns.required():
         if col not in available:
-            raise ValueError(
-                f"{source}: unknown {role} column {col!r}; available columns: {', '.join(map(repr, available))}"
-            )
+            raise ValueError(f"{source}: unknown {role} column {col!r}; available columns: "
+                             f"{', '.join(map(repr, available))}")
     prompts = []
     for i, row in enumerate(rows):
         def value(col: str, role: str) -> Any:
@@ -150,30 +134,18 @@ def prompts_from_rows(
             return row[col]
 
         answer = value(columns.answer, "answer")
-        prompts.append(
-            Prompt(
-                index=i,
-                answer=answer if isinstance(answer, str) else str(answer),
-                text=str(value(columns.prompt, "prompt")) if columns.prompt else None,
-                messages=tuple(value(columns.messages, "messages")) if columns.messages else None,
-            )
-        )
+        prompts.append(Prompt(index=i, answer=answer if isinstance(answer, str) else str(answer),
+                              text=str(value(columns.prompt, "prompt")) if columns.prompt else None,
+                              messages=tuple(value(columns.messages, "messages")) if columns.messages else None))
     return prompts
 
 
 def load_prompt_dataset(config: DatasetConfig | str, **overrides: Any) -> PromptDataset:
     """Read the file a :class:`DatasetConfig` names into a :class:`PromptDataset`.
 
-    ``load_prompt_dataset("test.jsonl", format="gsm8k")`` is shorthand for a config with those fields.
-    """
-    if isinstance(config, str):
-        config = DatasetConfig(path=config, **overrides)
-    elif overrides:
-        known = {f.name for f in fields(DatasetConfig)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"unknown DatasetConfig field(s) {unknown}; known: {sorted(known)}")
-        config = replace(config, **overrides)
+    ``load_prompt_dataset("test.jsonl", format="gsm8k")`` is shorthand for a config with those fields;
+    ``overrides`` replace fields of a given config."""
+    config = DatasetConfig(path=config, **overrides) if isinstance(config, str) else replace(config, **overrides)
     fmt = DATASET_FORMATS[config.format]
     rows, available = read_rows(config.path)
     if not rows:

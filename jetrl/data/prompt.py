@@ -27,8 +27,6 @@ class Prompt:
             messages = tuple(self.messages)
             for turn in messages:
                 if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
-                    raise ValueError(
-                        f"prompt {self.index}: each chat message must be a dict with 'role' and 'content', "
-                        f"got {turn!r}"
-                    )
+                    raise ValueError(f"prompt {self.index}: each chat message must be a dict with 'role' and "
+                                     f"'content', got {turn!r}")
             object.__setattr__(self, "messages", messages)

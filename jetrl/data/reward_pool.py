@@ -5,18 +5,13 @@ never simplifies), raise, or crash its interpreter. :class:`RewardPool` runs it 
 processes (started by ``forkserver``, so it is safe next to torch and CUDA) and guarantees that
 ``score()`` returns in bounded time: a sample that runs past ``timeout_s`` scores 0.0 and is counted as a
 timeout, its worker is killed and replaced, and the rest of that worker's work is handed out again; a
-sample that raises (or returns a non-finite value) scores 0.0 and is counted as an error; a worker that
-dies takes only its current sample with it.
+sample that raises (or returns a non-finite value, or one beyond ``max_abs_reward``: a reward of 1e30 is a
+bug, not a very good answer) scores 0.0 and is counted as an error; a worker that dies takes only its
+current sample with it.
 
-Fast path: samples travel in chunks (one message per chunk of up to ``chunk_size`` samples), results come
-back one message per sample, so the parent always knows which sample a worker is on and when it started.
-Worst case for one call: about ``ceil(n / num_workers) * timeout_s`` plus restarts. A finite reward beyond
-``max_abs_reward`` (when set) is an error too: a reward of 1e30 is a bug, not a very good answer.
-
-A failed sample is never silent: :class:`RewardResult` carries each sample's status, and
-:class:`RewardFailureGuard` (what the RL loop runs after every call) warns with the first failure's message
-once and stops the run with :class:`RewardFailureError` when too large a fraction of one call's samples
-failed.
+Samples travel in chunks, results come back one message per sample, so the parent always knows which
+sample a worker is on and when it started. Worst case for one call: about ``ceil(n / num_workers) *
+timeout_s`` plus restarts. A failed sample is never silent: see :class:`RewardFailureGuard`.
 """
 
 from __future__ import annotations
@@ -169,10 +164,8 @@ class RewardPool:
         try:
             self._payload = pickle.dumps(reward_fn)
         except Exception as e:
-            raise TypeError(
-                f"reward function {reward_fn!r} cannot be sent to worker processes ({e}); define it at module "
-                "level (no lambdas or closures) or name it as 'package.module:function'"
-            ) from None
+            raise TypeError(f"reward function {reward_fn!r} cannot be sent to worker processes ({e}); define it at "
+                            "module level (no lambdas or closures) or name it as 'package.module:function'") from None
         self.total_timeouts = 0
         self.total_errors = 0
         self._startup_deaths = 0
@@ -261,7 +254,7 @@ class RewardPool:
         cfg = self.config
         n = len(completions)
         # Small batches are spread over all workers; large ones go in chunks of chunk_size.
-        chunk_size = max(1, min(self.config.chunk_size, math.ceil(n / (4 * len(self._workers)))))
+        chunk_size = max(1, min(cfg.chunk_size, math.ceil(n / (4 * len(self._workers)))))
         todo: deque[tuple[int, str, str]] = deque((i, completions[i], references[i]) for i in range(n))
         remaining = n
 
@@ -336,11 +329,9 @@ class RewardPool:
                         if self._startup_deaths >= MAX_STARTUP_DEATHS:
                             code = worker.process.exitcode
                             self.close()
-                            raise RuntimeError(
-                                f"reward workers died while starting, {MAX_STARTUP_DEATHS} times in a row (last exit "
-                                f"code {code}); is the reward function importable in a fresh process? "
-                                "(see its traceback above)"
-                            )
+                            raise RuntimeError(f"reward workers died while starting, {MAX_STARTUP_DEATHS} times in a "
+                                               f"row (last exit code {code}); is the reward function importable in "
+                                               "a fresh process? (see its traceback above)")
                     self._replace(worker)
                 elif worker.pending and now - worker.progress_at > cfg.timeout_s:
                     fail_current(worker, "timeout", f"timed out after {cfg.timeout_s:g} s")
@@ -360,9 +351,10 @@ class RewardFailureError(RuntimeError):
 
 
 class RewardFailureGuard:
-    """Makes failed rewards visible: :meth:`check` reports the first failure's message (an excerpt) once
-    per guard (to ``log``; by default as a :class:`RuntimeWarning`), and raises :class:`RewardFailureError` when at least ``stop_fraction`` of a result's
-    samples failed (errors and timeouts together).
+    """Makes failed rewards visible (the RL loop runs it after every call): :meth:`check` reports the first
+    failure's message (an excerpt) once per guard (to ``log``; by default as a :class:`RuntimeWarning`), and
+    raises :class:`RewardFailureError` when at least ``stop_fraction`` of a result's samples failed (errors and
+    timeouts together).
 
     The default ``stop_fraction=1.0`` stops only when *every* sample failed: then the reward function
     itself is broken (wrong signature, a reference format it cannot read, a crash on import) and every
@@ -384,10 +376,9 @@ class RewardFailureGuard:
         first = result.errors[0] if result.errors else "(no message)"
         counts = f"{result.num_errors} errors, {result.num_timeouts} timeouts"
         if result.num_failed >= self.stop_fraction * n:
-            raise RewardFailureError(
-                f"the reward failed for {result.num_failed} of {n} samples ({counts}), at least "
-                f"{self.stop_fraction:g} of them; stopping the run. First failure: {excerpt(first)}"
-            )
+            raise RewardFailureError(f"the reward failed for {result.num_failed} of {n} samples ({counts}), at "
+                                     f"least {self.stop_fraction:g} of them; stopping the run. First failure: "
+                                     f"{excerpt(first)}")
         if not self.has_reported:
             self.has_reported = True
             self.log(f"the reward failed for {result.num_failed} of {n} samples ({counts}); they score "

@@ -52,23 +52,16 @@ class EpochSampler:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "offset": self.offset,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "num_examples": self.num_examples,
-        }
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "shuffle": self.shuffle,
+                "num_examples": self.num_examples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position. The seed, shuffle flag and dataset size must match the saved ones:
         resuming over a different dataset or order would silently repeat or skip prompts."""
         for key in ("seed", "shuffle", "num_examples"):
             if key in state and state[key] != getattr(self, key):
-                raise ValueError(
-                    f"data state mismatch: saved {key}={state[key]!r} but this loader has "
-                    f"{key}={getattr(self, key)!r}; resume with the same dataset and data seed"
-                )
+                raise ValueError(f"data state mismatch: saved {key}={state[key]!r} but this loader has "
+                                 f"{key}={getattr(self, key)!r}; resume with the same dataset and data seed")
         epoch, offset = int(state["epoch"]), int(state["offset"])
         if epoch < 0 or not 0 <= offset < self.num_examples:
             raise ValueError(f"data state out of range: epoch={epoch}, offset={offset}, size={self.num_examples}")
@@ -78,9 +71,8 @@ class EpochSampler:
 class BatchLoader(Generic[T]):
     """Fixed-size batches of items from a dataset, in :class:`EpochSampler` order, endlessly.
 
-    ``next_batch()`` returns ``batch_size`` items; ``state_dict()``/``load_state_dict()`` carry the data
-    position through a checkpoint (restoring it makes the following batches identical to an
-    uninterrupted run)."""
+    ``state_dict()``/``load_state_dict()`` carry the data position through a checkpoint (restoring it makes
+    the following batches identical to an uninterrupted run)."""
 
     def __init__(self, dataset: Sequence[T], batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -101,10 +93,6 @@ class BatchLoader(Generic[T]):
 
     def next_batch(self) -> list[T]:
         return [self.dataset[i] for i in self.sampler.take(self.batch_size)]
-
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.sampler.state_dict(), "batch_size": self.batch_size}

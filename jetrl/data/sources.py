@@ -48,9 +48,7 @@ def read_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict[str, Any
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}:{line_number}: not valid JSON ({e.msg}); each line must be one object"
-            ) from None
+            raise ValueError(f"{path}:{line_number}: not valid JSON ({e.msg}); each line must be one object") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{line_number}: expected a JSON object per line, got {type(row).__name__}")
         missing = [key for key in required if key not in row]

@@ -40,18 +40,14 @@ class TemplateConfig:
             if not isinstance(value, str) or "{prompt}" not in value:
                 raise ValueError(f"TemplateConfig.{name} must be a string containing '{{prompt}}', got {value!r}")
         if self.chat not in CHAT_MODES:
-            raise ValueError(
-                f"TemplateConfig.chat must be one of {', '.join(map(repr, CHAT_MODES))}, got {self.chat!r}"
-            )
+            raise ValueError(f"TemplateConfig.chat must be one of {', '.join(map(repr, CHAT_MODES))}, "
+                             f"got {self.chat!r}")
 
 
 def has_chat_template(tokenizer: Any) -> bool:
     """True when ``tokenizer`` can render chat turns (a HF tokenizer with a non-empty ``chat_template``)."""
-    return (
-        tokenizer is not None
-        and callable(getattr(tokenizer, "apply_chat_template", None))
-        and bool(getattr(tokenizer, "chat_template", None))
-    )
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    return has_template and callable(getattr(tokenizer, "apply_chat_template", None))
 
 
 def prompt_messages(prompt: Prompt, config: TemplateConfig) -> list[dict[str, str]]:
@@ -76,13 +72,10 @@ def render_prompt(prompt: Prompt, tokenizer: Any = None, config: TemplateConfig 
     use_chat = config.chat == "always" or (config.chat == "auto" and has_chat_template(tokenizer))
     if use_chat:
         if not has_chat_template(tokenizer):
-            raise ValueError(
-                "TemplateConfig.chat='always' but the tokenizer has no chat template; set chat='auto' or "
-                "'never' to use the plain template, or load a tokenizer with a chat_template"
-            )
-        return tokenizer.apply_chat_template(
-            prompt_messages(prompt, config), tokenize=False, add_generation_prompt=True
-        )
+            raise ValueError("TemplateConfig.chat='always' but the tokenizer has no chat template; set chat='auto' or "
+                             "'never' to use the plain template, or load a tokenizer with a chat_template")
+        messages = prompt_messages(prompt, config)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if prompt.messages is not None:  # a conversation without a chat template: plain "role: content" lines
         lines = [f"{t['role']}: {t['content']}" for t in prompt_messages(prompt, config)]
         return "\n".join(lines) + "\nassistant:"

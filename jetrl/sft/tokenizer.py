@@ -1,14 +1,11 @@
 """A character-level tokenizer over the compact task alphabet, saved as HuggingFace tokenizer files.
 
 The embedded model reads and writes the built-in tasks' compact format (``12+7-3*2\\n`` ...), whose
-characters are :data:`jetrl.data.tasks.COMPACT_ALPHABET`. One token per character keeps the vocabulary
-tiny (26 ids) and makes every digit of a chain of thought a separate decision, which is what RL then
-shapes. Special tokens: ``<pad>`` (0), ``<bos>`` (1, prepended by the tokenizer's post-processor),
-``<eos>`` (2, the end of every worked solution) and ``<unk>`` (3, any character outside the alphabet).
-
-Built with the ``tokenizers`` library and saved with ``transformers.PreTrainedTokenizerFast`` so both
-:func:`jetrl.models.load_tokenizer` and ``transformers.AutoTokenizer`` load it. Decoding fuses
-characters without spaces and leaves the text exactly as generated (no clean-up of spaces).
+characters are :data:`jetrl.data.tasks.COMPACT_ALPHABET`: one token per character makes every digit of a
+chain of thought a separate decision, which is what RL then shapes. Special tokens: ``<pad>`` (0), ``<bos>``
+(1, prepended on encode), ``<eos>`` (2, the end of every worked solution) and ``<unk>`` (3). Saved with
+``transformers.PreTrainedTokenizerFast``, so ``transformers.AutoTokenizer`` loads it too; decoding leaves
+the text exactly as generated.
 """
 
 from __future__ import annotations

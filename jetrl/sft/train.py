@@ -10,33 +10,23 @@ Two layouts of a step's sequences, the same loss (to fp32 rounding; a test check
 
 * **packed** (``packing=True``, the default on CUDA): the sequences are concatenated, in order, into
   packs of at most ``micro_batch_tokens`` tokens (:func:`pack_examples`); each pack is one
-  ``model.forward_packed`` call with document-boundary (block-diagonal causal) attention, so no compute
-  goes to padding, and the LM head runs on the target rows only (:func:`packed_answer_loss`). The packs
-  are micro-batches: each adds ``sum of its NLL / step's target count`` to the gradients, so the
-  accumulated gradient is that of the whole step. Long chains of very different lengths (the ``chain``
-  task) waste most of a padded batch; packing wastes nothing.
+  ``model.forward_packed`` call with block-diagonal causal attention, so no compute goes to padding
+  (long chains of very different lengths waste most of a padded batch). The packs are micro-batches:
+  each adds ``sum of its NLL / step's target count`` to the gradients.
 * **padded** (``packing=False``, the default elsewhere): right-padded to the longest sequence, one
-  ``(B, T)`` causal batch (:func:`answer_loss`). Causal attention never lets a real token see the
-  padding after it; for short sequences (the ~45-token arithmetic ones) on CPU one batched attention call
+  ``(B, T)`` causal batch (:func:`answer_loss`); for short sequences on CPU one batched attention call
   per layer is faster than the per-sequence varlen path.
 
-Precision: ``dtype="float32"`` trains fp32 parameters; ``dtype="bfloat16"`` trains BF16 parameters with
-fp32 master weights and moments (:class:`jetrl.train.optim.MasterWeightAdamW`, the RL trainer's optimizer too),
-which on CUDA runs the fused kernels of the backend seam (RMSNorm, SwiGLU, the chunked log-probabilities)
-and BF16 tensor-core GEMMs. The model stays in the ``bf16`` recipe: SFT makes the warm start every
-precision recipe of the experiments starts from.
-
-The result is a HuggingFace-format folder (config.json, model.safetensors, tokenizer files) that
-:func:`jetrl.models.load_model` and ``transformers`` load. The step budget is the early stop: it is
-chosen so the model is weak but not hopeless on its task, which leaves RL room to improve it.
+Precision: ``dtype="bfloat16"`` trains BF16 parameters with fp32 master weights and moments
+(:class:`jetrl.train.optim.MasterWeightAdamW`); the model stays in the ``bf16`` recipe, the warm start
+every precision recipe of the experiments starts from. The result is a HuggingFace-format folder that
+:func:`jetrl.models.load_model` and ``transformers`` load. The step budget is the early stop: the model
+should be weak but not hopeless on its task, which leaves RL room to improve it.
 
 Interruptions: every ``checkpoint_every`` steps (and after the last) the weights, the optimizer state
-and the run state (step -- which is also the data position, since examples are drawn by index -- loss
-average, history) go into ``<output_dir>/checkpoints/`` through :mod:`jetrl.train.checkpoint`'s atomic,
-checksummed, pickle-free checkpoints. ``run_sft(..., resume=True)`` continues from the newest complete
-one and ends with exactly the weights an uninterrupted run would have; the folder is removed once the
-final model is written (unless ``keep_checkpoints``). A fresh run into an ``output_dir`` that holds an
-interrupted run's checkpoints refuses to start, rather than silently discard them.
+and the run state (the step, which is also the data position) go into ``<output_dir>/checkpoints/``
+(:mod:`jetrl.train.checkpoint`); a resumed run ends with exactly the weights an uninterrupted run would
+have. The folder is removed once the final model is written (unless ``keep_checkpoints``).
 """
 
 from __future__ import annotations
@@ -65,10 +55,7 @@ class SFTConfig:
 
     Linear sizes are multiples of 16 so the FP8 GPU path (which needs 16-aligned GEMM dimensions) runs
     the model too. ``train_seed`` and ``eval_seed`` pick disjoint problem streams of the task;
-    ``difficulty`` is an int or a ``(low, high)`` range drawn per example. ``packing`` None packs on CUDA
-    and pads elsewhere (see the module doc); ``micro_batch_tokens`` bounds a pack (the activation memory
-    of one forward); ``dtype`` is the parameter dtype during training.
-    """
+    ``difficulty`` is an int or a ``(low, high)`` range drawn per example."""
 
     output_dir: str = "tiny-arith"
     task: str = "arithmetic"
@@ -105,13 +92,10 @@ class SFTConfig:
             self.difficulty = tuple(self.difficulty)
         for name in ("steps", "batch_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "intermediate_size", "eval_examples", "log_every",
-                     "micro_batch_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"sft: {name} must be a positive int, got {value!r}")
-        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
-                or self.checkpoint_every < 0:
-            raise ValueError(f"sft: checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
+                     "micro_batch_tokens", "checkpoint_every"):
+            value, low = getattr(self, name), 0 if name == "checkpoint_every" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"sft: {name} must be an int >= {low}, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"sft: lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -385,26 +369,20 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
 def _backward_step_loss(model: torch.nn.Module, examples: list[tuple[list[int], int]], config: SFTConfig,
                         pad_id: int, packing: bool, step: int) -> float:
     """Back-propagate the step's mean answer NLL (packed micro-batches or one padded batch); its value."""
-    if not packing:
-        ids, targets = (t.to(config.device) for t in pad_batch(examples, pad_id))
-        loss = answer_loss(model, ids, targets)
-        _check_finite(loss, step)
-        loss.backward()
-        return float(loss.detach())
-    packs = pack_examples(examples, config.micro_batch_tokens)
-    num_targets = sum(pack.num_targets for pack in packs)
+    if packing:
+        packs = pack_examples(examples, config.micro_batch_tokens)
+        num_targets = sum(pack.num_targets for pack in packs)
+        # a generator: each micro-batch's graph is freed by its backward before the next forward
+        losses = (packed_answer_loss(model, pack.to(config.device)) / num_targets for pack in packs)
+    else:
+        losses = [answer_loss(model, *(t.to(config.device) for t in pad_batch(examples, pad_id)))]
     total = 0.0
-    for pack in packs:
-        loss = packed_answer_loss(model, pack.to(config.device)) / num_targets
-        _check_finite(loss, step)
+    for loss in losses:
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"sft: non-finite loss at step {step}; lower the learning rate")
         loss.backward()
         total += float(loss.detach())
     return total
-
-
-def _check_finite(loss: torch.Tensor, step: int) -> None:
-    if not torch.isfinite(loss):
-        raise RuntimeError(f"sft: non-finite loss at step {step}; lower the learning rate")
 
 
 def _max_new_tokens(config: SFTConfig) -> int:
@@ -434,17 +412,16 @@ def model_task(model_dir: str | os.PathLike) -> ModelTask | None:
     """The task the model in ``model_dir`` learned, read from the ``sft_metrics.json`` that :func:`run_sft`
     wrote beside it (``jetrl generate`` shows it); None for a folder without a readable one (a model
     jetrl sft did not make)."""
+    from jetrl.data.tasks import get_task
+
     try:
         with open(os.path.join(os.fspath(model_dir), SFT_METRICS_FILE)) as f:
             config = json.load(f)["config"]
-        from jetrl.data.tasks import get_task
-
-        difficulty = config["difficulty"]
-        difficulty = tuple(difficulty) if isinstance(difficulty, list) else difficulty
+        difficulty = config["difficulty"]  # an int, or a [low, high] list
         task = get_task(config["task"], difficulty=difficulty, seed=config["eval_seed"], style="compact")
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    steps = "-".join(map(str, difficulty)) if isinstance(difficulty, tuple) else str(difficulty)
+    steps = "-".join(map(str, difficulty)) if isinstance(difficulty, list) else str(difficulty)
     return ModelTask(task.name, steps, task.compact_format, task.example(0).prompt.strip())
 
 

@@ -13,21 +13,16 @@ Layout of ``<root>/step_00000042/``::
     trainer_state.json  step, data position, metrics cursor, ... (JSON, human-readable)
     COMPLETE.json       the marker: format version, step, and size + SHA-256 of every other file
 
-Protocol: everything is written into ``<root>/.tmp-step_00000042-<pid>``, each file fsync'ed; the marker
-is written last and fsync'ed, then the folder; the folder is renamed to ``step_00000042`` and the root
-fsync'ed. The rename is atomic, so a ``step_*`` folder only ever appears complete; the marker's sizes and
-checksums additionally catch folders damaged later (a truncated or overwritten file). Old checkpoints
-beyond ``keep_last`` are deleted marker-first, so a half-deleted one is never mistaken for valid.
+Protocol: everything is written into ``<root>/.tmp-step_00000042-<pid>``, each file fsync'ed, the marker
+last; the folder is renamed to ``step_00000042`` and the root fsync'ed. The rename is atomic, so a
+``step_*`` folder only ever appears complete; the marker's sizes and checksums catch folders damaged later,
+and resume (:func:`latest_checkpoint`) falls back to the previous complete checkpoint, with a warning. Old
+checkpoints beyond ``keep_last`` are deleted marker-first, so a half-deleted one is never mistaken for valid.
 
-Integrity: resume (:func:`latest_checkpoint`) verifies every file against the SHA-256 in the marker
-(one read of the files) and falls back to the previous complete checkpoint, with a warning, when a file
-was truncated, overwritten or flipped a bit.
-
-Safety: every ``.pt`` file holds only tensors and plain containers (dicts, lists, tuples, numbers,
-strings, None) and is read with ``torch.load(weights_only=True)``, which refuses to run code: a crafted
-file in a folder you resume from is an error, not an exploit. Checkpoints of format version 1 (older
-jetrl) pickled their RNG states; they load only with ``allow_pickle=True`` on :func:`load_checkpoint`,
-which runs whatever the files contain -- pass it only for checkpoints you wrote yourself.
+Safety: every ``.pt`` file holds only tensors and plain containers and is read with
+``torch.load(weights_only=True)``, which refuses to run code: a crafted file in a folder you resume from is
+an error, not an exploit. Checkpoints of format version 1 (older jetrl) pickled their RNG states; they load
+only with ``allow_pickle=True`` on :func:`load_checkpoint`.
 """
 
 from __future__ import annotations
@@ -115,25 +110,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------------- saving
 
-def _stateful(obj: Any) -> Any:
-    return obj.state_dict() if hasattr(obj, "state_dict") else obj
-
-
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = None,
                     save_model: Callable[[Path], None] | None = None, optimizer: Any = None, scheduler: Any = None,
                     trainer_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                    keep_last: int | None = None, checksums: bool = True) -> Path:
+                    keep_last: int | None = None) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically (see module doc) and return its folder.
 
     Args:
         model: saved as ``model.safetensors`` (tied weights handled) unless ``save_model`` is given.
         save_model: ``save_model(folder)`` writes the model itself (e.g. a HuggingFace checkpoint).
-        optimizer, scheduler: objects with ``state_dict()`` (or state dicts).
+        optimizer, scheduler: objects with ``state_dict()``.
         trainer_state: JSON-serialisable run state (data position, metrics cursor, counters...).
         extra: other state: tensors, numbers, strings, None, and lists / tuples / dicts of them (what
             ``torch.load(weights_only=True)`` reads; anything else is refused here, before writing).
         keep_last: delete older complete checkpoints beyond the newest ``keep_last``.
-        checksums: record SHA-256 of every file in the marker (costs one read of the files).
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -157,9 +147,9 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
             from safetensors.torch import save_model as save_safetensors
             save_safetensors(model, str(tmp / MODEL_FILE))
         if optimizer is not None:
-            torch.save(_stateful(optimizer), tmp / "optimizer.pt")
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         if scheduler is not None:
-            torch.save(_stateful(scheduler), tmp / "scheduler.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         if extra:
             torch.save(extra, tmp / "extra.pt")
@@ -173,10 +163,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
         files = {}
         for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
             _fsync_file(path)
-            entry: dict[str, Any] = {"size": path.stat().st_size}
-            if checksums:
-                entry["sha256"] = _sha256(path)
-            files[path.relative_to(tmp).as_posix()] = entry
+            files[path.relative_to(tmp).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
         for sub in sorted((p for p in tmp.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
             _fsync_dir(sub)
         marker = tmp / MARKER
@@ -302,8 +289,7 @@ class LoadedCheckpoint:
 
 def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
                     load_model: Callable[[Path], None] | None = None, optimizer: Any = None, scheduler: Any = None,
-                    restore_rng: bool = True, checksums: bool = True,
-                    map_location: str | torch.device | None = "cpu", allow_pickle: bool = False) -> LoadedCheckpoint:
+                    checksums: bool = True, allow_pickle: bool = False) -> LoadedCheckpoint:
     """Restore a checkpoint written by :func:`save_checkpoint` into the given objects.
 
     The model is loaded from ``model.safetensors`` (strict: every key must match) or by
@@ -318,7 +304,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
     if reason is not None:
         raise ValueError(f"cannot load checkpoint {path}: {reason}")
 
-    def load_pt(fname: str, location: Any = map_location) -> Any:
+    def load_pt(fname: str, location: str | None = "cpu") -> Any:
         try:
             return torch.load(path / fname, map_location=location, weights_only=True)
         except pickle.UnpicklingError as e:
@@ -339,7 +325,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
             raise FileNotFoundError(f"{path} has no {fname}")
         states[fname] = load_pt(fname)
     extra = load_pt("extra.pt") if (path / "extra.pt").is_file() else {}
-    rng = load_pt("rng.pt", None) if restore_rng else None
+    rng = load_pt("rng.pt", None)
     state = json.loads((path / "trainer_state.json").read_text())
 
     if load_model is not None:
@@ -356,8 +342,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
     for obj, fname in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt")):
         if obj is not None:
             obj.load_state_dict(states[fname])
-    if rng is not None:
-        set_rng_state(rng)
+    set_rng_state(rng)
     return LoadedCheckpoint(path, int(state["step"]), state, extra)
 
 

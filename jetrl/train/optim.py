@@ -4,19 +4,15 @@
 weight (8 mantissa bits: a relative step of 2^-8), so applying AdamW directly to BF16 parameters would
 round most updates away. :class:`MasterWeightAdamW` therefore keeps an fp32 master copy of every
 non-fp32 parameter, runs ``torch.optim.AdamW`` (fp32 moments) on the masters and writes the rounded
-result back into the BF16 parameters after each step. The BF16 parameters are what the model computes
-with, and in the FP8 recipes they are the weights ``FP8Linear`` quantizes into 128x128 blocks (the
-"BF16 master weights" of the unified precision flow); fp32 parameters are optimised in place, with no copy.
-Memory per BF16 parameter: 2 (param) + 4 (master) + 8 (moments) bytes. Under ``jet`` the FP8 linears read their
-weights only through their FP8 copy (1 byte), so :func:`release_fp8_weights` drops their BF16 copy: they quantize
-from the master rounded to BF16 (the same bytes), and the optimizer no longer writes those parameters.
+result back into the BF16 parameters, which the model computes with (and ``FP8Linear`` quantizes), after
+each step; fp32 parameters are optimised in place. Memory per BF16 parameter: 2 (param) + 4 (master) + 8
+(moments) bytes; under ``jet`` :func:`release_fp8_weights` drops the BF16 copy the FP8 linears do not read.
 
-**One guarded step.** :class:`OptimizerStepper` turns accumulated gradients into an update: it copies
-gradients to the masters, clips the global norm, and applies the step only if the loss and the gradient
-norm are finite. A non-finite step is skipped (no parameter, moment or LR-schedule change), counted, and
-after more than ``max_consecutive_nonfinite`` skips in a row the run stops with :class:`NonFiniteError`.
-After every applied step it calls :func:`jetrl.quant.refresh_fp8_weights` so that the next rollout
-quantizes the new weights.
+**One guarded step.** :class:`OptimizerStepper` copies gradients to the masters, clips the global norm,
+and applies the step only if the loss and the gradient norm are finite. A non-finite step is skipped (no
+parameter, moment or LR-schedule change), counted, and after more than ``max_consecutive_nonfinite`` skips
+in a row the run stops with :class:`NonFiniteError`. After every applied step the FP8 weights are refreshed
+(:func:`jetrl.quant.refresh_fp8_weights`) so that the next rollout quantizes the new weights.
 """
 
 from __future__ import annotations
@@ -114,9 +110,7 @@ class MasterWeightAdamW:
     def step(self) -> None:
         """AdamW on the masters (call :meth:`gather_grads` first), then masters -> parameters."""
         self.inner.step()
-        for p, m in zip(self.params, self.masters):
-            if m is not p and id(p) not in self._released:
-                p.copy_(m)  # rounds to the parameter dtype; bumps the version FP8Linear's cache is keyed on
+        self.sync_params_from_masters()
 
     def state_by_name(self, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer's tensors per parameter name: ``{name: {"exp_avg", "exp_avg_sq", "step"[,
@@ -141,11 +135,11 @@ class MasterWeightAdamW:
 
     @torch.no_grad()
     def sync_params_from_masters(self) -> None:
-        """Round the fp32 masters into the parameters (after the masters were loaded in place); released ones
-        read their masters already."""
+        """Round the fp32 masters into the parameters (after each step, or after the masters were loaded in place);
+        released ones read their masters already."""
         for p, m in zip(self.params, self.masters):
             if m is not p and id(p) not in self._released:
-                p.copy_(m)
+                p.copy_(m)  # rounds to the parameter dtype; bumps the version FP8Linear's cache is keyed on
 
     def state_dict(self) -> dict[str, Any]:
         masters = {i: m.detach().clone() for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p}
@@ -263,7 +257,8 @@ class OptimizerStepper:
 @torch.no_grad()
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None) -> float:
     """Global L2 norm of ``grads`` (fp32 accumulation; over all ranks for sharded DTensor gradients);
-    scales them in place to ``max_norm`` if above it and finite. Returns the norm before clipping (a host sync: the step needs the decision anyway)."""
+    scales them in place to ``max_norm`` if above it and finite. Returns the norm before clipping (a host
+    sync: the step needs the decision anyway)."""
     if not grads:
         return 0.0
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))

@@ -4,20 +4,12 @@ resumes from, and whether a fresh run may write into an output folder.
 Shared by every training loop that checkpoints a :class:`TrainerLike` (the RL trainer); the files themselves are
 :mod:`jetrl.train.checkpoint`'s atomic, checksummed folders.
 
-* **Which steps** (:func:`checkpoint_due`, :func:`weights_only_at`): every ``trainer.checkpoint_every`` steps and
-  after the last; ``trainer.weights_only`` makes the final checkpoint, or all of them, the policy alone.
-* **Writing** (:func:`save_trainer_checkpoint`): the model and optimizer tensors sharded through DCP by every
-  rank, the HuggingFace exports from rank 0, ``keep_last`` of them kept. Before each checkpoint its size
-  (:func:`checkpoint_size`) is compared with the free disk space (too little: a :class:`CheckpointSpaceError`
-  naming both, or with ``on_disk_full="skip"`` a warning and no checkpoint); a write that fails anyway leaves
-  nothing behind but the previous checkpoint (:class:`CheckpointWriteError`).
-* **Resuming** (:func:`resume_trainer`): the latest complete checkpoint whose files match their recorded
-  SHA-256 (a damaged one is skipped with a warning and the previous complete one is used), at any number of
-  ranks; with nothing to resume, a warning and step 0, or an error when a checkpoint is required
-  (:func:`check_resumable`).
-* **The output folder** (:func:`claim_output_dir`): a folder belongs to one run; a fresh run into a folder holding
-  another run's checkpoints is refused (resume it, choose another folder, or ``overwrite``, which deletes that
-  run's outputs first).
+* **Which steps**: :func:`checkpoint_due`, :func:`weights_only_at`.
+* **Writing**: :func:`save_trainer_checkpoint` (sharded tensors from every rank, HuggingFace exports from rank 0),
+  checked first against the free disk space (:func:`checkpoint_size`).
+* **Resuming**: :func:`resume_trainer` (the latest undamaged checkpoint, at any number of ranks),
+  :func:`check_resumable`.
+* **The output folder**: :func:`claim_output_dir` (a folder belongs to one run).
 """
 
 from __future__ import annotations
@@ -31,7 +23,6 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from jetrl.config import ConfigError, TrainerConfig
-from jetrl.config.schema import ON_DISK_FULL
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, is_sharded, load_sharded, save_sharded
 from jetrl.train.checkpoint import (
     checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint, remove_stale_temporaries, save_checkpoint,
@@ -142,22 +133,15 @@ def save_trainer_checkpoint(trainer: TrainerLike, root: str | Path, metrics_curs
     The model and optimizer tensors go through ``torch.distributed.checkpoint`` into ``sharded/`` (each
     rank writes its slices; any number of ranks can load them). ``hf_format`` also writes the model as a
     HuggingFace folder (``model/``) and ``export_fp8`` as a block-FP8 one (``model_fp8/``, the layout vLLM
-    and SGLang load, holding exactly the FP8 weights the rollout engine used), from rank 0.
-    ``weights_only``: the policy alone (``model/`` and with ``export_fp8`` ``model_fp8/``), without the
-    sharded weights, the optimizer and the scheduler: not resumable (:func:`resume_trainer` says so).
+    and SGLang load), from rank 0. ``weights_only``: those exports alone, not resumable.
 
-    Disk space: first, stale temporary folders of failed saves are removed, and the checkpoint's size
-    (:func:`checkpoint_size`) is compared with the free space of ``root``'s disk (the previous checkpoints
-    are pruned only after the new one is complete, so it needs its whole size). Too little is a
-    :class:`CheckpointSpaceError` naming both, or with ``on_disk_full="skip"`` a warning, and nothing is
-    written. A write that fails anyway (a full disk, an I/O error) is a :class:`CheckpointWriteError`:
-    the temporary folder is gone, no ``step_*`` folder appeared, and the previous complete checkpoint is
-    what a resume picks.
+    Disk space: stale temporary folders are removed and the checkpoint's size (:func:`checkpoint_size`, whole:
+    older checkpoints are pruned only after it is complete) is compared with the free space. Too little is a
+    :class:`CheckpointSpaceError`, or with ``on_disk_full="skip"`` a warning, and nothing is written. A write
+    that fails anyway is a :class:`CheckpointWriteError`, leaving the previous complete checkpoint as it was.
 
-    Rank 0 runs the atomic protocol (temporary folder, marker, rename) and tells the other ranks the
-    folder to write into; nobody returns before the checkpoint is complete."""
-    if on_disk_full not in ON_DISK_FULL:
-        raise ValueError(f"on_disk_full must be one of {list(ON_DISK_FULL)}, got {on_disk_full!r}")
+    Rank 0 runs the atomic protocol and tells the other ranks the folder to write into; nobody returns
+    before the checkpoint is complete."""
     par, root, step = trainer.parallel, Path(root), trainer.step_count
     problem = None
     if par.is_main:
@@ -239,7 +223,6 @@ def resume_trainer(trainer: TrainerLike, root: str | Path, allow_pickle: bool = 
     from jetrl.quant import refresh_fp8_weights
     refresh_fp8_weights(trainer.model)
     return loaded.trainer_state
-
 
 
 def check_resumable(ckpt_root: str | Path, require_checkpoint: bool, warn: bool = True) -> bool:

@@ -94,7 +94,7 @@ def test_config_validation():
         ColumnMap(prompt="q", messages="m")
     with pytest.raises(ValueError, match="max_examples"):
         DatasetConfig(path="x.jsonl", max_examples=0)
-    with pytest.raises(TypeError, match="unknown DatasetConfig field"):
+    with pytest.raises(TypeError, match="unexpected keyword argument .colums."):
         load_prompt_dataset(DatasetConfig(path="x.jsonl"), colums={})
     with pytest.raises(ValueError, match="exactly one of text and messages"):
         Prompt(index=0, answer="1")

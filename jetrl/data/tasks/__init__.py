@@ -14,20 +14,7 @@ from jetrl.data.tasks.chain import ChainTask, chain_reward, check_chain, difficu
 from jetrl.data.tasks.base import COMPACT_ALPHABET, STYLES, Task, TaskExample, final_answer_line
 from jetrl.data.tasks.countdown import CountdownTask, check_countdown, countdown_reward, evaluate_expression
 
-TASKS: dict[str, type[Task]] = {}
-
-
-def register_task(cls: type[Task]) -> type[Task]:
-    """Add a :class:`Task` subclass to the registry under ``cls.name`` (usable as a decorator)."""
-    if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise TypeError(f"register_task expects a Task subclass, got {cls!r}")
-    TASKS[cls.name] = cls
-    return cls
-
-
-register_task(ArithmeticTask)
-register_task(CountdownTask)
-register_task(ChainTask)
+TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (ArithmeticTask, CountdownTask, ChainTask)}
 
 
 def get_task(name: str, **kwargs: Any) -> Task:
@@ -40,24 +27,6 @@ def get_task(name: str, **kwargs: Any) -> Task:
         raise TypeError(f"task {name!r}: {e}") from None
 
 
-__all__ = [
-    "COMPACT_ALPHABET",
-    "TASKS",
-    "STYLES",
-    "ArithmeticTask",
-    "ChainTask",
-    "chain_reward",
-    "check_chain",
-    "difficulty_for_tokens",
-    "CountdownTask",
-    "Task",
-    "TaskExample",
-    "arithmetic_reward",
-    "check_arithmetic",
-    "check_countdown",
-    "countdown_reward",
-    "evaluate_expression",
-    "final_answer_line",
-    "get_task",
-    "register_task",
-]
+__all__ = ["COMPACT_ALPHABET", "TASKS", "STYLES", "ArithmeticTask", "ChainTask", "chain_reward", "check_chain",
+           "difficulty_for_tokens", "CountdownTask", "Task", "TaskExample", "arithmetic_reward", "check_arithmetic",
+           "check_countdown", "countdown_reward", "evaluate_expression", "final_answer_line", "get_task"]

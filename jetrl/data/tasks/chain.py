@@ -15,18 +15,14 @@ Compact prompt ``start,steps``; one line per step, ``n>a op b=c``, then the fina
     1>22/2=11
     #### 11
 
-Every step depends on the line before it only (the counter goes down by one, the new value is the last
-one halved or plus the counter), so the trace is local arithmetic on 1-4 digit numbers that a small
-model learns, and it never becomes periodic (the addend changes every step), so no line can be copied
-from an earlier one. The counter tells the model when to stop. A correct answer needs every one of the
-``difficulty`` steps right, so accuracy falls with length and the task stays unsaturated at the long end.
-Values stay below ``max_start + 4 * difficulty`` (an odd value gets the counter added at most twice in
-a row before it is halved); a step line is 6-20 characters, so with the character tokenizer a solution
-of difficulty 20 is about 220 tokens, 75 about 850, 300 about 4,000 (:func:`difficulty_for_tokens`
-finds the difficulty for a length).
+Every step depends on the line before it only, so the trace is local arithmetic on 1-4 digit numbers
+that a small model learns; it never becomes periodic (the addend changes every step), so no line can be
+copied from an earlier one. A correct answer needs every one of the ``difficulty`` steps right, so
+accuracy falls with length and the task stays unsaturated at the long end. Values stay below
+``max_start + 4 * difficulty``; with the character tokenizer a solution of difficulty 20 is about 220
+tokens, 300 about 4,000 (:func:`difficulty_for_tokens` finds the difficulty for a length).
 
-The checker reads only the ``#### <integer>`` line (a trace cut short has none and scores 0; the last
-number of a truncated trace is not taken as an answer), and parses at most
+The checker reads only the ``#### <integer>`` line (a trace cut short scores 0), and parses at most
 :data:`MAX_ANSWER_DIGITS` digits, so a pathological completion costs bounded time.
 """
 
