@@ -75,12 +75,6 @@ def rms_norm_reference(
     return NormOutput(out, h if residual is not None else None, out_fp8)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """(..., D) as a 2-D (M, D) tensor with a unit last stride (copied only when needed)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 @keeps_forward_context  # the backward kernels read the forward's tuning on autograd's CUDA threads too
 class _FusedRMSNorm(torch.autograd.Function):
     """Triton forward and backward on 2-D rows. Saves ``h`` (``x`` itself, or the returned residual
@@ -141,8 +135,8 @@ def rms_norm(
         return rms_norm_reference(x, weight, eps, residual, quantize=quantize, pow2_scale=pow2_scale)
 
     shape = x.shape
-    x2 = _rows(x)
-    r2 = _rows(residual) if residual is not None else None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # the backward reads a saved x as row-major (M, D) rows
+    r2 = residual.reshape(-1, residual.shape[-1]) if residual is not None else None
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
     )

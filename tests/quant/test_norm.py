@@ -177,8 +177,6 @@ def run(shape, dtype, wdtype, with_res, quantize, pow2, zero_row, noncontig, gra
     if zero_row:
         x[0] = 0
         r[0] = 0
-    if noncontig:  # rows of a wider buffer: unit last stride, row stride > D
-        x = torch.cat([x, torch.randn(shape, generator=g).to(dtype)], -1)[..., : shape[-1]]
     g_out = torch.randn(shape, generator=g).to(torch.promote_types(dtype, wdtype))
     g_res = torch.randn(shape, generator=g).to(dtype)
     res = {}
@@ -188,10 +186,13 @@ def run(shape, dtype, wdtype, with_res, quantize, pow2, zero_row, noncontig, gra
             res[impl] = run_tiled(x, r if with_res else None, w, quantize, pow2, g_out, g_res, tiles)
             continue
         xi, ri, wi = (t.clone().requires_grad_() for t in (x, r, w))
+        if noncontig:  # rows of a wider leaf: unit last stride, row stride 2D (a clone of a slice is contiguous)
+            xi = torch.cat([x, x], -1).requires_grad_()
         if grads == "weight":
             xi.requires_grad_(False)
             ri.requires_grad_(False)
-        o = rms_norm(xi, wi, EPS, ri if with_res else None, quantize=quantize, pow2_scale=pow2, impl=impl)
+        x_in = xi[..., : shape[-1]] if noncontig else xi
+        o = rms_norm(x_in, wi, EPS, ri if with_res else None, quantize=quantize, pow2_scale=pow2, impl=impl)
         loss = 0
         if grads != "residual_only":
             loss = (o.out.float() * g_out.float()).sum()
@@ -199,7 +200,8 @@ def run(shape, dtype, wdtype, with_res, quantize, pow2, zero_row, noncontig, gra
             loss = loss + (o.residual.float() * g_res.float()).sum()
         loss.backward()
         res[impl] = dict(out=o.out.detach(), h=o.residual, q=o.out_fp8, pow2=pow2,
-                         dx=xi.grad, dr=ri.grad if with_res else None, dw=wi.grad)
+                         dx=xi.grad[..., : shape[-1]] if noncontig else xi.grad, dr=ri.grad if with_res else None,
+                         dw=wi.grad)
     t, f = res["triton"], res["reference"]
     rep = {"dtype": str(dtype)[6:], "out_rel": rel(t["out"], f["out"]), "out_dtype": t["out"].dtype == f["out"].dtype,
            "shape": list(t["out"].shape) == list(shape), "nan": bool(torch.isnan(t["out"].float()).any())}
@@ -240,6 +242,8 @@ cases["weight-fp32-x-bf16"] = run((9, 200), torch.bfloat16, torch.float32, True,
 cases["tile128-weight-fp32-x-bf16"] = run((9, 200), torch.bfloat16, torch.float32, True, True, False, False, False,
                                           tiles=(128, 128))
 cases["noncontiguous-rows"] = run((6, 130), torch.bfloat16, torch.bfloat16, True, True, False, False, True)
+cases["noncontiguous-rows-no-residual"] = run((6, 130), torch.bfloat16, torch.bfloat16, False, True, False, False,
+                                              True)
 cases["weight-grad-only"] = run((12, 96), torch.float32, torch.float32, True, False, False, False, False, "weight")
 cases["residual-output-only"] = run((12, 96), torch.bfloat16, torch.bfloat16, True, False, False, False, False,
                                     "residual_only")
@@ -388,6 +392,8 @@ def test_gpu_backward_matches_reference_autograd(m, d, dtype):
     grads = {}
     for impl in ("triton", "reference"):
         xi, ri, wi = (t.clone().requires_grad_() for t in (x, r, w))
+        if noncontig:  # rows of a wider leaf: unit last stride, row stride 2D (a clone of a slice is contiguous)
+            xi = torch.cat([x, x], -1).requires_grad_()
         o = rms_norm(xi, wi, EPS, ri, quantize=True, impl=impl)
         ((o.out.float() * g_out.float()).sum() + (o.residual.float() * g_res.float()).sum()).backward()
         grads[impl] = (xi.grad, ri.grad, wi.grad)
