@@ -9,11 +9,9 @@ and 64 x 768. Rows per setting:
 * ``bf16``: the BF16 cache, the kernel's fixed launch (the baseline every ratio is against);
 * ``kv8-inreg``: the FP8 cache (E4M3 K/V, one fp32 power-of-two scale per token and KV head), each tile dequantized
   in registers (``kv_decode_factored=false``), the tuning's default launch;
-* ``kv8-factored``: the FP8 cache, E4M3 tiles into the dots through Triton's conversion
-  (``kv_decode_bit_convert=false``), scales on the fp32 side, default launch;
-* ``kv8-bytes-hm``: the factored route with the E4M3 tiles converted by bit operations on tiles of bytes
-  (``kv_decode_bit_convert=true``) on the head-major grid, default launch: the Triton kernel's default route (every
-  ``kv8-`` route above runs the Triton kernel: ``kv_decode_streams=false``);
+* ``kv8-bytes-hm``: the factored route (``kv_decode_factored=true``: E4M3 tiles converted by bit operations into
+  the dots, scales on the fp32 side) on the head-major grid, default launch: the Triton kernel's default route
+  (every ``kv8-`` route above runs the Triton kernel: ``kv_decode_streams=false``);
 * ``kv8-streams``: the Gluon warp-stream kernel (:mod:`jetrl.quant.kernels.paged_attention_gluon`), the default for
   an FP8 cache where it applies, at the tuning's ``kv_decode_stream_*`` launch (``--tuning`` sets them; the grid
   below is the Triton kernel's);
@@ -21,8 +19,8 @@ and 64 x 768. Rows per setting:
   ``--max-splits`` and ``--max-registers``, or the configs listed by ``--configs`` (the tuning's ``kv_decode_*``
   launch fields), on each route of ``--grid-routes`` (a route's name without ``kv8-``).
 
-``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-factored``,
-``kv8-bytes-hm`` and, on the GPU, ``kv8-streams``; ``bf16`` always runs, every ratio is against it).
+``--routes`` picks the routes of the default-launch rows (by default ``bf16``, ``kv8-inreg``, ``kv8-bytes-hm``
+and, on the GPU, ``kv8-streams``; ``bf16`` always runs, every ratio is against it).
 
 Every row is first checked against ``jetrl.models.attention.paged_attention_reference`` in fp32 over the same
 (dequantized) cache: a relative error norm above the GPU tests' tolerance (1e-2 in bf16) marks the row ``failed``
@@ -60,13 +58,11 @@ try:  # repository root on sys.path (python -m bench.attention, the tests)
 except ModuleNotFoundError:  # python bench/attention.py: bench/ itself is on sys.path
     from common import add_tuning_argument, device_description, parse_tuning, sync, write_report  # type: ignore
 
-_BITS = {"kv_decode_factored": True, "kv_decode_bit_convert": True}
 _TRITON = {"kv_decode_streams": False}  # the Triton kernel's routes (the Gluon kernel takes FP8 steps by default)
 ROUTE_TUNING = {"bf16": {}, "kv8-inreg": dict(_TRITON, kv_decode_factored=False),
-                "kv8-factored": dict(_TRITON, kv_decode_factored=True, kv_decode_bit_convert=False),
-                "kv8-bytes-hm": dict(_TRITON, **_BITS),
+                "kv8-bytes-hm": dict(_TRITON, kv_decode_factored=True),
                 "kv8-streams": {"kv_decode_streams": True}}
-ROUTES = ("bf16", "kv8-inreg", "kv8-factored", "kv8-bytes-hm")  # the default rows (--tiny: CPU, Triton only)
+ROUTES = ("bf16", "kv8-inreg", "kv8-bytes-hm")  # the default rows (--tiny: CPU, Triton only)
 GPU_ROUTES = (*ROUTES, "kv8-streams")  # the default rows on the GPU (the last: the default route)
 GRID_ROUTES = {r.removeprefix("kv8-"): r for r in ROUTE_TUNING if r not in ("bf16", "kv8-streams")}
 SETTINGS = "256x768,64x4352,64x768"

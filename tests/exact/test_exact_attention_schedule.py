@@ -34,10 +34,9 @@ def test_programs_cover_every_row_once(rows_per_program):
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (40, 8), (8, 8)])
 def test_schedule_swaps_decode_steps_only(heads, kv_heads):
     """A step of at most one row per sequence runs the swapped decode kernel, one row per program, and its
-    program numbering (made once per forward) says so; prefill and training tiles keep 64 MMA rows; the tuning
-    switch turns the swap off. ``_schedule`` returns (rows per program, swapped)."""
+    program numbering (made once per forward) says so; prefill and training tiles keep 64 MMA rows.
+    ``_schedule`` returns (rows per program, swapped)."""
     from jetrl.models.attention import PagedAttentionMetadata
-    from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.exact_attention_triton import _schedule, number_tiles
 
     def meta(rows_per_seq):
@@ -53,8 +52,6 @@ def test_schedule_swaps_decode_steps_only(heads, kv_heads):
     assert number_tiles(decode, n, heads, kv_heads)[:2] == (1, n)
     mixed, n = meta([2, 0, 1, 0, 1])  # rows <= sequences: still a per-row schedule, every row its own program
     assert _schedule(mixed, n, heads, kv_heads) == (1, True)
-    with tuning.override(exact_decode_attention_swapped=False):
-        assert _schedule(decode, 5, heads, kv_heads) == (block_q, False)
     prefill, n = meta([7, 300, 1])
     assert _schedule(prefill, n, heads, kv_heads) == (block_q, False)
     assert number_tiles(prefill, n, heads, kv_heads)[:2] == (block_q, n)

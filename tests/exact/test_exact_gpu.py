@@ -224,12 +224,10 @@ def test_row_wise_kernels_are_batch_invariant():
 
 @pytest.mark.parametrize("heads", [32, 40])  # GQA groups 4 (Llama 8B) and 5 (Qwen2.5-32B) over 8 KV heads
 def test_swapped_decode_gives_the_training_forwards_bits(heads):
-    """A decode step on the swapped kernel (``exact_decode_attention_swapped``, one query row per program, keys as
-    the MMA's rows) gives each row the bits the packed training forward (the tile kernel) gives it as the last
-    row of its sequence, at every pipeline depth, and so does the tile kernel's decode schedule; contexts from one
-    key to 1,280, partial and whole chunks."""
+    """A decode step on the swapped kernel (one query row per program, keys as the MMA's rows) gives each row the
+    bits the packed training forward (the tile kernel) gives it as the last row of its sequence, at every pipeline
+    depth; contexts from one key to 1,280, partial and whole chunks."""
     from jetrl.models.attention import PagedAttentionMetadata, packed_as_paged
-    from jetrl.quant.kernels import tuning
     from jetrl.quant.kernels.exact_attention_triton import exact_attention_fwd
 
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -247,12 +245,9 @@ def test_swapped_decode_gives_the_training_forwards_bits(heads):
                                   packed.context_lens, packed.block_tables,
                                   torch.zeros(len(lengths), dtype=torch.long, device="cuda"), 1, max(lengths))
     assert torch.isfinite(want).all()
-    # (tuning, launch): the swapped kernel at its default pipeline stages and two others, then the tile kernel
-    for over, launch in (({}, {}), ({}, dict(decode_stages=2)), ({}, dict(decode_stages=3)),
-                         (dict(exact_decode_attention_swapped=False), {})):
-        with tuning.override(**over):
-            got = exact_attention_fwd(q[last], k[:, None], v[:, None], meta, 0.088, **launch)
-        assert torch.equal(got, want[last]), (over, launch, (got.float() - want[last].float()).abs().max())
+    for stages in (1, 2, 3):  # the swapped kernel at its default pipeline stages (1) and two others
+        got = exact_attention_fwd(q[last], k[:, None], v[:, None], meta, 0.088, decode_stages=stages)
+        assert torch.equal(got, want[last]), (stages, (got.float() - want[last].float()).abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -386,8 +381,8 @@ def test_exact_decode_schedule_gives_the_triton_bits(widths, k, split):
             qx = quantize_tensor(x[:m], ACT)
             with tuning.override(exact_decode_max_m=0, exact_cublas_min_m=0):
                 ref = torch.cat([be.gemm_exact(qx, w) for w in ws], dim=1)
-                assert all(exact_gemm_path(qx, w) == "triton" for w in ws)
-            assert all(exact_gemm_path(qx, w) == "decode" for w in ws)
+                assert all(exact_gemm_path(qx, w)[0] == "triton" for w in ws)
+            assert all(exact_gemm_path(qx, w)[0] == "decode" for w in ws)
             single = torch.cat([be.gemm_exact(qx, w) for w in ws], dim=1)
             assert torch.equal(single, ref), m
             grouped = be.grouped_gemm_exact(qx, ws)
@@ -395,5 +390,5 @@ def test_exact_decode_schedule_gives_the_triton_bits(widths, k, split):
             assert (grouped is not None) == (len(splits) == 1), splits
             if grouped is not None:
                 assert torch.equal(grouped, ref), m
-        assert exact_gemm_path(quantize_tensor(torch.cat([x, x]), ACT), ws[0]) != "decode"  # 128 rows
+        assert exact_gemm_path(quantize_tensor(torch.cat([x, x]), ACT), ws[0])[0] != "decode"  # 128 rows
         assert be.grouped_gemm_exact(quantize_tensor(torch.cat([x, x]), ACT), ws) is None

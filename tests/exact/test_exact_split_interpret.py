@@ -243,9 +243,9 @@ def test_exact_gemm_path_routes_by_rows_and_blocks():
     g = torch.Generator().manual_seed(3)
     w = quantize_tensor(torch.randn(256, 512, generator=g), WEIGHT)
     x = torch.randn(80, 512, generator=g)
-    rows = {m: exact_gemm_path(quantize_tensor(x[:m], ACT), w) for m in (1, 64, 65, 80)}
+    rows = {m: exact_gemm_path(quantize_tensor(x[:m], ACT), w)[0] for m in (1, 64, 65, 80)}
     assert rows == {1: "decode", 64: "decode", 65: "triton", 80: "triton"}
     assert exact_gemm_path(quantize_tensor(x[:8], ACT), quantize_tensor(torch.randn(256, 512, generator=g), ACT)) \
-        == "triton"
+        == ("triton", None)
     with tuning.override(exact_decode_max_m=0):
-        assert exact_gemm_path(quantize_tensor(x[:8], ACT), w) == "triton"
+        assert exact_gemm_path(quantize_tensor(x[:8], ACT), w)[0] == "triton"

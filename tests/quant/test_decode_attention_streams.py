@@ -3,7 +3,7 @@
 MMA's registers.
 
 * CPU: the head_dim permutations the kernel's relabellings imply (the q load's and the output store's formulas) are
-  the ones its reshape/permute chains compute, and bijections; the shapes it takes (``shapes_supported``); the
+  the ones its reshape/permute chains compute, and bijections; the shapes it takes (``supports``); the
   context split; the tuning fields' checks; compiled for the H200 (sm_90a) on this machine at 1, 2 and 4 warps,
   with and without a split, over groups 1 to 8: the loop's MMAs are the 24 a 16-token tile needs, the conversion is
   the bit operations (no conversion instruction, no byte read of shared memory), the copies are 16-byte
@@ -89,19 +89,21 @@ def _shapes(hq=32, hkv=8, d=128, page=16, dtype=torch.bfloat16, kv_dtype=torch.f
 ])
 def test_the_shapes_it_takes(change, taken):
     streams = _streams()
-    assert streams.shapes_supported(*_shapes(**change)) is taken
-    assert not streams.supports(*_shapes(**change))  # CPU tensors: never this kernel
+    from jetrl.quant.kernels.paged_attention_triton import _streams_apply
+
+    assert streams.supports(*_shapes(**change)) is taken
+    assert not _streams_apply(*_shapes(**change))  # CPU tensors: never this kernel
 
 
 def test_caches_of_other_strides_are_not_taken():
     streams = _streams()
     q, k, v, ks, vs = _shapes()
-    assert streams.shapes_supported(q, k, v, ks, vs)
+    assert streams.supports(q, k, v, ks, vs)
     wide = torch.zeros(10, 16, 9, 128, dtype=torch.float8_e4m3fn)[:, :, :8]  # a view of 9 heads
-    assert not streams.shapes_supported(q, k, wide, ks, vs)  # K and V strides differ
+    assert not streams.supports(q, k, wide, ks, vs)  # K and V strides differ
     odd = torch.zeros(10 * 16 * 8 * 128 + 2, dtype=torch.uint8)[2:].view(torch.float8_e4m3fn).view(10, 16, 8, 128)
-    assert not streams.shapes_supported(q, odd, odd, ks, vs)  # not 16-byte aligned
-    assert not streams.shapes_supported(q, k, v, ks, torch.zeros(10, 16, 9)[:, :, :8])  # scales' strides differ
+    assert not streams.supports(q, odd, odd, ks, vs)  # not 16-byte aligned
+    assert not streams.supports(q, k, v, ks, torch.zeros(10, 16, 9)[:, :, :8])  # scales' strides differ
 
 
 @pytest.mark.parametrize("seqs, kv_heads, context, warps, waves, max_splits, want", [

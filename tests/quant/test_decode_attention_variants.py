@@ -2,7 +2,7 @@
 
 * the fields' checks and defaults;
 * under the Triton interpreter (a child, tiny shapes): a cache whose rows are not whole 4-byte words, which the bit
-  conversion converts as Triton's conversion does;
+  conversion converts as it does the word-aligned copy of the same cache;
 * compiled for the H200 (sm_90a) on this machine: the bit conversion gives both dots bf16 operands of ``kWidth`` 2
   (the BF16-cache kernel's) and reads no shared memory a byte at a time;
 * the register cap (``kv_decode_max_registers``, Triton's ``maxnreg``): its checks, and a launch that takes it;
@@ -43,14 +43,12 @@ out = {}
 g = torch.Generator().manual_seed(0)
 contexts, page, hq, hkv, d = [1, 37, 130], 8, 6, 2, 32  # a one-token context, partial pages, GQA group 3
 meta, kd, ks, vd, vs = paged_case(g, contexts, [1] * len(contexts), page, hkv, d, shared_blocks=1)
-# rows 2 bytes apart from a word boundary: Triton's conversion and the bit conversion's byte tiles
+# rows 2 bytes apart from a word boundary: the bit conversion's byte tiles, against the aligned cache
 pad = lambda x: torch.nn.functional.pad(x.view(torch.uint8), (2, 2)).view(torch.float8_e4m3fn)[..., 2:2 + d]
 kdu, vdu = pad(kd), pad(vd)
 q = torch.randn(len(contexts), hq, d, generator=g).to(torch.bfloat16)
-runs = []
-for knobs in ({"kv_decode_bit_convert": False}, {"kv_decode_bit_convert": True}):
-    with tuning.override(kv_decode_factored=True, **knobs):
-        runs.append(paged_decode(q, kdu, vdu, meta, d ** -0.5, ks, vs, num_splits=2, block_n=16))
+with tuning.override(kv_decode_factored=True):
+    runs = [paged_decode(q, k, v, meta, d ** -0.5, ks, vs, num_splits=2, block_n=16) for k, v in ((kd, vd), (kdu, vdu))]
 out["unaligned"] = {"bitwise": same_bits(*runs), "offset": kdu.data_ptr() % 4}
 with tuning.override(kv_decode_max_registers=128):  # a launch option Triton takes
     out["max-registers"] = same_bits(runs[1], paged_decode(q, kdu, vdu, meta, d ** -0.5, ks, vs, num_splits=2,
@@ -107,7 +105,7 @@ def test_wide_offsets_decision():
 
 @pytest.fixture(scope="module")
 def byte_route():
-    return _compile(True)  # skips only without an NVIDIA backend (tests/sm90_compile.py)
+    return _compile()  # skips only without an NVIDIA backend (tests/sm90_compile.py)
 
 
 def test_byte_route_feeds_the_dots_as_a_bf16_cache_does(byte_route):

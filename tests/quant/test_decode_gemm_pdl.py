@@ -72,7 +72,7 @@ def test_feeding_kernels_trigger_their_dependents():
     norm = dict(HAS_RES=True, QUANT=True, POW2=True, BLOCK_M=1, BLOCK_D=4096, NUM_CHUNKS=1, QG=128)
     norm_types = {n: "*bf16" for n in ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "h_ptr")} | {
         "rstd_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "eps": "fp32"}
-    swiglu = dict(POW2=True, QUANTIZE=True, IS_BF16=True, BLOCK_M=16)
+    swiglu = dict(POW2=True, QUANTIZE=True, BLOCK_M=16)
     swiglu_types = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv",
                     "scale_ptr": "*fp32"}
     quant = dict(POW2=True, ROWS=True, BLOCK_M=32, BLOCK_K=128)

@@ -74,8 +74,11 @@ def _exact_decode_config(a: Fp8Tensor, weights: list[Fp8Tensor]):
                                                 dk._sm_count(a.data.device))
 
 
-def _exact_route(a: Fp8Tensor, b: Fp8Tensor):
-    """(path, the decode kernel's config where the path is ``"decode"``) of :func:`exact_gemm_path`."""
+def exact_gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> tuple[str, tuning.DecodeGemmConfig | None]:
+    """Which kernel runs exact mode's ``a @ b.T`` (every one computes the same bits, see the tuning's doc), with the
+    decode kernel's config where that is the path: ``"decode"`` (the split-K decode kernel at exact mode's split, up
+    to ``exact_decode_max_m`` rows), ``"cublas"`` (a weight walked unsplit, from ``exact_cublas_min_m`` rows on) or
+    ``"triton"`` (the exact kernel)."""
     if b.block != WEIGHT or a.block != ACT:
         return "triton", None
     cfg = _exact_decode_config(a, [b])
@@ -86,14 +89,6 @@ def _exact_route(a: Fp8Tensor, b: Fp8Tensor):
             and scaled_mm.supports(a, b)):
         return "cublas", None
     return "triton", None
-
-
-def exact_gemm_path(a: Fp8Tensor, b: Fp8Tensor) -> str:
-    """Which kernel runs exact mode's ``a @ b.T`` (every one computes the same bits, see the tuning's doc):
-    ``"decode"`` (the split-K decode kernel at exact mode's split, up to ``exact_decode_max_m`` rows),
-    ``"cublas"`` (a weight walked unsplit, from ``exact_cublas_min_m`` rows on) or ``"triton"`` (the exact
-    kernel)."""
-    return _exact_route(a, b)[0]
 
 
 def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
@@ -245,7 +240,7 @@ class CudaBackend:
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         reference.check_gemm_operands(a, b)
         _check_cuda(a.data, "the left operand")
-        path, cfg = _exact_route(a, b)
+        path, cfg = exact_gemm_path(a, b)
         if path == "decode":  # the exact kernel's bits (tuning's doc, exact_decode_max_m)
             return dk.fp8_decode_gemm(a.data, a.scale, b.data, b.scale, 128, out_dtype, config=cfg)
         if path == "cublas":  # the in-order walk's bits (tuning's doc, exact_cublas_min_m)

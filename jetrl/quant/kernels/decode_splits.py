@@ -1,6 +1,6 @@
 """What the paged decode-attention kernels share: the merge of a step's context splits (flash-decoding's second
-kernel), the GPU's SM count their split policies aim at (the other kernels' launch policies read it too), and
-whether 32-bit offsets reach every element.
+kernel), the GPU's SM count their split policies aim at (the other kernels' launch policies read it too),
+whether 32-bit offsets reach every element, and two constants.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import triton.language as tl
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 _SM_COUNTS: dict[int, int] = {}
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in log2 units (exp2): scores times scale * log2(e)
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the sequences of a head-major launch)
 
 
 @triton.jit
@@ -77,4 +79,5 @@ def sm_count(device: torch.device) -> int:
     return _SM_COUNTS[index]
 
 
-__all__ = ["merge_splits_kernel", "split_partials", "merge_splits", "sm_count", "cache_offsets_wide"]
+__all__ = ["merge_splits_kernel", "split_partials", "merge_splits", "sm_count", "cache_offsets_wide", "LOG2E",
+           "MAX_GRID_Y"]

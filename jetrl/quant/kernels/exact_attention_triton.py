@@ -19,7 +19,7 @@ rowsum(p)`` and ``acc = acc * alpha + p @ v``, both sums MMAs (the row sum as ``
 thus an MMA or a maximum, never a ``tl.sum`` whose order follows the register layout, which is what lets the
 decode schedule below compute the same bits.
 
-**Swapped decode** (:func:`_exact_decode_kernel`, ``exact_decode_attention_swapped``, the default): a step with at
+**Swapped decode** (:func:`_exact_decode_kernel`): a step with at
 most one query row per sequence on average runs one program per (query row, KV head) with the MMA's operands
 swapped: ``K @ q^T`` with the chunk's 64 keys as the MMA's rows and the group's heads as its columns (padded to
 :data:`DECODE_MIN_COLS`), ``ones @ p^T`` and ``V^T @ p^T``. A Hopper MMA computes each element from the same
@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from jetrl.quant.kernels import tuning
-from jetrl.quant.kernels.paged_attention_triton import _LOG2E, _load_kv_rows, check_kv_cache
+from jetrl.quant.kernels.decode_splits import LOG2E
+from jetrl.quant.kernels.paged_attention_triton import _load_kv_rows, check_kv_cache
 from jetrl.quant.reference import EXACT_KV_CHUNK
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
@@ -260,11 +261,7 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
     before the same math: bit for bit this function over the dequantized cache. ``decode_stages``: the swapped
     decode kernel's pipeline stages (the same bits)."""
     num_rows, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, cache_dim = k_cache_layer.shape
-    if cache_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"exact_attention: q {tuple(q.shape)} does not match the cache {tuple(k_cache_layer.shape)}")
-    if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
-        raise ValueError("exact_attention needs the cache's head_dim to be contiguous")
+    _, page, num_kv_heads, _ = k_cache_layer.shape
     fp8 = check_kv_cache("exact_attention", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
@@ -281,7 +278,7 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
         tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, block_q)
     tables = meta.block_tables
     args = (q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens,
-            tile_seq, tile_start, out, float(softmax_scale) * _LOG2E,
+            tile_seq, tile_start, out, float(softmax_scale) * LOG2E,
             q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
             v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
             k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
@@ -301,11 +298,9 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
 
 def _schedule(meta, num_rows: int, num_heads: int, num_kv_heads: int) -> tuple[int, bool]:
     """(query rows per program, swapped) of the kernel for this step. A step of at most one row per sequence on
-    average (a decode step) runs the swapped decode kernel, one row per program, where the tuning says so
-    (``exact_decode_attention_swapped``); otherwise a tile holds :data:`ROWS_PER_PROGRAM` rows x heads of a KV
-    head's group."""
-    decode = num_rows <= meta.query_start_loc.shape[0] - 1
-    if decode and tuning.current().exact_decode_attention_swapped:
+    average (a decode step) runs the swapped decode kernel, one row per program; otherwise a tile holds
+    :data:`ROWS_PER_PROGRAM` rows x heads of a KV head's group."""
+    if num_rows <= meta.query_start_loc.shape[0] - 1:
         return 1, True
     return max(1, ROWS_PER_PROGRAM // triton.next_power_of_2(num_heads // num_kv_heads)), False
 

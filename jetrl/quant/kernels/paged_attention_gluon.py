@@ -56,14 +56,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from jetrl.quant.formats import E4M3
-from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits, sm_count, split_partials
+from jetrl.quant.kernels.decode_splits import (LOG2E, MAX_GRID_Y, cache_offsets_wide, merge_splits, sm_count,
+                                               split_partials)
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
 TILE = 16  # tokens per warp per loop trip: one m16n8k16 step of the output product
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head: the output product's 8 columns
-_LOG2E = 1.4426950408889634
-_MAX_GRID_Y = 65535  # the grid is (KV heads, sequences, splits)
 T = gl.constexpr(TILE)  # the same constants inside the kernels
 D = gl.constexpr(HEAD_DIM)
 
@@ -109,10 +108,8 @@ def _word_layouts(W):
 
 @gluon.jit
 def _bytes_to_bf16(w):
-    """int32 words of 4 E4M3 bytes -> their 4 bf16 values (b0, b1, b2, b3), exactly: per pair of bytes one ``prmt``
-    (each byte to a 16-bit lane, its sign copied above it), ``shl`` by 4, ``and`` (sign, exponent and mantissa
-    bits to bf16's places: the lane reads ``x * 2^-120``) and one ``fma.rn.bf16x2`` by ``2^120`` (+ -0: signed zeros
-    kept), as :func:`jetrl.quant.kernels.paged_attention_triton._load_e4m3_bytes`."""
+    """int32 words of 4 E4M3 bytes -> their 4 bf16 values (b0, b1, b2, b3), exactly: the bit conversion of
+    :func:`jetrl.quant.kernels.paged_attention_triton._load_e4m3_bytes`, as one PTX call per word."""
     return gl.inline_asm_elementwise(
         "{ .reg .b32 lo, hi, c, z; prmt.b32 lo, $4, 0, 0x9180; prmt.b32 hi, $4, 0, 0xB3A2; "
         "shl.b32 lo, lo, 4; shl.b32 hi, hi, 4; and.b32 lo, lo, 0x87F087F0; and.b32 hi, hi, 0x87F087F0; "
@@ -318,21 +315,15 @@ def _paged_decode_streams_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr
 
 def supports(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k_scale: torch.Tensor,
              v_scale: torch.Tensor) -> bool:
-    """Whether this kernel handles a decode step: a CUDA query that :func:`shapes_supported`."""
-    return q.is_cuda and shapes_supported(q, k_cache_layer, v_cache_layer, k_scale, v_scale)
-
-
-def shapes_supported(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
-                     k_scale: torch.Tensor, v_scale: torch.Tensor) -> bool:
-    """The shapes this kernel takes: a bf16 query with ``head_dim`` 128 and at most :data:`MAX_GROUP` query heads
-    per KV head, over an FP8 cache (``float8_e4m3fn`` K and V of the same strides, pages of a multiple of 16
-    tokens, rows of whole 4-byte words, 16-byte aligned) with scales of the same strides, at most 65,535
-    sequences. The caller has checked the cache (``check_kv_cache``)."""
+    """The shapes this kernel takes (on CUDA tensors): a bf16 query with ``head_dim`` 128 and at most
+    :data:`MAX_GROUP` query heads per KV head, over an FP8 cache (``float8_e4m3fn`` K and V of the same strides,
+    pages of a multiple of 16 tokens, rows of whole 4-byte words, 16-byte aligned) with scales of the same strides,
+    at most 65,535 sequences. The caller has checked the cache (``check_kv_cache``)."""
     num_seqs, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache_layer.shape
     return (q.dtype == torch.bfloat16 and head_dim == HEAD_DIM and k_cache_layer.dtype == E4M3
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP and page % TILE == 0
-            and 0 < num_seqs <= _MAX_GRID_Y and k_cache_layer.stride() == v_cache_layer.stride()
+            and 0 < num_seqs <= MAX_GRID_Y and k_cache_layer.stride() == v_cache_layer.stride()
             and k_scale.stride() == v_scale.stride() and k_cache_layer.stride(-1) == 1
             and all(s % 4 == 0 for s in k_cache_layer.stride()[:3])
             and k_cache_layer.data_ptr() % 16 == 0 and v_cache_layer.data_ptr() % 16 == 0)
@@ -385,7 +376,7 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
     tables = meta.block_tables
     _paged_decode_streams_kernel[(num_kv_heads, num_seqs, splits)](
         q, k_words, v_words, k_scale, v_scale, tables, meta.context_lens, out, part_acc, part_ml,
-        float(softmax_scale) * _LOG2E, q.stride(0), q.stride(1), k_words.stride(0), k_words.stride(1),
+        float(softmax_scale) * LOG2E, q.stride(0), q.stride(1), k_words.stride(0), k_words.stride(1),
         k_words.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), tables.stride(0),
         out.stride(0), out.stride(1), GROUP=group, PAGE=k_cache_layer.shape[1], NUM_SPLITS=splits, W=num_warps,
         STAGES=stages, WIDE=cache_offsets_wide(k_words, v_words, k_scale, v_scale), num_warps=num_warps,
@@ -394,5 +385,5 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
     return out
 
 
-__all__ = ["paged_decode_streams", "supports", "shapes_supported", "num_splits", "TILE", "HEAD_DIM", "MAX_GROUP",
+__all__ = ["paged_decode_streams", "supports", "num_splits", "TILE", "HEAD_DIM", "MAX_GROUP",
            "FULL_WAVES_CONTEXT"]

@@ -17,11 +17,11 @@ kernel reads an FP8 cache well below copy bandwidth (BENCHMARKS.md, "Decode atte
 Everything below is this kernel.
 
 **An FP8 cache** (E4M3 K/V, one power-of-two fp32 scale ``2^e`` per token and KV head, written by
-``jetrl.models.attention.quantize_kv``) is read without dequantizing it. Each E4M3 tile is converted to q's dtype
-with a plain ``.to`` (exact: every E4M3 value is a bf16, fp16 and fp32 value) and goes straight into ``tl.dot``,
-the shape Triton software-pipelines and converts in the dot-operand layout, as in mixed-precision GEMMs (an
-arithmetic dequantization between the load and the dot is not that shape). The per-token scales act on the
-dots' fp32 sides instead:
+``jetrl.models.attention.quantize_kv``) is read without dequantizing it. Each E4M3 tile becomes q's dtype exactly
+(every E4M3 value is a bf16 and fp32 value) by integer bit operations (:func:`_load_e4m3_bytes`, no conversion
+instruction: Triton's own conversion, compiled for sm_90, goes through fp16 on the slow conversion pipe and reads
+the V tile from shared memory a byte at a time, as 8-bit operands have no transposing ``ldmatrix`` on Hopper) and
+goes straight into ``tl.dot``. The per-token scales act on the dots' fp32 sides instead:
 
 * scores: ``s = dot(q, k8^T) * (k_scale * softmax_scale * log2(e))`` per key column, which is bitwise
   ``(dot(q, k8^T) * k_scale) * softmax_scale * log2(e)`` (``k_scale`` is a power of two) and equals
@@ -43,15 +43,6 @@ tile, half the loop trips. The factored route is the tuning's ``kv_decode_factor
 dequantized in registers as for an fp16 query. The launch over an FP8 cache is the tuning's ``kv_decode_*`` fields
 (:func:`launch_config`), swept by ``bench/attention.py``; a cache in q's dtype keeps :data:`BF16_LAUNCH`.
 
-**The E4M3 -> bf16 conversion** on the factored route is either bit operations (the tuning's
-``kv_decode_bit_convert``, :func:`_load_e4m3_bytes`, no conversion instruction) or Triton's (``.to(q.dtype)``).
-Compiled for sm_90, Triton's goes through fp16 (``cvt.rn.f16x2.e4m3x2``, then ``cvt.bf16.f16`` per value, on the
-slow conversion pipe) in the dots' operand layout, so the V tile, whose dot reduces over tokens while its bytes run
-along head_dim, is read from shared memory one byte at a time (8-bit operands have no transposing ``ldmatrix`` on
-Hopper). Both conversions give the same bf16 (fp32) tiles, so the same attention to summation order (on the GPU
-the MMA's operand layouts differ, so the accumulation may round apart; under the interpreter they are bit for bit
-equal).
-
 The launch over an FP8 cache puts the KV heads of a sequence on neighbouring programs (a head-major grid, up to
 65,535 sequences), so that a 32-byte sector of scales (8 heads of one token) and a block-table row are read from
 DRAM once while the heads that share them run. Neither that order nor the register cap
@@ -72,13 +63,12 @@ import triton.language as tl
 
 from jetrl.quant.formats import E4M3
 from jetrl.quant.kernels import tuning
-from jetrl.quant.kernels.decode_splits import cache_offsets_wide, merge_splits, sm_count, split_partials
+from jetrl.quant.kernels.decode_splits import (LOG2E, MAX_GRID_Y, cache_offsets_wide, merge_splits, sm_count,
+                                               split_partials)
 from jetrl.quant.kernels.quantize_triton import cast_rne
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
-_LOG2E = 1.4426950408889634
 _INTERPRETED = tuning.interpreting()
-_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (the sequences of a head-major launch)
 
 
 BLOCK_N = 64  # tokens per tile over a cache in q's dtype
@@ -133,19 +123,18 @@ def _load_e4m3_bytes(head_ptr, off, t_ok, d, HEAD_DIM: tl.constexpr, DTYPE: tl.c
 def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, ks_head, vs_head, scale_log2,
                  stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
                  PAGE: tl.constexpr, IEEE: tl.constexpr, FP8: tl.constexpr, FACTORED: tl.constexpr,
-                 BIT_BYTES: tl.constexpr, SHARED_OFFSETS: tl.constexpr,
-                 WIDE_OFFSETS: tl.constexpr, HEAD_DIM: tl.constexpr, WHILE_LOOP: tl.constexpr):
+                 SHARED_OFFSETS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 WHILE_LOOP: tl.constexpr):
     """One tile of tokens ``t`` (BLOCK_N,): gather K/V rows through the block table, online softmax update.
 
-    ``FACTORED`` (an FP8 cache, q bf16 or fp32): the E4M3 tiles go to the dots through a plain conversion and the
-    scales multiply the dots' fp32 sides (the module doc says why that is the attention over the dequantized
-    cache). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers.
-
-    ``BIT_BYTES`` (the bit conversion, :func:`_load_e4m3_bytes`) also trims the address arithmetic: page and row by unsigned division (``t >= 0``),
-    offsets in 32 bits unless ``WIDE_OFFSETS`` (an offset into a cache or scale tensor may pass ``2^31 - 1``), and
-    one offset per token for K and V (and one for their scales) when they share their strides (``SHARED_OFFSETS``)."""
+    ``FACTORED`` (an FP8 cache, q bf16 or fp32): the E4M3 tiles go to the dots through the bit conversion
+    (:func:`_load_e4m3_bytes`) and the scales multiply the dots' fp32 sides (the module doc says why that is the
+    attention over the dequantized cache). Its address arithmetic is also trimmed: page and row by unsigned division
+    (``t >= 0``), offsets in 32 bits unless ``WIDE_OFFSETS`` (an offset into a cache or scale tensor may pass
+    ``2^31 - 1``), and one offset per token for K and V (and one for their scales) when they share their strides
+    (``SHARED_OFFSETS``). Otherwise the tiles are in q's dtype, or (``FP8``, q fp16) dequantized in registers."""
     t_ok = t < end
-    if BIT_BYTES:
+    if FACTORED:
         tp = (t.to(tl.uint32, bitcast=True) // PAGE).to(tl.int32, bitcast=True)
         page = tl.load(table_row + tp, mask=t_ok, other=0)
         row = t - tp * PAGE
@@ -159,19 +148,12 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
         else:
             v_off = page * stride_vb + row * stride_vt
             vs_off = page * stride_vsb + row * stride_vst
+        k = _load_e4m3_bytes(k_head, k_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
+        k_s = tl.load(ks_head + ks_off, mask=t_ok, other=0.0)  # (BLOCK_N,)
     else:
         page = tl.load(table_row + t // PAGE, mask=t_ok, other=0).to(tl.int64)
         row = t % PAGE
-    kv_mask = t_ok[:, None] & d_ok[None, :]
-    if FACTORED:
-        if BIT_BYTES:
-            k = _load_e4m3_bytes(k_head, k_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
-            k_s = tl.load(ks_head + ks_off, mask=t_ok, other=0.0)  # (BLOCK_N,)
-        else:
-            k = tl.load(k_head + page[:, None] * stride_kb + row[:, None] * stride_kt + d[None, :], mask=kv_mask,
-                        other=0.0).to(q.dtype)  # exact
-            k_s = tl.load(ks_head + page * stride_ksb + row * stride_kst, mask=t_ok, other=0.0)  # (BLOCK_N,)
-    else:
+        kv_mask = t_ok[:, None] & d_ok[None, :]
         k = _load_kv_rows(k_head, ks_head, page, row, t_ok, kv_mask, d, stride_kb, stride_kt, stride_ksb, stride_kst,
                           q.dtype, FP8)  # (BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None)  # (BLOCK_G, BLOCK_N), fp32 accumulation
@@ -185,13 +167,8 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if FACTORED:
-        if BIT_BYTES:
-            v = _load_e4m3_bytes(v_head, v_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
-            v_s = tl.load(vs_head + vs_off, mask=t_ok, other=0.0)
-        else:
-            v = tl.load(v_head + page[:, None] * stride_vb + row[:, None] * stride_vt + d[None, :], mask=kv_mask,
-                        other=0.0).to(q.dtype)  # exact
-            v_s = tl.load(vs_head + page * stride_vsb + row * stride_vst, mask=t_ok, other=0.0)
+        v = _load_e4m3_bytes(v_head, v_off, t_ok, d, HEAD_DIM, q.dtype, not WHILE_LOOP)
+        v_s = tl.load(vs_head + vs_off, mask=t_ok, other=0.0)
         p = p * v_s[None, :]  # exact (v_s = 2^e) unless below 2^-126
     else:
         v = _load_kv_rows(v_head, vs_head, page, row, t_ok, kv_mask, d, stride_vb, stride_vt, stride_vsb, stride_vst,
@@ -208,9 +185,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
                          stride_ts, stride_os, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, FACTORED: tl.constexpr, BIT_BYTES: tl.constexpr,
-                         SHARED_OFFSETS: tl.constexpr, WIDE_OFFSETS: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-                         WHILE_LOOP: tl.constexpr):
+                         FP8: tl.constexpr, FACTORED: tl.constexpr, SHARED_OFFSETS: tl.constexpr,
+                         WIDE_OFFSETS: tl.constexpr, HEAD_MAJOR: tl.constexpr, WHILE_LOOP: tl.constexpr):
     if HEAD_MAJOR:  # grid (Hkv, S, splits): the KV heads of a sequence are neighbouring programs
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -249,14 +225,14 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
                                          stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED,
-                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, WHILE_LOOP)
+                                         SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, WHILE_LOOP)
             t0 += BLOCK_N
     else:
         for t0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, t0 + n, end, d, d_ok, table_row, k_head, v_head, ks_head,
                                          vs_head, scale_log2, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb,
                                          stride_kst, stride_vsb, stride_vst, PAGE, IEEE, FP8, FACTORED,
-                                         BIT_BYTES, SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, WHILE_LOOP)
+                                         SHARED_OFFSETS, WIDE_OFFSETS, HEAD_DIM, WHILE_LOOP)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -272,11 +248,16 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
 
 def check_kv_cache(what: str, q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
-    """Check a paged K/V cache layer for the attention kernels; returns whether it is FP8.
+    """Check q (N, Hq, D) and a paged K/V cache layer (num_blocks, block_size, Hkv, D, head_dim contiguous) for the
+    attention kernels; returns whether the cache is FP8.
 
     A cache in the model's dtype comes without scales. An FP8 cache is ``float8_e4m3fn`` K and V with ``k_scale`` and
     ``v_scale``: fp32 (num_blocks, block_size, Hkv), one scale per (token, KV head), on the cache's device.
     """
+    if k_cache_layer.shape[3] != q.shape[2] or q.shape[1] % k_cache_layer.shape[2]:
+        raise ValueError(f"{what}: q {tuple(q.shape)} does not match the cache {tuple(k_cache_layer.shape)}")
+    if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
+        raise ValueError(f"{what} needs the cache's head_dim to be contiguous")
     if k_cache_layer.shape != v_cache_layer.shape or k_cache_layer.dtype != v_cache_layer.dtype:
         raise ValueError(f"{what}: K and V caches differ: {tuple(k_cache_layer.shape)} {k_cache_layer.dtype} vs "
                          f"{tuple(v_cache_layer.shape)} {v_cache_layer.dtype}")
@@ -305,7 +286,7 @@ def check_kv_cache(what: str, q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
 def _streams_apply(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k_scale: torch.Tensor,
                    v_scale: torch.Tensor) -> bool:
     """Whether the Gluon kernel (:mod:`jetrl.quant.kernels.paged_attention_gluon`) takes this FP8-cache decode step:
-    the installed Triton has Gluon and the kernel supports the shapes (imported only then)."""
+    a CUDA query, the installed Triton has Gluon and the kernel supports the shapes (imported only then)."""
     from jetrl.quant.kernels.quantize_gluon import available
 
     if not (q.is_cuda and available()):
@@ -375,13 +356,9 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     if meta.max_query_len != 1:
         raise ValueError("paged_decode handles decode steps only (one new token per sequence)")
     num_seqs, num_heads, head_dim = q.shape
-    _, page, num_kv_heads, cache_dim = k_cache_layer.shape
-    if cache_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"paged_decode: q {tuple(q.shape)} does not match the cache {tuple(k_cache_layer.shape)}")
+    _, page, num_kv_heads, _ = k_cache_layer.shape
     if meta.block_tables.shape[0] != num_seqs:
         raise ValueError(f"paged_decode: {num_seqs} query rows but {meta.block_tables.shape[0]} sequences")
-    if k_cache_layer.stride(-1) != 1 or v_cache_layer.stride(-1) != 1:
-        raise ValueError("paged_decode needs the cache's head_dim to be contiguous")
     fp8 = check_kv_cache("paged_decode", q, k_cache_layer, v_cache_layer, k_scale, v_scale)
     knobs = tuning.current()
     if fp8 and block_n is None and knobs.kv_decode_streams and _streams_apply(q, k_cache_layer, v_cache_layer,
@@ -395,12 +372,11 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
                                     max_registers=knobs.kv_decode_stream_max_registers)
     # fp16 cannot hold p * 2^e (see the module doc): an fp16 query dequantizes in registers
     factored = fp8 and q.dtype != torch.float16 and knobs.kv_decode_factored
-    bit_bytes = factored and knobs.kv_decode_bit_convert  # any alignment
-    head_major = fp8 and num_seqs <= _MAX_GRID_Y  # a sequence's KV heads as neighbours (the module doc)
+    head_major = fp8 and num_seqs <= MAX_GRID_Y  # a sequence's KV heads as neighbours (the module doc)
     launch = launch_config(fp8, factored)
     if not fp8:
         k_scale = v_scale = k_cache_layer  # unused by the kernel; any tensor with 3 strides
-    # the byte route's offsets: one for K and V (and their scales) where the strides agree, 32 bits where they fit
+    # the factored route's offsets: one for K and V (and their scales) where the strides agree, 32 bits where they fit
     shared_offsets = k_cache_layer.stride() == v_cache_layer.stride() and k_scale.stride() == v_scale.stride()
     wide_offsets = cache_offsets_wide(k_cache_layer, v_cache_layer, k_scale, v_scale)
     if block_n is None:
@@ -422,14 +398,14 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     grid = (num_kv_heads, num_seqs, splits) if head_major else (num_seqs, num_kv_heads, splits)
     _paged_decode_kernel[grid](
         q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, ctx, out, part_acc, part_ml,
-        float(softmax_scale) * _LOG2E, tokens_per_split,
+        float(softmax_scale) * LOG2E, tokens_per_split,
         q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
         v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
         v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, BIT_BYTES=bit_bytes,
-        SHARED_OFFSETS=shared_offsets, WIDE_OFFSETS=wide_offsets, HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, SHARED_OFFSETS=shared_offsets,
+        WIDE_OFFSETS=wide_offsets, HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,
         num_warps=launch.num_warps, num_stages=launch.num_stages, maxnreg=launch.max_registers or None,
         **COMPILE_OPTIONS)
     merge_splits(part_acc, part_ml, out, splits, block_d)

@@ -16,9 +16,8 @@ the same bits:
 Floating-point contraction is switched off at launch (``enable_fp_fusion=False``) so that no other
 multiply-add is fused behind our back; the one fma above is explicit.
 
-Under ``TRITON_INTERPRET=1`` (CPU tests): ``exp`` is NumPy's (libdevice does not exist there) and the
-interpreter's fp32 -> bf16 cast truncates, so values are first rounded to the bf16 grid in fp32 (exact,
-ties to even) and the cast that follows is exact.
+Under ``TRITON_INTERPRET=1`` (CPU tests): ``exp`` is NumPy's (libdevice does not exist there); the roundings are
+:func:`~jetrl.quant.kernels.quantize_triton.cast_rne`'s, nearest even under the interpreter too.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from jetrl.quant.kernels import tuning
-from jetrl.quant.kernels.quantize_triton import _block_scale, _cdiv, _quantize_e4m3, act_buffers
-from jetrl.quant.kernels.quantize_triton import round_to_bf16_grid as _round_to_bf16_grid
+from jetrl.quant.kernels.quantize_triton import _block_scale, _cdiv, _quantize_e4m3, act_buffers, cast_rne
 
 
 BLOCK_K = 128  # one 1x128 scale block per program along the columns
@@ -48,19 +46,11 @@ def _exp(x):
         return libdevice.exp(x)
 
 
-@triton.jit
-def _cast(x, dtype: tl.constexpr, IS_BF16: tl.constexpr):
-    """fp32 -> ``dtype`` rounding to nearest even, on the GPU and under the interpreter alike."""
-    if _INTERPRET and IS_BF16:
-        x = _round_to_bf16_grid(x)
-    return x.to(dtype)
-
-
 @triton.jit(do_not_specialize=["M", "SCALE_M"])
 def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, q_ptr, scale_ptr,
     M, K, stride_gm, stride_um, SCALE_M,
-    POW2: tl.constexpr, QUANTIZE: tl.constexpr, IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    POW2: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     LAUNCH_DEPS: tl.constexpr, WRITE_OUT: tl.constexpr,
 ):
     """One (BLOCK_M, 128) tile: ``out = rnd(rnd(silu(gate)) * up)`` and its 1x128 FP8 (data row-major
@@ -76,8 +66,8 @@ def _swiglu_fwd_kernel(
     rows = rm[:, None].to(tl.int64)
     gate = tl.load(gate_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    silu = _cast(tl.div_rn(gate, 1.0 + _exp(-gate)), out_ptr.dtype.element_ty, IS_BF16).to(tl.float32)
-    out = _cast(silu * up, out_ptr.dtype.element_ty, IS_BF16)
+    silu = cast_rne(tl.div_rn(gate, 1.0 + _exp(-gate)), out_ptr.dtype.element_ty).to(tl.float32)
+    out = cast_rne(silu * up, out_ptr.dtype.element_ty)
     if WRITE_OUT:
         tl.store(out_ptr + rows * K + rk[None, :], out, mask=mask)
     if QUANTIZE:
@@ -88,17 +78,17 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def _swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr):
+def _swiglu_grad_values(g, x, up, dt: tl.constexpr):
     """``(d gate, d up)`` from fp32 values of the incoming gradient ``g``, ``gate`` (``x``) and ``up``, as fp32 values
     on ``dt``'s grid: ``d up = rnd(g * rnd(silu(gate)))`` and ``d gate = silu'(gate) * rnd(g * up)`` rounded where
     autograd of the unfused code rounds (the module doc)."""
     e = 1.0 + _exp(-x)
-    silu = _cast(tl.div_rn(x, e), dt, IS_BF16).to(tl.float32)
-    d_up = _cast(g * silu, dt, IS_BF16).to(tl.float32)
-    d_silu = _cast(g * up, dt, IS_BF16).to(tl.float32)
+    silu = cast_rne(tl.div_rn(x, e), dt).to(tl.float32)
+    d_up = cast_rne(g * silu, dt).to(tl.float32)
+    d_silu = cast_rne(g * up, dt).to(tl.float32)
     s = tl.div_rn(tl.full(x.shape, 1.0, tl.float32), e)
     slope = tl.fma(x, 1.0 - s, 1.0)  # as nvcc contracts ATen's silu_backward
-    d_gate = _cast((d_silu * s) * slope, dt, IS_BF16).to(tl.float32)
+    d_gate = cast_rne((d_silu * s) * slope, dt).to(tl.float32)
     return d_gate, d_up
 
 
@@ -106,7 +96,7 @@ def _swiglu_grad_values(g, x, up, dt: tl.constexpr, IS_BF16: tl.constexpr):
 def _swiglu_bwd_kernel(
     grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
     M, K, stride_grm, stride_gm, stride_um, stride_dgm, stride_dum,
-    IS_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """One (BLOCK_M, 128) tile of ``d gate = silu'(gate) * rnd(g * up)`` and ``d up = rnd(g * rnd(silu(gate)))``."""
     pid_m = tl.program_id(0)
@@ -118,7 +108,7 @@ def _swiglu_bwd_kernel(
     g = tl.load(grad_ptr + rows * stride_grm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     x = tl.load(gate_ptr + rows * stride_gm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + rows * stride_um + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    d_gate, d_up = _swiglu_grad_values(g, x, up, dgate_ptr.dtype.element_ty, IS_BF16)
+    d_gate, d_up = _swiglu_grad_values(g, x, up, dgate_ptr.dtype.element_ty)
     # exact casts: the values are on the dtype's grid
     tl.store(dgate_ptr + rows * stride_dgm + rk[None, :], d_gate.to(dgate_ptr.dtype.element_ty), mask=mask)
     tl.store(dup_ptr + rows * stride_dum + rk[None, :], d_up.to(dup_ptr.dtype.element_ty), mask=mask)
@@ -152,7 +142,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
         _swiglu_fwd_kernel[grid](
             gate, up, dest, data if quantize else dest, scale_buf if quantize else dest,
             m, k, gate.stride(0), up.stride(0), scale_buf.shape[1] if quantize else m,
-            POW2=pow2_scale, QUANTIZE=quantize, IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m,
+            POW2=pow2_scale, QUANTIZE=quantize, BLOCK_M=block_m,
             LAUNCH_DEPS=tuning.early_dependents(gate.device), WRITE_OUT=write_out, num_warps=4,
             enable_fp_fusion=False,
         )
@@ -172,6 +162,6 @@ def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate:
         _swiglu_bwd_kernel[grid](
             grad, gate, up, d_gate, d_up,
             m, k, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
-            IS_BF16=gate.dtype == torch.bfloat16, BLOCK_M=block_m, num_warps=4,
+            BLOCK_M=block_m, num_warps=4,
             enable_fp_fusion=False,
         )

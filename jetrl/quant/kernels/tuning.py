@@ -65,6 +65,14 @@ DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (
 COMPILE_OPTIONS = MappingProxyType({"enable_fp_fusion": True})
 
 
+def _pow2(v: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class DecodeGemmConfig:
     """Tiles of the split-K decode GEMM.
@@ -86,10 +94,9 @@ class DecodeGemmConfig:
     tma: bool = False
 
     def __post_init__(self) -> None:
-        pow2 = lambda v: v > 0 and v & (v - 1) == 0  # noqa: E731
-        if not (pow2(self.block_n) and 16 <= self.block_n <= 256):
+        if not (_pow2(self.block_n) and 16 <= self.block_n <= 256):
             raise ValueError(f"DecodeGemmConfig.block_n must be a power of two in 16..256, got {self.block_n}")
-        if self.block_m and not (pow2(self.block_m) and 16 <= self.block_m <= DECODE_GEMM_MAX_M):
+        if self.block_m and not (_pow2(self.block_m) and 16 <= self.block_m <= DECODE_GEMM_MAX_M):
             raise ValueError(f"DecodeGemmConfig.block_m must be 0 or a power of two in 16..256, got {self.block_m}")
         if self.k_unroll not in (1, 2, 4):
             raise ValueError(f"DecodeGemmConfig.k_unroll must be 1, 2 or 4, got {self.k_unroll}")
@@ -173,14 +180,6 @@ DECODE_SHAPE_CONFIGS: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = Ma
 DECODE_MAX_M_BY_SHAPE: Mapping[tuple, int] = MappingProxyType({
     ("grouped", 6144, 4096): 256, (1536, 8960): 256, ("grouped", 2048, 1536): 256,
 })
-
-
-def _pow2(v: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -379,9 +378,7 @@ class ExactSchedule:
       (:meth:`exact_decode_config`). Its arithmetic is the exact kernel's: each split's K blocks walked in order from
       zero with ``acc += dot * (sa * sb)``, the partials summed in split order, one rounding; the swapped MMA operands
       multiply the same pairs in the same K order. Weights that share an input and a split (q/k/v, gate/up) run as
-      one grouped launch;
-    * ``exact_decode_attention_swapped`` (on): a decode step's exact attention runs on the swapped one-row kernel
-      of :mod:`~jetrl.quant.kernels.exact_attention_triton`, which computes the tile kernel's bits.
+      one grouped launch.
     """
 
     exact_split_k: int = knob(0, "exact mode's K split on every weight (0: the fixed heuristic, "
@@ -394,8 +391,6 @@ class ExactSchedule:
                                    "same bits; 0: never)", _INT0)
     exact_decode_max_m: int = knob(64, "up to this many rows, exact GEMMs run on the split-K decode kernel "
                                    "with exact mode's split (the same bits; 0: never)", _INT_TO_DECODE)
-    exact_decode_attention_swapped: bool = knob(True, "a decode step's exact attention on the swapped "
-                                                "one-row kernel (the same bits)", _BOOL)
 
     def _check(self) -> None:
         """Nothing spans this family's fields: each field's rule is all there is to check."""
@@ -461,10 +456,6 @@ class DecodeAttention:
     ``kv_decode_factored``: the paged decode kernel reads an FP8 KV cache as E4M3 tiles straight into its dots,
     the per-token scales on the dots' fp32 sides (:mod:`~jetrl.quant.kernels.paged_attention_triton`); off, each
     tile is dequantized in registers first (the route an fp16 query always takes). On by default.
-    ``kv_decode_bit_convert`` (the factored route only): the E4M3 tiles become bf16 (fp32) by integer bit operations
-    and one exact multiply by ``2^120`` instead of Triton's slow conversion; the same values, so the same attention
-    to summation order (:mod:`~jetrl.quant.kernels.paged_attention_triton`). On by default (faster on the H200,
-    docs/benchmark-history.md); off, Triton's conversion.
     That kernel's launch over an FP8 cache (either route; a cache in q's dtype keeps its fixed launch,
     ``BF16_LAUNCH``): ``kv_decode_block_n`` tokens per tile (0: the route's own, 128 factored, 64 in registers),
     ``kv_decode_num_warps`` and ``kv_decode_num_stages`` (1 by default: a second stage adds no overlap to this loop,
@@ -480,14 +471,11 @@ class DecodeAttention:
     ``kv_decode_stream_stages`` ring slots of 16-token tiles (``stages x warps`` slots of :data:`STREAM_SLOT_BYTES`
     within :data:`STREAM_RING_MAX_BYTES`), a context split aiming at ``kv_decode_stream_waves`` programs per SM
     (:func:`~jetrl.quant.kernels.paged_attention_gluon.num_splits`), at most ``kv_decode_stream_max_splits``, and
-    ``kv_decode_stream_max_registers`` (``maxnreg``; 128 lets 16 one-warp programs share an SM). The same attention
-    over the dequantized cache, to summation order.
+    ``kv_decode_stream_max_registers`` (``maxnreg``; 128 lets 16 one-warp programs share an SM).
     """
 
     kv_decode_factored: bool = knob(True, "FP8-cache decode attention reads E4M3 tiles into its dots, scales on "
                                     "the fp32 side (off: dequantized in registers)", _BOOL)
-    kv_decode_bit_convert: bool = knob(True, "the factored route converts E4M3 by bit operations (off: "
-                                       "Triton's conversion; the same values)", _BOOL)
     kv_decode_block_n: int = knob(0, "tokens per tile of the Triton FP8-cache kernel (0: the route's own, 128 "
                                   "factored, 64 in registers)", _TILE_OR_0)
     kv_decode_num_warps: int = knob(4, "its warps", _POW2_1_16)
