@@ -163,10 +163,6 @@ class PagedAttentionMetadata:
         """Every sequence has exactly one new token (decided from the host-side ``max_query_len``)."""
         return self.max_query_len == 1
 
-    @property
-    def num_seqs(self) -> int:
-        return self.block_tables.shape[0]
-
 
 @dataclass
 class PagedKVCache:
@@ -498,11 +494,11 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     shape), with an online softmax in fp32: per chunk, scores ``sum_d(q * k) * scale`` (masked ones
     ``-inf``), ``m' = max(m, max(s))``, probabilities ``p = exp(s - m')`` rounded to q's dtype, ``l = l * exp(m -
     m') + sum(p)``, ``acc = acc * exp(m - m') + sum(p * v)``; the output is ``acc / l`` in q's dtype. (The kernel
-    computes both sums as MMAs, so that its decode schedule, with the MMA's operands swapped, gets the same bits.) A masked position contributes exact zeros
-    and a chunk past a row's last key leaves its state unchanged (``exp(0) = 1``), so the result depends on the
-    row's own keys only: not on the batch, the other rows, the table width or the block size. Each sum reduces the
-    innermost, contiguous dimension (on the CPU such a reduction computes every output on its own, whatever the
-    number of rows or threads). No host syncs.
+    computes both sums as MMAs, so that its decode schedule, with the MMA's operands swapped, gets the same bits.)
+    A masked position contributes exact zeros and a chunk past a row's last key leaves its state unchanged
+    (``exp(0) = 1``), so the result depends on the row's own keys only: not on the batch, the other rows, the table
+    width or the block size. Each sum reduces the innermost, contiguous dimension (on the CPU such a reduction
+    computes every output on its own, whatever the number of rows or threads). No host syncs.
     An FP8 cache (``k_scale``/``v_scale`` given): each chunk's keys and values are dequantized to ``q``'s dtype
     first (:func:`dequantize_kv`), so the result is bitwise this function over the dequantized cache.
     """
@@ -630,6 +626,7 @@ def exact_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 __all__ = [
     "quantize_kv", "dequantize_kv", "fake_quantize_kv", "PagedAttentionMetadata", "PagedKVCache", "write_kv",
-    "paged_attention_reference", "paged_attention", "varlen_attention", "varlen_attention_on_device", "flash_varlen_supported", "sdpa_backends", "SDPA_BACKENDS", "exact_attention",
+    "paged_attention_reference", "paged_attention", "varlen_attention", "varlen_attention_on_device",
+    "flash_varlen_supported", "sdpa_backends", "SDPA_BACKENDS", "exact_attention",
     "exact_attention_reference", "exact_varlen_attention", "packed_as_paged", "plan_exact_attention",
 ]

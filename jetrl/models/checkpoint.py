@@ -34,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from jetrl.models.config import DecoderConfig
-from jetrl.models.gguf import convert_gguf, gguf_folder, is_gguf
+from jetrl.models.gguf import check_destination, convert_gguf, gguf_folder, is_gguf
 from jetrl.models.transformer import DecoderLM, build_model
 from jetrl.quant import WEIGHT, FP8Linear, apply_recipe, get_backend, get_recipe
 from jetrl.quant.reference import dequantize
@@ -114,15 +114,6 @@ class _open:
             raise ValueError(f"cannot read tensor {name!r} from {self.path}: {type(e).__name__}: {e}") from None
 
 
-def _dequantize_block_fp8(data: torch.Tensor, scale_inv: torch.Tensor, name: str) -> torch.Tensor:
-    if data.dim() != 2:
-        raise ValueError(f"FP8 tensor {name!r} must be 2-D, got shape {tuple(data.shape)}")
-    try:
-        return dequantize(data, scale_inv.float(), WEIGHT)
-    except ValueError as e:
-        raise ValueError(f"FP8 tensor {name!r}: {e}") from None
-
-
 def load_weights(model: DecoderLM, folder: str) -> None:
     """Fill every parameter of ``model`` from the safetensors checkpoint in ``folder`` (in place)."""
     weight_map = _weight_map(folder)
@@ -151,7 +142,10 @@ def load_weights(model: DecoderLM, folder: str) -> None:
                 scale_name = name + SCALE_SUFFIX
                 if scale_name not in weight_map:
                     raise ValueError(f"FP8 tensor {name!r} has no {scale_name!r} in the checkpoint")
-                tensor = _dequantize_block_fp8(tensor, read(scale_name), name)
+                try:
+                    tensor = dequantize(tensor, read(scale_name).float(), WEIGHT)
+                except ValueError as e:  # not 2-D, or scales of another shape
+                    raise ValueError(f"FP8 tensor {name!r}: {e}") from None
             param = params[name]
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"shape mismatch for {name!r}: checkpoint has {tuple(tensor.shape)}, the model "
@@ -211,18 +205,16 @@ def check_eos(tokenizer: Any, where: str, model_folder: str | os.PathLike | None
                      f"tokenizer_config.json (or \"eos_token_id\" in config.json)")
 
 
-def _config_eos(folder: str | os.PathLike | None) -> list[int]:
-    """The ``eos_token_id`` (one or several) in ``folder``/config.json; none when it is absent or unreadable."""
+def _config_eos(folder: str | os.PathLike | None) -> bool:
+    """Whether ``folder``/config.json names an ``eos_token_id`` (one or several); False when it is unreadable."""
     if folder is None or not os.path.isdir(folder):
-        return []
+        return False
     try:
         with open(os.path.join(folder, "config.json")) as f:
             eos = json.load(f).get("eos_token_id")
     except (OSError, json.JSONDecodeError):
-        return []
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [eos]
+        return False
+    return eos not in (None, [])
 
 
 def check_tokenizer(tokenizer: Any, config: DecoderConfig, where: str) -> None:
@@ -329,7 +321,6 @@ def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,
 
     hf = model.config.to_hf()
     hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
-    hf.pop("quantization_config", None)
     if fp8:
         exported = set(_fp8_linears_to_export(model))
         kept = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in exported
@@ -374,11 +365,7 @@ def export_model(source: str | os.PathLike, output: str | os.PathLike, fp8: bool
                                 f".gguf file")
     if os.path.abspath(source) == os.path.abspath(output):
         raise ValueError("the export folder must differ from the source checkpoint")
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise FileExistsError(f"the export destination {output} is a file; give a folder")
-    if os.path.isdir(output) and os.listdir(output) and not overwrite:
-        raise FileExistsError(f"the export destination {output} is not empty; choose a new folder, or pass "
-                              f"--overwrite to replace its weights and config.json")
+    check_destination(output, overwrite)
     model = load_model(source, dtype=torch.bfloat16, device="cpu", recipe="bf16")
     if fp8:
         unaligned = fp8_unaligned_layers(model)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 FAMILIES = {
@@ -195,21 +195,15 @@ class DecoderConfig:
 
         rope_theta, rope_scaling = _read_rope(hf)
         attention_bias = bool(hf.get("attention_bias", False))
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-        else:
-            qkv_bias = o_bias = attention_bias
+        qkv_bias, o_bias = (True, False) if model_type == "qwen2" else (attention_bias, attention_bias)
         kwargs = {k: hf[k] for k in known if k in hf and k != "torch_dtype"}
         kwargs["torch_dtype"] = hf.get("torch_dtype", hf.get("dtype"))
-        if kwargs.get("head_dim") is None:
-            kwargs.pop("head_dim", None)
         if kwargs.get("num_key_value_heads") is None:
             kwargs["num_key_value_heads"] = hf["num_attention_heads"]
         if model_type != "llama":
             kwargs.pop("mlp_bias", None)
-        extra = {k: v for k, v in hf.items() if k not in known and not k.startswith("_")
-                 and (k in NEUTRAL_HF_FIELDS or is_inert_hf_field(k))
-                 and k not in _NOT_WRITTEN_BACK}
+        extra = {k: v for k, v in hf.items() if k not in known and k not in _NOT_WRITTEN_BACK and not k.startswith("_")
+                 and (k in NEUTRAL_HF_FIELDS or is_inert_hf_field(k))}
         return cls(model_type=model_type, rope_theta=rope_theta, rope_scaling=rope_scaling, qkv_bias=qkv_bias,
                    o_proj_bias=o_bias, qk_norm=model_type == "qwen3", extra=extra, **kwargs)
 
@@ -256,23 +250,13 @@ class DecoderConfig:
             hf["torch_dtype"] = self.torch_dtype
         return hf
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def _read_rope(hf: dict[str, Any]) -> tuple[float, dict | None]:
-    """RoPE base and scaling from either the legacy keys or transformers 5's ``rope_parameters``."""
-    params = hf.get("rope_parameters")
-    if params:
-        params = dict(params)
-        theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        kind = params.get("rope_type", params.get("type", "default"))
-        return theta, (None if kind == "default" else params)
-    scaling = hf.get("rope_scaling")
-    theta = float(hf.get("rope_theta", 10000.0))
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return theta, (dict(scaling) if scaling else None)
+    """RoPE base and scaling (checked by :func:`_check_rope_scaling`) from either the legacy keys or
+    transformers 5's ``rope_parameters``."""
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    return theta, params if hf.get("rope_parameters") else hf.get("rope_scaling")
 
 
 def _check_rope_scaling(scaling: dict | None) -> dict | None:
@@ -292,8 +276,7 @@ def _check_rope_scaling(scaling: dict | None) -> dict | None:
     missing = [k for k in need if k not in scaling]
     if missing:
         raise ValueError(f"rope_scaling of type {kind!r} lacks {missing}")
-    allowed = set(need) | {"rope_type"}
-    unknown = sorted(set(scaling) - allowed)
+    unknown = sorted(set(scaling) - set(need) - {"rope_type"})
     if unknown:
         raise ValueError(f"unsupported rope_scaling fields {unknown} for type {kind!r}")
     return scaling

@@ -2,20 +2,10 @@
 
 The rollout's decode steps (:mod:`jetrl.rollout.model_runner`) and the update's micro-batches
 (:mod:`jetrl.rl.update_graphs`) both capture their model's kernels once per shape and replay them. Both rely on
-the same things staying put, and capture the same way:
-
-* :func:`storage_key`: what a replay reads and writes that can move under it: the kernel tuning in force (a graph
-  replays the kernels chosen when it was captured), every parameter's storage (and its gradient's, for graphs
-  that run the backward), and every FP8 weight cache the linears hold, each brought to the current weight version
-  in place first (so graphs survive optimizer steps; a recipe swap, which replaces the modules, does not). Graphs
-  stay valid while the key compares equal.
-* :func:`capture`: ``run`` captured on a side stream into a shared memory pool, optionally after one eager warm-up
-  run there (autotuning, lazily made caches and kernels); in thread-local error mode, so that another thread's
-  CUDA calls cannot invalidate it, and without the synchronize, garbage collection and cache release that
-  ``torch.cuda.graph`` does per capture (a capture then issues kernels without waiting for the GPU). A capture
-  that fails raises :class:`CaptureFailed` and leaves the device able to capture again, into another pool (torch
-  keeps the failed capture's pool marked as recording, so no later capture can begin in it); its caller falls back
-  to running eagerly and says so once (:func:`warn_eager`), and captures later only into a fresh pool.
+the same things staying put (:func:`storage_key`: graphs stay valid while it compares equal, across optimizer
+steps but not a recipe swap, which replaces the modules), and capture the same way (:func:`capture`). A capture
+that fails raises :class:`CaptureFailed` and leaves the device able to capture again, into another pool; its
+caller falls back to running eagerly and says so once (:func:`warn_eager`).
 """
 
 from __future__ import annotations
@@ -36,9 +26,11 @@ class CaptureFailed(RuntimeError):
 
 
 def storage_key(model: torch.nn.Module, *, grads: bool, transposes: bool) -> tuple:
-    """What graphs of ``model``'s work depend on (see the module doc); compare keys with ``==``. ``grads``: the
-    gradient buffers too (graphs that accumulate into them); ``transposes``: the FP8 linears' W^T copies too (a
-    forward reads W alone). FP8 caches are those of the precision side in force."""
+    """What a replay of ``model``'s work reads and writes that can move under it; compare keys with ``==``: the kernel
+    tuning in force (a graph replays the kernels chosen at capture), every parameter's storage, and every FP8
+    weight cache of the precision side in force, each brought to the current weight version in place first.
+    ``grads``: the gradient buffers too (graphs that accumulate into them); ``transposes``: the FP8 linears' W^T
+    copies too (a forward reads W alone)."""
     from jetrl.quant.kernels import tuning
 
     ptrs: list = [tuning.current()]
@@ -57,8 +49,10 @@ def storage_key(model: torch.nn.Module, *, grads: bool, transposes: bool) -> tup
 def capture(run: Callable[[], T], *, stream: torch.cuda.Stream, pool, warmup: bool = False
             ) -> tuple[torch.cuda.CUDAGraph, T]:
     """A graph of ``run()`` captured on ``stream`` into ``pool``, and the outputs ``run`` returned while captured
-    (the tensors a replay writes). ``warmup``: run it eagerly on ``stream`` first. The current stream waits for
-    ``stream`` afterwards. Raises :class:`CaptureFailed` when the capture fails."""
+    (the tensors a replay writes). ``warmup``: run it eagerly on ``stream`` first (autotuning, lazily made caches and
+    kernels). The capture runs in thread-local error mode, so that another thread's CUDA calls cannot invalidate it,
+    and without the synchronize, garbage collection and cache release ``torch.cuda.graph`` does per capture. The
+    current stream waits for ``stream`` afterwards. Raises :class:`CaptureFailed` when the capture fails."""
     main = torch.cuda.current_stream(stream.device)
     stream.wait_stream(main)
     graph = torch.cuda.CUDAGraph()

@@ -66,6 +66,14 @@ def _reader(path: str):
         raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
+def check_destination(output: str, overwrite: bool) -> None:
+    """An export's ``output`` must be a new or empty folder, or ``overwrite`` given; nothing is deleted here."""
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise FileExistsError(f"the export destination {output} is a file; give a folder")
+    if os.path.isdir(output) and os.listdir(output) and not overwrite:
+        raise FileExistsError(f"the export destination {output} is not empty; choose a new folder, or pass --overwrite")
+
+
 def _inspect(path: str):
     """The HuggingFace model_type of the GGUF file at ``path`` and its reader, whose header the caller may read
     further (parsing it reads the whole vocabulary: seconds for a 49K-token tokenizer, so once per conversion).
@@ -147,10 +155,7 @@ def convert_gguf(path: str | os.PathLike, output: str | os.PathLike, overwrite: 
     error, not a silently different model."""
     path, output = os.fspath(path), os.fspath(output)
     model_type, reader = _inspect(path)
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise FileExistsError(f"the destination {output} is a file; give a folder")
-    if os.path.isdir(output) and os.listdir(output) and not overwrite:
-        raise FileExistsError(f"the destination {output} is not empty; choose a new folder, or pass --overwrite")
+    check_destination(output, overwrite)
     hf, tokenizer, tensors = _hf_parts(path, reader)
     config = DecoderConfig.from_hf(hf, source=path)
     if config.model_type != model_type:
@@ -194,21 +199,17 @@ def _umask() -> int:
     return mask
 
 
-def cache_root() -> Path:
-    """Where GGUF files given as ``model.path`` are converted to: ``$JETRL_CACHE/gguf`` (default
-    ``~/.cache/jetrl/gguf``)."""
-    return Path(os.environ.get("JETRL_CACHE") or Path.home() / ".cache" / "jetrl") / "gguf"
-
-
 def gguf_folder(path: str | os.PathLike) -> str:
-    """The HuggingFace folder converted from the GGUF file ``path``, converted now if the cache lacks it.
-    The cache key is the file's absolute path, size and modification time: a replaced file converts anew."""
+    """The HuggingFace folder converted from the GGUF file ``path``, converted now if the cache lacks it: under
+    ``$JETRL_CACHE/gguf`` (default ``~/.cache/jetrl/gguf``), keyed by the file's absolute path, size and
+    modification time (a replaced file converts anew)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     stat = os.stat(path)
     key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / f"{Path(path).stem}-{key}"
+    cache = Path(os.environ.get("JETRL_CACHE") or Path.home() / ".cache" / "jetrl") / "gguf"
+    folder = cache / f"{Path(path).stem}-{key}"
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return str(folder)
     print(f"jetrl: converting {path} to a HuggingFace folder at {folder} (once; jetrl export writes one "
@@ -216,4 +217,4 @@ def gguf_folder(path: str | os.PathLike) -> str:
     return convert_gguf(path, folder, overwrite=True)
 
 
-__all__ = ["ARCHITECTURES", "DEQUANTIZED_TYPES", "cache_root", "convert_gguf", "gguf_folder", "is_gguf"]
+__all__ = ["ARCHITECTURES", "DEQUANTIZED_TYPES", "check_destination", "convert_gguf", "gguf_folder", "is_gguf"]

@@ -274,13 +274,12 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     if check_targets and chosen == "triton" and targets.numel() and int(targets.max()) >= weight.shape[0]:
         # the kernels would read past a row (a host sync: ``check_targets=False`` from a caller that checked)
         raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")
+    keep = False  # without autograd nothing is kept
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         budget = keep_logits_bytes if keep_logits_bytes is not None else (
             KEEP_LOGITS_BYTES if chosen == "triton" else 0)
         keep = hidden.shape[0] * weight.shape[0] * hidden.element_size() <= budget
-        return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen, keep, exact)
-    with torch.no_grad():
-        return _LMHeadLogprobs.forward(_NoCtx(), hidden, weight, targets, temperature, size, chosen, False, exact)
+    return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen, keep, exact)
 
 
 def _chunked(chunk_fn, model, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, size: int, *args):
@@ -302,13 +301,6 @@ def _chunked(chunk_fn, model, hidden: torch.Tensor, targets: torch.Tensor, tempe
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty.clone()
     return torch.cat(lps), torch.cat(ents)
-
-
-class _NoCtx:
-    """Stands in for autograd's context when the function runs without autograd (nothing is saved)."""
-
-    def save_for_backward(self, *tensors) -> None:
-        pass
 
 
 def token_logprobs(model, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl.quant.backend import choose_impl
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from jetrl.quant.backend import KERNEL_DTYPES, choose_impl
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -36,7 +34,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                            ("cos", cos, "2-D (N, head_dim)"), ("sin", sin, "2-D (N, head_dim)")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"apply_rope_qk: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
+        if t.dtype not in KERNEL_DTYPES:
             raise TypeError(f"apply_rope_qk: {name} must be bfloat16, float16 or float32, got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"apply_rope_qk: {name} is on {t.device} but q is on {q.device}")

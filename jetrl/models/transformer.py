@@ -15,16 +15,10 @@ Module tree (names are the HF state-dict keys, so loading is a loop over the che
 Every block linear is a plain ``nn.Linear``: :func:`jetrl.quant.apply_recipe` swaps them for
 ``FP8Linear`` in place, so the FP8 rollout and the FP8 training run this very module graph.
 
-All entry points flatten tokens to rows (N, hidden) and differ only in how attention reads K/V:
-
-* ``model(input_ids)`` (B, T): the plain causal batch, logits (B, T, vocab) in the LM head's dtype.
-* ``forward_packed(input_ids, positions, cu_seqlens, max_seqlen)``: packed sequences of different
-  lengths, block-diagonal causal attention, returns the final hidden states (N, hidden); pair it with
-  :func:`jetrl.models.token_logprobs` for chunked fp32 log-probabilities. ``kv_fp8=True`` makes attention
-  read K and V as an FP8 KV cache would hold them (the training side of the FP8 cache).
-* ``forward_paged(input_ids, positions, meta, kv_cache, logits_indices)``: one rollout step over a
-  paged KV cache (see :mod:`jetrl.models.attention`; BF16 or FP8, as the cache holds); returns the logits of
-  the selected rows in the LM head's dtype (the sampler reads them as their fp32 values).
+All entry points flatten tokens to rows (N, hidden) and differ only in how attention reads K/V: ``model(input_ids)``
+(a plain (B, T) causal batch), :meth:`DecoderLM.forward_packed` (packed sequences of different lengths, returning
+hidden states for :func:`jetrl.models.token_logprobs`) and :meth:`DecoderLM.forward_paged` (one rollout step over a
+paged KV cache, :mod:`jetrl.models.attention`).
 """
 
 from __future__ import annotations
@@ -275,10 +269,6 @@ class DecoderLM(nn.Module):
         return self
 
     @property
-    def activation_checkpointing(self) -> bool:
-        return self.model.activation_checkpointing
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
@@ -294,10 +284,10 @@ class DecoderLM(nn.Module):
                              f"forward_packed for packed rows")
         _check_ids(input_ids, self.config.vocab_size)
         batch, seq_len = input_ids.shape
-        positions = torch.arange(seq_len, device=input_ids.device).repeat(batch)
-        cu = list(range(0, batch * seq_len + 1, seq_len)) if seq_len else [0]
         if batch * seq_len == 0:
             return self.lm_head.weight.new_zeros(batch, seq_len, self.config.vocab_size)
+        positions = torch.arange(seq_len, device=input_ids.device).repeat(batch)
+        cu = list(range(0, batch * seq_len + 1, seq_len))
         hidden = self.model(input_ids.reshape(-1), positions, _packed_attend(cu))
         return self.lm_head(hidden).view(batch, seq_len, -1)
 
@@ -306,20 +296,15 @@ class DecoderLM(nn.Module):
                        check_ids: bool = True) -> torch.Tensor:
         """Packed sequences: ids and positions (N,), ``cu_seqlens`` (S+1,) -> final hidden states (N, hidden).
 
-        Attention is block-diagonal causal (a row sees its own sequence's earlier rows only). Positions
-        are given explicitly so a packed row can continue a prompt at any offset. ``cu_seqlens`` is read
-        on the host once per call; ``max_seqlen`` is accepted for interface compatibility and checked.
-        ``exact``: exact on-policy mode (:mod:`jetrl.quant.exact`): batch-invariant linears and exact mode's
-        attention, so each row's hidden state is bitwise what :meth:`forward_paged` with ``exact`` computes.
-        ``kv_fp8``: K (after RoPE) and V pass through :func:`~jetrl.models.attention.fake_quantize_kv` before
-        attention, in the SDPA and the exact path alike: the values an FP8 KV cache gives the rollout's attention
-        (with ``exact``, over an FP8 cache, bitwise the same hidden states); the gradient goes straight through
-        to the BF16 K and V. ``check_ids``: check on the device that the ids are inside the vocabulary (a host sync);
-        a caller that checked them on the host passes False. ``cu_seqlens`` as a host list costs no sync.
+        Attention is block-diagonal causal; positions are explicit, so a packed row can continue a prompt at any
+        offset. ``cu_seqlens`` is read on the host once per call (a host list costs no sync); ``max_seqlen``, when
+        given, is checked against it. ``exact``: exact on-policy mode (:mod:`jetrl.quant.exact`), each row's hidden
+        state bitwise what :meth:`forward_paged` with ``exact`` computes. ``kv_fp8``: attention reads K (after RoPE)
+        and V as an FP8 KV cache holds them (:func:`~jetrl.models.attention.fake_quantize_kv`, the gradient straight
+        through; with ``exact``, bitwise the hidden states over an FP8 cache). ``check_ids``: check on the device that
+        the ids are inside the vocabulary (a host sync); a caller that checked them on the host passes False.
         """
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(f"forward_packed expects input_ids and positions of shape (N,), got "
-                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        _check_packed("forward_packed", input_ids, positions)
         if check_ids:
             _check_ids(input_ids, self.config.vocab_size)
         cu = [int(c) for c in cu_seqlens.tolist()] if torch.is_tensor(cu_seqlens) else [int(c) for c in cu_seqlens]
@@ -328,37 +313,28 @@ class DecoderLM(nn.Module):
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if max_seqlen is not None and longest > max_seqlen:
             raise ValueError(f"a packed sequence has {longest} tokens, more than max_seqlen={max_seqlen}")
-        return self.model(input_ids, positions, _packed_attend(cu, exact, kv_fp8), exact)
+        return self.model(input_ids, positions, _kv_fp8_attend(_packed_attend(cu, exact), kv_fp8), exact)
 
     def forward_packed_on_device(self, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                                  max_seqlen: int, *, kv_fp8: bool = False) -> torch.Tensor:
-        """:meth:`forward_packed` (fast mode) with nothing read on the host, so that a CUDA graph can capture it:
-        ``cu_seqlens`` (S+1,) int32 already on the device (zero-length sequences allowed) and ``max_seqlen`` an
-        upper bound of the sequence lengths. Attention runs the flash path only
-        (:func:`~jetrl.models.attention.varlen_attention_on_device`); ids are not checked."""
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(f"forward_packed_on_device expects input_ids and positions of shape (N,), got "
-                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        """:meth:`forward_packed` (fast mode) reading nothing on the host, so that a CUDA graph can capture it:
+        ``cu_seqlens`` (S+1,) int32 on the device (zero-length sequences allowed), ``max_seqlen`` an upper bound of
+        the lengths; the flash path only (:func:`~jetrl.models.attention.varlen_attention_on_device`), ids unchecked."""
+        _check_packed("forward_packed_on_device", input_ids, positions)
 
         def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
-            if kv_fp8:
-                k, v = fake_quantize_kv(k), fake_quantize_kv(v)
             return varlen_attention_on_device(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
-        return self.model(input_ids, positions, attend)
+        return self.model(input_ids, positions, _kv_fp8_attend(attend, kv_fp8))
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata,
                       kv_cache: PagedKVCache, logits_indices: torch.Tensor | None = None, *,
                       exact: bool = False) -> torch.Tensor:
         """One rollout step over a paged KV cache -> logits (L, vocab) of the rows in ``logits_indices``, in the LM
-        head's dtype: the sampler reads them as their fp32 values, the numbers :meth:`compute_logits` widens, without
-        a (L, vocab) fp32 copy per step.
+        head's dtype (the sampler reads them as their fp32 values, without a (L, vocab) fp32 copy per step).
 
-        Writes K/V of the N new tokens at ``meta.slot_mapping``, then attends through
-        :func:`jetrl.models.attention.paged_attention`. Only tensor ops on the given tensors run inside
-        (no host syncs, no data-dependent shapes), so a decode step can be captured in a CUDA graph.
-        ``exact``: exact mode's batch-invariant linears, attention (:func:`~jetrl.models.attention.exact_attention`)
-        and LM head. An FP8 cache (``kv_cache.is_fp8``) is written quantized and read dequantized by both
-        attentions (see :mod:`jetrl.models.attention`).
+        Writes K/V of the N new tokens at ``meta.slot_mapping`` (quantized in an FP8 cache), then attends through
+        :func:`~jetrl.models.attention.paged_attention` (``exact``: :func:`~jetrl.models.attention.exact_attention`,
+        with exact mode's linears and LM head). No host syncs, no data-dependent shapes: a CUDA graph can capture it.
         """
         if kv_cache.num_layers != self.config.num_hidden_layers:
             raise ValueError(f"kv_cache has {kv_cache.num_layers} layers, the model {self.config.num_hidden_layers}")
@@ -383,14 +359,25 @@ class DecoderLM(nn.Module):
         return call_linear(self.lm_head, hidden, exact=exact).float()
 
 
-def _packed_attend(cu_seqlens: list[int], exact: bool = False, kv_fp8: bool = False) -> Attend:
+def _check_packed(what: str, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ValueError(f"{what} expects input_ids and positions of shape (N,), got {tuple(input_ids.shape)} and "
+                         f"{tuple(positions.shape)}")
+
+
+def _kv_fp8_attend(attend: Attend, kv_fp8: bool) -> Attend:
+    """``attend``, with ``kv_fp8`` over K and V as an FP8 KV cache holds them (straight-through gradient)."""
+    if not kv_fp8:
+        return attend
+    return lambda layer_idx, q, k, v, scale: attend(layer_idx, q, fake_quantize_kv(k), fake_quantize_kv(v), scale)
+
+
+def _packed_attend(cu_seqlens: list[int], exact: bool = False) -> Attend:
     metas: dict = {}  # exact mode: the packing as paged metadata, made by the first layer, read by all (and
     # by the recomputation of checkpointed blocks): its host-to-device copies once per forward, not per layer
     offsets: dict = {}  # the same for the flash path's device offsets
 
     def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
-        if kv_fp8:  # the values an FP8 KV cache holds, straight-through gradient
-            k, v = fake_quantize_kv(k), fake_quantize_kv(v)
         if exact:
             if q.device not in metas and q.shape[0]:
                 metas[q.device] = plan_exact_attention(packed_as_paged(cu_seqlens, q.device), q, q.shape[1],

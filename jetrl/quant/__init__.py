@@ -8,8 +8,8 @@ Imports nothing else from jetrl. The layout: the specification (:mod:`~jetrl.qua
 their tuning live one folder down, in :mod:`jetrl.quant.kernels`, imported only through the seam.
 """
 
-from jetrl.quant.backend import dequantize, fused_impl, gemm, get_backend, quantize, set_backend, use_backend
-from jetrl.quant.formats import ACT, E4M3, TOKEN, WEIGHT, Fp8Tensor
+from jetrl.quant.backend import fused_impl, gemm, get_backend, quantize, set_backend, use_backend
+from jetrl.quant.formats import ACT, E4M3, TOKEN, WEIGHT, Fp8Tensor, dequantize
 from jetrl.quant.linear import FP8Linear, call_linear, fp8_input_scaling, grouped_linear, linears_shared_input
 from jetrl.quant.recipe import (PrecisionRecipe, apply_recipe, fp8_linears, fp8_weight_bytes, get_recipe,
                                 refresh_fp8_weights)

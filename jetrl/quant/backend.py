@@ -17,7 +17,7 @@ order: :func:`use_backend` / :func:`set_backend`, the ``JETRL_FP8_BACKEND`` envi
 custom kernel off at once. :func:`fused_impl` forces one implementation for a block of code; the tests run a whole
 model through the interpreted kernels on CPU with ``fused_impl("triton")`` under ``TRITON_INTERPRET=1``.
 
-**Public FP8 operations**: :func:`quantize`, :func:`dequantize` and :func:`gemm` dispatch through the backend.
+**Public FP8 operations**: :func:`quantize` and :func:`gemm` dispatch through the backend.
 """
 
 from __future__ import annotations
@@ -56,60 +56,49 @@ class Fp8Backend(Protocol):
                  whole_blocks: bool = False) -> Fp8Tensor:
         """``x`` per ``block``. ``whole_blocks``: that of ``x`` with zero rows up to a multiple of ``block[0]``
         (:func:`jetrl.quant.reference.pad_to_whole_blocks`: WGrad's operands)."""
-        ...
 
     def requantize(self, t: Fp8Tensor, block: Block, pow2_scale: bool = False, *,
                    whole_blocks: bool = False) -> Fp8Tensor:
         """``t`` re-quantized per ``block`` (``whole_blocks`` as in :meth:`quantize`)."""
-        ...
 
     def gemm(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor: ...
 
     def quantize_weight_pair(self, w: torch.Tensor, pow2_scale: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
         """W per 128x128 tile and W^T's quantized form with row-major data (the values of the first's ``t()``)."""
-        ...
 
     def transpose_weight(self, q: Fp8Tensor) -> Fp8Tensor:
         """W^T's quantized form with row-major data from W's (``q``: 128x128 tiles, row-major data): the bytes and
         scales of :meth:`quantize_weight_pair`'s second result, without reading the weight again (DGrad's
         operand when the linear keeps no W^T of its own, ``tuning.cache_weight_t``)."""
-        ...
 
     def quantize_act_and_token(self, x: torch.Tensor, pow2_scale: bool = False, *,
                                whole_blocks: bool = False) -> tuple[Fp8Tensor, Fp8Tensor]:
         """x per 1x128 and per 128x1 (grad_out for DGrad and WGrad; ``whole_blocks`` for the 128x1 one, as in
         :meth:`quantize`)."""
-        ...
 
     def grouped_gemm(self, a: Fp8Tensor, weights: list[Fp8Tensor], biases: list[torch.Tensor | None],
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
         """``cat([a @ w.T (+ bias)], dim=1)`` for weights sharing the input ``a``, or ``None`` where the backend
         does not group these operands (the caller then runs the layers one by one)."""
-        ...
 
     def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """``y + bias.to(y.dtype)`` for a GEMM output ``y`` (M, N) and ``bias`` (N,): the bias added to every row,
         each sum rounded once to y's dtype. May write into ``y`` (a fresh GEMM output nobody else holds)."""
-        ...
 
     def prepare_gemms(self, token_counts: list[int], device: torch.device, weights: Sequence[GemmWeight]) -> float:
         """Compile ahead what GEMMs of these weights need at these token counts (kernels compiled at first use,
         such as DeepGEMM's); the seconds taken, 0 where nothing is compiled ahead."""
-        ...
 
     def gemm_exact(self, a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """:meth:`gemm` computing each row of ``a`` identically whatever M is (exact mode, :mod:`jetrl.quant.exact`)."""
-        ...
 
     def grouped_gemm_exact(self, a: Fp8Tensor, weights: list[Fp8Tensor],
                            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
         """``cat([gemm_exact(a, w)], dim=1)``, the same bits, in fewer launches; or ``None`` where the backend does not
         group these operands (the caller then runs the layers one by one)."""
-        ...
 
     def matmul_exact(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Batch-invariant ``x @ w.T`` in x's dtype, x (M, K) and w (N, K) 16/32-bit floats (exact mode)."""
-        ...
 
 
 class ReferenceBackend:
@@ -327,11 +316,6 @@ def quantize(x: torch.Tensor, block: Block = ACT, pow2_scale: bool = False) -> t
     reference._check_input(x)
     t = get_backend(x.device).quantize(x, check_block(block), pow2_scale)
     return t.data, t.scale
-
-
-def dequantize(data: torch.Tensor, scale: torch.Tensor, block: Block) -> torch.Tensor:
-    """fp32 ``data * scale`` with each scale broadcast over its block."""
-    return reference.dequantize(data, scale, block)
 
 
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

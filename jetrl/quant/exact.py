@@ -15,16 +15,10 @@ whatever the other rows are.
   ``gemm_exact``. The reference backend pads the rows to whole chunks of :data:`EXACT_ROW_CHUNK` and runs one
   fixed-shape ``(EXACT_ROW_CHUNK, K) @ (K, N)`` product per chunk: one shape, so one algorithm, and a row's
   result does not depend on its position in the chunk or on the other rows (the tests check both). The CUDA
-  backend runs Triton GEMMs (:mod:`jetrl.quant.kernels.gemm_exact_triton`) with one K split per weight shape:
-  K is cut into S contiguous ranges (S from the weight's (N, K), never from M, so that decode's few rows can fill
-  the GPU, :meth:`~jetrl.quant.kernels.tuning.KernelTuning.exact_split`), each range summed in order from zero,
-  the S partials added in the fixed order 0..S-1 without atomics. What must not vary with M is the arithmetic
-  (the K blocks, S, the order of every sum); how the work is spread over programs, tiles and kernels may, and
-  does (the splits as separate programs for decode, one program walking them for training, larger tiles from
-  ``exact_wide_min_m`` rows on; up to ``exact_decode_max_m`` rows the fast path's split-K decode kernel run at
-  this split, q/k/v and gate/up as one launch each; an unsplit weight on cuBLAS from ``exact_cublas_min_m``
-  rows on), since every schedule adds the same fp32 partials in the same order (the GPU tests check each one
-  bitwise against the exact kernel).
+  backend runs Triton GEMMs (:mod:`jetrl.quant.kernels.gemm_exact_triton`) whose arithmetic (the K blocks, one K
+  split per weight shape, the order of every sum) never depends on M; only how the work is spread over programs,
+  tiles and kernels may, since every schedule adds the same fp32 partials in the same order (the GPU tests check
+  each one bitwise against the exact kernel).
 * **Attention** (:func:`jetrl.models.attention.exact_attention`): one function for prefill, paged decode and
   the packed training forward, walking each sequence's keys in fixed chunks of :data:`EXACT_KV_CHUNK` positions
   from position 0 with an online softmax (see its reference for the order).
@@ -90,9 +84,7 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"exact_linear: x has {x.shape[-1]} features, the weight {tuple(weight.shape)}")
-    lead = x.shape[:-1]
-    y = _ExactLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
-    return y.reshape(*lead, weight.shape[0])
+    return _ExactLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def exact_fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

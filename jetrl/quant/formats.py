@@ -78,11 +78,6 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: Block) -> torch.T
     return data.float() * expand_scale(scale.float(), block, tuple(data.shape))
 
 
-def transpose_block(block: Block) -> Block:
-    """Block shape of the transposed tensor: (1,128) <-> (128,1); (128,128) stays."""
-    return (block[1], block[0])
-
-
 @dataclass(frozen=True)
 class Fp8Tensor:
     """A blockwise-quantized 2-D tensor: E4M3 ``data`` (M, K), fp32 ``scale`` (ceil(M/bm), ceil(K/bk)).
@@ -101,10 +96,7 @@ class Fp8Tensor:
         return self.data.shape
 
     def t(self) -> "Fp8Tensor":
-        return Fp8Tensor(self.data.t(), self.scale.t(), transpose_block(self.block))
+        return Fp8Tensor(self.data.t(), self.scale.t(), (self.block[1], self.block[0]))  # (1,128) <-> (128,1)
 
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.data, self.scale, self.block)
-
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4

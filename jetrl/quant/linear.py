@@ -23,8 +23,8 @@ from jetrl.quant.exact import exact_linear
 from jetrl.quant.formats import ACT, Fp8Tensor
 from jetrl.quant.linear_op import fp8_linear_group
 from jetrl.quant.side import current_side
-from jetrl.quant.weight_cache import (_caches_transpose, _group_cache, _group_weights, _layouts_stack,
-                                      _member_weights, _stacked_weights, _WeightCache)
+from jetrl.quant.weight_cache import (_caches_transpose, _group_cache, _layouts_stack, _member_weights,
+                                      _stacked_weights, _WeightCache)
 
 
 class FP8Linear(nn.Linear):
@@ -227,8 +227,7 @@ class FP8Linear(nn.Linear):
         if x_fp8 is not None and (x_fp8.block != ACT or x_fp8.shape != x2d.shape):
             raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x2d.shape)}, got "
                              f"block {x_fp8.block} and shape {tuple(x_fp8.shape)}")
-        # with x_fp8 the FP8 form is what this layer reads (x's values may not be written: swiglu's fp8_only); a
-        # non-finite value of x makes its 1x128 block's scale non-finite
+        # with x_fp8 (x perhaps unwritten) a non-finite value of x shows in its 1x128 block's scale
         if self.check_finite and not bool(torch.isfinite(x if x_fp8 is None else x_fp8.scale).all()):
             raise FloatingPointError(f"non-finite values (NaN/Inf) in the input of {self!r}")
         qweight, qweight_t = self._cached_weights(with_transpose=_caches_transpose())
@@ -268,15 +267,13 @@ def call_linear(module: nn.Module, x: torch.Tensor, x_fp8: Fp8Tensor | None = No
     ``exact``: the batch-invariant forward (:mod:`jetrl.quant.exact`): an :class:`FP8Linear` is asked for it,
     a plain ``nn.Linear`` runs :func:`~jetrl.quant.exact.exact_linear` on its parameters.
     """
-    if exact:
-        if isinstance(module, FP8Linear):
-            return module(x, x_fp8=x_fp8, exact=True)
-        if type(module) is not nn.Linear:
-            raise TypeError(f"exact mode needs nn.Linear or FP8Linear layers, got {type(module).__name__}")
-        return exact_linear(x, module.weight, module.bias)
-    if x_fp8 is None:
+    if isinstance(module, FP8Linear):
+        return module(x, x_fp8, exact=exact)
+    if not exact:
         return module(x)
-    return module(x, x_fp8=x_fp8)
+    if type(module) is not nn.Linear:
+        raise TypeError(f"exact mode needs nn.Linear or FP8Linear layers, got {type(module).__name__}")
+    return exact_linear(x, module.weight, module.bias)
 
 
 def forward_gemm_weights(model: nn.Module) -> list[GemmWeight]:
@@ -304,7 +301,7 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
 
     * Fast mode, :func:`groupable` layers: one stacked FP8 linear (:func:`fp8_linear_group`: one GEMM each way,
       grad_out quantized once, the saved input re-quantized once; gradients split back to each layer), from the
-      group's stacked FP8 weight (:func:`_group_weights`), with or without grad. A decode-sized no-grad input with
+      group's stacked FP8 weight (:func:`_stacked_weights`), with or without grad. A decode-sized no-grad input with
       ``x_fp8`` goes to the backend's ``grouped_gemm`` (the CUDA backend's one decode launch) over each member's
       rows of that weight.
     * ``exact``: a no-grad input with ``x_fp8`` through ``grouped_gemm_exact`` (the bits of each layer's own exact
@@ -338,7 +335,7 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
     if not cache.stacks:
         return None
     grad = torch.is_grad_enabled()
-    qweight, qweight_t = _group_weights(modules, with_transpose=grad and _caches_transpose(), key=key)
+    qweight, qweight_t = _stacked_weights(cache, modules, with_transpose=grad and _caches_transpose(), key=key)
     if not grad and x_fp8 is not None:
         out = backend.grouped_gemm(x_fp8, _member_weights(qweight, modules), [m.bias for m in modules],
                                    out_dtype=x.dtype)

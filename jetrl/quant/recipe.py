@@ -103,8 +103,7 @@ def apply_recipe(model: nn.Module, recipe: str | PrecisionRecipe) -> nn.Module:
             full = f"{name}.{child_name}" if name else child_name
             if not isinstance(child, nn.Linear):
                 continue
-            want_fp8 = recipe.uses_fp8 and not recipe.excludes(full)
-            if want_fp8:
+            if recipe.uses_fp8 and not recipe.excludes(full):
                 new = child if isinstance(child, FP8Linear) else FP8Linear.from_linear(child)
                 new.fp8_rollout, new.fp8_train = recipe.rollout_fp8, recipe.train_fp8
                 new.pow2_scale, new.check_finite = recipe.pow2_scale, recipe.check_finite

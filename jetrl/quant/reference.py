@@ -1,8 +1,8 @@
 """Pure-PyTorch reference of jetrl's FP8 numerics: the specification every kernel is tested against.
 
-Runs on any device. :func:`dequantize` and :func:`expand_scale` live with the format
-(:mod:`jetrl.quant.formats`, which :class:`Fp8Tensor` needs) and are re-exported here. The arithmetic is exactly the convention in :mod:`jetrl.quant.formats`; GPU
-kernels reproduce the quantization bit for bit and the GEMMs to output rounding.
+Runs on any device. The arithmetic is exactly the convention in :mod:`jetrl.quant.formats` (where
+:func:`dequantize` and :func:`expand_scale` live, re-exported here); GPU kernels reproduce the quantization bit for
+bit and the GEMMs to output rounding.
 """
 
 from __future__ import annotations

@@ -28,10 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.quant import reference
-from jetrl.quant.backend import choose_impl, keeps_forward_context
+from jetrl.quant.backend import KERNEL_DTYPES, choose_impl, keeps_forward_context
 from jetrl.quant.formats import ACT, Fp8Tensor
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class _SiLU(torch.autograd.Function):
@@ -66,7 +64,7 @@ def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"swiglu: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
+        if t.dtype not in KERNEL_DTYPES:
             raise TypeError(f"swiglu: {name} must be bfloat16, float16 or float32, got {t.dtype}")
         if t.dim() < 1:
             raise ValueError(f"swiglu: {name} must have at least one dimension, got a scalar")

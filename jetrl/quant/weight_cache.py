@@ -14,18 +14,13 @@ from jetrl.quant.backend import get_backend
 from jetrl.quant.formats import WEIGHT, Fp8Tensor
 
 
-def _tuning():
-    """The kernel tuning in force (a CPU-only module; the kernels are imported lazily, tests/test_layering.py)."""
-    from jetrl.quant.kernels.tuning import current
-
-    return current()
-
-
 def _caches_transpose() -> bool:
     """Whether a forward should cache W^T's FP8 form with the weight: only with grad (DGrad reads it; rollout never
     pays its memory) and where the kernel tuning asks for it (``cache_weight_t``; else each backward transposes W's
     FP8 tiles, :meth:`~jetrl.quant.backend.Fp8Backend.transpose_weight`)."""
-    return torch.is_grad_enabled() and _tuning().cache_weight_t
+    from jetrl.quant.kernels.tuning import current  # a CPU-only module; kernels import lazily (tests/test_layering.py)
+
+    return torch.is_grad_enabled() and current().cache_weight_t
 
 
 def _write_into(old: Fp8Tensor | None, new: Fp8Tensor | None) -> Fp8Tensor | None:
@@ -90,8 +85,7 @@ class _WeightCache:
 
 
 def _layouts_stack(modules: tuple[nn.Linear, ...]) -> bool:
-    """The layout half of :func:`~jetrl.quant.linear.groupable`: the same input width, dtype and device, widths of
-    whole 128-row tiles, biases on all or none."""
+    """The layout half of :func:`~jetrl.quant.linear.groupable` (which says what must match)."""
     first = modules[0]
     w0 = first.weight
     return all(m.in_features == first.in_features and m.out_features % 128 == 0 and m.weight.dtype == w0.dtype
@@ -105,12 +99,6 @@ def _group_cache(modules: tuple[nn.Linear, ...]) -> _WeightCache:
     if cache is None:
         cache = modules[0]._group_caches[ids] = _WeightCache(modules)
     return cache
-
-
-def _group_weights(modules: tuple[nn.Linear, ...], with_transpose: bool,
-                   key: tuple | None = None) -> tuple[Fp8Tensor, Fp8Tensor | None]:
-    """The group's stacked FP8 weight (and W^T), held by its cache (:func:`_stacked_weights`)."""
-    return _stacked_weights(_group_cache(modules), modules, with_transpose, key)
 
 
 def _member_weights(qweight: Fp8Tensor, modules: tuple[nn.Linear, ...]) -> list[Fp8Tensor]:

@@ -11,7 +11,7 @@ from jetrl.quant import FP8Linear, grouped_linear, linears_shared_input, refresh
 from jetrl.quant import reference as R
 from jetrl.quant.formats import WEIGHT
 from jetrl.quant.linear import groupable
-from jetrl.quant.weight_cache import _group_weights, _member_weights
+from jetrl.quant.weight_cache import _group_cache, _member_weights, _stacked_weights
 
 
 def _layers(widths, k=256, bias=True, seed=0, dtype=torch.float32):
@@ -67,7 +67,7 @@ def test_stacked_linear_equals_the_layers_one_by_one(widths, bias, m):
 
 def test_members_rows_are_their_own_quantization_and_buffers_stay():
     layers = _layers((384, 128, 128))
-    qw, qw_t = _group_weights(layers, with_transpose=True)
+    qw, qw_t = _stacked_weights(_group_cache(layers), layers, with_transpose=True)
     for layer, member in zip(layers, _member_weights(qw, layers)):
         own = R.quantize_tensor(layer.weight.detach(), WEIGHT)
         assert torch.equal(member.data.view(torch.uint8), own.data.view(torch.uint8))
@@ -76,7 +76,7 @@ def test_members_rows_are_their_own_quantization_and_buffers_stay():
     pointers = (qw.data.data_ptr(), qw.scale.data_ptr(), qw_t.data.data_ptr())
     with torch.no_grad():
         layers[1].weight.mul_(2.0)  # a new weight version of one member: the group re-quantizes, in place
-    qw2, qw2_t = _group_weights(layers, with_transpose=True)
+    qw2, qw2_t = _stacked_weights(_group_cache(layers), layers, with_transpose=True)
     assert (qw2.data.data_ptr(), qw2.scale.data_ptr(), qw2_t.data.data_ptr()) == pointers
     member = _member_weights(qw2, layers)[1]
     assert torch.equal(member.data.view(torch.uint8), R.quantize_tensor(layers[1].weight.detach(), WEIGHT).data.view(torch.uint8))
