@@ -51,15 +51,6 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks of a jetrl decoder (``model.model.layers``), the unit FSDP2 shards by."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"shard_model needs a jetrl decoder (model.model.layers), got {type(model).__name__}")
-    return layers
-
-
 def shard_model(model: nn.Module, parallel: ParallelContext) -> nn.Module:
     """Apply FSDP2 to ``model`` in place over ``parallel.mesh``: each decoder block, then the root.
 
@@ -71,7 +62,7 @@ def shard_model(model: nn.Module, parallel: ParallelContext) -> nn.Module:
         raise ValueError("the model is already sharded")
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    for block in decoder_blocks(model):
+    for block in model.model.layers:  # a jetrl decoder's blocks
         fully_shard(block, mesh=parallel.mesh, reshard_after_forward=True)
     # the root's parameters (embedding, LM head) are used right after the blocks: keep them for backward
     fully_shard(model, mesh=parallel.mesh, reshard_after_forward=False)
@@ -113,5 +104,4 @@ def refresh_rollout_weights(model: nn.Module) -> int:
     return refresh_fp8_weights(model, eager=not is_sharded(model))
 
 
-__all__ = ["shard_model", "full_weights", "fsdp_modules", "is_sharded", "decoder_blocks", "refresh_rollout_weights",
-           "FORWARD_METHODS"]
+__all__ = ["shard_model", "full_weights", "fsdp_modules", "is_sharded", "refresh_rollout_weights", "FORWARD_METHODS"]

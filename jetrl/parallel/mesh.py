@@ -59,8 +59,6 @@ class ParallelContext:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
-    # ------------------------------------------------------------------ data-parallel split
-
     def shard_bounds(self, num_items: int, what: str = "items") -> tuple[int, int]:
         """``[lo, hi)``: this rank's contiguous share of ``num_items`` (which must divide evenly, so every
         rank runs the same number of forwards and collectives)."""
@@ -69,8 +67,6 @@ class ParallelContext:
                              f"make it a multiple of the number of GPUs")
         per = num_items // self.world_size
         return self.rank * per, (self.rank + 1) * per
-
-    # ------------------------------------------------------------------ collectives (identity on one rank)
 
     def _reduce(self, values: Sequence[float], op: Any) -> list[float]:
         if not self.is_distributed:
@@ -107,8 +103,6 @@ class ParallelContext:
         if self.is_distributed:
             dist.barrier()
 
-    # ------------------------------------------------------------------ failures and shutdown
-
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Run a rank's work so that a failure is logged with the rank and brings the job down.
@@ -121,20 +115,15 @@ class ParallelContext:
             if self.is_distributed:
                 log.error("rank %d/%d failed: %s: %s", self.rank, self.world_size, type(exc).__name__, exc,
                           exc_info=not isinstance(exc, KeyboardInterrupt))
-                abort_process_group()
+                if dist.is_initialized():
+                    from torch.distributed.distributed_c10d import _abort_process_group
+                    _abort_process_group()
             raise
 
     def close(self) -> None:
         """Tear the process group down at the end of a run (nothing to do on one rank)."""
         if self.is_distributed and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def abort_process_group() -> None:
-    """Abort the default process group without waiting for peers (their pending collectives fail)."""
-    if dist.is_available() and dist.is_initialized():
-        from torch.distributed.distributed_c10d import _abort_process_group
-        _abort_process_group()
 
 
 def launched_by_torchrun() -> bool:
@@ -187,4 +176,4 @@ def init_parallel(device: str | torch.device = "auto", shard_size: int | None = 
     return ParallelContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
 
 
-__all__ = ["ParallelContext", "init_parallel", "launched_by_torchrun", "abort_process_group", "TORCHRUN_VARS"]
+__all__ = ["ParallelContext", "init_parallel", "launched_by_torchrun", "launched_rank", "TORCHRUN_VARS"]

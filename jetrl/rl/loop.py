@@ -38,13 +38,15 @@ import numpy as np
 import torch
 
 from jetrl.config import ConfigError, RunConfig, load_config, save_config
-from jetrl.data import build_prompt_dataset
+from jetrl.data import BatchLoader, build_prompt_dataset, decode_completion, encode_prompt
 from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardPoolConfig, RewardResult
-from jetrl.models import check_tokenizer, resolve_checkpoint, resolve_device
+from jetrl.data.rewards import RewardConfig, build_reward_fn
+from jetrl.models import check_tokenizer, load_model, load_tokenizer, resolve_checkpoint, resolve_device
 from jetrl.models.config import DecoderConfig
 from jetrl.parallel import init_parallel
 from jetrl.rl.metrics import METRICS_FILE, TENSORBOARD_SUBDIR, MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer
+from jetrl.rollout import RolloutEngine
 from jetrl.threads import configure_threads
 from jetrl.train.policy import (
     CHECKPOINT_SUBDIR, check_resumable, checkpoint_due, claim_output_dir, resume_trainer, save_trainer_checkpoint,
@@ -78,8 +80,6 @@ def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
     tokenizer matches the model (:func:`jetrl.models.check_tokenizer`), and ``model.checkpoint_blocks`` is at most
     its blocks. Returns (checkpoint folder, model config, tokenizer). A ``rollout.top_k`` above the vocabulary size
     is only a warning (it samples from all), shown once per process however often this is called."""
-    from jetrl.models import load_tokenizer
-
     folder = resolve_checkpoint(config.model.path)
     model_config = DecoderConfig.from_file(folder)
     model_config.check_context(config.data.max_prompt_tokens + config.rollout.max_tokens,
@@ -115,22 +115,16 @@ class DatasetPrompts:
 
     def __init__(self, dataset: Any, tokenizer: Any, batch_size: int, seed: int, shuffle: bool,
                  max_prompt_tokens: int) -> None:
-        from jetrl.data import BatchLoader
-
         self.dataset, self.tokenizer = dataset, tokenizer
         self.loader = BatchLoader(dataset, batch_size, seed=seed, shuffle=shuffle)
         self.max_prompt_tokens = max_prompt_tokens
 
     def decode(self, ids: list[int]) -> str:
         """Completion text for the reward function (special tokens such as the final EOS dropped)."""
-        from jetrl.data import decode_completion
-
         return decode_completion(self.tokenizer, ids)
 
     def next_batch(self) -> list[PromptItem]:
         """The next ``batch_size`` prompts, rendered and tokenized; over-long prompts are an error."""
-        from jetrl.data import encode_prompt
-
         items = []
         for prompt in self.loader.next_batch():
             ids = encode_prompt(self.tokenizer, self.dataset.render(prompt, self.tokenizer))
@@ -230,10 +224,6 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     if config.trainer.resume:
         check_resumable(ckpt_root, require_checkpoint, warn=parallel.is_main)
 
-    from jetrl.data.rewards import RewardConfig, build_reward_fn
-    from jetrl.models import load_model
-    from jetrl.rollout import RolloutEngine
-
     seed_everything(config.trainer.seed)
     dataset = build_prompt_dataset(config.data, seed=config.trainer.seed)  # data errors before the model is loaded
     if len(dataset) < config.data.prompts_per_step:
@@ -276,7 +266,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
             if on_step is not None and parallel.is_main:
                 on_step(step, metrics)
             if checkpoint_due(step, config.trainer):
-                save_trainer_checkpoint(trainer, ckpt_root, logger.cursor() if logger is not None else None,
+                save_trainer_checkpoint(trainer, ckpt_root, logger.jsonl.cursor() if logger is not None else None,
                                         keep_last=config.trainer.keep_last, export_fp8=config.trainer.export_fp8,
                                         weights_only=weights_only_at(step, config.trainer),
                                         on_disk_full=config.trainer.on_disk_full)

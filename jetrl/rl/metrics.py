@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from jetrl.rl.advantages import num_zero_variance_groups
@@ -132,7 +133,7 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+    if isinstance(value, np.generic):
         return _jsonable(value.item())
     return value
 
@@ -212,9 +213,6 @@ class MetricsLogger:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tensorboard.add_scalar(key, value, global_step=step)
             self.tensorboard.flush()
-
-    def cursor(self) -> int:
-        return self.jsonl.cursor()
 
     def close(self) -> None:
         self.jsonl.close()

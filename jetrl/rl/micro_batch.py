@@ -166,7 +166,7 @@ def packed_logprobs(model, packed: PackedMicroBatch, blob: torch.Tensor, tempera
     else:
         real = packed.offsets_list[-1]
         hidden = model.forward_packed(ids[:real], positions[:real], packed.offsets_list, exact=exact, kv_fp8=kv_fp8,
-                                      check_ids=False)  # ids were checked against the vocabulary on the host
+                                      check_ids=False)  # the engine's ids: inside the vocabulary
     lp, ent = logprobs_from_hidden(model, hidden[scored_rows], targets, temperature=temperature, exact=exact,
                                    check_targets=False)
     num_cells = s.sequences * s.width

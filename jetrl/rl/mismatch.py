@@ -61,9 +61,7 @@ def mismatch_metrics(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tenso
     if tis_cap is not None:
         out["tis_weight_mean"] = ratio.clamp(max=tis_cap).mean()
         out["tis_frac_capped"] = (ratio > tis_cap).double().mean()
-    result = {k: float(v) for k, v in out.items()}
-    result["num_tokens"] = float(n)
-    return result
+    return {**{k: float(v) for k, v in out.items()}, "num_tokens": float(n)}
 
 
 __all__ = ["mismatch_metrics", "PROB_DIFF_THRESHOLD"]

@@ -46,8 +46,8 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -65,9 +65,8 @@ from jetrl.rl.minibatch import mini_batch_rows
 from jetrl.train.optim import (MasterWeightAdamW, OptimizerStepper, build_lr_scheduler, release_fp8_weights,
                             restore_fp8_weights)
 from jetrl.rl.update_graphs import UpdateGraphs, graphs_apply
-
-if TYPE_CHECKING:
-    from jetrl.rollout import RolloutEngine
+from jetrl.rollout import RolloutEngine, SamplingParams
+from jetrl.rollout.sampling import to_device
 
 
 @dataclass(frozen=True)
@@ -165,8 +164,6 @@ class Trainer:
                                         opt.max_consecutive_nonfinite)
         self.step_count = 0
 
-    # ------------------------------------------------------------------ state (checkpoints)
-
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable run state: step, data position, skip counters (model/optimizer go separately)."""
         return {"step": self.step_count, "data": self.prompts.state_dict(), "stepper": self.stepper.state_dict()}
@@ -176,19 +173,14 @@ class Trainer:
         self.prompts.load_state_dict(state["data"])
         self.stepper.load_state_dict(state["stepper"])
 
-    # ------------------------------------------------------------------ phases
-
     def rollout(self, items: list[PromptItem], first_index: int = 0) -> tuple[list[Any], float]:
         """``rollout.n`` completions per prompt (prompt-major), seeded per ``(trainer.seed, step, prompt)``
         where prompt ``i`` of ``items`` is prompt ``first_index + i`` of the step; runs on the full weights.
         Returns the completions and the number of generated tokens."""
-        from jetrl.rollout import SamplingParams
-
         r = self.config.rollout
-        params = [SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                 max_tokens=r.max_tokens, stop_token_ids=tuple(r.stop_token_ids),
-                                 ignore_eos=r.ignore_eos,
-                                 seed=_seed_for(self.config.trainer.seed, self.step_count, first_index + i))
+        common = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                                stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos)
+        params = [replace(common, seed=_seed_for(self.config.trainer.seed, self.step_count, first_index + i))
                   for i in range(len(items))]
         with full_weights(self.model):
             completions = self.engine.generate([it.ids for it in items], params)
@@ -223,13 +215,10 @@ class Trainer:
         mask = torch.zeros(S, R, dtype=torch.bool)
         rollout_lp = torch.zeros(S, R, dtype=torch.float32)
         tokens, prompt_lens, response_lens = [], [], []
-        vocab_size = self.model.config.vocab_size  # checked here, so the passes over the batch need not sync for it
         for s, c in enumerate(completions):
             prompt = items[s // n].ids
             k = len(c.token_ids)
             tokens.append(torch.tensor(list(prompt) + list(c.token_ids), dtype=torch.long))
-            if int(tokens[-1].min()) < 0 or int(tokens[-1].max()) >= vocab_size:  # host tensors: no GPU sync
-                raise ValueError(f"sequence {s} holds token ids outside the model's vocabulary [0, {vocab_size})")
             prompt_lens.append(len(prompt))
             response_lens.append(k)
             mask[s, :k] = True
@@ -245,17 +234,10 @@ class Trainer:
         when grad is enabled. Exact mode: bitwise the engine's log-probs (the engine runs exact mode too); the FP8
         KV cache under ``jet``: attention over the K/V values the engine's FP8 cache held."""
         packed = pack(batch, rows, batch.mask.shape[1])
-        # the ids were checked against the vocabulary on the host (build_batch): neither the forward nor the LM
-        # head syncs to do it; the index tensors go in one asynchronous copy
-        return packed_logprobs(model, packed, self._to_device(packed.blob), self.config.rollout.temperature,
+        # the ids are the engine's (prompts it checked against the vocabulary, tokens it sampled from it): neither
+        # the forward nor the LM head syncs to check them; the index tensors go in one asynchronous copy
+        return packed_logprobs(model, packed, to_device(packed.blob, self.device), self.config.rollout.temperature,
                                exact=self.config.exact, kv_fp8=self.config.kv_fp8_train)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the trainer's device without a stream sync: a copy from pageable memory waits for the
-        GPU's queue, one from pinned memory does not (the pinned buffer is kept until the copy is done)."""
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def score(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
@@ -268,7 +250,7 @@ class Trainer:
             else:
                 lp, _ = self.sequence_logprobs(model, batch, rows or [0])
             if rows is not None:
-                out[self._to_device(torch.tensor(rows))] = lp.float()
+                out[to_device(torch.tensor(rows), self.device)] = lp.float()
         return torch.where(batch.mask, out, torch.zeros((), device=out.device))
 
     def micro_batches(self, batch: RolloutBatch, rows: list[int]) -> list[list[int]]:
@@ -337,17 +319,15 @@ class Trainer:
         num_prompts = batch.num_sequences * world // self.config.rollout.n  # over every rank
         gen = torch.Generator().manual_seed(_seed_for(self.config.trainer.seed, self.step_count, 0xB17C4))
         names = stat_names(ref_lp is not None)
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
+        # micro_batch_loss's inputs over the batch (without old log-probs, the TIS weights come from the rollout's)
+        tis_rollout_lp = batch.rollout_logprobs if old_lp is None and alg.tis_cap is not None else None
+        loss_inputs = dict(old_logprobs=old_lp, rollout_logprobs=tis_rollout_lp, is_weights=is_weights,
+                           ref_logprobs=ref_lp)
+        token_sums: dict[str, float] = {}  # the statistics weighted by their micro-batch's tokens, this rank's
+        num_tokens_seen = 0.0
+        step_sums = {"actor/pg_loss": 0.0, "actor/lr": 0.0}  # per optimizer step, the same on every rank
         ratio_max, ratio_min = -math.inf, math.inf
-        grad_norms, num_applied = [], 0
-        optimizer_steps = 0  # taken or skipped so far: while 0, the policy is the one that made the rollout
-
-        def add(key: str, value: float, weight: float) -> None:
-            sums[key] = sums.get(key, 0.0) + value * weight
-            weights[key] = weights.get(key, 0.0) + weight
-        same_on_every_rank = ("actor/pg_loss", "actor/lr")  # the others are per-rank token-weighted sums
-
+        grad_norms, num_applied = [], 0  # one grad norm per optimizer step (taken or skipped)
         self.model.train()
         for _ in range(alg.ppo_epochs):
             # mini-batch k is the same set of sequences at any number of ranks; this rank takes the ones it holds
@@ -365,44 +345,37 @@ class Trainer:
                         lp, _ = self.sequence_logprobs(self.model, batch, micros[0])
                         (lp.sum() * 0.0).backward()
                         continue
-                    idx = self._to_device(torch.tensor(micro))  # one index tensor for every gather of this micro
+                    idx = to_device(torch.tensor(micro), self.device)  # one index tensor for every gather of this micro
                     mask = batch.mask[idx]
-                    inputs = dict(old_logprobs=None if old_lp is None else old_lp[idx],
-                                  rollout_logprobs=(batch.rollout_logprobs[idx]
-                                                    if old_lp is None and alg.tis_cap is not None else None),
-                                  is_weights=is_weights[idx] if old_lp is not None and is_weights is not None else None,
-                                  ref_logprobs=None if ref_lp is None else ref_lp[idx])
+                    inputs = {k: None if v is None else v[idx] for k, v in loss_inputs.items()}
                     lp, micro_stats = self._micro_step(batch, micro, mask, batch.advantages[idx], inputs, num_tokens,
                                                        num_seqs)
-                    if own_lp is not None and optimizer_steps == 0:  # the policy has not moved yet
+                    if own_lp is not None and not grad_norms:  # no optimizer step yet: the rollout's policy
                         own_lp[idx] = torch.where(mask, lp.float(), torch.zeros((), device=lp.device))
                         recorded[idx] = mask
                     stats.append(micro_stats)
                 loss_finite, mini_pg_loss = True, 0.0
                 for values in (torch.stack(stats).tolist() if stats else []):
                     v = dict(zip(names, values))
-                    ntok = v["num_tokens"]
                     for key in ("kl_ref", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl",
                                 "entropy"):
                         if key in v:
-                            add(f"actor/{key}", v[key], ntok)
+                            token_sums[key] = token_sums.get(key, 0.0) + v[key] * v["num_tokens"]
+                    num_tokens_seen += v["num_tokens"]
                     loss_finite = loss_finite and bool(v["finite"])
                     mini_pg_loss += v["pg_loss"]
-                    if ntok > 0:
+                    if v["num_tokens"] > 0:
                         ratio_max, ratio_min = max(ratio_max, v["ratio_max"]), min(ratio_min, v["ratio_min"])
                 mini_pg_loss, num_nonfinite = self.parallel.sum([mini_pg_loss, 0.0 if loss_finite else 1.0])
-                add("actor/pg_loss", mini_pg_loss, 1.0)
                 result = self.stepper.step(loss_is_finite=num_nonfinite == 0)
-                optimizer_steps += 1
+                step_sums["actor/pg_loss"] += mini_pg_loss
+                step_sums["actor/lr"] += result.lr
                 grad_norms.append(result.grad_norm)
                 num_applied += result.applied
-                add("actor/lr", result.lr, 1.0)
-        summed = sorted(k for k in sums if k not in same_on_every_rank)
-        totals = self.parallel.sum([sums[k] for k in summed] + [weights[k] for k in summed])
-        sums.update(zip(summed, totals[:len(summed)]))
-        weights.update(zip(summed, totals[len(summed):]))
+        *totals, num_tokens_seen = self.parallel.sum(list(token_sums.values()) + [num_tokens_seen])
+        out = {f"actor/{k}": t / num_tokens_seen if num_tokens_seen else 0.0 for k, t in zip(token_sums, totals)}
+        out.update({k: v / len(grad_norms) for k, v in step_sums.items()})
         ratio_max, neg_ratio_min = self.parallel.max([ratio_max, -ratio_min])
-        out = {k: sums[k] / weights[k] if weights[k] else 0.0 for k in sums}
         out.update({k: (v if math.isfinite(v) else 1.0)  # 1.0: no token had a ratio
                     for k, v in (("actor/ratio_max", ratio_max), ("actor/ratio_min", -neg_ratio_min))})
         finite = [g for g in grad_norms if math.isfinite(g)]
@@ -412,8 +385,6 @@ class Trainer:
         self.update_logprobs = own_lp
         self.update_logprob_mask = recorded
         return out
-
-    # ------------------------------------------------------------------ the step
 
     def step(self) -> dict[str, float]:
         """One RL step: the six phases of the module doc, each timed; returns its metrics (flat ``group/name``
@@ -482,8 +453,7 @@ class Trainer:
         order, on the CPU), for the metrics; unchanged on one rank."""
         if not self.parallel.is_distributed:
             return batch, train_lp, ref_lp, generated, checked
-        mine = {f.name: getattr(batch, f.name) for f in fields(RolloutBatch)}
-        mine.update(train_lp=train_lp, ref_lp=ref_lp, generated=generated, checked=checked)
+        mine = dict(vars(batch), train_lp=train_lp, ref_lp=ref_lp, generated=generated, checked=checked)
         parts = self.parallel.gather_objects({k: v.cpu() if torch.is_tensor(v) else v for k, v in mine.items()})
 
         def merge(key: str) -> Any:  # lists concatenated, counts summed, tensors concatenated in rank order

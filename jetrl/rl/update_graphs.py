@@ -17,15 +17,11 @@ their inputs into the shape's static buffers and replay. All graphs share one me
 activations are held once, not once per shape. ``capture_seconds`` sums the host time new shapes took (the
 step's ``update/graph_capture_seconds``).
 
-What a replay relies on, checked before each one (:meth:`UpdateGraphs.storage_key`; any change drops every
-graph, and the next micro-batches capture again):
-
-* parameters and their gradient buffers stay where they were captured. The optimizer keeps the gradient buffers
-  and zeroes them in place (:class:`~jetrl.train.optim.MasterWeightAdamW` with ``keep_grads``), and autograd
-  accumulates into them inside the graph;
-* the FP8 weight caches stay where they were captured: they are brought to the current weights in place before
-  each replay (``current_fp8_tensors``);
-* the kernel tuning object in force is the one captured.
+What a replay relies on staying put is checked before each one (:func:`~jetrl.models.cuda_graphs.storage_key`
+with gradients and W^T copies); any change drops every graph, and the next micro-batches capture again. The
+gradient buffers stay put: the optimizer keeps them and zeroes them in place
+(:class:`~jetrl.train.optim.MasterWeightAdamW` with ``keep_grads``), and autograd accumulates into them inside the
+graph.
 
 Fast mode on one CUDA device only: exact mode plans its attention on the host per micro-batch, and FSDP gathers
 parameters collectively, so those run eagerly (:func:`graphs_apply`).
@@ -116,21 +112,14 @@ class UpdateGraphs:
                         offsets=shape.offsets - shape.sequences + self.max_sequences)
         return pack(batch, rows, shape.width, shape)
 
-    def storage_key(self) -> tuple:
-        """What a replay reads and writes (:func:`~jetrl.models.cuda_graphs.storage_key`: parameters, gradients,
-        FP8 weights with their W^T copies, brought to the current weights in place first) and the kernel tuning
-        in force."""
-        return storage_key(self.model, grads=True, transposes=True)
-
     def _step(self, packed: PackedMicroBatch, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.set_grad_enabled(not g.score):  # scoring: forward only
             lp, ent = packed_logprobs(self.model, packed, g.blob, self.temperature, kv_fp8=self.kv_fp8, on_device=True)
         if g.score:
             return lp, g.counts
-        loss, stats = micro_batch_loss(self.alg, lp, ent, g.mask, g.advantages, old_logprobs=g.inputs.get(
-            "old_logprobs"), rollout_logprobs=g.inputs.get("rollout_logprobs"), is_weights=g.inputs.get("is_weights"),
-            ref_logprobs=g.inputs.get("ref_logprobs"), num_tokens=g.counts[0], num_seqs=g.counts[1],
-            max_len=self.max_len)
+        loss, stats = micro_batch_loss(self.alg, lp, ent, g.mask, g.advantages, num_tokens=g.counts[0],
+                                       num_seqs=g.counts[1], max_len=self.max_len,
+                                       **{name: g.inputs.get(name) for name in LOSS_INPUTS})
         loss.backward()
         return lp.detach(), stats
 
@@ -161,7 +150,7 @@ class UpdateGraphs:
             for p in self.model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        key = self.storage_key()
+        key = storage_key(self.model, grads=True, transposes=True)
         if key != self.key:
             self.graphs.clear()
         g = self.graphs.get((shape, present))
@@ -219,7 +208,8 @@ class UpdateGraphs:
     def _store(self, shape: MicroBatchShape, present: tuple[str, ...] | None, g: _Graph, key: tuple) -> None:
         self.graphs[(shape, present)] = g
         self.captures += 1
-        after = self.storage_key()  # the eager run may have made FP8 caches (a group's stacked weight)
+        # the eager run may have made FP8 caches (a group's stacked weight)
+        after = storage_key(self.model, grads=True, transposes=True)
         if after != key:  # the graphs captured before read the old addresses
             self.graphs = {(shape, present): g}
         self.key = after

@@ -26,6 +26,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from jetrl.models.transformer import DecoderLM
 from jetrl.progress import Progress
 from jetrl.rollout.block_manager import BlockManager
 from jetrl.rollout.model_runner import LaunchedStep, ModelRunner
@@ -84,8 +85,8 @@ class RolloutEngine:
                  cuda_graphs: bool = True, graph_batch_sizes: Seq[int] | None = None,
                  async_scheduling: bool = True, exact: bool = False, kv_fp8: bool = False,
                  decode_steps: int = DEFAULT_DECODE_STEPS) -> None:
-        if not hasattr(model, "forward_paged") or not hasattr(model, "config"):
-            raise TypeError(f"RolloutEngine needs a jetrl decoder with forward_paged and config, "
+        if not isinstance(model, DecoderLM):
+            raise TypeError(f"RolloutEngine needs a jetrl decoder (DecoderLM: forward_paged and config), "
                             f"got {type(model).__name__}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("decode_steps", decode_steps)):
@@ -121,8 +122,6 @@ class RolloutEngine:
     def free_cache(self) -> None:
         """Release the KV cache and CUDA graphs (e.g. to give memory to the trainer); re-made on demand."""
         self.runner.free_cache()
-
-    # ------------------------------------------------------------------ public API
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[Completion]:
@@ -209,8 +208,6 @@ class RolloutEngine:
                                host_seconds=elapsed - wait_seconds, graph_captures=runner.graph_captures - captures,
                                graph_capture_seconds=runner.graph_capture_seconds - capture_seconds)
         return [s.to_completion() for s in all_seqs]
-
-    # ------------------------------------------------------------------ internals
 
     def _validate(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)):

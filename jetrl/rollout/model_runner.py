@@ -50,18 +50,12 @@ from jetrl.quant.backend import prepare_gemms
 from jetrl.quant.linear import forward_gemm_weights
 from jetrl.quant.recipe import check_exact
 from jetrl.rollout.block_manager import BlockTableMirror
-from jetrl.rollout.sampling import SamplingBatch, sample
+from jetrl.rollout.sampling import SamplingBatch, sample, to_device
 from jetrl.rollout.scheduler import PLACEHOLDER, SchedulerOutput
 from jetrl.rollout.sequence import Sequence
 
 DEFAULT_CPU_BUDGET_BYTES = 256 * 2 ** 20
 DEFAULT_GPU_FRACTION = 0.5
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` copied to ``device``; on CUDA from pinned memory, so the copy does not wait for the steps
-    already queued."""
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 @dataclasses.dataclass
@@ -184,7 +178,8 @@ class ModelRunner:
         self.memory_budget = memory_budget
         self.requested_num_blocks = num_blocks
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.graph_batch_sizes = self._graph_sizes(graph_batch_sizes)
+        sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16)) if graph_batch_sizes is None else graph_batch_sizes
+        self.graph_batch_sizes = sorted({int(s) for s in sizes if 1 <= int(s) <= max_num_seqs} | {max_num_seqs})
         self.kv_cache: PagedKVCache | None = None
         self.num_blocks = 0  # usable blocks (the pool has one more: the scratch block)
         self.graphs: _DecodeGraphs | None = None
@@ -194,24 +189,11 @@ class ModelRunner:
         self._tables: BlockTableMirror | None = None  # the current generate call's block tables, on the host
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None
 
-    # ------------------------------------------------------------------ KV cache
-
-    def _graph_sizes(self, sizes: Seq[int] | None) -> list[int]:
-        if sizes is None:
-            sizes = [1, 2, 4, 8] + list(range(16, self.max_num_seqs + 1, 16))
-        sizes = sorted({int(s) for s in sizes if 1 <= int(s) <= self.max_num_seqs})
-        if not sizes or sizes[-1] < self.max_num_seqs:
-            sizes.append(self.max_num_seqs)
-        return sizes
-
     @property
     def bytes_per_block(self) -> int:
         """K and V of ``block_size`` tokens in every layer: in the model's dtype, or (``kv_fp8``) one byte per
         element plus a 4-byte scale per token and KV head."""
-        if self.kv_fp8:
-            per_head = self.head_dim + 4
-        else:
-            per_head = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        per_head = self.head_dim + 4 if self.kv_fp8 else self.head_dim * self.dtype.itemsize
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_head
 
     @property
@@ -261,8 +243,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ------------------------------------------------------------------ CUDA graphs
-
     def _weights_key(self) -> tuple:
         """What the captured CUDA graphs depend on (:func:`~jetrl.models.cuda_graphs.storage_key`): the kernel
         tuning, the parameters and the rollout side's FP8 weights without their W^T copies (a grouped layer's are
@@ -297,8 +277,6 @@ class ModelRunner:
         self._graph_key = self._weights_key()
         return graphs
 
-    # ------------------------------------------------------------------ steps
-
     def begin(self, seqs: list[Sequence]) -> None:
         """A ``generate`` call over ``seqs`` starts (after :meth:`allocate_kv_cache`): drop the CUDA graphs if what
         they depend on changed, and start a host mirror of the sequences' block tables."""
@@ -316,8 +294,8 @@ class ModelRunner:
         return self.model.forward_paged(input_ids, positions, meta, self.kv_cache, logits_indices, exact=self.exact)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src, dst = _to_device(torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long),
-                              self.device)
+        src, dst = to_device(torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long),
+                             self.device)
         cache = self.kv_cache
         pools = [*cache.k, *cache.v] + ([*cache.k_scale, *cache.v_scale] if cache.is_fp8 else [])
         for pool in pools:  # an FP8 block's scales travel with its data
@@ -375,7 +353,7 @@ class ModelRunner:
         fill = [r for r, _ in from_prev] + [q for _, q in from_prev]  # rows to fill, prev's sampled rows
         row_steps = list(out.row_steps or ())  # a run's steps per row where some take fewer
         head = np.array(ids + pos + slots + qsl + ctx + sample_rows + fill + out_pos + row_steps, dtype=np.int64)
-        packed = _to_device(torch.from_numpy(np.concatenate([head, tables.reshape(-1)])), dev)  # one transfer
+        packed = to_device(torch.from_numpy(np.concatenate([head, tables.reshape(-1)])), dev)  # one transfer
         ids_t, pos_t, slots_t, qsl_t, ctx_t, rows_t, fill_t, out_pos_t, row_steps_t, table_t = packed.split(
             [n_rows, n_rows, n_rows, n_seqs + 1, n_seqs, len(sample_rows), len(fill), len(out_pos), len(row_steps),
              n_seqs * width])

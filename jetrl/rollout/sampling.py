@@ -30,6 +30,12 @@ from jetrl.quant.backend import choose_impl
 _MASK32 = 0xFFFFFFFF
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` copied to ``device`` without a host sync: on CUDA from pinned memory (a copy from pageable memory
+    waits for the work already queued)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def _check_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"SamplingParams.{name} must be an int, got {type(value).__name__} ({value!r})")
@@ -120,11 +126,7 @@ class SamplingBatch:
                              [p.top_k for p in params], [s & _MASK32 for s in seeds],
                              [(s >> 32) & _MASK32 for s in seeds], sample_index, position,
                              [p.seed is not None for p in params]], dtype=torch.float64)  # exact for < 2**53
-        device = torch.device(device)
-        if device.type == "cuda":  # one transfer per step, queued behind the step's forward, no host wait
-            rows = host.pin_memory().to(device, non_blocking=True)
-        else:
-            rows = host.to(device)
+        rows = to_device(host, torch.device(device))  # one transfer per step, queued behind the step's forward
         as_long = rows[2:].to(torch.int64)
         return SamplingBatch(
             temperature=rows[0].to(torch.float32), top_p=rows[1].to(torch.float32), top_k=as_long[0],
@@ -234,4 +236,4 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None, 
     return tokens, logprobs
 
 
-__all__ = ["SamplingParams", "SamplingBatch", "sample", "seeded_uniform"]
+__all__ = ["SamplingParams", "SamplingBatch", "sample", "seeded_uniform", "to_device"]

@@ -87,8 +87,6 @@ class Scheduler:
         self.running: list[list[Sequence]] = []
         self.num_preemptions = 0
 
-    # ---------------------------------------------------------------- admission
-
     def check_fits(self, num_prompt_tokens: int, params_max_tokens: int, n: int) -> None:
         """Raise ValueError for a request that could never run, even alone in an empty pool."""
         total = min(num_prompt_tokens + params_max_tokens, self.max_model_len)
@@ -112,8 +110,6 @@ class Scheduler:
     @staticmethod
     def _is_prefilling(entry: list[Sequence]) -> bool:
         return entry[0].num_computed_tokens < len(entry[0]) - 1 or len(entry) > 1
-
-    # ---------------------------------------------------------------- one step
 
     def schedule(self, decode_steps: int = 1) -> SchedulerOutput:
         """The next step: prefill chunks if any can run, else a decode step, or a run of up to
@@ -187,8 +183,7 @@ class Scheduler:
     def _schedule_decode(self, steps: int, row_steps: tuple[int, ...] | None) -> SchedulerOutput:
         """A decode step (preempting the newest entries while a block is missing), or a run whose blocks
         :meth:`_run_plan` found free (so nothing is preempted)."""
-        chunks: list[ScheduledChunk] = []
-        copies: list[tuple[int, int]] = []
+        out = SchedulerOutput([], is_decode=True, steps=steps, row_steps=row_steps)
         i = 0
         while i < len(self.running):
             entry = self.running[i]
@@ -197,15 +192,15 @@ class Scheduler:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is entry:  # it was the newest: nothing after it remains
-                    return SchedulerOutput(chunks, is_decode=True, copies=copies)
+                    return out
             start = seq.num_computed_tokens
-            for position in range(start, start + (steps if row_steps is None else row_steps[i])):
+            for position in range(start, start + out.steps_of(i)):
                 pair = self.blocks.prepare_append(seq, position)
                 if pair is not None:
-                    copies.append(pair)
-            chunks.append(ScheduledChunk(entry, start, start + 1))
+                    out.copies.append(pair)
+            out.chunks.append(ScheduledChunk(entry, start, start + 1))
             i += 1
-        return SchedulerOutput(chunks, is_decode=True, copies=copies, steps=steps, row_steps=row_steps)
+        return out
 
     def _preempt(self, entry: list[Sequence]) -> None:
         self.running = [e for e in self.running if e is not entry]
