@@ -97,16 +97,11 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
     """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
     path = config_path(args.config)
     overrides = _overrides(args.overrides)
-    if args.max_steps is not None:
-        overrides.append(f"--trainer.steps={args.max_steps}")
-    if args.output_dir is not None:
-        overrides.append(f"--trainer.output_dir={args.output_dir}")
-    if args.recipe is not None:
-        overrides.append(f"--recipe={args.recipe}")
-    if args.resume is not None:
-        overrides.append("--trainer.resume=true")
-    if args.threads is not None:
-        overrides.append(f"--trainer.num_threads={args.threads}")
+    for key, value in (("trainer.steps", args.max_steps), ("trainer.output_dir", args.output_dir),
+                       ("recipe", args.recipe), ("trainer.resume", "true" if args.resume else None),
+                       ("trainer.num_threads", args.threads)):
+        if value is not None:
+            overrides.append(f"--{key}={value}")
     config = load_config(path, overrides)
     config.model.path = resolve_asset(config.model.path) if config.model.path else config.model.path
     if config.model.tokenizer:

@@ -119,12 +119,9 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
             for start in range(0, len(dataset), batch_size):
                 prompts = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
                 texts = [dataset.render(p, tokenizer) for p in prompts]
-                ids = [encode_prompt(tokenizer, t) for t in texts]
-                _check_context(model, ids, max_tokens, [p.index for p in prompts])
                 params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                         seed=(seed * 1_000_003 + start + i) % 2 ** 63) for i in range(len(ids))]
-                completions = engine.generate(ids, params)
-                outputs = [decode_completion(tokenizer, c.token_ids) for c in completions]
+                                         seed=(seed * 1_000_003 + start + i) % 2 ** 63) for i in range(len(texts))]
+                completions, outputs = _generate(engine, tokenizer, texts, params, [p.index for p in prompts])
                 refs = [prompts[j // n].answer for j in range(len(completions))]
                 result = pool.score(outputs, refs)
                 guard.check(result)
@@ -149,7 +146,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
         model.train(was_training)
     num = len(correct_per_prompt)
     return EvalResult(
-        num_prompts=num, n=n, accuracy=sum(correct_per_prompt) / (num * n), mean_reward=sum(rewards_all) / len(rewards_all),
+        num_prompts=num, n=n, accuracy=sum(correct_per_prompt) / (num * n),
+        mean_reward=sum(rewards_all) / len(rewards_all),
         pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_per_prompt) / num for k in ks},
         mean_length=sum(lengths) / len(lengths), truncation_rate=truncated / len(lengths), samples=samples,
         reward_errors=failures[0], reward_timeouts=failures[1])
@@ -158,18 +156,21 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
 def write_samples(samples: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
     """Write ``samples`` (:attr:`EvalResult.samples`) to ``path``, one JSON object a line."""
     with open(path, "w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
+        f.writelines(json.dumps(s) + "\n" for s in samples)
 
 
-def _check_context(model: torch.nn.Module, ids: Sequence[Sequence[int]], max_tokens: int,
-                   names: Sequence[Any]) -> None:
-    """Every prompt plus ``max_tokens`` new tokens must fit in the model's ``max_position_embeddings``."""
-    context = model.config.max_position_embeddings
-    for name, prompt in zip(names, ids):
-        if len(prompt) + max_tokens > context:
-            raise ValueError(f"prompt {name} has {len(prompt)} tokens; with max_tokens={max_tokens} that exceeds the "
-                             f"model's context of {context} positions (max_position_embeddings); lower max_tokens")
+def _generate(engine: RolloutEngine, tokenizer: Any, texts: Sequence[str], params: Sequence[SamplingParams],
+              names: Sequence[Any]) -> tuple[list[Any], list[str]]:
+    """The engine's completions of the rendered prompts ``texts`` and their decoded texts; first, every prompt
+    (named ``names[i]`` in the error) plus its ``max_tokens`` must fit in the model's ``max_position_embeddings``."""
+    ids = [encode_prompt(tokenizer, t) for t in texts]
+    context = engine.model.config.max_position_embeddings
+    for name, prompt, p in zip(names, ids, params):
+        if len(prompt) + p.max_tokens > context:
+            raise ValueError(f"prompt {name} has {len(prompt)} tokens; with max_tokens={p.max_tokens} that exceeds "
+                             f"the model's context of {context} positions (max_position_embeddings); lower max_tokens")
+    completions = engine.generate(ids, params)
+    return completions, [decode_completion(tokenizer, c.token_ids) for c in completions]
 
 
 def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, seed: int = EVAL_SEED,
@@ -213,10 +214,7 @@ def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, len(texts) * n)))
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(texts))]
-    ids = [encode_prompt(tokenizer, t) for t in texts]
-    _check_context(model, ids, max_tokens, range(len(ids)))
-    completions = engine.generate(ids, params)
-    outs = [decode_completion(tokenizer, c.token_ids) for c in completions]
+    _, outs = _generate(engine, tokenizer, texts, params, range(len(texts)))
     return [outs[i * n:(i + 1) * n] for i in range(len(texts))]
 
 

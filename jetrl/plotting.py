@@ -73,10 +73,7 @@ def load_run(run: str | Path, label: str | None = None) -> RunCurves:
     """Read a run's ``metrics.jsonl`` (a partial last line from a killed run is skipped)."""
     path = _metrics_path(run)
     records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
+    for line in filter(str.strip, path.read_text().splitlines()):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

@@ -15,12 +15,8 @@ from tqdm.auto import tqdm
 
 
 class Progress:
-    """A progress bar over ``total`` units (None when the total is unknown), labelled ``desc``.
-
-    ``update(n)`` advances it by ``n`` units; ``set_postfix(name=value, ...)`` shows the latest values after
-    the counts (format numbers before passing them); ``close()`` ends the line. With ``enabled=False`` every
-    call does nothing.
-    """
+    """A progress bar over ``total`` units (None when the total is unknown), labelled ``desc``; with
+    ``enabled=False`` every call does nothing. ``set_postfix`` takes values already formatted as text."""
 
     def __init__(self, total: int | None, desc: str, unit: str = "it", enabled: bool = True) -> None:
         if total is not None and total < 0:

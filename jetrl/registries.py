@@ -79,8 +79,9 @@ def configuration_reference() -> str:
 
     out = ["", "## Kernel settings", "",
            "`kernels: [KEY=VALUE, ...]` sets these for the whole run (the benchmarks' `--tuning` and arms take the "
-           "same). None changes a result's bits except the GEMM path, exact mode's K split (`exact_split_k`) and the FP8-cache decode attention's tiles and splits (summation order); the rest are "
-           "schedules. What each does in depth: `jetrl.quant.kernels.tuning.KernelTuning`'s family docstrings.", ""]
+           "same). None changes a result's bits except the GEMM path, exact mode's K split (`exact_split_k`) and the "
+           "FP8-cache decode attention's tiles and splits (summation order); the rest are schedules. "
+           "What each does in depth: `jetrl.quant.kernels.tuning.KernelTuning`'s family docstrings.", ""]
     family = None
     for fam, name, default, rule, meaning in setting_docs():
         if fam != family:

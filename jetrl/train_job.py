@@ -24,8 +24,7 @@ from jetrl.evaluate import EVAL_SEED, held_out_accuracy
 from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
 from jetrl.progress import Progress
 from jetrl.rl.loop import EVAL_FILE, PLOT_FILE, run, run_settings
-from jetrl.train.checkpoint import latest_checkpoint
-from jetrl.train.policy import CHECKPOINT_SUBDIR
+from jetrl.train.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
 
 
 @dataclass

@@ -89,11 +89,13 @@ def section_doc(cls: type) -> str:
     return "\n\n".join(" ".join(line.strip() for line in block.splitlines()) for block in text.split("\n\n"))
 
 
-def registry_kinds(cls: type = RunConfig) -> list[str]:
-    """Every registry kind a field of the tree names, in field order, each once."""
-    kinds: list[str] = []
+def registry_kinds(cls: type = RunConfig) -> dict[str, list[str]]:
+    """Every registry kind a field of the tree names, in field order -> the dotted keys of those fields."""
+    kinds: dict[str, list[str]] = {}
     for prefix, section in sections(cls):
-        kinds += [d.registry for d in field_docs(section, prefix) if d.registry and d.registry not in kinds]
+        for d in field_docs(section, prefix):
+            if d.registry:
+                kinds.setdefault(d.registry, []).append(d.key)
     return kinds
 
 
@@ -121,8 +123,7 @@ def yaml_value(value: Any) -> str:
         return "[" + ", ".join(yaml_value(v) for v in value) + "]"
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"a config value must be finite, got {value}")
-    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf).rstrip("\n")
-    text = text.removesuffix("\n...").rstrip("\n")
+    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf).rstrip("\n").removesuffix("\n...")
     if "\n" in text or yaml.safe_load(text) != value:
         text = json.dumps(value)  # a JSON string is a YAML double-quoted scalar
     return text
@@ -149,19 +150,17 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def _anchor(prefix: str) -> str:
-    return prefix.replace(".", "") if prefix else "top-level"
-
-
 def reference_markdown(registries: Mapping[str, Registry]) -> str:
     """The configuration reference (``docs/configuration.md``): every section and field of the schema with its
     type, default and meaning, then the valid names of every registry. ``registries`` maps each kind that a
     field names (:func:`registry_kinds`) to its names; a kind missing there is a KeyError."""
-    missing = [kind for kind in registry_kinds() if kind not in registries]
+    used = registry_kinds()
+    missing = [kind for kind in used if kind not in registries]
     if missing:
         raise KeyError(f"no registry given for {missing}")
     all_sections = sections()
-    toc = ", ".join(f"[{'`' + p + '`' if p else 'top level'}](#{_anchor(p)})" for p, _ in all_sections)
+    toc = ", ".join(f"[{'`' + p + '`' if p else 'top level'}](#{p.replace('.', '') or 'top-level'})"
+                    for p, _ in all_sections)
     out = [
         "# Configuration reference",
         "",
@@ -199,17 +198,12 @@ def reference_markdown(registries: Mapping[str, Registry]) -> str:
     out += ["", "## Registries", "",
             "The names a field accepts, read from the registry that defines them (a name added there is valid in "
             "a config at once).", "", "| registry | fields | defined in | names |", "| --- | --- | --- | --- |"]
-    used: dict[str, list[str]] = {}
-    for prefix, cls in all_sections:
-        for d in field_docs(cls, prefix):
-            if d.registry:
-                used.setdefault(d.registry, []).append(f"`{d.key}`")
-    for kind in registry_kinds():
+    for kind, keys in used.items():
         reg = registries[kind]
         names = ", ".join(f"`{n}`" for n in reg.names) + (f"; {reg.also}" if reg.also else "")
-        out.append(f"| {reg.title} | {', '.join(used[kind])} | `{reg.source}` | {_cell(names)} |")
+        out.append(f"| {reg.title} | {', '.join(f'`{k}`' for k in keys)} | `{reg.source}` | {_cell(names)} |")
     return "\n".join(out) + "\n"
 
 
-__all__ = ["Registry", "FieldDoc", "REGENERATE", "sections", "section_of", "field_docs", "section_doc", "registry_kinds",
-           "type_text", "yaml_value", "commented_yaml", "reference_markdown"]
+__all__ = ["Registry", "FieldDoc", "REGENERATE", "sections", "section_of", "field_docs", "section_doc",
+           "registry_kinds", "type_text", "yaml_value", "commented_yaml", "reference_markdown"]

@@ -121,13 +121,10 @@ class ModelConfig(_Section):
 
     def validate(self) -> None:
         self._choice("dtype", DTYPES)
-        if self.checkpoint_blocks is not None:
-            if self.checkpoint_blocks < 0:
-                raise ConfigError(f"model.checkpoint_blocks must be >= 0 (or null: every block), got "
-                                  f"{self.checkpoint_blocks}")
-            if not self.gradient_checkpointing:
-                raise ConfigError("model.checkpoint_blocks applies with model.gradient_checkpointing: true; set it, "
-                                  "or drop checkpoint_blocks")
+        self._at_least(0, "checkpoint_blocks")
+        if self.checkpoint_blocks is not None and not self.gradient_checkpointing:
+            raise ConfigError("model.checkpoint_blocks applies with model.gradient_checkpointing: true; set it, "
+                              "or drop checkpoint_blocks")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
@@ -247,10 +244,6 @@ class AlgorithmConfig(_Section):
         self._at_least(0.0, "kl_coef", "entropy_coef")
         self._at_least(1.0, "tis_cap")
         self._at_least(1, "ppo_epochs", "mini_batch_size", "micro_batch_size", "max_tokens_per_micro_batch")
-        if self.max_tokens_per_micro_batch is None and self.mini_batch_size is not None \
-                and self.mini_batch_size % self.micro_batch_size:
-            raise ConfigError(f"algorithm.mini_batch_size ({self.mini_batch_size}) must be divisible by "
-                              f"algorithm.micro_batch_size ({self.micro_batch_size})")
 
 
 @dataclass
@@ -475,10 +468,6 @@ def is_section_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
 def coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
     """Check ``value`` against the annotation ``tp`` (parsing it from a string when ``from_string``)."""
     origin = typing.get_origin(tp)
@@ -546,7 +535,7 @@ def coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigTypeError(f"{key} must be a string, got {type(value).__name__} ({value!r})")
-    raise ConfigTypeError(f"{key}: unsupported config field type {_type_name(tp)}")
+    raise ConfigTypeError(f"{key}: unsupported config field type {getattr(tp, '__name__', tp)}")
 
 
 def field_types(cls: type) -> dict[str, Any]:
@@ -586,6 +575,6 @@ def to_dict(config: Any) -> dict[str, Any]:
 
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
-    "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names", "DTYPES",
-    "WEIGHTS_ONLY", "ON_DISK_FULL", "check_choice", "setting",
+    "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names",
+    "DTYPES", "WEIGHTS_ONLY", "ON_DISK_FULL", "check_choice", "setting",
 ]

@@ -37,17 +37,11 @@ class ColumnMap:
         if self.messages is None and self.prompt is None:
             raise ValueError("ColumnMap: one of prompt or messages must name a column")
 
-    def required(self) -> list[tuple[str, str]]:
-        """(role, column) pairs that every row must have."""
-        pairs = [("prompt", self.prompt), ("messages", self.messages), ("answer", self.answer)]
-        return [(role, col) for role, col in pairs if col is not None]
-
 
 @dataclass(frozen=True)
 class DatasetFormat:
     """A ready-made dataset layout: its columns, default prompt instruction and reward function name."""
 
-    name: str
     columns: ColumnMap
     instruction: str
     reward: str | None
@@ -58,10 +52,10 @@ MATH_INSTRUCTION = "{prompt}\nLet's think step by step and output the final answ
 
 DATASET_FORMATS: dict[str, DatasetFormat] = {
     # GSM8K: ``answer`` is the worked solution ending in ``#### N``; gsm8k_reward reads N from it.
-    "gsm8k": DatasetFormat("gsm8k", ColumnMap(prompt="question", answer="answer"), GSM8K_INSTRUCTION, "gsm8k"),
+    "gsm8k": DatasetFormat(ColumnMap(prompt="question", answer="answer"), GSM8K_INSTRUCTION, "gsm8k"),
     # MATH / MATH-500: the reference is the short ``answer``.
-    "math": DatasetFormat("math", ColumnMap(prompt="problem", answer="answer"), MATH_INSTRUCTION, "math"),
-    "custom": DatasetFormat("custom", ColumnMap(), "{prompt}", None),
+    "math": DatasetFormat(ColumnMap(prompt="problem", answer="answer"), MATH_INSTRUCTION, "math"),
+    "custom": DatasetFormat(ColumnMap(), "{prompt}", None),
 }
 
 
@@ -122,8 +116,8 @@ class PromptDataset(Sequence[Prompt]):
 def prompts_from_rows(rows: Sequence[dict[str, Any]], columns: ColumnMap, available: Sequence[str],
                       source: str = "<rows>") -> list[Prompt]:
     """Map table rows to prompts; unknown columns and missing or null values fail with the row number."""
-    for role, col in columns.required():
-        if col not in available:
+    for role, col in (("prompt", columns.prompt), ("messages", columns.messages), ("answer", columns.answer)):
+        if col is not None and col not in available:
             raise ValueError(f"{source}: unknown {role} column {col!r}; available columns: "
                              f"{', '.join(map(repr, available))}")
     prompts = []

@@ -166,8 +166,6 @@ class RewardPool:
         except Exception as e:
             raise TypeError(f"reward function {reward_fn!r} cannot be sent to worker processes ({e}); define it at "
                             "module level (no lambdas or closures) or name it as 'package.module:function'") from None
-        self.total_timeouts = 0
-        self.total_errors = 0
         self._startup_deaths = 0
         self._workers: list[_Worker] = []
         if self.config.num_workers > 0:
@@ -226,8 +224,6 @@ class RewardPool:
                     raise
         # the messages of the lowest-numbered failed samples, whatever order the workers finished in
         result.errors = [message for _, message in sorted(result._failures)[:MAX_ERROR_MESSAGES]]
-        self.total_timeouts += result.num_timeouts
-        self.total_errors += result.num_errors
         return result
 
     def _record(self, result: RewardResult, index: int, value: float, error: str | None, kind: str = "error") -> None:
@@ -280,22 +276,20 @@ class RewardPool:
                         continue
                     worker.pending.extend(chunk)
                     worker.progress_at = now
-            deadlines = []
-            for worker in self._workers:
-                if not worker.ready:
-                    deadlines.append(worker.started_at + STARTUP_TIMEOUT_S)
-                elif worker.pending:
-                    deadlines.append(worker.progress_at + cfg.timeout_s)
+            busy = [w for w in self._workers if w.pending or not w.ready]
+            deadlines = [w.progress_at + cfg.timeout_s if w.ready else w.started_at + STARTUP_TIMEOUT_S for w in busy]
             wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            watched = {w.conn: w for w in self._workers if w.pending or not w.ready}
-            sentinels = {w.process.sentinel: w for w in self._workers if w.pending or not w.ready}
+            watched = {w.conn: w for w in busy}
+            sentinels = {w.process.sentinel: w for w in busy}
             ready_objs = wait(list(watched) + list(sentinels), timeout=wait_s)
             now = time.monotonic()
             dead: list[_Worker] = []
             for obj in ready_objs:
-                worker = watched.get(obj)
-                if worker is None:
+                if obj in sentinels:
+                    if not sentinels[obj].process.is_alive():
+                        dead.append(sentinels[obj])
                     continue
+                worker = watched[obj]
                 try:
                     while worker.conn.poll():
                         message = worker.conn.recv()  # ("ready"|"init_error", detail) or (index, value, error)
@@ -314,12 +308,8 @@ class RewardPool:
                             worker.progress_at = now
                 except (EOFError, OSError):
                     dead.append(worker)
-            for obj in ready_objs:
-                worker = sentinels.get(obj)
-                if worker is not None and not worker.process.is_alive():
-                    dead.append(worker)
             for worker in list(self._workers):
-                if any(worker is d for d in dead):
+                if worker in dead:
                     if worker.pending:
                         worker.process.join(timeout=1.0)
                         code = worker.process.exitcode

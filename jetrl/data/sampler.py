@@ -38,8 +38,6 @@ class EpochSampler:
 
     def take(self, count: int) -> list[int]:
         """The next ``count`` indices, moving into the next epoch when this one runs out."""
-        if count < 0:
-            raise ValueError(f"count must be >= 0, got {count}")
         out: list[int] = []
         while len(out) < count:
             if self._order is None:
@@ -77,8 +75,6 @@ class BatchLoader(Generic[T]):
     def __init__(self, dataset: Sequence[T], batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if len(dataset) == 0:
-            raise ValueError("cannot draw batches from an empty dataset")
         self.dataset = dataset
         self.batch_size = batch_size
         self.sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle)

@@ -46,8 +46,7 @@ class TemplateConfig:
 
 def has_chat_template(tokenizer: Any) -> bool:
     """True when ``tokenizer`` can render chat turns (a HF tokenizer with a non-empty ``chat_template``)."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    return has_template and callable(getattr(tokenizer, "apply_chat_template", None))
+    return bool(getattr(tokenizer, "chat_template", None)) and callable(getattr(tokenizer, "apply_chat_template", None))
 
 
 def prompt_messages(prompt: Prompt, config: TemplateConfig) -> list[dict[str, str]]:

@@ -32,7 +32,6 @@ have. The folder is removed once the final model is written (unless ``keep_check
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -43,6 +42,10 @@ import torch
 
 from jetrl.progress import Progress
 from jetrl.sft.tokenizer import save_char_tokenizer
+from jetrl.train.checkpoint import (
+    CHECKPOINT_SUBDIR, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint,
+)
+from jetrl.train.optim import LRSchedule, MasterWeightAdamW
 
 SFT_METRICS_FILE = "sft_metrics.json"  # written beside the model: the run's config, loss history and accuracy
 SFT_RECIPE = "bf16"  # the precision recipe SFT trains and evaluates in (no FP8): every recipe's warm start
@@ -188,16 +191,12 @@ def pack_examples(examples: list[tuple[list[int], int]], max_tokens: int) -> lis
     """The ``(ids, prompt length)`` sequences, in order, greedily concatenated into packs of at most
     ``max_tokens`` tokens (a new pack starts when the next sequence does not fit). Same targets as
     :func:`pad_batch`, without the padding. A sequence longer than ``max_tokens`` is an error."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     groups: list[list[tuple[list[int], int]]] = []
     used = 0
     for seq, prompt_len in examples:
         if len(seq) > max_tokens:
             raise ValueError(f"a sequence of {len(seq)} tokens does not fit a pack of {max_tokens} tokens; raise "
                              f"micro_batch_tokens")
-        if not 1 <= prompt_len <= len(seq):
-            raise ValueError(f"prompt length {prompt_len} outside [1, {len(seq)}]")
         if not groups or used + len(seq) > max_tokens:
             groups.append([])
             used = 0
@@ -231,14 +230,10 @@ def packed_answer_loss(model: torch.nn.Module, pack: Pack) -> torch.Tensor:
 
 
 def lr_at(step: int, config: SFTConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    """Linear warm-up, then cosine decay to ``min_lr_ratio * lr`` (:class:`jetrl.train.optim.LRSchedule`)."""
+    return config.lr * LRSchedule(config.warmup_steps, config.steps, "cosine", config.min_lr_ratio)(step)
 
 
-CHECKPOINT_SUBDIR = "checkpoints"
 # fields that may change between an interrupted run and its resume (they do not change the trained weights)
 RESUMABLE_CHANGES = frozenset({"output_dir", "log_every", "eval_every", "eval_examples", "checkpoint_every",
                                "keep_checkpoints", "device"})
@@ -273,8 +268,6 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     and start from step 0. Without ``resume``, an ``output_dir`` holding checkpoints is an error."""
     from jetrl.evaluate import evaluate
     from jetrl.models import build_model, save_model
-    from jetrl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-    from jetrl.train.optim import MasterWeightAdamW
 
     start = time.perf_counter()
     out = os.fspath(config.output_dir)
@@ -305,11 +298,12 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
             first_step, loss_ema = loaded.step, loaded.trainer_state["loss_ema"]
             history = loaded.trainer_state["history"]
             log(f"sft: resuming from {path} (step {first_step} of {config.steps})")
-    eval_set = config.build_task(config.eval_seed).dataset(config.eval_examples)
-    max_tokens = _max_new_tokens(config)
+    eval_task = config.build_task(config.eval_seed)
+    eval_set = eval_task.dataset(config.eval_examples)
+    # a generation budget comfortably above the longest worked solution of the task's difficulty
+    max_tokens = int(max(len(ex.solution) for ex in eval_task.examples(256)) * 1.5) + 8
     bar = Progress(config.steps, "sft", unit="step", enabled=progress)
-    if first_step:
-        bar.update(first_step)
+    bar.update(first_step)
     loop_start = time.perf_counter()
     model.train()
     for step in range(first_step, config.steps):
@@ -383,13 +377,6 @@ def _backward_step_loss(model: torch.nn.Module, examples: list[tuple[list[int], 
         loss.backward()
         total += float(loss.detach())
     return total
-
-
-def _max_new_tokens(config: SFTConfig) -> int:
-    """A generation budget comfortably above the longest worked solution of the task's difficulty."""
-    task = config.build_task(config.eval_seed)
-    longest = max(len(ex.solution) for ex in task.examples(256))
-    return int(longest * 1.5) + 8
 
 
 @dataclass(frozen=True)

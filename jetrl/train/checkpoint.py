@@ -9,7 +9,6 @@ Layout of ``<root>/step_00000042/``::
     optimizer.pt        optimizer state dict (fp32 master weights and moments), when the optimizer is passed
     scheduler.pt        LR scheduler state dict
     rng.pt              python / numpy / torch (and CUDA) RNG states, as tensors and numbers
-    extra.pt            any other state the caller passes: tensors, numbers, strings, lists, dicts (optional)
     trainer_state.json  step, data position, metrics cursor, ... (JSON, human-readable)
     COMPLETE.json       the marker: format version, step, and size + SHA-256 of every other file
 
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+CHECKPOINT_SUBDIR = "checkpoints"  # a run's checkpoints (RL and SFT), in its output folder
 MARKER = "COMPLETE.json"
 FORMAT_VERSION = 2  # 2: every .pt file loads with weights_only=True (1: pickled RNG states)
 MODEL_FILE = "model.safetensors"
@@ -112,8 +112,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = None,
                     save_model: Callable[[Path], None] | None = None, optimizer: Any = None, scheduler: Any = None,
-                    trainer_state: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                    keep_last: int | None = None) -> Path:
+                    trainer_state: dict[str, Any] | None = None, keep_last: int | None = None) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically (see module doc) and return its folder.
 
     Args:
@@ -121,14 +120,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
         save_model: ``save_model(folder)`` writes the model itself (e.g. a HuggingFace checkpoint).
         optimizer, scheduler: objects with ``state_dict()``.
         trainer_state: JSON-serialisable run state (data position, metrics cursor, counters...).
-        extra: other state: tensors, numbers, strings, None, and lists / tuples / dicts of them (what
-            ``torch.load(weights_only=True)`` reads; anything else is refused here, before writing).
         keep_last: delete older complete checkpoints beyond the newest ``keep_last``.
     """
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if model is not None and save_model is not None:
-        raise ValueError("pass either model or save_model, not both")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_dir_name(step)
@@ -151,13 +144,6 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        if extra:
-            torch.save(extra, tmp / "extra.pt")
-            try:
-                torch.load(tmp / "extra.pt", weights_only=True)
-            except Exception as e:
-                raise TypeError("extra must hold only tensors, numbers, strings, None and lists / tuples / dicts of "
-                                f"them (it is loaded with weights_only=True): {e}") from None
         (tmp / "trainer_state.json").write_text(state_text)
 
         files = {}
@@ -184,15 +170,11 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
     return final
 
 
-def remove_stale_temporaries(root: str | Path) -> list[Path]:
+def remove_stale_temporaries(root: str | Path) -> None:
     """Delete the ``.tmp-step_*`` folders under ``root`` (left by a save that was killed or failed: never a
-    checkpoint, but they hold disk space); returns them. The folder belongs to one run, so no other save is
-    under way there."""
-    root = Path(root)
-    stale = sorted(root.glob(".tmp-step_*")) if root.is_dir() else []
-    for path in stale:
+    checkpoint, but they hold disk space). The folder belongs to one run, so no other save is under way there."""
+    for path in Path(root).glob(".tmp-step_*"):
         shutil.rmtree(path, ignore_errors=True)
-    return stale
 
 
 def _remove_checkpoint(path: Path) -> None:
@@ -216,19 +198,14 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def prune_checkpoints(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete every checkpoint folder older than the newest ``keep_last`` complete ones; returns them."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+def prune_checkpoints(root: str | Path, keep_last: int) -> None:
+    """Delete every checkpoint folder older than the newest ``keep_last`` (>= 1) complete ones."""
     entries = list_checkpoints(root)
     complete = [step for step, path in entries if verify_checkpoint(path) is None]
-    if len(complete) <= keep_last:
-        return []
-    oldest_kept = complete[-keep_last]
-    removed = [path for step, path in entries if step < oldest_kept]
-    for path in removed:
-        _remove_checkpoint(path)
-    return removed
+    if len(complete) > keep_last:
+        for step, path in entries:
+            if step < complete[-keep_last]:
+                _remove_checkpoint(path)
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -244,8 +221,7 @@ def verify_checkpoint(path: str | Path, checksums: bool = False) -> str | None:
         return f"no {MARKER} marker (the save did not finish)"
     try:
         info = json.loads(marker.read_text())
-        files = info["files"]
-        step = info["step"]
+        files, step = info["files"], info["step"]
     except (ValueError, KeyError, TypeError) as e:
         return f"unreadable marker ({e})"
     m = _STEP_DIR.match(path.name)
@@ -284,7 +260,6 @@ class LoadedCheckpoint:
     path: Path
     step: int
     trainer_state: dict[str, Any]
-    extra: dict[str, Any]
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
@@ -324,7 +299,6 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
         if not (path / fname).is_file():
             raise FileNotFoundError(f"{path} has no {fname}")
         states[fname] = load_pt(fname)
-    extra = load_pt("extra.pt") if (path / "extra.pt").is_file() else {}
     rng = load_pt("rng.pt", None)
     state = json.loads((path / "trainer_state.json").read_text())
 
@@ -343,10 +317,11 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
         if obj is not None:
             obj.load_state_dict(states[fname])
     set_rng_state(rng)
-    return LoadedCheckpoint(path, int(state["step"]), state, extra)
+    return LoadedCheckpoint(path, int(state["step"]), state)
 
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint", "prune_checkpoints",
-    "list_checkpoints", "remove_stale_temporaries", "LoadedCheckpoint", "rng_state", "set_rng_state", "checkpoint_dir_name", "MARKER",
+    "list_checkpoints", "remove_stale_temporaries", "LoadedCheckpoint", "rng_state", "set_rng_state",
+    "checkpoint_dir_name", "CHECKPOINT_SUBDIR", "MARKER",
 ]

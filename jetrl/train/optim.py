@@ -1,4 +1,5 @@
-"""The optimizer side of a training step (RL and SFT): AdamW on fp32 master state, clipping, LR schedule, non-finite guard.
+"""The optimizer side of a training step (RL and SFT): AdamW on fp32 master state, clipping, LR schedule,
+non-finite guard.
 
 **Master weights.** RL updates are tiny (learning rates around 1e-6), far below the resolution of a BF16
 weight (8 mantissa bits: a relative step of 2^-8), so applying AdamW directly to BF16 parameters would
@@ -49,9 +50,6 @@ class MasterWeightAdamW:
             raise ValueError("MasterWeightAdamW got no trainable parameters")
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("MasterWeightAdamW got the same parameter twice (tied weights: pass model.parameters())")
-        for p in self.params:
-            if not p.is_floating_point():
-                raise TypeError(f"cannot optimise a {p.dtype} parameter")
         placeholders = [p for p in self.params if _released(p)]
         if placeholders:
             raise ValueError(f"{len(placeholders)} parameters are placeholders of FP8 weights whose values live in "
@@ -170,8 +168,6 @@ class LRSchedule:
     def __init__(self, warmup_steps: int, total_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0):
         if schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown LR schedule {schedule!r}; choose one of {LR_SCHEDULES}")
-        if warmup_steps < 0 or total_steps < 1:
-            raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         self.schedule, self.min_lr_ratio = schedule, min_lr_ratio
 
@@ -188,11 +184,11 @@ class LRSchedule:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
-def build_lr_scheduler(optimizer: MasterWeightAdamW | torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                       schedule: str = "constant", min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` driven by :class:`LRSchedule`, stepped once per applied optimizer step."""
-    inner = optimizer.inner if isinstance(optimizer, MasterWeightAdamW) else optimizer
-    return torch.optim.lr_scheduler.LambdaLR(inner, LRSchedule(warmup_steps, total_steps, schedule, min_lr_ratio))
+def build_lr_scheduler(optimizer: MasterWeightAdamW, warmup_steps: int, total_steps: int, schedule: str = "constant",
+                       min_lr_ratio: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` on ``optimizer.inner`` driven by :class:`LRSchedule`, stepped once per applied optimizer step."""
+    factor = LRSchedule(warmup_steps, total_steps, schedule, min_lr_ratio)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer.inner, factor)
 
 
 @dataclass
@@ -212,10 +208,6 @@ class OptimizerStepper:
     def __init__(self, model: nn.Module, optimizer: MasterWeightAdamW,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, grad_clip: float | None = 1.0,
                  max_consecutive_nonfinite: int = 3) -> None:
-        if grad_clip is not None and not grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {grad_clip}")
-        if max_consecutive_nonfinite < 0:
-            raise ValueError(f"max_consecutive_nonfinite must be >= 0, got {max_consecutive_nonfinite}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.grad_clip = grad_clip
         self.max_consecutive_nonfinite = max_consecutive_nonfinite

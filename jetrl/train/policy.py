@@ -3,13 +3,6 @@ resumes from, and whether a fresh run may write into an output folder.
 
 Shared by every training loop that checkpoints a :class:`TrainerLike` (the RL trainer); the files themselves are
 :mod:`jetrl.train.checkpoint`'s atomic, checksummed folders.
-
-* **Which steps**: :func:`checkpoint_due`, :func:`weights_only_at`.
-* **Writing**: :func:`save_trainer_checkpoint` (sharded tensors from every rank, HuggingFace exports from rank 0),
-  checked first against the free disk space (:func:`checkpoint_size`).
-* **Resuming**: :func:`resume_trainer` (the latest undamaged checkpoint, at any number of ranks),
-  :func:`check_resumable`.
-* **The output folder**: :func:`claim_output_dir` (a folder belongs to one run).
 """
 
 from __future__ import annotations
@@ -25,18 +18,18 @@ import torch
 from jetrl.config import ConfigError, TrainerConfig
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, is_sharded, load_sharded, save_sharded
 from jetrl.train.checkpoint import (
-    checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint, remove_stale_temporaries, save_checkpoint,
+    CHECKPOINT_SUBDIR, checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint,
+    remove_stale_temporaries, save_checkpoint,
 )
 from jetrl.train.optim import MasterWeightAdamW
 
-CHECKPOINT_SUBDIR = "checkpoints"  # a run's checkpoints, in its output folder
 MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
 FP8_MODEL_SUBDIR = "model_fp8"  # with trainer.export_fp8: the block-FP8 export of the same weights
 
 
 class TrainerLike(Protocol):
     """What the policy reads and restores of a trainer (:class:`jetrl.rl.trainer.Trainer` is one): its model,
-    master-weight optimizer, LR scheduler, ranks (:class:`jetrl.parallel.Parallel`), step count and the state a
+    master-weight optimizer, LR scheduler, ranks (:class:`jetrl.parallel.ParallelContext`), step count and the state a
     resume needs beyond those."""
 
     model: torch.nn.Module
@@ -66,7 +59,8 @@ def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def _write_model_state(trainer: TrainerLike, folder: Path, hf_format: bool, export_fp8: bool, weights_only: bool) -> None:
+def _write_model_state(trainer: TrainerLike, folder: Path, hf_format: bool, export_fp8: bool,
+                       weights_only: bool) -> None:
     """Every rank, together: the sharded model + optimizer state (DCP; not for ``weights_only``), then the
     HuggingFace exports, written by rank 0 from the gathered full weights."""
     if not weights_only:
@@ -270,6 +264,6 @@ def claim_output_dir(out: str | Path, *, resume: bool, overwrite: bool, outputs:
     return out
 
 
-__all__ = ["CHECKPOINT_SUBDIR", "MODEL_SUBDIR", "FP8_MODEL_SUBDIR", "TrainerLike", "checkpoint_due", "weights_only_at",
-           "checkpoint_size", "save_trainer_checkpoint", "resume_trainer", "check_resumable", "claim_output_dir",
-           "CheckpointSpaceError", "CheckpointWriteError"]
+__all__ = ["CHECKPOINT_SUBDIR", "MODEL_SUBDIR", "FP8_MODEL_SUBDIR", "TrainerLike", "checkpoint_due",
+           "weights_only_at", "checkpoint_size", "save_trainer_checkpoint", "resume_trainer", "check_resumable",
+           "claim_output_dir", "CheckpointSpaceError", "CheckpointWriteError"]

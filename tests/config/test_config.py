@@ -83,7 +83,7 @@ def test_wrong_types(tmp_path, data, message):
     (["--data.prompts_per_step=3", "--rollout.n=4", "--algorithm.mini_batch_size=8"],
      r"rollout batch .* = 12 sequences\) must be divisible by algorithm.mini_batch_size \(8\)"),
     (["--algorithm.mini_batch_size=32", "--algorithm.micro_batch_size=5"],
-     r"algorithm.mini_batch_size \(32\) must be divisible by algorithm.micro_batch_size \(5\)"),
+     r"the mini-batch \(32 sequences\) must be divisible by algorithm.micro_batch_size \(5\)"),
     (["--algorithm.max_tokens_per_micro_batch=100"], r"must hold the longest sequence .* = 1024"),
     (["--algorithm.tis_cap=0.5"], r"algorithm.tis_cap must be >= 1.0"),
     (["--optim.schedule=cosinus"], r"did you mean 'cosine'"),

@@ -29,10 +29,9 @@ def test_hang_raise_crash_nan_score_zero_in_bounded_time():
         assert "sample 3: RuntimeError: reward function exploded" in messages
         assert "sample 4: reward worker died (exit code" in messages and "sample 5: non-finite reward" in messages
         assert "sample 1: timed out after 1 s" in messages
-        # The pool keeps working after replacing its workers, and counts across calls.
+        # The pool keeps working after replacing its workers.
         again = pool.score(["a", "b"] * 50, ["a", "x"] * 50)
         assert again.rewards == [1.0, 0.0] * 50 and again.num_failed == 0
-        assert (pool.total_timeouts, pool.total_errors) == (2, 3)
 
 
 def test_everything_hangs_still_returns():

@@ -82,8 +82,6 @@ class Task(ABC):
     def dataset(self, num_examples: int, start: int = 0) -> PromptDataset:
         """``num_examples`` prompts (indices ``start ...``) scored by this task's reward. Use a different
         ``seed`` (or a disjoint ``start`` range) for an evaluation set."""
-        if num_examples < 1:
-            raise ValueError(f"num_examples must be >= 1, got {num_examples}")
         prompts = [ex.to_prompt() for ex in self.examples(num_examples, start)]
         name = f"{self.name}(seed={self.seed})"
         return PromptDataset(prompts, name=name, reward=self.name, template=TemplateConfig())
