@@ -511,9 +511,9 @@ def decode_sweep_policies(m: int) -> list:
     budget runs out, after the same variants for every shape)."""
     from dataclasses import replace
 
-    from jetrl.quant.kernels import gemm_decode_triton as dk
+    from jetrl.quant.kernels import tuning
 
-    base = dk.decode_policy(m)
+    base = tuning.current().decode_policy(m)
     if m <= 64:
         kws = [{}, dict(tma=True), dict(k_unroll=2), dict(tma=True, k_unroll=2),
                dict(block_n=128, num_warps=8, tma=True, k_unroll=2), dict(block_n=128, num_warps=8),

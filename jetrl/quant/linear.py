@@ -317,11 +317,9 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
     if exact:
         if torch.is_grad_enabled() or x_fp8 is None:
             return None
-        weights = [m._cached_weights(with_transpose=False)[0] for m in modules]
+        weights = [m.quantized_weight() for m in modules]
         out = backend.grouped_gemm_exact(x_fp8, weights, out_dtype=x.dtype)
-        if out is None:
-            return None
-        if modules[0].bias is None:
+        if out is None or modules[0].bias is None:
             return out
         return torch.cat([y + m.bias.to(y.dtype) if m.bias is not None else y  # each bias as FP8Linear adds it
                           for m, y in zip(modules, out.split([m.out_features for m in modules], dim=1))], dim=1)

@@ -25,7 +25,7 @@ def test_policies_cover_every_row_count_in_order():
     bounds = [p.max_m for p in DEFAULTS.decode_policies]
     assert bounds == sorted(bounds) and bounds[-1] == dk.DECODE_GEMM_MAX_M
     for m in (1, 32, 33, 64, 65, 128, 129, 256):
-        assert dk.decode_policy(m).max_m == min(b for b in bounds if b >= m)
+        assert DEFAULTS.decode_policy(m).max_m == min(b for b in bounds if b >= m)
 
 
 def test_policy_splits_fill_the_gpu():
@@ -51,9 +51,9 @@ def test_grouped_and_single_launches_are_looked_up_apart():
     single = dk.default_decode_config(32, 28672, 4096, CPU)
     grouped = dk.default_decode_config(32, 28672, 4096, CPU, grouped=True)
     assert single == DEFAULTS.decode_shape_configs[(32, 28672, 4096, False)]
-    assert grouped == dk.decode_policy(32).config(32, 28672, 4096, 132) != single
+    assert grouped == DEFAULTS.decode_policy(32).config(32, 28672, 4096, 132) != single
     # beyond M = 64 only the policies apply to shapes without a measured entry there
-    assert dk.default_decode_config(65, 4096, 14336, CPU) == dk.decode_policy(65).config(65, 4096, 14336, 132)
+    assert dk.default_decode_config(65, 4096, 14336, CPU) == DEFAULTS.decode_policy(65).config(65, 4096, 14336, 132)
 
 
 @pytest.mark.parametrize("bad", [dict(block_n=48), dict(block_n=512), dict(block_m=8), dict(k_unroll=3),

@@ -25,11 +25,12 @@ decode routing; ``gluon``). Importing this module imports Triton; the seam impor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from jetrl.quant import reference
+from jetrl.quant.backend import KERNEL_DTYPES, GemmWeight
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
 from jetrl.quant.kernels import bias_triton
 from jetrl.quant.kernels import gemm_decode_triton as dk
@@ -40,9 +41,6 @@ from jetrl.quant.kernels import quantize_gluon
 from jetrl.quant.kernels import quantize_triton as tk
 from jetrl.quant.kernels import tuning
 
-if TYPE_CHECKING:
-    from jetrl.quant.backend import GemmWeight
-
 
 def uses_gluon(x: torch.Tensor) -> bool:
     """Whether the Gluon kernels quantize ``x``: ``tuning.gluon`` on, Gluon in the installed Triton, rows with
@@ -50,18 +48,15 @@ def uses_gluon(x: torch.Tensor) -> bool:
     return tuning.current().gluon and quantize_gluon.available() and (x.numel() == 0 or x.stride(1) == 1)
 
 
+def _gluon_quantizes(x: torch.Tensor) -> bool:
+    """Whether the Gluon kernels quantize the float input ``x``: :func:`uses_gluon`, and a dtype they read."""
+    return uses_gluon(x) and x.dtype in KERNEL_DTYPES
+
+
 def act_and_token_path(x: torch.Tensor) -> str:
     """How grad_out's 1x128 and 128x1 blockings are made: ``"gluon-one-pass"`` (one read of x) or
     ``"triton-two-kernels"`` (the fastest path without Gluon: the 1x128 kernel, then the 128x1 kernel)."""
-    if uses_gluon(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return "gluon-one-pass"
-    return "triton-two-kernels"
-
-
-def _quantize_token(x: torch.Tensor, pow2_scale: bool, whole_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if uses_gluon(x) and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return quantize_gluon.quantize_token_128x1(x, pow2_scale, whole_blocks)
-    return tk.quantize_token_128x1(x, pow2_scale, whole_blocks)
+    return "gluon-one-pass" if _gluon_quantizes(x) else "triton-two-kernels"
 
 
 def _check_cuda(x: torch.Tensor, what: str) -> None:
@@ -137,7 +132,8 @@ class CudaBackend:
         if block == ACT:
             data, scale = tk.quantize_act_1x128(x, pow2_scale)
         elif block == TOKEN:
-            data, scale = _quantize_token(x, pow2_scale, whole_blocks)
+            kernels = quantize_gluon if _gluon_quantizes(x) else tk
+            data, scale = kernels.quantize_token_128x1(x, pow2_scale, whole_blocks)
         elif whole_blocks and x.shape[0] % 128:
             return self.quantize(reference.pad_to_whole_blocks(x, block), block, pow2_scale)
         else:
@@ -178,10 +174,8 @@ class CudaBackend:
         block = check_block(block)
         _check_cuda(t.data, "the FP8 tensor")
         if t.block == ACT and block == TOKEN:
-            if uses_gluon(t.data):
-                data, scale = quantize_gluon.requantize_act_to_token(t.data, t.scale, pow2_scale, whole_blocks)
-            else:
-                data, scale = tk.requantize_act_to_token(t.data, t.scale, pow2_scale, whole_blocks)
+            kernels = quantize_gluon if uses_gluon(t.data) else tk
+            data, scale = kernels.requantize_act_to_token(t.data, t.scale, pow2_scale, whole_blocks)
             return Fp8Tensor(data, scale, TOKEN)
         # rare pairs: same arithmetic, unfused
         return self.quantize(t.dequantize(), block, pow2_scale, whole_blocks=whole_blocks)

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.decode_splits import LOG2E
-from jetrl.quant.kernels.paged_attention_triton import _load_kv_rows, check_kv_cache
+from jetrl.quant.kernels.paged_attention_triton import _load_kv_rows, _sequence_and_head, check_kv_cache
 from jetrl.quant.reference import EXACT_KV_CHUNK
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
 
@@ -202,15 +202,6 @@ def _attend_chunk(q, m_i, l_i, acc, t, limit, end, d, d_ok, table_row, k_head, v
                       q.dtype, FP8)
     l_i, acc = _acc_update(l_i, acc, alpha, p, v, IEEE)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _sequence_and_head(tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh,
-                       stride_ksh, stride_vsh):
-    """The block-table row of sequence ``seq`` and the K, V (and, for an FP8 cache, their scales') pointers of
-    KV head ``kv_head``: (table row, k, v, k scale, v scale)."""
-    return (tables_ptr + seq.to(tl.int64) * stride_ts, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
-            ks_ptr + kv_head * stride_ksh, vs_ptr + kv_head * stride_vsh)
 
 
 @triton.jit

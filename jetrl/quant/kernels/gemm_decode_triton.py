@@ -25,8 +25,7 @@ from triton.language.extra.cuda import gdc_wait
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.decode_splits import sm_count
 from jetrl.quant.kernels.quantize_triton import BLOCK, _cdiv, cast_rne
-from jetrl.quant.kernels.tuning import COMPILE_OPTIONS
-from jetrl.quant.kernels.tuning import DECODE_GEMM_MAX_M, DecodeGemmConfig, DecodePolicy  # noqa: F401 (re-exported)
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, DECODE_GEMM_MAX_M, DecodeGemmConfig
 
 
 @triton.jit  # M stays specialized: the rollout replays it at the CUDA graphs' sizes, multiples of 16 from 16 on
@@ -196,11 +195,6 @@ _LOCK_SLOTS = 1 << 14
 def _sm_count(device: torch.device) -> int:
     """The SMs the default configs aim at: the GPU's, an H200's 132 off the GPU (the interpreter)."""
     return sm_count(device) if device.type == "cuda" else 132
-
-
-def decode_policy(m: int) -> DecodePolicy:
-    """The policy of the tuning object in force for ``m`` rows."""
-    return tuning.current().decode_policy(m)
 
 
 def default_decode_config(m: int, n: int, k: int, device: torch.device, grouped: bool = False) -> DecodeGemmConfig:

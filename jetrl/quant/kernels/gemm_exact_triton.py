@@ -289,8 +289,7 @@ def _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows: int, cfg: ExactGemmCo
         a_desc, b_desc, out, a_scale, b_scale, m, n, out.stride(0), out.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        ROW_SCALE=b_scale_rows % cfg.block_n == 0,
+        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, ROW_SCALE=b_scale_rows % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
     return out
 

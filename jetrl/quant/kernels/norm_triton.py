@@ -94,6 +94,19 @@ def _normalize_store(
                  mask=row_ok[:, None] & (grp[None, :] * QG < D))
 
 
+@triton.jit
+def _load_bwd_chunk(h_ptr, g_ptr, w_ptr, rows, cols, row_ok, D):
+    """fp32 ``h``, ``g`` (rows x cols) and ``w`` (cols) of a chunked backward tile, 0 where masked, with the tile's
+    ``col_ok``, mask and offsets."""
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    offs = rows[:, None] * D + cols[None, :]
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return h, g, w, col_ok, mask, offs
+
+
 # --------------------------------------------------------------------------------------------------
 # kernels
 
@@ -185,23 +198,12 @@ def _rms_norm_bwd_kernel(
             rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
             dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for ch in range(NUM_CHUNKS):
-                cols = ch * BLOCK_D + cols0
-                col_ok = cols < D
-                mask = row_ok[:, None] & col_ok[None, :]
-                offs = rows[:, None] * D + cols[None, :]
-                h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                h, g, w, _, _, _ = _load_bwd_chunk(h_ptr, g_ptr, w_ptr, rows, ch * BLOCK_D + cols0, row_ok, D)
                 dot += tl.sum(g * w[None, :] * (h * rstd[:, None]), axis=1)
             c = tl.div_rn(dot, tl.zeros_like(rstd) + D)
             for ch in range(NUM_CHUNKS):
                 cols = ch * BLOCK_D + cols0
-                col_ok = cols < D
-                mask = row_ok[:, None] & col_ok[None, :]
-                offs = rows[:, None] * D + cols[None, :]
-                h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                h, g, w, col_ok, mask, offs = _load_bwd_chunk(h_ptr, g_ptr, w_ptr, rows, cols, row_ok, D)
                 n = h * rstd[:, None]
                 dh = rstd[:, None] * (g * w[None, :] - n * c[:, None])
                 if HAS_GRES:

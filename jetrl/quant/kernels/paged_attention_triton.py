@@ -178,6 +178,15 @@ def _attend_tile(q, m_i, l_i, acc, t, end, d, d_ok, table_row, k_head, v_head, k
 
 
 @triton.jit
+def _sequence_and_head(tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh,
+                       stride_ksh, stride_vsh):
+    """The block-table row of sequence ``seq`` and the K, V (and, for an FP8 cache, their scales') pointers of
+    KV head ``kv_head``: (table row, k, v, k scale, v scale)."""
+    return (tables_ptr + seq.to(tl.int64) * stride_ts, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh,
+            ks_ptr + kv_head * stride_ksh, vs_ptr + kv_head * stride_vsh)
+
+
+@triton.jit
 def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_ptr, out_ptr, part_acc_ptr,
                          part_ml_ptr, scale_log2, tokens_per_split,
                          stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -214,11 +223,8 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, tables_ptr, ctx_pt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table_row = tables_ptr + seq * stride_ts
-    k_head = k_ptr + kv_head * stride_kh
-    v_head = v_ptr + kv_head * stride_vh
-    ks_head = ks_ptr + kv_head * stride_ksh  # unused unless FP8
-    vs_head = vs_ptr + kv_head * stride_vsh
+    table_row, k_head, v_head, ks_head, vs_head = _sequence_and_head(  # scale pointers: unused unless FP8
+        tables_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, seq, kv_head, stride_ts, stride_kh, stride_vh, stride_ksh, stride_vsh)
     if WHILE_LOOP:  # the interpreter cannot iterate a range over loaded values
         t0 = start
         while t0 < end:

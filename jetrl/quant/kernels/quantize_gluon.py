@@ -59,14 +59,13 @@ def _kernels():
     @gluon.jit
     def load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC: gl.constexpr):
         """The (128, 128) tile of x at (pid_m, pid_k), zero past M and K, in 16-byte coalesced loads (a row of
-        the tile is 128 / VEC threads); with its row and column indices."""
+        the tile is 128 / VEC threads)."""
         layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 * VEC // 128, 128 // VEC],
                                                 warps_per_cta=[4, 1], order=[1, 0])
         rm = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
         rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
         mask = (rm[:, None] < M) & (rk[None, :] < K)
-        tile = gl.load(x_ptr + rm[:, None].to(gl.int64) * stride_xm + rk[None, :], mask=mask, other=0.0)
-        return tile, rm, rk, mask
+        return gl.load(x_ptr + rm[:, None].to(gl.int64) * stride_xm + rk[None, :], mask=mask, other=0.0)
 
     @gluon.jit
     def tile_to_token(smem, s_smem, OUT_M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2: gl.constexpr,
@@ -106,7 +105,7 @@ def _kernels():
         elements of x per 16 bytes."""
         pid_m = gl.program_id(0)
         pid_k = gl.program_id(1)
-        tile, _, _, _ = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
+        tile = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
         smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         if HAS_SCALE:  # the row scales, loaded with the tile (one per thread), handed to all through shared memory
             one_each: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
@@ -145,7 +144,7 @@ def _kernels():
         quantization, then its rows are read back for the row quantization."""
         pid_m = gl.program_id(0)
         pid_k = gl.program_id(1)
-        tile, _, _, _ = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
+        tile = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
         smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         smem.store(tile)
         tile_to_token(smem, smem, OUT_M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
@@ -179,9 +178,8 @@ def _token(src: torch.Tensor, scale: torch.Tensor | None, pow2_scale: bool, whol
 
 def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
                             whole_blocks: bool = False):
-    """Same contract and bytes as :func:`jetrl.quant.kernels.quantize_triton.requantize_act_to_token`: 1x128 FP8
-    (data (M, K) with unit column stride, scale (M, Kb)) to 128x1. Returns the (M', K) view of a row-major
-    (K, M') data buffer and (Mb, K) row-major scales (M' = ``token_rows(M, whole_blocks)``)."""
+    """Same contract and bytes as :func:`jetrl.quant.kernels.quantize_triton.requantize_act_to_token` for data
+    (M, K) with unit column stride."""
     _check_input(data, "re-quantization", floats_only=False)
     return _token(data, scale, pow2_scale, whole_blocks)
 

@@ -332,7 +332,7 @@ def token_rows(m: int, whole_blocks: bool) -> int:
 
 def token_buffers(m: int, k: int, whole_blocks: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty 128x1 buffers for ``m`` rows: the row-major (K, M') E4M3 data, M' = :func:`token_rows`, and the
-    row-major (Mb, K) scales."""
+    row-major (Mb, K) scales. The 128x1 quantizers return them as ``(data.t(), scale)``: the (M', K) view."""
     return (torch.empty((k, token_rows(m, whole_blocks)), dtype=E4M3, device=device),
             torch.empty((_cdiv(m, BLOCK), k), dtype=torch.float32, device=device))
 
@@ -355,10 +355,9 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, *, block_m: in
 
 def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, whole_blocks: bool = False, *,
                          block_k: int = TOKEN_BLOCK_K, num_warps: int = TOKEN_NUM_WARPS):
-    """Quantize x (M, K) per 128x1 (128 rows per column). Returns the (M', K) view of a row-major (K, M')
-    data buffer and the (Mb, K) row-major scales, M' = :func:`token_rows` (``whole_blocks``: zero rows to a
-    multiple of 128, so a GEMM contracting over the rows sees whole blocks). ``block_k`` columns per program (a
-    power of two <= 128), ``num_warps``: the launch (the same bytes)."""
+    """Quantize x (M, K) per 128x1 (128 rows per column) into :func:`token_buffers` (``whole_blocks``: zero rows
+    to a multiple of 128, so a GEMM contracting over the rows sees whole blocks). ``block_k`` columns per program
+    (a power of two <= 128), ``num_warps``: the launch (the same bytes)."""
     m, k = x.shape
     tok, tok_scale = token_buffers(m, k, whole_blocks, x.device)
     if m and k:
@@ -422,10 +421,8 @@ def transpose_weight_128x128(data: torch.Tensor, scale: torch.Tensor, *,
 def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale: bool = False,
                             whole_blocks: bool = False, *, block_k: int = REQUANT_BLOCK_K,
                             num_warps: int = REQUANT_NUM_WARPS):
-    """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory.
-    Returns the (M', K) view of a row-major (K, M') data buffer and (Mb, K) row-major scales, M' =
-    :func:`token_rows` (``whole_blocks``: zero rows to a multiple of 128). ``block_k`` columns per program (a
-    power of two <= 128), ``num_warps``: the launch (the same bytes)."""
+    """1x128 FP8 (data (M, K), scale (M, Kb), any strides) to 128x1, without a BF16 copy in memory, returned as
+    by :func:`quantize_token_128x1`. ``block_k`` and ``num_warps``: the launch, as there (the same bytes)."""
     m, k = data.shape
     tok, tok_scale = token_buffers(m, k, whole_blocks, data.device)
     if m and k:

@@ -128,8 +128,6 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
     else ``None, None``. ``write_out=False`` (with ``quantize``): ``out`` is not written, and ``None`` is returned in
     its place (the caller's consumer reads the FP8 only).
     """
-    if not write_out and not quantize:
-        raise ValueError("swiglu_fwd: write_out=False needs quantize=True (otherwise nothing is returned)")
     m, k = gate.shape
     out = torch.empty((m, k), dtype=gate.dtype, device=gate.device) if write_out else None
     data = scale_buf = None
@@ -146,9 +144,7 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
             LAUNCH_DEPS=tuning.early_dependents(gate.device), WRITE_OUT=write_out, num_warps=4,
             enable_fp_fusion=False,
         )
-    if quantize:
-        return out, data, scale_buf[:, :m].t()
-    return out, None, None
+    return out, data, scale_buf[:, :m].t() if quantize else None
 
 
 def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate: torch.Tensor,
@@ -162,6 +158,5 @@ def swiglu_bwd(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, d_gate:
         _swiglu_bwd_kernel[grid](
             grad, gate, up, d_gate, d_up,
             m, k, grad.stride(0), gate.stride(0), up.stride(0), d_gate.stride(0), d_up.stride(0),
-            BLOCK_M=block_m, num_warps=4,
-            enable_fp_fusion=False,
+            BLOCK_M=block_m, num_warps=4, enable_fp_fusion=False,
         )

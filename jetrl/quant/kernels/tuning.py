@@ -65,12 +65,12 @@ DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (
 COMPILE_OPTIONS = MappingProxyType({"enable_fp_fusion": True})
 
 
-def _pow2(v: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0
-
-
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _pow2(v: int) -> bool:
+    return _int(v) and v > 0 and v & (v - 1) == 0
 
 
 @dataclass(frozen=True)
