@@ -164,6 +164,23 @@ class PagedAttentionMetadata:
         return self.max_query_len == 1
 
 
+def _check_kv_scales(k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> None:
+    """An E4M3 cache comes with both fp32 scale pools, of its shape without head_dim; a cache in the model's dtype
+    with none (the bytes alone are not the values: read or written without their scales they would be silently
+    wrong)."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (an FP8 cache) or neither")
+    if k_scale is None:
+        if E4M3 in (k_pool.dtype, v_pool.dtype):
+            raise ValueError(f"a {E4M3} cache needs its k_scale and v_scale")
+        return
+    for data, scale in ((k_pool, k_scale), (v_pool, v_scale)):
+        if data.dtype != E4M3 or scale.dtype != torch.float32 or scale.shape != data.shape[:-1]:
+            raise ValueError(f"scales go with {E4M3} pools, as fp32 of the pool's shape without head_dim; got "
+                             f"{data.dtype} {tuple(data.shape)} and {scale.dtype} {tuple(scale.shape)}")
+
+
 @dataclass
 class PagedKVCache:
     """Per-layer K/V block pools, allocated by the rollout engine: in the model's dtype, or FP8 with scales."""
@@ -175,14 +192,9 @@ class PagedKVCache:
     v_scale: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
-        if (self.k_scale is None) != (self.v_scale is None):
-            raise ValueError("PagedKVCache: give both k_scale and v_scale (an FP8 cache) or neither")
-        if self.k_scale is not None:
-            for data, scale in zip((*self.k, *self.v), (*self.k_scale, *self.v_scale)):
-                if data.dtype != E4M3 or scale.dtype != torch.float32 or scale.shape != data.shape[:-1]:
-                    raise ValueError(f"PagedKVCache: an FP8 cache needs float8_e4m3fn pools with fp32 scales of "
-                                     f"their shape without head_dim, got {data.dtype} {tuple(data.shape)} and "
-                                     f"{scale.dtype} {tuple(scale.shape)}")
+        none = [None] * len(self.k)
+        for pools in zip(self.k, self.v, self.k_scale or none, self.v_scale or none):
+            _check_kv_scales(*pools)
 
     @staticmethod
     def allocate(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -240,11 +252,7 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
     num_kv_heads, head_dim = k_cache_layer.shape[2], k_cache_layer.shape[3]
     k_flat = k_cache_layer.view(-1, num_kv_heads, head_dim)  # (num_blocks * block_size, Hkv, D)
     v_flat = v_cache_layer.view(-1, num_kv_heads, head_dim)
-    if (k_scale_layer is None) != (v_scale_layer is None):
-        raise ValueError("write_kv: give both k_scale_layer and v_scale_layer (an FP8 cache) or neither")
-    if k_scale_layer is None and E4M3 in (k_cache_layer.dtype, v_cache_layer.dtype):
-        raise ValueError(f"write_kv: {E4M3} pools need k_scale_layer and v_scale_layer (new tokens are quantized "
-                         "with one scale per token and KV head)")
+    _check_kv_scales(k_cache_layer, v_cache_layer, k_scale_layer, v_scale_layer)
     if k_scale_layer is None:
         pools = (k, v, k_cache_layer, v_cache_layer)
         copyable = (k.dtype == v.dtype == k_cache_layer.dtype == v_cache_layer.dtype and k.dtype in KERNEL_DTYPES
@@ -261,8 +269,6 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
         k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
         return
-    if k_cache_layer.dtype != E4M3 or v_cache_layer.dtype != E4M3:
-        raise TypeError(f"write_kv: scale pools go with float8_e4m3fn K/V pools, got {k_cache_layer.dtype}")
     if choose_impl(k, impl, op="kv_write") == "triton":
         from jetrl.quant.kernels.kv_cache_triton import write_kv_fp8
 
@@ -276,35 +282,27 @@ def write_kv(k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor, k: torch.
 
 
 def _row_coordinates(meta: PagedAttentionMetadata, num_rows: int, device: torch.device):
-    """For each packed row: its sequence index and its index among that sequence's new tokens."""
+    """For each packed row: its sequence index and its index among that sequence's new tokens; and each
+    sequence's number of new tokens (S,)."""
     qsl = meta.query_start_loc.to(device=device, dtype=torch.long)
     rows = torch.arange(num_rows, device=device)
     seq_of_row = torch.searchsorted(qsl[1:], rows, right=True)  # (N,)
     index_in_seq = rows - qsl[seq_of_row]  # (N,)
-    return seq_of_row, index_in_seq, qsl
+    return seq_of_row, index_in_seq, qsl[1:] - qsl[:-1]
 
 
 def _seq_lengths(cu_seqlens: list[int], num_rows: int | None = None) -> list[int]:
-    """The sequence lengths of S+1 host offsets; with ``num_rows``, checked to rise from 0 to it."""
+    """The sequence lengths of S+1 host offsets; with ``num_rows``, checked to rise from 0 to it (S >= 1)."""
     lengths = [end - start for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-    if num_rows is not None and (any(n < 0 for n in lengths) or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_rows):
+    if num_rows is not None and (not lengths or min(lengths) < 0 or cu_seqlens[0] != 0 or cu_seqlens[-1] != num_rows):
         raise ValueError(f"cu_seqlens must rise from 0 to the number of rows ({num_rows}), got {cu_seqlens}")
     return lengths
 
 
-def _paged_dims(q: torch.Tensor, k_cache_layer: torch.Tensor, k_scale: torch.Tensor | None,
-                v_scale: torch.Tensor | None) -> tuple[int, int, int, int, int]:
-    """``(num_rows, num_heads, head_dim, block_size, num_kv_heads)`` of attention over a paged cache, checked: an E4M3
-    cache comes with both scale pools, a cache in the model's dtype with none (the bytes alone are not the values:
-    read without their scales they would be attended over silently wrong)."""
-    if (k_scale is None) != (v_scale is None):
-        raise ValueError("attention over an FP8 cache needs both k_scale and v_scale (or neither: a BF16 cache)")
-    if (k_cache_layer.dtype == E4M3) != (k_scale is not None):
-        raise ValueError(f"a {E4M3} cache needs its k_scale and v_scale" if k_scale is None else
-                         f"k_scale/v_scale: scales go with a {E4M3} cache, this one is {k_cache_layer.dtype}")
-    if k_scale is not None and k_scale.shape != k_cache_layer.shape[:-1]:
-        raise ValueError(f"k_scale must have the cache's shape without head_dim {tuple(k_cache_layer.shape[:-1])}, "
-                         f"got {tuple(k_scale.shape)}")
+def _paged_dims(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[int, int, int, int, int]:
+    """``(num_rows, num_heads, head_dim, block_size, num_kv_heads)`` of attention over a paged cache, checked."""
+    _check_kv_scales(k_cache_layer, v_cache_layer, k_scale, v_scale)
     num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache_layer.shape
     if num_heads % num_kv_heads:
@@ -324,7 +322,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     ``k_scale``/``v_scale`` (num_blocks, block_size, Hkv): an FP8 cache, whose gathered keys and values are
     dequantized to ``q``'s dtype (:func:`dequantize_kv`) before the same math.
     """
-    num_rows, num_heads, head_dim, block_size, num_kv_heads = _paged_dims(q, k_cache_layer, k_scale, v_scale)
+    num_rows, num_heads, head_dim, block_size, num_kv_heads = _paged_dims(q, k_cache_layer, v_cache_layer, k_scale,
+                                                                          v_scale)
     device = q.device
     num_seqs, max_blocks = meta.block_tables.shape
     max_q = int(meta.max_query_len)
@@ -351,8 +350,7 @@ def paged_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
         q_len = torch.ones(num_seqs, dtype=torch.long, device=device)
         seq_of_row = index_in_seq = None
     else:
-        seq_of_row, index_in_seq, qsl = _row_coordinates(meta, num_rows, device)
-        q_len = qsl[1:] - qsl[:-1]  # (S,)
+        seq_of_row, index_in_seq, q_len = _row_coordinates(meta, num_rows, device)
         q_pad = q.new_zeros(num_seqs, max_q, num_heads, head_dim)
         q_pad[seq_of_row, index_in_seq] = q
     q_pad = q_pad.transpose(1, 2)  # (S, Hq, max_q, D)
@@ -502,10 +500,10 @@ def exact_attention_reference(q: torch.Tensor, k_cache_layer: torch.Tensor, v_ca
     An FP8 cache (``k_scale``/``v_scale`` given): each chunk's keys and values are dequantized to ``q``'s dtype
     first (:func:`dequantize_kv`), so the result is bitwise this function over the dequantized cache.
     """
-    num_rows, num_heads, head_dim, block_size, num_kv_heads = _paged_dims(q, k_cache_layer, k_scale, v_scale)
+    num_rows, num_heads, head_dim, block_size, num_kv_heads = _paged_dims(q, k_cache_layer, v_cache_layer, k_scale,
+                                                                          v_scale)
     device = q.device
-    seq_of_row, index_in_seq, qsl = _row_coordinates(meta, num_rows, device)
-    q_len = qsl[1:] - qsl[:-1]  # (S,)
+    seq_of_row, index_in_seq, q_len = _row_coordinates(meta, num_rows, device)
     ctx = meta.context_lens.to(device=device, dtype=torch.long)
     limit = ctx[seq_of_row] - (q_len[seq_of_row] - 1 - index_in_seq)  # (N,): visible key positions < limit
     tables = meta.block_tables.to(device=device, dtype=torch.long).clamp(min=0)[seq_of_row]  # (N, width)

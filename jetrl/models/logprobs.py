@@ -320,5 +320,4 @@ def token_logprobs(model, input_ids: torch.Tensor, positions: torch.Tensor, cu_s
 
 
 __all__ = ["token_logprobs", "logprobs_from_hidden", "exact_logprobs_from_logits", "chunk_stats_reference",
-           "chunk_grad_reference",
-           "DEFAULT_CHUNK_SIZE", "FUSED_CHUNK_SIZE", "KEEP_LOGITS_BYTES"]
+           "chunk_grad_reference", "DEFAULT_CHUNK_SIZE", "FUSED_CHUNK_SIZE", "KEEP_LOGITS_BYTES"]

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from jetrl.models.attention import (
     PagedAttentionMetadata,
     PagedKVCache,
+    _seq_lengths,
     exact_attention,
     exact_varlen_attention,
     fake_quantize_kv,
@@ -210,8 +211,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.inv_freq = rope_inv_freq(config)  # plain attribute: never cast by .to(dtype), moved lazily
-        self.activation_checkpointing = False
-        self.checkpoint_blocks: int | None = None  # with checkpointing: recompute the first N blocks (None: all)
+        self.checkpoint_blocks = 0  # the first N blocks are recomputed in backward (set_activation_checkpointing)
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         if self.inv_freq.device != device:
@@ -224,11 +224,10 @@ class DecoderModel(nn.Module):
         linears batch-invariant (exact mode; ``attend`` then must be exact mode's attention too)."""
         h = self.embed_tokens(input_ids)  # (N, hidden)
         cos, sin = rope_cos_sin(self._inv_freq_on(h.device), positions, h.dtype)
-        recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        recomputed = len(self.layers) if self.checkpoint_blocks is None else self.checkpoint_blocks
+        recomputed = self.checkpoint_blocks if torch.is_grad_enabled() else 0
         residual = None
         for i, layer in enumerate(self.layers):
-            if recompute and i < recomputed:
+            if i < recomputed:
                 # the blocks draw no random numbers: no RNG state to stash (which a CUDA graph capture forbids). The
                 # recomputation runs in a copy of this forward's context variables (the kernel tuning in force, a
                 # forced fused implementation): autograd recomputes a CUDA block on its own device thread, whose
@@ -264,8 +263,7 @@ class DecoderLM(nn.Module):
                                    or not 0 <= blocks <= len(self.model.layers)):
             raise ValueError(f"checkpointed blocks must be an int from 0 to the model's {len(self.model.layers)} "
                              f"blocks (or None: all), got {blocks!r}")
-        self.model.activation_checkpointing = bool(enabled)
-        self.model.checkpoint_blocks = blocks
+        self.model.checkpoint_blocks = (len(self.model.layers) if blocks is None else blocks) if enabled else 0
         return self
 
     @property
@@ -307,10 +305,8 @@ class DecoderLM(nn.Module):
         _check_packed("forward_packed", input_ids, positions)
         if check_ids:
             _check_ids(input_ids, self.config.vocab_size)
-        cu = [int(c) for c in cu_seqlens.tolist()] if torch.is_tensor(cu_seqlens) else [int(c) for c in cu_seqlens]
-        if len(cu) < 2 or cu[0] != 0 or cu[-1] != input_ids.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to N={input_ids.shape[0]}, got {cu}")
-        longest = max(b - a for a, b in zip(cu, cu[1:]))
+        cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+        longest = max(_seq_lengths(cu, input_ids.shape[0]))
         if max_seqlen is not None and longest > max_seqlen:
             raise ValueError(f"a packed sequence has {longest} tokens, more than max_seqlen={max_seqlen}")
         return self.model(input_ids, positions, _kv_fp8_attend(_packed_attend(cu, exact), kv_fp8), exact)

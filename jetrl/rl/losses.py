@@ -213,7 +213,6 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         high = (r > 1.0 + clip_high) & (adv > 0) & mask
         n_valid = mask.sum()
         denom = n_valid.clamp(min=1).float()
-        lr = log_ratio.detach()
         inf = torch.full((), float("inf"), device=r.device)  # a fill, not a host copy (CUDA graphs capture it)
         one = torch.ones((), device=r.device)
         has_tokens = n_valid > 0
@@ -225,8 +224,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio_mean": (r * mask).sum() / denom,
             "ratio_max": torch.where(has_tokens, torch.where(mask, r, -inf).max(), one),
             "ratio_min": torch.where(has_tokens, torch.where(mask, r, inf).min(), one),
-            # k3 estimate of KL(old || new) on tokens sampled from old: (1/ratio - 1) + log ratio
-            "approx_kl": ((torch.exp(-lr) - 1.0 + lr) * mask).sum() / denom,
+            "approx_kl": (_kl_k3(-log_ratio.detach()) * mask).sum() / denom,  # KL(old || new), tokens from old
             "num_tokens": n_valid.float(),
         }
         if is_weights is not None:

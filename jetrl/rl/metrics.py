@@ -241,10 +241,9 @@ class PhaseTimer:
         finally:
             if self._cuda:
                 torch.cuda.synchronize()
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            if self._cuda:
                 peak = torch.cuda.max_memory_allocated(self._device)
                 self.peak_bytes[name] = max(self.peak_bytes.get(name, 0), peak)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def memory_metrics(self) -> dict[str, float]:
         """``memory/<phase>_peak_gib`` per phase and ``memory/peak_gib`` (their maximum); empty off the GPU."""

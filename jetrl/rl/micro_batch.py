@@ -26,6 +26,7 @@ with its metrics as one vector (:func:`stat_names`), the same function eager and
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -129,9 +130,7 @@ def pack(batch: RolloutBatch, rows: Sequence[int], width: int, shape: MicroBatch
     lens = [batch.tokens[s].numel() for s in rows] + pad_lens
     if len(lens) + 1 > shape.offsets:
         raise ValueError(f"{len(lens)} sequences with padding do not fit {shape.offsets} offsets")
-    offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
+    offsets = [0, *itertools.accumulate(lens)]
     offsets_list = offsets[:len(rows) + 1]
     offsets += [shape.tokens] * (shape.offsets - len(offsets))
     ids = torch.cat([batch.tokens[s] for s in rows] + [torch.zeros(pad, dtype=torch.int64)])

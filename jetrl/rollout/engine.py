@@ -137,10 +137,8 @@ class RolloutEngine:
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
             scheduler.check_fits(len(prompt), p.max_tokens, p.n)
             stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
-            group = []
-            for j in range(p.n):
-                group.append(Sequence(self._seq_counter, i, j, prompt, p, stop_ids))
-                self._seq_counter += 1
+            group = [Sequence(self._seq_counter + j, i, j, prompt, p, stop_ids) for j in range(p.n)]
+            self._seq_counter += p.n
             all_seqs += group
             scheduler.add(group)
         captures, capture_seconds = runner.graph_captures, runner.graph_capture_seconds

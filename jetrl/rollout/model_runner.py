@@ -129,12 +129,11 @@ class _DecodeGraphs:
             slot_mapping: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
         b = input_ids.shape[0]
         size = self.padded_size(b)  # captured by the runner before this call
-        width = block_tables.shape[1]
         self.input_ids[:b].copy_(input_ids)
         self.positions[:b].copy_(positions)
         self.context_lens[:b].copy_(context_lens)
         self.slot_mapping[:b].copy_(slot_mapping)
-        self.block_tables[:b, :width].copy_(block_tables)
+        self.block_tables[:b, :block_tables.shape[1]].copy_(block_tables)
         if size > b:
             self._park(b, size)
         self.graphs[size].replay()
@@ -218,8 +217,7 @@ class ModelRunner:
             nbytes = budget
         if budget <= 0:
             raise ValueError(f"memory_budget must be positive, got {budget}")
-        blocks = int(nbytes // self.bytes_per_block)
-        blocks = min(blocks, self.max_num_seqs * self.max_blocks_per_seq)
+        blocks = min(int(nbytes // self.bytes_per_block), self.max_num_seqs * self.max_blocks_per_seq)
         if blocks < 1:
             raise ValueError(f"memory_budget of {nbytes:.0f} bytes holds no KV block of {self.bytes_per_block} "
                              f"bytes; raise it")

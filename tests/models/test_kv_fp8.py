@@ -185,13 +185,13 @@ def test_fp8_cache_layout_bytes_and_errors():
     assert fp8.nbytes() == 2 * 2 * 8 * 16 * 2 * (128 + 4)  # 1 byte a value, a 4-byte scale per token and head
     with pytest.raises(ValueError, match="both k_scale and v_scale"):
         PagedKVCache(fp8.k, fp8.v, 16, k_scale=fp8.k_scale)
-    with pytest.raises(ValueError, match="float8_e4m3fn pools"):
+    with pytest.raises(ValueError, match="scales go with torch.float8_e4m3fn pools"):
         PagedKVCache(bf16.k, bf16.v, 16, k_scale=fp8.k_scale, v_scale=fp8.v_scale)
     k = torch.zeros(1, 2, 128)
     slots = torch.zeros(1, dtype=torch.long)
-    with pytest.raises(ValueError, match="both k_scale_layer and v_scale_layer"):
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
         write_kv(fp8.k[0], fp8.v[0], k, k, slots, fp8.k_scale[0])
-    with pytest.raises(TypeError, match="float8_e4m3fn K/V pools"):
+    with pytest.raises(ValueError, match="scales go with torch.float8_e4m3fn pools"):
         write_kv(bf16.k[0], bf16.v[0], k, k, slots, fp8.k_scale[0], fp8.v_scale[0])
 
 
@@ -229,7 +229,7 @@ def test_an_fp8_cache_without_its_scales_is_an_error():
     for attend in (paged_attention, exact_attention):
         with pytest.raises(ValueError, match="torch.float8_e4m3fn cache needs its k_scale and v_scale"):
             attend(q, fp8.k[0], fp8.v[0], meta, 0.25)
-        with pytest.raises(ValueError, match="scales go with a torch.float8_e4m3fn cache"):
+        with pytest.raises(ValueError, match="scales go with torch.float8_e4m3fn pools"):
             attend(q, bf16.k[0], bf16.v[0], meta, 0.25, k_scale=fp8.k_scale[0], v_scale=fp8.v_scale[0])
-    with pytest.raises(ValueError, match="torch.float8_e4m3fn pools need k_scale_layer and v_scale_layer"):
+    with pytest.raises(ValueError, match="torch.float8_e4m3fn cache needs its k_scale and v_scale"):
         write_kv(fp8.k[0], fp8.v[0], q[:, :1], q[:, :1], meta.slot_mapping)
