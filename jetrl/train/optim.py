@@ -168,6 +168,8 @@ class LRSchedule:
     def __init__(self, warmup_steps: int, total_steps: int, schedule: str = "constant", min_lr_ratio: float = 0.0):
         if schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown LR schedule {schedule!r}; choose one of {LR_SCHEDULES}")
+        if warmup_steps < 0 or total_steps < 1:
+            raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         self.schedule, self.min_lr_ratio = schedule, min_lr_ratio
 
@@ -208,6 +210,9 @@ class OptimizerStepper:
     def __init__(self, model: nn.Module, optimizer: MasterWeightAdamW,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, grad_clip: float | None = 1.0,
                  max_consecutive_nonfinite: int = 3) -> None:
+        if (grad_clip is not None and not grad_clip > 0) or max_consecutive_nonfinite < 0:
+            raise ValueError(f"need grad_clip > 0 or None and max_consecutive_nonfinite >= 0, got {grad_clip} and "
+                             f"{max_consecutive_nonfinite}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.grad_clip = grad_clip
         self.max_consecutive_nonfinite = max_consecutive_nonfinite

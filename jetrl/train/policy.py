@@ -16,6 +16,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from jetrl.config import ConfigError, TrainerConfig
+from jetrl.config.schema import ON_DISK_FULL
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, is_sharded, load_sharded, save_sharded
 from jetrl.train.checkpoint import (
     CHECKPOINT_SUBDIR, checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint,
@@ -136,6 +137,8 @@ def save_trainer_checkpoint(trainer: TrainerLike, root: str | Path, metrics_curs
 
     Rank 0 runs the atomic protocol and tells the other ranks the folder to write into; nobody returns
     before the checkpoint is complete."""
+    if on_disk_full not in ON_DISK_FULL:
+        raise ValueError(f"on_disk_full must be one of {list(ON_DISK_FULL)}, got {on_disk_full!r}")
     par, root, step = trainer.parallel, Path(root), trainer.step_count
     problem = None
     if par.is_main:

@@ -72,6 +72,8 @@ def test_too_little_space_is_one_clear_error_or_a_warning(tmp_path, monkeypatch)
     assert verify_checkpoint(save_trainer_checkpoint(trainer, tmp_path, None)) is None
     with pytest.raises(ConfigError, match="trainer.on_disk_full must be one of"):
         load_config(None, ["--trainer.on_disk_full=ignore"])
+    with pytest.raises(ValueError, match="on_disk_full must be one of"):  # a typo is no silent "error"
+        save_trainer_checkpoint(trainer, tmp_path, None, on_disk_full="skpi")
 
 
 def test_a_write_that_fails_midway_keeps_the_previous_checkpoint(tmp_path):

@@ -193,3 +193,17 @@ def test_bad_construction():
     lin = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="same parameter twice"):
         MasterWeightAdamW([lin.weight, lin.weight])
+
+
+def test_the_stepper_and_schedule_reject_settings_that_would_train_wrong():
+    """A clip of 0 zeroes every gradient and a negative one climbs the loss: errors, as a negative warm-up is."""
+    import torch.nn as nn
+
+    from jetrl.train.optim import LRSchedule, MasterWeightAdamW, OptimizerStepper
+
+    model = nn.Linear(4, 4)
+    for bad in (dict(grad_clip=0.0), dict(grad_clip=-1.0), dict(max_consecutive_nonfinite=-1)):
+        with pytest.raises(ValueError, match="grad_clip > 0 or None"):
+            OptimizerStepper(model, MasterWeightAdamW(model.parameters()), **bad)
+    with pytest.raises(ValueError, match="warmup_steps >= 0"):
+        LRSchedule(-1, 10)

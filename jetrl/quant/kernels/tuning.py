@@ -344,9 +344,6 @@ class Quantizers:
     cache_weight_t: bool = knob(False, "keep W^T's FP8 form beside W's for the weight's version (off: each "
                                 "backward transposes W's FP8 tiles)", _BOOL)
 
-    def _check(self) -> None:
-        """Nothing spans this family's fields: each field's rule is all there is to check."""
-
 
 @dataclass(frozen=True)
 class ExactSchedule:
@@ -391,9 +388,6 @@ class ExactSchedule:
                                    "same bits; 0: never)", _INT0)
     exact_decode_max_m: int = knob(64, "up to this many rows, exact GEMMs run on the split-K decode kernel "
                                    "with exact mode's split (the same bits; 0: never)", _INT_TO_DECODE)
-
-    def _check(self) -> None:
-        """Nothing spans this family's fields: each field's rule is all there is to check."""
 
     def exact_split(self, n: int, k: int, rule: ExactSplitRule = EXACT_SPLIT_RULE) -> int:
         """How many contiguous K ranges exact mode's GEMM splits an (N, K) weight's reduction into (a function of
@@ -513,8 +507,8 @@ class KernelTuning(DecodeAttention, ExactSchedule, Quantizers, GemmRouting):
     """The kernels' settings, one family of fields each (:data:`FAMILY_CLASSES`: GEMM routing, the quantizers,
     exact mode's schedule, decode attention over an FP8 cache); read with :func:`current`, changed for a block with
     :func:`override`. Each field declares its one-line meaning and its rule, which the object checks and the
-    configuration reference prints; each family checks what spans its fields. The families are its parts, not
-    settings objects of their own: only this object runs their checks."""
+    configuration reference prints; a family whose fields constrain one another checks that too. The families are
+    its parts, not settings objects of their own: only this object runs their checks."""
 
     def __post_init__(self) -> None:
         for f in fields(self):  # each field's own rule (its metadata, which the configuration reference prints)
@@ -522,7 +516,7 @@ class KernelTuning(DecodeAttention, ExactSchedule, Quantizers, GemmRouting):
             value = getattr(self, f.name)
             if rule is not None and not rule.accepts(value):
                 raise ValueError(f"KernelTuning.{f.name} must be {rule.text}, got {value!r}")
-        for family in FAMILY_CLASSES:
+        for family in (GemmRouting, DecodeAttention):  # the families whose fields constrain one another
             family._check(self)
 
 
