@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import re
 import sys
