@@ -20,7 +20,11 @@ Sections (medians of ``triton.testing.do_bench``, L2 flushed between repetitions
    profiler, and the host (Python) time of its eager forward+backward under cProfile;
 10. ``gemm-train`` (not in the default sections): Fprop, DGrad and WGrad at the Qwen2.5-0.5B, -1.5B and -7B linears'
     shapes (``--train-models``) and ``--train-m`` tokens (13,440), cuBLAS's blockwise ``scaled_mm`` against BF16
-    ``torch.matmul``: TFLOP/s and the ratio.
+    ``torch.matmul``: TFLOP/s and the ratio;
+11. ``sampler`` (not in the default sections): the decode step's seeded sampler (:mod:`jetrl.quant.kernels.
+    sampling_triton`) on BF16 logits of 32K and 152K vocabularies, 1-256 rows, T = 1 and 0.7: us per call as CUDA
+    graph replays, with the approximate noise (the default) and with the exact noise throughout
+    (``exact_tiles``), and the tensor-op sampler; the logits' bytes over the time as a fraction of copy.
 
 Run: ``python bench/kernels.py [--quick] [--json PATH]``; the training GEMMs alone:
 ``python bench/kernels.py --sections gemm-train --json gemm_train.json``.
@@ -798,6 +802,35 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
         {"m": m, "policy": repr(replace(policies[m][pi], max_m=m))} for m, pi in chosen.items())
 
 
+SAMPLER_CELLS = [(rows, vocab, t) for vocab in (32000, 151936) for rows in (1, 16, 64, 256) for t in (1.0,)] + [
+    (256, 151936, 0.7)]
+
+
+def bench_sampler(rep: Report) -> None:
+    """The seeded sampler of a decode step: (rows, vocab, temperature) cells, every row seeded."""
+    from jetrl.quant.kernels.sampling_triton import seeded_sample
+    from jetrl.rollout.sampling import SamplingBatch, SamplingParams, sample
+
+    for rows, vocab, temp in SAMPLER_CELLS:
+        logits = (torch.randn(rows, vocab, device="cuda") * 3).to(torch.bfloat16)
+        batch = SamplingBatch.build([SamplingParams(temperature=temp, seed=17 + i) for i in range(rows)],
+                                    [0] * rows, list(range(rows)), "cuda")
+        args = (batch.temperature, batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position)
+        row = {"rows": rows, "vocab": vocab, "temperature": temp}
+        for name, fn in (("kernel", lambda: seeded_sample(logits, *args)),
+                         ("exact_tiles", lambda: seeded_sample(logits, *args, exact_tiles=True)),
+                         ("tensor_ops", lambda: sample(logits, batch, impl="reference"))):
+            ms = _graph_ms(fn)
+            row[f"{name}_us"] = None if ms is None else ms * 1e3
+        row["same_tokens"] = bool(torch.equal(seeded_sample(logits, *args)[0], sample(logits, batch,
+                                                                                         impl="reference")[0]))
+        row["kernel_copy_share"] = 2 * rows * vocab / (row["kernel_us"] * 1e3) / rep.copy_gbps
+        rep.add("sampler", **row)
+        print(f"sampler {rows} x {vocab} T={temp}: kernel {_fmt(row['kernel_us'])} us, exact tiles "
+              f"{_fmt(row['exact_tiles_us'])} us, tensor ops {_fmt(row['tensor_ops_us'])} us, "
+              f"same tokens {row['same_tokens']}", flush=True)
+
+
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor):
     def step():
         xi = x.detach().requires_grad_()
@@ -987,6 +1020,7 @@ def main(argv: list[str] | None = None) -> Report:
         ("gemm-train", lambda: bench_train_gemms(rep, args.train_models.split(","),
                                                          [int(v) for v in args.train_m.split(",")])),
         ("cublas-invariance", lambda: bench_cublas_invariance(rep, CUBLAS_INVARIANCE_M, LLAMA8B_NK)),
+        ("sampler", lambda: bench_sampler(rep)),
         ("fp8linear", lambda: bench_fp8_linear(rep, [4096, 16384], LLAMA8B_NK)),
         ("host", lambda: bench_host_overhead(rep)),
         ("profile", profile_fp8_linear),

@@ -120,10 +120,21 @@ class _SwiGLU(torch.autograd.Function):
         return d_a, d_b, None, None, None
 
 
+_NANS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def _unwritten(like: torch.Tensor) -> torch.Tensor:
     """The BF16 output that ``fp8_only`` leaves unwritten: one NaN broadcast to ``like``'s shape and dtype (no
-    memory), so that a reader that should have taken the FP8 gets NaN, never stale memory."""
-    return torch.full((), float("nan"), dtype=like.dtype, device=like.device).expand(like.shape)
+    memory), so that a reader that should have taken the FP8 gets NaN, never stale memory. The NaN is made once per
+    dtype and device outside CUDA-graph capture (a graph would hold one fill launch per call; a tensor first made
+    inside one holds its NaN only once the graph has run), and read-only."""
+    key = (like.dtype, like.device)
+    nan = _NANS.get(key)
+    if nan is None:
+        nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
+        if not (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _NANS[key] = nan
+    return nan.expand(like.shape)
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor, gate_up: torch.Tensor | None, quantize: bool, pow2_scale: bool,

@@ -160,15 +160,23 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+# The largest float32 below 1, the noise's upper bound: 24-bit noise k + 0.5 rounds to 2^24 in float32 (24 significant
+# bits) at k = 2^24 - 1, which made u = 1 and the Gumbel noise -log(-log(u)) infinite, so that token won whatever its
+# logit (once in 2^24 tokens: about one decode step in 110 at a 152K vocabulary). Clamped, that cell takes the Gumbel
+# value of its lower edge (16.6), as every other cell does.
+U_MAX = 1.0 - 2.0 ** -24
+
+
 def seeded_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, sample_index: torch.Tensor,
                    position: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform noise in (0, 1), (B, V) fp32, a pure function of (seed, sample index, position, token id)."""
+    """Uniform noise in (0, 1), (B, V) fp32, a pure function of (seed, sample index, position, token id): 24 bits
+    of a hash as ``(k + 0.5) / 2^24``, at most :data:`U_MAX`."""
     key = _hash32(seed_lo ^ _hash32(seed_hi + 0x9E3779B9))
     key = _hash32(key ^ _hash32(sample_index + 0x85EBCA6B))
     key = _hash32(key ^ _hash32(position + 0xC2B2AE35))  # (B,)
     token = torch.arange(vocab_size, device=key.device, dtype=torch.int64)
     bits = _hash32(_hash32(key[:, None] ^ token[None, :]) + key[:, None])  # (B, V)
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return ((bits >> 8).to(torch.float32) + 0.5).mul_(1.0 / (1 << 24)).clamp_(max=U_MAX)
 
 
 def _truncation_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

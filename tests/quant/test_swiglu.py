@@ -418,3 +418,15 @@ def test_gpu_automatic_dispatch_uses_triton_with_the_cuda_backend():
         assert use_triton(gate, None)
     with use_backend("reference"):
         assert not use_triton(gate, None)
+
+
+def test_the_unwritten_placeholder_is_one_nan_made_once():
+    """``fp8_only``'s BF16 placeholder: NaN at every index, no memory per call, and one tensor per dtype and device
+    (a decode step's CUDA graph would otherwise hold a fill launch per MLP)."""
+    from jetrl.quant.swiglu import _unwritten
+
+    like = torch.empty(37, 96, dtype=torch.bfloat16)
+    a, b = _unwritten(like), _unwritten(torch.empty(5, 8, dtype=torch.bfloat16))
+    assert a.shape == like.shape and a.dtype == like.dtype and torch.isnan(a).all()
+    assert a.stride() == (0, 0) and a.data_ptr() == b.data_ptr()
+    assert _unwritten(torch.empty(3, dtype=torch.float32)).dtype == torch.float32

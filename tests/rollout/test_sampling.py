@@ -126,6 +126,25 @@ def test_seeded_noise_is_uniform_and_keyed():
     assert not math.isnan(u.sum().item())
 
 
+# (seed, sample index, position, token): the hash's 24 noise bits are all ones there, (2^24 - 1) + 0.5 rounds to 2^24
+# in float32, and the unclamped noise was u = 1, g = -log(-log(1)) = +inf: that token won whatever its logit
+TOP_NOISE_CELL = (55, 0, 5, 1746)
+
+
+def test_the_top_noise_cell_is_finite_and_does_not_override_the_logits():
+    seed, index, position, token = TOP_NOISE_CELL
+    params = SamplingParams(seed=seed)
+    batch = SamplingBatch.build([params], [index], [position], "cpu")
+    u = seeded_uniform(batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position, token + 1)[0]
+    assert float(u[token]) == 1.0 - 2.0 ** -24 and float(u.max()) < 1.0  # the clamped cell, every u below 1
+    gumbel = -torch.log(-torch.log(u))
+    assert bool(torch.isfinite(gumbel).all()) and abs(float(gumbel[token]) - 16.6355) < 1e-3
+    logits = torch.zeros(1, 2000)
+    logits[0, 7], logits[0, token] = 30.0, -30.0  # the token is e^-60 as likely as token 7
+    tokens, _ = sample(logits, batch)
+    assert int(tokens[0]) == 7
+
+
 def test_top_k_alone_keeps_k_tokens_even_when_the_mass_rounds_to_one():
     """top_p=1 disables nucleus truncation: a dominant token whose probability rounds the fp32 cumulative
     mass to 1.0 must not remove the other top-k tokens."""

@@ -12,8 +12,9 @@ over the batch) whose partials a second, tiny kernel merges:
   log-probability ``scaled[token] - logsumexp(scaled)``;
 * the noise bits from the same 32-bit hash of ``(seed, sample index, position, token id)`` as
   :func:`~jetrl.rollout.sampling.seeded_uniform` (exact: unsigned 32-bit arithmetic wraps like the
-  reference's masked int64), ``u = ((bits >> 8) + 0.5) / 2^24`` and ``g = -log(-log(u))`` with the
-  device's libm ``log`` (the function PyTorch's CUDA ``log`` calls);
+  reference's masked int64), ``u = min(((bits >> 8) + 0.5) / 2^24, U_MAX)`` and ``g = -log(-log(u))`` with the
+  device's libm ``log`` (the function PyTorch's CUDA ``log`` calls), computed for the one candidate of a tile
+  that an approximate ``g`` leaves (the kernel's doc says when that is exact);
 * the first index of the largest ``scaled + g`` (of ``logits`` for greedy rows), as ``argmax`` picks it: the
   first index within a tile, the earliest tile of a program, the first program of the row.
 
@@ -32,6 +33,7 @@ from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, interpreting
 from triton.language.extra import libdevice
 
 _INTERPRET = tl.constexpr(interpreting())
+U_MAX = tl.constexpr(1.0 - 2.0 ** -24)  # the reference's noise bound (jetrl.rollout.sampling.U_MAX)
 
 
 @triton.jit
@@ -54,11 +56,45 @@ def _mix32(x):
 
 
 @triton.jit
+def _fast_log(x):
+    """fp32 natural log, approximate (the GPU's ``lg2.approx`` times ln 2: absolute error below 2e-7 plus rounding)."""
+    if _INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.fast_logf(x)
+
+
+@triton.jit
+def _uniform(key, v):
+    """The reference's noise for tokens ``v`` of the row with hash key ``key``: 24 bits as ``(k + 0.5) / 2^24``, at
+    most :data:`~jetrl.rollout.sampling.U_MAX`."""
+    bits = _mix32(_mix32(key ^ v.to(tl.uint32)) + key)
+    return tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), U_MAX)
+
+
+@triton.jit
+def _gumbel_approx(u):
+    """``-log(-log(u))`` to within 5e-6: ``-log(u)`` as its series in ``d = 1 - u`` (exact in fp32 for u >= 1/2)
+    where u is near 1 (there a log of u would lose the digits of -log(u)), else by the fast log; both
+    within 3e-6 relative, which the outer fast log turns into an absolute error."""
+    d = 1.0 - u
+    small = d * (1.0 + d * (0.5 + d * (0.33333334 + d * (0.25 + d * 0.2))))
+    return -_fast_log(tl.where(d < 0.0625, small, -_fast_log(u)))
+
+
+@triton.jit
 def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, seed_hi_ptr, index_ptr, pos_ptr,
                                  part_ptr, part_idx_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr,
-                                 TILES: tl.constexpr, SPLITS: tl.constexpr):
+                                 TILES: tl.constexpr, SPLITS: tl.constexpr, EXACT_TILES: tl.constexpr):
     """Program (row, split): tiles ``split * TILES ..`` of the row -> its partials: the max and sum of
-    exponentials of ``scaled`` (logsumexp in two numbers), the best score, its ``scaled`` and its index."""
+    exponentials of ``scaled`` (logsumexp in two numbers), the best score, its ``scaled`` and its index.
+
+    A tile's winner: the exact noise (two libm logs an element) is the kernel's cost, so a sampled row's tile is
+    first scored with the approximate noise (:func:`_gumbel_approx`); where exactly one element lies within
+    ``2^-12 + |best| * 2^-16`` of the approximate best (far above the approximation's error plus an ulp of the
+    score each way), it is the winner of the exact scores too, and only its exact score is computed; otherwise
+    (near-ties, rare) the whole tile is scored exactly, as always with ``EXACT_TILES``. Greedy rows take the
+    first largest logit; T = 1 skips the division."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.load(temp_ptr + row)
@@ -81,27 +117,42 @@ def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, 
     base = logits_ptr + row.to(tl.int64) * stride_row
     for i in range(TILES):
         v0 = (split * TILES + i) * BLOCK_V
-        v = v0 + offs
-        ok = v < V
-        x = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32)
-        scaled = tl.div_rn(x, tl.full([BLOCK_V], 1.0, tl.float32) * t)
-        tile_max = tl.max(scaled, 0)
-        new_max = tl.maximum(run_max, tile_max)
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.where(ok, tl.exp(scaled - safe), 0.0), 0)
-        run_max = new_max
-        bits = _mix32(_mix32(key ^ v.to(tl.uint32)) + key)
-        u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        gumbel = -_log(-_log(u))
-        score = tl.where(greedy, x, scaled + gumbel)
-        score = tl.where(ok, score, float("-inf"))
-        tile_best = tl.max(score, 0)
-        tile_idx = tl.argmax(score, 0)  # first index of the maximum
-        tile_scaled = tl.sum(tl.where(offs == tile_idx, scaled, 0.0), 0)
-        better = tile_best > best  # strictly: an earlier tile keeps ties, like argmax over the row
-        best_idx = tl.where(better, v0 + tile_idx, best_idx)
-        best_scaled = tl.where(better, tile_scaled, best_scaled)
-        best = tl.where(better, tile_best, best)
+        if v0 < V:  # the last split's last tiles may lie past the vocabulary
+            v = v0 + offs
+            ok = v < V
+            x = tl.load(base + v, mask=ok, other=float("-inf")).to(tl.float32)
+            scaled = x
+            if t != 1.0:
+                scaled = tl.div_rn(x, tl.full([BLOCK_V], 1.0, tl.float32) * t)
+            tile_max = tl.max(scaled, 0)
+            new_max = tl.maximum(run_max, tile_max)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.where(ok, tl.exp(scaled - safe), 0.0), 0)
+            run_max = new_max
+            if greedy:
+                tile_best = tl.max(scaled, 0)
+                tile_idx = tl.argmax(scaled, 0)  # first index of the maximum
+            else:
+                u = _uniform(key, v)
+                approx = tl.where(ok, scaled + _gumbel_approx(u), float("-inf"))
+                tile_best = tl.max(approx, 0)
+                tile_idx = tl.argmax(approx, 0)
+                near = tl.sum((approx >= tile_best - (0.000244140625 + tl.abs(tile_best) * 0.0000152587890625))
+                              .to(tl.int32), 0)
+                if EXACT_TILES or near != 1:
+                    score = tl.where(ok, scaled + -_log(-_log(u)), float("-inf"))
+                    tile_best = tl.max(score, 0)
+                    tile_idx = tl.argmax(score, 0)
+                else:  # the one candidate's exact score (x / 1 is x)
+                    vw = v0 + tile_idx
+                    xw = tl.div_rn(tl.load(base + vw).to(tl.float32), t)
+                    tile_best = xw + -_log(-_log(_uniform(key, vw)))
+            vw = v0 + tile_idx
+            tile_scaled = tl.div_rn(tl.load(base + vw, mask=vw < V, other=0.0).to(tl.float32), t)
+            better = tile_best > best  # strictly: an earlier tile keeps ties, like argmax over the row
+            best_idx = tl.where(better, vw, best_idx)
+            best_scaled = tl.where(better, tile_scaled, best_scaled)
+            best = tl.where(better, tile_best, best)
     one = tl.arange(0, 1)
     cell = (row * SPLITS + split) * 4
     tl.store(part_ptr + cell + one, run_max)
@@ -145,11 +196,12 @@ def vocab_splits(rows: int, tiles: int, device: torch.device) -> int:
 
 
 def seeded_sample(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-                  sample_index: torch.Tensor, position: torch.Tensor, block_v: int = 4096, splits: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  sample_index: torch.Tensor, position: torch.Tensor, block_v: int = 4096, splits: int | None = None,
+                  exact_tiles: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B,) int64, logprobs (B,) fp32) for rows that are seeded or greedy (T = 0), no truncation. The
     logits are read as their fp32 values (16-bit logits are not widened in memory first); each row is split over
-    ``splits`` programs (default :func:`vocab_splits`) whose partials one more small kernel merges."""
+    ``splits`` programs (default :func:`vocab_splits`) whose partials one more small kernel merges.
+    ``exact_tiles`` scores every element with the exact noise (the kernel's slow path; the same tokens)."""
     if logits.dim() != 2:
         raise ValueError(f"seeded_sample expects (B, V) logits, got shape {tuple(logits.shape)}")
     if logits.stride(-1) != 1:
@@ -169,7 +221,7 @@ def seeded_sample(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torc
     _seeded_gumbel_sample_kernel[(b, splits)](
         logits, logits.stride(0), temperature.float().contiguous(), seed_lo.contiguous(), seed_hi.contiguous(),
         sample_index.contiguous(), position.contiguous(), part, part_idx, V=v, BLOCK_V=block_v, TILES=per_split,
-        SPLITS=splits, num_warps=8, **COMPILE_OPTIONS)
+        SPLITS=splits, EXACT_TILES=exact_tiles, num_warps=8, **COMPILE_OPTIONS)
     _merge_kernel[(b,)](part, part_idx, tokens, logprobs, SPLITS=splits,
                         BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1, **COMPILE_OPTIONS)
     return tokens, logprobs
