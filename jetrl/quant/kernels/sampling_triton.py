@@ -4,8 +4,8 @@ The PyTorch sampler (:func:`jetrl.rollout.sampling.sample`) builds the counter-b
 with a chain of int64 tensor ops over the whole (B, V) logits, then the Gumbel transform, the argmax and
 a full log-softmax: many small kernel launches per decode step, each reading and writing all (B, V)
 elements, so at a large vocabulary the sampler costs a noticeable share of a small model's decode step
-(docs/benchmark-history.md has the numbers). This kernel does the same in one pass over the logits, each row split over several programs (about four per SM
-over the batch) whose partials a second, tiny kernel merges:
+(docs/benchmark-history.md has the numbers). This kernel does the same in one pass over the logits, each row split
+over several programs (about eight per SM over the batch) whose partials a second, tiny kernel merges:
 
 * ``scaled = logits / T`` (IEEE division; T = 1 for greedy rows; 16-bit logits read as their fp32 values), a
   max / sum-of-exponentials of ``scaled`` per tile, folded into the program's and then the row's, for the
@@ -83,6 +83,15 @@ def _gumbel_approx(u):
 
 
 @triton.jit
+def _top2(v1, i1, s1, v2, i2, s2):
+    """Combine of the (best, its first index, second best) reduction: the larger value wins, the lower index at a
+    tie (argmax's rule); the second best is the larger of both seconds and the loser's value."""
+    first = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return (tl.where(first, v1, v2), tl.where(first, i1, i2),
+            tl.maximum(tl.maximum(s1, s2), tl.where(first, v2, v1)))
+
+
+@triton.jit
 def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, seed_hi_ptr, index_ptr, pos_ptr,
                                  part_ptr, part_idx_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr,
                                  TILES: tl.constexpr, SPLITS: tl.constexpr, EXACT_TILES: tl.constexpr):
@@ -90,11 +99,11 @@ def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, 
     exponentials of ``scaled`` (logsumexp in two numbers), the best score, its ``scaled`` and its index.
 
     A tile's winner: the exact noise (two libm logs an element) is the kernel's cost, so a sampled row's tile is
-    first scored with the approximate noise (:func:`_gumbel_approx`); where exactly one element lies within
-    ``2^-12 + |best| * 2^-16`` of the approximate best (far above the approximation's error plus an ulp of the
-    score each way), it is the winner of the exact scores too, and only its exact score is computed; otherwise
-    (near-ties, rare) the whole tile is scored exactly, as always with ``EXACT_TILES``. Greedy rows take the
-    first largest logit; T = 1 skips the division."""
+    first scored with the approximate noise (:func:`_gumbel_approx`); where the second best lies further than
+    ``2^-12 + |best| * 2^-16`` below the approximate best (far above the approximation's error plus an ulp of the
+    score each way; one reduction finds both), the best is the winner of the exact scores too, and only its exact
+    score is computed; otherwise (near-ties, rare) the whole tile is scored exactly, as always with
+    ``EXACT_TILES``. Greedy rows take the first largest logit; T = 1 skips the division."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     t = tl.load(temp_ptr + row)
@@ -135,11 +144,9 @@ def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, 
             else:
                 u = _uniform(key, v)
                 approx = tl.where(ok, scaled + _gumbel_approx(u), float("-inf"))
-                tile_best = tl.max(approx, 0)
-                tile_idx = tl.argmax(approx, 0)
-                near = tl.sum((approx >= tile_best - (0.000244140625 + tl.abs(tile_best) * 0.0000152587890625))
-                              .to(tl.int32), 0)
-                if EXACT_TILES or near != 1:
+                tile_best, tile_idx, second = tl.reduce((approx, offs, tl.full([BLOCK_V], float("-inf"), tl.float32)),
+                                                        0, _top2)
+                if EXACT_TILES or not (second < tile_best - (0.000244140625 + tl.abs(tile_best) * 0.0000152587890625)):
                     score = tl.where(ok, scaled + -_log(-_log(u)), float("-inf"))
                     tile_best = tl.max(score, 0)
                     tile_idx = tl.argmax(score, 0)
@@ -188,15 +195,15 @@ def _merge_kernel(part_ptr, part_idx_ptr, token_ptr, logprob_ptr, SPLITS: tl.con
 
 
 def vocab_splits(rows: int, tiles: int, device: torch.device) -> int:
-    """Programs per row: about four per SM over the batch (a row is one program's work only when the batch alone
+    """Programs per row: about eight per SM over the batch (a row is one program's work only when the batch alone
     fills the GPU), at most one per tile."""
     from jetrl.quant.kernels.decode_splits import sm_count
 
-    return max(1, min(tiles, -(-4 * sm_count(device) // max(rows, 1))))
+    return max(1, min(tiles, -(-8 * sm_count(device) // max(rows, 1))))
 
 
 def seeded_sample(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
-                  sample_index: torch.Tensor, position: torch.Tensor, block_v: int = 4096, splits: int | None = None,
+                  sample_index: torch.Tensor, position: torch.Tensor, block_v: int = 2048, splits: int | None = None,
                   exact_tiles: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B,) int64, logprobs (B,) fp32) for rows that are seeded or greedy (T = 0), no truncation. The
     logits are read as their fp32 values (16-bit logits are not widened in memory first); each row is split over
@@ -221,7 +228,7 @@ def seeded_sample(logits: torch.Tensor, temperature: torch.Tensor, seed_lo: torc
     _seeded_gumbel_sample_kernel[(b, splits)](
         logits, logits.stride(0), temperature.float().contiguous(), seed_lo.contiguous(), seed_hi.contiguous(),
         sample_index.contiguous(), position.contiguous(), part, part_idx, V=v, BLOCK_V=block_v, TILES=per_split,
-        SPLITS=splits, EXACT_TILES=exact_tiles, num_warps=8, **COMPILE_OPTIONS)
+        SPLITS=splits, EXACT_TILES=exact_tiles, num_warps=4, **COMPILE_OPTIONS)
     _merge_kernel[(b,)](part, part_idx, tokens, logprobs, SPLITS=splits,
                         BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=1, **COMPILE_OPTIONS)
     return tokens, logprobs
