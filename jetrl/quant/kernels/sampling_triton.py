@@ -37,10 +37,13 @@ U_MAX = tl.constexpr(1.0 - 2.0 ** -24)  # the reference's noise bound (jetrl.rol
 
 
 @triton.jit
-def _log(x):
-    """fp32 natural log: the device libm's (as PyTorch's CUDA ``log``); NumPy's under the interpreter."""
+def _log(x, FAST: tl.constexpr = False):
+    """fp32 natural log: the device libm's (as PyTorch's CUDA ``log``), or with ``FAST`` the GPU's ``lg2.approx`` times
+    ln 2 (absolute error below 2e-7 plus rounding); NumPy's under the interpreter."""
     if _INTERPRET:
         return tl.log(x)
+    elif FAST:
+        return libdevice.fast_logf(x)
     else:
         return libdevice.log(x)
 
@@ -53,15 +56,6 @@ def _mix32(x):
     x = x ^ (x >> 15)
     x = x * 0x846CA68B
     return x ^ (x >> 16)
-
-
-@triton.jit
-def _fast_log(x):
-    """fp32 natural log, approximate (the GPU's ``lg2.approx`` times ln 2: absolute error below 2e-7 plus rounding)."""
-    if _INTERPRET:
-        return tl.log(x)
-    else:
-        return libdevice.fast_logf(x)
 
 
 @triton.jit
@@ -79,7 +73,7 @@ def _gumbel_approx(u):
     within 3e-6 relative, which the outer fast log turns into an absolute error."""
     d = 1.0 - u
     small = d * (1.0 + d * (0.5 + d * (0.33333334 + d * (0.25 + d * 0.2))))
-    return -_fast_log(tl.where(d < 0.0625, small, -_fast_log(u)))
+    return -_log(tl.where(d < 0.0625, small, -_log(u, True)), True)
 
 
 @triton.jit
