@@ -174,3 +174,11 @@ def test_dispatch_keeps_tensor_ops_on_cpu_and_for_truncation(gen):
         batch = SamplingBatch.build(params, [0] * 4, [0] * 4, "cpu")
         tok, lp = sample(logits, batch)
         assert tok.shape == (4,) and torch.isfinite(lp).all()
+
+
+def test_kernel_and_reference_share_the_noise_bound():
+    pytest.importorskip("triton")
+    from jetrl.quant.kernels import sampling_triton as ST
+    from jetrl.rollout.sampling import U_MAX
+
+    assert ST.U_MAX.value == U_MAX == 1.0 - 2.0 ** -24

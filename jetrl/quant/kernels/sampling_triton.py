@@ -34,6 +34,9 @@ from triton.language.extra import libdevice
 
 _INTERPRET = tl.constexpr(interpreting())
 U_MAX = tl.constexpr(1.0 - 2.0 ** -24)  # the reference's noise bound (jetrl.rollout.sampling.U_MAX)
+# a tile's approximate best is trusted where the second best lies below it by more than NEAR_ABS + |best| * NEAR_REL
+NEAR_ABS = tl.constexpr(2.0 ** -12)
+NEAR_REL = tl.constexpr(2.0 ** -16)
 
 
 @triton.jit
@@ -41,11 +44,12 @@ def _log(x, FAST: tl.constexpr = False):
     """fp32 natural log: the device libm's (as PyTorch's CUDA ``log``), or with ``FAST`` the GPU's ``lg2.approx`` times
     ln 2 (absolute error below 2e-7 plus rounding); NumPy's under the interpreter."""
     if _INTERPRET:
-        return tl.log(x)
+        y = tl.log(x)
     elif FAST:
-        return libdevice.fast_logf(x)
+        y = libdevice.fast_logf(x)
     else:
-        return libdevice.log(x)
+        y = libdevice.log(x)
+    return y
 
 
 @triton.jit
@@ -132,24 +136,25 @@ def _seeded_gumbel_sample_kernel(logits_ptr, stride_row, temp_ptr, seed_lo_ptr, 
             safe = tl.where(new_max == float("-inf"), 0.0, new_max)
             run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.where(ok, tl.exp(scaled - safe), 0.0), 0)
             run_max = new_max
+            one_candidate = row < 0  # (false, as a scalar of the type the branches below assign)
             if greedy:
                 tile_best = tl.max(scaled, 0)
                 tile_idx = tl.argmax(scaled, 0)  # first index of the maximum
             else:
                 u = _uniform(key, v)
                 approx = tl.where(ok, scaled + _gumbel_approx(u), float("-inf"))
-                tile_best, tile_idx, second = tl.reduce((approx, offs, tl.full([BLOCK_V], float("-inf"), tl.float32)),
-                                                        0, _top2)
-                if EXACT_TILES or not (second < tile_best - (0.000244140625 + tl.abs(tile_best) * 0.0000152587890625)):
+                none = tl.full([BLOCK_V], float("-inf"), tl.float32)
+                tile_best, tile_idx, second = tl.reduce((approx, offs, none), 0, _top2)
+                one_candidate = second < tile_best - (NEAR_ABS + tl.abs(tile_best) * NEAR_REL)
+                if EXACT_TILES or not one_candidate:
+                    one_candidate = row < 0
                     score = tl.where(ok, scaled + -_log(-_log(u)), float("-inf"))
                     tile_best = tl.max(score, 0)
                     tile_idx = tl.argmax(score, 0)
-                else:  # the one candidate's exact score (x / 1 is x)
-                    vw = v0 + tile_idx
-                    xw = tl.div_rn(tl.load(base + vw).to(tl.float32), t)
-                    tile_best = xw + -_log(-_log(_uniform(key, vw)))
             vw = v0 + tile_idx
-            tile_scaled = tl.div_rn(tl.load(base + vw, mask=vw < V, other=0.0).to(tl.float32), t)
+            tile_scaled = tl.div_rn(tl.load(base + vw, mask=vw < V, other=0.0).to(tl.float32), t)  # (x / 1 is x)
+            if one_candidate:  # its exact score
+                tile_best = tile_scaled + -_log(-_log(_uniform(key, vw)))
             better = tile_best > best  # strictly: an earlier tile keeps ties, like argmax over the row
             best_idx = tl.where(better, vw, best_idx)
             best_scaled = tl.where(better, tile_scaled, best_scaled)
