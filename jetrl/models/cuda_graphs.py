@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from jetrl.quant import fp8_linears
+from jetrl.quant import bf16_stacks, fp8_linears
 
 T = TypeVar("T")
 
@@ -27,8 +27,9 @@ class CaptureFailed(RuntimeError):
 
 def storage_key(model: torch.nn.Module, *, grads: bool, transposes: bool) -> tuple:
     """What a replay of ``model``'s work reads and writes that can move under it; compare keys with ``==``: the kernel
-    tuning in force (a graph replays the kernels chosen at capture), every parameter's storage, and every FP8
-    weight cache of the precision side in force, each brought to the current weight version in place first.
+    tuning in force (a graph replays the kernels chosen at capture), every parameter's storage, every FP8 weight
+    cache of the precision side in force and every stacked BF16 weight (:func:`jetrl.quant.bf16_stacks`), each
+    brought to the current weight version in place first.
     ``grads``: the gradient buffers too (graphs that accumulate into them); ``transposes``: the FP8 linears' W^T
     copies too (a forward reads W alone)."""
     from jetrl.quant.kernels import tuning
@@ -43,6 +44,9 @@ def storage_key(model: torch.nn.Module, *, grads: bool, transposes: bool) -> tup
         if layer.uses_fp8():
             for q in layer.current_fp8_tensors(transposes=transposes):
                 ptrs += [q.data.data_ptr(), q.scale.data_ptr()]
+    for module in model.modules():
+        for stack in bf16_stacks(module):
+            ptrs += [id(module), stack.weight.data_ptr(), -1 if stack.bias is None else stack.bias.data_ptr()]
     return tuple(ptrs)
 
 

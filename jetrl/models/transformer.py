@@ -132,7 +132,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                 x_fp8=None, exact: bool = False) -> torch.Tensor:
         n = x.shape[0]  # x: (N, hidden); x_fp8: its 1x128 FP8 made by the norm, shared by q, k and v
-        # one launch when decoding in FP8 (exact mode: each layer's batch-invariant GEMM)
+        # one launch when decoding (exact mode: each layer's batch-invariant GEMM)
         q, k, v = linears_shared_input(self.input_projections(), x, x_fp8, exact=exact)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)

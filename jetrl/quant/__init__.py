@@ -15,11 +15,12 @@ from jetrl.quant.recipe import (PrecisionRecipe, apply_recipe, fp8_linears, fp8_
                                 refresh_fp8_weights)
 from jetrl.quant.reference import quantize_tensor
 from jetrl.quant.side import current_side, precision_side
+from jetrl.quant.weight_cache import bf16_stacks
 
 __all__ = [
     "ACT", "WEIGHT", "TOKEN", "E4M3", "Fp8Tensor",
     "quantize", "dequantize", "gemm", "quantize_tensor",
-    "FP8Linear", "fp8_input_scaling", "call_linear", "linears_shared_input", "grouped_linear",
+    "FP8Linear", "fp8_input_scaling", "call_linear", "linears_shared_input", "grouped_linear", "bf16_stacks",
     "PrecisionRecipe", "get_recipe", "apply_recipe", "fp8_linears", "fp8_weight_bytes", "refresh_fp8_weights",
     "precision_side", "current_side",
     "get_backend", "set_backend", "use_backend", "fused_impl",

@@ -1,7 +1,8 @@
 """``FP8Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in blockwise FP8 (the op, taught in
 :mod:`jetrl.quant.linear_op`), and the entry points the models call it through: :func:`call_linear` (one layer,
 with a fused producer's FP8 input, :func:`fp8_input_scaling`), :func:`grouped_linear` and
-:func:`linears_shared_input` (linears that read the same input, as one stacked FP8 linear).
+:func:`linears_shared_input` (linears that read the same input, as one stacked FP8 linear, or one BF16 GEMM when
+decoding).
 
 **Unified precision flow.** Rollout and training call this same module on the same weight and read the same
 quantized weight (cached per weight version, :mod:`jetrl.quant.weight_cache`; no calibration), so the tokens the
@@ -23,8 +24,8 @@ from jetrl.quant.exact import exact_linear
 from jetrl.quant.formats import ACT, Fp8Tensor
 from jetrl.quant.linear_op import fp8_linear_group
 from jetrl.quant.side import current_side
-from jetrl.quant.weight_cache import (_caches_transpose, _group_cache, _layouts_stack, _member_weights,
-                                      _stacked_weights, _WeightCache)
+from jetrl.quant.weight_cache import (_bf16_stackable, _caches_transpose, _group_cache, _layouts_stack,
+                                      _member_weights, _stacked_weights, _WeightCache, bf16_stacked)
 
 
 class FP8Linear(nn.Linear):
@@ -297,20 +298,26 @@ def groupable(modules: tuple[nn.Module, ...] | list[nn.Module]) -> bool:
 def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,
                    x_fp8: Fp8Tensor | None = None, *, exact: bool = False) -> torch.Tensor | None:
     """The outputs of linears that read the same 2-D input (q/k/v, gate/up) side by side, (M, sum of widths), from
-    one FP8 computation; ``None`` where they do not run grouped (the caller then runs them one by one).
+    one computation; ``None`` where they do not run grouped (the caller then runs them one by one).
 
     * Fast mode, :func:`groupable` layers: one stacked FP8 linear (:func:`fp8_linear_group`: one GEMM each way,
       grad_out quantized once, the saved input re-quantized once; gradients split back to each layer), from the
       group's stacked FP8 weight (:func:`_stacked_weights`), with or without grad. A decode-sized no-grad input with
       ``x_fp8`` goes to the backend's ``grouped_gemm`` (the CUDA backend's one decode launch) over each member's
       rows of that weight.
+    * Plain ``nn.Linear`` layers (BF16), a decode-sized input (at most ``DECODE_GEMM_MAX_M`` rows) without grad:
+      one GEMM over their stacked weight and bias (:class:`~jetrl.quant.weight_cache._Bf16Stack`, a copy made once
+      per weight version); other inputs run the layers one by one (a prefill or a training forward, where one GEMM
+      per layer costs no more).
     * ``exact``: a no-grad input with ``x_fp8`` through ``grouped_gemm_exact`` (the bits of each layer's own exact
       GEMM; the CUDA backend groups decode-sized inputs whose weights share exact mode's K split), over the members'
       own weights; otherwise ``None`` (each layer runs its batch-invariant forward).
     ``x_fp8``: x's 1x128 quantization with the layers' scaling (a fused producer's), else the layers quantize x.
     """
-    if x.dim() != 2 or fp8_input_scaling(*modules) is None or not 2 <= len(modules) <= 3:
+    if x.dim() != 2 or not 2 <= len(modules) <= 3:
         return None
+    if fp8_input_scaling(*modules) is None:
+        return _bf16_grouped(tuple(modules), x) if not exact else None
     if x_fp8 is not None and tuple(x_fp8.shape) != tuple(x.shape):
         raise ValueError(f"x_fp8 must be x's (1, 128) quantization of shape {tuple(x.shape)}, got {tuple(x_fp8.shape)}")
     backend = get_backend(x.device)
@@ -341,6 +348,16 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
             return out
     biases = [m.bias for m in modules] if modules[0].bias is not None else []
     return fp8_linear_group(x, [m.weight for m in modules], biases, qweight, modules[0].pow2_scale, qweight_t, x_fp8)
+
+
+def _bf16_grouped(modules: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor | None:
+    """:func:`grouped_linear` for plain linears: their stacked BF16 GEMM on a decode-sized no-grad ``x``, else None."""
+    from jetrl.quant.kernels.tuning import DECODE_GEMM_MAX_M  # CPU-only; kernels import lazily (test_layering.py)
+
+    if torch.is_grad_enabled() or x.shape[0] > DECODE_GEMM_MAX_M or not _bf16_stackable(modules, x):
+        return None
+    stack = bf16_stacked(modules)
+    return F.linear(x, stack.weight, stack.bias)
 
 
 def linears_shared_input(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Tensor,

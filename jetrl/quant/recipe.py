@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from jetrl.quant.linear import FP8Linear
+from jetrl.quant.weight_cache import bf16_stacks, invalidate_bf16_stacks
 
 DEFAULT_EXCLUDE = ("lm_head", "*embed*")
 
@@ -134,13 +135,17 @@ def fp8_weight_bytes(model: nn.Module) -> int:
 
 
 def refresh_fp8_weights(model: nn.Module, eager: bool = False) -> int:
-    """Drop every cached quantized weight (after an update the version counter may not show, e.g. a
-    fused optimizer or a weight load through ``.data``); with ``eager`` re-quantize now what was cached (each
-    layer's own weight, the stacked weights of the groups it leads), into the same buffers. Returns the number
-    of layers refreshed."""
+    """Drop every cached quantized weight and stacked BF16 weight (after an update the version counter may not
+    show, e.g. a fused optimizer or a weight load through ``.data``); with ``eager`` make again now what was cached
+    (each layer's own weight, the stacked weights of the groups it leads), into the same buffers. Returns the
+    number of FP8 layers refreshed."""
     layers = fp8_linears(model)
     for layer in layers:  # every layer first: a group is stale once any of its members is
         layer.invalidate_weight_cache()
+    for module in model.modules():
+        invalidate_bf16_stacks(module)
+        if eager:
+            bf16_stacks(module)
     if eager:
         for layer in layers:
             layer.refresh_cached_weights()

@@ -1,7 +1,8 @@
-"""The quantized-weight caches of :class:`~jetrl.quant.linear.FP8Linear`: a layer's own FP8 weight (and W^T), and
-the stacked FP8 weight of a group of layers that read the same input (q/k/v, gate/up). Each is made at most once
-per weight version and re-quantized into the same buffers when the weight moves (stable addresses for the
-rollout's CUDA graphs). The layers passed here are ``FP8Linear``s; the caches live on them (a group's on its
+"""The weight caches of the linears: an :class:`~jetrl.quant.linear.FP8Linear`'s own FP8 weight (and W^T), the
+stacked FP8 weight of a group of them that read the same input (q/k/v, gate/up), and the stacked BF16 weight (and
+bias) of a group of plain ``nn.Linear``s, which a decode-sized forward without grad multiplies in one GEMM
+(:class:`_Bf16Stack`). Each is made at most once per weight version and written again into the same buffers when
+the weight moves (stable addresses for the rollout's CUDA graphs). The caches live on the layers (a group's on its
 first member).
 """
 
@@ -99,6 +100,77 @@ def _group_cache(modules: tuple[nn.Linear, ...]) -> _WeightCache:
     if cache is None:
         cache = modules[0]._group_caches[ids] = _WeightCache(modules)
     return cache
+
+
+class _Bf16Stack:
+    """The weights (and biases) of plain linears that read the same input, stacked along the output dim: one GEMM
+    for a decode step's q/k/v or gate/up instead of one per layer, at the memory of a second copy of those weights.
+    Current while ``key`` is the members' (:func:`_bf16_key`)."""
+
+    def __init__(self, modules: tuple[nn.Linear, ...]) -> None:
+        self.modules = modules
+        self.key: tuple | None = None
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+
+_BF16_STACKS = "_bf16_stacks"  # the attribute of a group's first member that holds its stacks, by the members' ids
+
+
+def _bf16_key(modules: tuple[nn.Linear, ...]) -> tuple:
+    """What a stack's values depend on: each member's weight and bias storage and version."""
+    return tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device)
+                 for m in modules for t in (m.weight, m.bias) if t is not None)
+
+
+def _bf16_stackable(modules: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
+    """Whether plain linears can multiply ``x`` as one stacked weight: each exactly ``nn.Linear``, one input width,
+    the input's dtype and device, biases on all or none."""
+    first = modules[0]
+    return all(type(m) is nn.Linear and m.in_features == first.in_features and m.weight.dtype == x.dtype
+               and m.weight.device == x.device and (m.bias is None) == (first.bias is None) for m in modules)
+
+
+def _cat_into(old: torch.Tensor | None, parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, written into ``old`` where its shape, dtype and device fit (stable address)."""
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    if old is not None and old.shape == shape and old.dtype == parts[0].dtype and old.device == parts[0].device:
+        return torch.cat(parts, out=old)
+    return torch.cat(parts)
+
+
+def _refresh_bf16(stack: _Bf16Stack) -> _Bf16Stack:
+    key = _bf16_key(stack.modules)
+    if stack.key != key:
+        with torch.no_grad():
+            stack.weight = _cat_into(stack.weight, [m.weight for m in stack.modules])
+            if stack.modules[0].bias is not None:
+                stack.bias = _cat_into(stack.bias, [m.bias for m in stack.modules])
+        stack.key = key
+    return stack
+
+
+def bf16_stacked(modules: tuple[nn.Linear, ...]) -> _Bf16Stack:
+    """The current stacked BF16 weight of ``modules`` (:func:`_bf16_stackable`), made on first use, held by the
+    first member."""
+    stacks = vars(modules[0]).setdefault(_BF16_STACKS, {})
+    ids = tuple(id(m) for m in modules)
+    if ids not in stacks:
+        stacks[ids] = _Bf16Stack(modules)
+    return _refresh_bf16(stacks[ids])
+
+
+def bf16_stacks(module: nn.Module) -> list[_Bf16Stack]:
+    """The stacked BF16 weights ``module`` holds as a group's first member, each brought to the current weight
+    version (written again into its buffers where a member moved): what a captured decode graph reads."""
+    return [_refresh_bf16(stack) for stack in vars(module).get(_BF16_STACKS, {}).values()]
+
+
+def invalidate_bf16_stacks(module: nn.Module) -> None:
+    """Mark ``module``'s stacks stale (its members' weights changed behind the version counter, e.g. through
+    ``.data`` or a collective): the next use copies them again, into the same buffers."""
+    for stack in vars(module).get(_BF16_STACKS, {}).values():
+        stack.key = None
 
 
 def _member_weights(qweight: Fp8Tensor, modules: tuple[nn.Linear, ...]) -> list[Fp8Tensor]:
