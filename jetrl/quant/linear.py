@@ -305,7 +305,7 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
       group's stacked FP8 weight (:func:`_stacked_weights`), with or without grad. A decode-sized no-grad input with
       ``x_fp8`` goes to the backend's ``grouped_gemm`` (the CUDA backend's one decode launch) over each member's
       rows of that weight.
-    * Plain ``nn.Linear`` layers (BF16), a decode-sized input (at most ``DECODE_GEMM_MAX_M`` rows) without grad:
+    * Plain ``nn.Linear`` layers (BF16), a decode-sized CUDA input (at most ``DECODE_GEMM_MAX_M`` rows) without grad:
       one GEMM over their stacked weight and bias (:class:`~jetrl.quant.weight_cache._Bf16Stack`, a copy made once
       per weight version); other inputs run the layers one by one (a prefill or a training forward, where one GEMM
       per layer costs no more).
@@ -354,7 +354,10 @@ def _bf16_grouped(modules: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tens
     """:func:`grouped_linear` for plain linears: their stacked BF16 GEMM on a decode-sized no-grad ``x``, else None."""
     from jetrl.quant.kernels.tuning import DECODE_GEMM_MAX_M  # CPU-only; kernels import lazily (test_layering.py)
 
-    if torch.is_grad_enabled() or x.shape[0] > DECODE_GEMM_MAX_M or not _bf16_stackable(modules, x):
+    # on a GPU one GEMM instead of two or three saves their launch latency; on the CPU the layers' own GEMMs keep
+    # a row's result independent of the rows beside it (bf16's bitwise on-policy check, tests/rl/test_trainer.py)
+    if (not x.is_cuda or torch.is_grad_enabled() or x.shape[0] > DECODE_GEMM_MAX_M
+            or not _bf16_stackable(modules, x)):
         return None
     stack = bf16_stacked(modules)
     return F.linear(x, stack.weight, stack.bias)

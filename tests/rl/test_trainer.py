@@ -91,24 +91,29 @@ def test_jet_is_on_policy_on_the_cpu_at_smollm2_shapes():
     GEMM and attention sum exactly and round once, a row's result does not depend on how many rows a call holds
     (a decode step's few or a whole sequence's), so jet's two sides compute the same FP8 policy: log-probs equal up to
     the fp32 order of the two log-softmaxes, as bf16's. fp8-rollout's differ by the FP8 rounding itself."""
+    # oneDNN's BF16 GEMM (on CPUs with AMX or AVX512-BF16) blocks by the call's row count, so a row's bits depend on
+    # the rows beside it there; PyTorch's own CPU GEMM, which sums every row alike in fp32, is this check's premise
+    with torch.backends.mkldnn.flags(enabled=False):
+        results = {recipe: _smollm2_mismatch(recipe) for recipe in ("bf16", "jet", "fp8-rollout")}
+    assert results["bf16"]["logp_abs_diff_max"] < 1e-4 and results["jet"]["logp_abs_diff_max"] < 1e-4, results
+    assert results["fp8-rollout"]["logp_abs_diff_mean"] > 100 * results["jet"]["logp_abs_diff_mean"] + 1e-3, results
+
+
+def _smollm2_mismatch(recipe: str) -> dict:
     from jetrl.models import DecoderConfig, build_model
     from jetrl.rl.mismatch import mismatch_metrics
     from jetrl.rollout import RolloutEngine
 
-    results = {}
-    for recipe in ("bf16", "jet", "fp8-rollout"):
-        cfg = load_config(None, [f"--recipe={recipe}", "--data.prompts_per_step=3", "--rollout.n=2",
-                                 "--rollout.max_tokens=13", "--algorithm.mini_batch_size=6",
-                                 "--algorithm.micro_batch_size=6", "--rollout.temperature=1.0"])
-        model = build_model(DecoderConfig(**SMOLLM2_BLOCKS), dtype=torch.bfloat16, recipe=recipe, seed=3)
-        engine = RolloutEngine(model, max_num_seqs=6, num_blocks=64, block_size=4, progress=False)
-        trainer = Trainer(cfg, model, engine, ToyPrompts(3), low_token_reward, decode)
-        items = trainer.prompts.next_batch()
-        completions, _ = trainer.rollout(items)
-        batch = trainer.build_batch(items, completions)
-        results[recipe] = mismatch_metrics(batch.rollout_logprobs, trainer.score(model, batch), batch.mask)
-    assert results["bf16"]["logp_abs_diff_max"] < 1e-4 and results["jet"]["logp_abs_diff_max"] < 1e-4, results
-    assert results["fp8-rollout"]["logp_abs_diff_mean"] > 100 * results["jet"]["logp_abs_diff_mean"] + 1e-3, results
+    cfg = load_config(None, [f"--recipe={recipe}", "--data.prompts_per_step=3", "--rollout.n=2",
+                             "--rollout.max_tokens=13", "--algorithm.mini_batch_size=6",
+                             "--algorithm.micro_batch_size=6", "--rollout.temperature=1.0"])
+    model = build_model(DecoderConfig(**SMOLLM2_BLOCKS), dtype=torch.bfloat16, recipe=recipe, seed=3)
+    engine = RolloutEngine(model, max_num_seqs=6, num_blocks=64, block_size=4, progress=False)
+    trainer = Trainer(cfg, model, engine, ToyPrompts(3), low_token_reward, decode)
+    items = trainer.prompts.next_batch()
+    completions, _ = trainer.rollout(items)
+    batch = trainer.build_batch(items, completions)
+    return mismatch_metrics(batch.rollout_logprobs, trainer.score(model, batch), batch.mask)
 
 
 def test_resume_is_bitwise(tmp_path):
