@@ -18,10 +18,8 @@ def bench_dir() -> Path:
 
 
 def available_benches() -> list[str]:
-    folder = bench_dir()
-    names = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_") and p.stem != "common") \
-        if folder.is_dir() else []
-    return ["fp8"] + names
+    scripts = bench_dir().glob("*.py")  # none without a bench/ folder (a plain install)
+    return ["fp8"] + sorted(p.stem for p in scripts if not p.stem.startswith("_") and p.stem != "common")
 
 
 def run_bench(name: str, argv: list[str]) -> None:

@@ -96,12 +96,9 @@ def _overrides(items: Sequence[str]) -> list[str]:
 def _train_config(args: argparse.Namespace) -> RunConfig:
     """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
     path = config_path(args.config)
-    overrides = _overrides(args.overrides)
-    for key, value in (("trainer.steps", args.max_steps), ("trainer.output_dir", args.output_dir),
-                       ("recipe", args.recipe), ("trainer.resume", "true" if args.resume else None),
-                       ("trainer.num_threads", args.threads)):
-        if value is not None:
-            overrides.append(f"--{key}={value}")
+    options = (("trainer.steps", args.max_steps), ("trainer.output_dir", args.output_dir), ("recipe", args.recipe),
+               ("trainer.resume", "true" if args.resume else None), ("trainer.num_threads", args.threads))
+    overrides = _overrides(args.overrides) + [f"--{key}={value}" for key, value in options if value is not None]
     config = load_config(path, overrides)
     config.model.path = resolve_asset(config.model.path) if config.model.path else config.model.path
     if config.model.tokenizer:
@@ -111,7 +108,7 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
     return config
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def _cmd_train(args: argparse.Namespace) -> None:
     config = _train_config(args)
     # everything that can be checked without the weights, before the evaluation that precedes training
     held_out = config.data.task or config.data.eval_path
@@ -131,7 +128,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # under torchrun every rank runs this command; rank 0 alone prepares the folder, evaluates and reports
     if launched_rank() != 0:
         run(config, require_checkpoint=args.resume == "must")
-        return 0
+        return
     prepare_output_dir(config, overwrite=args.overwrite)  # last: --overwrite deletes the old run
     print(f"jetrl train: {config.recipe} recipe, model {config.model.path}, "
           f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
@@ -139,38 +136,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
     result = train_and_evaluate(config, num_eval, require_checkpoint=args.resume == "must",
                                 progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
     print(text_table(result.rows(), title="jetrl train: summary"))
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ config
 
-def _cmd_config_show(args: argparse.Namespace) -> int:
+def _cmd_config_show(args: argparse.Namespace) -> None:
     path, overrides = config_path(args.config), _overrides(args.overrides)
     config = load_config(path, overrides)
     source = " ".join([args.config or DEFAULT_CONFIG, *overrides])
     print(commented_yaml(config, title=f"jetrl config show {source}\nthe resolved configuration: every field, "
                                        f"with its meaning (docs/configuration.md)"), end="")
-    return 0
 
 
-def _cmd_config_check(args: argparse.Namespace) -> int:
+def _cmd_config_check(args: argparse.Namespace) -> None:
     config = load_config(config_path(args.config), _overrides(args.overrides))
     check_config(config)
     steps = config.rollout_batch_size // config.mini_batch_size * config.algorithm.ppo_epochs
     print(f"{args.config}: valid ({config.recipe} recipe, {config.data.prompts_per_step} prompts x "
           f"{config.rollout.n} samples = {config.rollout_batch_size} sequences per RL step, {steps} optimizer "
           f"step{'s' if steps > 1 else ''} each)")
-    return 0
 
 
-def _cmd_config_reference(args: argparse.Namespace) -> int:
+def _cmd_config_reference(args: argparse.Namespace) -> None:
     print(configuration_reference(), end="")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ sft
 
-def _cmd_sft(args: argparse.Namespace) -> int:
+def _cmd_sft(args: argparse.Namespace) -> None:
     configure_threads(args.threads, EVAL_REWARD_WORKERS)
     config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
@@ -183,7 +176,6 @@ def _cmd_sft(args: argparse.Namespace) -> int:
                   ("parameters", f"{result.num_parameters:,}"), ("final loss", f"{result.final_loss:.4f}"),
                   (f"greedy accuracy ({SFT_RECIPE}, {config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
                   ("time", f"{result.seconds:.0f} s"), ("checkpoint", result.output_dir)], title="jetrl sft: summary"))
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ eval
@@ -198,26 +190,24 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
                       num_examples=args.num_examples or 200)
 
 
-def _cmd_eval(args: argparse.Namespace) -> int:
+def _cmd_eval(args: argparse.Namespace) -> None:
     configure_threads(args.threads, EVAL_REWARD_WORKERS)
     kv_fp8_train(args.recipe, args.kv_fp8)  # a recipe that rolls out in BF16 has no FP8 cache: say so first
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
     model, tokenizer = load_policy(model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
-    ks = sorted(set(args.k or [1]))
     result = evaluate(model, tokenizer, dataset, reward=args.reward, n=args.n, temperature=args.temperature,
-                      top_p=args.top_p, max_tokens=args.max_tokens, ks=ks, seed=args.sample_seed,
+                      top_p=args.top_p, max_tokens=args.max_tokens, ks=args.k or (), seed=args.sample_seed,
                       progress=not args.no_progress, keep_samples=bool(args.output), kv_fp8=args.kv_fp8)
     mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
     print(text_table(result.rows(), title=f"jetrl eval: {args.model} on {dataset.name} ({mode}, {args.recipe} recipe)"))
     if args.output:
         write_samples(result.samples, args.output)
         print(f"samples written to {args.output}", file=sys.stderr)
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ generate
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _cmd_generate(args: argparse.Namespace) -> None:
     configure_threads(args.threads)
     prompts = read_prompts(args.prompts, resolve_asset(args.file) if args.file else None)
     if args.temperature == 0 and args.n > 1:
@@ -242,51 +232,46 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(c.rstrip("\n"))
             if len(completions) > 1:
                 print("---")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ plot, export
 
-def _cmd_plot(args: argparse.Namespace) -> int:
+def _cmd_plot(args: argparse.Namespace) -> None:
     output = Path(args.output or default_plot_path(args.runs))
     existed = output.is_file()  # for one run, by default: the plot jetrl train wrote
     path = plot_runs(args.runs, output, labels=args.labels, smooth=args.smooth)
     print(path)
     if existed:
         print(f"jetrl plot: replaced the existing {path} (-o PATH writes elsewhere)", file=sys.stderr)
-    return 0
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
+def _cmd_export(args: argparse.Namespace) -> None:
     out = export_model(resolve_asset(args.model), args.output, fp8=args.fp8, overwrite=args.overwrite)
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
     print(f"exported {'block-FP8' if args.fp8 else 'BF16'} checkpoint to {out} ({size / 2 ** 20:.1f} MiB)")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ bench
 
-def _cmd_bench(args: argparse.Namespace) -> int:
+def _cmd_bench(args: argparse.Namespace) -> int | None:
     if args.name in (None, "list"):
         print("benchmarks: " + ", ".join(available_benches()))
         print("run one with: jetrl bench NAME [its arguments]   (fp8 = jetrl check-fp8)")
-        return 0
+        return None
     if args.name == "fp8":
         return main(["check-fp8", *args.bench_args])
     if args.name not in available_benches():  # a name, never a path: only the shipped scripts run
         raise UsageError(f"unknown benchmark {args.name!r}; available: {', '.join(available_benches())} "
                          f"(bench scripts live in the source checkout's bench/ folder)")
     run_bench(args.name, args.bench_args)
-    return 0
 
 
-def _cmd_check_fp8(args: argparse.Namespace) -> int:
+def _cmd_check_fp8(args: argparse.Namespace) -> None:
     result = check_fp8_linear(args.m, args.n, args.k, device=args.device)
     width = max(len(name) for name, _ in result.rows())
     print("FP8Linear (jet: FP8 Fprop/DGrad/WGrad) vs BF16 nn.Linear, random data")
     for name, value in result.rows():
         print(f"  {name:<{width}}  {value}")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------ parser
@@ -437,8 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """``warnings.showwarning`` while a command runs: one ``jetrl: warning: ...`` line on stderr, as errors are
-    ``jetrl: error: ...`` (``JETRL_DEBUG=1`` keeps Python's format, with the file, line and source)."""
+    """``warnings.showwarning`` while a command runs, unless ``JETRL_DEBUG=1`` (see the module doc)."""
     print(f"jetrl: warning: {' '.join(str(message).split())}", file=sys.stderr if file is None else file)
 
 
@@ -446,9 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jetrl`` console script; returns the exit status."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {a for action in parser._subparsers._group_actions for a in action.choices}  # type: ignore[union-attr]
-    if not argv or (argv[0].startswith("--") and argv[0] not in ("-h", "--help", "--version")
-                    and argv[0] not in commands):
+    if not argv or (argv[0].startswith("--") and argv[0] not in ("--help", "--version")):
         argv = ["train", *argv]  # the main job, on its embedded default unless a config is given
     args, extra = parser.parse_known_args(argv)
     if extra:
@@ -459,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():  # restores Python's warning printer when the command returns
             if not os.environ.get("JETRL_DEBUG"):
                 warnings.showwarning = _show_warning
-            return int(args.func(args) or 0)
+            return int(args.func(args) or 0)  # a command returns nothing, or the status of the one it runs
     except KeyboardInterrupt:
         print("jetrl: interrupted", file=sys.stderr)
         return 130

@@ -69,9 +69,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     ``1 - C(n - c, k) / C(n, k)``."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # C(n - c, k) is 0 for k > n - c
 
 
 def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: str | None = None, n: int = 1,
@@ -132,9 +130,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
                     group = scored[i * n:(i + 1) * n]
                     correct_per_prompt.append(sum(r >= 1.0 for r in group))
                     if keep_samples:
-                        for j in range(n):
-                            samples.append({"index": prompt.index, "prompt": texts[i], "completion": outputs[i * n + j],
-                                            "answer": prompt.answer, "reward": group[j]})
+                        samples += [{"index": prompt.index, "prompt": texts[i], "completion": outputs[i * n + j],
+                                     "answer": prompt.answer, "reward": group[j]} for j in range(n)]
                 rewards_all += list(scored)
                 lengths += [len(c.token_ids) for c in completions]
                 truncated += sum(c.finish_reason == "length" for c in completions)
@@ -204,13 +201,10 @@ def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str
     """Completions (``n`` per prompt) of plain-text prompts. Without a chat template a prompt gets a
     trailing newline unless ``raw`` (the compact task format ends every prompt with one); with one, the
     prompt becomes a user turn."""
-    texts = []
-    for i, p in enumerate(prompts):
-        if raw:
-            texts.append(p)
-        else:
-            text = render_prompt(Prompt(index=i, answer="", text=p), tokenizer)
-            texts.append(text if text != p or p.endswith("\n") else p + "\n")
+    texts = list(prompts)
+    if not raw:
+        rendered = (render_prompt(Prompt(index=i, answer="", text=p), tokenizer) for i, p in enumerate(prompts))
+        texts = [text if text != p or p.endswith("\n") else p + "\n" for text, p in zip(rendered, prompts)]
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, len(texts) * n)))
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(texts))]

@@ -88,11 +88,8 @@ def load_run(run: str | Path, label: str | None = None) -> RunCurves:
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
     """Trailing mean over up to ``window`` points (NaNs skipped)."""
-    out = []
-    for i in range(len(values)):
-        chunk = [v for v in values[max(0, i - window + 1):i + 1] if not math.isnan(v)]
-        out.append(sum(chunk) / len(chunk) if chunk else float("nan"))
-    return out
+    chunks = [[v for v in values[max(0, i - window + 1):i + 1] if not math.isnan(v)] for i in range(len(values))]
+    return [sum(chunk) / len(chunk) if chunk else float("nan") for chunk in chunks]
 
 
 def summarize_run(run: str | Path) -> list[tuple[str, str]]:
@@ -173,8 +170,7 @@ def draw_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None, s
             drawn = True
         if log_scale and drawn and any(v > 0 for c in curves for v in c.series(key)[1]):
             ax.set_yscale("log")
-        ax.set_title(name)
-        ax.set_xlabel("step")
+        ax.set(title=name, xlabel="step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on a short run's axis
         ax.grid(alpha=0.3)
         if not drawn:

@@ -9,6 +9,8 @@ check``).
 
 from __future__ import annotations
 
+import itertools
+
 from jetrl.config import DTYPES, ConfigError, RunConfig
 from jetrl.config.reference import Registry, field_docs, reference_markdown, section_of, sections
 from jetrl.config.schema import check_choice
@@ -82,13 +84,10 @@ def configuration_reference() -> str:
            "same). None changes a result's bits except the GEMM path, exact mode's K split (`exact_split_k`) and the "
            "FP8-cache decode attention's tiles and splits (summation order); the rest are schedules. "
            "What each does in depth: `jetrl.quant.kernels.tuning.KernelTuning`'s family docstrings.", ""]
-    family = None
-    for fam, name, default, rule, meaning in setting_docs():
-        if fam != family:
-            family = fam
-            out += ["", f"### {fam[0].upper() + fam[1:]}", "", "| setting | default | accepts | meaning |",
-                    "| --- | --- | --- | --- |"]
-        out.append(f"| `{name}` | `{default}` | {rule} | {meaning} |")
+    for family, rows in itertools.groupby(setting_docs(), key=lambda row: row[0]):
+        out += ["", f"### {family[0].upper() + family[1:]}", "", "| setting | default | accepts | meaning |",
+                "| --- | --- | --- | --- |"]
+        out += [f"| `{name}` | `{default}` | {rule} | {meaning} |" for _, name, default, rule, meaning in rows]
     return reference_markdown(registries()) + "\n".join(out).replace("\n\n\n", "\n\n") + "\n"
 
 

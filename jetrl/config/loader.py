@@ -44,26 +44,22 @@ def _read_file(path: Path) -> dict[str, Any]:
         line = raw[:e.start].count(b"\n") + 1
         raise ConfigError(f"config file {path} line {line} is not UTF-8 text (byte {raw[e.start]:#04x}); save it "
                           f"as UTF-8") from None
-    if suffix == ".json":
-        try:
+    try:
+        if suffix == ".json":
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path} line {e.lineno} column {e.colno} is not valid JSON: {e.msg}") \
-                from None
-    elif suffix == ".toml":
-        try:
+        elif suffix == ".toml":
             data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            # the parser's message ends in "(at line L, column C)"
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    else:
-        try:
+        else:
             data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-            where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path} line {e.lineno} column {e.colno} is not valid JSON: {e.msg}") from None
+    except tomllib.TOMLDecodeError as e:  # the parser's message ends in "(at line L, column C)"
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
     return data

@@ -103,8 +103,7 @@ def type_text(tp: Any) -> str:
     """An annotation as a reader writes the value: ``int``, ``str or null``, ``list of int``, ``[float, float]``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if args and type(None) in args:
-        inner = [a for a in args if a is not type(None)]
-        return f"{type_text(inner[0])} or null"
+        return f"{type_text(next(a for a in args if a is not type(None)))} or null"
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             return f"list of {type_text(args[0])}"
@@ -115,10 +114,6 @@ def type_text(tp: Any) -> str:
 def yaml_value(value: Any) -> str:
     """``value`` as one line of YAML that reads back as the same value (a float as a float, a string with a
     newline or a ``#`` quoted, a tuple as a flow list)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(yaml_value(v) for v in value) + "]"
     if isinstance(value, float) and not math.isfinite(value):

@@ -18,6 +18,7 @@ Batch sizes, in sequences (a sequence is one prompt plus one sampled completion)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -71,8 +72,7 @@ def setting(default: Any, doc: str, registry: str | None = None) -> Any:
 
     The meaning and the registry are the field's metadata: the configuration reference
     (:mod:`jetrl.config.reference`, ``docs/configuration.md``) and ``jetrl config show`` read them from there."""
-    metadata = {"doc": doc} if registry is None else {"doc": doc, "registry": registry}
-    return field(default=default, metadata=metadata)
+    return field(default=default, metadata={"doc": doc, "registry": registry})
 
 
 class _Section:
@@ -216,13 +216,9 @@ class AlgorithmConfig(_Section):
     entropy_coef: float = setting(0.0, "weight of the entropy bonus")
     tis_cap: float | None = setting(None, "truncated importance sampling: cap C (>= 1) of the rollout-to-trainer "
                                     "ratio weights; null: off")
-    # verl's "bypass". In exact mode the engine's log-probs are the trainer's bit for bit, so this skips a pass
-    # that would recompute them (tis_cap then has nothing to correct); the update's first mini-batch checks them
-    # (mismatch/checked_frac) and a difference is warned about
+    # this (verl's "bypass") and the next: where the old log-probs come from, phase 3 of jetrl.rl.trainer's doc
     use_rollout_logprobs: bool = setting(False, "take the rollout engine's log-probs as the old ones (no "
                                          "old-logprob pass)")
-    # with one optimizer step per RL step the policy has not moved when the update's forwards run, so their
-    # detached log-probs are the old ones
     old_logprobs_from_update: bool = setting(False, "take the old log-probs from the update's own forwards (needs "
                                              "ppo_epochs 1 and one mini-batch)")
     ppo_epochs: int = setting(1, "passes over the rollout batch per RL step")
@@ -513,10 +509,8 @@ def coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if from_string and isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 return int(value.replace("_", ""))
-            except ValueError:
-                pass
         raise ConfigTypeError(f"{key} must be an int, got {type(value).__name__} ({value!r})")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -558,8 +552,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     for key in data:
         if key not in known:
             raise unknown_key_error(str(key), list(known), prefix)
-    kwargs = {k: coerce(v, known[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()}
-    return cls(**kwargs)
+    return cls(**{k: coerce(v, known[k], f"{prefix}.{k}" if prefix else k) for k, v in data.items()})
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -53,9 +53,7 @@ def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced; None if absent or
     longer than :data:`MAX_BOXED_CHARS`."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start < 0:
-        return None
-    brace = text.find("{", start)
+    brace = text.find("{", start) if start >= 0 else -1
     if brace < 0:
         return None
     depth = 0
@@ -83,20 +81,10 @@ def _boxed_value(content: str) -> Fraction | None:
 def extract_final_number(text: str) -> Fraction | None:
     """The model's final numeric answer in ``text`` (see the module docstring for the order), or None."""
     text = text.translate(_MINUS_SIGNS)
-    hashes = text.rfind("####")
-    if hashes >= 0:
-        value = _first_number(text[hashes + 4 :])
-        if value is not None:
-            return value
-    boxed = last_boxed(text)
-    if boxed is not None:
-        value = _boxed_value(boxed)
-        if value is not None:
-            return value
-    said = list(_ANSWER_IS.finditer(text))
-    if said:
-        tail = text[said[-1].end() :]
-        value = _first_number(tail[:80])
+    hashes, boxed, said = text.rfind("####"), last_boxed(text), list(_ANSWER_IS.finditer(text))
+    for value in (_first_number(text[hashes + 4 :]) if hashes >= 0 else None,
+                  _boxed_value(boxed) if boxed is not None else None,
+                  _first_number(text[said[-1].end() :][:80]) if said else None):
         if value is not None:
             return value
     return _last_number(text)

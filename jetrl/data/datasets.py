@@ -127,8 +127,7 @@ def prompts_from_rows(rows: Sequence[dict[str, Any]], columns: ColumnMap, availa
                 raise ValueError(f"{source}: row {i + 1} has no value in the {role} column {col!r}")
             return row[col]
 
-        answer = value(columns.answer, "answer")
-        prompts.append(Prompt(index=i, answer=answer if isinstance(answer, str) else str(answer),
+        prompts.append(Prompt(index=i, answer=str(value(columns.answer, "answer")),
                               text=str(value(columns.prompt, "prompt")) if columns.prompt else None,
                               messages=tuple(value(columns.messages, "messages")) if columns.messages else None))
     return prompts

@@ -16,6 +16,7 @@ timeout_s`` plus restarts. A failed sample is never silent: see :class:`RewardFa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -179,18 +180,14 @@ class RewardPool:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     def close(self) -> None:
         """Stop the workers (politely, then by force)."""
         for worker in self._workers:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 worker.conn.send(None)
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + 2.0
         for worker in self._workers:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -312,8 +309,7 @@ class RewardPool:
                 if worker in dead:
                     if worker.pending:
                         worker.process.join(timeout=1.0)
-                        code = worker.process.exitcode
-                        fail_current(worker, "error", f"reward worker died (exit code {code})")
+                        fail_current(worker, "error", f"reward worker died (exit code {worker.process.exitcode})")
                     elif not worker.ready:
                         self._startup_deaths += 1
                         if self._startup_deaths >= MAX_STARTUP_DEATHS:
@@ -329,11 +325,6 @@ class RewardPool:
                 elif not worker.ready and now - worker.started_at > STARTUP_TIMEOUT_S:
                     self.close()
                     raise RuntimeError(f"reward worker did not start within {STARTUP_TIMEOUT_S:g} s")
-
-
-def _warn(message: str) -> None:
-    """The guard's default report: a Python warning (``jetrl`` prints it as one ``jetrl: warning:`` line)."""
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 class RewardFailureError(RuntimeError):
@@ -356,7 +347,8 @@ class RewardFailureGuard:
                 or not 0 < stop_fraction <= 1:
             raise ValueError(f"stop_fraction must be in (0, 1], got {stop_fraction!r}")
         self.stop_fraction = float(stop_fraction)
-        self.log = log if log is not None else _warn
+        # by default a Python warning (``jetrl`` prints it as one ``jetrl: warning:`` line)
+        self.log = log if log is not None else lambda message: warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.has_reported = False
 
     def check(self, result: RewardResult) -> None:

@@ -54,9 +54,7 @@ def answer_excerpt(text: str, limit: int = MATH_ANSWER_CHARS) -> str:
     """The part of a completion that holds its final answer, at most ``limit`` characters: from the last
     ``\\boxed`` (or ``\\fbox``) on when there is one, else the end of the text."""
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
-    if start >= 0:
-        return text[start : start + limit]
-    return text[-limit:]
+    return text[start : start + limit] if start >= 0 else text[-limit:]
 
 
 def _math_timeout() -> int | None:
@@ -87,17 +85,12 @@ def math_reward(completion_text: str, reference_answer: str) -> float:
     gold = list(_parse_reference(reference_answer))
     timeout = _math_timeout()
     predicted = parse(answer_excerpt(completion_text), parsing_timeout=timeout)
-    if not predicted:
-        return 0.0
-    return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
+    return 1.0 if predicted and verify(gold, predicted, timeout_seconds=timeout) else 0.0
 
 
-def _warm_up_math() -> None:
-    """Import math-verify and sympy and run one check, so a fresh worker's first sample is not slow."""
-    math_reward("\\boxed{\\frac{1}{2}}", "0.5")
-
-
-math_reward.warmup = _warm_up_math  # called by reward workers at start-up
+# called by reward workers at start-up: imports math-verify and sympy and runs one check, so that a fresh worker's
+# first sample is not slow
+math_reward.warmup = functools.partial(math_reward, "\\boxed{\\frac{1}{2}}", "0.5")
 
 
 def warm_up(fn: RewardFn) -> None:
@@ -113,10 +106,8 @@ def _import_callable(spec: str) -> Callable:
     if not sep:  # "pkg.mod.fn"
         module_name, _, attr_path = spec.rpartition(".")
     if not module_name or not attr_path:
-        raise ValueError(
-            f"reward {spec!r} is neither a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor a dotted path "
-            "like 'package.module:function'"
-        )
+        raise ValueError(f"reward {spec!r} is neither a built-in ({', '.join(sorted(BUILTIN_REWARDS))}) nor a "
+                         "dotted path like 'package.module:function'")
     try:
         obj = importlib.import_module(module_name)
     except ImportError as e:
@@ -124,10 +115,8 @@ def _import_callable(spec: str) -> Callable:
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             public = sorted(n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None)))
-            raise ValueError(
-                f"reward {spec!r}: {getattr(obj, '__name__', obj)!r} has no attribute {part!r}; "
-                f"its callables: {', '.join(public[:30])}{' ...' if len(public) > 30 else ''}"
-            )
+            raise ValueError(f"reward {spec!r}: {getattr(obj, '__name__', obj)!r} has no attribute {part!r}; "
+                             f"its callables: {', '.join(public[:30])}{' ...' if len(public) > 30 else ''}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"reward {spec!r} resolved to a {type(obj).__name__}, which is not callable")

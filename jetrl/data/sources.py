@@ -22,10 +22,7 @@ def read_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
         raise ValueError(f"cannot tell the format of {str(path)!r} from its suffix {path.suffix!r}; name it .jsonl "
                          "or .parquet")
     rows = read_jsonl(path) if kind == "jsonl" else _read_parquet(path)
-    columns: dict[str, None] = {}
-    for row in rows:
-        columns.update(dict.fromkeys(row))
-    return rows, list(columns)
+    return rows, list(dict.fromkeys(column for row in rows for column in row))
 
 
 def read_text(path: Path) -> str:

@@ -54,13 +54,10 @@ def prompt_messages(prompt: Prompt, config: TemplateConfig) -> list[dict[str, st
     A prompt that already is a conversation keeps its turns (the system prompt is added if it has none)."""
     if prompt.messages is not None:
         turns = [dict(t) for t in prompt.messages]
-        if config.system_prompt and not any(t["role"] == "system" for t in turns):
-            turns.insert(0, {"role": "system", "content": config.system_prompt})
-        return turns
-    turns = []
-    if config.system_prompt:
-        turns.append({"role": "system", "content": config.system_prompt})
-    turns.append({"role": "user", "content": _fill(config.instruction, prompt=prompt.text)})
+    else:
+        turns = [{"role": "user", "content": _fill(config.instruction, prompt=prompt.text)}]
+    if config.system_prompt and not any(t["role"] == "system" for t in turns):
+        turns.insert(0, {"role": "system", "content": config.system_prompt})
     return turns
 
 
@@ -68,8 +65,7 @@ def render_prompt(prompt: Prompt, tokenizer: Any = None, config: TemplateConfig 
     """The text fed to the policy for ``prompt`` (tokenize it without adding special tokens again
     when a chat template was used: the template already contains them)."""
     config = config or TemplateConfig()
-    use_chat = config.chat == "always" or (config.chat == "auto" and has_chat_template(tokenizer))
-    if use_chat:
+    if config.chat == "always" or (config.chat == "auto" and has_chat_template(tokenizer)):
         if not has_chat_template(tokenizer):
             raise ValueError("TemplateConfig.chat='always' but the tokenizer has no chat template; set chat='auto' or "
                              "'never' to use the plain template, or load a tokenizer with a chat_template")
@@ -113,7 +109,6 @@ def decode_completion(tokenizer: Any, ids: Sequence[int]) -> str:
 
 def _fill(template: str, **values: str) -> str:
     """``str.format`` that leaves other braces alone (LaTeX problems are full of ``{}``)."""
-    out = template
     for key, value in values.items():
-        out = out.replace("{" + key + "}", value)
-    return out
+        template = template.replace("{" + key + "}", value)
+    return template

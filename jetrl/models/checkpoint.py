@@ -156,11 +156,10 @@ def load_weights(model: DecoderLM, folder: str) -> None:
             else:
                 param.copy_(tensor.to(device=param.device, dtype=param.dtype))
             loaded.add(name)
-    stray_scales = [n for n in weight_map if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] not in loaded]
-    if unexpected or stray_scales:
-        names = unexpected + stray_scales
-        raise ValueError(f"checkpoint in {folder} has {len(names)} tensors the model does not have: "
-                         f"{names[:8]}{' ...' if len(names) > 8 else ''}")
+    unexpected += [n for n in weight_map if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] not in loaded]
+    if unexpected:  # tensors of no parameter, or scales of no loaded tensor
+        raise ValueError(f"checkpoint in {folder} has {len(unexpected)} tensors the model does not have: "
+                         f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
     missing = [n for n in params if n not in loaded]
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors: {missing[:8]}"
@@ -249,10 +248,8 @@ def _fp8_linears_to_export(model: nn.Module) -> dict[str, nn.Linear]:
     every block linear the default recipe would swap."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     fp8 = {n: m for n, m in linears.items() if isinstance(m, FP8Linear)}
-    if fp8:
-        return fp8
     jet = get_recipe("jet")
-    return {n: m for n, m in linears.items() if not jet.excludes(n)}
+    return fp8 or {n: m for n, m in linears.items() if not jet.excludes(n)}
 
 
 def _fp8_owner(model: nn.Module, name: str) -> FP8Linear | None:
@@ -319,8 +316,7 @@ def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,
         with open(os.path.join(path, INDEX_NAME), "w") as f:
             json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, f, indent=2)
 
-    hf = model.config.to_hf()
-    hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    hf = {**model.config.to_hf(), "torch_dtype": str(model.dtype).removeprefix("torch.")}
     if fp8:
         exported = set(_fp8_linears_to_export(model))
         kept = sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in exported

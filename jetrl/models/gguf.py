@@ -170,10 +170,8 @@ def convert_gguf(path: str | os.PathLike, output: str | os.PathLike, overwrite: 
         weights = {name: t.to(torch.bfloat16).contiguous() for name, t in tensors.items()}
         save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         del weights, tensors
-        hf_out = config.to_hf()
-        hf_out["torch_dtype"] = "bfloat16"
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_out, f, indent=2)
+            json.dump({**config.to_hf(), "torch_dtype": "bfloat16"}, f, indent=2)
         tokenizer.save_pretrained(tmp)
         mode = 0o777 & ~_umask()  # mkdtemp and safetensors create owner-only; give the modes other files get
         os.chmod(tmp, mode)

@@ -27,6 +27,8 @@ hand-written logit gradient of fast mode (only forward values must match the rol
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,9 +47,7 @@ KEEP_LOGITS_BYTES = 4 << 30
 def chunk_stats_reference(logits: torch.Tensor, targets: torch.Tensor,
                           temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 ``(logprob, entropy, logsumexp)`` per row of a chunk of logits (rows, vocab): the definition."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
+    z = logits.float() if temperature == 1.0 else logits.float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     picked = z.gather(-1, targets.clamp(min=0)[:, None])[:, 0]
     logprobs = torch.where(targets >= 0, picked - lse, torch.zeros_like(lse))
@@ -61,9 +61,7 @@ def chunk_grad_reference(logits: torch.Tensor, targets: torch.Tensor, lse: torch
                          temperature: float) -> torch.Tensor:
     """d(loss)/d(logits) in the logits' dtype, from the upstream gradients of logprob and entropy:
     ``dz = g_lp * (onehot(target) - p) - g_ent * p * (z - lse + entropy)``, ``dlogits = dz / T``."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
+    z = logits.float() if temperature == 1.0 else logits.float() / temperature
     p = torch.exp(z - lse[:, None])
     dz = torch.zeros_like(z)
     if grad_logprob is not None:
@@ -180,8 +178,7 @@ class _LMHeadLogprobs(torch.autograd.Function):
             else:
                 lp[s:e], ent[s:e], lse[s:e] = _stats(logits, targets[s:e], temperature, impl)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk_size, ctx.impl, ctx.kept = temperature, chunk_size, impl, kept
-        ctx.exact = exact
+        ctx.temperature, ctx.chunk_size, ctx.impl, ctx.kept, ctx.exact = temperature, chunk_size, impl, kept, exact
         return lp, ent
 
     @staticmethod
@@ -286,21 +283,14 @@ def _chunked(chunk_fn, model, hidden: torch.Tensor, targets: torch.Tensor, tempe
     """The generic path, for a head that is not a plain ``nn.Linear`` (:func:`_plain_head_weight`):
     ``chunk_fn(model, hidden, targets, temperature, *args) -> (logprob, entropy)`` per chunk of ``size`` rows,
     under activation checkpointing with grad."""
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
-    lps, ents = [], []
-    for start in range(0, hidden.shape[0], size):
-        h, t = hidden[start:start + size], targets[start:start + size]
-        if recompute:
-            lp, ent = checkpoint(chunk_fn, model, h, t, temperature, *args, use_reentrant=False,
-                                 preserve_rng_state=False)
-        else:
-            lp, ent = chunk_fn(model, h, t, temperature, *args)
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        chunk_fn = functools.partial(checkpoint, chunk_fn, use_reentrant=False, preserve_rng_state=False)
+    parts = [chunk_fn(model, hidden[start:start + size], targets[start:start + size], temperature, *args)
+             for start in range(0, hidden.shape[0], size)]
+    if not parts:
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, empty.clone()
-    return torch.cat(lps), torch.cat(ents)
+    return torch.cat([lp for lp, _ in parts]), torch.cat([ent for _, ent in parts])
 
 
 def token_logprobs(model, input_ids: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -45,9 +45,7 @@ def save_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = {"model": get_model_state_dict(model)}
-    if optimizer_state is not None:
-        state["optim"] = optimizer_state
+    state = {"model": get_model_state_dict(model), **({} if optimizer_state is None else {"optim": optimizer_state})}
     _check_tensors_only(state)
     with _one_process_is_intended():
         try:
@@ -69,9 +67,7 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(f"{folder} is not a torch.distributed.checkpoint folder (no .metadata)")
     check_metadata(folder / ".metadata")
-    state = {"model": get_model_state_dict(model)}
-    if optimizer_state is not None:
-        state["optim"] = optimizer_state
+    state = {"model": get_model_state_dict(model), **({} if optimizer_state is None else {"optim": optimizer_state})}
     with _one_process_is_intended():
         dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])

@@ -79,10 +79,7 @@ def full_weights(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block every parameter of a sharded ``model`` is whole (gathered once); the blocks
     do not free them after each forward. Used around rollout (see the module doc). A no-op when the model
     is not sharded."""
-    mods = fsdp_modules(model)
-    if not mods:
-        yield model
-        return
+    mods = fsdp_modules(model)  # none when the model is not sharded
     blocks = mods[:-1]
     try:
         for m in mods:

@@ -82,9 +82,7 @@ def batch_baseline_advantages(rewards: torch.Tensor, std_normalize: bool = False
     adv = r - r.mean()
     if std_normalize and r.numel() > 1:
         adv = adv / (r.std() + eps)
-    if bool((rewards == rewards.flatten()[0]).all()):
-        adv = torch.zeros_like(adv)
-    return adv
+    return torch.zeros_like(adv) if bool((rewards == rewards.flatten()[0]).all()) else adv
 
 
 # name -> estimator(rewards, std_normalize, eps), for the names of jetrl.config.choices (the config checks

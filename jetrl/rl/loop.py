@@ -8,10 +8,8 @@ only the steps since its last checkpoint and then reproduces them. Which checkpo
 against the free disk space first: ``trainer.on_disk_full``), kept (``trainer.weights_only``) and resumed from (a
 damaged one is skipped) is the training stage's checkpoint policy (:mod:`jetrl.train.policy`); this module runs it.
 
-A sample whose reward fails (raises, hangs, returns a non-number, a non-finite value or one beyond
-``reward.max_abs``) scores 0.0 and is counted per step in ``reward/errors`` and ``reward/timeouts``; the run
-stops when at least ``reward.stop_fraction`` of a step's samples failed
-(:class:`~jetrl.data.reward_pool.RewardFailureGuard`).
+A sample whose reward fails scores 0.0 and is counted; too many failures in a step stop the run (the ``reward``
+section, :class:`~jetrl.config.schema.RewardLimitsConfig`; :class:`~jetrl.data.reward_pool.RewardFailureGuard`).
 
 The output folder belongs to one run (:func:`prepare_output_dir`), and the run is checked against the model's
 context and tokenizer before the model is loaded (:func:`check_model`).
@@ -67,9 +65,8 @@ def seed_everything(seed: int) -> None:
 
 
 def prepare_output_dir(config: RunConfig, overwrite: bool = False) -> Path:
-    """Create ``trainer.output_dir`` and make sure this run may write there; returns it: a fresh run into a folder
-    holding another run's checkpoints is refused, ``overwrite`` deletes that run's outputs (:data:`RUN_OUTPUTS`)
-    first (:func:`jetrl.train.policy.claim_output_dir`). Cheap: call it before any slow work."""
+    """:func:`jetrl.train.policy.claim_output_dir` of ``trainer.output_dir`` (``overwrite`` deletes the old run's
+    :data:`RUN_OUTPUTS`); returns it. Cheap: call it before any slow work."""
     return claim_output_dir(config.trainer.output_dir, resume=config.trainer.resume, overwrite=overwrite,
                             outputs=RUN_OUTPUTS)
 
@@ -98,9 +95,8 @@ def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
 
 
 def guarded_rewards(pool: RewardPool, guard: RewardFailureGuard) -> Callable[[list[str], list[str]], RewardResult]:
-    """The trainer's reward function: ``pool`` scores the completions, ``guard`` reports the first failure
-    once and stops the run when too many of the step's samples failed; the
-    :class:`~jetrl.data.reward_pool.RewardResult` carries the failure counts into the step's metrics."""
+    """The trainer's reward function: ``pool`` scores the completions and ``guard`` checks the
+    :class:`~jetrl.data.reward_pool.RewardResult`, whose failure counts go into the step's metrics."""
 
     def reward_fn(texts: list[str], refs: list[str]) -> RewardResult:
         result = pool.score(texts, refs)
@@ -149,9 +145,8 @@ def reward_pool_config(config: RunConfig) -> RewardPoolConfig:
 
 
 def configure_run_threads(config: RunConfig) -> int:
-    """Set and return torch's CPU threads for the run: ``trainer.num_threads``, else ``OMP_NUM_THREADS`` as torch
-    read it, else the default for this machine's cores beside the run's reward workers (see
-    :func:`jetrl.threads.configure_threads`). :func:`run_settings` calls it when a job starts."""
+    """Set and return torch's CPU threads for the run (:func:`jetrl.threads.configure_threads` of
+    ``trainer.num_threads`` beside the run's reward workers); :func:`run_settings` calls it when a job starts."""
     return configure_threads(config.trainer.num_threads, reward_pool_config(config).num_workers)
 
 
@@ -251,7 +246,6 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     if config.trainer.resume:
         state = resume_trainer(trainer, ckpt_root, allow_pickle=config.trainer.allow_pickle)
         cursor = state.get("metrics_cursor") if state else None
-    # rank 0 writes the (global) metrics; the others only take part in the collectives
     logger = MetricsLogger(out, tensorboard=config.trainer.tensorboard, resume_cursor=cursor) \
         if parallel.is_main else None
     metrics: dict[str, float] = {}

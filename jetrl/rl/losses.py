@@ -39,12 +39,15 @@ from jetrl.config.choices import choice_registry
 MAX_LOG_RATIO = 20.0
 
 
-def _check_same_shape(mask: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+def _checked_mask(mask: torch.Tensor, **tensors: torch.Tensor | None) -> torch.Tensor:
+    """``mask`` as booleans (:func:`_as_bool_mask`), after checking that it is (B, T) and ``tensors`` have its
+    shape."""
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
         raise ValueError(f"mask must be a (B, T) tensor, got {getattr(mask, 'shape', type(mask).__name__)}")
     for name, t in tensors.items():
         if t is not None and tuple(t.shape) != tuple(mask.shape):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected the mask's shape {tuple(mask.shape)}")
+    return _as_bool_mask(mask)
 
 
 def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -71,18 +74,15 @@ def _at_least_one(count):
 
 def _token_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: Count | None, num_seqs: Count | None,
                 max_len: int | None) -> torch.Tensor:
-    if num_tokens is None:
-        return v.sum() / mask.sum().clamp(min=1)
-    return v.sum() / _at_least_one(num_tokens)
+    return v.sum() / _at_least_one(mask.sum() if num_tokens is None else num_tokens)
 
 
 def _sequence_mean(v: torch.Tensor, mask: torch.Tensor, num_tokens: Count | None, num_seqs: Count | None,
                    max_len: int | None) -> torch.Tensor:
     counts = mask.sum(dim=1)
     seq_mean = v.sum(dim=1) / counts.clamp(min=1)
-    if num_seqs is None:  # empty rows (no response token) are not sequences of the mean
-        return seq_mean.sum() / (counts > 0).sum().clamp(min=1)
-    return seq_mean.sum() / _at_least_one(num_seqs)
+    # empty rows (no response token) are not sequences of the mean
+    return seq_mean.sum() / _at_least_one((counts > 0).sum() if num_seqs is None else num_seqs)
 
 
 def _sequence_sum_norm(v: torch.Tensor, mask: torch.Tensor, num_tokens: Count | None, num_seqs: Count | None,
@@ -109,12 +109,10 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, n
     override the denominators taken from this batch, for gradient accumulation over micro-batches; ``num_tokens``
     and ``num_seqs`` may be 0-dim tensors (no host read: a CUDA graph's inputs).
     """
-    _check_same_shape(mask, values=values)
-    mask = _as_bool_mask(mask)
+    mask = _checked_mask(mask, values=values)
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {agg!r}; choose one of {tuple(AGGREGATIONS)}")
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    v = torch.where(mask, values, zero)  # masked slots may hold NaN/inf: never multiply them
+    v = values.masked_fill(~mask, 0.0)  # masked slots may hold NaN/inf: never multiply them
     return AGGREGATIONS[agg](v, mask, num_tokens, num_seqs, max_len)
 
 
@@ -131,10 +129,9 @@ def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     engine that sampled the tokens; the weight corrects the policy gradient for sampling from the rollout
     policy while the ratio is taken against the training policy (the ``fp8-rollout`` mismatch).
     """
-    _check_same_shape(mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
+    mask = _checked_mask(mask, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
     if not cap >= 1.0:
         raise ValueError(f"the TIS cap must be >= 1, got {cap}")
-    mask = _as_bool_mask(mask)
     log_w = masked_log_ratio(old_logprobs.detach(), rollout_logprobs.detach(), mask).clamp(max=MAX_LOG_RATIO)
     return torch.exp(log_w).clamp(max=cap)
 
@@ -158,10 +155,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.T
     ``k2 = (log r)^2 / 2`` (biased, low variance), ``k3 = (r - 1) - log r`` (unbiased, >= 0, low variance).
     Differentiable with respect to ``logprobs``; ``ref_logprobs`` is treated as a constant.
     """
-    _check_same_shape(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    mask = _checked_mask(mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {tuple(KL_ESTIMATORS)}")
-    mask = _as_bool_mask(mask)
     return KL_ESTIMATORS[estimator](masked_log_ratio(ref_logprobs.detach(), logprobs, mask))
 
 
@@ -183,18 +179,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ``1 + clip_high`` with A > 0), ``clip_frac``, ``ratio_mean/min/max``, ``approx_kl`` (k3 estimate of
     KL(old || new)), ``is_weight_mean`` when weights are given, ``num_tokens``.
     """
-    _check_same_shape(mask, logprobs=logprobs, old_logprobs=old_logprobs, is_weights=is_weights)
+    mask = _checked_mask(mask, logprobs=logprobs, old_logprobs=old_logprobs, is_weights=is_weights,
+                         advantages=None if advantages.ndim == 1 else advantages)
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     if clip_low >= 1:
         raise ValueError(f"clip_low must be < 1 (the lower bound 1 - clip_low must stay positive), got {clip_low}")
-    mask = _as_bool_mask(mask)
     if advantages.ndim == 1:
         if advantages.shape[0] != mask.shape[0]:
             raise ValueError(f"per-sequence advantages have {advantages.shape[0]} rows, the mask {mask.shape[0]}")
         advantages = advantages[:, None].expand_as(mask)
-    else:
-        _check_same_shape(mask, advantages=advantages)
     adv = advantages.detach().float()
 
     log_ratio = masked_log_ratio(logprobs, old_logprobs.detach(), mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)

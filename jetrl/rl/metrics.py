@@ -90,11 +90,9 @@ def logprob_metrics(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tensor
 def timing_metrics(seconds: Mapping[str, float], tokens_per_phase: Mapping[str, float]) -> dict[str, float]:
     """``time/<phase>`` and ``time/step`` (their sum), and ``throughput/<phase>_tokens_per_s`` for the
     phases that ran and have a token count."""
-    out = {f"time/{k}": v for k, v in seconds.items()}
-    out["time/step"] = sum(seconds.values())
-    for phase, count in tokens_per_phase.items():
-        if phase in seconds:
-            out[f"throughput/{phase}_tokens_per_s"] = count / max(seconds[phase], 1e-9)
+    out = {**{f"time/{k}": v for k, v in seconds.items()}, "time/step": sum(seconds.values())}
+    out.update({f"throughput/{phase}_tokens_per_s": count / max(seconds[phase], 1e-9)
+                for phase, count in tokens_per_phase.items() if phase in seconds})
     return out
 
 
@@ -110,18 +108,13 @@ def step_metrics(batch: RolloutBatch, train_logprobs: torch.Tensor, ref_logprobs
     every sequence, the update's ``ppo_epochs`` times. ``checked``: see :func:`logprob_metrics` (exact mode
     without the old_logprob pass; ``train_logprobs`` holds the engine's outside it)."""
     scored_tokens = float(sum(t.numel() for t in batch.tokens))
-    metrics = batch_metrics(batch)
-    metrics.update(logprob_metrics(batch.rollout_logprobs, train_logprobs, batch.mask, ref_logprobs, tis_cap,
-                                   checked))
-    metrics.update(actor)
-    metrics.update(timing_metrics(seconds, {"rollout": generated_tokens, "old_logprob": scored_tokens,
-                                            "reference": scored_tokens, "update": scored_tokens * ppo_epochs}))
-    metrics["response/num_tokens"] = float(batch.mask.sum())
+    phase_tokens = {"rollout": generated_tokens, "old_logprob": scored_tokens, "reference": scored_tokens,
+                    "update": scored_tokens * ppo_epochs}
     engine_stats = engine_stats or {}
-    for key, name in ENGINE_STATS:
-        if key in engine_stats:
-            metrics[name] = float(engine_stats[key])
-    return metrics
+    return {**batch_metrics(batch),
+            **logprob_metrics(batch.rollout_logprobs, train_logprobs, batch.mask, ref_logprobs, tis_cap, checked),
+            **actor, **timing_metrics(seconds, phase_tokens), "response/num_tokens": float(batch.mask.sum()),
+            **{name: float(engine_stats[key]) for key, name in ENGINE_STATS if key in engine_stats}}
 
 
 def _jsonable(value: Any) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl.rl.losses import MAX_LOG_RATIO, _as_bool_mask, _check_same_shape
+from jetrl.rl.losses import MAX_LOG_RATIO, _checked_mask
 
 PROB_DIFF_THRESHOLD = 1e-3
 
@@ -30,8 +30,7 @@ def mismatch_metrics(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tenso
     statistics ``is_ratio_mean/min/max`` and, with ``tis_cap``, ``tis_weight_mean`` (after capping) and
     ``tis_frac_capped``; ``num_tokens``. With no valid token every statistic is 0.
     """
-    _check_same_shape(mask, rollout_logprobs=rollout_logprobs, train_logprobs=train_logprobs)
-    mask = _as_bool_mask(mask)
+    mask = _checked_mask(mask, rollout_logprobs=rollout_logprobs, train_logprobs=train_logprobs)
     n = int(mask.sum())
     keys = ["logp_abs_diff_mean", "logp_abs_diff_max", "kl_k1", "kl_k3", "prob_abs_diff_mean",
             "prob_abs_diff_max", "frac_prob_diff_gt_thr", "is_ratio_mean", "is_ratio_min", "is_ratio_max"]

@@ -144,16 +144,13 @@ class Trainer:
             self.ref_model.requires_grad_(False).eval()
             shard_model(self.ref_model, self.parallel)
         shard_model(model, self.parallel)
-        # the update as CUDA graphs where they apply (one CUDA device, fast mode): they accumulate into fixed
-        # gradient buffers, which the optimizer then keeps
+        # the update as CUDA graphs where they apply (one CUDA device, fast mode): they need keep_grads below
         self.update_graphs = None
         if alg.cuda_graphs and graphs_apply(model, exact=config.exact, world_size=world) is None:
             self.update_graphs = UpdateGraphs(model, alg, temperature=config.rollout.temperature,
                                               kv_fp8=config.kv_fp8_train, max_len=config.rollout.max_tokens)
         self.optimizer = MasterWeightAdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                            weight_decay=opt.weight_decay, keep_grads=self.update_graphs is not None)
-        # jet's FP8 linears quantize from their fp32 masters: no BF16 copy of those weights is held (it would be read
-        # by nothing else), which pays for the FP8 copy
         self.released_weight_bytes = sum(layer.weight.numel() * layer.weight.element_size()
                                          for layer in fp8_linears(model) if layer.weight_released) \
             if release_fp8_weights(model, self.optimizer) else 0
@@ -187,10 +184,8 @@ class Trainer:
         return completions, float(sum(len(c.token_ids) for c in completions))
 
     def build_batch(self, items: list[PromptItem], completions: list[Any]) -> RolloutBatch:
-        """Score the decoded completions, compute advantages and lay the sequences out as a
-        :class:`RolloutBatch` (response mask and rollout log-probs on the trainer's device). A
-        :class:`~jetrl.data.reward_pool.RewardResult` from the reward function carries its failure counts
-        into the batch."""
+        """Score the decoded completions (a reward function's failure counts too: see the class doc), compute
+        advantages and lay the sequences out as a :class:`RolloutBatch` (mask, log-probs on the trainer's device)."""
         n = self.config.rollout.n
         texts = [self.decode(list(c.token_ids)) for c in completions]
         refs = [items[i // n].reference for i in range(len(completions))]
@@ -401,7 +396,7 @@ class Trainer:
             completions, generated = self.rollout(items, first)
         with timer.phase("reward"):
             batch = self.build_batch(items, completions)
-        train_lp = old_lp = checked = None
+        train_lp = old_lp = ref_lp = is_weights = checked = None
         skip_pass = self.config.exact and alg.use_rollout_logprobs  # the bypass of phase 3 (module doc)
         if skip_pass:
             old_lp = batch.rollout_logprobs
@@ -409,11 +404,9 @@ class Trainer:
             with timer.phase("old_logprob"):
                 train_lp = self.score(self.model, batch)
             old_lp = batch.rollout_logprobs if alg.use_rollout_logprobs else train_lp
-        ref_lp = None
         if self.ref_model is not None:
             with timer.phase("reference"):
                 ref_lp = self.score(self.ref_model, batch)
-        is_weights = None
         if alg.tis_cap is not None and train_lp is not None:
             is_weights = truncated_is_weights(train_lp, batch.rollout_logprobs, batch.mask, alg.tis_cap)
         with timer.phase("update"):

@@ -28,9 +28,7 @@ def build_char_tokenizer(alphabet: str = COMPACT_ALPHABET):
     chars = list(dict.fromkeys(alphabet))
     if not chars:
         raise ValueError("the tokenizer alphabet is empty")
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for c in chars:
-        vocab[c] = len(vocab)
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *chars))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # every character (newline included) is its own pre-token
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

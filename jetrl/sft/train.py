@@ -283,7 +283,6 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
                         recipe=SFT_RECIPE, seed=config.seed)
     model.source_path = out  # save_model copies the tokenizer files from here (they are already in place)
     num_params = sum(p.numel() for p in model.parameters())
-    # AdamW (decay on matrices only) on fp32 masters; fp32 parameters are their own masters
     optimizer = MasterWeightAdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)
     packing = config.uses_packing()
@@ -332,7 +331,6 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
             history.append({"step": step + 1, "eval_greedy_accuracy": accuracy, "loss_ema": loss_ema})
             log(f"sft step {step + 1}: greedy accuracy {accuracy:.3f} on {config.eval_examples} unseen problems, "
                 f"loss {loss_ema:.4f}")
-            model.train()
         every = config.checkpoint_every
         if every and ((step + 1) % every == 0 or step + 1 == config.steps):
             save_checkpoint(ckpt_root, step + 1, model=model, optimizer=optimizer, keep_last=1,
@@ -343,10 +341,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     dtype = getattr(torch, config.save_dtype)
     model.to(dtype)  # keeps the Parameter objects: the optimizer's references stay valid
     if dtype == torch.float32:  # a BF16 run saved in fp32 keeps its fp32 master weights, not their rounding
-        with torch.no_grad():
-            for param, master in zip(optimizer.params, optimizer.masters):
-                if master is not param:
-                    param.copy_(master)
+        optimizer.sync_params_from_masters()
     save_model(model, out)
     result = evaluate(model, tokenizer, eval_set, max_tokens=max_tokens, progress=progress)
     seconds = time.perf_counter() - start

@@ -139,10 +139,9 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
         elif model is not None:
             from safetensors.torch import save_model as save_safetensors
             save_safetensors(model, str(tmp / MODEL_FILE))
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        for obj, fname in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt")):
+            if obj is not None:
+                torch.save(obj.state_dict(), tmp / fname)
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(state_text)
 
@@ -188,14 +187,8 @@ def _remove_checkpoint(path: Path) -> None:
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of every ``step_*`` folder under ``root``, complete or not, by step."""
     root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    named = [(_STEP_DIR.match(p.name), p) for p in root.iterdir()] if root.is_dir() else []
+    return sorted((int(m.group(1)), p) for m, p in named if m and p.is_dir())
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> None:
@@ -271,9 +264,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
     ``load_model(folder)``; optimizer and scheduler through ``load_state_dict``; the RNG states are
     restored last, so that nothing after this call has drawn from them. ``checksums``: verify the
     files' SHA-256 first (pass False only for a folder just verified, e.g. by :func:`latest_checkpoint`).
-    ``.pt`` files are read with ``weights_only=True``; ``allow_pickle=True`` reads those of older jetrl
-    (format version 1) with full unpickling, which executes whatever they contain: only for checkpoints
-    you trust."""
+    ``allow_pickle``: see Safety in the module doc (unpickling runs code: only for checkpoints you trust)."""
     path = Path(path)
     reason = verify_checkpoint(path, checksums=checksums)
     if reason is not None:
@@ -292,10 +283,10 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
             return torch.load(path / fname, map_location=location, weights_only=False)
 
     # every .pt file is read (and refused, if need be) before anything is modified
+    targets = {fname: obj for obj, fname in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt"))
+               if obj is not None}
     states = {}
-    for obj, fname in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt")):
-        if obj is None:
-            continue
+    for fname in targets:
         if not (path / fname).is_file():
             raise FileNotFoundError(f"{path} has no {fname}")
         states[fname] = load_pt(fname)
@@ -313,9 +304,8 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
         if missing or unexpected:
             raise ValueError(f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
-    for obj, fname in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt")):
-        if obj is not None:
-            obj.load_state_dict(states[fname])
+    for fname, obj in targets.items():
+        obj.load_state_dict(states[fname])
     set_rng_state(rng)
     return LoadedCheckpoint(path, int(state["step"]), state)
 

@@ -179,10 +179,7 @@ class LRSchedule:
         if self.schedule == "constant":
             return 1.0
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        if self.schedule == "cosine":
-            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-        else:
-            shape = 1.0 - progress
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if self.schedule == "cosine" else 1.0 - progress
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape
 
 
@@ -292,7 +289,6 @@ def release_fp8_weights(model: nn.Module, optimizer: MasterWeightAdamW) -> int:
     released = 0
     for layer in model.modules():
         w = layer.weight if isinstance(layer, FP8Linear) else None
-        # fp32 weights are their own masters (nothing to drop); frozen ones have none
         if w is not None and layer.fp8_train and layer.fp8_rollout and not layer.weight_released \
                 and w.requires_grad and w.dtype != torch.float32 and type(w.data) is torch.Tensor:
             layer.release_weight(optimizer.release(layer.weight))

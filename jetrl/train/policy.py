@@ -60,22 +60,19 @@ def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def _write_model_state(trainer: TrainerLike, folder: Path, hf_format: bool, export_fp8: bool,
-                       weights_only: bool) -> None:
+def _write_model_state(trainer: TrainerLike, folder: Path, export_fp8: bool, weights_only: bool) -> None:
     """Every rank, together: the sharded model + optimizer state (DCP; not for ``weights_only``), then the
     HuggingFace exports, written by rank 0 from the gathered full weights."""
+    from jetrl.models import save_model as save_hf
+
     if not weights_only:
         save_sharded(folder / SHARDED_SUBDIR, trainer.model,
                      trainer.optimizer.state_by_name(_parameter_names(trainer.model)))
-    if hf_format or export_fp8:
-        from jetrl.models import save_model as save_hf
-
-        with full_weights(trainer.model):
-            if trainer.parallel.is_main:
-                if hf_format:
-                    save_hf(trainer.model, folder / MODEL_SUBDIR)
-                if export_fp8:
-                    save_hf(trainer.model, folder / FP8_MODEL_SUBDIR, fp8=True)
+    with full_weights(trainer.model):
+        if trainer.parallel.is_main:
+            save_hf(trainer.model, folder / MODEL_SUBDIR)
+            if export_fp8:
+                save_hf(trainer.model, folder / FP8_MODEL_SUBDIR, fp8=True)
 
 
 class CheckpointSpaceError(OSError):
@@ -93,8 +90,7 @@ def _nbytes(tensors: Any) -> int:
     return tensors.numel() * tensors.element_size()
 
 
-def checkpoint_size(trainer: TrainerLike, hf_format: bool = True, export_fp8: bool = False,
-                    weights_only: bool = False) -> int:
+def checkpoint_size(trainer: TrainerLike, export_fp8: bool = False, weights_only: bool = False) -> int:
     """An upper estimate of the bytes :func:`save_trainer_checkpoint` writes for ``trainer`` (over all ranks).
 
     Per parameter of ``b`` bytes (4 fp32, 2 bf16): the sharded weights ``b``, the AdamW state (two fp32
@@ -103,7 +99,7 @@ def checkpoint_size(trainer: TrainerLike, hf_format: bool = True, export_fp8: bo
     alone. Then 2 % and 16 MiB for the metadata, tokenizer files and the small state files."""
     model = trainer.model
     weights = sum(_nbytes(p) for p in model.parameters()) + sum(_nbytes(b) for b in model.buffers())
-    total = weights * (int(hf_format or weights_only) + int(export_fp8))
+    total = weights * (1 + int(export_fp8))
     if not weights_only:
         total += weights + _nbytes(trainer.optimizer.state_by_name(_parameter_names(model)))
     return int(total * 1.02) + (16 << 20)
@@ -120,15 +116,15 @@ def _size_text(num_bytes: float) -> str:
 
 
 def save_trainer_checkpoint(trainer: TrainerLike, root: str | Path, metrics_cursor: int | None,
-                            keep_last: int | None = None, hf_format: bool = True, export_fp8: bool = False,
-                            weights_only: bool = False, on_disk_full: str = "error") -> Path | None:
+                            keep_last: int | None = None, export_fp8: bool = False, weights_only: bool = False,
+                            on_disk_full: str = "error") -> Path | None:
     """Checkpoint everything a resume needs (see :mod:`jetrl.train.checkpoint`); called by every rank. Returns
     the checkpoint's folder, or None when it was skipped for lack of space.
 
     The model and optimizer tensors go through ``torch.distributed.checkpoint`` into ``sharded/`` (each
-    rank writes its slices; any number of ranks can load them). ``hf_format`` also writes the model as a
-    HuggingFace folder (``model/``) and ``export_fp8`` as a block-FP8 one (``model_fp8/``, the layout vLLM
-    and SGLang load), from rank 0. ``weights_only``: those exports alone, not resumable.
+    rank writes its slices; any number of ranks can load them). Rank 0 also writes the model as a
+    HuggingFace folder (``model/``) and with ``export_fp8`` as a block-FP8 one (``model_fp8/``, the layout vLLM
+    and SGLang load). ``weights_only``: those exports alone, not resumable.
 
     Disk space: stale temporary folders are removed and the checkpoint's size (:func:`checkpoint_size`, whole:
     older checkpoints are pruned only after it is complete) is compared with the free space. Too little is a
@@ -143,7 +139,7 @@ def save_trainer_checkpoint(trainer: TrainerLike, root: str | Path, metrics_curs
     problem = None
     if par.is_main:
         remove_stale_temporaries(root)
-        needed, free = checkpoint_size(trainer, hf_format, export_fp8, weights_only), _free_bytes(root)
+        needed, free = checkpoint_size(trainer, export_fp8, weights_only), _free_bytes(root)
         if free < needed:
             problem = (f"checkpoint step {step} needs about {_size_text(needed)} in {root}, which has "
                        f"{_size_text(free)} free")
@@ -159,14 +155,14 @@ def save_trainer_checkpoint(trainer: TrainerLike, root: str | Path, metrics_curs
     try:
         if not par.is_main:
             folder = Path(par.broadcast_object(None))
-            _write_model_state(trainer, folder, hf_format, export_fp8, weights_only)
+            _write_model_state(trainer, folder, export_fp8, weights_only)
             par.barrier()  # rank 0 finishes the marker and the rename
             return root / checkpoint_dir_name(step)
         state = {**trainer.state_dict(), "metrics_cursor": metrics_cursor, "weights_only": weights_only}
 
         def save_model(folder: Path) -> None:
             par.broadcast_object(str(folder))
-            _write_model_state(trainer, folder, hf_format, export_fp8, weights_only)
+            _write_model_state(trainer, folder, export_fp8, weights_only)
 
         path = save_checkpoint(root, step, save_model=save_model,
                                scheduler=None if weights_only else trainer.scheduler, trainer_state=state,
@@ -206,12 +202,10 @@ def resume_trainer(trainer: TrainerLike, root: str | Path, allow_pickle: bool = 
         if is_sharded(trainer.model):
             raise ValueError(f"{path} predates sharded checkpoints; resume it with one process (then it is "
                              f"saved in the sharded format that any number of ranks can load)")
-        load_model = None
-        if (path / MODEL_SUBDIR).is_dir():
-            from jetrl.models.checkpoint import load_weights
+        from jetrl.models.checkpoint import load_weights
 
-            def load_model(folder: Path) -> None:
-                load_weights(trainer.model, str(folder / MODEL_SUBDIR))
+        load_model = (lambda folder: load_weights(trainer.model, str(folder / MODEL_SUBDIR))) \
+            if (path / MODEL_SUBDIR).is_dir() else None
         loaded = load_checkpoint(path, model=None if load_model else trainer.model, load_model=load_model,
                                  optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                                  checksums=False,  # just verified by latest_checkpoint: one read of the files

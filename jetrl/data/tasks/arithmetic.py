@@ -17,21 +17,11 @@ from __future__ import annotations
 import random
 
 from jetrl.data.answers import extract_final_number, parse_number
-from jetrl.data.tasks.base import Task, TaskExample, final_answer_line
+from jetrl.data.tasks.base import OPERATIONS, Task, TaskExample, final_answer_line
 
 MAX_OPERAND = 20  # the start value and the operands of + and - lie in 1..MAX_OPERAND
 MAX_VALUE = 999  # every intermediate value stays within +-MAX_VALUE
 _WORDS = {"+": "add {}", "-": "subtract {}", "*": "multiply by {}", "/": "divide by {}"}
-
-
-def _apply(op: str, a: int, b: int) -> int:
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op == "*":
-        return a * b
-    return a // b  # exact: the generator only divides multiples
 
 
 class ArithmeticTask(Task):
@@ -55,7 +45,7 @@ class ArithmeticTask(Task):
                 op = "-"
             if op == "-" and value - operand < -MAX_VALUE:
                 op = "+"
-            new = _apply(op, value, operand)
+            new = OPERATIONS[op](value, operand)
             lines.append(f"{value}{op}{operand}={new}")
             ops.append((op, operand))
             value = new
@@ -63,10 +53,8 @@ class ArithmeticTask(Task):
             prompt = str(start) + "".join(f"{op}{x}" for op, x in ops) + "\n"
         else:
             steps = ", then ".join(_WORDS[op].format(x) for op, x in ops)
-            prompt = (
-                f"Start with {start}; {steps}. What is the result? Work one operation per line, "
-                f'then give the final number after "####".'
-            )
+            prompt = (f"Start with {start}; {steps}. What is the result? Work one operation per line, "
+                      f'then give the final number after "####".')
         solution = "\n".join(lines) + f"\n#### {value}"
         return TaskExample(index=index, prompt=prompt, solution=solution, answer=str(value), difficulty=difficulty)
 

@@ -12,6 +12,7 @@ in both: one ``a op b=c`` line per step, then the final answer line ``#### <answ
 
 from __future__ import annotations
 
+import operator
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ STYLES: tuple[str, ...] = get_args(Style)
 
 # Every character the compact prompts and worked solutions of the built-in tasks use.
 COMPACT_ALPHABET = "0123456789+-*/=()>,# \n"
+# The operations of the worked solutions, on ints ("/" is used only where it divides exactly).
+OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.floordiv}
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,8 @@ class Task(ABC):
         if not (isinstance(low, int) and isinstance(high, int)):
             raise TypeError(f"{self.name}: difficulty must be an int or a (low, high) pair of ints, got {difficulty!r}")
         if not self.min_difficulty <= low <= high <= self.max_difficulty:
-            raise ValueError(
-                f"{self.name}: difficulty must lie in [{self.min_difficulty}, {self.max_difficulty}] "
-                f"(low <= high), got {difficulty!r}"
-            )
+            raise ValueError(f"{self.name}: difficulty must lie in [{self.min_difficulty}, {self.max_difficulty}] "
+                             f"(low <= high), got {difficulty!r}")
         if style not in STYLES:
             raise ValueError(f"{self.name}: style must be one of {', '.join(map(repr, STYLES))}, got {style!r}")
         self.difficulty_range = (low, high)
@@ -93,6 +94,4 @@ class Task(ABC):
 def final_answer_line(text: str) -> str | None:
     """The text after the last ``####`` up to the end of that line, stripped; None if there is none."""
     at = text.rfind("####")
-    if at < 0:
-        return None
-    return text[at + 4 :].split("\n", 1)[0].strip()
+    return None if at < 0 else text[at + 4 :].split("\n", 1)[0].strip()

@@ -28,6 +28,7 @@ The checker reads only the ``#### <integer>`` line (a trace cut short scores 0),
 
 from __future__ import annotations
 
+import bisect
 import random
 import re
 
@@ -60,13 +61,8 @@ def difficulty_for_tokens(num_tokens: int, task: "ChainTask | None" = None) -> i
     low, high = ChainTask.min_difficulty, ChainTask.max_difficulty
     if mean_solution_tokens(task, high) < num_tokens:
         raise ValueError(f"chain solutions of the largest difficulty ({high}) are shorter than {num_tokens} tokens")
-    while low < high:
-        mid = (low + high) // 2
-        if mean_solution_tokens(task, mid) >= num_tokens:
-            high = mid
-        else:
-            low = mid + 1
-    return low
+    # below the largest difficulty, which is long enough
+    return low + bisect.bisect_left(range(low, high), num_tokens, key=lambda d: mean_solution_tokens(task, d))
 
 
 class ChainTask(Task):

@@ -24,7 +24,7 @@ import re
 from collections import Counter
 from fractions import Fraction
 
-from jetrl.data.tasks.base import Task, TaskExample, final_answer_line
+from jetrl.data.tasks.base import OPERATIONS, Task, TaskExample, final_answer_line
 
 MAX_NUMBER = 20  # the given numbers lie in 1..MAX_NUMBER
 MAX_TARGET = 999  # the target, and every product on the way to it, lie in 1..MAX_TARGET
@@ -53,7 +53,7 @@ class CountdownTask(Task):
                 ops = ["+"] + (["-"] if a > b else []) + (["*"] if a * b <= MAX_TARGET else [])
                 ops += ["/"] if b > 1 and a % b == 0 else []
                 op = rng.choice(ops)
-                value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
+                value = OPERATIONS[op](a, b)
                 lines.append(f"{a}{op}{b}={value}")
                 pool.append((value, _join(ea, pa, op, eb, pb), _PRECEDENCE[op]))
             target, expression, _ = pool[0]
@@ -64,11 +64,9 @@ class CountdownTask(Task):
         if self.style == "compact":
             prompt = reference + "\n"
         else:
-            prompt = (
-                f"Using the numbers {', '.join(map(str, numbers))} (each at most once) and the operations "
-                f"+, -, *, /, write an expression equal to {target}. Work one operation per line, then give "
-                f'the expression after "####".'
-            )
+            prompt = (f"Using the numbers {', '.join(map(str, numbers))} (each at most once) and the operations "
+                      f"+, -, *, /, write an expression equal to {target}. Work one operation per line, then give "
+                      f'the expression after "####".')
         solution = "\n".join(lines) + f"\n#### {expression}"
         return TaskExample(index=index, prompt=prompt, solution=solution, answer=reference, difficulty=difficulty)
 
