@@ -123,12 +123,21 @@ def _bf16_key(modules: tuple[nn.Linear, ...]) -> tuple:
                  for m in modules for t in (m.weight, m.bias) if t is not None)
 
 
+# A group is stacked where one of its members' weights is at most this many bytes: a decode GEMM that reads so little
+# takes about its fixed launch-to-finish latency, which one GEMM for the group saves (q/k/v: k and v are narrow). A
+# group of wide members (a 1.5B or 8B model's gate/up) reads at about copy speed either way, so a second copy of its
+# weights would buy little, or lose (BENCHMARKS.md, "Rollout engine": the stacked BF16 GEMMs).
+BF16_STACK_MAX_MEMBER_BYTES = 16 << 20
+
+
 def _bf16_stackable(modules: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
     """Whether plain linears can multiply ``x`` as one stacked weight: each exactly ``nn.Linear``, one input width,
-    the input's dtype and device, biases on all or none."""
+    the input's dtype and device, biases on all or none, and a member narrow enough for one GEMM to pay
+    (:data:`BF16_STACK_MAX_MEMBER_BYTES`)."""
     first = modules[0]
-    return all(type(m) is nn.Linear and m.in_features == first.in_features and m.weight.dtype == x.dtype
-               and m.weight.device == x.device and (m.bias is None) == (first.bias is None) for m in modules)
+    return (all(type(m) is nn.Linear and m.in_features == first.in_features and m.weight.dtype == x.dtype
+                and m.weight.device == x.device and (m.bias is None) == (first.bias is None) for m in modules)
+            and min(m.weight.nbytes for m in modules) <= BF16_STACK_MAX_MEMBER_BYTES)
 
 
 def _cat_into(old: torch.Tensor | None, parts: list[torch.Tensor]) -> torch.Tensor:

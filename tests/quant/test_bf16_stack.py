@@ -132,3 +132,20 @@ def test_the_graphs_key_names_the_stacks_and_brings_them_current():
         layers[0].weight.mul_(0.5)
     assert storage_key(model, grads=False, transposes=False) == key  # the graphs stay valid ...
     assert torch.equal(bf16_stacks(layers[0])[0].weight[:64], layers[0].weight)  # ... and read the new weight
+
+
+def test_groups_of_wide_members_are_not_stacked():
+    """A member of at most BF16_STACK_MAX_MEMBER_BYTES makes the group's one GEMM pay; members that all read more
+    run at about copy speed on their own, and a second copy of their weights would buy nothing."""
+    from jetrl.quant.weight_cache import BF16_STACK_MAX_MEMBER_BYTES, _bf16_stackable
+
+    k = 2048
+    rows = BF16_STACK_MAX_MEMBER_BYTES // (2 * k)  # a member of exactly the bound, in BF16
+
+    def linears(*widths):
+        return tuple(nn.Linear(k, n, bias=False, device="meta", dtype=torch.bfloat16) for n in widths)
+
+    x = torch.empty(9, k, device="meta", dtype=torch.bfloat16)
+    assert not _bf16_stackable(linears(rows + 1, rows + 1), x)
+    assert _bf16_stackable(linears(rows + 1, rows), x) and _bf16_stackable(linears(rows, rows + 1, rows + 1), x)
+    assert _bf16_stackable(linears(4 * rows, 16, 16), x)  # q/k/v with narrow k and v
