@@ -11,6 +11,7 @@ caller falls back to running eagerly and says so once (:func:`warn_eager`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from typing import Callable, TypeVar
 
@@ -55,8 +56,10 @@ def capture(run: Callable[[], T], *, stream: torch.cuda.Stream, pool, warmup: bo
     """A graph of ``run()`` captured on ``stream`` into ``pool``, and the outputs ``run`` returned while captured
     (the tensors a replay writes). ``warmup``: run it eagerly on ``stream`` first (autotuning, lazily made caches and
     kernels). The capture runs in thread-local error mode, so that another thread's CUDA calls cannot invalidate it,
-    and without the synchronize, garbage collection and cache release ``torch.cuda.graph`` does per capture. The
-    current stream waits for ``stream`` afterwards. Raises :class:`CaptureFailed` when the capture fails."""
+    and without the synchronize, garbage collection and cache release ``torch.cuda.graph`` does per capture; Python's
+    cyclic garbage collector is off while it runs, because a collection there may destroy an unreachable earlier
+    graph, whose ``cudaGraphExecDestroy`` invalidates the capture (pytorch/pytorch#161037). The current stream waits
+    for ``stream`` afterwards. Raises :class:`CaptureFailed` when the capture fails."""
     main = torch.cuda.current_stream(stream.device)
     stream.wait_stream(main)
     graph = torch.cuda.CUDAGraph()
@@ -64,11 +67,17 @@ def capture(run: Callable[[], T], *, stream: torch.cuda.Stream, pool, warmup: bo
         with torch.cuda.stream(stream):
             if warmup:
                 run()
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            collecting = gc.isenabled()
+            gc.disable()
             try:
-                out = run()
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    out = run()
+                finally:
+                    _end_capture(graph, pool, stream.device)
             finally:
-                _end_capture(graph, pool, stream.device)
+                if collecting:
+                    gc.enable()
     except Exception as exc:
         main.wait_stream(stream)
         raise CaptureFailed(f"{type(exc).__name__}: {exc}") from exc

@@ -79,7 +79,11 @@ class _DecodeGraphs:
     graph, and a model whose weights move every step pays one capture per size it uses, not per candidate."""
 
     def __init__(self, runner: "ModelRunner", sizes: list[int]) -> None:
-        self.runner = runner
+        # no reference back to the runner: a runner dropped with its graphs is freed at once, not by the cyclic
+        # collector at some later allocation, possibly inside another runner's capture
+        model, cache, exact = runner.model, runner.kv_cache, runner.exact
+        self.model, self.device = model, runner.device
+        self.forward = lambda ids, pos, meta: model.forward_paged(ids, pos, meta, cache, None, exact=exact)
         self.sizes = sorted(sizes)
         max_b, width, dev = self.sizes[-1], runner.max_blocks_per_seq, runner.device
         self.input_ids = torch.zeros(max_b, dtype=torch.long, device=dev)
@@ -114,12 +118,12 @@ class _DecodeGraphs:
         if not self.prepared:
             self.prepared = True
             with precision_side("rollout"):
-                prepare_gemms(self.sizes, self.runner.device, forward_gemm_weights(self.runner.model))
+                prepare_gemms(self.sizes, self.device, forward_gemm_weights(self.model))
         self._park(0, b)
         meta = PagedAttentionMetadata(self.query_start_loc[:b + 1], self.context_lens[:b], self.block_tables[:b],
                                       self.slot_mapping[:b], max_query_len=1, max_context_len=self.max_context_len)
         self.graphs[b], self.outputs[b] = capture(
-            lambda: self.runner._forward(self.input_ids[:b], self.positions[:b], meta, None), stream=self.stream,
+            lambda: self.forward(self.input_ids[:b], self.positions[:b], meta), stream=self.stream,
             pool=self.pool, warmup=True)
 
     def padded_size(self, b: int) -> int | None:

@@ -110,3 +110,40 @@ def test_capture_replays_fresh_inputs_and_reports_a_failed_capture():
     graph2.replay()
     graph.replay()
     assert torch.equal(out2, torch.tanh(x * w).cumsum(0)) and torch.equal(out, out2)
+
+
+@pytest.mark.gpu
+def test_capture_survives_an_earlier_graph_left_to_the_cyclic_collector():
+    """An unreachable graph in a reference cycle (an engine and its runner, say) is freed by the cyclic collector,
+    whenever a collection runs; destroying a graph inside another's capture invalidates it (pytorch/pytorch#161037).
+    The capture keeps the collector off: with a threshold that collects at every allocation, it still captures,
+    and the old graph goes at the next collection after it."""
+    import gc
+    import weakref
+
+    class Holder:  # a graph in a cycle: only the cyclic collector frees it
+        def __init__(self, graph):
+            self.graph, self.me = graph, self
+
+    x = torch.randn(1000, device="cuda")
+    stream = torch.cuda.Stream()
+    old, _ = capture(lambda: x * 2, stream=stream, pool=torch.cuda.graph_pool_handle())
+    holder = weakref.ref(Holder(old))
+    del old
+    assert holder() is not None
+
+    def run():  # allocates Python containers, as a model's forward does: a collection would run here
+        junk = [[i] for i in range(1000)]
+        return x * len(junk)
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graph, out = capture(run, stream=stream, pool=torch.cuda.graph_pool_handle())
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert holder() is None
+    graph.replay()
+    assert torch.equal(out, x * 1000)

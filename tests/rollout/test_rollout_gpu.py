@@ -1,5 +1,8 @@
 """Rollout on a CUDA GPU: the Triton decode kernel in BF16, CUDA-graph decoding against eager decoding."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -96,6 +99,15 @@ def test_decode_graphs_are_captured_on_first_use_and_kept():
     moved = engine.generate(prompts, params)
     assert engine.last_stats["graph_captures"] == 1
     assert [c.token_ids for c in moved] == [c.token_ids for c in first]
+    # an engine dropped with its graphs is freed at once, not by the cyclic collector at a later allocation, which
+    # may fall inside another engine's capture and invalidate it
+    runner = weakref.ref(engine.runner)
+    gc.disable()
+    try:
+        del engine
+        assert runner() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("recipe,kv_fp8,exact", [("bf16", False, False), ("jet", False, False),
