@@ -152,3 +152,41 @@ def test_decode_runs_equal_single_steps_with_graphs(recipe, kv_fp8, exact):
             assert sum(a.token_ids == b.token_ids for a, b in zip(runs[8], runs[1])) >= len(runs[1]) // 2
         reasons = {c.finish_reason for c in runs[1]}
         assert reasons == {"length"} if params is plain else "stop" in reasons
+
+
+@pytest.mark.parametrize("recipe,kv_fp8,exact", [("bf16", False, False), ("jet", True, False), ("jet", False, True),
+                                                 ("jet", True, True)],
+                         ids=["bf16", "jet-kv8", "jet-exact", "jet-kv8-exact"])
+def test_preemption_under_graphs_and_decode_runs_matches_a_large_pool(recipe, kv_fp8, exact):
+    """A pool too small for the batch preempts sequences mid-run (their blocks freed, their prompt and tokens
+    recomputed later) while decode runs of 8 steps replay CUDA graphs; n = 3 samples share their prompt's blocks.
+    Exact mode has no batch dependence, so the completions equal a large pool's bitwise; fast mode's batches differ
+    in size (another GEMM rounding), so they agree up to their first difference, and most of them entirely."""
+    config = DecoderConfig(model_type="qwen2", vocab_size=1000, hidden_size=512, intermediate_size=768,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                           max_position_embeddings=512, eos_token_id=0)
+    model = build_model(config, dtype=torch.bfloat16, device="cuda", recipe=recipe, seed=1)
+    prompts = [[(11 * i + j) % 900 + 1 for j in range(5 + 7 * i)] for i in range(9)]
+    params = [SamplingParams(n=3, temperature=0.8, seed=i, max_tokens=50 + 3 * i, ignore_eos=True,
+                             top_k=40 if i % 3 == 1 else -1) for i in range(9)]
+    kw = dict(max_num_seqs=32, progress=False, max_model_len=256, block_size=16, kv_fp8=kv_fp8, exact=exact,
+              decode_steps=8)
+    large = RolloutEngine(model, num_blocks=512, **kw)
+    ref = large.generate(prompts, params)
+    assert large.last_stats["preemptions"] == 0
+    # the longest sample holds 61 + 74 tokens, 9 blocks; 27 samples would need about 180
+    tiny = RolloutEngine(model, num_blocks=24, **kw)
+    got = tiny.generate(prompts, params)
+    assert tiny.last_stats["preemptions"] > 0 and tiny.runner.graphs is not None and tiny.runner.graphs.graphs
+    assert [len(c.token_ids) for c in got] == [len(c.token_ids) for c in ref]
+    same = 0
+    for a, b in zip(got, ref):
+        assert all(t >= 0 for t in a.token_ids)
+        if exact:
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+        else:
+            common = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t), len(a.token_ids))
+            assert common >= 1
+            assert max(abs(p - q) for p, q in zip(a.logprobs[:common], b.logprobs[:common])) < 5e-2
+        same += a.token_ids == b.token_ids
+    assert same >= len(ref) // 2
