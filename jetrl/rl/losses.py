@@ -218,7 +218,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio_mean": (r * mask).sum() / denom,
             "ratio_max": torch.where(has_tokens, torch.where(mask, r, -inf).max(), one),
             "ratio_min": torch.where(has_tokens, torch.where(mask, r, inf).min(), one),
-            "approx_kl": (_kl_k3(-log_ratio.detach()) * mask).sum() / denom,  # KL(old || new), tokens from old
+            # KL(old || new) on tokens from old: r - 1 - log r with r = new / old
+            "approx_kl": (_kl_k3(log_ratio.detach()) * mask).sum() / denom,
             "num_tokens": n_valid.float(),
         }
         if is_weights is not None:
