@@ -26,8 +26,8 @@ for a block of code (tests and benchmarks use it)::
 A run sets fields from its config (``kernels: ["exact_split_k=1", ...]``, read by :func:`parse_settings`, the one
 reader of ``KEY=VALUE`` settings, which the benchmarks' ``--tuning`` and arms use too) for the whole run.
 
-``JETRL_FP8_GEMM`` (``auto`` | ``cublas`` | ``triton`` | ``decode``) is read once, when this module is imported,
-into the default object's ``gemm``. This module imports neither Triton nor any other module of jetrl besides
+``JETRL_FP8_GEMM`` (``auto`` | ``cublas`` | ``deepgemm`` | ``triton`` | ``decode``) is read once, when this module is
+imported, into the default object's ``gemm``. This module imports neither Triton nor any other module of jetrl besides
 :mod:`jetrl.quant.formats`, so the CPU tests and the benchmarks' ``--help`` read it without a GPU.
 """
 
@@ -351,7 +351,7 @@ class ExactSchedule:
     decode configs its decode schedule uses).
 
     Its GEMMs' K split (:meth:`exact_split`) fixes their arithmetic, never chosen by M: ``exact_split_k`` (0, the
-    default: the heuristic of :data:`EXACT_SPLIT_RULE`, so that a weight with K up to 7,168 walks K unsplit, trains
+    default: the heuristic of :data:`EXACT_SPLIT_RULE`, so that a weight with K up to 7,040 walks K unsplit, trains
     on cuBLAS and decodes as one grouped launch where it shares an input, and an 8B model's down projection,
     K = 14,336, splits in 4; a positive count forces that many splits; 1 is the one in-order K walk). The rollout and
     the trainer must run the same split (any is batch-invariant, but two different ones are two different reduction
