@@ -24,8 +24,9 @@ One :meth:`Trainer.step`, in order (each phase timed):
    forward of its sequences (:mod:`jetrl.rl.micro_batch`; on one GPU in fast mode padded to a bucket shape and
    replayed as a CUDA graph, :mod:`jetrl.rl.update_graphs`), and the loss is normalised by the *mini-batch*
    token / sequence counts, so accumulation is exact.
-6. **weight_refresh** -- the FP8 linears re-quantize the updated BF16 weights (eagerly, so the cost is
-   measured here rather than hidden in the next rollout).
+6. **weight_refresh** -- the FP8 linears re-quantize the updated BF16 weights (eagerly where the weights are whole
+   on the rank, so the cost is measured here rather than hidden in the next rollout; a sharded model re-quantizes
+   when the next rollout gathers its weights).
 
 **Several GPUs** (:mod:`jetrl.parallel`). Every rank reads the same prompt batch and keeps its own
 contiguous share of whole prompt groups; sampling seeds use the *global* prompt index, so the tokens do

@@ -56,9 +56,9 @@ SFT_DTYPES = ("float32", "bfloat16")  # training parameter and saved-weight dtyp
 class SFTConfig:
     """What to train on, the model's shape, the optimizer and the step budget.
 
-    Linear sizes are multiples of 16 so the FP8 GPU path (which needs 16-aligned GEMM dimensions) runs
-    the model too. ``train_seed`` and ``eval_seed`` pick disjoint problem streams of the task;
-    ``difficulty`` is an int or a ``(low, high)`` range drawn per example."""
+    Linear sizes are multiples of 16 (the FP8 GPU path runs any size, but cuBLAS's blockwise GEMM takes N only
+    in multiples of 16; other widths run on the Triton GEMM). ``train_seed`` and ``eval_seed`` pick disjoint
+    problem streams of the task; ``difficulty`` is an int or a ``(low, high)`` range drawn per example."""
 
     output_dir: str = "tiny-arith"
     task: str = "arithmetic"

@@ -35,8 +35,8 @@ from jetrl.quant.kernels.quantize_triton import cast_rne as _cast  # RNE to bf16
 from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, early_dependents
 
 
-# Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register at
-# about 8 elements per thread (16 warps). The backward holds more live tensors per element. Constants: the
+# Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register with 16
+# warps (16 elements per thread forward, 8 backward). The backward holds more live tensors per element. Constants: the
 # defaults of the wrappers' ``max_tile`` keyword (pass a smaller one, e.g. to test the chunked path).
 MAX_FWD_TILE = 8192
 MAX_BWD_TILE = 4096
