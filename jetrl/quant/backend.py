@@ -2,7 +2,8 @@
 
 Everything above this module (``FP8Linear``, the fused norm and SwiGLU, the models' RoPE, attention and
 log-probabilities, the rollout sampler, the trainer) asks here; nothing else in jetrl tests ``x.is_cuda`` to
-pick a kernel, or probes a backend for an operation.
+pick a kernel (only ``bf16``'s stacked decode GEMM, a plain PyTorch GEMM, is GPU-only: :mod:`jetrl.quant.linear`),
+or probes a backend for an operation.
 
 **The FP8 backend** (:class:`Fp8Backend`) computes every FP8 operation, the fused entry points included (the
 reference backend builds those from its basic operations, so callers never check whether a backend has them). Two
