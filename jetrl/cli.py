@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import sys
 import warnings
@@ -34,7 +35,11 @@ from jetrl.asset_files import DEFAULT_CONFIG, EMBEDDED_MODEL, config_path, exist
 from jetrl.bench_scripts import available_benches, run_bench
 from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.config.reference import commented_yaml
-from jetrl.data import DATASET_FORMATS, TASKS, build_prompt_dataset, read_prompts
+from jetrl.config.schema import is_device
+from jetrl.data import (
+    DATASET_FORMATS, TASKS, RewardConfig, build_prompt_dataset, build_reward_fn, check_run_prompts, read_prompts,
+)
+from jetrl.data.sources import check_output_path
 from jetrl.data.tasks import STYLES
 from jetrl.data.reward_pool import RewardFailureError
 from jetrl.evaluate import EVAL_REWARD_WORKERS, EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
@@ -71,34 +76,52 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _positive(text: str) -> int:
-    """argparse type of counts that must be at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _checked(parse, rule: str, ok):
+    """argparse type: ``parse(text)``, which must satisfy ``ok`` (``rule`` says how)."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a whole number' if parse is int else 'a number'}, got "
+                                             f"{text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value!r}")
+        return value
+    return check
+
+
+_positive, _non_negative = _checked(int, ">= 1", lambda v: v >= 1), _checked(int, ">= 0", lambda v: v >= 0)
+_device = _checked(str, "'auto', 'cpu', 'cuda' or 'cuda:N'", is_device)
 
 
 # ------------------------------------------------------------------------------------------ train
 
 def _overrides(items: Sequence[str]) -> list[str]:
-    """The ``--section.key=value`` arguments after a config file; anything else is a UsageError."""
+    """The ``--section.key=value`` arguments after a config file; anything else is a UsageError, which shows the
+    form for Hydra's ``section.key=value`` (verl) and argparse's ``--section.key value``."""
     for item in items:
         if not item.startswith("--") or "=" not in item:
-            raise UsageError(f"unexpected argument {item!r}: overrides look like --section.key=value "
-                             f"(e.g. --optim.lr=1e-5)")
+            hint = (f"write --{item}" if "=" in item and not item.startswith("-") else
+                    f"write {item}=VALUE" if item.startswith("--") else "e.g. --optim.lr=1e-5")
+            raise UsageError(f"unexpected argument {item!r}: overrides look like --section.key=value; {hint}")
     return list(items)
+
+
+def _config_source(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The config file (checked; default: the embedded one) and the overrides; an override in the file's place
+    (``jetrl train optim.lr=1e-5``) is reported as one."""
+    overrides = _overrides(args.overrides)
+    if args.config and "=" in args.config and not os.path.exists(args.config):
+        _overrides([args.config])
+    return config_path(args.config), overrides
 
 
 def _train_config(args: argparse.Namespace) -> RunConfig:
     """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
-    path = config_path(args.config)
+    path, overrides = _config_source(args)
     options = (("trainer.steps", args.max_steps), ("trainer.output_dir", args.output_dir), ("recipe", args.recipe),
                ("trainer.resume", "true" if args.resume else None), ("trainer.num_threads", args.threads))
-    overrides = _overrides(args.overrides) + [f"--{key}={value}" for key, value in options if value is not None]
+    overrides += [f"--{key}={value}" for key, value in options if value is not None]
     config = load_config(path, overrides)
     config.model.path = resolve_asset(config.model.path) if config.model.path else config.model.path
     if config.model.tokenizer:
@@ -121,10 +144,11 @@ def _cmd_train(args: argparse.Namespace) -> None:
     if num_eval and config.data.eval_path:
         config.data.eval_path = existing_path(config.data.eval_path, "held-out file", "set data.eval_path to a JSONL "
                                               "or Parquet file, or pass --eval-examples 0 to skip the evaluation")
+    check_config(config)  # the names it gives (task, format, reward, ...), a model and prompts
     resolve_device(config.model.device)
-    if config.model.path:
-        folder, _, tokenizer = check_model(config)
-        check_eos(tokenizer, config.model.tokenizer or folder, folder)
+    folder, _, tokenizer = check_model(config)
+    check_eos(tokenizer, config.model.tokenizer or folder, folder)
+    num_eval = check_run_prompts(config.data, config.trainer.seed, tokenizer, num_eval)  # all read, all tokenized
     # under torchrun every rank runs this command; rank 0 alone prepares the folder, evaluates and reports
     if launched_rank() != 0:
         run(config, require_checkpoint=args.resume == "must")
@@ -141,7 +165,7 @@ def _cmd_train(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ config
 
 def _cmd_config_show(args: argparse.Namespace) -> None:
-    path, overrides = config_path(args.config), _overrides(args.overrides)
+    path, overrides = _config_source(args)
     config = load_config(path, overrides)
     source = " ".join([args.config or DEFAULT_CONFIG, *overrides])
     print(commented_yaml(config, title=f"jetrl config show {source}\nthe resolved configuration: every field, "
@@ -149,7 +173,7 @@ def _cmd_config_show(args: argparse.Namespace) -> None:
 
 
 def _cmd_config_check(args: argparse.Namespace) -> None:
-    config = load_config(config_path(args.config), _overrides(args.overrides))
+    config = load_config(*_config_source(args))
     check_config(config)
     steps = config.rollout_batch_size // config.mini_batch_size * config.algorithm.ppo_epochs
     print(f"{args.config}: valid ({config.recipe} recipe, {config.data.prompts_per_step} prompts x "
@@ -164,6 +188,7 @@ def _cmd_config_reference(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ sft
 
 def _cmd_sft(args: argparse.Namespace) -> None:
+    check_output_path(args.output_dir, "--output-dir", folder=True)
     configure_threads(args.threads, EVAL_REWARD_WORKERS)
     config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
@@ -193,7 +218,15 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
 def _cmd_eval(args: argparse.Namespace) -> None:
     configure_threads(args.threads, EVAL_REWARD_WORKERS)
     kv_fp8_train(args.recipe, args.kv_fp8)  # a recipe that rolls out in BF16 has no FP8 cache: say so first
+    if args.temperature == 0 and args.n > 1:
+        raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
+                         "for --n > 1")
+    if args.k and max(args.k) > args.n:
+        raise UsageError(f"pass@{max(args.k)} needs --n >= {max(args.k)} samples per prompt (now {args.n})")
+    if args.output:
+        check_output_path(args.output, "--output")
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
+    build_reward_fn(RewardConfig(name=args.reward), default=dataset.reward)
     model, tokenizer = load_policy(model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
     result = evaluate(model, tokenizer, dataset, reward=args.reward, n=args.n, temperature=args.temperature,
                       top_p=args.top_p, max_tokens=args.max_tokens, ks=args.k or (), seed=args.sample_seed,
@@ -267,7 +300,7 @@ def _cmd_bench(args: argparse.Namespace) -> int | None:
 
 
 def _cmd_check_fp8(args: argparse.Namespace) -> None:
-    result = check_fp8_linear(args.m, args.n, args.k, device=args.device)
+    result = check_fp8_linear(args.m, args.n, args.k, device=str(resolve_device(args.device)))
     width = max(len(name) for name, _ in result.rows())
     print("FP8Linear (jet: FP8 Fprop/DGrad/WGrad) vs BF16 nn.Linear, random data")
     for name, value in result.rows():
@@ -281,12 +314,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    f"{EMBEDDED_MODEL})")
     p.add_argument("--recipe", default="bf16", choices=list(RECIPES), help="precision recipe of the rollout "
                    "(default bf16)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    p.add_argument("--device", type=_device, default="auto", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
     p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per completion")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=_checked(float, ">= 0 (0 = greedy)", lambda t: 0 <= t < math.inf),
+                   default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_checked(float, "in (0, 1]", lambda p: 0 < p <= 1), default=1.0)
     p.add_argument("--n", type=_positive, default=1, help="samples per prompt")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -311,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "a fresh start; --resume=must: an error)")
     p.add_argument("--overwrite", action="store_true", help="delete the output dir's previous run (checkpoints, "
                    "metrics, plot) before starting")
-    p.add_argument("--eval-examples", type=int, default=None, help="greedy accuracy on N held-out problems before "
-                   "and after the run (a built-in task, or data.eval_path's first N rows; default 200, 0 = off)")
+    p.add_argument("--eval-examples", type=_non_negative, default=None, help="greedy accuracy on N held-out problems "
+                   "before and after the run (a built-in task, or data.eval_path's first N rows; default 200, 0 = off)")
     p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
     p.set_defaults(func=_cmd_train, overrides=[], takes_overrides=True)
@@ -342,10 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0, help="weight-init seed")
     p.add_argument("--eval-examples", type=int, default=200, help="unseen problems for the final greedy accuracy")
-    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (to tune --steps)")
+    p.add_argument("--eval-every", type=_non_negative, default=0, help="also evaluate every N steps (to tune --steps)")
     p.add_argument("--save-dtype", default="float32",
                    help=f"dtype of the saved weights ({' or '.join(SFT_DTYPES)})")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", default="float32", choices=list(SFT_DTYPES),
                    help="training parameters (bfloat16 keeps fp32 master weights)")
     p.add_argument("--packing", action=argparse.BooleanOptionalAction, default=None,
@@ -372,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-column", default=None)
     p.add_argument("--answer-column", default=None)
     p.add_argument("--reward", default=None, help="reward name or package.module:function (default: the data's)")
-    p.add_argument("--k", type=int, action="append", help="report pass@k (repeatable; needs --n >= k)")
+    p.add_argument("--k", type=_positive, action="append", help="report pass@k (repeatable; needs --n >= k)")
     p.add_argument("--sample-seed", type=int, default=0)
     p.add_argument("--output", default=None, help="write every sample to this JSONL file")
     p.add_argument("--kv-fp8", action="store_true",
@@ -416,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--m", type=_positive, default=512, help="tokens")
     check.add_argument("--n", type=_positive, default=768, help="out features")
     check.add_argument("--k", type=_positive, default=1024, help="in features")
-    check.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    check.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when present)")
     check.set_defaults(func=_cmd_check_fp8)
     return parser
 

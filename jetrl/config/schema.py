@@ -22,6 +22,8 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -64,6 +66,24 @@ def check_choice(key: str, value: str, choices: Sequence[str]) -> None:
         close = difflib.get_close_matches(str(value), choices, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}{hint}")
+
+
+def is_device(value: str) -> bool:
+    """Whether ``value`` is a device string jetrl runs on: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (torch rejects
+    others, e.g. ``cuda:abc``, with a RuntimeError of its own)."""
+    return re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is not None
+
+
+def check_device(value: str, key: str) -> None:
+    """A ConfigError naming the field ``key`` unless :func:`is_device` holds for ``value``."""
+    if not is_device(value):
+        raise ConfigError(f"{key} must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+
+
+def home_path(value: str | None) -> str | None:
+    """``value`` with a leading ``~`` expanded to the home folder, as the shell would: ``--data.path=~/x`` reaches
+    jetrl with the ``~`` (not at the start of the word), and a file may name a path so too."""
+    return os.path.expanduser(value) if value and value.startswith("~") else value
 
 
 def setting(default: Any, doc: str, registry: str | None = None) -> Any:
@@ -120,13 +140,13 @@ class ModelConfig(_Section):
                                             "recomputation, the same gradients); null: every block")
 
     def validate(self) -> None:
+        self.path, self.tokenizer = home_path(self.path), home_path(self.tokenizer)
         self._choice("dtype", DTYPES)
         self._at_least(0, "checkpoint_blocks")
         if self.checkpoint_blocks is not None and not self.gradient_checkpointing:
             raise ConfigError("model.checkpoint_blocks applies with model.gradient_checkpointing: true; set it, "
                               "or drop checkpoint_blocks")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(f"model.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_device(self.device, "model.device")
 
 
 @dataclass
@@ -157,6 +177,7 @@ class DataConfig(_Section):
     max_prompt_tokens: int = setting(512, "longest prompt in tokens; a longer one is an error, not truncated")
 
     def validate(self) -> None:
+        self.path, self.eval_path = home_path(self.path), home_path(self.eval_path)
         # neither set is allowed while composing a config; the loop reports it before loading data
         if self.path is not None and self.task is not None:
             raise ConfigError(f"data.path ({self.path!r}) and data.task ({self.task!r}) are exclusive: set one")
@@ -217,8 +238,8 @@ class AlgorithmConfig(_Section):
     tis_cap: float | None = setting(None, "truncated importance sampling: cap C (>= 1) of the rollout-to-trainer "
                                     "ratio weights; null: off")
     # this (verl's "bypass") and the next: where the old log-probs come from, phase 3 of jetrl.rl.trainer's doc
-    use_rollout_logprobs: bool = setting(False, "take the rollout engine's log-probs as the old ones (no "
-                                         "old-logprob pass)")
+    use_rollout_logprobs: bool = setting(False, "take the rollout engine's log-probs as the old ones (in "
+                                         "exact mode the old-logprob pass is then skipped)")
     old_logprobs_from_update: bool = setting(False, "take the old log-probs from the update's own forwards (needs "
                                              "ppo_epochs 1 and one mini-batch)")
     ppo_epochs: int = setting(1, "passes over the rollout batch per RL step")
@@ -299,6 +320,7 @@ class TrainerConfig(_Section):
                                       "no more than the cores beside the reward workers")
 
     def validate(self) -> None:
+        self.output_dir = home_path(self.output_dir)
         self._at_least(1, "steps", "num_threads", "keep_last", "log_every")
         self._at_least(0, "seed", "checkpoint_every")
         self._choice("weights_only", WEIGHTS_ONLY)
@@ -454,8 +476,11 @@ class RunConfig(_Section):
                     "algorithm.old_logprobs_from_update needs one optimizer step per RL step (ppo_epochs = 1 and "
                     f"one mini-batch), got ppo_epochs = {alg.ppo_epochs} and {minis} mini-batches: after the "
                     "first step the policy has moved, so later forwards are not the old policy")
-        if alg.advantage_estimator == "rloo" and self.rollout.n < 2:
-            raise ConfigError("algorithm.advantage_estimator='rloo' needs rollout.n >= 2")
+        if alg.advantage_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            # a group of one sample has advantage 0: the run would go its whole length and learn nothing
+            raise ConfigError(f"algorithm.advantage_estimator={alg.advantage_estimator!r} needs rollout.n >= 2 (its "
+                              f"baseline is the prompt's group: one sample gives advantage 0, so nothing is learned); "
+                              f"raise rollout.n, or use 'reinforce' (a batch-mean baseline)")
 
 
 # ------------------------------------------------------------------------------------------------ typing
@@ -569,5 +594,5 @@ def to_dict(config: Any) -> dict[str, Any]:
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
     "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names",
-    "DTYPES", "WEIGHTS_ONLY", "ON_DISK_FULL", "check_choice", "setting",
+    "DTYPES", "WEIGHTS_ONLY", "ON_DISK_FULL", "check_choice", "check_device", "is_device", "home_path", "setting",
 ]

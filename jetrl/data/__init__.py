@@ -3,8 +3,10 @@
 Feeds the RL loop (``data <- rl``); imports nothing else from jetrl.
 """
 
-from jetrl.data.build import DataSpec, build_prompt_dataset
-from jetrl.data.datasets import DATASET_FORMATS, ColumnMap, DatasetConfig, PromptDataset, load_prompt_dataset
+from jetrl.data.build import DataSpec, RunDataSpec, build_prompt_dataset, check_run_prompts
+from jetrl.data.datasets import (
+    DATASET_FORMATS, ColumnMap, DatasetConfig, PromptDataset, check_prompt_lengths, load_prompt_dataset,
+)
 from jetrl.data.prompt import Prompt
 from jetrl.data.prompt_file import read_prompts
 from jetrl.data.reward_pool import RewardPool, RewardPoolConfig
@@ -15,7 +17,8 @@ from jetrl.data.templates import TemplateConfig, decode_completion, encode_promp
 
 __all__ = [
     "read_prompts", "BUILTIN_REWARDS", "DATASET_FORMATS", "TASKS", "RewardConfig", "RewardPool", "RewardPoolConfig",
-    "build_prompt_dataset", "build_reward_fn", "DataSpec", "decode_completion", "encode_prompt", "get_task",
+    "build_prompt_dataset", "build_reward_fn", "check_prompt_lengths", "check_run_prompts", "RunDataSpec", "DataSpec",
+    "decode_completion", "encode_prompt", "get_task",
     "gsm8k_reward", "math_reward", "resolve_reward", "BatchLoader", "ColumnMap", "DatasetConfig", "EpochSampler",
     "Prompt", "PromptDataset", "TemplateConfig", "has_chat_template", "load_prompt_dataset", "render_prompt",
 ]

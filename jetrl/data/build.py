@@ -7,9 +7,14 @@ loop and ``jetrl eval`` both call it, so a file or task reads the same way in tr
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+import warnings
+from typing import Any, Protocol
 
-from jetrl.data.datasets import DATASET_FORMATS, ColumnMap, DatasetConfig, PromptDataset, load_prompt_dataset
+from jetrl.data.datasets import (
+    DATASET_FORMATS, ColumnMap, DatasetConfig, PromptDataset, check_prompt_lengths, load_prompt_dataset,
+)
+from jetrl.data.rewards import RewardConfig, build_reward_fn
 from jetrl.data.tasks import get_task
 from jetrl.data.templates import TemplateConfig
 
@@ -53,4 +58,35 @@ def build_prompt_dataset(spec: DataSpec, seed: int) -> PromptDataset:
     return load_prompt_dataset(config)
 
 
-__all__ = ["DataSpec", "build_prompt_dataset"]
+class RunDataSpec(DataSpec, Protocol):
+    """A run's data section (``jetrl.config.DataConfig``): a :class:`DataSpec` with the prompts a step takes, the
+    longest prompt allowed and the held-out file."""
+
+    prompts_per_step: int
+    max_prompt_tokens: int
+    eval_path: str | None
+
+
+def check_run_prompts(spec: RunDataSpec, seed: int, tokenizer: Any, num_eval: int = 0) -> int:
+    """Read and check a run's prompts before its model loads, as the RL loop will use them: enough for one step,
+    a reward that resolves, and every prompt tokenized within ``max_prompt_tokens`` (the loop meets a prompt only
+    when a batch draws it); with ``num_eval`` held-out problems from ``eval_path``, that file's rows too. Returns
+    ``num_eval``, or the held-out file's row count where that is smaller (with a warning), so that the accuracy
+    is reported over the problems actually evaluated."""
+    dataset = build_prompt_dataset(spec, seed=seed)
+    if len(dataset) < spec.prompts_per_step:
+        raise ValueError(f"data.prompts_per_step ({spec.prompts_per_step}) is larger than the dataset "
+                         f"({len(dataset)} prompts); lower it or use more data")
+    build_reward_fn(RewardConfig(name=spec.reward), default=dataset.reward)
+    check_prompt_lengths(dataset, tokenizer, spec.max_prompt_tokens)
+    if num_eval and spec.eval_path is not None:
+        held_out = build_prompt_dataset(dataclasses.replace(spec, path=spec.eval_path, task=None,  # type: ignore
+                                                            max_examples=num_eval), seed=seed)
+        if len(held_out) < num_eval:
+            warnings.warn(f"data.eval_path {spec.eval_path} has {len(held_out)} rows, fewer than the {num_eval} "
+                          f"held-out problems asked for: the accuracy is over its {len(held_out)}")
+            num_eval = len(held_out)
+    return num_eval
+
+
+__all__ = ["DataSpec", "RunDataSpec", "build_prompt_dataset", "check_run_prompts"]

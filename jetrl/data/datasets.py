@@ -15,7 +15,7 @@ from typing import Any
 
 from jetrl.data.prompt import Prompt
 from jetrl.data.sources import read_rows
-from jetrl.data.templates import TemplateConfig, render_prompt
+from jetrl.data.templates import TemplateConfig, encode_prompt, render_prompt
 
 
 @dataclass
@@ -125,12 +125,32 @@ def prompts_from_rows(rows: Sequence[dict[str, Any]], columns: ColumnMap, availa
         def value(col: str, role: str) -> Any:
             if col not in row or row[col] is None:
                 raise ValueError(f"{source}: row {i + 1} has no value in the {role} column {col!r}")
+            # a list or dict read as text would be its repr: e.g. verl's files, whose prompt is a list of chat
+            # turns and whose reference sits in a dict, would give prompts and answers that are Python literals
+            if role != "messages" and not isinstance(row[col], (str, int, float)):
+                raise ValueError(f"{source}: row {i + 1}: the {role} column {col!r} holds a {type(row[col]).__name__}, "
+                                 f"not text; point data.{role}_column at a column of text (or numbers)")
             return row[col]
 
         prompts.append(Prompt(index=i, answer=str(value(columns.answer, "answer")),
                               text=str(value(columns.prompt, "prompt")) if columns.prompt else None,
                               messages=tuple(value(columns.messages, "messages")) if columns.messages else None))
     return prompts
+
+
+def check_prompt_lengths(dataset: PromptDataset, tokenizer: Any, max_prompt_tokens: int) -> None:
+    """A ValueError naming the first prompt of ``dataset`` that, rendered and tokenized as the RL loop does
+    (:func:`~jetrl.data.templates.encode_prompt`), is empty or longer than ``max_prompt_tokens``
+    (``data.max_prompt_tokens``). The loop meets a prompt only when a batch draws it, so a run calls this
+    before it loads the model: a bad row late in the file would otherwise stop it after hours of training."""
+    for prompt in dataset:
+        ids = encode_prompt(tokenizer, dataset.render(prompt, tokenizer))
+        where = f"{dataset.name}: prompt {prompt.index} (row {prompt.index + 1})"
+        if not ids:
+            raise ValueError(f"{where} tokenizes to nothing")
+        if len(ids) > max_prompt_tokens:
+            raise ValueError(f"{where} has {len(ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}; "
+                             f"raise it or filter the dataset")
 
 
 def load_prompt_dataset(config: DatasetConfig | str, **overrides: Any) -> PromptDataset:

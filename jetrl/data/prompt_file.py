@@ -19,6 +19,9 @@ def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
         if not path.exists():
             raise FileNotFoundError(f"prompt file {file} does not exist; give a text file with one prompt per line, "
                                     f"or JSONL with 'prompt'")
+        if path.is_dir():
+            raise ValueError(f"prompt file {file} is a folder; give a text file with one prompt per line, or JSONL "
+                             f"with 'prompt'")
         if path.suffix == ".jsonl":
             out += [str(row["prompt"]) for row in read_jsonl(path, required=("prompt",))]
         else:

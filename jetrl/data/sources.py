@@ -1,4 +1,4 @@
-"""Reading text, JSONL and Parquet files, with errors that say what to fix."""
+"""Reading text, JSONL and Parquet files, with errors that say what to fix; checking where an output will go."""
 
 from __future__ import annotations
 
@@ -53,6 +53,19 @@ def read_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict[str, Any
             raise ValueError(f"{path}:{line_number}: no {', '.join(repr(k) for k in missing)} field")
         rows.append(row)
     return rows
+
+
+def check_output_path(path: str, what: str, folder: bool = False) -> None:
+    """A ValueError unless ``path`` can be written as a file (``folder``: made as a folder), naming it as ``what``
+    (e.g. the option that gave it): a command checks this before the work whose result goes there."""
+    target = Path(path).expanduser()
+    if folder and target.is_file():
+        raise ValueError(f"{what} {path} is a file; give a folder")
+    if not folder and target.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give a file path")
+    existing = next(p for p in target.parents if p.exists())  # the nearest one there: "." or "/" at the latest
+    if not existing.is_dir():
+        raise ValueError(f"{what} {path} cannot be written: {existing} is not a folder")
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
