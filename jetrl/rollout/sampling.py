@@ -79,6 +79,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        # None (vLLM's default for both) means none
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
         if isinstance(self.stop_token_ids, (str, int)):
             raise TypeError("SamplingParams.stop_token_ids must be a sequence of ints, "
                             f"got {self.stop_token_ids!r}")
