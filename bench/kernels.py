@@ -507,7 +507,14 @@ DECODE_SWEEP_CELLS = [("qkv", (6144,), 4096), ("o", (4096,), 4096), ("gate_up", 
 # engine launches it: q/k/v and gate/up grouped, o and down alone
 DECODE_SWEEP_CELLS_1P5B = [("o", (1536,), 1536), ("down", (1536,), 8960), ("qkv-grouped", (1536, 256, 256), 1536),
                            ("gate_up-grouped", (8960, 8960), 1536)]
-DECODE_SWEEP_SHAPES = {"8b": DECODE_SWEEP_CELLS, "1.5b": DECODE_SWEEP_CELLS_1P5B}
+# Qwen2.5-0.5B (hidden 896, 14 query and 2 key/value heads of 64, MLP 4864) and Qwen2.5-7B (hidden 3584, 28 and 4
+# heads of 128, MLP 18944), launched likewise
+DECODE_SWEEP_CELLS_0P5B = [("o", (896,), 896), ("down", (896,), 4864), ("qkv-grouped", (896, 128, 128), 896),
+                           ("gate_up-grouped", (4864, 4864), 896)]
+DECODE_SWEEP_CELLS_7B = [("o", (3584,), 3584), ("down", (3584,), 18944), ("qkv-grouped", (3584, 512, 512), 3584),
+                         ("gate_up-grouped", (18944, 18944), 3584)]
+DECODE_SWEEP_SHAPES = {"8b": DECODE_SWEEP_CELLS, "1.5b": DECODE_SWEEP_CELLS_1P5B, "0.5b": DECODE_SWEEP_CELLS_0P5B,
+                       "7b": DECODE_SWEEP_CELLS_7B}
 
 
 def decode_sweep_policies(m: int) -> list:

@@ -42,6 +42,7 @@ from jetrl.data import (
 from jetrl.data.sources import check_output_path
 from jetrl.data.tasks import STYLES
 from jetrl.data.reward_pool import RewardFailureError
+from jetrl.rollout.sampling import MIN_TEMPERATURE
 from jetrl.evaluate import EVAL_REWARD_WORKERS, EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
 from jetrl.models import check_eos, export_model, resolve_device
 from jetrl.parallel import launched_rank
@@ -318,7 +319,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weight dtype")
     p.add_argument("--threads", type=_positive, default=None, help=THREADS_HELP)
     p.add_argument("--max-tokens", type=_positive, default=128, help="new tokens per completion")
-    p.add_argument("--temperature", type=_checked(float, ">= 0 (0 = greedy)", lambda t: 0 <= t < math.inf),
+    p.add_argument("--temperature", type=_checked(float, f"0 (greedy) or >= {MIN_TEMPERATURE}",
+                                                  lambda t: t == 0 or MIN_TEMPERATURE <= t < math.inf),
                    default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=_checked(float, "in (0, 1]", lambda p: 0 < p <= 1), default=1.0)
     p.add_argument("--n", type=_positive, default=1, help="samples per prompt")

@@ -43,7 +43,7 @@ from jetrl.models import check_tokenizer, load_model, load_tokenizer, resolve_ch
 from jetrl.models.config import DecoderConfig
 from jetrl.parallel import init_parallel
 from jetrl.rl.metrics import METRICS_FILE, TENSORBOARD_SUBDIR, MetricsLogger
-from jetrl.rl.trainer import PromptItem, Trainer
+from jetrl.rl.trainer import PromptItem, Trainer, rollout_sampling_params
 from jetrl.rollout import RolloutEngine
 from jetrl.threads import configure_threads
 from jetrl.train.policy import (
@@ -74,9 +74,13 @@ def prepare_output_dir(config: RunConfig, overwrite: bool = False) -> Path:
 def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
     """Read the policy's config.json and tokenizer (not its weights) and check the run against them: the
     longest sequence (``data.max_prompt_tokens + rollout.max_tokens``) fits in the model's context, and the
-    tokenizer matches the model (:func:`jetrl.models.check_tokenizer`), and ``model.checkpoint_blocks`` is at most
-    its blocks. Returns (checkpoint folder, model config, tokenizer). A ``rollout.top_k`` above the vocabulary size
+    tokenizer matches the model (:func:`jetrl.models.check_tokenizer`), ``model.checkpoint_blocks`` is at most
+    its blocks, and the rollout's sampling parameters are valid (first, before any file is read). Returns (checkpoint folder, model config, tokenizer). A ``rollout.top_k`` above the vocabulary size
     is only a warning (it samples from all), shown once per process however often this is called."""
+    try:
+        rollout_sampling_params(config)
+    except ValueError as exc:
+        raise ConfigError(f"rollout: {exc}") from None
     folder = resolve_checkpoint(config.model.path)
     model_config = DecoderConfig.from_file(folder)
     model_config.check_context(config.data.max_prompt_tokens + config.rollout.max_tokens,

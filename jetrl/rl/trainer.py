@@ -90,6 +90,14 @@ class PromptSource(Protocol):
 RewardFn = Callable[[list[str], list[str]], "Sequence[float] | RewardResult"]
 
 
+def rollout_sampling_params(config: RunConfig) -> SamplingParams:
+    """The rollout's sampling parameters from ``config.rollout`` (the trainer seeds them per prompt); a ValueError
+    names what :class:`SamplingParams` refuses."""
+    r = config.rollout
+    return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
+                          stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos)
+
+
 def _seed_for(*parts: int) -> int:
     """A 31-bit seed mixed from integers (splitmix-style), stable across runs and platforms."""
     x = 0x9E3779B97F4A7C15
@@ -175,9 +183,7 @@ class Trainer:
         """``rollout.n`` completions per prompt (prompt-major), seeded per ``(trainer.seed, step, prompt)``
         where prompt ``i`` of ``items`` is prompt ``first_index + i`` of the step; runs on the full weights.
         Returns the completions and the number of generated tokens."""
-        r = self.config.rollout
-        common = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_tokens,
-                                stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos)
+        common = rollout_sampling_params(self.config)
         params = [replace(common, seed=_seed_for(self.config.trainer.seed, self.step_count, first_index + i))
                   for i in range(len(items))]
         with full_weights(self.model):

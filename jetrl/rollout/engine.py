@@ -49,7 +49,7 @@ class RolloutEngine:
         block_size: tokens per KV block.
         max_num_seqs: most sequences decoded together (the decode batch).
         max_num_batched_tokens: most tokens in one prefill step (longer prompts are chunked).
-        max_model_len: context limit (default: the config's ``max_position_embeddings``).
+        max_model_len: context limit (default, and at most: the config's ``max_position_embeddings``).
         num_blocks: exact pool size in blocks (overrides ``memory_budget``; tests use it for tiny pools).
         progress: show requests done and tokens/s.
         cuda_graphs: capture the decode step on CUDA; ``graph_batch_sizes`` overrides the captured sizes.
@@ -99,6 +99,7 @@ class RolloutEngine:
         self.max_model_len = int(max_model_len) if max_model_len is not None else config.max_position_embeddings
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        config.check_context(self.max_model_len, "RolloutEngine max_model_len")
         # DecoderConfig.eos_token_ids is [] (not None) when the config names none: fall back then too
         eos = config.eos_token_ids or None
         if eos is None and tokenizer is not None:

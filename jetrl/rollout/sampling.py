@@ -27,6 +27,10 @@ import torch
 
 from jetrl.quant.backend import choose_impl
 
+# the smallest non-zero temperature (vLLM's sampling epsilon): logits / temperature stays finite in float32 for
+# any logit a model gives, so the log-probs of rollout and trainer do
+MIN_TEMPERATURE = 1e-5
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -73,6 +77,9 @@ class SamplingParams:
         if not (self.temperature >= 0.0) or self.temperature == float("inf"):
             raise ValueError(f"SamplingParams.temperature must be finite and >= 0 (0 = greedy), "
                              f"got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"SamplingParams.temperature {self.temperature} is below {MIN_TEMPERATURE}: logits / "
+                             f"temperature would overflow float32 (inf, then NaN log-probs); use 0 for greedy")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:

@@ -123,6 +123,15 @@ def test_top_k_beyond_the_vocabulary_warns():
         check_model(config)
 
 
+def test_a_temperature_too_small_for_float32_is_refused_before_loading(capsys, tmp_path, monkeypatch):
+    """rollout.temperature=1e-39 passed the config's "> 0"; the rollout then divided the logits by it (inf) and
+    sampled from NaN log-probs."""
+    monkeypatch.chdir(tmp_path)
+    msg = _error(capsys, ["train", "--rollout.temperature=1e-39"])
+    assert msg.startswith("jetrl: error: rollout: SamplingParams.temperature 1e-39 is below 1e-05")
+    assert "use 0 for greedy" in msg
+
+
 def test_more_checkpointed_blocks_than_the_model_has_are_refused_before_loading(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     msg = _error(capsys, ["train", "--model.gradient_checkpointing=true", "--model.checkpoint_blocks=9"])

@@ -118,11 +118,12 @@ def test_overrides_in_another_form_say_how_to_write_them(no_model, capsys, argv,
 # ------------------------------------------------------------------------------------------ eval, generate
 
 @pytest.mark.parametrize("argv, message", [
-    (["eval", "--temperature", "-1"], "argument --temperature: must be >= 0 (0 = greedy), got -1.0"),
-    (["eval", "--temperature", "nan"], "argument --temperature: must be >= 0 (0 = greedy), got nan"),
+    (["eval", "--temperature", "-1"], "argument --temperature: must be 0 (greedy) or >= 1e-05, got -1.0"),
+    (["eval", "--temperature", "nan"], "argument --temperature: must be 0 (greedy) or >= 1e-05, got nan"),
     (["eval", "--top-p", "0"], "argument --top-p: must be in (0, 1], got 0.0"),
     (["generate", "--top-p", "1.5", "1+2"], "argument --top-p: must be in (0, 1], got 1.5"),
-    (["generate", "--temperature", "-0.5", "1+2"], "argument --temperature: must be >= 0 (0 = greedy), got -0.5"),
+    (["generate", "--temperature", "-0.5", "1+2"], "argument --temperature: must be 0 (greedy) or >= 1e-05, got -0.5"),
+    (["eval", "--temperature", "1e-30"], "argument --temperature: must be 0 (greedy) or >= 1e-05, got 1e-30"),
     (["eval", "--k", "0"], "argument --k: must be >= 1, got 0"),
     (["eval", "--device", "nvidia"], "argument --device: must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'nvidia'"),
     (["generate", "--device", "cuda:x", "1+2"], "argument --device: must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
