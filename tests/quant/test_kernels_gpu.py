@@ -334,7 +334,8 @@ def _shape_config_cases():
 
 
 # how the grouped entries' total widths split into weights (q/k/v or gate/up of the measured models)
-GROUPED_SPLITS = {6144: (4096, 1024, 1024), 2048: (1536, 256, 256), 17920: (8960, 8960), 28672: (14336, 14336)}
+GROUPED_SPLITS = {6144: (4096, 1024, 1024), 2048: (1536, 256, 256), 17920: (8960, 8960), 28672: (14336, 14336),
+                  1152: (896, 128, 128), 9728: (4864, 4864)}
 
 
 @pytest.mark.parametrize("key,m", _shape_config_cases(), ids=lambda v: str(v))

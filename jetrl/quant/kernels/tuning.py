@@ -152,8 +152,9 @@ DECODE_POLICIES: tuple[DecodePolicy, ...] = (
 
 # Shapes whose best config in the decode sweep beat the per-M policy: (largest M of the bucket, total N, K,
 # grouped launch) -> config. Buckets: 32 covers M = 1-32, 64 M = 33-64, 128 M = 65-128, 256 M = 129-256.
-# Llama-8B linears (hidden 4096, MLP 14336, q/k/v 4096 + 1024 + 1024) and the rollout benchmark's 1.5B model
-# (Qwen2-1.5B: hidden 1536, MLP 8960, q/k/v 1536 + 256 + 256); `bench/kernels.py --sections decode-sweep`.
+# Llama-8B linears (hidden 4096, MLP 14336, q/k/v 4096 + 1024 + 1024), the rollout benchmark's 1.5B model
+# (Qwen2-1.5B: hidden 1536, MLP 8960, q/k/v 1536 + 256 + 256) and Qwen2.5-0.5B (hidden 896, MLP 4864, q/k/v
+# 896 + 128 + 128); `bench/kernels.py --sections decode-sweep --sweep-shape 8b | 1.5b | 0.5b`.
 DECODE_SHAPE_CONFIGS: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = MappingProxyType({
     # Llama-8B: q/k/v (grouped and not), o, gate_up, down
     (32, 6144, 4096, True): DecodeGemmConfig(block_n=64, split_k=4, tma=True),
@@ -173,12 +174,27 @@ DECODE_SHAPE_CONFIGS: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = Ma
     (128, 2048, 1536, True): DecodeGemmConfig(block_n=64, split_k=2, block_m=64, tma=True),
     (256, 2048, 1536, True): DecodeGemmConfig(block_n=128, split_k=2, block_m=64, tma=True),
     (32, 17920, 1536, True): DecodeGemmConfig(block_n=64, split_k=1, tma=True),
+    # Qwen2.5-0.5B: o, down, grouped q/k/v, grouped gate/up
+    (32, 896, 896, False): DecodeGemmConfig(block_n=64, split_k=1, k_unroll=2, tma=True),
+    (64, 896, 896, False): DecodeGemmConfig(block_n=64, split_k=1, num_stages=4, tma=True),
+    (128, 896, 896, False): DecodeGemmConfig(block_n=64, split_k=1, block_m=64, tma=True),
+    (256, 896, 896, False): DecodeGemmConfig(block_n=128, split_k=1, block_m=64, tma=True),
+    (32, 896, 4864, False): DecodeGemmConfig(block_n=64, split_k=9, num_stages=4, tma=True),
+    (128, 896, 4864, False): DecodeGemmConfig(block_n=64, split_k=4, block_m=64, tma=True),
+    (256, 896, 4864, False): DecodeGemmConfig(block_n=128, split_k=4, block_m=64, tma=True),
+    (32, 1152, 896, True): DecodeGemmConfig(block_n=64, split_k=1, num_stages=4, tma=True),
+    (64, 1152, 896, True): DecodeGemmConfig(block_n=64, split_k=1, k_unroll=2, tma=True),
+    (128, 1152, 896, True): DecodeGemmConfig(block_n=64, split_k=1, block_m=64, tma=True),
+    (256, 1152, 896, True): DecodeGemmConfig(block_n=128, split_k=1, block_m=64, tma=True),
+    (32, 9728, 896, True): DecodeGemmConfig(block_n=64, split_k=1, num_stages=4, tma=True),
 })
 
 # Where the decode GEMM beats cuBLAS beyond the general bounds: {(N, K): max M} for single GEMMs and
-# {("grouped", sum of N, K): max M} for grouped launches (Llama-8B's q/k/v; the 1.5B model's down and q/k/v).
+# {("grouped", sum of N, K): max M} for grouped launches (Llama-8B's q/k/v; the 1.5B model's down and q/k/v; every
+# Qwen2.5-0.5B linear, whose narrow weights leave cuBLAS's blockwise GEMM at its fixed latency).
 DECODE_MAX_M_BY_SHAPE: Mapping[tuple, int] = MappingProxyType({
     ("grouped", 6144, 4096): 256, (1536, 8960): 256, ("grouped", 2048, 1536): 256,
+    (896, 896): 256, (896, 4864): 256, ("grouped", 1152, 896): 256, ("grouped", 9728, 896): 128,
 })
 
 
