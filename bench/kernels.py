@@ -635,8 +635,9 @@ def _wait_precompile(procs: list, deadline: float) -> None:
 
 def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | None = None,
                        workers: int | None = None, shape: str = "8b") -> None:
-    """Tuning variants of the split-K decode kernel per shape and row count against BF16 ``torch.matmul``
-    and cuBLAS blockwise FP8 in the same run (CUDA-graph replays over rotating weight copies, as
+    """Tuning variants of the split-K decode kernel per shape and row count against BF16 ``torch.matmul`` (a
+    grouped cell's over the stacked weight, as ``bf16``'s decode step runs q/k/v and gate/up) and cuBLAS
+    blockwise FP8 in the same run (CUDA-graph replays over rotating weight copies, as
     :func:`bench_decode`), then per row count the policy that is best across shapes (to paste into
     ``DECODE_POLICIES`` of ``jetrl.quant.kernels.tuning``) and where the decode kernel beats cuBLAS (the
     tuning object's routing bounds).
@@ -664,9 +665,10 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
         copies = _rotation(sum(ns), k)
         ws = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n in ns] for _ in range(copies)]
         qws = [[be.quantize(w, (128, 128)) for w in group] for group in ws]
+        bf16_ws = [[torch.cat(group)] for group in ws] if len(ns) > 1 else ws
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cells.append(dict(label=label, ns=ns, k=k, m=m, copies=copies, ws=ws, qws=qws, x=x,
+            cells.append(dict(label=label, ns=ns, k=k, m=m, copies=copies, ws=ws, bf16_ws=bf16_ws, qws=qws, x=x,
                               qx=be.quantize(x, (1, 128)), times={}, ok={}, policy_us={}))
     policies = {m: decode_sweep_policies(m) for m in ms}
     specs = []
@@ -686,8 +688,8 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
     def calls_for(cell, fn):
         return [lambda i=i: fn(cell, i) for i in range(cell["copies"])]
 
-    def bf16(cell, i):
-        return [torch.matmul(cell["x"], w.t()) for w in cell["ws"][i]]
+    def bf16(cell, i):  # a grouped cell as `bf16`'s decode step runs it: one GEMM over the stacked weight
+        return [torch.matmul(cell["x"], w.t()) for w in cell["bf16_ws"][i]]
 
     def cublas(cell, i):
         return [scaled_mm.blockwise_scaled_mm(cell["qx"], w) for w in cell["qws"][i]]
