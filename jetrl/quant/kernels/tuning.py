@@ -190,11 +190,11 @@ DECODE_SHAPE_CONFIGS: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = Ma
 })
 
 # Where the decode GEMM beats cuBLAS beyond the general bounds: {(N, K): max M} for single GEMMs and
-# {("grouped", sum of N, K): max M} for grouped launches (Llama-8B's q/k/v; the 1.5B model's down and q/k/v; every
-# Qwen2.5-0.5B linear, whose narrow weights leave cuBLAS's blockwise GEMM at its fixed latency).
+# {("grouped", sum of N, K): max M} for grouped launches (Llama-8B's q/k/v; the 1.5B model's down and q/k/v;
+# Qwen2.5-0.5B's o, down and q/k/v, whose narrow weights leave cuBLAS's blockwise GEMM at its fixed latency).
 DECODE_MAX_M_BY_SHAPE: Mapping[tuple, int] = MappingProxyType({
     ("grouped", 6144, 4096): 256, (1536, 8960): 256, ("grouped", 2048, 1536): 256,
-    (896, 896): 256, (896, 4864): 256, ("grouped", 1152, 896): 256, ("grouped", 9728, 896): 128,
+    (896, 896): 256, (896, 4864): 256, ("grouped", 1152, 896): 256,
 })
 
 
