@@ -14,24 +14,15 @@ from jetrl.asset_files import EMBEDDED_MODEL, resolve_asset
 from jetrl.cli import main
 from jetrl.data import read_prompts
 
+from cli_errors import error_line, parser_error
+
 # a short run of the embedded model: one step of 4 prompts x 2 samples
 TINY = ["--no-progress", "--eval-examples", "0", "--max-steps", "1", "--data.prompts_per_step=4", "--rollout.n=2",
         "--algorithm.mini_batch_size=8", "--algorithm.micro_batch_size=8"]
 
 
-def _error(capsys, argv, status=2) -> str:
-    assert main(argv) == status
-    captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.startswith("jetrl: error:")]
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    return lines[0]
-
-
-def _argparse_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
+_error = error_line
+_argparse_error = parser_error
 
 
 def test_version(capsys):

@@ -10,7 +10,8 @@ import pytest
 import jetrl.cli
 import jetrl.evaluate
 import jetrl.rl.loop
-from jetrl.cli import main
+
+from cli_errors import error_line, parser_error
 
 # one RL step of 1 prompt x 2 samples
 SMALL = ["--no-progress", "--max-steps", "1", "--data.prompts_per_step=1", "--rollout.n=2",
@@ -37,19 +38,11 @@ def _jsonl(path: Path, rows: list[dict]) -> str:
     return path.name
 
 
-def _error(capsys, argv) -> str:
-    assert main(argv) == 2
-    captured = capsys.readouterr()
-    lines = [line for line in captured.err.splitlines() if line.startswith("jetrl: error:")]
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    return lines[0]
+_error = error_line
 
 
 def _usage_error(capsys, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
+    return parser_error(capsys, argv).strip().splitlines()[-1]
 
 
 # ------------------------------------------------------------------------------------------ train
