@@ -27,55 +27,31 @@ else:  # Python 3.10: the same parser as the tomli package (a dependency there)
     import tomli as tomllib
 
 
-class _Object(list):
-    """A JSON object as ``json.loads`` read it: its (key, value) pairs in order, a key possibly twice."""
+class _KeySetTwice(Exception):
+    """A key set twice in one mapping (``args``: the key and its line from 1, or None). The parsers keep the last
+    value, so a second ``optim:`` section would silently replace the first one's settings."""
 
 
-def _json_duplicate(value: Any, prefix: str = "") -> str | None:
-    """The dotted key that an object in ``value`` (read with :class:`_Object` pairs) sets twice, or None."""
-    if isinstance(value, _Object):
-        keys = [key for key, _ in value]
-        twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
-        if twice is not None:
-            return f"{prefix}.{twice}" if prefix else twice
-        children = [(f"{prefix}.{key}" if prefix else key, child) for key, child in value]
-    else:
-        children = [(prefix, child) for child in value] if isinstance(value, list) else []
-    return next((found for key, child in children if (found := _json_duplicate(child, key))), None)
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' object hook: the object as a dict, unless a key comes twice."""
+    keys = [key for key, _ in pairs]
+    twice = next((key for i, key in enumerate(keys) if key in keys[:i]), None)
+    if twice is not None:
+        raise _KeySetTwice(twice, None)
+    return dict(pairs)
 
 
-def _json_plain(value: Any) -> Any:
-    """``value`` with every :class:`_Object` turned into a dict."""
-    if isinstance(value, _Object):
-        return {key: _json_plain(child) for key, child in value}
-    return [_json_plain(child) for child in value] if isinstance(value, list) else value
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key set twice in one mapping (merge keys aside)."""
 
-
-def _yaml_duplicate(node: Any, prefix: str = "", seen_nodes: set[int] | None = None) -> tuple[str, int] | None:
-    """The dotted key that a mapping of the YAML node tree sets twice and its line (from 1), or None. PyYAML keeps
-    the last value, so a second ``optim:`` section would silently replace the first one's settings."""
-    seen_nodes = set() if seen_nodes is None else seen_nodes
-    if id(node) in seen_nodes:  # an alias of a node already walked
-        return None
-    seen_nodes.add(id(node))
-    if isinstance(node, yaml.MappingNode):
+    def construct_mapping(self, node, deep=False):
         keys: set[str] = set()
-        for key_node, child in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            dotted = f"{prefix}.{key_node.value}" if prefix else key_node.value
-            if key_node.value in keys:
-                return dotted, key_node.start_mark.line + 1
-            keys.add(key_node.value)
-            found = _yaml_duplicate(child, dotted, seen_nodes)
-            if found:
-                return found
-    elif isinstance(node, yaml.SequenceNode):
-        for child in node.value:
-            found = _yaml_duplicate(child, prefix, seen_nodes)
-            if found:
-                return found
-    return None
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in keys:
+                    raise _KeySetTwice(key_node.value, key_node.start_mark.line + 1)
+                keys.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -96,16 +72,16 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} line {line} is not UTF-8 text (byte {raw[e.start]:#04x}); save it "
                           f"as UTF-8") from None
     try:
-        duplicate: tuple[str, int | None] | None = None  # (dotted key, line)
         if suffix == ".json":
-            data = json.loads(text, object_pairs_hook=_Object)
-            duplicate = (key, None) if (key := _json_duplicate(data)) else None
-            data = _json_plain(data)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
         elif suffix == ".toml":
             data = tomllib.loads(text)  # TOML itself forbids a key set twice
         else:
-            data = yaml.safe_load(text) or {}
-            duplicate = _yaml_duplicate(yaml.compose(text, Loader=yaml.SafeLoader))
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except _KeySetTwice as e:
+        key, line = e.args
+        where = f" line {line}:" if line is not None else ""
+        raise ConfigError(f"config file {path}{where} {key!r} is set twice; keep one of them") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"config file {path} line {e.lineno} column {e.colno} is not valid JSON: {e.msg}") from None
     except tomllib.TOMLDecodeError as e:  # the parser's message ends in "(at line L, column C)"
@@ -115,10 +91,6 @@ def _read_file(path: Path) -> dict[str, Any]:
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
-    if duplicate is not None:  # the parsers keep the last value: the first would be dropped without a word
-        key, line = duplicate
-        where = f" line {line}:" if line is not None else ""
-        raise ConfigError(f"config file {path}{where} {key!r} is set twice; keep one of them")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level, got {type(data).__name__}")
     return data

@@ -10,7 +10,7 @@ from jetrl.config import ConfigError, load_config
 @pytest.mark.parametrize("text, message", [
     # a second section of the same name replaced the first: optim.lr silently went back to its default
     ("optim:\n  lr: 1.0e-5\nrollout:\n  n: 4\noptim:\n  warmup_steps: 3\n", "line 5: 'optim' is set twice"),
-    ("optim:\n  lr: 1.0e-5\n  lr: 2.0e-5\n", "line 3: 'optim.lr' is set twice"),
+    ("optim:\n  lr: 1.0e-5\n  lr: 2.0e-5\n", "line 3: 'lr' is set twice"),
 ])
 def test_a_key_set_twice_in_a_yaml_file_is_an_error(tmp_path, text, message):
     path = tmp_path / "run.yaml"
