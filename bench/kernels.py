@@ -792,7 +792,8 @@ def bench_decode_sweep(rep: Report, budget_s: float = 100.0, ms: list[int] | Non
             print(f"M={m}: {score:.3f}  {replace(policies[m][pi], max_m=m)!r}")
         if scores:
             chosen[m] = scores[0][1]
-    print("\n== decode sweep: routing (the chosen policy per M against cuBLAS FP8; a grouped cell's: one call, stacked weight) ==")
+    print("\n== decode sweep: routing (the chosen policy per M against cuBLAS FP8, grouped cells: one call over the "
+          "stacked weight) ==")
     for label, ns, k in sweep_cells:
         wins = []
         for m in ms:

@@ -75,8 +75,9 @@ def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
     """Read the policy's config.json and tokenizer (not its weights) and check the run against them: the
     longest sequence (``data.max_prompt_tokens + rollout.max_tokens``) fits in the model's context, and the
     tokenizer matches the model (:func:`jetrl.models.check_tokenizer`), ``model.checkpoint_blocks`` is at most
-    its blocks, and the rollout's sampling parameters are valid (first, before any file is read). Returns (checkpoint folder, model config, tokenizer). A ``rollout.top_k`` above the vocabulary size
-    is only a warning (it samples from all), shown once per process however often this is called."""
+    its blocks, and (first, before any file is read) the rollout's sampling parameters are valid. Returns
+    (checkpoint folder, model config, tokenizer). A ``rollout.top_k`` above the vocabulary size is only a warning
+    (it samples from all), shown once per process however often this is called."""
     try:
         rollout_sampling_params(config)
     except ValueError as exc:
