@@ -216,12 +216,16 @@ def _eval_data(args: argparse.Namespace) -> DataConfig:
                       num_examples=args.num_examples or 200)
 
 
-def _cmd_eval(args: argparse.Namespace) -> None:
-    configure_threads(args.threads, EVAL_REWARD_WORKERS)
-    kv_fp8_train(args.recipe, args.kv_fp8)  # a recipe that rolls out in BF16 has no FP8 cache: say so first
+def _check_greedy_n(args: argparse.Namespace) -> None:
     if args.temperature == 0 and args.n > 1:
         raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
                          "for --n > 1")
+
+
+def _cmd_eval(args: argparse.Namespace) -> None:
+    configure_threads(args.threads, EVAL_REWARD_WORKERS)
+    kv_fp8_train(args.recipe, args.kv_fp8)  # a recipe that rolls out in BF16 has no FP8 cache: say so first
+    _check_greedy_n(args)
     if args.k and max(args.k) > args.n:
         raise UsageError(f"pass@{max(args.k)} needs --n >= {max(args.k)} samples per prompt (now {args.n})")
     if args.output:
@@ -244,9 +248,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
 def _cmd_generate(args: argparse.Namespace) -> None:
     configure_threads(args.threads)
     prompts = read_prompts(args.prompts, resolve_asset(args.file) if args.file else None)
-    if args.temperature == 0 and args.n > 1:
-        raise UsageError("greedy decoding (--temperature 0) gives one completion per prompt; set --temperature > 0 "
-                         "for --n > 1")
+    _check_greedy_n(args)
     folder = model_path(args.model)
     model, tokenizer = load_policy(folder, args.recipe, args.device, args.dtype, args.max_tokens)
     mode = "greedy" if args.temperature == 0 else f"sampled, T={args.temperature}"
