@@ -31,7 +31,7 @@ from jetrl.quant.weight_cache import (_bf16_stackable, _caches_transpose, _group
 class FP8Linear(nn.Linear):
     """``nn.Linear`` with FP8 Fprop/DGrad/WGrad; same parameters, same state-dict keys.
 
-    ``fp8_train`` / ``fp8_rollout`` choose, per side, FP8 or the plain ``F.linear`` on the master weight.
+    ``fp8_train`` / ``fp8_rollout`` choose, per side, FP8 or the plain ``F.linear`` on the weight.
     ``check_finite`` raises on NaN/Inf inputs (a debugging aid: it costs a device sync per call).
     After :meth:`release_weight` (``jet``'s trainer on one process) ``weight`` is a NaN placeholder whose values live
     in the optimizer's fp32 master: read them with :meth:`weight_values` or the state dict.
@@ -175,7 +175,8 @@ class FP8Linear(nn.Linear):
         return [(self, (self,))] + [(cache, cache.modules) for cache in self._group_caches.values()]
 
     def refresh_cached_weights(self) -> None:
-        """Re-quantize the weights this layer held (its own, its groups'), into the same buffers."""
+        """Re-quantize W of each FP8 weight this layer holds (its own, its groups'), into the same buffers; a W^T
+        held is dropped (the next forward with grad that caches one makes it again)."""
         for holder, members in self._holders():
             if holder._qweight is not None:
                 _stacked_weights(holder, members, with_transpose=False)
@@ -326,7 +327,7 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
             return None
         weights = [m.quantized_weight() for m in modules]
         out = backend.grouped_gemm_exact(x_fp8, weights, out_dtype=x.dtype)
-        if out is None or modules[0].bias is None:
+        if out is None or all(m.bias is None for m in modules):
             return out
         return torch.cat([y + m.bias.to(y.dtype) if m.bias is not None else y  # each bias as FP8Linear adds it
                           for m, y in zip(modules, out.split([m.out_features for m in modules], dim=1))], dim=1)
@@ -355,7 +356,7 @@ def _bf16_grouped(modules: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tens
     from jetrl.quant.kernels.tuning import DECODE_GEMM_MAX_M  # CPU-only; kernels import lazily (test_layering.py)
 
     # on a GPU one GEMM instead of two or three saves their launch latency; on the CPU the layers' own GEMMs keep
-    # a row's result independent of the rows beside it (bf16's bitwise on-policy check, tests/rl/test_trainer.py)
+    # a row's result independent of the rows beside it (the CPU on-policy check, tests/rl/test_trainer.py)
     if (not x.is_cuda or torch.is_grad_enabled() or x.shape[0] > DECODE_GEMM_MAX_M
             or not _bf16_stackable(modules, x)):
         return None

@@ -15,7 +15,8 @@ step, and jetrl runs all three in E4M3 with fp32 block scales:
   token rows up to a multiple of 128 (``whole_blocks``), so the contraction runs over whole blocks, which the
   fast blockwise GEMM needs, at any token count (zeros add nothing to dW).
 
-Gradients flow between ops in BF16; the master weight stays BF16 (its gradient is in its dtype).
+Gradients flow between ops in BF16; the weight parameter keeps its dtype (BF16; the fp32 master copy is the
+optimizer's, :class:`jetrl.train.optim.MasterWeightAdamW`) and its gradient is in that dtype.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ class BlockManager:
         alone.
 
         Allocates a fresh block at a block boundary; copies a shared partial block (returns the
-        ``(src, dst)`` pair the engine must copy before the write); otherwise does nothing.
+        ``(src, dst)`` pair the model runner copies before the write); otherwise does nothing.
         """
         pos = seq.num_computed_tokens if position is None else position
         index = pos // self.block_size

@@ -14,8 +14,9 @@ throughput, preemptions, the KV pool (``num_blocks``, ``kv_capacity_tokens``, ``
 an FP8 cache holds about twice the tokens of a BF16 one in the same memory, so it preempts less), prefill/decode
 time, the host time not spent waiting for the device (scheduling, input packing, launches: overlapped with the
 device's work when scheduling asynchronously, its idle time between steps when not), and the decode-step CUDA
-graphs captured during the call (``graph_captures``, ``graph_capture_seconds``: nonzero on the first call, and on
-every call whose weights moved to new storage since the last one, as a sharded model's gathered weights do).
+graphs captured during the call (``graph_captures``, ``graph_capture_seconds``: nonzero on the first call, on a call
+whose decode batch first needs a size not captured yet, and on every call whose weights moved to new storage since
+the last one, as a sharded model's gathered weights do).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class RolloutEngine:
     Args:
         model: a jetrl decoder with ``forward_paged`` and ``config`` (see :mod:`jetrl.models`). Its precision
             recipe decides what the rollout side runs (``jet``/``fp8-rollout``: FP8 linears).
-        tokenizer: needed only for stop strings (anything with ``decode(list[int]) -> str``).
+        tokenizer: needed only for stop strings (anything with ``decode(list[int]) -> str``); where the config
+            names no end-of-sequence ids, its ``eos_token_id`` stops samples.
         memory_budget: KV-cache size: a fraction (0, 1] of the free GPU memory, or bytes (> 1). On CPU,
             bytes (default 256 MiB). The pool never exceeds what ``max_num_seqs`` full-length sequences need.
         block_size: tokens per KV block.
@@ -65,8 +67,9 @@ class RolloutEngine:
             :mod:`jetrl.models.attention`): about twice the tokens in the same memory. The trainer's forward
             sees the same values with ``forward_packed(..., kv_fp8=True)`` (the ``jet`` recipe; with ``exact``
             the log-probabilities stay bitwise equal); without it (``fp8-rollout``) it is a rollout-only cache.
-            Any model and dtype takes it (attention dequantizes to the model's dtype); only the run config
-            refuses it under ``bf16``, whose rollout must stay the BF16 reference.
+            Any model and dtype takes it (attention dequantizes to the model's dtype); only the run config and
+            ``jetrl eval`` (:func:`~jetrl.quant.recipe.kv_fp8_train`) refuse it under ``bf16``, whose rollout must
+            stay the BF16 reference.
         decode_steps: decode steps the device runs back to back per host iteration (a decode run, see
             :mod:`jetrl.rollout.scheduler`): the host schedules, launches and reads back once per run, so its
             per-step work (which grows with the batch) no longer bounds small models' decoding. A sample that
@@ -243,7 +246,7 @@ class RolloutEngine:
         return clean, per_prompt
 
     def _stop_string_hit(self, seq: Sequence) -> bool:
-        """Whether a stop string ends the decoded tail of ``seq``'s output (decoding only a short tail)."""
+        """Whether a stop string occurs in the decoded tail of ``seq``'s output (decoding only a short tail)."""
         longest = max(len(s) for s in seq.params.stop)
         tail = seq.output_ids[-(4 * longest + 4):]
         text = self.tokenizer.decode(tail)

@@ -18,10 +18,11 @@ step computes logits only at the rows that sample (the last row of a chunk that 
 **CUDA graphs.** On CUDA the decode step (one token per sequence) runs as a CUDA graph per batch size of a
 candidate set; a batch is padded to the next candidate with rows that write into a scratch block no sequence
 owns (the pool's last block). A size is captured the first time a step needs it. Besides ``free_cache``, the
-graphs are dropped and captured again only when what they depend on changes: a parameter, or a cached FP8
-weight or its scale, moves to new storage; the recipe swaps the linear layers for new modules; or the kernel
-tuning in force changes (:func:`jetrl.models.cuda_graphs.storage_key`, shared with the update's graphs, as is
-the capture itself: :func:`~jetrl.models.cuda_graphs.capture`, after one eager warm-up). A new weight version is
+graphs are dropped and captured again only when what they depend on changes: a parameter, a cached FP8 weight
+or its scale, or a stacked BF16 weight (:func:`jetrl.quant.bf16_stacks`) moves to new storage; the recipe swaps
+the linear layers for new modules; or the kernel tuning in force changes
+(:func:`jetrl.models.cuda_graphs.storage_key`, shared with the update's graphs, as is the capture itself:
+:func:`~jetrl.models.cuda_graphs.capture`, after one eager warm-up). A new weight version is
 re-quantized into the same FP8 buffers, so graphs survive optimizer steps in ``jet``, but a sharded model's
 weights, gathered for each rollout, move every step. The first capture of a set of graphs first compiles the
 GEMM kernels that compile at first use (DeepGEMM's, under ``gemm="deepgemm"``) for every candidate size at once.
@@ -66,8 +67,8 @@ class LaunchedStep:
     inputs among them."""
 
     sampled: list[Sequence] = dataclasses.field(default_factory=list)
-    tokens: torch.Tensor | None = None  # (rows,) on the device
-    host: torch.Tensor | None = None  # (2, rows) float64: tokens and log-probs, pinned on CUDA
+    tokens: torch.Tensor | None = None  # (rows,) on the device: a decode run's last step's
+    host: torch.Tensor | None = None  # (2, steps, rows) float64: tokens and log-probs, pinned on CUDA
     done: torch.cuda.Event | None = None
     wait_seconds: float = 0.0
 
@@ -247,8 +248,8 @@ class ModelRunner:
 
     def _weights_key(self) -> tuple:
         """What the captured CUDA graphs depend on (:func:`~jetrl.models.cuda_graphs.storage_key`): the kernel
-        tuning, the parameters and the rollout side's FP8 weights without their W^T copies (a grouped layer's are
-        its group's stacked weight, so no per-layer copy is made)."""
+        tuning, the parameters, the rollout side's FP8 weights without their W^T copies (a grouped layer's are
+        its group's stacked weight, so no per-layer copy is made) and the stacked BF16 weights."""
         with precision_side("rollout"):
             return storage_key(self.model, grads=False, transposes=False)
 

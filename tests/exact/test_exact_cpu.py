@@ -355,19 +355,21 @@ def test_engine_rejects_exact_under_fp8_rollout():
         RolloutEngine(model, num_blocks=8, block_size=4, progress=False, exact=True)
 
 
-@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("bias", [(True, True, True), (False, False, False), (False, True, True)])
 def test_linears_sharing_an_input_group_to_their_own_exact_bits(bias):
     """q/k/v (and gate/up) in exact mode: a no-grad step hands the shared FP8 input to the backend's
     ``grouped_gemm_exact``; each layer's slice, bias added as FP8Linear adds it, is bitwise that layer's own exact
-    forward (the reference backend groups by concatenation, the CUDA one in one decode-kernel launch)."""
+    forward (the reference backend groups by concatenation, the CUDA one in one decode-kernel launch); members
+    with and without a bias (q without, k and v with) keep each its own."""
     from jetrl.quant import FP8Linear, call_linear, linears_shared_input
 
-    g = torch.Generator().manual_seed(7)
-    mods = [FP8Linear(256, n, bias=bias, dtype=torch.bfloat16) for n in (256, 128, 128)]
+    g = torch.Generator()
+    g.seed()  # fresh inputs on every run
+    mods = [FP8Linear(256, n, bias=b, dtype=torch.bfloat16) for n, b in zip((256, 128, 128), bias)]
     for m in mods:
         with torch.no_grad():
             m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.05)
-            if bias:
+            if m.bias is not None:
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g))
     x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
     x_fp8 = quantize_tensor(x, ACT)
