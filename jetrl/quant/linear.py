@@ -303,9 +303,9 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
 
     * Fast mode, :func:`groupable` layers: one stacked FP8 linear (:func:`fp8_linear_group`: one GEMM each way,
       grad_out quantized once, the saved input re-quantized once; gradients split back to each layer), from the
-      group's stacked FP8 weight (:func:`_stacked_weights`), with or without grad. A decode-sized no-grad input with
-      ``x_fp8`` goes to the backend's ``grouped_gemm`` (the CUDA backend's one decode launch) over each member's
-      rows of that weight.
+      group's stacked FP8 weight (:func:`_stacked_weights`), with or without grad. A no-grad input with ``x_fp8``
+      goes first to the backend's ``grouped_gemm`` over each member's rows of that weight (the CUDA backend takes
+      decode-sized inputs, in one launch, and declines the rest; the reference backend takes every size).
     * Plain ``nn.Linear`` layers (BF16), a decode-sized CUDA input (at most ``DECODE_GEMM_MAX_M`` rows) without grad:
       one GEMM over their stacked weight and bias (:class:`~jetrl.quant.weight_cache._Bf16Stack`, a copy made once
       per weight version); other inputs run the layers one by one (a prefill or a training forward, where one GEMM
