@@ -175,11 +175,11 @@ class FP8Linear(nn.Linear):
         return [(self, (self,))] + [(cache, cache.modules) for cache in self._group_caches.values()]
 
     def refresh_cached_weights(self) -> None:
-        """Re-quantize W of each FP8 weight this layer holds (its own, its groups'), into the same buffers; a W^T
-        held is dropped (the next forward with grad that caches one makes it again)."""
+        """Re-quantize each FP8 weight this layer holds (its own, its groups'), and the W^T held beside it, into the
+        same buffers: the update's CUDA graphs, keyed on those storages, survive the refresh."""
         for holder, members in self._holders():
             if holder._qweight is not None:
-                _stacked_weights(holder, members, with_transpose=False)
+                _stacked_weights(holder, members, with_transpose=holder._qweight_t is not None)
 
     def forward_gemm_weights(self) -> list[GemmWeight]:
         """The FP8 weights this layer's forwards have multiplied so far: its own W where it ran alone, and the

@@ -165,6 +165,43 @@ def test_without_a_cached_transpose_the_gradients_are_the_same_bits(grouped):
         assert torch.equal(with_cache, without)
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_an_eager_refresh_keeps_a_cached_transpose_in_its_buffers(grouped):
+    """With ``cache_weight_t`` on, the refresh after an update (``refresh_fp8_weights(eager=True)``, what the trainer
+    runs) re-quantizes W^T with W into the same buffers: the update's CUDA graphs, keyed on those storages
+    (``storage_key(transposes=True)``), are not captured again every step; the next backward reads the new
+    weight's W^T, bitwise a fresh run's gradients."""
+    from jetrl.models.cuda_graphs import storage_key
+    from jetrl.quant.kernels import tuning
+
+    def step(layers, x):
+        out = grouped_linear(layers, x) if grouped else torch.cat([layer(x) for layer in layers], dim=1)
+        (out * torch.linspace(-1, 1, out.shape[1])).sum().backward()
+        return [x.grad] + [p.grad for layer in layers for p in (layer.weight, layer.bias)]
+
+    seed = int(torch.randint(0, 2**31, ()))  # fresh inputs per run
+    x = torch.randn(77, 256, generator=torch.Generator().manual_seed(seed))
+    layers = _layers((256, 128), bias=True, seed=seed)
+    model = torch.nn.ModuleList(layers)
+    with tuning.override(cache_weight_t=True):
+        step(layers, x.clone().requires_grad_())
+        key = storage_key(model, grads=False, transposes=True)
+        with torch.no_grad():
+            for layer in layers:
+                layer.weight.add_(torch.randn_like(layer.weight) * 0.01)
+            model.zero_grad()
+        refresh_fp8_weights(model, eager=True)
+        assert storage_key(model, grads=False, transposes=True) == key
+        grads = step(layers, x.clone().requires_grad_())
+        fresh = _layers((256, 128), bias=True, seed=seed)
+        with torch.no_grad():
+            for new, old in zip(fresh, layers):
+                new.weight.copy_(old.weight)
+        expected = step(fresh, x.clone().requires_grad_())
+    for got, want in zip(grads, expected):
+        assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
 def test_current_fp8_tensors_refreshes_in_place_and_copies_nothing_new():
     """What the rollout's CUDA graphs are keyed on: the FP8 weights the layers hold, brought to the current weight
     version in their own buffers. A grouped member holds no copy of its own (its rows live in the group's stacked
