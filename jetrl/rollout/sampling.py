@@ -248,7 +248,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None, 
             uniform = seeded_uniform(batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position,
                                      logits.shape[-1])
         if batch.any_unseeded_random:
-            noise = torch.rand_like(scores).clamp_(min=2.0 ** -25, max=1.0 - 2.0 ** -25)
+            noise = torch.rand_like(scores).clamp_(min=2.0 ** -25, max=1.0 - 2.0 ** -24)  # float32 below 1
             uniform = noise if uniform is None else torch.where(batch.is_seeded[:, None], uniform, noise)
         gumbel = -torch.log(-torch.log(uniform))
         tokens = torch.where(greedy, logits.argmax(dim=-1), (scores + gumbel).argmax(dim=-1))
