@@ -70,9 +70,10 @@ class RunDataSpec(DataSpec, Protocol):
 def check_run_prompts(spec: RunDataSpec, seed: int, tokenizer: Any, num_eval: int = 0) -> int:
     """Read and check a run's prompts before its model loads, as the RL loop will use them: enough for one step,
     a reward that resolves, and every prompt tokenized within ``max_prompt_tokens`` (the loop meets a prompt only
-    when a batch draws it); with ``num_eval`` held-out problems from ``eval_path``, that file's rows too. Returns
-    ``num_eval``, or the held-out file's row count where that is smaller (with a warning), so that the accuracy
-    is reported over the problems actually evaluated."""
+    when a batch draws it); with ``num_eval`` held-out problems from ``eval_path``, that file's first ``num_eval``
+    rows are read too (columns and values; not their token counts). Returns ``num_eval``, or the held-out file's
+    row count where that is smaller (with a warning), so that the accuracy is reported over the problems actually
+    evaluated."""
     dataset = build_prompt_dataset(spec, seed=seed)
     if len(dataset) < spec.prompts_per_step:
         raise ValueError(f"data.prompts_per_step ({spec.prompts_per_step}) is larger than the dataset "

@@ -5,14 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from jetrl.data.sources import read_jsonl, read_text
+from jetrl.data.sources import read_jsonl, read_text, table_kind
 
 
 def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
     """Prompts from the arguments, then from ``file`` (UTF-8; one per line, where the two characters ``\\n``
-    stand for a line break; JSONL lines take their "prompt"). A missing file, bytes that are not UTF-8, a
-    JSONL line that is not an object or has no "prompt", or no prompt at all is an error naming the file and
-    the line."""
+    stand for a line break; the lines of a JSONL file, named as a dataset's are (``.jsonl``, ``.json``,
+    ``.ndjson``, any case), take their "prompt"). A missing file, a Parquet file, bytes that are not UTF-8, or a
+    JSONL line that is not an object, has no "prompt" or holds neither text nor a number there is an error
+    naming the file (and the line or row); so is no prompt at all."""
     out = list(prompts)
     if file:
         path = Path(file)
@@ -22,8 +23,16 @@ def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
         if path.is_dir():
             raise ValueError(f"prompt file {file} is a folder; give a text file with one prompt per line, or JSONL "
                              f"with 'prompt'")
-        if path.suffix == ".jsonl":
-            out += [str(row["prompt"]) for row in read_jsonl(path, required=("prompt",))]
+        kind = table_kind(path)
+        if kind == "parquet":
+            raise ValueError(f"prompt file {file} is Parquet; give a text file with one prompt per line, or JSONL "
+                             f"with 'prompt'")
+        if kind == "jsonl":
+            for i, row in enumerate(read_jsonl(path, required=("prompt",)), start=1):
+                if not isinstance(row["prompt"], (str, int, float)):  # as a dataset's prompt column
+                    raise ValueError(f"prompt file {file}: row {i}'s 'prompt' is a {type(row['prompt']).__name__}, "
+                                     f"not text")
+                out.append(str(row["prompt"]))
         else:
             out += [line.replace("\\n", "\n") for line in read_text(path).splitlines() if line.strip()]
     if not out:

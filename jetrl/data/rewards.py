@@ -125,7 +125,7 @@ def _import_callable(spec: str) -> Callable:
 
 def resolve_reward(spec: str | RewardFn) -> RewardFn:
     """A reward function from a built-in name (``"gsm8k"``, ``"math"``, ``"arithmetic"``,
-    ``"countdown"``), a dotted path (``"mypkg.rewards:score"`` or ``"mypkg.rewards.score"``), or a
+    ``"countdown"``, ``"chain"``), a dotted path (``"mypkg.rewards:score"`` or ``"mypkg.rewards.score"``), or a
     callable (returned as is)."""
     if callable(spec):
         return spec

@@ -9,6 +9,11 @@ from typing import Any
 _SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 
 
+def table_kind(path: str | Path) -> str | None:
+    """"jsonl" or "parquet", as the file's name tells (its suffix, any case); None for another name."""
+    return _SUFFIXES.get(Path(path).suffix.lower())
+
+
 def read_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     """All rows of a JSONL or Parquet file (told apart by the file name) as dicts, plus the column names (in
     first-seen order)."""
@@ -17,7 +22,7 @@ def read_rows(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
         raise FileNotFoundError(f"dataset file not found: {str(path)!r} (resolved to {str(path.resolve())!r})")
     if path.is_dir():
         raise ValueError(f"dataset path {str(path)!r} is a folder; give the .jsonl or .parquet file inside it")
-    kind = _SUFFIXES.get(path.suffix.lower())
+    kind = table_kind(path)
     if kind is None:
         raise ValueError(f"cannot tell the format of {str(path)!r} from its suffix {path.suffix!r}; name it .jsonl "
                          "or .parquet")

@@ -3,8 +3,8 @@
 When the tokenizer carries a chat template (instruction-tuned checkpoints), the prompt becomes a user turn
 (after an optional system turn) rendered by ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``,
 so the model is prompted the way it was trained. Otherwise (base checkpoints, the embedded character-level
-model) a plain ``str.format`` template is used. The instruction wrapper (``"{prompt}\\nPut the final answer
-after ####."``) applies in both cases.
+model) the plain template ``plain_template`` is filled in. The instruction wrapper (``"{prompt}\\nPut the final
+answer after ####."``) applies to a text prompt in both cases; a prompt given as chat turns keeps its turns.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def prompt_messages(prompt: Prompt, config: TemplateConfig) -> list[dict[str, st
 
 
 def render_prompt(prompt: Prompt, tokenizer: Any = None, config: TemplateConfig | None = None) -> str:
-    """The text fed to the policy for ``prompt`` (tokenize it without adding special tokens again
-    when a chat template was used: the template already contains them)."""
+    """The text fed to the policy for ``prompt`` (tokenize it with :func:`encode_prompt`, which adds no second
+    BOS where a chat template already wrote one)."""
     config = config or TemplateConfig()
     if config.chat == "always" or (config.chat == "auto" and has_chat_template(tokenizer)):
         if not has_chat_template(tokenizer):

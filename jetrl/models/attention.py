@@ -13,10 +13,11 @@ Two paths read the same projections of the same weights:
   (:func:`jetrl.quant.kernels.paged_attention_triton.paged_decode`) where the seam
   (:func:`jetrl.quant.backend.choose_impl`) picks the kernels: CUDA tensors under the CUDA backend.
 
-Softmax always runs in fp32 inside SDPA (for BF16 inputs the kernels accumulate in fp32). Every SDPA call on CUDA
-runs inside :func:`sdpa_backends`, which leaves out the cuDNN backend: it builds (and caches) a cuDNN graph for every
-new sequence length, and packed RL and SFT batches bring new lengths at every step. The context is entered once per
-attention call (not per sequence): entering it costs host time.
+Softmax runs in fp32 or wider inside SDPA (for BF16 inputs the kernels accumulate in fp32; on the CPU the reference
+computes in float64, :func:`reference_dtype`). Every SDPA call on CUDA runs inside :func:`sdpa_backends`, which leaves
+out the cuDNN backend: it builds (and caches) a cuDNN graph for every new sequence length, and packed RL and SFT
+batches bring new lengths at every step. The context is entered once per attention call (not per sequence): entering
+it costs host time.
 
 **Exact mode** (:mod:`jetrl.quant.exact`) replaces all three (prefill, paged decode, the packed training forward)
 by ONE function, :func:`exact_attention`: each query row walks the keys of its sequence in fixed chunks of
@@ -27,8 +28,8 @@ decode step, a prefill chunk, after a preemption, or in the trainer's packed bat
 must agree: the packed path's backward is the fast one (SDPA's, recomputed).
 
 **FP8 KV cache** (the run config's ``kv_fp8``): the paged cache stores K (after RoPE) and V as E4M3 with one
-power-of-two fp32 scale per token per KV head (:func:`quantize_kv`: from the block's own amax when the token is
-written, no calibration), so a token costs ``head_dim + 4`` bytes per KV head and K or V instead of
+power-of-two fp32 scale per token per KV head (:func:`quantize_kv`: from that row's own amax over head_dim when
+the token is written, no calibration), so a token costs ``head_dim + 4`` bytes per KV head and K or V instead of
 ``2 * head_dim``. Attention attends over ``dequantize_kv(data, scale, q.dtype)``, values that are exact in bf16 and
 fp32 (:func:`dequantize_kv` says why), which lets each kernel read the cache its own way: exact mode's kernel
 dequantizes each chunk in registers (bitwise the same kernel over the dequantized cache), the decode kernel feeds

@@ -168,7 +168,7 @@ def load_weights(model: DecoderLM, folder: str) -> None:
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                recipe: str | object = "bf16", strict: bool = True) -> DecoderLM:
-    """Load a HF Llama/Qwen2/Qwen3 checkpoint (local folder or hub id) and apply a precision recipe.
+    """Load a HF Llama/Qwen2/Qwen3 checkpoint (local folder, ``.gguf`` file or hub id) and apply a precision recipe.
 
     BF16/fp32 and block-FP8 checkpoints are accepted; ``dtype`` is the master-weight dtype. ``strict``
     rejects unknown config fields. The returned model remembers ``source_path`` (tokenizer files are

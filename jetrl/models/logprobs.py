@@ -8,8 +8,8 @@ The LM head runs on ``chunk_size`` rows at a time, inside one autograd function
 (N, hidden) input; backward recomputes each chunk's logits, turns them into d(loss)/d(logits) in place
 and feeds them to the two GEMMs of the head's backward (d hidden, d weight accumulated over chunks).
 No tensor larger than ``chunk_size x vocab`` is created, forward or backward, unless the logits are kept
-for the backward (``keep_logits_bytes``: the default on CUDA when they fit in ``KEEP_LOGITS_BYTES``), which
-saves recomputing them: one of the head's four GEMMs.
+for the backward (``keep_logits_bytes``: the default on the kernels' path when they fit in
+``KEEP_LOGITS_BYTES``), which saves recomputing them: one of the head's four GEMMs.
 
 The per-chunk statistics and logit gradients have two implementations, picked by the seam
 (:func:`jetrl.quant.backend.choose_impl`): one Triton kernel each way (:mod:`jetrl.quant.kernels.logprobs_triton`,
@@ -242,8 +242,8 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
     ``KEEP_LOGITS_BYTES`` on the kernels' path, 0 on the PyTorch path).
     ``exact``: exact mode (see the module docstring): bitwise the rollout sampler's log-probabilities of the
     same rows; ``model`` must have ``compute_logits(hidden, exact=True)`` (a jetrl decoder).
-    ``check_targets``: check on the device that targets are inside the vocabulary (a host sync); a caller that
-    checked its ids on the host passes False.
+    ``check_targets``: on the kernels' path with a plain head, check that targets are below the vocabulary size
+    (a host sync; the kernels would read past a row); a caller that checked its ids on the host passes False.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be (N, hidden) and targets (N,), got {tuple(hidden.shape)} and "

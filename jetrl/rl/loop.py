@@ -5,8 +5,9 @@ before the model is loaded. With ``trainer.resume`` the run continues from the l
 checkpoint in ``trainer.output_dir``: model, optimizer, scheduler, RNG states, data position and the
 metrics log (truncated to the checkpoint's cursor) are restored, so a run killed at any moment loses
 only the steps since its last checkpoint and then reproduces them. Which checkpoints are written (checked
-against the free disk space first: ``trainer.on_disk_full``), kept (``trainer.weights_only``) and resumed from (a
-damaged one is skipped) is the training stage's checkpoint policy (:mod:`jetrl.train.policy`); this module runs it.
+against the free disk space first: ``trainer.on_disk_full``), kept (``trainer.keep_last``), which hold the policy
+alone (``trainer.weights_only``) and which one is resumed from (a damaged one is skipped) is the training stage's
+checkpoint policy (:mod:`jetrl.train.policy`); this module runs it.
 
 A sample whose reward fails scores 0.0 and is counted; too many failures in a step stop the run (the ``reward``
 section, :class:`~jetrl.config.schema.RewardLimitsConfig`; :class:`~jetrl.data.reward_pool.RewardFailureGuard`).

@@ -44,7 +44,7 @@ ENGINE_STATS = (("preemptions", "rollout/preemptions"),
 def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     """Rewards (``(P, n)``), response lengths and truncation, and advantages of one rollout batch.
 
-    ``reward/accuracy`` counts rewards >= 1; ``reward/zero_variance_*`` the prompts whose samples all got
+    ``reward/accuracy`` is the share of rewards >= 1; ``reward/zero_variance_*`` the prompts whose samples all got
     the same reward (no signal under a group baseline); ``reward/errors`` and ``reward/timeouts`` the samples
     whose reward failed (scored 0)."""
     rewards = batch.rewards

@@ -37,7 +37,8 @@ from jetrl.rl.losses import aggregate, kl_penalty, masked_mean, policy_loss, tru
 
 # padded token rows are cut into sequences of at most this many rows (their attention costs len^2)
 PAD_SEQUENCE = 128
-# the metrics of :func:`policy_loss` a micro-batch reports (each weighted by its tokens by the caller)
+# the metrics of :func:`policy_loss` a micro-batch reports (the caller weights the means by the micro-batch's tokens,
+# sums pg_loss and takes the extremes of ratio_max/ratio_min)
 ACTOR_KEYS = ("num_tokens", "pg_loss", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "approx_kl",
               "ratio_max", "ratio_min")
 
@@ -71,9 +72,10 @@ def round_up(n: int, minimum: int) -> int:
 
 def bucket_shape(tokens: int, scored: int, sequences: int, width: int, longest: int) -> MicroBatchShape:
     """The padded shape a micro-batch of these sizes runs at under CUDA graphs, coarse enough that a run meets
-    few of them: tokens rounded up (:func:`round_up`, whole 128-row blocks), scored rows to an eighth of that,
-    sequences to a multiple of 32, the longest sequence to a power of two; room in the offsets for the padded
-    rows' sequences (every micro-batch of a bucket pads fewer rows than the bucket's rounding quantum)."""
+    few of them: tokens rounded up (:func:`round_up`, whole 128-row blocks), scored rows to a multiple of an eighth
+    of that (at least 16), sequences to a multiple of 32, the longest sequence to a power of two (at least
+    ``PAD_SEQUENCE``); room in the offsets for the padded rows' sequences (every micro-batch of a bucket pads fewer
+    rows than the bucket's rounding quantum)."""
     padded_tokens = round_up(tokens, 128)
     room = -(-_quantum(padded_tokens, 128) // PAD_SEQUENCE)
     step = max(16, padded_tokens // 8)

@@ -111,7 +111,8 @@ class Trainer:
     """Owns the policy's optimizer state and runs RL steps (see the module doc).
 
     Args:
-        config: the run config (``algorithm``, ``rollout``, ``optim`` and ``trainer.seed`` are read).
+        config: the run config (``algorithm``, ``rollout``, ``optim``, ``data.prompts_per_step``, ``exact``,
+            ``recipe``/``kv_fp8``, ``trainer.seed`` and ``trainer.steps`` (the LR schedule's length) are read).
         model: the policy (a jetrl decoder with ``forward_packed``), already in its precision recipe.
         engine: a :class:`jetrl.rollout.RolloutEngine` over the same ``model``.
         prompts: a :class:`PromptSource` giving ``config.data.prompts_per_step`` prompts per call.
@@ -135,7 +136,7 @@ class Trainer:
         self.decode = decode
         self.device = next(model.parameters()).device
         self.parallel = parallel if parallel is not None else ParallelContext(device=self.device)
-        self.update_logprobs: torch.Tensor | None = None  # set by update() when it makes the old log-probs
+        self.update_logprobs: torch.Tensor | None = None  # set by update() when it records its own log-probs
         self.update_logprob_mask: torch.Tensor | None = None  # the tokens update() recorded them for
         alg, opt = config.algorithm, config.optim
         world = self.parallel.world_size

@@ -14,8 +14,8 @@ running them and never waits for the GPU, so it overlaps the previous micro-batc
 would leave the GPU idle between host-bound launches; only if that capture fails does the micro-batch warm up
 eagerly and capture again (and every later new shape warms up eagerly too). Later micro-batches of a shape copy
 their inputs into the shape's static buffers and replay. All graphs share one memory pool, so the largest shape's
-activations are held once, not once per shape. ``capture_seconds`` sums the host time new shapes took (the
-step's ``update/graph_capture_seconds``).
+activations are held once, not once per shape. ``capture_seconds`` sums the host time new shapes took over the run
+(the step's ``update/graph_capture_seconds``).
 
 What a replay relies on staying put is checked before each one (:func:`~jetrl.models.cuda_graphs.storage_key`
 with gradients and W^T copies); any change drops every graph, and the next micro-batches capture again. The

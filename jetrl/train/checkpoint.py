@@ -120,7 +120,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
         save_model: ``save_model(folder)`` writes the model itself (e.g. a HuggingFace checkpoint).
         optimizer, scheduler: objects with ``state_dict()``.
         trainer_state: JSON-serialisable run state (data position, metrics cursor, counters...).
-        keep_last: delete older complete checkpoints beyond the newest ``keep_last``.
+        keep_last: delete every checkpoint folder older than the newest ``keep_last`` complete ones
+            (:func:`prune_checkpoints`).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)

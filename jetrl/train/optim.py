@@ -13,7 +13,8 @@ each step; fp32 parameters are optimised in place. Memory per BF16 parameter: 2 
 and applies the step only if the loss and the gradient norm are finite. A non-finite step is skipped (no
 parameter, moment or LR-schedule change), counted, and after more than ``max_consecutive_nonfinite`` skips
 in a row the run stops with :class:`NonFiniteError`. After every applied step the FP8 weights are refreshed
-(:func:`jetrl.quant.refresh_fp8_weights`) so that the next rollout quantizes the new weights.
+(:func:`jetrl.quant.refresh_fp8_weights`) so that the next forward (the next mini-batch's or the rollout's)
+quantizes the new weights.
 """
 
 from __future__ import annotations

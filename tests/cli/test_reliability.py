@@ -64,6 +64,14 @@ def test_prompt_files_keep_non_ascii_text(tmp_path):
         read_prompts([], str(rows))
     rows.write_text('{"prompt": "é"}\n\n{"prompt": 2}\n', encoding="utf-8")
     assert read_prompts(["a"], str(rows)) == ["a", "é", "2"]
+    for suffix in (".ndjson", ".JSONL"):  # named as a dataset file may be: rows, not raw lines
+        other = rows.with_suffix(suffix)
+        other.write_text('{"prompt": "What is 2+2?"}\n', encoding="utf-8")
+        assert read_prompts([], str(other)) == ["What is 2+2?"]
+    for bad in ("null", '["a", "b"]'):
+        rows.write_text(f'{{"prompt": "ok"}}\n{{"prompt": {bad}}}\n', encoding="utf-8")
+        with pytest.raises(ValueError, match=r"p.jsonl: row 2's 'prompt' is a (NoneType|list), not text"):
+            read_prompts([], str(rows))
 
 
 def test_malformed_config_and_output_folder_under_a_file(capsys, tmp_path, monkeypatch):
