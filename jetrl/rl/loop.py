@@ -251,6 +251,8 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     cursor = None
     if config.trainer.resume:
         state = resume_trainer(trainer, ckpt_root, allow_pickle=config.trainer.allow_pickle)
+        if state is None and require_checkpoint:  # the quick check passed, the checksums did not
+            raise FileNotFoundError(f"nothing to resume: no checkpoint in {ckpt_root} matches its recorded SHA-256s")
         cursor = state.get("metrics_cursor") if state else None
     logger = MetricsLogger(out, tensorboard=config.trainer.tensorboard, resume_cursor=cursor) \
         if parallel.is_main else None

@@ -20,7 +20,7 @@ from jetrl.config.schema import ON_DISK_FULL
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, is_sharded, load_sharded, save_sharded
 from jetrl.train.checkpoint import (
     CHECKPOINT_SUBDIR, checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint,
-    remove_stale_temporaries, save_checkpoint,
+    remove_stale_temporaries, save_checkpoint, verify_checkpoint,
 )
 from jetrl.train.optim import MasterWeightAdamW
 
@@ -217,12 +217,16 @@ def resume_trainer(trainer: TrainerLike, root: str | Path, allow_pickle: bool = 
 
 
 def check_resumable(ckpt_root: str | Path, require_checkpoint: bool, warn: bool = True) -> bool:
-    """For a run that resumes: whether ``ckpt_root`` holds a checkpoint. Nothing there is a FileNotFoundError with
-    ``require_checkpoint``, else (with ``warn``: rank 0) a warning that the run starts from step 0."""
-    if list_checkpoints(ckpt_root):
+    """For a run that resumes: whether ``ckpt_root`` holds a complete checkpoint (its marker and files of their
+    recorded sizes: a quick check; :func:`resume_trainer` checks the SHA-256s). None there is a FileNotFoundError
+    with ``require_checkpoint``, else (with ``warn``: rank 0) a warning that the run starts from step 0."""
+    found = list_checkpoints(ckpt_root)
+    if any(verify_checkpoint(path, checksums=False) is None for _, path in found):
         return True
     if require_checkpoint:
-        raise FileNotFoundError(f"nothing to resume: {ckpt_root} holds no checkpoint")
+        raise FileNotFoundError(f"nothing to resume: {ckpt_root} holds no checkpoint" if not found else
+                                f"nothing to resume: every checkpoint in {ckpt_root} is incomplete or damaged "
+                                f"({', '.join(path.name for _, path in found)})")
     if warn:
         warnings.warn(f"nothing to resume in {ckpt_root}; starting from step 0", RuntimeWarning, stacklevel=3)
     return False

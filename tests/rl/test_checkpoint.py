@@ -263,3 +263,20 @@ def test_custom_model_save_and_errors(tmp_path):
     with pytest.raises(ValueError, match="does not match the model"):
         load_checkpoint(good, model=other)
     assert os.path.isdir(good)
+
+
+@pytest.mark.parametrize("damage", [damage_missing_marker, damage_truncated, damage_missing_file])
+def test_resume_must_refuses_a_folder_of_damaged_checkpoints(tmp_path, damage):
+    """``--resume=must`` needs a checkpoint it can resume from: a folder holding only damaged ones is an error before
+    the model loads (it would otherwise restart at step 0 and empty the metrics log); plain ``--resume`` warns."""
+    from jetrl.train.policy import check_resumable
+
+    model, opt, sched = make_run()
+    bad = save(tmp_path, 3, model, opt, sched)
+    damage(bad)
+    with pytest.raises(FileNotFoundError, match="every checkpoint in .* is incomplete or damaged .*step_00000003"):
+        check_resumable(tmp_path, require_checkpoint=True)
+    with pytest.warns(RuntimeWarning, match="nothing to resume"):
+        assert check_resumable(tmp_path, require_checkpoint=False) is False
+    save(tmp_path, 1, model, opt, sched)
+    assert check_resumable(tmp_path, require_checkpoint=True)
