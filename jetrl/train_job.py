@@ -31,8 +31,9 @@ from jetrl.train.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
 class TrainJobResult:
     """Where a run's outputs went, its summary rows and, with a held-out check, the accuracies.
 
-    ``accuracy_before`` is None when it was not measured (a resumed run, or no check); ``checkpoint`` is
-    the checkpoint whose accuracy is ``accuracy_after``. Both are measured in the run's precision ``recipe``."""
+    ``accuracy_before`` is None when it was not measured (a resumed run, or no check), ``accuracy_after`` when the
+    run left no complete checkpoint (every save skipped for disk space); ``checkpoint`` is the checkpoint whose
+    accuracy is ``accuracy_after``. Both are measured in the run's precision ``recipe``."""
 
     output_dir: Path
     plot: Path
@@ -47,8 +48,9 @@ class TrainJobResult:
         """(name, value) pairs for a summary table: the run's summary, the held-out accuracy, the outputs."""
         rows = list(self.summary)
         if self.num_eval:
-            before, after = self.accuracy_before, self.accuracy_after
-            shown = f"{before:.3f} -> {after:.3f}" if before is not None else f"{after:.3f}"
+            before = f"{self.accuracy_before:.3f}" if self.accuracy_before is not None else None
+            after = f"{self.accuracy_after:.3f}" if self.accuracy_after is not None else "no checkpoint to evaluate"
+            shown = f"{before} -> {after}" if before is not None else after
             rows.insert(1, (f"greedy accuracy ({self.recipe}), {self.num_eval} held-out problems", shown))
         out = self.output_dir
         return rows + [("metrics", str(out / METRICS_FILE)), ("checkpoints", str(out / CHECKPOINT_SUBDIR)),
@@ -94,12 +96,16 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
                                 recipe=config.recipe, num_eval=num_eval)
         if num_eval:
             final = latest_checkpoint(out / CHECKPOINT_SUBDIR)
-            log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems after training ...")
-            after = held_out_accuracy(str(final / "model"), config, num_eval, progress=progress)
+            after = None
+            if final is None:  # every save skipped (trainer.on_disk_full: skip) or damaged
+                log(f"no complete checkpoint in {out / CHECKPOINT_SUBDIR}: no held-out accuracy after training")
+            else:
+                log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems after training ...")
+                after = held_out_accuracy(str(final / "model"), config, num_eval, progress=progress)
             (out / EVAL_FILE).write_text(json.dumps({
                 "seed": None if config.data.eval_path else EVAL_SEED, "file": config.data.eval_path,
                 "num_examples": num_eval, "recipe": config.recipe, "greedy_accuracy_before": before,
-                "greedy_accuracy_after": after, "checkpoint": str(final)}))
+                "greedy_accuracy_after": after, "checkpoint": str(final) if final is not None else None}))
             result.accuracy_before, result.accuracy_after, result.checkpoint = before, after, final
     return result
 

@@ -124,3 +124,19 @@ def test_eval_path_errors_come_before_any_work(tmp_path, monkeypatch, capsys):
     assert main(["train", *data, "--output-dir", "b", *TINY]) != 0
     assert "--eval-examples 0" in capsys.readouterr().err and not (tmp_path / "b").exists()
     assert main(["train", *data, "--eval-examples", "0", "--output-dir", "c", *TINY]) == 0
+
+
+def test_a_run_that_saved_no_checkpoint_reports_no_accuracy_after_it(tmp_path, monkeypatch, capsys):
+    """``trainer.on_disk_full: skip`` on a full disk skips every save: the job still ends with its summary, the
+    accuracy before training and no accuracy after it (was: a TypeError after the whole run)."""
+    import jetrl.train.policy as policy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train_job, "held_out_accuracy", lambda *args, **kwargs: 0.25)
+    monkeypatch.setattr(policy, "_free_bytes", lambda folder: 0)  # a full disk
+    assert main(["train", "--eval-examples", "2", "--trainer.on_disk_full=skip", *TINY]) == 0
+    out = capsys.readouterr()
+    assert "not written; the run goes on" in out.err and "no complete checkpoint" in out.err and "0.250 -> no checkpoint to evaluate" in out.out
+    result = json.loads((tmp_path / "runs/tiny-default/eval.json").read_text())
+    assert result["greedy_accuracy_before"] == 0.25 and result["greedy_accuracy_after"] is None
+    assert result["checkpoint"] is None
