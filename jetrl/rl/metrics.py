@@ -202,8 +202,10 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.jsonl.write({"step": step, **metrics})
         if self.tensorboard is not None:
-            for key, value in _jsonable(dict(metrics)).items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+            for key, value in metrics.items():
+                if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+                    value = value.item()
+                if isinstance(value, (int, float)) and not isinstance(value, bool):  # NaN and inf too: a scalar
                     self.tensorboard.add_scalar(key, value, global_step=step)
             self.tensorboard.flush()
 

@@ -147,6 +147,36 @@ def test_logger_and_tensorboard_fallback(tmp_path):
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.25, "note": "x"}]
 
 
+def test_tensorboard_gets_every_scalar_nan_and_inf_included(tmp_path):
+    """A NaN grad norm (every step skipped) or an infinite mismatch is what a user must see in TensorBoard too: the
+    JSONL log spells them as strings, TensorBoard gets the floats; tensors and numpy scalars as numbers, text and
+    flags left out."""
+    import numpy as np
+
+    calls = []
+
+    class Writer:  # SummaryWriter's two methods the logger calls per step
+        def add_scalar(self, key, value, global_step):
+            calls.append((key, value, global_step))
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    logger = MetricsLogger(tmp_path)
+    logger.tensorboard = Writer()
+    logger.log(3, {"actor/grad_norm": float("nan"), "mismatch/kl_k1": float("inf"), "reward/mean": torch.tensor(0.5),
+                   "time/step": np.float32(2.0), "note": "x", "flag": True, "steps": 7})
+    logger.close()
+    got = {key: value for key, value, step in calls if step == 3}
+    assert sorted(got) == ["actor/grad_norm", "mismatch/kl_k1", "reward/mean", "steps", "time/step"]
+    assert math.isnan(got["actor/grad_norm"]) and got["mismatch/kl_k1"] == float("inf")
+    assert got["reward/mean"] == 0.5 and got["time/step"] == 2.0 and got["steps"] == 7
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["actor/grad_norm"] == "nan"
+
+
 def test_phase_timer():
     t = PhaseTimer("cpu")
     with t.phase("rollout"):
