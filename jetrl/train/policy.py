@@ -187,6 +187,7 @@ def resume_trainer(trainer: TrainerLike, root: str | Path, allow_pickle: bool = 
     path = latest_checkpoint(root, checksums=True)
     if path is None:
         return None
+    configured = _lr_schedule(trainer.scheduler)
     if json.loads((path / "trainer_state.json").read_text()).get("weights_only"):
         raise ValueError(f"{path} holds the policy only (trainer.weights_only), without the optimizer state a "
                          f"resume needs: start a new run from its {MODEL_SUBDIR}/ folder (model.path), or delete it "
@@ -211,9 +212,22 @@ def resume_trainer(trainer: TrainerLike, root: str | Path, allow_pickle: bool = 
                                  checksums=False,  # just verified by latest_checkpoint: one read of the files
                                  allow_pickle=allow_pickle)
     trainer.load_state_dict(loaded.trainer_state)
+    restored = _lr_schedule(trainer.scheduler)
+    changed = [f"{key} {restored[key]} (configured: {configured[key]})" for key in configured
+               if restored.get(key) != configured[key]]
+    if changed:
+        warnings.warn(f"resuming from {path}: its LR schedule goes on, not this run's config: {', '.join(changed)}; "
+                      f"for a new schedule start a new run from its {MODEL_SUBDIR}/ folder (model.path)",
+                      RuntimeWarning, stacklevel=2)
     from jetrl.quant import refresh_fp8_weights
     refresh_fp8_weights(trainer.model)
     return loaded.trainer_state
+
+
+def _lr_schedule(scheduler: Any) -> dict[str, Any]:
+    """What a ``LambdaLR`` of :func:`~jetrl.train.optim.build_lr_scheduler` computes from: its schedule's fields
+    (warm-up, total steps, shape, floor) and base LRs, which its ``state_dict`` carries into a checkpoint."""
+    return {**vars(scheduler.lr_lambdas[0]), "base_lrs": list(scheduler.base_lrs)}
 
 
 def check_resumable(ckpt_root: str | Path, require_checkpoint: bool, warn: bool = True) -> bool:

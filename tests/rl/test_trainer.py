@@ -1,6 +1,7 @@
 """The RL step on a tiny random model and a toy task (CPU): learning, mismatch metrics, resume."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -131,7 +132,9 @@ def test_resume_is_bitwise(tmp_path):
     del first
 
     resumed = make_trainer("bf16")
-    state = resume_trainer(resumed, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the same config: no schedule changed
+        state = resume_trainer(resumed, tmp_path)
     assert state["step"] == 1 and resumed.step_count == 1 and resumed.prompts.pos == 4
     again = [resumed.step()]
     timing = ("time/", "throughput/")
@@ -142,6 +145,22 @@ def test_resume_is_bitwise(tmp_path):
         assert torch.equal(a, b), name
     for a, b in zip(straight.optimizer.masters, resumed.optimizer.masters):
         assert torch.equal(a, b)
+
+
+def test_resume_says_when_the_checkpoints_lr_schedule_overrides_the_config(tmp_path):
+    """A run resumed with more steps or another LR continues the schedule its checkpoint holds (LambdaLR's state
+    carries it): a warning names what the config asked for instead, so a cosine decay that already reached its
+    floor does not silently train the added steps at that floor."""
+    from jetrl.train.policy import resume_trainer, save_trainer_checkpoint
+
+    first = make_trainer("bf16", ["--optim.schedule=cosine"])
+    first.step()
+    save_trainer_checkpoint(first, tmp_path, metrics_cursor=0)
+    longer = make_trainer("bf16", ["--optim.schedule=cosine", "--trainer.steps=40", "--optim.lr=2e-2"])
+    with pytest.warns(RuntimeWarning, match=r"its LR schedule goes on.*total_steps 40 \(configured: 80\).*"
+                                            r"base_lrs \[0.01.*\] \(configured: \[0.02"):
+        resume_trainer(longer, tmp_path)
+    assert longer.scheduler.lr_lambdas[0].total_steps == 40
 
 
 def test_all_options_in_one_step():
