@@ -39,12 +39,18 @@ class DataSpec(Protocol):
 
 
 def build_prompt_dataset(spec: DataSpec, seed: int) -> PromptDataset:
-    """The prompts ``spec`` names; a task draws its ``num_examples`` problems from ``seed``."""
+    """The prompts ``spec`` names; a task draws its ``num_examples`` problems from ``seed``. ``reward``,
+    ``instruction`` and ``system_prompt`` apply to a task's prompts as to a file's."""
     if spec.task is not None:
         if spec.path is not None:
             raise ValueError(f"a data spec names a file ({spec.path!r}) and a task ({spec.task!r}): set one")
-        return get_task(spec.task, difficulty=spec.difficulty, seed=seed, style=spec.task_style).dataset(
+        dataset = get_task(spec.task, difficulty=spec.difficulty, seed=seed, style=spec.task_style).dataset(
             spec.num_examples)
+        dataset.reward = spec.reward or dataset.reward  # training and held-out evaluation score alike
+        if spec.instruction or spec.system_prompt:
+            dataset.template = dataclasses.replace(dataset.template, system_prompt=spec.system_prompt,
+                                                   instruction=spec.instruction or dataset.template.instruction)
+        return dataset
     if spec.path is None:
         raise ValueError("no prompts: name a file (JSONL/Parquet) or a built-in task")
     config = DatasetConfig(path=spec.path, format=spec.format, reward=spec.reward, max_examples=spec.max_examples)

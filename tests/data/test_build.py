@@ -29,6 +29,18 @@ def test_task_prompts_come_from_the_seed():
     assert [p.answer for p in natural] == [p.answer for p in ds]  # the same problems, asked in English
 
 
+def test_a_tasks_reward_instruction_and_system_prompt_follow_the_spec():
+    """``data.reward``, ``data.instruction`` and ``data.system_prompt`` apply to a built-in task as to a file (were
+    dropped: the held-out evaluation then scored with the task's reward while training used the configured one)."""
+    name = sorted(TASKS)[0]
+    ds = build_prompt_dataset(spec(task=name, num_examples=3, reward="gsm8k", instruction="Solve: {prompt}",
+                                   system_prompt="You are a calculator."), seed=7)
+    assert ds.reward == "gsm8k"
+    assert ds.render(ds[0]).startswith(f"You are a calculator.\n\nSolve: {ds[0].text}")
+    plain = build_prompt_dataset(spec(task=name, num_examples=3), seed=7)
+    assert plain.reward == name and plain.template == get_task(name, seed=7).dataset(3).template
+
+
 def test_file_with_column_template_reward_and_row_overrides(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"q": f"{i}+1", "a": str(i + 1)}) + "\n" for i in range(4)))
