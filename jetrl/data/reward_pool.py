@@ -94,7 +94,10 @@ def excerpt(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 def _call_reward(fn: RewardFn, completion: str, reference: str) -> tuple[float, str | None]:
     """(reward, None) or (0.0, error message): never raises for a bad sample."""
     try:
-        value = float(fn(completion, reference))
+        raw = fn(completion, reference)
+        if isinstance(raw, (str, bytes)):  # float() would read "1" as a number: a reward returns one
+            raise TypeError(f"the reward returned {type(raw).__name__} {raw!r}, not a number")
+        value = float(raw)
     except Exception as e:  # a reward function's bug or a pathological input: score 0, report
         return 0.0, excerpt(f"{type(e).__name__}: {e}")
     if not math.isfinite(value):

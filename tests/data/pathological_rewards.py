@@ -6,7 +6,7 @@ import time
 
 def misbehaving(completion_text: str, reference_answer: str) -> float:
     """Exact-match reward, except: "hang" sleeps forever, "raise" raises, "crash" kills the process,
-    "nan" returns NaN, "slow" takes 0.3 s and then answers normally."""
+    "nan" returns NaN, "text" returns the string "1", "slow" takes 0.3 s and then answers normally."""
     if completion_text == "hang":
         while True:
             time.sleep(3600)
@@ -16,6 +16,8 @@ def misbehaving(completion_text: str, reference_answer: str) -> float:
         os._exit(7)
     if completion_text == "nan":
         return float("nan")
+    if completion_text == "text":
+        return "1"  # type: ignore[return-value]
     if completion_text == "slow":
         time.sleep(0.3)
         return 0.5

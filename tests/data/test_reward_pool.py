@@ -53,8 +53,9 @@ def test_many_samples_match_direct_computation():
 
 def test_inline_mode_counts_errors():
     pool = RewardPool(BAD, RewardPoolConfig(num_workers=0))
-    result = pool.score(["a", "raise", "nan"], ["a", "a", "a"])
-    assert result.rewards == [1.0, 0.0, 0.0] and result.num_errors == 2
+    result = pool.score(["a", "raise", "nan", "text"], ["a", "a", "a", "a"])
+    assert result.rewards == [1.0, 0.0, 0.0, 0.0] and result.num_errors == 3
+    assert "sample 3: TypeError: the reward returned str '1', not a number" in result.errors
     assert pool.score([], []).rewards == []
 
 
