@@ -20,10 +20,16 @@ from fractions import Fraction
 MAX_NUMBER_CHARS = 100  # longest number token converted (digits, separators, sign, point)
 MAX_BOXED_CHARS = 1000  # longest \\boxed{...} content searched for its closing brace
 
-# A number not glued to a preceding word or number: "-5" in "x = -5", but "5" (not "-5") in "3-5".
-_NUMBER = re.compile(r"(?<![\w.])(?:-\s?)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\w.])-?\.\d+")
+# A number not glued to a preceding word or number: "-5" in "x = -5", but "5" (not "-5") in "3-5"; a slash fraction
+# ("3/4") is one number, not its numerator or its denominator.
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+_NUMBER = re.compile(rf"(?<![\w.])(?:-\s?)?{_DIGITS}(?:\s?/\s?{_DIGITS}(?![\d.]))?|(?<![\w.])-?\.\d+")
 _ANSWER_IS = re.compile(r"(?:final\s+answer|answer)\s*(?:is|:|=|was|would\s+be)\s*:?", re.IGNORECASE)
 _FRAC = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d,.]+)\s*\}\s*\{\s*(-?[\d,.]+)\s*\}|\\[dt]?frac(\d)(\d)")
+_UNIT_TEXT = re.compile(r"\\(?:text|mathrm|mbox|textrm)\s*\{[^{}]*\}(?:\s*\^\s*(?:\{[^{}]*\}|\d))?")
+_MIXED_WHOLE = re.compile(r"(-?\d+)\s*$")
+_SCIENTIFIC = re.compile(r"(-?\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|x)\s*10\s*\^\s*\{?\s*(-?\d{1,3})\s*\}?")
+_EXPONENT = re.compile(r"\^\s*(?:\{[^{}]*\}|\d)")
 _MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\u2010": "-", "\u00a0": " "})
 
 
@@ -33,9 +39,11 @@ def parse_number(token: str) -> Fraction | None:
     if len(token) > MAX_NUMBER_CHARS:
         return None
     cleaned = token.translate(_MINUS_SIGNS).replace(",", "").replace(" ", "")
+    numerator, _, denominator = cleaned.partition("/")
     try:
-        return Fraction(Decimal(cleaned))
-    except (InvalidOperation, ValueError):
+        value = Fraction(Decimal(numerator))
+        return value / Fraction(Decimal(denominator)) if denominator else value
+    except (InvalidOperation, ValueError, ZeroDivisionError):
         return None
 
 
@@ -68,14 +76,22 @@ def last_boxed(text: str) -> str | None:
 
 
 def _boxed_value(content: str) -> Fraction | None:
+    content = _UNIT_TEXT.sub(" ", content.replace("\\!", "").replace("{,}", ","))  # "72 \text{ cm}^2": 72
     frac = _FRAC.search(content)
     if frac:
         num, den = (frac.group(1), frac.group(2)) if frac.group(1) is not None else (frac.group(3), frac.group(4))
         n, d = parse_number(num), parse_number(den)
         if n is not None and d:
-            sign = -1 if re.search(r"-\s*\\[dt]?frac", content) else 1
-            return sign * n / d
-    return _last_number(content.replace("\\!", "").replace("{,}", ","))
+            whole = _MIXED_WHOLE.search(content[: frac.start()])  # "2\frac{1}{2}": 5/2
+            value = n / d + (abs(parse_number(whole.group(1)) or 0) if whole else 0)
+            sign = -1 if re.search(r"-\s*(?:\d+\s*)?\\[dt]?frac", content) else 1
+            return sign * value
+    scientific = _SCIENTIFIC.search(content)  # "1.5 \times 10^{3}": 1500
+    if scientific:
+        mantissa, exponent = parse_number(scientific.group(1)), int(scientific.group(2))
+        if mantissa is not None and abs(exponent) <= 30:
+            return mantissa * Fraction(10) ** exponent
+    return _last_number(_EXPONENT.sub(" ", content))
 
 
 def extract_final_number(text: str) -> Fraction | None:

@@ -48,6 +48,13 @@ def test_every_gsm8k_answer_matches_itself_and_not_another(gsm8k_test_rows):
         ("10-3", 3),  # a minus between numbers is subtraction, not a sign
         ("The answer is 12. Then I double-check: 6 + 6 = 12", 12),
         ("#### 42\nThe answer is 7", 42),  # '####' wins over later text
+        ("#### 3/5", Fraction(3, 5)),  # a slash fraction is one number, not its numerator
+        ("so 1/4 of them", Fraction(1, 4)),  # nor its denominator
+        ("60/2 = 30 apples", 30),
+        ("\\boxed{72 \\text{ cm}^2}", 72),  # a unit and its exponent are not the answer
+        ("\\boxed{2\\frac{1}{2}}", Fraction(5, 2)),  # a mixed number
+        ("\\boxed{1.5 \\times 10^{3}}", 1500),
+        ("#### 1/0", None),
         ("no digits here", None),
         ("", None),
     ],
@@ -65,6 +72,8 @@ def test_gsm8k_reward_cases():
     assert gsm8k_reward("#### 1,800", "#### 1800") == 1.0
     assert gsm8k_reward("-5", "#### -5") == 1.0 and gsm8k_reward("5", "#### -5") == 0.0
     assert gsm8k_reward("The answer is 42", "42") == 1.0  # a bare-number reference
+    assert gsm8k_reward("#### 3/4", "#### 3") == 0.0 and gsm8k_reward("#### 3/5", "#### 3/4") == 0.0
+    assert gsm8k_reward("#### 6/2", "#### 3") == 1.0
     with pytest.raises(ValueError, match="states no number"):
         gsm8k_reward("#### 3", "#### none")
 
