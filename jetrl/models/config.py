@@ -34,6 +34,13 @@ FAMILIES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' defaults (LlamaConfig, Qwen2Config, Qwen3Config) for the fields whose absence a config.json may rely
+# on and where DecoderConfig's own default differs
+HF_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+}
 
 # Fields that describe a checkpoint without changing the function the model computes: names, token ids,
 # versions, switches of other frameworks (caches, outputs, generation defaults, tensor-parallel hints) and
@@ -200,6 +207,9 @@ class DecoderConfig:
         kwargs["torch_dtype"] = hf.get("torch_dtype", hf.get("dtype"))
         if kwargs.get("num_key_value_heads") is None:
             kwargs["num_key_value_heads"] = hf["num_attention_heads"]
+        for key, value in HF_FAMILY_DEFAULTS[model_type].items():  # a field left out means what transformers reads
+            if key not in hf:
+                kwargs[key] = value
         if model_type != "llama":
             kwargs.pop("mlp_bias", None)
         extra = {k: v for k, v in hf.items() if k not in known and k not in _NOT_WRITTEN_BACK and not k.startswith("_")

@@ -165,6 +165,22 @@ def test_legacy_rope_keys_read_like_rope_parameters():
         jm.build_model("llama")
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fields_a_config_leaves_out_read_as_transformers_reads_them(model_type):
+    """A config.json may leave out head_dim and max_position_embeddings: they mean transformers' defaults for the
+    family (Qwen3's head_dim is 128 whatever hidden_size / heads gives; the context 2,048 or 32,768), not jetrl's."""
+    transformers = pytest.importorskip("transformers")
+    base = dict(model_type=model_type, vocab_size=1000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                num_attention_heads=16, num_key_value_heads=8)
+    ours = DecoderConfig.from_hf(dict(base))
+    theirs = transformers.AutoConfig.for_model(**base)
+    expected_head_dim = getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads
+    assert ours.head_dim == expected_head_dim
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    given = DecoderConfig.from_hf({**base, "head_dim": 64, "max_position_embeddings": 4096})
+    assert (given.head_dim, given.max_position_embeddings) == (64, 4096)
+
+
 def test_hub_id_offline_fails_clearly(monkeypatch):
     hub = pytest.importorskip("huggingface_hub")
     monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
