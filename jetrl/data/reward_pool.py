@@ -354,18 +354,22 @@ class RewardFailureGuard:
         self.log = log if log is not None else lambda message: warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.has_reported = False
 
-    def check(self, result: RewardResult) -> None:
-        n = len(result.rewards)
-        if not n or not result.num_failed:
+    def check(self, result: RewardResult, step_counts: Sequence[int] | None = None) -> None:
+        """``step_counts``: ``(errors, timeouts, samples)`` of the whole step where ``result`` is one rank's share
+        (the stop rule is the step's, and every rank decides alike); by default ``result``'s own."""
+        errors, timeouts, n = step_counts if step_counts is not None else (
+            result.num_errors, result.num_timeouts, len(result.rewards))
+        failed = errors + timeouts
+        if not n or not failed:
             return
-        first = result.errors[0] if result.errors else "(no message)"
-        counts = f"{result.num_errors} errors, {result.num_timeouts} timeouts"
-        if result.num_failed >= self.stop_fraction * n:
-            raise RewardFailureError(f"the reward failed for {result.num_failed} of {n} samples ({counts}), at "
+        first = result.errors[0] if result.errors else "(on another rank)"
+        counts = f"{errors} errors, {timeouts} timeouts"
+        if failed >= self.stop_fraction * n:
+            raise RewardFailureError(f"the reward failed for {failed} of {n} samples ({counts}), at "
                                      f"least {self.stop_fraction:g} of them; stopping the run. First failure: "
                                      f"{excerpt(first)}")
         if not self.has_reported:
             self.has_reported = True
-            self.log(f"the reward failed for {result.num_failed} of {n} samples ({counts}); they score "
+            self.log(f"the reward failed for {failed} of {n} samples ({counts}); they score "
                      f"0.0 and are counted in reward/errors and reward/timeouts. First failure: {excerpt(first)} "
                      "(reported once)")

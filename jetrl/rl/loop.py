@@ -100,13 +100,18 @@ def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
     return folder, model_config, tokenizer
 
 
-def guarded_rewards(pool: RewardPool, guard: RewardFailureGuard) -> Callable[[list[str], list[str]], RewardResult]:
+def guarded_rewards(pool: RewardPool, guard: RewardFailureGuard,
+                    parallel: Any = None) -> Callable[[list[str], list[str]], RewardResult]:
     """The trainer's reward function: ``pool`` scores the completions and ``guard`` checks the
-    :class:`~jetrl.data.reward_pool.RewardResult`, whose failure counts go into the step's metrics."""
+    :class:`~jetrl.data.reward_pool.RewardResult`, whose failure counts go into the step's metrics. Under
+    ``parallel`` (several ranks, each scoring its share) the guard judges the whole step's counts."""
 
     def reward_fn(texts: list[str], refs: list[str]) -> RewardResult:
         result = pool.score(texts, refs)
-        guard.check(result)
+        counts = None
+        if parallel is not None and parallel.is_distributed:  # every rank scores once per step: a collective
+            counts = [int(c) for c in parallel.sum([result.num_errors, result.num_timeouts, len(result.rewards)])]
+        guard.check(result, counts)
         return result
 
     return reward_fn
@@ -247,7 +252,8 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
                            kv_fp8=config.kv_fp8, decode_steps=config.rollout.decode_steps)
     pool = RewardPool(reward, reward_pool_config(config))
     guard = RewardFailureGuard(stop_fraction=config.reward.stop_fraction)
-    trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, guard), prompts.decode, parallel=parallel)
+    trainer = Trainer(config, model, engine, prompts, guarded_rewards(pool, guard, parallel), prompts.decode,
+                      parallel=parallel)
     cursor = None
     if config.trainer.resume:
         state = resume_trainer(trainer, ckpt_root, allow_pickle=config.trainer.allow_pickle)

@@ -101,3 +101,30 @@ def test_failed_rewards_are_counted_reported_once_and_stop_the_run_when_all_fail
     absurd = _toy_trainer(guarded_rewards(pool, RewardFailureGuard(log=lines.append)), reference="absurd")
     with pytest.raises(RewardFailureError, match="failed for 16 of 16 samples"):
         absurd.step()  # every reward is either an error or beyond max_abs_reward
+
+
+def test_the_reward_stop_rule_judges_the_whole_step_on_several_ranks():
+    """Under data parallelism each rank scores its share; the stop rule (``reward.stop_fraction``) is about the
+    step's samples, so every rank decides from the counts summed over ranks (here a second rank's, as the
+    collective would return them): one rank whose every sample failed does not stop a step that mostly scored."""
+    from jetrl.data.reward_pool import RewardFailureError, RewardFailureGuard, RewardPool, RewardPoolConfig
+    from jetrl.rl.loop import guarded_rewards
+
+    class TwoRanks:  # ParallelContext's face to the guard: a sum with the other rank's (errors, timeouts, samples)
+        is_distributed = True
+
+        def __init__(self, other):
+            self.other = other
+
+        def sum(self, values):
+            return [float(v + o) for v, o in zip(values, self.other)]
+
+    pool = RewardPool(_ids_reward, RewardPoolConfig(num_workers=0))
+    texts = ["1,2", "3,4", "5,6", "7,8"]  # odd first tokens: every sample of this rank fails
+    lines = []
+    with pytest.raises(RewardFailureError, match="failed for 4 of 4 samples"):
+        guarded_rewards(pool, RewardFailureGuard(log=lines.append))(texts, ["r"] * 4)
+    result = guarded_rewards(pool, RewardFailureGuard(log=lines.append), TwoRanks((0, 0, 4)))(texts, ["r"] * 4)
+    assert result.num_errors == 4 and "failed for 4 of 8 samples" in lines[-1]
+    with pytest.raises(RewardFailureError, match="failed for 8 of 8 samples"):
+        guarded_rewards(pool, RewardFailureGuard(), TwoRanks((3, 1, 4)))(texts, ["r"] * 4)
