@@ -34,11 +34,26 @@ from jetrl.rl.losses import _as_bool_mask, aggregate, kl_penalty
 from jetrl.rl.mismatch import mismatch_metrics
 
 # the engine's stats a step reports, and their names (host and graph-capture time are parts of time/rollout)
-ENGINE_STATS = (("preemptions", "rollout/preemptions"),
-                ("kv_capacity_tokens", "rollout/kv_capacity_tokens"),
-                ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s"),
-                ("host_seconds", "time/rollout_host"),
-                ("graph_capture_seconds", "time/rollout_graph_capture"))
+# the engine's stats a step reports, by metric name, and how ranks that each ran an engine combine them (every rank
+# decodes its share at the same time: preemptions and throughputs add up; host and capture times overlap; the KV
+# capacity is one engine's, as a memory budget is one GPU's)
+ENGINE_STATS = (("preemptions", "rollout/preemptions", "sum"),
+                ("kv_capacity_tokens", "rollout/kv_capacity_tokens", "max"),
+                ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s", "sum"),
+                ("host_seconds", "time/rollout_host", "max"),
+                ("graph_capture_seconds", "time/rollout_graph_capture", "max"))
+
+
+def global_engine_stats(stats: Mapping[str, float], parallel: Any) -> dict[str, float]:
+    """``stats`` (this rank's engine's ``last_stats``) with the reported ones combined over ``parallel``'s ranks
+    (:data:`ENGINE_STATS`), so a data-parallel run's metrics read like one engine's. A collective: every rank
+    calls it."""
+    out = dict(stats)
+    if parallel.is_distributed:
+        for op in ("sum", "max"):
+            keys = [key for key, _, how in ENGINE_STATS if how == op]
+            out.update(zip(keys, getattr(parallel, op)([float(stats.get(key, 0.0)) for key in keys])))
+    return out
 
 
 def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
@@ -114,7 +129,7 @@ def step_metrics(batch: RolloutBatch, train_logprobs: torch.Tensor, ref_logprobs
     return {**batch_metrics(batch),
             **logprob_metrics(batch.rollout_logprobs, train_logprobs, batch.mask, ref_logprobs, tis_cap, checked),
             **actor, **timing_metrics(seconds, phase_tokens), "response/num_tokens": float(batch.mask.sum()),
-            **{name: float(engine_stats[key]) for key, name in ENGINE_STATS if key in engine_stats}}
+            **{name: float(engine_stats[key]) for key, name, _ in ENGINE_STATS if key in engine_stats}}
 
 
 def _jsonable(value: Any) -> Any:
@@ -248,5 +263,5 @@ class PhaseTimer:
         return out
 
 
-__all__ = ["METRICS_FILE", "TENSORBOARD_SUBDIR", "step_metrics", "batch_metrics", "logprob_metrics", "timing_metrics",
-           "ENGINE_STATS", "JsonlWriter", "read_jsonl", "MetricsLogger", "PhaseTimer"]
+__all__ = ["METRICS_FILE", "TENSORBOARD_SUBDIR", "step_metrics", "global_engine_stats", "batch_metrics",
+           "logprob_metrics", "timing_metrics", "ENGINE_STATS", "JsonlWriter", "read_jsonl", "MetricsLogger", "PhaseTimer"]

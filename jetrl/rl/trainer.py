@@ -61,7 +61,7 @@ from jetrl.rl.advantages import compute_advantages
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import truncated_is_weights
 from jetrl.rl.micro_batch import micro_batch_loss, pack, packed_logprobs, stat_names
-from jetrl.rl.metrics import PhaseTimer, step_metrics
+from jetrl.rl.metrics import PhaseTimer, global_engine_stats, step_metrics
 from jetrl.rl.minibatch import mini_batch_rows
 from jetrl.train.optim import (MasterWeightAdamW, OptimizerStepper, build_lr_scheduler, release_fp8_weights,
                             restore_fp8_weights)
@@ -431,7 +431,8 @@ class Trainer:
         timer.seconds = dict(zip(timer.seconds, self.parallel.max(list(timer.seconds.values()))))
         metrics = step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
                                ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
-                               engine_stats=self.engine.last_stats, checked=checked)
+                               engine_stats=global_engine_stats(self.engine.last_stats, self.parallel),
+                               checked=checked)
         metrics.update(timer.memory_metrics())
         if self.device.type == "cuda":
             metrics["memory/fp8_weights_gib"] = fp8_weight_bytes(self.model) / 2 ** 30

@@ -177,6 +177,32 @@ def test_tensorboard_gets_every_scalar_nan_and_inf_included(tmp_path):
     assert read_jsonl(tmp_path / "metrics.jsonl")[0]["actor/grad_norm"] == "nan"
 
 
+def test_engine_stats_of_several_ranks_read_like_one_engines():
+    """Each rank runs its own engine on its share: the step reports the preemptions and decode throughput added over
+    ranks, the host and capture times of the slowest (they overlap) and one engine's KV capacity, not rank 0's."""
+    from jetrl.rl.metrics import global_engine_stats
+
+    class TwoRanks:  # ParallelContext's reductions, with the other rank's values as the collective returns them
+        is_distributed = True
+        other = {"preemptions": 2.0, "kv_capacity_tokens": 1000.0, "decode_tokens_per_s": 300.0,
+                 "host_seconds": 0.5, "graph_capture_seconds": 0.1}
+
+        def sum(self, values):
+            return [v + o for v, o in zip(values, [self.other[k] for k in ("preemptions", "decode_tokens_per_s")])]
+
+        def max(self, values):
+            return [max(v, o) for v, o in zip(values, [self.other[k] for k in ("kv_capacity_tokens", "host_seconds",
+                                                                            "graph_capture_seconds")])]
+
+    ours = {"preemptions": 1.0, "kv_capacity_tokens": 1000.0, "decode_tokens_per_s": 200.0, "host_seconds": 0.25,
+            "graph_capture_seconds": 0.3, "seconds": 4.0}
+    combined = global_engine_stats(ours, TwoRanks())
+    assert combined == {"preemptions": 3.0, "kv_capacity_tokens": 1000.0, "decode_tokens_per_s": 500.0,
+                        "host_seconds": 0.5, "graph_capture_seconds": 0.3, "seconds": 4.0}
+    one = type("OneRank", (), {"is_distributed": False})()
+    assert global_engine_stats(ours, one) == ours
+
+
 def test_phase_timer():
     t = PhaseTimer("cpu")
     with t.phase("rollout"):
