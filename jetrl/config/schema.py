@@ -227,7 +227,8 @@ class AlgorithmConfig(_Section):
 
     _name = "algorithm"
     advantage_estimator: str = setting("grpo", "how rewards become advantages", registry="advantage_estimator")
-    std_normalize: bool = setting(True, "divide advantages by the group's reward std (false: Dr. GRPO)")
+    std_normalize: bool = setting(True, "divide advantages by the reward std: the group's under grpo (false: Dr. "
+                                        "GRPO), the batch's under reinforce; rloo takes none")
     clip_low: float = setting(0.2, "PPO ratio clip below: 1 - clip_low")
     clip_high: float = setting(0.2, "PPO ratio clip above: 1 + clip_high (DAPO's clip-higher: e.g. 0.28)")
     agg: str = setting("token", "how per-token losses are averaged into the loss", registry="loss_aggregation")
