@@ -126,7 +126,7 @@ def _bf16_key(modules: tuple[nn.Linear, ...]) -> tuple:
 # A group is stacked where one of its members' weights is at most this many bytes: a decode GEMM that reads so little
 # takes about its fixed launch-to-finish latency, which one GEMM for the group saves (q/k/v: k and v are narrow). A
 # group of wide members (a 1.5B or 8B model's gate/up) reads at about copy speed either way, so a second copy of its
-# weights would buy little, or lose (BENCHMARKS.md, "Rollout engine", "Stacked BF16 q/k/v").
+# weights would buy little, or lose (docs/benchmark-history.md, "Stacked BF16 q/k/v").
 BF16_STACK_MAX_MEMBER_BYTES = 16 << 20
 
 
