@@ -1,8 +1,8 @@
 """An RL run with its held-out check, as ``jetrl train`` does it: :func:`train_and_evaluate`.
 
 Around :func:`jetrl.rl.loop.run` it adds what a finished run is judged by: greedy accuracy on held-out
-problems before training (skipped when the run resumes, whose starting weights are not the configured
-model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``; the run's
+problems before training (skipped when the run resumes from a checkpoint, whose starting weights are not the
+configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``; the run's
 curves in ``<output_dir>/curves.png``; and its summary rows. It is a separate module because the RL stage
 imports neither the evaluation nor the plotting.
 
@@ -25,6 +25,7 @@ from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
 from jetrl.progress import Progress
 from jetrl.rl.loop import EVAL_FILE, PLOT_FILE, run, run_settings
 from jetrl.train.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
+from jetrl.train.policy import has_checkpoint
 
 
 @dataclass
@@ -85,7 +86,8 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
     (:func:`jetrl.rl.loop.run_settings`) are in force throughout."""
     with run_settings(config):  # the evaluations compute with the run's threads and kernels too
         before = None
-        if num_eval and not config.trainer.resume:
+        resumes = config.trainer.resume and has_checkpoint(Path(config.trainer.output_dir) / CHECKPOINT_SUBDIR)
+        if num_eval and not resumes:  # a resume with nothing to resume from starts from the configured model
             log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems before training ...")
             before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)
         with Progress(config.trainer.steps, "train", unit="step", enabled=progress) as bar:

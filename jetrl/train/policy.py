@@ -230,13 +230,19 @@ def _lr_schedule(scheduler: Any) -> dict[str, Any]:
     return {**vars(scheduler.lr_lambdas[0]), "base_lrs": list(scheduler.base_lrs)}
 
 
+def has_checkpoint(ckpt_root: str | Path) -> bool:
+    """Whether ``ckpt_root`` holds a complete checkpoint: its marker and files of their recorded sizes (a quick check,
+    no SHA-256s), without a warning."""
+    return any(verify_checkpoint(path, checksums=False) is None for _, path in list_checkpoints(ckpt_root))
+
+
 def check_resumable(ckpt_root: str | Path, require_checkpoint: bool, warn: bool = True) -> bool:
     """For a run that resumes: whether ``ckpt_root`` holds a complete checkpoint (its marker and files of their
     recorded sizes: a quick check; :func:`resume_trainer` checks the SHA-256s). None there is a FileNotFoundError
     with ``require_checkpoint``, else (with ``warn``: rank 0) a warning that the run starts from step 0."""
-    found = list_checkpoints(ckpt_root)
-    if any(verify_checkpoint(path, checksums=False) is None for _, path in found):
+    if has_checkpoint(ckpt_root):
         return True
+    found = list_checkpoints(ckpt_root)
     if require_checkpoint:
         raise FileNotFoundError(f"nothing to resume: {ckpt_root} holds no checkpoint" if not found else
                                 f"nothing to resume: every checkpoint in {ckpt_root} is incomplete or damaged "
@@ -281,4 +287,4 @@ def claim_output_dir(out: str | Path, *, resume: bool, overwrite: bool, outputs:
 
 __all__ = ["CHECKPOINT_SUBDIR", "MODEL_SUBDIR", "FP8_MODEL_SUBDIR", "TrainerLike", "checkpoint_due",
            "weights_only_at", "checkpoint_size", "save_trainer_checkpoint", "resume_trainer", "check_resumable",
-           "claim_output_dir", "CheckpointSpaceError", "CheckpointWriteError"]
+           "has_checkpoint", "claim_output_dir", "CheckpointSpaceError", "CheckpointWriteError"]
