@@ -118,7 +118,8 @@ def _config_source(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 
 def _train_config(args: argparse.Namespace) -> RunConfig:
-    """The run config: the file (default: the embedded one) <- overrides <- --max-steps/--output-dir."""
+    """The run config: the file (default: the embedded one) <- overrides <- --max-steps, --output-dir, --recipe,
+    --resume, --threads."""
     path, overrides = _config_source(args)
     options = (("trainer.steps", args.max_steps), ("trainer.output_dir", args.output_dir), ("recipe", args.recipe),
                ("trainer.resume", "true" if args.resume else None), ("trainer.num_threads", args.threads))

@@ -6,9 +6,9 @@ log-probability definition as RL rollouts); rewards through the dataset's reward
 :class:`jetrl.data.RewardPool` (so a pathological answer cannot hang evaluation). A sample counts as
 correct when its reward is at least 1. A failed reward is not a wrong answer: as in training, failed
 samples score 0 and are counted (``reward_errors``, ``reward_timeouts``), and evaluation stops with
-:class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a batch failed (a broken reward
-function must not read as 0% accuracy). A prompt whose tokens plus ``max_tokens`` do not fit in the
-model's context is an error, not a silently shortened answer.
+:class:`~jetrl.data.reward_pool.RewardFailureError` when every sample of a batch failed (by default; see
+``stop_fraction``): a broken reward function must not read as 0% accuracy. A prompt whose tokens plus
+``max_tokens`` do not fit in the model's context is an error, not a silently shortened answer.
 
 pass@k uses the unbiased estimator of Chen et al. (2021), averaged over prompts. Greedy decoding
 (``temperature=0``) draws one sample per prompt, so its accuracy is pass@1.
@@ -41,7 +41,8 @@ EVAL_SEED = 12345  # task seed of held-out problems (the embedded model's README
 
 @dataclass
 class EvalResult:
-    """Accuracy (fraction of correct samples), mean reward, pass@k per k, and the samples themselves."""
+    """Accuracy (fraction of correct samples), mean reward, pass@k per k, response length and truncation, the
+    failed rewards, and the samples themselves (with :func:`evaluate`'s ``keep_samples``)."""
 
     num_prompts: int
     n: int
@@ -80,7 +81,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
     """Generate ``n`` completions for every prompt of ``dataset`` and score them.
 
     ``dataset`` is a :class:`jetrl.data.PromptDataset` (its ``reward`` name is used unless ``reward`` is
-    given). ``temperature=0`` is greedy and needs ``n=1``. ``ks`` lists the k of pass@k (each <= n).
+    given). ``temperature=0`` is greedy and needs ``n=1``. ``ks`` lists the k of pass@k (each <= n); pass@1 is
+    always reported.
     ``reward_workers=0`` scores in this process (no timeout). ``stop_fraction``: stop when at least this
     fraction of a batch's rewards failed (see :class:`~jetrl.data.reward_pool.RewardFailureGuard`);
     ``max_abs_reward``: a reward of larger magnitude is a failure too. ``kv_fp8``: generate through an FP8 KV

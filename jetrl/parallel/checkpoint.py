@@ -1,10 +1,11 @@
 """Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), loadable at any number of ranks.
 
 :func:`save_sharded` writes the model's and the optimizer's tensors into one DCP folder: each rank writes
-the slices it holds (a DTensor's local shard; a plain tensor once, by rank 0) plus a ``.metadata`` file
-mapping every tensor's global shape to its pieces. :func:`load_sharded` reads them back into the tensors
-of the current layout, whatever it is: an FSDP model on 2 ranks reads what one process wrote and the
-reverse, because DCP reads each requested slice from whichever pieces overlap it.
+the slices it holds (a DTensor's local shard; a plain tensor, which every rank holds, once, by whichever rank
+DCP's planner picks) plus a ``.metadata`` file mapping every tensor's global shape to its pieces.
+:func:`load_sharded` reads them back into the tensors of the current layout, whatever it is: an FSDP model on 2
+ranks reads what one process wrote and the reverse, because DCP reads each requested slice from whichever pieces
+overlap it.
 
 The model state comes from ``torch.distributed.checkpoint.state_dict.get_model_state_dict`` and goes
 back through ``set_model_state_dict``. The optimizer's state is passed in as a nested dict of tensors
@@ -93,9 +94,15 @@ class UnsafeCheckpointError(ValueError):
 
 
 def _allowed_global(module: str, name: str) -> bool:
-    """The globals DCP's metadata refers to: its own dataclasses and enums, dtypes, sizes, layouts, paths."""
-    if module == "torch.distributed.checkpoint.metadata":
-        return True
+    """The globals DCP's metadata refers to: its own dataclasses and enums, dtypes, sizes, layouts, paths. A dotted
+    name (pickle protocol 4 resolves "os.system" through a module's own imports) is none of them."""
+    if "." in name:
+        return False
+    if module == "torch.distributed.checkpoint.metadata":  # a class defined there, not a name it imported
+        import torch.distributed.checkpoint.metadata as metadata
+
+        found = getattr(metadata, name, None)
+        return isinstance(found, type) and found.__module__ == module
     if module == "torch":
         return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
     return (module, name) in {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),

@@ -32,7 +32,7 @@ class FP8Linear(nn.Linear):
     """``nn.Linear`` with FP8 Fprop/DGrad/WGrad; same parameters, same state-dict keys.
 
     ``fp8_train`` / ``fp8_rollout`` choose, per side, FP8 or the plain ``F.linear`` on the weight.
-    ``check_finite`` raises on NaN/Inf inputs (a debugging aid: it costs a device sync per call).
+    ``check_finite`` raises on NaN/Inf inputs of an FP8 forward (a debugging aid: it costs a device sync per call).
     After :meth:`release_weight` (``jet``'s trainer on one process) ``weight`` is a NaN placeholder whose values live
     in the optimizer's fp32 master: read them with :meth:`weight_values` or the state dict.
     """
@@ -306,10 +306,10 @@ def grouped_linear(modules: tuple[nn.Module, ...] | list[nn.Module], x: torch.Te
       group's stacked FP8 weight (:func:`_stacked_weights`), with or without grad. A no-grad input with ``x_fp8``
       goes first to the backend's ``grouped_gemm`` over each member's rows of that weight (the CUDA backend takes
       decode-sized inputs, in one launch, and declines the rest; the reference backend takes every size).
-    * Plain ``nn.Linear`` layers (BF16), a decode-sized CUDA input (at most ``DECODE_GEMM_MAX_M`` rows) without grad:
-      one GEMM over their stacked weight and bias (:class:`~jetrl.quant.weight_cache._Bf16Stack`, a copy made once
-      per weight version); other inputs run the layers one by one (a prefill or a training forward, where one GEMM
-      per layer costs no more).
+    * Plain ``nn.Linear`` layers (BF16) that stack (:func:`~jetrl.quant.weight_cache._bf16_stackable`), a
+      decode-sized CUDA input (at most ``DECODE_GEMM_MAX_M`` rows) without grad: one GEMM over their stacked weight
+      and bias (:class:`~jetrl.quant.weight_cache._Bf16Stack`, a copy made once per weight version); other inputs and
+      layers run one by one (a prefill or a training forward, where one GEMM per layer costs no more).
     * ``exact``: a no-grad input with ``x_fp8`` through ``grouped_gemm_exact`` (the bits of each layer's own exact
       GEMM; the CUDA backend groups decode-sized inputs whose weights share exact mode's K split), over the members'
       own weights; otherwise ``None`` (each layer runs its batch-invariant forward).

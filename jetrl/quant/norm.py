@@ -19,7 +19,8 @@ from jetrl.quant import reference
 from jetrl.quant.formats import ACT, Fp8Tensor
 from jetrl.quant.backend import KERNEL_DTYPES, choose_impl, keeps_forward_context
 
-# dtypes the kernels handle (activations and weight); anything else takes the reference path
+# dtypes rms_norm takes: the kernels' (KERNEL_DTYPES) and float64, which takes the reference path; others are a
+# TypeError
 _REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 
 

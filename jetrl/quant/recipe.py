@@ -106,6 +106,10 @@ def apply_recipe(model: nn.Module, recipe: str | PrecisionRecipe) -> nn.Module:
                 continue
             if recipe.uses_fp8 and not recipe.excludes(full):
                 new = child if isinstance(child, FP8Linear) else FP8Linear.from_linear(child)
+                if new.weight_released and not (recipe.rollout_fp8 and recipe.train_fp8):
+                    raise ValueError(f"layer {full!r} dropped its BF16 weight (its values are its optimizer's fp32 "
+                                     f"master), so a side without FP8 ({recipe.name}) would read a placeholder: "
+                                     f"change the recipe before training starts")
                 new.fp8_rollout, new.fp8_train = recipe.rollout_fp8, recipe.train_fp8
                 new.pow2_scale, new.check_finite = recipe.pow2_scale, recipe.check_finite
                 new.invalidate_weight_cache()

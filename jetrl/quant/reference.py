@@ -175,5 +175,6 @@ def matmul_exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gemm_exact(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Exact mode's GEMM: each row of ``a`` computed identically whatever M is, which the reference's :func:`gemm`
-    already is (the kernels' exact GEMMs match it bit for bit, their fast ones to output rounding)."""
+    already is (the kernels' exact GEMMs, like their fast ones, match it to output rounding: their bits are each
+    other's, not this function's)."""
     return gemm(a, b, out_dtype)

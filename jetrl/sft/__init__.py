@@ -1,4 +1,5 @@
-"""Supervised warm-start: the character tokenizer and packed causal-LM training on a task's worked solutions.
+"""Supervised warm-start: the character tokenizer and causal-LM training (packed or padded) on a task's worked
+solutions.
 
 ``jetrl sft`` trains the embedded default model from scratch with :func:`jetrl.sft.train.run_sft`.
 """

@@ -3,8 +3,9 @@
 Each training sequence is ``<bos> prompt solution <eos>`` in the task's compact format; the loss is the
 mean negative log-likelihood of the solution and ``<eos>`` tokens only (the prompt is given, not
 learned), over all of a step's ``batch_size`` sequences. Examples are drawn by index from the task's
-seeded generator, so a run never repeats a problem and never needs a stored data set; the evaluation
-set takes another seed.
+seeded generator (step ``s`` takes indices ``s * batch_size`` on), so a run never revisits an index and
+never needs a stored data set; the evaluation set takes another seed. Independent draws can still repeat
+a problem, within the training stream or across the two.
 
 Two layouts of a step's sequences, the same loss (to fp32 rounding; a test checks it):
 
@@ -56,9 +57,10 @@ SFT_DTYPES = ("float32", "bfloat16")  # training parameter and saved-weight dtyp
 class SFTConfig:
     """What to train on, the model's shape, the optimizer and the step budget.
 
-    Linear sizes are multiples of 16 (the FP8 GPU path runs any size, but cuBLAS's blockwise GEMM takes N only
-    in multiples of 16; other widths run on the Triton GEMM). ``train_seed`` and ``eval_seed`` pick disjoint
-    problem streams of the task; ``difficulty`` is an int or a ``(low, high)`` range drawn per example."""
+    Linear sizes are multiples of 16. The FP8 GPU path runs any size: cuBLAS's blockwise GEMM takes K in multiples
+    of 128 and N in multiples of 16 (of 128 against 128x128 weight scales), other shapes run on the Triton GEMM.
+    ``train_seed`` and ``eval_seed`` pick different problem streams of the task (independent draws, not disjoint
+    sets); ``difficulty`` is an int or a ``(low, high)`` range drawn per example."""
 
     output_dir: str = "tiny-arith"
     task: str = "arithmetic"
@@ -281,7 +283,7 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     torch.manual_seed(config.seed)
     model = build_model(config.model_config(tokenizer), dtype=getattr(torch, config.dtype), device=config.device,
                         recipe=SFT_RECIPE, seed=config.seed)
-    model.source_path = out  # save_model copies the tokenizer files from here (they are already in place)
+    model.source_path = out  # as a loaded model's: the tokenizer files are in place already, save_model copies none
     num_params = sum(p.numel() for p in model.parameters())
     optimizer = MasterWeightAdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                   weight_decay=config.weight_decay)

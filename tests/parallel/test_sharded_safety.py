@@ -39,6 +39,25 @@ def test_crafted_metadata_is_refused_and_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("module, name", [("torch.distributed.checkpoint.metadata", "os.system"),
+                                          ("torch.distributed.checkpoint.metadata", "Any"), ("torch", "os.system")])
+def test_metadata_refuses_names_its_modules_only_import(tmp_path, module, name):
+    """Pickle protocol 4 resolves a dotted name through a module's imports ("os.system" via the DCP metadata
+    module's ``os``): only classes defined in DCP's metadata module pass, so a crafted file runs nothing."""
+    model = nn.Linear(8, 4)
+    save_sharded(tmp_path / "ck", model)
+    marker = tmp_path / "pwned"
+
+    def text(x):
+        return b"\x8c" + bytes([len(x)]) + x.encode()
+
+    payload = b"\x80\x04" + text(module) + text(name) + b"\x93" + text(f"touch {marker}") + b"\x85R."
+    (tmp_path / "ck" / ".metadata").write_bytes(payload)
+    with pytest.raises(UnsafeCheckpointError, match="refusing to load"):
+        load_sharded(tmp_path / "ck", nn.Linear(8, 4))
+    assert not marker.exists()
+
+
 def test_non_tensor_entries_are_not_written_nor_read(tmp_path):
     with pytest.raises(TypeError, match="tensors only; optim.step is a int"):
         save_sharded(tmp_path / "a", nn.Linear(8, 4), {"step": 3})

@@ -111,6 +111,16 @@ def test_what_cannot_drop_its_weight():
     for recipe, dtype in (("fp8-rollout", torch.bfloat16), ("jet", torch.float32)):
         trainer = make_trainer(recipe, dtype=dtype)  # BF16 training; fp32 weights are their own masters
         assert not any(layer.weight_released for layer in fp8_linears(trainer.model))
+    from jetrl.quant import apply_recipe
+
+    model = torch.nn.Sequential(FP8Linear(128, 128, dtype=torch.bfloat16))
+    model[0].release_weight(model[0].weight.detach().float())
+    for recipe in ("fp8-rollout", "bf16"):  # a side without FP8 would read the NaN placeholder
+        with pytest.raises(ValueError, match="dropped its BF16 weight"):
+            apply_recipe(model, recipe)
+    assert model[0].fp8_train and model[0].fp8_rollout  # left as it was
+    apply_recipe(model, "jet")
+    assert torch.isfinite(model(torch.ones(2, 128, dtype=torch.bfloat16))).all()
 
 
 def test_a_second_trainer_on_a_released_model_starts_from_its_values():

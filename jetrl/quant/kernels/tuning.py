@@ -4,13 +4,13 @@ frozen dataclass whose fields declare a one-line meaning and a rule: which path 
 mode's K split and schedules (:class:`ExactSchedule`) and the FP8-cache decode attention's launch
 (:class:`DecodeAttention`).
 
-Nothing here changes a result's bits except the GEMM path (``gemm``, and the decode-routing bounds, which pick
-between GEMMs that agree to output rounding), exact mode's K split (``exact_split_k``: a different split is a
-different summation order, the same for every M) and the fast decode attention over an FP8 cache
-(``kv_decode_factored`` and the ``kv_decode_*`` tile and split fields: summation order, within the bounds of that
-kernel's doc; exact mode's attention never reads them). The Gluon/Triton choice of the 128x1 kernels, the decode
-GEMM's configs and exact mode's schedules give the same bytes. The measured reasons for the defaults are in
-BENCHMARKS.md and docs/benchmark-history.md; this file keeps the values only.
+Nothing here changes a result's bits except the GEMM path (``gemm``, the routing bounds and the decode GEMM's
+configs, whose K split sets a summation order: they pick between GEMMs that agree to output rounding), exact mode's
+K split (``exact_split_k``: a different split is a different summation order, the same for every M) and the fast
+decode attention over an FP8 cache (``kv_decode_factored``, ``kv_decode_streams`` and the tile and split fields of
+both kernels: summation order, within the bounds of each kernel's doc; exact mode's attention never reads them).
+The Gluon/Triton choice of the 128x1 kernels and exact mode's schedules give the same bytes. The measured reasons
+for the defaults are in BENCHMARKS.md and docs/benchmark-history.md; this file keeps the values only.
 
 The launch parameters of one kernel that no run sets (tiles, warps, stages) are not settings: they are constants
 beside their kernel, and its launcher takes others as keyword arguments (the tests check that other values give the
@@ -61,7 +61,7 @@ DECODE_GEMM_MAX_M = 256  # one decode-GEMM launch handles up to this many rows (
 # GEMMs against cuBLAS and against each other, its decode kernels against its tile kernels) were established with
 # it on. Triton's default for it is read from TRITON_DEFAULT_FP_FUSION and is announced to change, so every launch
 # states it: these options, or ``enable_fp_fusion=False`` where a kernel matches a reference without fma (SwiGLU,
-# RoPE).
+# RoPE, the bias add).
 COMPILE_OPTIONS = MappingProxyType({"enable_fp_fusion": True})
 
 
@@ -255,7 +255,8 @@ _RING_SLOTS = Rule("an int >= 2 (ring slots: the tile read and at least one in f
 
 def knob(default, meaning: str, rule: Rule | None, factory: bool = False):
     """A kernel setting: its default, one-line meaning and rule (None: not settable from text; its family checks it
-    as a whole); ``factory`` for a mapping default (one per object). Its family is the dataclass that declares it."""
+    as a whole); ``factory`` for a mapping default (unhashable: dataclasses take it only from a factory, which returns
+    the declared mapping itself). Its family is the dataclass that declares it."""
     meta = {"meaning": meaning, "rule": rule}
     if factory:
         return field(default_factory=lambda: default, metadata=meta)
@@ -278,7 +279,8 @@ class GemmRouting:
       rows (its decode steps; 0: none), where a weight whose K is more than twice its N stays on the split-K decode
       kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs stay on the default route;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
-      to the decode kernel, ``decode_max_m_by_shape`` per-shape exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
+      to the decode kernel (a grouped launch at least ``decode_max_m``), ``decode_max_m_by_shape`` per-shape
+      exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
     * ``decode_gemm_pdl`` (on): on a Hopper or later GPU the decode GEMM is a programmatic dependent launch of the
       kernel that feeds it, and waits for its writes before it reads anything: the same bits either way
@@ -292,7 +294,8 @@ class GemmRouting:
     deepgemm_split_k_max_m: int = knob(128, "under gemm=deepgemm: up to this many rows a weight with K > 2N "
                                        "stays on the split-K decode kernel", _INT_TO_DECODE)
     decode_max_m: int = knob(64, "the most rows a single FP8 GEMM sends to the split-K decode kernel", _INT0)
-    grouped_decode_max_m: int = knob(64, "the same for a grouped launch (q/k/v, gate/up)", _INT0)
+    grouped_decode_max_m: int = knob(64, "the same for a grouped launch (q/k/v, gate/up); at least decode_max_m "
+                                         "applies", _INT0)
     decode_max_m_by_shape: Mapping[tuple, int] = knob(DECODE_MAX_M_BY_SHAPE, "per-shape exceptions to the two "
                                                       "bounds above", None, factory=True)
     decode_policies: tuple[DecodePolicy, ...] = knob(DECODE_POLICIES, "the decode GEMM's configs by rows", None)
