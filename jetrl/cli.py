@@ -46,7 +46,7 @@ from jetrl.rollout.sampling import MIN_TEMPERATURE
 from jetrl.evaluate import EVAL_REWARD_WORKERS, EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
 from jetrl.models import check_eos, export_model, resolve_device
 from jetrl.parallel import launched_rank
-from jetrl.plotting import default_plot_path, plot_runs
+from jetrl.plotting import default_plot_path, plot_runs, png_path
 from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.registries import check_config, configuration_reference
@@ -190,7 +190,7 @@ def _cmd_config_reference(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ sft
 
 def _cmd_sft(args: argparse.Namespace) -> None:
-    check_output_path(args.output_dir, "--output-dir", folder=True)
+    args.output_dir = check_output_path(args.output_dir, "--output-dir", folder=True)
     configure_threads(args.threads, EVAL_REWARD_WORKERS)
     config = SFTConfig(output_dir=args.output_dir, task=args.task, difficulty=args.difficulty, steps=args.steps,
                        batch_size=args.batch_size, lr=args.lr, seed=args.seed, eval_examples=args.eval_examples,
@@ -230,7 +230,7 @@ def _cmd_eval(args: argparse.Namespace) -> None:
     if args.k and max(args.k) > args.n:
         raise UsageError(f"pass@{max(args.k)} needs --n >= {max(args.k)} samples per prompt (now {args.n})")
     if args.output:
-        check_output_path(args.output, "--output")
+        args.output = check_output_path(args.output, "--output")
     dataset = build_prompt_dataset(_eval_data(args), seed=args.seed)  # data errors before the model is loaded
     build_reward_fn(RewardConfig(name=args.reward), default=dataset.reward)
     model, tokenizer = load_policy(model_path(args.model), args.recipe, args.device, args.dtype, args.max_tokens)
@@ -274,7 +274,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ plot, export
 
 def _cmd_plot(args: argparse.Namespace) -> None:
-    output = Path(args.output or default_plot_path(args.runs))
+    output = png_path(check_output_path(args.output, "--output") if args.output else default_plot_path(args.runs))
     existed = output.is_file()  # for one run, by default: the plot jetrl train wrote
     path = plot_runs(args.runs, output, labels=args.labels, smooth=args.smooth)
     print(path)

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -153,7 +154,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
 
 
 def write_samples(samples: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
-    """Write ``samples`` (:attr:`EvalResult.samples`) to ``path``, one JSON object a line."""
+    """Write ``samples`` (:attr:`EvalResult.samples`) to ``path``, one JSON object a line (its folder made)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         f.writelines(json.dumps(s) + "\n" for s in samples)
 

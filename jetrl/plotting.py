@@ -82,7 +82,7 @@ def load_run(run: str | Path, label: str | None = None) -> RunCurves:
         raise ValueError(f"{path} holds no logged steps yet")
     if label is None:
         recipe = _recipe_of(path.parent)
-        label = path.parent.name + (f" ({recipe})" if recipe else "")
+        label = path.resolve().parent.name + (f" ({recipe})" if recipe else "")  # "." names its folder
     return RunCurves(label, records)
 
 
@@ -183,6 +183,12 @@ def draw_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None, s
     return fig
 
 
+def png_path(output: str | Path) -> Path:
+    """The file a plot to ``output`` goes to: a name without a suffix gets ``.png``, as matplotlib adds it."""
+    output = Path(output)
+    return output if output.suffix else output.with_name(output.name + ".png")
+
+
 def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[str] | None = None,
               smooth: int | None = None, title: str | None = None) -> Path:
     """Draw the four panels for ``runs`` (folders or metrics files; :func:`draw_runs`) into the PNG ``output``,
@@ -190,12 +196,12 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Sequence[s
     fig = draw_runs(runs, labels=labels, smooth=smooth, title=title)
     import matplotlib.pyplot as plt
 
-    output = Path(output)
+    output = png_path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     plt.close(fig)
     return output
 
 
-__all__ = ["plot_runs", "draw_runs", "default_plot_path", "load_run", "summarize_run", "RunCurves", "moving_average",
-           "PANELS", "METRICS_FILE"]
+__all__ = ["plot_runs", "png_path", "draw_runs", "default_plot_path", "load_run", "summarize_run", "RunCurves",
+           "moving_average", "PANELS", "METRICS_FILE"]

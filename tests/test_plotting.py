@@ -61,3 +61,20 @@ def test_jetrl_plot_says_when_it_replaces_a_file(tmp_path, capsys):
     assert first.out.strip() == str(run / "curves.png") and "replaced" not in first.err
     assert main(["plot", str(run)]) == 0
     assert f"jetrl plot: replaced the existing {run / 'curves.png'}" in capsys.readouterr().err
+
+
+def test_jetrl_plot_names_the_file_it_wrote_and_the_run_it_plotted(tmp_path, capsys, monkeypatch):
+    """``-o NAME`` without a suffix writes NAME.png, and that is the path printed; a run given as ``.`` (or its
+    metrics file by bare name) is labelled by its folder's name, not an empty one; ``~`` is the home folder."""
+    from jetrl.cli import main
+    from jetrl.plotting import load_run
+
+    run = _run(tmp_path / "myrun", 3)
+    monkeypatch.chdir(run)
+    assert load_run(".").label.startswith("myrun") and load_run("metrics.jsonl").label.startswith("myrun")
+    assert main(["plot", ".", "-o", str(tmp_path / "out" / "plotout")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out" / "plotout.png")
+    assert (tmp_path / "out" / "plotout.png").is_file()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert main(["plot", ".", "-o", "~/figs/c.png"]) == 0
+    assert (tmp_path / "home" / "figs" / "c.png").is_file()

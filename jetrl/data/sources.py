@@ -60,9 +60,10 @@ def read_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict[str, Any
     return rows
 
 
-def check_output_path(path: str, what: str, folder: bool = False) -> None:
-    """A ValueError unless ``path`` can be written as a file (``folder``: made as a folder), naming it as ``what``
-    (e.g. the option that gave it): a command checks this before the work whose result goes there."""
+def check_output_path(path: str, what: str, folder: bool = False) -> str:
+    """``path`` with a leading ``~`` expanded, the path to write: a ValueError unless it can be written as a file
+    (``folder``: made as a folder; missing parent folders are made by the writer), naming it as ``what`` (e.g. the
+    option that gave it). A command checks this before the work whose result goes there."""
     target = Path(path).expanduser()
     if folder and target.is_file():
         raise ValueError(f"{what} {path} is a file; give a folder")
@@ -71,6 +72,7 @@ def check_output_path(path: str, what: str, folder: bool = False) -> None:
     existing = next(p for p in target.parents if p.exists())  # the nearest one there: "." or "/" at the latest
     if not existing.is_dir():
         raise ValueError(f"{what} {path} cannot be written: {existing} is not a folder")
+    return str(target)
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:

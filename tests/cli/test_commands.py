@@ -170,9 +170,9 @@ def test_eval_generate_and_export(tmp_path, capsys):
     assert "accuracy" in out and "pass@1" in out and "(greedy, bf16 recipe)" in out
 
     assert main(["eval", "--num-examples", "6", "--n", "4", "--temperature", "1.0", "--k", "2", "--k", "4",
-                 "--no-progress", "--output", str(tmp_path / "s.jsonl")]) == 0
+                 "--no-progress", "--output", str(tmp_path / "new" / "s.jsonl")]) == 0  # its folder made
     out = capsys.readouterr().out
-    assert "pass@4" in out and len(_records(tmp_path / "s.jsonl")) == 24
+    assert "pass@4" in out and len(_records(tmp_path / "new" / "s.jsonl")) == 24
 
     # the FP8 KV cache: refused before any work under a recipe that rolls out in BF16, runs under jet
     assert main(["eval", "--num-examples", "4", "--no-progress", "--kv-fp8"]) == 2

@@ -205,12 +205,16 @@ def test_packed_bf16_sft_learns_and_saves_fp32_masters(tmp_path):
         SFTConfig(micro_batch_tokens=0)
 
 
-def test_sft_command_names_the_recipe_of_its_accuracy(tmp_path, capsys):
+def test_sft_command_names_the_recipe_of_its_accuracy(tmp_path, capsys, monkeypatch):
+    """... and writes ``--output-dir ~/m`` into the home folder, as the shell and the config loader read ``~``."""
     from jetrl.cli import main
 
-    assert main(["sft", "--output-dir", str(tmp_path / "m"), "--steps", "2", "--batch-size", "4", "--eval-examples",
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["sft", "--output-dir", "~/m", "--steps", "2", "--batch-size", "4", "--eval-examples",
                  "2", "--checkpoint-every", "0", "--no-progress"]) == 0
     assert "greedy accuracy (bf16, 2 unseen)" in capsys.readouterr().out
+    assert (tmp_path / "m").is_dir() and not (tmp_path / "~").exists()
 
 
 def test_a_saved_setting_since_removed_does_not_block_resume():
