@@ -10,8 +10,8 @@ dtypes) come from the registries that own them; the one choice of the CLI's own 
 User errors (a missing file, a bad config key, an unknown dataset column, a tokenizer that lacks a
 needed special token or belongs to another model, an output folder that holds another run) print one
 ``jetrl: error: ...`` line and exit with status 2; a run stopped by failing rewards
-(:class:`~jetrl.data.reward_pool.RewardFailureError`) prints one line and exits with status 1. Set
-``JETRL_DEBUG=1`` to see the traceback instead. Warnings (Python's ``warnings.warn`` anywhere in jetrl)
+(:class:`~jetrl.data.reward_pool.RewardFailureError`) or a diverged SFT loss prints one line and exits with status
+1. Set ``JETRL_DEBUG=1`` to see the traceback instead. Warnings (Python's ``warnings.warn`` anywhere in jetrl)
 print as one ``jetrl: warning: ...`` line each; with ``JETRL_DEBUG=1`` in Python's own format.
 
 ``jetrl train --resume`` continues from the newest complete checkpoint in the output folder; with none
@@ -51,7 +51,7 @@ from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.registries import check_config, configuration_reference
 from jetrl.rl.loop import check_model, prepare_output_dir, run
-from jetrl.sft.train import SFT_DTYPES, SFT_RECIPE, SFTConfig, model_task, run_sft
+from jetrl.sft.train import SFT_DTYPES, SFT_RECIPE, SFTConfig, SFTDiverged, model_task, run_sft
 from jetrl.tables import text_table
 from jetrl.threads import configure_threads
 from jetrl.train_job import train_and_evaluate
@@ -484,14 +484,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jetrl: interrupted", file=sys.stderr)
         return 130
-    except (RewardFailureError, OSError, ValueError, TypeError, ImportError) as e:
+    except (RewardFailureError, SFTDiverged, OSError, ValueError, TypeError, ImportError) as e:
         if os.environ.get("JETRL_DEBUG"):
             raise
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         if isinstance(e, OSError) and e.filename:  # raised by the OS: "[Errno 20] Not a directory: 'x'"
             message = f"{e.filename}: {e.strerror or message}"
         print(f"jetrl: error: {message}", file=sys.stderr)
-        return RUN_FAILED if isinstance(e, RewardFailureError) else USAGE_ERROR
+        return RUN_FAILED if isinstance(e, (RewardFailureError, SFTDiverged)) else USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ SFT_RECIPE = "bf16"  # the precision recipe SFT trains and evaluates in (no FP8)
 SFT_DTYPES = ("float32", "bfloat16")  # training parameter and saved-weight dtypes (``dtype``, ``save_dtype``)
 
 
+class SFTDiverged(RuntimeError):
+    """The loss became NaN or infinite: the run stops (the learning rate is too high for the model)."""
+
+
 @dataclass
 class SFTConfig:
     """What to train on, the model's shape, the optimizer and the step budget.
@@ -78,7 +82,7 @@ class SFTConfig:
     batch_size: int = 64               # sequences per optimizer step
     lr: float = 3e-3
     min_lr_ratio: float = 0.1          # cosine decay floor
-    warmup_steps: int = 50
+    warmup_steps: int | None = None    # None: min(50, steps // 10), so a short run still reaches lr and decays
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0                      # weight init
@@ -93,6 +97,8 @@ class SFTConfig:
     dtype: str = "float32"             # training parameter dtype, one of SFT_DTYPES (bfloat16: fp32 master weights)
 
     def __post_init__(self) -> None:
+        if self.warmup_steps is None and isinstance(self.steps, int):
+            self.warmup_steps = min(50, self.steps // 10)
         if isinstance(self.difficulty, list):
             self.difficulty = tuple(self.difficulty)
         for name in ("steps", "batch_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -101,8 +107,8 @@ class SFTConfig:
             value, low = getattr(self, name), 0 if name == "checkpoint_every" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"sft: {name} must be an int >= {low}, got {value!r}")
-        if not self.lr > 0:
-            raise ValueError(f"sft: lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < float("inf"):
+            raise ValueError(f"sft: lr must be a finite number > 0, got {self.lr}")
         if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("sft: warmup_steps must be >= 0 and min_lr_ratio in [0, 1]")
         for name in ("save_dtype", "dtype"):
@@ -370,7 +376,7 @@ def _backward_step_loss(model: torch.nn.Module, examples: list[tuple[list[int], 
     total = 0.0
     for loss in losses:
         if not torch.isfinite(loss):
-            raise RuntimeError(f"sft: non-finite loss at step {step}; lower the learning rate")
+            raise SFTDiverged(f"sft: non-finite loss at step {step}; lower the learning rate")
         loss.backward()
         total += float(loss.detach())
     return total
@@ -409,6 +415,6 @@ def model_task(model_dir: str | os.PathLike) -> ModelTask | None:
     return ModelTask(task.name, steps, task.compact_format, task.example(0).prompt.strip())
 
 
-__all__ = ["SFT_DTYPES", "SFT_METRICS_FILE", "SFT_RECIPE", "ModelTask", "model_task", "SFTConfig", "SFTResult",
-           "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack", "pack_examples", "packed_answer_loss",
+__all__ = ["SFT_DTYPES", "SFT_METRICS_FILE", "SFT_RECIPE", "SFTDiverged", "ModelTask", "model_task", "SFTConfig",
+           "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack", "pack_examples", "packed_answer_loss",
            "lr_at", "format_duration"]

@@ -24,6 +24,15 @@ def test_targets_cover_solution_and_eos_only():
     assert (targets[1, :short_len - 1] == -1).all()
 
 
+def test_a_short_run_warms_up_for_a_tenth_of_its_steps_and_decays():
+    """The default warm-up is min(50, steps // 10): a 20-step run reaches lr at its third step and ends at the
+    floor (with 50 steps of warm-up it never reached a fifth of lr); a given warm-up is kept."""
+    short = SFTConfig(steps=20, lr=1e-3, min_lr_ratio=0.1)
+    assert short.warmup_steps == 2 and SFTConfig().warmup_steps == 50
+    assert lr_at(2, short) == pytest.approx(1e-3) and lr_at(20, short) == pytest.approx(1e-4)
+    assert SFTConfig(steps=20, warmup_steps=7).warmup_steps == 7
+
+
 def test_lr_schedule_warmup_then_cosine_floor():
     c = SFTConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr_ratio=0.1)
     assert lr_at(0, c) == pytest.approx(1e-4) and lr_at(9, c) == pytest.approx(1e-3)
@@ -229,3 +238,15 @@ def test_a_saved_setting_since_removed_does_not_block_resume():
     _check_same_run(saved, config, "ckpt")
     with pytest.raises(ValueError, match=r"other settings \(lr: 0.02 -> 0.01\)"):
         _check_same_run({**saved, "lr": 0.02}, config, "ckpt")
+
+
+def test_an_infinite_lr_is_refused_and_a_diverged_run_is_one_error_line(tmp_path, capsys):
+    from jetrl.cli import main
+
+    small = ["sft", "--output-dir", str(tmp_path / "m"), "--batch-size", "4", "--eval-examples", "2",
+             "--checkpoint-every", "0", "--no-progress"]
+    assert main([*small, "--steps", "2", "--lr", "inf"]) == 2
+    assert "lr must be a finite number > 0" in capsys.readouterr().err
+    assert main([*small, "--steps", "3", "--lr", "1e30"]) == 1  # the loss overflows: a run failure, no traceback
+    err = capsys.readouterr().err
+    assert "jetrl: error: sft: non-finite loss at step" in err and "Traceback" not in err
