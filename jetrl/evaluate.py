@@ -98,11 +98,15 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
         raise ValueError(f"greedy decoding (temperature 0) gives one answer per prompt; use n=1 or a temperature "
                          f"> 0 for n={n}")
     ks = sorted({int(k) for k in ks} | {1})
+    if ks[0] < 1:
+        raise ValueError(f"pass@k needs k >= 1, got k={ks[0]}")
     if ks[-1] > n:
         raise ValueError(f"pass@{ks[-1]} needs at least {ks[-1]} samples per prompt; raise n (now {n})")
     reward_name = reward or getattr(dataset, "reward", None)
     if reward_name is None:
         raise ValueError("the dataset names no reward function; pass one (e.g. --reward gsm8k)")
+    all_texts = [dataset.render(p, tokenizer) for p in dataset]  # every prompt checked before any is generated
+    all_ids = _encode_fitting(model, tokenizer, all_texts, max_tokens, [p.index for p in dataset])
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, batch_size * n)),
                            kv_fp8=kv_fp8)
     bar = Progress(len(dataset), "eval", unit="prompt", enabled=progress)
@@ -119,10 +123,10 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
         with RewardPool(reward_name, pool_config) as pool:
             for start in range(0, len(dataset), batch_size):
                 prompts = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
-                texts = [dataset.render(p, tokenizer) for p in prompts]
+                texts, batch_ids = all_texts[start:start + batch_size], all_ids[start:start + batch_size]
                 params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                          seed=(seed * 1_000_003 + start + i) % 2 ** 63) for i in range(len(texts))]
-                completions, outputs = _generate(engine, tokenizer, texts, params, [p.index for p in prompts])
+                completions, outputs = _generate(engine, tokenizer, batch_ids, params)
                 refs = [prompts[j // n].answer for j in range(len(completions))]
                 result = pool.score(outputs, refs)
                 guard.check(result)
@@ -160,17 +164,23 @@ def write_samples(samples: Sequence[dict[str, Any]], path: str | os.PathLike) ->
         f.writelines(json.dumps(s) + "\n" for s in samples)
 
 
-def _generate(engine: RolloutEngine, tokenizer: Any, texts: Sequence[str], params: Sequence[SamplingParams],
-              names: Sequence[Any]) -> tuple[list[Any], list[str]]:
-    """The engine's completions of the rendered prompts ``texts`` and their decoded texts; first, every prompt
-    (named ``names[i]`` in the error) plus its ``max_tokens`` must fit in the model's ``max_position_embeddings``."""
+def _encode_fitting(model: torch.nn.Module, tokenizer: Any, texts: Sequence[str], max_tokens: int,
+                    names: Sequence[Any]) -> list[list[int]]:
+    """The token ids of the rendered prompts ``texts``, each of which (named ``names[i]`` in the error) plus
+    ``max_tokens`` must fit in the model's ``max_position_embeddings``: checked for all before any generation."""
     ids = [encode_prompt(tokenizer, t) for t in texts]
-    context = engine.model.config.max_position_embeddings
-    for name, prompt, p in zip(names, ids, params):
-        if len(prompt) + p.max_tokens > context:
-            raise ValueError(f"prompt {name} has {len(prompt)} tokens; with max_tokens={p.max_tokens} that exceeds "
+    context = model.config.max_position_embeddings
+    for name, prompt in zip(names, ids):
+        if len(prompt) + max_tokens > context:
+            raise ValueError(f"prompt {name} has {len(prompt)} tokens; with max_tokens={max_tokens} that exceeds "
                              f"the model's context of {context} positions (max_position_embeddings); lower max_tokens")
-    completions = engine.generate(ids, params)
+    return ids
+
+
+def _generate(engine: RolloutEngine, tokenizer: Any, ids: Sequence[list[int]],
+              params: Sequence[SamplingParams]) -> tuple[list[Any], list[str]]:
+    """The engine's completions of the prompts ``ids`` and their decoded texts."""
+    completions = engine.generate(list(ids), params)
     return completions, [decode_completion(tokenizer, c.token_ids) for c in completions]
 
 
@@ -212,7 +222,8 @@ def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[str
     engine = RolloutEngine(model, tokenizer, progress=False, max_num_seqs=max(1, min(256, len(texts) * n)))
     params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i)
               for i in range(len(texts))]
-    _, outs = _generate(engine, tokenizer, texts, params, range(len(texts)))
+    _, outs = _generate(engine, tokenizer, _encode_fitting(model, tokenizer, texts, max_tokens, range(len(texts))),
+                        params)
     return [outs[i * n:(i + 1) * n] for i in range(len(texts))]
 
 

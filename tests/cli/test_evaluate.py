@@ -60,6 +60,22 @@ def test_greedy_with_several_samples_is_an_error(tiny):
         evaluate(model, tok, get_task("arithmetic", seed=1).dataset(2), n=4, temperature=0.0)
 
 
+def test_bad_k_and_a_late_long_prompt_stop_before_any_generation(tiny, monkeypatch):
+    """pass@0 and a prompt past the context in the last batch are errors before the first batch is generated (were:
+    found after generating the batches before them)."""
+    from jetrl.data import Prompt, PromptDataset
+    from jetrl.rollout import RolloutEngine
+
+    model, tok = tiny
+    monkeypatch.setattr(RolloutEngine, "generate", lambda *args, **kwargs: pytest.fail("generated"))
+    with pytest.raises(ValueError, match=r"pass@k needs k >= 1, got k=0"):
+        evaluate(model, tok, PromptDataset([Prompt(index=0, answer="1", text="1+0")], reward="arithmetic"), n=2,
+                 temperature=1.0, ks=(0, 2))
+    rows = [Prompt(index=i, answer="1", text="1+0") for i in range(9)] + [Prompt(index=9, answer="1", text="1+0" * 400)]
+    with pytest.raises(ValueError, match=r"^prompt 9 has \d+ tokens"):
+        evaluate(model, tok, PromptDataset(rows, reward="arithmetic"), batch_size=4, max_tokens=16)
+
+
 def test_held_out_accuracy_refuses_training_problems_and_files():
     from jetrl.config import RunConfig, load_config
     from jetrl.evaluate import EVAL_SEED, held_out_accuracy
