@@ -74,6 +74,18 @@ def _step_reporter(total: int, bar: Progress, log: Callable[[str], None] | None)
     return on_step
 
 
+def _recorded_before(path: Path, config: RunConfig, num_eval: int) -> float | None:
+    """The accuracy before training that an earlier part of this run wrote to ``path``, where it was measured as
+    this one would be (the same problems and recipe); else None."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    same = (recorded.get("num_examples"), recorded.get("recipe"), recorded.get("file")) == (
+        num_eval, config.recipe, config.data.eval_path)
+    return recorded.get("greedy_accuracy_before") if same else None
+
+
 def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoint: bool = False,
                        progress: bool = True, log: Callable[[str], None] = print) -> TrainJobResult:
     """Run RL as configured, with greedy accuracy on ``num_eval`` held-out problems before and after.
@@ -87,7 +99,9 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
     with run_settings(config):  # the evaluations compute with the run's threads and kernels too
         before = None
         resumes = config.trainer.resume and has_checkpoint(Path(config.trainer.output_dir) / CHECKPOINT_SUBDIR)
-        if num_eval and not resumes:  # a resume with nothing to resume from starts from the configured model
+        if num_eval and resumes:  # the run's own measurement before its first step, where it made the same one
+            before = _recorded_before(Path(config.trainer.output_dir) / EVAL_FILE, config, num_eval)
+        elif num_eval:  # a resume with nothing to resume from starts from the configured model
             log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems before training ...")
             before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)
         with Progress(config.trainer.steps, "train", unit="step", enabled=progress) as bar:

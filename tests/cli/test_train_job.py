@@ -144,7 +144,8 @@ def test_a_run_that_saved_no_checkpoint_reports_no_accuracy_after_it(tmp_path, m
 
 def test_a_resume_with_nothing_to_resume_measures_the_accuracy_before_training(tmp_path, monkeypatch, capsys):
     """``--resume`` into a folder without a checkpoint starts from the configured model (with a warning), so its
-    held-out accuracy before training is measured as a fresh run's is; a run that does resume skips it."""
+    held-out accuracy before training is measured as a fresh run's is; a run that does resume keeps the one its
+    first part recorded (was: dropped from eval.json and the summary)."""
     calls = []
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(train_job, "held_out_accuracy", lambda path, *args, **kwargs: calls.append(path) or 0.5)
@@ -153,5 +154,7 @@ def test_a_resume_with_nothing_to_resume_measures_the_accuracy_before_training(t
     assert len(calls) == 2 and "checkpoints" not in calls[0]  # before (the configured model) and after
     calls.clear()
     assert main(["train", "--resume", "--eval-examples", "2", "--no-progress", "--max-steps", "2",
-                 *TINY[3:]]) == 0  # resumes from step 1's checkpoint: no accuracy before
+                 *TINY[3:]]) == 0  # resumes from step 1's checkpoint: not measured again, the recorded one kept
     assert len(calls) == 1 and "checkpoints" in calls[0]
+    assert "0.500 -> 0.500" in capsys.readouterr().out
+    assert json.loads((tmp_path / "runs/tiny-default/eval.json").read_text())["greedy_accuracy_before"] == 0.5
