@@ -81,8 +81,9 @@ def configuration_reference() -> str:
 
     out = ["", "## Kernel settings", "",
            "`kernels: [KEY=VALUE, ...]` sets these for the whole run (the benchmarks' `--tuning` and arms take the "
-           "same). None changes a result's bits except the GEMM path, exact mode's K split (`exact_split_k`) and the "
-           "FP8-cache decode attention's tiles and splits (summation order); the rest are schedules. "
+           "same). None changes a result's bits except the GEMM path (with the routing bounds and the decode GEMM's "
+           "configs, whose K split is a summation order), exact mode's K split (`exact_split_k`) and the FP8-cache "
+           "decode attention's kernel, tiles and splits (summation order); the rest are schedules. "
            "What each does in depth: `jetrl.quant.kernels.tuning.KernelTuning`'s family docstrings.", ""]
     for family, rows in itertools.groupby(setting_docs(), key=lambda row: row[0]):
         out += ["", f"### {family[0].upper() + family[1:]}", "", "| setting | default | accepts | meaning |",
