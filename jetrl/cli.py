@@ -200,7 +200,7 @@ def _cmd_sft(args: argparse.Namespace) -> None:
     result = run_sft(config, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr),
                      resume=args.resume)
     print(text_table([("task", f"{config.task} (difficulty {config.difficulty})"), ("steps", str(result.steps)),
-                  ("parameters", f"{result.num_parameters:,}"), ("final loss", f"{result.final_loss:.4f}"),
+                  ("parameters", f"{result.num_parameters:,}"), ("final loss (EMA)", f"{result.final_loss:.4f}"),
                   (f"greedy accuracy ({SFT_RECIPE}, {config.eval_examples} unseen)", f"{result.accuracy:.3f}"),
                   ("time", f"{result.seconds:.0f} s"), ("checkpoint", result.output_dir)], title="jetrl sft: summary"))
 

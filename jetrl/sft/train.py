@@ -145,7 +145,7 @@ class SFTConfig:
 class SFTResult:
     output_dir: str
     steps: int
-    final_loss: float
+    final_loss: float  # the loss's moving average (0.95 per step) at the last step, as the progress bar shows it
     accuracy: float
     num_parameters: int
     seconds: float
