@@ -125,11 +125,21 @@ def default_plot_path(runs: Sequence[str | Path]) -> Path:
     first run, so that a comparison never replaces a run's own plot."""
     if not runs:
         raise ValueError("plot needs at least one run folder")
-    folders = [Path(r) if Path(r).is_dir() else Path(r).parent for r in runs]
+    folders = _folders(runs)
     if len(folders) == 1:
         return folders[0] / "curves.png"
-    names = "_vs_".join(f.resolve().name for f in folders)
+    names = "_vs_".join(_distinct_names(folders, "-"))
     return folders[0].resolve().parent / f"curves_{names}.png"
+
+
+def _folders(runs: Sequence[str | Path]) -> list[Path]:
+    return [Path(r) if Path(r).is_dir() else Path(r).parent for r in runs]
+
+
+def _distinct_names(folders: Sequence[Path], sep: str) -> list[str]:
+    """Each folder's name; where two runs share one (``a/seed0``, ``b/seed0``), its parent's name ``sep`` its own."""
+    names = [f.resolve().name for f in folders]
+    return [f"{f.resolve().parent.name}{sep}{n}" if names.count(n) > 1 else n for f, n in zip(folders, names)]
 
 
 def draw_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None, smooth: int | None = None,
@@ -144,6 +154,9 @@ def draw_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None, s
     if labels is not None and len(labels) != len(runs):
         raise ValueError(f"got {len(labels)} labels for {len(runs)} runs")
     curves = [load_run(r, labels[i] if labels else None) for i, r in enumerate(runs)]
+    if labels is None:  # runs in folders of the same name are told apart by their parents' names
+        for curve, folder, name in zip(curves, _folders(runs), _distinct_names(_folders(runs), "/")):
+            curve.label = name + curve.label[len(folder.resolve().name):]
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed

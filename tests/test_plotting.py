@@ -78,3 +78,19 @@ def test_jetrl_plot_names_the_file_it_wrote_and_the_run_it_plotted(tmp_path, cap
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert main(["plot", ".", "-o", "~/figs/c.png"]) == 0
     assert (tmp_path / "home" / "figs" / "c.png").is_file()
+
+
+def test_runs_in_folders_of_the_same_name_are_told_apart(tmp_path):
+    """``runs/a/seed0`` and ``runs/b/seed0`` get the legend labels ``a/seed0`` and ``b/seed0`` and the default file
+    ``curves_a-seed0_vs_b-seed0.png`` (were: ``seed0`` twice, ``curves_seed0_vs_seed0.png``)."""
+    from jetrl.plotting import default_plot_path, draw_runs
+
+    for parent in ("a", "b"):
+        (tmp_path / parent).mkdir()
+    pairs = [_run(tmp_path / parent / "seed0", 3) for parent in ("a", "b")]
+    fig = draw_runs(pairs)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["a/seed0", "b/seed0"]
+    assert default_plot_path(pairs).name == "curves_a-seed0_vs_b-seed0.png"
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
