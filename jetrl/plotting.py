@@ -69,8 +69,9 @@ def _recipe_of(run_dir: Path) -> str | None:
     return None
 
 
-def load_run(run: str | Path, label: str | None = None) -> RunCurves:
-    """Read a run's ``metrics.jsonl`` (a partial last line from a killed run is skipped)."""
+def load_run(run: str | Path, label: str | None = None, name: str | None = None) -> RunCurves:
+    """Read a run's ``metrics.jsonl`` (a partial last line from a killed run is skipped); labelled ``label``, else
+    ``name`` (default: the run folder's name) with the run's recipe."""
     path = _metrics_path(run)
     records = []
     for line in filter(str.strip, path.read_text().splitlines()):
@@ -82,7 +83,7 @@ def load_run(run: str | Path, label: str | None = None) -> RunCurves:
         raise ValueError(f"{path} holds no logged steps yet")
     if label is None:
         recipe = _recipe_of(path.parent)
-        label = path.resolve().parent.name + (f" ({recipe})" if recipe else "")  # "." names its folder
+        label = (name or path.resolve().parent.name) + (f" ({recipe})" if recipe else "")  # "." names its folder
     return RunCurves(label, records)
 
 
@@ -153,10 +154,8 @@ def draw_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None, s
         raise ValueError("plot needs at least one run folder")
     if labels is not None and len(labels) != len(runs):
         raise ValueError(f"got {len(labels)} labels for {len(runs)} runs")
-    curves = [load_run(r, labels[i] if labels else None) for i, r in enumerate(runs)]
-    if labels is None:  # runs in folders of the same name are told apart by their parents' names
-        for curve, folder, name in zip(curves, _folders(runs), _distinct_names(_folders(runs), "/")):
-            curve.label = name + curve.label[len(folder.resolve().name):]
+    names = _distinct_names(_folders(runs), "/")  # runs in folders of one name told apart by their parents'
+    curves = [load_run(r, labels[i] if labels else None, names[i]) for i, r in enumerate(runs)]
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed

@@ -264,4 +264,5 @@ class PhaseTimer:
 
 
 __all__ = ["METRICS_FILE", "TENSORBOARD_SUBDIR", "step_metrics", "global_engine_stats", "batch_metrics",
-           "logprob_metrics", "timing_metrics", "ENGINE_STATS", "JsonlWriter", "read_jsonl", "MetricsLogger", "PhaseTimer"]
+           "logprob_metrics", "timing_metrics", "ENGINE_STATS", "JsonlWriter", "read_jsonl", "MetricsLogger",
+           "PhaseTimer"]

@@ -416,5 +416,5 @@ def model_task(model_dir: str | os.PathLike) -> ModelTask | None:
 
 
 __all__ = ["SFT_DTYPES", "SFT_METRICS_FILE", "SFT_RECIPE", "SFTDiverged", "ModelTask", "model_task", "SFTConfig",
-           "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack", "pack_examples", "packed_answer_loss",
-           "lr_at", "format_duration"]
+           "SFTResult", "run_sft", "encode_example", "pad_batch", "answer_loss", "Pack", "pack_examples",
+           "packed_answer_loss", "lr_at", "format_duration"]
