@@ -37,24 +37,24 @@ from jetrl.config import DTYPES, DataConfig, RunConfig, load_config
 from jetrl.config.reference import commented_yaml
 from jetrl.config.schema import is_device
 from jetrl.data import (
-    DATASET_FORMATS, TASKS, RewardConfig, build_prompt_dataset, build_reward_fn, check_run_prompts, read_prompts,
+    DATASET_FORMATS, TASKS, RewardConfig, build_prompt_dataset, build_reward_fn, read_prompts,
 )
 from jetrl.data.sources import check_output_path
 from jetrl.data.tasks import STYLES
 from jetrl.data.reward_pool import RewardFailureError
 from jetrl.rollout.sampling import MIN_TEMPERATURE
 from jetrl.evaluate import EVAL_REWARD_WORKERS, EVAL_SEED, evaluate, generate_texts, load_policy, write_samples
-from jetrl.models import check_eos, export_model, resolve_device
+from jetrl.models import export_model, resolve_device
 from jetrl.parallel import launched_rank
 from jetrl.plotting import default_plot_path, plot_runs, png_path
 from jetrl.quant.recipe import RECIPES, kv_fp8_train
 from jetrl.quant.selfcheck import check_fp8_linear
 from jetrl.registries import check_config, configuration_reference
-from jetrl.rl.loop import check_model, prepare_output_dir, run
+from jetrl.rl.loop import prepare_output_dir, run
 from jetrl.sft.train import SFT_DTYPES, SFT_RECIPE, SFTConfig, SFTDiverged, model_task, run_sft
 from jetrl.tables import text_table
 from jetrl.threads import configure_threads
-from jetrl.train_job import train_and_evaluate
+from jetrl.train_job import check_train_job, train_and_evaluate
 
 USAGE_ERROR = 2
 RUN_FAILED = 1
@@ -135,22 +135,7 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
 
 def _cmd_train(args: argparse.Namespace) -> None:
     config = _train_config(args)
-    # everything that can be checked without the weights, before the evaluation that precedes training
-    held_out = config.data.task or config.data.eval_path
-    num_eval = args.eval_examples if args.eval_examples is not None else (200 if held_out else 0)
-    if num_eval and not held_out:
-        raise UsageError("--eval-examples measures held-out accuracy on a built-in task (data.task) or a held-out "
-                         "file (data.eval_path, e.g. GSM8K's test split)")
-    if config.data.eval_path and not config.data.path:
-        raise UsageError("data.eval_path holds the held-out rows of a run on a file: set data.path too")
-    if num_eval and config.data.eval_path:
-        config.data.eval_path = existing_path(config.data.eval_path, "held-out file", "set data.eval_path to a JSONL "
-                                              "or Parquet file, or pass --eval-examples 0 to skip the evaluation")
-    check_config(config)  # the names it gives (task, format, reward, ...), a model and prompts
-    resolve_device(config.model.device)
-    folder, _, tokenizer = check_model(config)
-    check_eos(tokenizer, config.model.tokenizer or folder, folder)
-    num_eval = check_run_prompts(config.data, config.trainer.seed, tokenizer, num_eval)  # all read, all tokenized
+    num_eval = check_train_job(config, args.eval_examples)  # before the evaluation that precedes training
     # under torchrun every rank runs this command; rank 0 alone prepares the folder, evaluates and reports
     if launched_rank() != 0:
         run(config, require_checkpoint=args.resume == "must")
@@ -207,14 +192,23 @@ def _cmd_sft(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------------------ eval
 
+_TASK_OPTIONS, _FILE_OPTIONS = ("task", "difficulty", "task_style"), ("format", "prompt_column", "answer_column")
+
+
 def _eval_data(args: argparse.Namespace) -> DataConfig:
-    """The prompts to evaluate on, as a data section: a file (``--data``) or a built-in task."""
+    """The prompts to evaluate on, as a data section: a file (``--data``) or a built-in task; an option of the other
+    kind is an error (it would be ignored)."""
+    other = [f"--{o.replace('_', '-')}" for o in (_TASK_OPTIONS if args.data else _FILE_OPTIONS)
+             if vars(args)[o] is not None]
+    if other:
+        raise UsageError(f"{', '.join(other)} " + ("choose a built-in task, not --data's file" if args.data else
+                                                   "describe a --data file (none given)"))
     if args.data:
         path = existing_path(args.data, "data file", "give a JSONL or Parquet file")
-        return DataConfig(path=path, format=args.format, prompt_column=args.prompt_column,
+        return DataConfig(path=path, format=args.format or "custom", prompt_column=args.prompt_column,
                           answer_column=args.answer_column, reward=args.reward, max_examples=args.num_examples)
-    return DataConfig(task=args.task, difficulty=args.difficulty, task_style=args.task_style,
-                      num_examples=args.num_examples or 200)
+    return DataConfig(task=args.task or "arithmetic", difficulty=3 if args.difficulty is None else args.difficulty,
+                      task_style=args.task_style or "compact", num_examples=args.num_examples or 200)
 
 
 def _check_greedy_n(args: argparse.Namespace) -> None:
@@ -400,14 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="accuracy of a checkpoint on a task or dataset (greedy or sampled, pass@k)")
     _add_model_args(p)
-    p.add_argument("--task", default="arithmetic", choices=sorted(TASKS), help="built-in task (when no --data)")
-    p.add_argument("--difficulty", type=int, default=3)
-    p.add_argument("--task-style", default="compact", choices=STYLES,
-                   help="compact (the embedded model's) or natural (an English instruction, for pretrained models)")
+    p.add_argument("--task", choices=sorted(TASKS), help="built-in task (when no --data; default arithmetic)")
+    p.add_argument("--difficulty", type=int, help="the task's difficulty (default 3)")
+    p.add_argument("--task-style", choices=STYLES, help="compact (the embedded model's; default) or natural (an "
+                   "English instruction, for pretrained models)")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="task seed of the evaluation problems")
     p.add_argument("--num-examples", type=_positive, default=None, help="problems (task default 200; file: all rows)")
     p.add_argument("--data", default=None, help="JSONL/Parquet prompt file instead of a task")
-    p.add_argument("--format", default="custom", choices=sorted(DATASET_FORMATS), help="layout of the --data file")
+    p.add_argument("--format", choices=sorted(DATASET_FORMATS), help="layout of the --data file (default custom)")
     p.add_argument("--prompt-column", default=None)
     p.add_argument("--answer-column", default=None)
     p.add_argument("--reward", default=None, help="reward name or package.module:function (default: the data's)")

@@ -4,7 +4,8 @@ Around :func:`jetrl.rl.loop.run` it adds what a finished run is judged by: greed
 problems before training (skipped when the run resumes from a checkpoint, whose starting weights are not the
 configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``; the run's
 curves in ``<output_dir>/curves.png``; and its summary rows. It is a separate module because the RL stage
-imports neither the evaluation nor the plotting.
+imports neither the evaluation nor the plotting. :func:`check_train_job` makes the command's checks before a model
+loads.
 
 Under torchrun only rank 0 calls it, after preparing the output folder
 (:func:`jetrl.rl.loop.prepare_output_dir`); the other ranks call :func:`jetrl.rl.loop.run` with the
@@ -19,11 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from jetrl.asset_files import existing_path
 from jetrl.config import RunConfig
+from jetrl.data import check_run_prompts
 from jetrl.evaluate import EVAL_SEED, held_out_accuracy
+from jetrl.models import check_eos, resolve_device
 from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
 from jetrl.progress import Progress
-from jetrl.rl.loop import EVAL_FILE, PLOT_FILE, run, run_settings
+from jetrl.registries import check_config
+from jetrl.rl.loop import EVAL_FILE, PLOT_FILE, check_model, run, run_settings
 from jetrl.train.checkpoint import CHECKPOINT_SUBDIR, latest_checkpoint
 from jetrl.train.policy import has_checkpoint
 
@@ -86,6 +91,28 @@ def _recorded_before(path: Path, config: RunConfig, num_eval: int) -> float | No
     return recorded.get("greedy_accuracy_before") if same else None
 
 
+def check_train_job(config: RunConfig, eval_examples: int | None = None) -> int:
+    """What ``jetrl train`` checks before any weight loads: the config's names (task, format, reward, ...), the
+    device, the model's config and tokenizer (with its end-of-sequence token), and every prompt read and tokenized
+    against the context; returns the number of held-out problems to evaluate on (``eval_examples``; ``None``: 200
+    where the run has a task or a held-out file, else 0), raising ValueError for a count the data cannot give."""
+    held_out = config.data.task or config.data.eval_path
+    num_eval = eval_examples if eval_examples is not None else (200 if held_out else 0)
+    if num_eval and not held_out:
+        raise ValueError("--eval-examples measures held-out accuracy on a built-in task (data.task) or a held-out "
+                         "file (data.eval_path, e.g. GSM8K's test split)")
+    if config.data.eval_path and not config.data.path:
+        raise ValueError("data.eval_path holds the held-out rows of a run on a file: set data.path too")
+    if num_eval and config.data.eval_path:
+        config.data.eval_path = existing_path(config.data.eval_path, "held-out file", "set data.eval_path to a JSONL "
+                                              "or Parquet file, or pass --eval-examples 0 to skip the evaluation")
+    check_config(config)
+    resolve_device(config.model.device)
+    folder, _, tokenizer = check_model(config)
+    check_eos(tokenizer, config.model.tokenizer or folder, folder)
+    return check_run_prompts(config.data, config.trainer.seed, tokenizer, num_eval)
+
+
 def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoint: bool = False,
                        progress: bool = True, log: Callable[[str], None] = print) -> TrainJobResult:
     """Run RL as configured, with greedy accuracy on ``num_eval`` held-out problems before and after.
@@ -126,4 +153,4 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
     return result
 
 
-__all__ = ["TrainJobResult", "train_and_evaluate", "PLOT_FILE", "EVAL_FILE"]
+__all__ = ["TrainJobResult", "check_train_job", "train_and_evaluate", "PLOT_FILE", "EVAL_FILE"]

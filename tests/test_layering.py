@@ -32,8 +32,10 @@ ALLOWED = {
     "asset_files": set(),
     "bench_scripts": set(),
     "tables": set(),
-    # an RL run with its held-out check and plot: the RL loop plus what rl itself may not import
-    "train_job": {"config", "evaluate", "plotting", "jetrl.rl.loop", "train"},
+    # an RL run with its held-out check and plot (the RL loop plus what rl itself may not import), and the checks
+    # jetrl train makes before a model loads
+    "train_job": {"config", "evaluate", "plotting", "jetrl.rl.loop", "train", "registries", "models", "data",
+                  "asset_files"},
     # every registry a config field names, for the configuration reference and `jetrl config check`
     "registries": {"config", "quant", "data", "rl", "train"},
     "cli": {"quant", "models", "parallel", "rollout", "data", "config", "rl", "evaluate", "sft", "plotting",

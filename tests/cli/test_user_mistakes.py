@@ -145,6 +145,23 @@ def test_eval_options_are_checked_before_the_model_loads(no_model, capsys):
     assert msg == "jetrl: error: --output afile/samples.jsonl cannot be written: afile is not a folder"
 
 
+def test_eval_options_of_the_other_data_mode_are_errors(no_model, capsys):
+    """A task's options with --data, or a file's without it, were silently ignored (the run evaluated something
+    else than asked)."""
+    data = _jsonl(no_model / "p.jsonl", [{"prompt": "1+1\n", "answer": "2"}])
+    msg = _error(capsys, ["eval", "--data", data, "--task", "chain", "--difficulty", "0"])
+    assert msg == "jetrl: error: --task, --difficulty choose a built-in task, not --data's file"
+    msg = _error(capsys, ["eval", "--prompt-column", "question", "--format", "custom"])
+    assert msg == "jetrl: error: --format, --prompt-column describe a --data file (none given)"
+
+
+def test_eval_examples_need_something_held_out(no_model, capsys):
+    data = _jsonl(no_model / "p.jsonl", [{"prompt": "1+1\n", "answer": "2"}])
+    msg = _error(capsys, ["train", *FILE_RUN, f"--data.path={data}", "--eval-examples", "3", *SMALL])
+    assert msg.startswith("jetrl: error: --eval-examples measures held-out accuracy on a built-in task")
+    assert not (no_model / "runs").exists()
+
+
 def test_sft_into_a_file_says_so(no_model, capsys):
     (no_model / "afile").write_text("")
     msg = _error(capsys, ["sft", "--output-dir", "afile", "--steps", "1"])
