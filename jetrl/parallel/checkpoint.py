@@ -72,8 +72,6 @@ def load_sharded(folder: str | Path, model: nn.Module, optimizer_state: dict[str
     with _one_process_is_intended():
         dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
-    if optimizer_state is not None:
-        _copy_into(optimizer_state, state["optim"])
 
 
 class ShardedWriteError(RuntimeError):
@@ -152,17 +150,6 @@ def _one_process_is_intended() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized, assuming the intent")
         yield
-
-
-@torch.no_grad()
-def _copy_into(target: dict[str, Any], loaded: dict[str, Any]) -> None:
-    """Make sure ``target``'s tensors hold ``loaded``'s values (DCP loads in place; this covers any
-    value it replaced instead)."""
-    for key, value in loaded.items():
-        if isinstance(value, dict):
-            _copy_into(target[key], value)
-        elif isinstance(value, torch.Tensor) and value is not target[key]:
-            target[key].copy_(value)
 
 
 __all__ = ["save_sharded", "load_sharded", "check_metadata", "UnsafeCheckpointError", "ShardedWriteError",
