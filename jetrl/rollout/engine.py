@@ -104,9 +104,7 @@ class RolloutEngine:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         config.check_context(self.max_model_len, "RolloutEngine max_model_len")
         # DecoderConfig.eos_token_ids is [] (not None) when the config names none: fall back then too
-        eos = config.eos_token_ids or None
-        if eos is None and tokenizer is not None:
-            eos = getattr(tokenizer, "eos_token_id", None)
+        eos = config.eos_token_ids or getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or ()))
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -248,8 +246,7 @@ class RolloutEngine:
     def _stop_string_hit(self, seq: Sequence) -> bool:
         """Whether a stop string occurs in the decoded tail of ``seq``'s output (decoding only a short tail)."""
         longest = max(len(s) for s in seq.params.stop)
-        tail = seq.output_ids[-(4 * longest + 4):]
-        text = self.tokenizer.decode(tail)
+        text = self.tokenizer.decode(seq.output_ids[-(4 * longest + 4):])
         return any(s in text for s in seq.params.stop)
 
 

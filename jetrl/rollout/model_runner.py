@@ -177,8 +177,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         first = next(p for p in model.parameters() if p.is_floating_point())
-        self.device = first.device
-        self.dtype = first.dtype
+        self.device, self.dtype = first.device, first.dtype
         self.memory_budget = memory_budget
         self.requested_num_blocks = num_blocks
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -293,9 +292,6 @@ class ModelRunner:
                 self._decode_eagerly(exc, stacklevel=3)
         self._tables = BlockTableMirror(seqs, self.max_blocks_per_seq)
 
-    def _forward(self, input_ids, positions, meta, logits_indices):
-        return self.model.forward_paged(input_ids, positions, meta, self.kv_cache, logits_indices, exact=self.exact)
-
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src, dst = to_device(torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long),
                              self.device)
@@ -385,8 +381,8 @@ class ModelRunner:
                 meta = PagedAttentionMetadata(
                     query_start_loc=qsl_t, context_lens=ctx_t, block_tables=table_t, slot_mapping=slots_t,
                     max_query_len=max(c.num_tokens for c in out.chunks), max_context_len=max(ctx) + j)
-                rows = None if out.is_decode else rows_t
-                logits = self._forward(ids_t, pos_t, meta, rows)
+                logits = self.model.forward_paged(ids_t, pos_t, meta, self.kv_cache, None if out.is_decode else rows_t,
+                                                  exact=self.exact)
                 if batch is None:  # prefill chunks that end mid-prompt: nothing to sample this step
                     return step
             tokens, logprobs = sample(logits, batch, exact=self.exact)

@@ -86,14 +86,11 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
-        # None (vLLM's default for both) means none
-        if self.stop_token_ids is None:
-            object.__setattr__(self, "stop_token_ids", ())
-        if self.stop is None:
-            object.__setattr__(self, "stop", ())
+        for name in ("stop_token_ids", "stop"):  # None (vLLM's default for both) means none
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.stop_token_ids, (str, int)):
-            raise TypeError("SamplingParams.stop_token_ids must be a sequence of ints, "
-                            f"got {self.stop_token_ids!r}")
+            raise TypeError(f"SamplingParams.stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[...]", t)
@@ -245,15 +242,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, impl: str | None = None, 
             scores = scores.masked_fill(_truncation_mask(scaled, batch.top_k, batch.top_p), float("-inf"))
         uniform = None  # not all_greedy: some row is seeded or unseeded
         if batch.any_seeded:
-            uniform = seeded_uniform(batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position,
-                                     logits.shape[-1])
+            uniform = seeded_uniform(batch.seed_lo, batch.seed_hi, batch.sample_index, batch.position, logits.shape[-1])
         if batch.any_unseeded_random:
             noise = torch.rand_like(scores).clamp_(min=2.0 ** -25, max=1.0 - 2.0 ** -24)  # float32 below 1
             uniform = noise if uniform is None else torch.where(batch.is_seeded[:, None], uniform, noise)
         gumbel = -torch.log(-torch.log(uniform))
         tokens = torch.where(greedy, logits.argmax(dim=-1), (scores + gumbel).argmax(dim=-1))
-    logprobs = logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
+    return tokens, logprobs_full.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 __all__ = ["SamplingParams", "SamplingBatch", "sample", "seeded_uniform", "to_device"]

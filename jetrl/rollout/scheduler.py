@@ -115,9 +115,7 @@ class Scheduler:
         """The next step: prefill chunks if any can run, else a decode step, or a run of up to
         ``decode_steps`` decode steps (see the module doc)."""
         out = self._schedule_prefill()
-        if out.chunks:
-            return out
-        return self._schedule_decode(*self._run_plan(decode_steps))
+        return out if out.chunks else self._schedule_decode(*self._run_plan(decode_steps))
 
     def _schedule_prefill(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -279,16 +277,13 @@ class Scheduler:
                 raise RuntimeError(f"{seq!r}: no {own} sampled tokens are pending (scheduler bug)")
             del seq.token_ids[index:]  # appended back one by one: a stop string sees the output up to its token
             del seq.logprobs[index - seq.num_prompt_tokens:]
-            stopped = False
             for j in range(own):
                 token = tokens[j * width + i]
                 seq.append(token, logprobs[j * width + i])
                 kept += 1
-                stopped = token in seq.stop_ids or (is_stopped is not None and bool(seq.params.stop)
-                                                    and is_stopped(seq))
-                if stopped:
+                if token in seq.stop_ids or (is_stopped is not None and bool(seq.params.stop) and is_stopped(seq)):
                     break
-            if not stopped:
+            else:  # no stop
                 continue
             if seq.is_finished:  # also at its length limit: a stop says more
                 seq.finish_reason = "stop"
