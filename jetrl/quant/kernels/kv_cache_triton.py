@@ -110,9 +110,7 @@ def _launch(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
     block_d = triton.next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](
         k, v, slot_mapping, k_cache, v_cache, *scales[:2],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), *scales[2:],
+        *k.stride()[:2], *v.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *scales[2:],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=k_cache.shape[1], BLOCK_H=block_h, BLOCK_D=block_d,
         QUANT=quant, num_warps=4 if block_h * block_d >= 1024 else 1, **COMPILE_OPTIONS)
 

@@ -397,18 +397,14 @@ def paged_decode(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: to
     tokens_per_split = -(-tokens_per_split // block_n) * block_n
     block_d = triton.next_power_of_2(head_dim)
     block_g = max(16, triton.next_power_of_2(group))
-    tables = meta.block_tables
-    ctx = meta.context_lens
+    tables, ctx = meta.block_tables, meta.context_lens
     out = torch.empty_like(q)
     part_acc, part_ml = split_partials(out, splits, block_d)
     grid = (num_kv_heads, num_seqs, splits) if head_major else (num_seqs, num_kv_heads, splits)
     _paged_decode_kernel[grid](
         q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, ctx, out, part_acc, part_ml,
-        float(softmax_scale) * LOG2E, tokens_per_split,
-        q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
-        v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
-        v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1),
+        float(softmax_scale) * LOG2E, tokens_per_split, *q.stride()[:2], *k_cache_layer.stride()[:3],
+        *v_cache_layer.stride()[:3], *k_scale.stride()[:3], *v_scale.stride()[:3], tables.stride(0), *out.stride()[:2],
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, NUM_SPLITS=splits, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, FP8=fp8, FACTORED=factored, SHARED_OFFSETS=shared_offsets,
         WIDE_OFFSETS=wide_offsets, HEAD_MAJOR=head_major, WHILE_LOOP=_INTERPRETED,

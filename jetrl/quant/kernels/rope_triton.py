@@ -114,8 +114,7 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     _rope_qk_kernel[(n, num_qb + num_kb)](
         q, k, q_out, k_out, cos, sin,
         hq, hk, half, num_qb,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
         BACKWARD=backward,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
         num_warps=4, enable_fp_fusion=False,
