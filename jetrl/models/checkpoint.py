@@ -130,10 +130,9 @@ def load_weights(model: DecoderLM, folder: str) -> None:
     loaded, unexpected = set(), []
     with torch.no_grad():
         for name in weight_map:
-            if name.endswith(SCALE_SUFFIX) or name.endswith(IGNORED_TENSOR_SUFFIXES):
+            # (some tied checkpoints store the shared matrix twice, as lm_head.weight too)
+            if name.endswith((SCALE_SUFFIX, *IGNORED_TENSOR_SUFFIXES)) or (tied and name == "lm_head.weight"):
                 continue
-            if tied and name == "lm_head.weight":
-                continue  # some tied checkpoints store the shared matrix twice
             if name not in params:
                 unexpected.append(name)
                 continue

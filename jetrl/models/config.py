@@ -28,11 +28,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
 # transformers' defaults (LlamaConfig, Qwen2Config, Qwen3Config) for the fields whose absence a config.json may rely
 # on and where DecoderConfig's own default differs
@@ -241,17 +237,15 @@ class DecoderConfig:
                              f"{self.qkv_bias}, o_proj_bias={self.o_proj_bias}")
         if self.qk_norm != (self.model_type == "qwen3"):
             raise ValueError("q/k RMSNorm is what distinguishes qwen3; it cannot be toggled on another family")
-        hf: dict[str, Any] = dict(self.extra)
-        hf.update({
-            "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+        hf: dict[str, Any] = {
+            **self.extra, "architectures": [self.architecture], "model_type": self.model_type,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-        })
+            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu", "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+        }
         if self.model_type != "qwen2":
             hf["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":

@@ -273,8 +273,7 @@ def logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, tem
         raise ValueError(f"targets hold ids >= the vocabulary size {weight.shape[0]}")
     keep = False  # without autograd nothing is kept
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        budget = keep_logits_bytes if keep_logits_bytes is not None else (
-            KEEP_LOGITS_BYTES if chosen == "triton" else 0)
+        budget = keep_logits_bytes if keep_logits_bytes is not None else KEEP_LOGITS_BYTES if chosen == "triton" else 0
         keep = hidden.shape[0] * weight.shape[0] * hidden.element_size() <= budget
     return _LMHeadLogprobs.apply(hidden, weight, targets, temperature, size, chosen, keep, exact)
 

@@ -68,8 +68,7 @@ class _RopeQK(torch.autograd.Function):
         from jetrl.quant.kernels import rope_triton
 
         cos, sin = ctx.saved_tensors
-        grad_q, grad_k = rope_triton.rope_qk(grad_q, grad_k, cos, sin, backward=True)
-        return grad_q, grad_k, None, None
+        return (*rope_triton.rope_qk(grad_q, grad_k, cos, sin, backward=True), None, None)
 
 
 def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,

@@ -33,18 +33,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from jetrl.models.attention import (
-    PagedAttentionMetadata,
-    PagedKVCache,
-    _seq_lengths,
-    exact_attention,
-    exact_varlen_attention,
-    fake_quantize_kv,
-    packed_as_paged,
-    paged_attention,
-    plan_exact_attention,
-    varlen_attention,
-    varlen_attention_on_device,
-    write_kv,
+    PagedAttentionMetadata, PagedKVCache, _seq_lengths, exact_attention, exact_varlen_attention, fake_quantize_kv,
+    packed_as_paged, paged_attention, plan_exact_attention, varlen_attention, varlen_attention_on_device, write_kv,
 )
 from jetrl.models.config import DecoderConfig
 from jetrl.models.rope import apply_rope, apply_rope_qk
@@ -376,8 +366,7 @@ def _packed_attend(cu_seqlens: list[int], exact: bool = False) -> Attend:
     def attend(layer_idx: int, q, k, v, softmax_scale: float) -> torch.Tensor:
         if exact:
             if q.device not in metas and q.shape[0]:
-                metas[q.device] = plan_exact_attention(packed_as_paged(cu_seqlens, q.device), q, q.shape[1],
-                                                       k.shape[1])
+                metas[q.device] = plan_exact_attention(packed_as_paged(cu_seqlens, q.device), q, q.shape[1], k.shape[1])
             return exact_varlen_attention(q, k, v, cu_seqlens, softmax_scale, metas.get(q.device))
         if q.is_cuda and q.device not in offsets:  # pinned and asynchronous: a pageable copy would sync the stream
             offsets[q.device] = torch.tensor(cu_seqlens, dtype=torch.int32).pin_memory().to(q.device, non_blocking=True)

@@ -236,8 +236,7 @@ def use_backend(name: str) -> Iterator[None]:
 # the fused kernels
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the float dtypes the fused kernels take
-FUSED_OPS = ("rms_norm", "swiglu", "rope", "logprobs", "paged_decode", "seeded_sample", "exact_attention",
-             "kv_write")
+FUSED_OPS = ("rms_norm", "swiglu", "rope", "logprobs", "paged_decode", "seeded_sample", "exact_attention", "kv_write")
 IMPLS = ("reference", "triton")
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("jetrl_fused_impl", default=None)
 

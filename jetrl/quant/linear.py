@@ -126,8 +126,7 @@ class FP8Linear(nn.Linear):
             return None
         self.copy_weight_(value)
         rest = {k: v for k, v in state_dict.items() if k != key}
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         if key in missing_keys:
             missing_keys.remove(key)
         return None
@@ -146,8 +145,7 @@ class FP8Linear(nn.Linear):
         if self._master is not None:
             raise ValueError(f"{self!r} dropped its BF16 weight (its values are its optimizer's fp32 master): a plain "
                              f"nn.Linear cannot share it; change the recipe before training starts")
-        return _sharing(nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta"),
-                        self)
+        return _sharing(nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta"), self)
 
     def uses_fp8(self) -> bool:
         """Whether the current side runs this layer in FP8."""
@@ -196,9 +194,7 @@ class FP8Linear(nn.Linear):
         buffers where the weight moved); no copy is made that the layer did not hold. Without ``transposes`` the
         W^T copies are left out of the list (a forward reads W alone): what a captured decode graph reads, and
         where."""
-        for holder, members in self._holders():
-            if holder._qweight is not None:
-                _stacked_weights(holder, members, with_transpose=holder._qweight_t is not None)
+        self.refresh_cached_weights()
         if transposes:
             return self.cached_fp8_tensors()
         return [holder._qweight for holder, _ in self._holders() if holder._qweight is not None]

@@ -32,15 +32,12 @@ def _fprop(x: torch.Tensor, w_data: torch.Tensor, w_scale: torch.Tensor, pow2_sc
            biases: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> tuple[torch.Tensor, Fp8Tensor]:
     """Fprop: ``(y, x's 1x128 quantization)``, y = x @ W^T (+ the biases side by side) from W's FP8 form."""
     backend = get_backend(x.device)
-    if xq_data is not None:  # x's 1x128 quantization, made by the op that produced x (a fused kernel)
-        qx = Fp8Tensor(xq_data, xq_scale, ACT)
-    else:
-        qx = backend.quantize(x, ACT, pow2_scale)
+    # xq_data / xq_scale: x's 1x128 quantization, made by the op that produced x (a fused kernel)
+    qx = Fp8Tensor(xq_data, xq_scale, ACT) if xq_data is not None else backend.quantize(x, ACT, pow2_scale)
     # exact mode: each row's sum in the same order whatever M is (the backward stays the fast one)
     y = (backend.gemm_exact if exact else backend.gemm)(qx, Fp8Tensor(w_data, w_scale, WEIGHT), out_dtype=x.dtype)
     if biases:
-        bias = biases[0] if len(biases) == 1 else torch.cat(biases)
-        y = backend.add_bias(y, bias)
+        y = backend.add_bias(y, biases[0] if len(biases) == 1 else torch.cat(biases))
     return y, qx
 
 
@@ -77,10 +74,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         num_weights = len(ctx.widths)
         needs_w = any(ctx.needs_input_grad[10:10 + num_weights])
-        grad_x = None
+        grad_x = qg = qg_tok = None
         grad_ws: list[torch.Tensor | None] = [None] * num_weights
         grad_bs: list[torch.Tensor | None] = [None] * len(ctx.bias_dtypes)
-        qg = qg_tok = None
         if ctx.needs_input_grad[0] and needs_w:
             # one read of grad_out; the 128x1 operands of WGrad have zero rows to a multiple of 128 tokens
             qg, qg_tok = backend.quantize_act_and_token(grad_out, ctx.pow2_scale, whole_blocks=True)

@@ -11,17 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.quant.formats import (
-    ACT,
-    AMAX_EPS,
-    E4M3,
-    E4M3_MAX,
-    WEIGHT,
-    Block,
-    Fp8Tensor,
-    check_block,
-    dequantize,
-    expand_scale,
-    scale_shape,
+    ACT, AMAX_EPS, E4M3, E4M3_MAX, WEIGHT, Block, Fp8Tensor, check_block, dequantize, expand_scale, scale_shape,
 )
 
 __all__ = ["quantize", "quantize_tensor", "pad_to_whole_blocks", "dequantize", "expand_scale", "requantize", "gemm",
@@ -125,9 +115,8 @@ def check_gemm_operands(a: Fp8Tensor, b: Fp8Tensor) -> None:
     if b.block not in (ACT, WEIGHT):
         raise ValueError(f"FP8 GEMM: the right operand must have (1, 128) or (128, 128) blocks, got {b.block}")
     if a.shape[1] != b.shape[1]:
-        raise ValueError(
-            f"FP8 GEMM: contraction dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (computes a @ b.T)"
-        )
+        raise ValueError(f"FP8 GEMM: contraction dims differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
+                         "(computes a @ b.T)")
 
 
 def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

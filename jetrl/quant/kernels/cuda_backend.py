@@ -32,14 +32,11 @@ import torch
 from jetrl.quant import reference
 from jetrl.quant.backend import KERNEL_DTYPES, GemmWeight
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
-from jetrl.quant.kernels import bias_triton
+from jetrl.quant.kernels import bias_triton, gemm_exact_triton, gemm_triton, quantize_gluon, tuning
 from jetrl.quant.kernels import gemm_decode_triton as dk
 from jetrl.quant.kernels import gemm_deepgemm as deepgemm
 from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
-from jetrl.quant.kernels import gemm_exact_triton, gemm_triton
-from jetrl.quant.kernels import quantize_gluon
 from jetrl.quant.kernels import quantize_triton as tk
-from jetrl.quant.kernels import tuning
 
 
 def uses_gluon(x: torch.Tensor) -> bool:
@@ -192,9 +189,8 @@ class CudaBackend:
         for w in weights:
             reference.check_gemm_operands(a, w)
         _check_cuda(a.data, "the left operand")
-        bias_list = [b.to(out_dtype) if b is not None else None for b in biases]
-        return dk.fp8_decode_gemm_grouped(a.data, a.scale, [(w.data, w.scale, b) for w, b in zip(weights, bias_list)],
-                                          out_dtype)
+        operands = [(w.data, w.scale, b.to(out_dtype) if b is not None else None) for w, b in zip(weights, biases)]
+        return dk.fp8_decode_gemm_grouped(a.data, a.scale, operands, out_dtype)
 
     def add_bias(self, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """In place by :mod:`~jetrl.quant.kernels.bias_triton` (ATen's broadcast add takes its slow generic loop);

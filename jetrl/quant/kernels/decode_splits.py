@@ -52,8 +52,7 @@ def split_partials(out: torch.Tensor, splits: int, block_d: int) -> tuple[torch.
             torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=out.device))
 
 
-def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, splits: int,
-                 block_d: int) -> None:
+def merge_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, splits: int, block_d: int) -> None:
     """Write ``out`` (S, Hq, D) from the partials of :func:`split_partials` (nothing to do unsplit)."""
     if splits == 1:
         return

@@ -269,11 +269,9 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
         tile_seq, tile_start = _number_tiles(meta.query_start_loc, num_rows, block_q)
     tables = meta.block_tables
     args = (q, k_cache_layer, v_cache_layer, k_scale, v_scale, tables, meta.query_start_loc, meta.context_lens,
-            tile_seq, tile_start, out, float(softmax_scale) * LOG2E,
-            q.stride(0), q.stride(1), k_cache_layer.stride(0), k_cache_layer.stride(1), k_cache_layer.stride(2),
-            v_cache_layer.stride(0), v_cache_layer.stride(1), v_cache_layer.stride(2),
-            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
-            v_scale.stride(2), tables.stride(0), out.stride(0), out.stride(1))
+            tile_seq, tile_start, out, float(softmax_scale) * LOG2E, *q.stride()[:2], *k_cache_layer.stride()[:3],
+            *v_cache_layer.stride()[:3], *k_scale.stride()[:3], *v_scale.stride()[:3], tables.stride(0),
+            *out.stride()[:2])
     grid = (tile_seq.shape[0], num_kv_heads)
     common = dict(GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_D=triton.next_power_of_2(head_dim),
                   BLOCK_N=EXACT_KV_CHUNK, IEEE=q.dtype == torch.float32, FP8=fp8, WHILE_LOOP=_INTERPRETED,
@@ -282,8 +280,7 @@ def exact_attention_fwd(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_la
         _exact_decode_kernel[grid](*args, **common, COLS=max(DECODE_MIN_COLS, group_p2),
                                    num_stages=decode_stages, **COMPILE_OPTIONS)
         return out
-    _exact_attention_kernel[grid](*args, **common, GROUP_P2=group_p2, BLOCK_Q=block_q, num_stages=2,
-                                  **COMPILE_OPTIONS)
+    _exact_attention_kernel[grid](*args, **common, GROUP_P2=group_p2, BLOCK_Q=block_q, num_stages=2, **COMPILE_OPTIONS)
     return out
 
 

@@ -163,8 +163,9 @@ def compile_kernels(shapes: list[GemmShape], device: torch.device, processes: in
     so that each kernel they need is compiled into DeepGEMM's disk cache, then once here, which loads each kernel (a
     load is quick, and kept out of a CUDA-graph capture that meets the shape later); returns the seconds taken. The
     shapes, ordered by (N, K) and then M, are cut into equal slices, one per worker, so neighbouring M (which mostly
-    share a tile configuration) compile in one worker. Shapes DeepGEMM does not take are skipped. A worker that fails or outlives ``timeout`` seconds is
-    reported as a warning (and stopped): its kernels are then compiled here, one by one."""
+    share a tile configuration) compile in one worker. Shapes DeepGEMM does not take are skipped. A worker that fails
+    or outlives ``timeout`` seconds is reported as a warning (and stopped): its kernels are then compiled here, one
+    by one."""
     shapes = {s for s in shapes if _takes(s)} - _PREPARED
     if not shapes or not is_available(device):
         return 0.0
@@ -211,13 +212,8 @@ def planned_shapes(token_counts: list[int], weights: set[tuple[int, int]], *, de
                    **rule: int) -> list[GemmShape]:
     """The DeepGEMM launches that GEMMs of the (N, K) ``weights`` make at each of ``token_counts`` rows, by
     :func:`route` with the bounds ``rule``; ``decode_bound(n, k)`` gives a weight's ``decode_bound`` (default 0)."""
-    out = []
-    for n, k in sorted(weights):
-        bound = 0 if decode_bound is None else decode_bound(n, k)
-        for m in token_counts:
-            if route(m, n, k, decode_bound=bound, **rule) == "deepgemm":
-                out.append(GemmShape(m, n, k))
-    return out
+    return [GemmShape(m, n, k) for n, k in sorted(weights) for m in token_counts
+            if route(m, n, k, decode_bound=0 if decode_bound is None else decode_bound(n, k), **rule) == "deepgemm"]
 
 
 if __name__ == "__main__":  # a compile worker of compile_kernels: DEVICE_INDEX JSON_SHAPES

@@ -54,8 +54,7 @@ def supports(a: Fp8Tensor, b: Fp8Tensor) -> bool:
     """Whether ``a @ b.T`` fits cuBLAS's blockwise constraints (shape-wise; see the module docstring)."""
     if a.block != ACT or b.block not in (ACT, WEIGHT) or a.data.dtype != E4M3 or b.data.dtype != E4M3:
         return False
-    k = a.shape[1]
-    n = b.shape[0]
+    k, n = a.shape[1], b.shape[0]
     if k == 0 or k % 128 or a.shape[0] == 0 or n == 0:
         return False
     return n % (128 if b.block == WEIGHT else 16) == 0
@@ -137,9 +136,6 @@ def blockwise_scaled_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = tor
     m = a.shape[0]
     a_data, a_scale = act_operand(a)
     b_data = b.data if b.data.is_contiguous() else b.data.contiguous()
-    if b.block == WEIGHT:
-        b_scale = _tile_scale(b.scale)
-    else:
-        b_scale = _outer_dim_major(b.scale)
+    b_scale = _tile_scale(b.scale) if b.block == WEIGHT else _outer_dim_major(b.scale)
     out = _call(a_data, b_data.t(), a_scale, b_scale, b.block == WEIGHT, out_dtype)
     return out[:m] if out.shape[0] != m else out

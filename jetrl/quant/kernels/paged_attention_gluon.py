@@ -78,8 +78,7 @@ _VS0, _VS1, _VS2 = (gl.constexpr(n) for n in V_SPLIT)
 _VO0, _VO1, _VO2 = (gl.constexpr(1 + i) for i in V_ORDER)
 
 # Triton renamed the copy (3.6: async_copy_global_to_shared; later releases: async_load, the old name raising)
-_async_copy = (async_copy.async_load if "async_load" in async_copy.__all__
-               else async_copy.async_copy_global_to_shared)
+_async_copy = async_copy.async_load if "async_load" in async_copy.__all__ else async_copy.async_copy_global_to_shared
 
 
 @gluon.constexpr_function
@@ -371,19 +370,15 @@ def paged_decode_streams(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_l
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.empty_like(q)
     part_acc, part_ml = split_partials(out, splits, HEAD_DIM)
-    k_words = k_cache_layer.view(torch.int32)
-    v_words = v_cache_layer.view(torch.int32)
-    tables = meta.block_tables
+    k_words, v_words, tables = k_cache_layer.view(torch.int32), v_cache_layer.view(torch.int32), meta.block_tables
     _paged_decode_streams_kernel[(num_kv_heads, num_seqs, splits)](
         q, k_words, v_words, k_scale, v_scale, tables, meta.context_lens, out, part_acc, part_ml,
-        float(softmax_scale) * LOG2E, q.stride(0), q.stride(1), k_words.stride(0), k_words.stride(1),
-        k_words.stride(2), k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), tables.stride(0),
-        out.stride(0), out.stride(1), GROUP=group, PAGE=k_cache_layer.shape[1], NUM_SPLITS=splits, W=num_warps,
+        float(softmax_scale) * LOG2E, *q.stride()[:2], *k_words.stride()[:3], *k_scale.stride()[:3], tables.stride(0),
+        *out.stride()[:2], GROUP=group, PAGE=k_cache_layer.shape[1], NUM_SPLITS=splits, W=num_warps,
         STAGES=stages, WIDE=cache_offsets_wide(k_words, v_words, k_scale, v_scale), num_warps=num_warps,
         maxnreg=max_registers or None, **COMPILE_OPTIONS)
     merge_splits(part_acc, part_ml, out, splits, HEAD_DIM)
     return out
 
 
-__all__ = ["paged_decode_streams", "supports", "num_splits", "TILE", "HEAD_DIM", "MAX_GROUP",
-           "FULL_WAVES_CONTEXT"]
+__all__ = ["paged_decode_streams", "supports", "num_splits", "TILE", "HEAD_DIM", "MAX_GROUP", "FULL_WAVES_CONTEXT"]

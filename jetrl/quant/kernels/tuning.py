@@ -258,9 +258,7 @@ def knob(default, meaning: str, rule: Rule | None, factory: bool = False):
     as a whole); ``factory`` for a mapping default (unhashable: dataclasses take it only from a factory, which returns
     the declared mapping itself). Its family is the dataclass that declares it."""
     meta = {"meaning": meaning, "rule": rule}
-    if factory:
-        return field(default_factory=lambda: default, metadata=meta)
-    return field(default=default, metadata=meta)
+    return field(default_factory=lambda: default, metadata=meta) if factory else field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -493,8 +491,7 @@ class DecodeAttention:
                                   "factored, 64 in registers)", _TILE_OR_0)
     kv_decode_num_warps: int = knob(4, "its warps", _POW2_1_16)
     kv_decode_num_stages: int = knob(1, "its pipeline stages", _INT1)
-    kv_decode_split_waves: float = knob(2.0, "waves of programs over the SMs its context split aims for",
-                                        _POSITIVE)
+    kv_decode_split_waves: float = knob(2.0, "waves of programs over the SMs its context split aims for", _POSITIVE)
     kv_decode_max_splits: int = knob(16, "its most context splits", _INT1)
     kv_decode_max_registers: int = knob(128, "its registers per thread (maxnreg)", _REGISTERS)
     kv_decode_streams: bool = knob(True, "FP8-cache decode steps on the Gluon kernel where it applies (bf16 "
