@@ -105,10 +105,7 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torc
     cfg = config or default_config(m, n)
     grid = (_cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n),)
     _blockwise_fp8_gemm_kernel[grid](
-        a_data, b_data, out, a_scale, b_scale, m, n, k,
-        a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1), out.stride(0), out.stride(1),
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
-        NUM_KB=_cdiv(k, BLOCK), B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS
-    )
+        a_data, b_data, out, a_scale, b_scale, m, n, k, *a_data.stride(), *b_data.stride(), *out.stride(),
+        *a_scale.stride(), *b_scale.stride(), NUM_KB=_cdiv(k, BLOCK), B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
     return out

@@ -179,16 +179,14 @@ def logprob_grad_(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor
     _check(logits, targets)
     rows, vocab = logits.shape
     if rows and vocab:
-        dummy = lse
         grid = (rows, triton.cdiv(vocab, GRAD_BLOCK_V))
-        _logprob_grad_kernel[grid](
+        _logprob_grad_kernel[grid](  # lse stands in for an absent upstream gradient (never read)
             logits, targets, lse, entropy,
-            dummy if grad_logprob is None else grad_logprob.float().contiguous(),
-            dummy if grad_entropy is None else grad_entropy.float().contiguous(),
+            lse if grad_logprob is None else grad_logprob.float().contiguous(),
+            lse if grad_entropy is None else grad_entropy.float().contiguous(),
             vocab, logits.stride(0), float(temperature), SCALE=float(temperature) != 1.0,
             HAS_GLP=grad_logprob is not None, HAS_GENT=grad_entropy is not None, BLOCK_V=GRAD_BLOCK_V,
-            num_warps=GRAD_NUM_WARPS, **COMPILE_OPTIONS
-        )
+            num_warps=GRAD_NUM_WARPS, **COMPILE_OPTIONS)
     return logits
 
 

@@ -264,9 +264,7 @@ def rms_norm_forward(
     out = torch.empty((m, d), dtype=torch.promote_types(weight.dtype, x.dtype), device=device)
     h = torch.empty((m, d), dtype=x.dtype, device=device) if residual is not None else None
     rstd = torch.empty((m,), dtype=torch.float32, device=device)
-    q_data = q_scale = None
-    if quantize:
-        q_data, q_scale = act_buffers(m, d, device)
+    q_data, q_scale = act_buffers(m, d, device) if quantize else (None, None)
     if m:
         block_m, block_d, chunks, num_warps = _tile(m, d, max_tile, ROWS_TILE_FWD)
         _rms_norm_fwd_kernel[(_cdiv(m, block_m),)](
@@ -275,10 +273,8 @@ def rms_norm_forward(
             m, d, eps, q_scale.shape[1] if quantize else m,
             HAS_RES=residual is not None, QUANT=quantize, POW2=pow2_scale,
             BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, QG=min(BLOCK_SIZE, block_d),
-            LAUNCH_DEPS=early_dependents(device), num_warps=num_warps, **COMPILE_OPTIONS
-        )
-    fp8 = Fp8Tensor(q_data, q_scale[:, :m].t(), ACT) if quantize else None
-    return out, h, rstd, fp8
+            LAUNCH_DEPS=early_dependents(device), num_warps=num_warps, **COMPILE_OPTIONS)
+    return out, h, rstd, Fp8Tensor(q_data, q_scale[:, :m].t(), ACT) if quantize else None
 
 
 def _programs(device: torch.device) -> int:
@@ -290,14 +286,13 @@ def rms_norm_backward(
     grad_out: torch.Tensor, grad_h: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor,
     rstd: torch.Tensor, compute_dweight: bool = True, *, max_tile: int = MAX_BWD_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fused backward. ``grad_h`` is the grad of the returned residual stream (None if unused). Returns ``(grad_h_total, grad_weight)``: the gradient of ``x``
-    (and of the input residual), in h's dtype, and of ``weight`` in its dtype (None unless asked). ``max_tile``
-    as in :func:`rms_norm_forward` (default ``MAX_BWD_TILE``)."""
+    """Fused backward. ``grad_h`` is the grad of the returned residual stream (None if unused). Returns
+    ``(grad_h_total, grad_weight)``: the gradient of ``x`` (and of the input residual), in h's dtype, and of
+    ``weight`` in its dtype (None unless asked). ``max_tile`` as in :func:`rms_norm_forward` (default
+    ``MAX_BWD_TILE``)."""
     _check_max_tile(max_tile)
     m, d = h.shape
-    grad_out = grad_out.contiguous()
-    if grad_h is not None:
-        grad_h = grad_h.contiguous()
+    grad_out, grad_h = grad_out.contiguous(), grad_h.contiguous() if grad_h is not None else None
     dh = torch.empty((m, d), dtype=h.dtype, device=h.device)
     if m == 0:
         dw = torch.zeros((d,), dtype=weight.dtype, device=h.device) if compute_dweight else None
@@ -312,10 +307,7 @@ def rms_norm_backward(
         dw_partial = alloc((programs, d), dtype=torch.float32, device=h.device)
     _rms_norm_bwd_kernel[(programs,)](
         grad_out, grad_h if grad_h is not None else grad_out, h, weight, rstd, dh,
-        dw_partial if dw_partial is not None else rstd,
-        m, d,
-        HAS_GRES=grad_h is not None, COMPUTE_DW=compute_dweight,
-        BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, TILES=tiles, num_warps=num_warps, **COMPILE_OPTIONS
-    )
+        dw_partial if dw_partial is not None else rstd, m, d, HAS_GRES=grad_h is not None, COMPUTE_DW=compute_dweight,
+        BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, TILES=tiles, num_warps=num_warps, **COMPILE_OPTIONS)
     dw = dw_partial.sum(0).to(weight.dtype) if dw_partial is not None else None
     return dh, dw

@@ -348,8 +348,7 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, *, block_m: in
         _quantize_rows_cols_kernel[(_cdiv(m, block_m), scale_buf.shape[0])](
             x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, scale_buf.shape[1], 0,  # OUT_M: 128x1 only
             POW2=pow2_scale, ROWS=True, BLOCK_M=block_m, BLOCK_K=BLOCK, num_warps=num_warps,
-            LAUNCH_DEPS=tuning.early_dependents(x.device), **COMPILE_OPTIONS
-        )
+            LAUNCH_DEPS=tuning.early_dependents(x.device), **COMPILE_OPTIONS)
     return data, scale_buf[:, :m].t()
 
 
@@ -363,9 +362,7 @@ def quantize_token_128x1(x: torch.Tensor, pow2_scale: bool = False, whole_blocks
     if m and k:
         _quantize_rows_cols_kernel[(_cdiv(m, BLOCK), _cdiv(k, block_k))](
             x, m, k, x.stride(0), x.stride(1), tok, tok_scale, 1, 1, tok.shape[1],
-            POW2=pow2_scale, ROWS=False, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=num_warps,
-            **COMPILE_OPTIONS
-        )
+            POW2=pow2_scale, ROWS=False, BLOCK_M=BLOCK, BLOCK_K=block_k, num_warps=num_warps, **COMPILE_OPTIONS)
     return tok.t(), tok_scale
 
 
@@ -395,8 +392,7 @@ def quantize_weight_128x128(w: torch.Tensor, pow2_scale: bool = False, emit_t: b
     if n and k:
         _quantize_weight_kernel[(_cdiv(n, BLOCK), _cdiv(k, BLOCK))](
             w, n, k, w.stride(0), w.stride(1), data, data_t if emit_t else data, scale, scale.stride(0),
-            POW2=pow2_scale, EMIT_T=emit_t, num_warps=num_warps, **COMPILE_OPTIONS
-        )
+            POW2=pow2_scale, EMIT_T=emit_t, num_warps=num_warps, **COMPILE_OPTIONS)
     return data, scale, data_t
 
 
@@ -428,7 +424,5 @@ def requantize_act_to_token(data: torch.Tensor, scale: torch.Tensor, pow2_scale:
     if m and k:
         _requantize_act_to_token_kernel[(_cdiv(m, BLOCK), _cdiv(k, block_k))](
             data, m, k, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
-            tok, tok_scale, tok.shape[1], POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps,
-            **COMPILE_OPTIONS
-        )
+            tok, tok_scale, tok.shape[1], POW2=pow2_scale, BLOCK_K=block_k, num_warps=num_warps, **COMPILE_OPTIONS)
     return tok.t(), tok_scale
