@@ -88,11 +88,9 @@ def batch_baseline_advantages(rewards: torch.Tensor, std_normalize: bool = False
 # name -> estimator(rewards, std_normalize, eps), for the names of jetrl.config.choices (the config checks
 # algorithm.advantage_estimator against them). RLOO's leave-one-out baseline takes no std normalisation.
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor, bool, float], torch.Tensor]] = choice_registry(
-    "advantage_estimator", {
-        "grpo": group_advantages,
-        "rloo": lambda rewards, std_normalize, eps: rloo_advantages(rewards),
-        "reinforce": batch_baseline_advantages,
-    })
+    "advantage_estimator", {"grpo": group_advantages,
+                            "rloo": lambda rewards, std_normalize, eps: rloo_advantages(rewards),
+                            "reinforce": batch_baseline_advantages})
 
 
 def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_normalize: bool = True,
@@ -103,7 +101,5 @@ def compute_advantages(rewards: torch.Tensor, estimator: str = "grpo", std_norma
     return ADVANTAGE_ESTIMATORS[estimator](rewards, std_normalize, eps)
 
 
-__all__ = [
-    "ADVANTAGE_ESTIMATORS", "group_advantages", "rloo_advantages", "batch_baseline_advantages",
-    "compute_advantages", "zero_variance_groups", "num_zero_variance_groups",
-]
+__all__ = ["ADVANTAGE_ESTIMATORS", "group_advantages", "rloo_advantages", "batch_baseline_advantages",
+           "compute_advantages", "zero_variance_groups", "num_zero_variance_groups"]

@@ -47,10 +47,8 @@ from jetrl.rl.metrics import METRICS_FILE, TENSORBOARD_SUBDIR, MetricsLogger
 from jetrl.rl.trainer import PromptItem, Trainer, rollout_sampling_params
 from jetrl.rollout import RolloutEngine
 from jetrl.threads import configure_threads
-from jetrl.train.policy import (
-    CHECKPOINT_SUBDIR, check_resumable, checkpoint_due, claim_output_dir, resume_trainer, save_trainer_checkpoint,
-    weights_only_at,
-)
+from jetrl.train.policy import (CHECKPOINT_SUBDIR, check_resumable, checkpoint_due, claim_output_dir, resume_trainer,
+                                save_trainer_checkpoint, weights_only_at)
 
 EVAL_FILE = "eval.json"  # ``jetrl train``'s held-out accuracy before and after (jetrl.train_job)
 PLOT_FILE = "curves.png"  # ``jetrl train``'s plot of the run's curves (jetrl.train_job)

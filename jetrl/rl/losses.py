@@ -227,7 +227,5 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, metrics
 
 
-__all__ = [
-    "AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "masked_mean", "masked_log_ratio", "policy_loss", "kl_penalty",
-    "truncated_is_weights",
-]
+__all__ = ["AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "masked_mean", "masked_log_ratio", "policy_loss", "kl_penalty",
+           "truncated_is_weights"]

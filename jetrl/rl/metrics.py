@@ -33,10 +33,9 @@ from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.losses import _as_bool_mask, aggregate, kl_penalty
 from jetrl.rl.mismatch import mismatch_metrics
 
-# the engine's stats a step reports, and their names (host and graph-capture time are parts of time/rollout)
-# the engine's stats a step reports, by metric name, and how ranks that each ran an engine combine them (every rank
-# decodes its share at the same time: preemptions and throughputs add up; host and capture times overlap; the KV
-# capacity is one engine's, as a memory budget is one GPU's)
+# the engine's stats a step reports, by metric name (host and graph-capture time are parts of time/rollout), and how
+# ranks that each ran an engine combine them (every rank decodes its share at the same time: preemptions and
+# throughputs add up; host and capture times overlap; the KV capacity is one engine's, as a memory budget is one GPU's)
 ENGINE_STATS = (("preemptions", "rollout/preemptions", "sum"),
                 ("kv_capacity_tokens", "rollout/kv_capacity_tokens", "max"),
                 ("decode_tokens_per_s", "throughput/rollout_decode_tokens_per_s", "sum"),

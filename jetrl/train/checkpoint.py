@@ -311,8 +311,6 @@ def load_checkpoint(path: str | Path, *, model: nn.Module | None = None,
     return LoadedCheckpoint(path, int(state["step"]), state)
 
 
-__all__ = [
-    "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint", "prune_checkpoints",
-    "list_checkpoints", "remove_stale_temporaries", "LoadedCheckpoint", "rng_state", "set_rng_state",
-    "checkpoint_dir_name", "CHECKPOINT_SUBDIR", "MARKER",
-]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint", "prune_checkpoints",
+           "list_checkpoints", "remove_stale_temporaries", "LoadedCheckpoint", "rng_state", "set_rng_state",
+           "checkpoint_dir_name", "CHECKPOINT_SUBDIR", "MARKER"]

@@ -18,10 +18,8 @@ import torch
 from jetrl.config import ConfigError, TrainerConfig
 from jetrl.config.schema import ON_DISK_FULL
 from jetrl.parallel import SHARDED_SUBDIR, full_weights, is_sharded, load_sharded, save_sharded
-from jetrl.train.checkpoint import (
-    CHECKPOINT_SUBDIR, checkpoint_dir_name, latest_checkpoint, list_checkpoints, load_checkpoint,
-    remove_stale_temporaries, save_checkpoint, verify_checkpoint,
-)
+from jetrl.train.checkpoint import (CHECKPOINT_SUBDIR, checkpoint_dir_name, latest_checkpoint, list_checkpoints,
+                                    load_checkpoint, remove_stale_temporaries, save_checkpoint, verify_checkpoint)
 from jetrl.train.optim import MasterWeightAdamW
 
 MODEL_SUBDIR = "model"  # the HuggingFace-format model inside each checkpoint
@@ -56,8 +54,9 @@ def weights_only_at(step: int, settings: TrainerConfig) -> bool:
     return settings.weights_only == "all" or (settings.weights_only == "final" and step == settings.steps)
 
 
-def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
+def _optimizer_state(trainer: TrainerLike) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer's live tensors by parameter name (:meth:`~jetrl.train.optim.MasterWeightAdamW.state_by_name`)."""
+    return trainer.optimizer.state_by_name({id(p): name for name, p in trainer.model.named_parameters()})
 
 
 def _write_model_state(trainer: TrainerLike, folder: Path, export_fp8: bool, weights_only: bool) -> None:
@@ -66,8 +65,7 @@ def _write_model_state(trainer: TrainerLike, folder: Path, export_fp8: bool, wei
     from jetrl.models import save_model as save_hf
 
     if not weights_only:
-        save_sharded(folder / SHARDED_SUBDIR, trainer.model,
-                     trainer.optimizer.state_by_name(_parameter_names(trainer.model)))
+        save_sharded(folder / SHARDED_SUBDIR, trainer.model, _optimizer_state(trainer))
     with full_weights(trainer.model):
         if trainer.parallel.is_main:
             save_hf(trainer.model, folder / MODEL_SUBDIR)
@@ -101,7 +99,7 @@ def checkpoint_size(trainer: TrainerLike, export_fp8: bool = False, weights_only
     weights = sum(_nbytes(p) for p in model.parameters()) + sum(_nbytes(b) for b in model.buffers())
     total = weights * (1 + int(export_fp8))
     if not weights_only:
-        total += weights + _nbytes(trainer.optimizer.state_by_name(_parameter_names(model)))
+        total += weights + _nbytes(_optimizer_state(trainer))
     return int(total * 1.02) + (16 << 20)
 
 
@@ -193,8 +191,7 @@ def resume_trainer(trainer: TrainerLike, root: str | Path, allow_pickle: bool = 
                          f"resume needs: start a new run from its {MODEL_SUBDIR}/ folder (model.path), or delete it "
                          f"to resume from an earlier full checkpoint")
     if (path / SHARDED_SUBDIR).is_dir():
-        load_sharded(path / SHARDED_SUBDIR, trainer.model,
-                     trainer.optimizer.state_by_name(_parameter_names(trainer.model)))
+        load_sharded(path / SHARDED_SUBDIR, trainer.model, _optimizer_state(trainer))
         trainer.optimizer.sync_params_from_masters()
         loaded = load_checkpoint(path, scheduler=trainer.scheduler, checksums=False, allow_pickle=allow_pickle)
         for group, lr in zip(trainer.optimizer.param_groups, trainer.scheduler.get_last_lr()):
