@@ -195,9 +195,8 @@ class Trainer:
         """Score the decoded completions (a reward function's failure counts too: see the class doc), compute
         advantages and lay the sequences out as a :class:`RolloutBatch` (mask, log-probs on the trainer's device)."""
         n = self.config.rollout.n
-        texts = [self.decode(list(c.token_ids)) for c in completions]
-        refs = [items[i // n].reference for i in range(len(completions))]
-        scored = self.reward_fn(texts, refs)
+        prompts = [items[s // n] for s in range(len(completions))]  # each completion's prompt
+        scored = self.reward_fn([self.decode(list(c.token_ids)) for c in completions], [p.reference for p in prompts])
         num_errors = num_timeouts = 0
         if isinstance(scored, RewardResult):
             num_errors, num_timeouts = scored.num_errors, scored.num_timeouts
@@ -213,22 +212,17 @@ class Trainer:
         all_rewards = torch.cat(self.parallel.gather_objects(rewards))
         advantages = compute_advantages(all_rewards, alg.advantage_estimator, alg.std_normalize)
         advantages = advantages[first:first + len(items)].flatten()
-        R = max(1, max(len(c.token_ids) for c in completions))
-        S = len(completions)
-        mask = torch.zeros(S, R, dtype=torch.bool)
-        rollout_lp = torch.zeros(S, R, dtype=torch.float32)
-        tokens, prompt_lens, response_lens = [], [], []
+        response_lens = [len(c.token_ids) for c in completions]
+        mask = torch.zeros(len(completions), max(1, *response_lens), dtype=torch.bool)  # (S, R)
+        rollout_lp = torch.zeros(mask.shape, dtype=torch.float32)
         for s, c in enumerate(completions):
-            prompt = items[s // n].ids
-            k = len(c.token_ids)
-            tokens.append(torch.tensor(list(prompt) + list(c.token_ids), dtype=torch.long))
-            prompt_lens.append(len(prompt))
-            response_lens.append(k)
-            mask[s, :k] = True
-            rollout_lp[s, :k] = torch.tensor(c.logprobs, dtype=torch.float32)
-        return RolloutBatch(tokens, prompt_lens, response_lens, mask.to(self.device), rollout_lp.to(self.device),
-                            rewards, advantages.to(self.device), [c.finish_reason == "length" for c in completions],
-                            num_reward_errors=num_errors, num_reward_timeouts=num_timeouts)
+            mask[s, :response_lens[s]] = True
+            rollout_lp[s, :response_lens[s]] = torch.tensor(c.logprobs, dtype=torch.float32)
+        tokens = [torch.tensor(list(p.ids) + list(c.token_ids), dtype=torch.long) for p, c in zip(prompts, completions)]
+        return RolloutBatch(tokens, [len(p.ids) for p in prompts], response_lens, mask.to(self.device),
+                            rollout_lp.to(self.device), rewards, advantages.to(self.device),
+                            [c.finish_reason == "length" for c in completions], num_reward_errors=num_errors,
+                            num_reward_timeouts=num_timeouts)
 
     def sequence_logprobs(self, model: nn.Module, batch: RolloutBatch, rows: Sequence[int]
                           ) -> tuple[torch.Tensor, torch.Tensor]:
