@@ -276,11 +276,9 @@ def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
     else:
         ws = locks = out  # unused
     use_tma = cfg.tma and _tma_ok(a_data) and all(_tma_ok(w) for w, _, _ in weights)
-    a_arg = a_data
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-
-        a_arg = TensorDescriptor.from_tensor(a_data, [block_m, 128])
+    a_arg = TensorDescriptor.from_tensor(a_data, [block_m, 128]) if use_tma else a_data
     w_args = [TensorDescriptor.from_tensor(w, [cfg.block_n, 128]) if use_tma else w for w, _, _ in weights]
     groups = []
     for i in range(3):  # absent groups repeat the first (never read: their width is 0)
@@ -289,12 +287,9 @@ def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
         groups += [w_args[j], sc, bias if has_bias else out, ns[i] if i < len(weights) else 0]
     pdl = tuning.early_dependents(a_data.device)
     _fp8_decode_gemm_kernel[(tiles, split)](
-        a_arg, out, a_scale, ws, locks, *groups, m, k,
-        a_data.stride(0), a_data.stride(1), b0.stride(0), b0.stride(1), out.stride(0), out.stride(1),
-        a_scale.stride(0), a_scale.stride(1), bs0.stride(0), bs0.stride(1),
-        KB_PER_SPLIT=kb_per_split, SPLIT_K=split, B_SCALE_ROWS=b_scale_rows,
-        NUM_GROUPS=len(weights), HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        M_TILES=m_tiles, K_UNROLL=cfg.k_unroll, USE_TMA=use_tma, PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS, **({"launch_pdl": True} if pdl else {})
-    )
+        a_arg, out, a_scale, ws, locks, *groups, m, k, *a_data.stride(), *b0.stride(), *out.stride(), *a_scale.stride(),
+        *bs0.stride(), KB_PER_SPLIT=kb_per_split, SPLIT_K=split, B_SCALE_ROWS=b_scale_rows, NUM_GROUPS=len(weights),
+        HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n, M_TILES=m_tiles, K_UNROLL=cfg.k_unroll,
+        USE_TMA=use_tma, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS,
+        **({"launch_pdl": True} if pdl else {}))
     return out

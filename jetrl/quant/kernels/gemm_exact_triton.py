@@ -257,8 +257,7 @@ def _launch(a, b, a_scale, b_scale, out, fp8: bool, b_scale_rows: int, tiles: Ex
     strides = (a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)) if fp8 else (0, 0, 0, 0)
     grid_tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     _exact_gemm_kernel[(grid_tiles, cfg.split_k if across else 1)](
-        a, b, out, ws, *scales, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), *strides,
+        a, b, out, ws, *scales, m, n, k, *a.stride(), *b.stride(), *out.stride(), *strides,
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, ACROSS=across, BLOCK_K=block_k, FP8=fp8,
         B_SCALE_ROWS=b_scale_rows, IEEE=a.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
         GROUP_M=cfg.group_m, num_warps=warps, num_stages=stages, **COMPILE_OPTIONS)
@@ -286,8 +285,7 @@ def _launch_tma(a, b, a_scale, b_scale, out, b_scale_rows: int, cfg: ExactGemmCo
     b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, BLOCK])
     tiles = _cdiv(m, cfg.block_m) * _cdiv(n, cfg.block_n)
     _exact_gemm_tma_kernel[(tiles,)](
-        a_desc, b_desc, out, a_scale, b_scale, m, n, out.stride(0), out.stride(1),
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        a_desc, b_desc, out, a_scale, b_scale, m, n, *out.stride(), *a_scale.stride(), *b_scale.stride(),
         NUM_KB=num_kb, SPLIT_KB=split_kb, SPLITS=cfg.split_k, B_SCALE_ROWS=b_scale_rows, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, ROW_SCALE=b_scale_rows % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS)
