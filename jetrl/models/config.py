@@ -203,9 +203,8 @@ class DecoderConfig:
         kwargs["torch_dtype"] = hf.get("torch_dtype", hf.get("dtype"))
         if kwargs.get("num_key_value_heads") is None:
             kwargs["num_key_value_heads"] = hf["num_attention_heads"]
-        for key, value in HF_FAMILY_DEFAULTS[model_type].items():  # a field left out means what transformers reads
-            if key not in hf:
-                kwargs[key] = value
+        # a field left out means what transformers reads
+        kwargs.update({key: value for key, value in HF_FAMILY_DEFAULTS[model_type].items() if key not in hf})
         if model_type != "llama":
             kwargs.pop("mlp_bias", None)
         extra = {k: v for k, v in hf.items() if k not in known and k not in _NOT_WRITTEN_BACK and not k.startswith("_")

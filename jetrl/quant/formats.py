@@ -71,10 +71,8 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: Block) -> torch.T
         raise ValueError(f"FP8 data must be 2-D, got shape {tuple(data.shape)}")
     expected = scale_shape(tuple(data.shape), block)
     if tuple(scale.shape) != expected:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not fit data {tuple(data.shape)} with block {block}; "
-            f"expected {expected}"
-        )
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit data {tuple(data.shape)} with block {block}; "
+                         f"expected {expected}")
     return data.float() * expand_scale(scale.float(), block, tuple(data.shape))
 
 

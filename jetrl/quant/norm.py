@@ -40,9 +40,8 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"rms_norm: x must have a non-empty last dimension, got shape {tuple(x.shape)}")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"rms_norm: weight must have shape ({x.shape[-1]},) to match x {tuple(x.shape)}, got {tuple(weight.shape)}"
-        )
+        raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) to match x {tuple(x.shape)}, got "
+                         f"{tuple(weight.shape)}")
     if x.dtype not in _REFERENCE_DTYPES or weight.dtype not in _REFERENCE_DTYPES:
         raise TypeError(f"rms_norm: x and weight must be bf16/fp16/fp32/fp64, got {x.dtype} and {weight.dtype}")
     if weight.device != x.device:
@@ -102,9 +101,8 @@ class _FusedRMSNorm(torch.autograd.Function):
         need_x, need_res, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if grad_out is None:  # only the residual stream was used: it passes its gradient through unchanged
             return grad_h if need_x else None, grad_h if need_res else None, None, None, None, None
-        grad_in, grad_w = norm_triton.rms_norm_backward(
-            grad_out, grad_h if ctx.has_residual else None, h, weight, rstd, compute_dweight=need_w
-        )
+        grad_in, grad_w = norm_triton.rms_norm_backward(grad_out, grad_h if ctx.has_residual else None, h, weight,
+                                                        rstd, compute_dweight=need_w)
         # grad of x and of the input residual are both grad_h: one tensor serves both (autograd never
         # accumulates in place into a gradient that is referenced twice)
         return (grad_in if need_x else None, grad_in if need_res else None, grad_w, None, None, None)
@@ -138,9 +136,7 @@ def rms_norm(
     shape = x.shape
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # the backward reads a saved x as row-major (M, D) rows
     r2 = residual.reshape(-1, residual.shape[-1]) if residual is not None else None
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (residual is not None and residual.requires_grad)
-    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, residual))
     if needs_grad:
         out, h, q_data, q_scale = _FusedRMSNorm.apply(x2, r2, weight, float(eps), bool(quantize), bool(pow2_scale))
         fp8 = Fp8Tensor(q_data, q_scale, ACT) if quantize else None
