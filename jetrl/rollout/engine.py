@@ -85,9 +85,8 @@ class RolloutEngine:
     def __init__(self, model: torch.nn.Module, tokenizer=None, *, memory_budget: float | int | None = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, num_blocks: int | None = None, progress: bool = True,
-                 cuda_graphs: bool = True, graph_batch_sizes: Seq[int] | None = None,
-                 async_scheduling: bool = True, exact: bool = False, kv_fp8: bool = False,
-                 decode_steps: int = DEFAULT_DECODE_STEPS) -> None:
+                 cuda_graphs: bool = True, graph_batch_sizes: Seq[int] | None = None, async_scheduling: bool = True,
+                 exact: bool = False, kv_fp8: bool = False, decode_steps: int = DEFAULT_DECODE_STEPS) -> None:
         if not isinstance(model, DecoderLM):
             raise TypeError(f"RolloutEngine needs a jetrl decoder (DecoderLM: forward_paged and config), "
                             f"got {type(model).__name__}")
@@ -132,8 +131,7 @@ class RolloutEngine:
         prompts, per_prompt = self._validate(prompts, params)
         runner = self.runner
         num_blocks = runner.allocate_kv_cache()
-        blocks = BlockManager(num_blocks, self.block_size)
-        scheduler = Scheduler(blocks, max_num_seqs=self.max_num_seqs,
+        scheduler = Scheduler(BlockManager(num_blocks, self.block_size), max_num_seqs=self.max_num_seqs,
                               max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len)
         all_seqs: list[Sequence] = []
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):

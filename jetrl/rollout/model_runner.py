@@ -123,9 +123,8 @@ class _DecodeGraphs:
         self._park(0, b)
         meta = PagedAttentionMetadata(self.query_start_loc[:b + 1], self.context_lens[:b], self.block_tables[:b],
                                       self.slot_mapping[:b], max_query_len=1, max_context_len=self.max_context_len)
-        self.graphs[b], self.outputs[b] = capture(
-            lambda: self.forward(self.input_ids[:b], self.positions[:b], meta), stream=self.stream,
-            pool=self.pool, warmup=True)
+        self.graphs[b], self.outputs[b] = capture(lambda: self.forward(self.input_ids[:b], self.positions[:b], meta),
+                                                  stream=self.stream, pool=self.pool, warmup=True)
 
     def padded_size(self, b: int) -> int | None:
         return next((size for size in self.sizes if size >= b), None)
@@ -239,9 +238,7 @@ class ModelRunner:
 
     def free_cache(self) -> None:
         """Release the KV cache and CUDA graphs (e.g. to give memory to the trainer); re-made on demand."""
-        self.kv_cache = None
-        self.graphs = None
-        self._graph_key = None
+        self.kv_cache = self.graphs = self._graph_key = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -293,8 +290,7 @@ class ModelRunner:
         self._tables = BlockTableMirror(seqs, self.max_blocks_per_seq)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src, dst = to_device(torch.tensor([[s for s, _ in copies], [d for _, d in copies]], dtype=torch.long),
-                             self.device)
+        src, dst = to_device(torch.tensor(list(zip(*copies)), dtype=torch.long), self.device)  # (2, copies)
         cache = self.kv_cache
         pools = [*cache.k, *cache.v] + ([*cache.k_scale, *cache.v_scale] if cache.is_fp8 else [])
         for pool in pools:  # an FP8 block's scales travel with its data

@@ -144,8 +144,7 @@ class SamplingBatch:
             any_truncation=any((p.top_k != -1 or p.top_p < 1.0) and not p.is_greedy for p in params),
             any_seeded=any(p.seed is not None and not p.is_greedy for p in params),
             any_unseeded_random=any(p.seed is None and not p.is_greedy for p in params),
-            all_greedy=all(p.is_greedy for p in params),
-        )
+            all_greedy=all(p.is_greedy for p in params))
 
 
 # ----------------------------------------------------------------------------------------------------
