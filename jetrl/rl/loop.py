@@ -219,7 +219,6 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
 
 def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, float]], None] | None,
          require_checkpoint: bool) -> dict[str, float]:
-    device = parallel.device
     out = Path(config.trainer.output_dir)
     if parallel.is_main:
         prepare_output_dir(config)
@@ -237,7 +236,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     folder, _, tokenizer = check_model(config)
     if parallel.is_main:
         save_config(config, out / "config.yaml")
-    model = load_model(folder, dtype=getattr(torch, config.model.dtype), device=device, recipe=config.recipe)
+    model = load_model(folder, dtype=getattr(torch, config.model.dtype), device=parallel.device, recipe=config.recipe)
     if config.model.gradient_checkpointing:
         model.set_activation_checkpointing(True, blocks=config.model.checkpoint_blocks)
     prompts = DatasetPrompts(dataset, tokenizer, config.data.prompts_per_step, config.trainer.seed,

@@ -97,8 +97,7 @@ def _sequence_sum_norm(v: torch.Tensor, mask: torch.Tensor, num_tokens: Count | 
 # agg name -> reduction of the masked values (B, T) given the batch's denominators (see the module doc), for the
 # names of jetrl.config.choices (the config checks algorithm.agg against them)
 AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = choice_registry("loss_aggregation", {
-    "token": _token_mean, "sequence": _sequence_mean, "sequence-sum-norm": _sequence_sum_norm,
-})
+    "token": _token_mean, "sequence": _sequence_mean, "sequence-sum-norm": _sequence_sum_norm})
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token", *, num_tokens: Count | None = None,
@@ -163,9 +162,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.T
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token", *,
-                is_weights: torch.Tensor | None = None, num_tokens: Count | None = None,
-                num_seqs: Count | None = None, max_len: int | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                is_weights: torch.Tensor | None = None, num_tokens: Count | None = None, num_seqs: Count | None = None,
+                max_len: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO/DAPO clipped surrogate loss and its metrics (see the module doc for the formula).
 
     ``logprobs`` (B, T) are the taken tokens' log-probabilities under the policy being optimised (grad),

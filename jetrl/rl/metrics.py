@@ -112,8 +112,7 @@ def timing_metrics(seconds: Mapping[str, float], tokens_per_phase: Mapping[str, 
 
 def step_metrics(batch: RolloutBatch, train_logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None,
                  actor: Mapping[str, float], seconds: Mapping[str, float], *, generated_tokens: float,
-                 ppo_epochs: int, tis_cap: float | None = None,
-                 engine_stats: Mapping[str, float] | None = None,
+                 ppo_epochs: int, tis_cap: float | None = None, engine_stats: Mapping[str, float] | None = None,
                  checked: torch.Tensor | None = None) -> dict[str, float]:
     """One RL step's metrics (flat ``group/name`` keys), assembled from what its phases produced:
     ``train_logprobs`` are the training side's ``(S, R)`` log-probs of the batch's tokens, ``ref_logprobs`` the
@@ -165,8 +164,7 @@ class JsonlWriter:
         self._file = open(self.path, "ab")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps(_jsonable(record), allow_nan=False, separators=(",", ":")) + "\n"
-        self._file.write(line.encode())
+        self._file.write((json.dumps(_jsonable(record), allow_nan=False, separators=(",", ":")) + "\n").encode())
         self._file.flush()
 
     def cursor(self) -> int:

@@ -38,8 +38,7 @@ def mismatch_metrics(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tenso
         keys += ["tis_weight_mean", "tis_frac_capped"]
     if n == 0:
         return {**{k: 0.0 for k in keys}, "num_tokens": 0.0}
-    lr = rollout_logprobs[mask].double()
-    lt = train_logprobs[mask].double()
+    lr, lt = rollout_logprobs[mask].double(), train_logprobs[mask].double()
     if not bool(torch.isfinite(lr).all() and torch.isfinite(lt).all()):
         raise ValueError("rollout or training log-probabilities are NaN/inf on valid tokens")
     log_r = (lt - lr).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)

@@ -288,13 +288,12 @@ class Trainer:
         """Forward, loss and backward of one micro-batch (the gradient accumulates into ``.grad``), as a CUDA graph
         replay where they apply (:mod:`jetrl.rl.update_graphs`), else eagerly; returns its log-probs (b, R),
         detached, and :func:`~jetrl.rl.micro_batch.micro_batch_loss`'s statistics."""
-        alg = self.config.algorithm
         if self.update_graphs is not None and self.update_graphs.failed is None:
             return self.update_graphs.run(self.update_graphs.pack(batch, rows), mask, advantages, inputs,
                                           num_tokens, num_seqs)
         lp, ent = self.sequence_logprobs(self.model, batch, rows)
-        loss, stats = micro_batch_loss(alg, lp, ent, mask, advantages, num_tokens=num_tokens, num_seqs=num_seqs,
-                                       max_len=self.config.rollout.max_tokens, **inputs)
+        loss, stats = micro_batch_loss(self.config.algorithm, lp, ent, mask, advantages, num_tokens=num_tokens,
+                                       num_seqs=num_seqs, max_len=self.config.rollout.max_tokens, **inputs)
         loss.backward()
         return lp.detach(), stats
 
@@ -379,8 +378,7 @@ class Trainer:
         out["actor/grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         out["actor/num_updates"] = float(num_applied)
         out["actor/num_skipped_total"] = float(self.stepper.num_skipped)
-        self.update_logprobs = own_lp
-        self.update_logprob_mask = recorded
+        self.update_logprobs, self.update_logprob_mask = own_lp, recorded
         return out
 
     def step(self) -> dict[str, float]:
@@ -424,9 +422,8 @@ class Trainer:
         batch, train_lp, ref_lp, generated, checked = self._global_view(batch, train_lp, ref_lp, generated, checked)
         timer.seconds = dict(zip(timer.seconds, self.parallel.max(list(timer.seconds.values()))))
         metrics = step_metrics(batch, train_lp, ref_lp, actor, timer.seconds, generated_tokens=generated,
-                               ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap,
-                               engine_stats=global_engine_stats(self.engine.last_stats, self.parallel),
-                               checked=checked)
+                               ppo_epochs=alg.ppo_epochs, tis_cap=alg.tis_cap, checked=checked,
+                               engine_stats=global_engine_stats(self.engine.last_stats, self.parallel))
         metrics.update(timer.memory_metrics())
         if self.device.type == "cuda":
             metrics["memory/fp8_weights_gib"] = fp8_weight_bytes(self.model) / 2 ** 30

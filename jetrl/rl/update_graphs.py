@@ -155,8 +155,7 @@ class UpdateGraphs:
             self.graphs.clear()
         g = self.graphs.get((shape, present))
         fresh = g is None
-        if fresh:
-            g = self._buffers(shape, present)
+        g = self._buffers(shape, present) if fresh else g
         fill(g)
         if not fresh:
             return self._replay(g, b, width)
