@@ -169,10 +169,8 @@ def init_parallel(device: str | torch.device = "auto", shard_size: int | None = 
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
     from torch.distributed.device_mesh import init_device_mesh
-    if shard == world_size:
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    else:
-        mesh = init_device_mesh(device.type, (world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    dims = {"shard": shard} if shard == world_size else {"replicate": world_size // shard, "shard": shard}
+    mesh = init_device_mesh(device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     return ParallelContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, mesh=mesh)
 
 

@@ -130,9 +130,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module | None = No
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        state = {"step": step, **(trainer_state or {})}
         try:
-            state_text = json.dumps(state, indent=2, allow_nan=False)
+            state_text = json.dumps({"step": step, **(trainer_state or {})}, indent=2, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise TypeError(f"trainer_state must be JSON-serialisable (ints, floats, strings, lists, dicts): {e}")
         if save_model is not None:

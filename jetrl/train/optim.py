@@ -212,10 +212,8 @@ class OptimizerStepper:
             raise ValueError(f"need grad_clip > 0 or None and max_consecutive_nonfinite >= 0, got {grad_clip} and "
                              f"{max_consecutive_nonfinite}")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.grad_clip = grad_clip
-        self.max_consecutive_nonfinite = max_consecutive_nonfinite
-        self.num_skipped = 0
-        self.num_consecutive_skipped = 0
+        self.grad_clip, self.max_consecutive_nonfinite = grad_clip, max_consecutive_nonfinite
+        self.num_skipped = self.num_consecutive_skipped = 0
 
     def step(self, loss_is_finite: bool = True) -> StepResult:
         """Apply the accumulated gradients (or skip them); always leaves the gradients cleared."""

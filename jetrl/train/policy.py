@@ -162,9 +162,8 @@ def save_trainer_checkpoint(trainer: TrainerLike, root: str | Path, metrics_curs
             par.broadcast_object(str(folder))
             _write_model_state(trainer, folder, export_fp8, weights_only)
 
-        path = save_checkpoint(root, step, save_model=save_model,
-                               scheduler=None if weights_only else trainer.scheduler, trainer_state=state,
-                               keep_last=keep_last)
+        path = save_checkpoint(root, step, save_model=save_model, scheduler=None if weights_only else trainer.scheduler,
+                               trainer_state=state, keep_last=keep_last)
     except Exception as e:
         cause = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
         previous = latest_checkpoint(root, checksums=False) if par.is_main else None
@@ -205,9 +204,8 @@ def resume_trainer(trainer: TrainerLike, root: str | Path, allow_pickle: bool = 
         load_model = (lambda folder: load_weights(trainer.model, str(folder / MODEL_SUBDIR))) \
             if (path / MODEL_SUBDIR).is_dir() else None
         loaded = load_checkpoint(path, model=None if load_model else trainer.model, load_model=load_model,
-                                 optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-                                 checksums=False,  # just verified by latest_checkpoint: one read of the files
-                                 allow_pickle=allow_pickle)
+                                 optimizer=trainer.optimizer, scheduler=trainer.scheduler, allow_pickle=allow_pickle,
+                                 checksums=False)  # just verified by latest_checkpoint: one read of the files
     trainer.load_state_dict(loaded.trainer_state)
     restored = _lr_schedule(trainer.scheduler)
     changed = [f"{key} {restored[key]} (configured: {configured[key]})" for key in configured
