@@ -155,7 +155,8 @@ class UpdateGraphs:
             self.graphs.clear()
         g = self.graphs.get((shape, present))
         fresh = g is None
-        g = self._buffers(shape, present) if fresh else g
+        if fresh:
+            g = self._buffers(shape, present)
         fill(g)
         if not fresh:
             return self._replay(g, b, width)

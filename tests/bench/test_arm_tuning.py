@@ -116,7 +116,7 @@ def _record_tuning(monkeypatch, seen: list):
         return wrapper
 
     monkeypatch.setattr(RolloutEngine, "__init__", recording("engine", RolloutEngine.__init__))
-    monkeypatch.setattr(ModelRunner, "_forward", recording("generate", ModelRunner._forward))
+    monkeypatch.setattr(ModelRunner, "_launch", recording("generate", ModelRunner._launch))
     monkeypatch.setattr(DecoderLM, "forward_packed", recording("train", DecoderLM.forward_packed))
     monkeypatch.setattr(jetrl.quant, "refresh_fp8_weights", recording("refresh", jetrl.quant.refresh_fp8_weights))
     monkeypatch.setattr(jetrl.models, "token_logprobs", recording("score", jetrl.models.token_logprobs))
