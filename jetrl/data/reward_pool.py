@@ -123,16 +123,10 @@ def _worker_main(conn: Connection, payload: bytes) -> None:
         conn.send(("init_error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", None))
-    while True:
-        try:
-            chunk = conn.recv()
-        except EOFError:
-            return
-        if chunk is None:
-            return
-        for index, completion, reference in chunk:
-            value, error = _call_reward(fn, completion, reference)
-            conn.send((index, value, error))
+    with contextlib.suppress(EOFError):  # the parent closed the pipe: done, as on its None
+        for chunk in iter(conn.recv, None):
+            for index, completion, reference in chunk:
+                conn.send((index, *_call_reward(fn, completion, reference)))
 
 
 class _Worker:
@@ -210,8 +204,7 @@ class RewardPool:
         if n:
             if self.config.num_workers == 0:
                 for i in range(n):
-                    value, error = _call_reward(self._fn, completions[i], references[i])
-                    self._record(result, i, value, error)
+                    self._record(result, i, *_call_reward(self._fn, completions[i], references[i]))
             else:
                 if not self._workers:
                     raise RuntimeError("RewardPool.score() called after close()")
