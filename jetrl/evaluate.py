@@ -113,9 +113,8 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
     correct_per_prompt: list[int] = []
     rewards_all: list[float] = []
     lengths: list[int] = []
-    truncated = 0
-    failures = [0, 0]  # errors, timeouts
     samples: list[dict[str, Any]] = []
+    truncated = errors = timeouts = 0
     was_training = model.training
     model.eval()
     try:
@@ -123,23 +122,20 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
         with RewardPool(reward_name, pool_config) as pool:
             for start in range(0, len(dataset), batch_size):
                 prompts = [dataset[i] for i in range(start, min(len(dataset), start + batch_size))]
-                texts, batch_ids = all_texts[start:start + batch_size], all_ids[start:start + batch_size]
+                texts = all_texts[start:start + batch_size]
                 params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                          seed=(seed * 1_000_003 + start + i) % 2 ** 63) for i in range(len(texts))]
-                completions, outputs = _generate(engine, tokenizer, batch_ids, params)
-                refs = [prompts[j // n].answer for j in range(len(completions))]
-                result = pool.score(outputs, refs)
+                completions, outputs = _generate(engine, tokenizer, all_ids[start:start + batch_size], params)
+                result = pool.score(outputs, [prompts[j // n].answer for j in range(len(completions))])
                 guard.check(result)
-                failures[0] += result.num_errors
-                failures[1] += result.num_timeouts
-                scored = result.rewards
+                errors, timeouts = errors + result.num_errors, timeouts + result.num_timeouts
                 for i, prompt in enumerate(prompts):
-                    group = scored[i * n:(i + 1) * n]
+                    group = result.rewards[i * n:(i + 1) * n]
                     correct_per_prompt.append(sum(r >= 1.0 for r in group))
                     if keep_samples:
                         samples += [{"index": prompt.index, "prompt": texts[i], "completion": outputs[i * n + j],
                                      "answer": prompt.answer, "reward": group[j]} for j in range(n)]
-                rewards_all += list(scored)
+                rewards_all += result.rewards
                 lengths += [len(c.token_ids) for c in completions]
                 truncated += sum(c.finish_reason == "length" for c in completions)
                 bar.update(len(prompts))
@@ -154,7 +150,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
         mean_reward=sum(rewards_all) / len(rewards_all),
         pass_at_k={k: sum(pass_at_k(n, c, k) for c in correct_per_prompt) / num for k in ks},
         mean_length=sum(lengths) / len(lengths), truncation_rate=truncated / len(lengths), samples=samples,
-        reward_errors=failures[0], reward_timeouts=failures[1])
+        reward_errors=errors, reward_timeouts=timeouts)
 
 
 def write_samples(samples: Sequence[dict[str, Any]], path: str | os.PathLike) -> None:
@@ -238,8 +234,7 @@ def load_policy(path: str, recipe: str, device: str | None, dtype: str, max_toke
     tokenizer = load_tokenizer(folder)
     check_eos(tokenizer, folder, folder)
     check_tokenizer(tokenizer, config, folder)
-    model = load_model(folder, dtype=getattr(torch, dtype), device=device, recipe=recipe)
-    return model, tokenizer
+    return load_model(folder, dtype=getattr(torch, dtype), device=device, recipe=recipe), tokenizer
 
 
 __all__ = ["load_policy", "EVAL_REWARD_WORKERS", "EVAL_SEED", "EvalResult", "evaluate", "pass_at_k",
