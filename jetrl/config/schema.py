@@ -43,6 +43,7 @@ class ConfigTypeError(ConfigError, TypeError):
 DTYPES = ("bfloat16", "float32", "float16")  # parameter dtypes of the policy (torch attribute names)
 WEIGHTS_ONLY = ("none", "final", "all")  # trainer.weights_only: which checkpoints hold the policy only
 ON_DISK_FULL = ("error", "skip")  # trainer.on_disk_full: too little free space for a checkpoint
+_BOOL_WORDS = {**dict.fromkeys(("true", "yes", "on", "1"), True), **dict.fromkeys(("false", "no", "off", "0"), False)}
 
 
 def registered_names(kind: str) -> list[str]:
@@ -72,12 +73,6 @@ def is_device(value: str) -> bool:
     """Whether ``value`` is a device string jetrl runs on: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (torch rejects
     others, e.g. ``cuda:abc``, with a RuntimeError of its own)."""
     return re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) is not None
-
-
-def check_device(value: str, key: str) -> None:
-    """A ConfigError naming the field ``key`` unless :func:`is_device` holds for ``value``."""
-    if not is_device(value):
-        raise ConfigError(f"{key} must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
 
 
 def home_path(value: str | None) -> str | None:
@@ -146,7 +141,8 @@ class ModelConfig(_Section):
         if self.checkpoint_blocks is not None and not self.gradient_checkpointing:
             raise ConfigError("model.checkpoint_blocks applies with model.gradient_checkpointing: true; set it, "
                               "or drop checkpoint_blocks")
-        check_device(self.device, "model.device")
+        if not is_device(self.device):
+            raise ConfigError(f"model.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
 
 @dataclass
@@ -461,12 +457,11 @@ class RunConfig(_Section):
             raise ConfigError(
                 f"the mini-batch ({self.mini_batch_size} sequences) must be divisible by "
                 f"algorithm.micro_batch_size ({alg.micro_batch_size})")
-        if alg.max_tokens_per_micro_batch is not None:
-            longest = self.data.max_prompt_tokens + self.rollout.max_tokens
-            if alg.max_tokens_per_micro_batch < longest:
-                raise ConfigError(
-                    f"algorithm.max_tokens_per_micro_batch ({alg.max_tokens_per_micro_batch}) must hold the "
-                    f"longest sequence (data.max_prompt_tokens + rollout.max_tokens = {longest})")
+        longest = self.data.max_prompt_tokens + self.rollout.max_tokens
+        if alg.max_tokens_per_micro_batch is not None and alg.max_tokens_per_micro_batch < longest:
+            raise ConfigError(
+                f"algorithm.max_tokens_per_micro_batch ({alg.max_tokens_per_micro_batch}) must hold the "
+                f"longest sequence (data.max_prompt_tokens + rollout.max_tokens = {longest})")
         if alg.old_logprobs_from_update:
             if alg.use_rollout_logprobs:
                 raise ConfigError("algorithm.old_logprobs_from_update and algorithm.use_rollout_logprobs both choose "
@@ -524,12 +519,8 @@ def coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if from_string and isinstance(value, str):
-            low = value.lower()
-            if low in ("true", "yes", "on", "1"):
-                return True
-            if low in ("false", "no", "off", "0"):
-                return False
+        if from_string and isinstance(value, str) and value.lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[value.lower()]
         raise ConfigTypeError(f"{key} must be a bool (true/false), got {type(value).__name__} ({value!r})")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
@@ -538,16 +529,13 @@ def coerce(value: Any, tp: Any, key: str, from_string: bool = False) -> Any:
             with contextlib.suppress(ValueError):
                 return int(value.replace("_", ""))
         raise ConfigTypeError(f"{key} must be an int, got {type(value).__name__} ({value!r})")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
-        elif isinstance(value, str):  # "1e-6" is a string to YAML 1.1 parsers, so accept float literals
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigTypeError(f"{key} must be a number, got str ({value!r})") from None
-        else:
+    if tp is float:  # a string too: "1e-6" is a string to YAML 1.1 parsers, so accept float literals
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ConfigTypeError(f"{key} must be a number, got {type(value).__name__} ({value!r})")
+        try:
+            value = float(value)
+        except ValueError:  # only a string that is no float literal
+            raise ConfigTypeError(f"{key} must be a number, got str ({value!r})") from None
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be finite, got {value}")
         return value
@@ -595,5 +583,5 @@ def to_dict(config: Any) -> dict[str, Any]:
 __all__ = [
     "ConfigError", "ConfigTypeError", "RunConfig", "ModelConfig", "DataConfig", "RewardLimitsConfig", "RolloutConfig",
     "AlgorithmConfig", "OptimConfig", "TrainerConfig", "DistributedConfig", "from_dict", "to_dict", "registered_names",
-    "DTYPES", "WEIGHTS_ONLY", "ON_DISK_FULL", "check_choice", "check_device", "is_device", "home_path", "setting",
+    "DTYPES", "WEIGHTS_ONLY", "ON_DISK_FULL", "check_choice", "is_device", "home_path", "setting",
 ]
