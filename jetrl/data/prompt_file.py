@@ -16,17 +16,14 @@ def read_prompts(prompts: Sequence[str], file: str | None) -> list[str]:
     naming the file (and the line or row); so is no prompt at all."""
     out = list(prompts)
     if file:
-        path = Path(file)
+        path, fix = Path(file), "give a text file with one prompt per line, or JSONL with 'prompt'"
         if not path.exists():
-            raise FileNotFoundError(f"prompt file {file} does not exist; give a text file with one prompt per line, "
-                                    f"or JSONL with 'prompt'")
+            raise FileNotFoundError(f"prompt file {file} does not exist; {fix}")
         if path.is_dir():
-            raise ValueError(f"prompt file {file} is a folder; give a text file with one prompt per line, or JSONL "
-                             f"with 'prompt'")
+            raise ValueError(f"prompt file {file} is a folder; {fix}")
         kind = table_kind(path)
         if kind == "parquet":
-            raise ValueError(f"prompt file {file} is Parquet; give a text file with one prompt per line, or JSONL "
-                             f"with 'prompt'")
+            raise ValueError(f"prompt file {file} is Parquet; {fix}")
         if kind == "jsonl":
             for i, row in enumerate(read_jsonl(path, required=("prompt",)), start=1):
                 if not isinstance(row["prompt"], (str, int, float)):  # as a dataset's prompt column
