@@ -42,9 +42,8 @@ BUILTIN_REWARDS: dict[str, str] = {
 def gsm8k_reward(completion_text: str, reference_answer: str) -> float:
     """1.0 if the completion's final number equals the reference's, else 0.0 (no number: 0.0).
     Raises ValueError when the reference itself states no number (a data error, not a wrong answer)."""
-    expected = reference_number(reference_answer)
-    got = extract_final_number(completion_text)
-    return 1.0 if got is not None and got == expected else 0.0
+    expected = reference_number(reference_answer)  # first: a reference without a number raises
+    return 1.0 if extract_final_number(completion_text) == expected else 0.0  # None (no number) equals no Fraction
 
 
 MATH_ANSWER_CHARS = 1000  # what math_reward hands to math-verify: a final answer is short

@@ -72,8 +72,7 @@ def render_prompt(prompt: Prompt, tokenizer: Any = None, config: TemplateConfig 
         messages = prompt_messages(prompt, config)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if prompt.messages is not None:  # a conversation without a chat template: plain "role: content" lines
-        lines = [f"{t['role']}: {t['content']}" for t in prompt_messages(prompt, config)]
-        return "\n".join(lines) + "\nassistant:"
+        return "\n".join(f"{t['role']}: {t['content']}" for t in prompt_messages(prompt, config)) + "\nassistant:"
     body = _fill(config.instruction, prompt=prompt.text)
     # {prompt} last, so that the problem's own text is never scanned for placeholders
     text = _fill(config.plain_template, system=config.system_prompt or "", prompt=body)
@@ -88,10 +87,8 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     ``tokenizer`` is a ``transformers`` tokenizer (what :func:`jetrl.models.load_tokenizer` returns), whose
     ``encode`` gives the list of ids."""
     bos = getattr(tokenizer, "bos_token", None)
-    if isinstance(bos, str) and bos and text.startswith(bos):
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    else:
-        ids = tokenizer.encode(text)
+    starts_with_bos = isinstance(bos, str) and bos and text.startswith(bos)
+    ids = tokenizer.encode(text, add_special_tokens=False) if starts_with_bos else tokenizer.encode(text)
     if not isinstance(ids, list):  # e.g. a raw ``tokenizers.Tokenizer``, whose encode gives an Encoding
         raise TypeError(f"encode_prompt needs a transformers tokenizer (jetrl.models.load_tokenizer), whose encode "
                         f"returns a list of ids; {type(tokenizer).__name__}.encode returned {type(ids).__name__}")
