@@ -95,9 +95,7 @@ class PromptDataset(Sequence[Prompt]):
         self.prompts = list(prompts)
         if not self.prompts:
             raise ValueError(f"dataset {name!r} is empty: it has no prompts")
-        self.name = name
-        self.reward = reward
-        self.template = template or TemplateConfig()
+        self.name, self.reward, self.template = name, reward, template or TemplateConfig()
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -163,8 +161,7 @@ def load_prompt_dataset(config: DatasetConfig | str, **overrides: Any) -> Prompt
     rows, available = read_rows(config.path)
     if not rows:
         raise ValueError(f"dataset file {config.path!r} has no rows")
-    if config.max_examples is not None:
-        rows = rows[: config.max_examples]
-    prompts = prompts_from_rows(rows, config.columns or fmt.columns, available, source=config.path)
+    prompts = prompts_from_rows(rows[: config.max_examples], config.columns or fmt.columns, available,  # None: all
+                                source=config.path)
     template = config.template or TemplateConfig(instruction=fmt.instruction)
     return PromptDataset(prompts, name=config.path, reward=config.reward or fmt.reward, template=template)

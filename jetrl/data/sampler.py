@@ -26,8 +26,7 @@ class EpochSampler:
         self.num_examples = num_examples
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
-        self.epoch = 0
-        self.offset = 0
+        self.epoch, self.offset = 0, 0
         self._order: np.ndarray | None = None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -75,8 +74,7 @@ class BatchLoader(Generic[T]):
     def __init__(self, dataset: Sequence[T], batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        self.dataset = dataset
-        self.batch_size = batch_size
+        self.dataset, self.batch_size = dataset, batch_size
         self.sampler = EpochSampler(len(dataset), seed=seed, shuffle=shuffle)
 
     @property
