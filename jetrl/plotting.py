@@ -111,8 +111,7 @@ def summarize_run(run: str | Path) -> list[tuple[str, str]]:
     shown += [] if same else [("reward/accuracy", "accuracy")]
     for key, name in (*shown, ("response/length_mean", "response length")):
         rows.append((f"{name} (first {k} -> last {k} steps)", f"{mean(first, key):.3f} -> {mean(last, key):.3f}"))
-    errors = sum(int(float(r.get("reward/errors", 0))) for r in records)
-    timeouts = sum(int(float(r.get("reward/timeouts", 0))) for r in records)
+    errors, timeouts = (sum(int(float(r.get(f"reward/{kind}", 0))) for r in records) for kind in ("errors", "timeouts"))
     rows.append(("failed rewards (all steps)", f"{errors} errors, {timeouts} timeouts"))
     rows.append(("mismatch |Δ logp| mean (last)", f"{mean(last, 'mismatch/logp_abs_diff_mean'):.2e}"))
     rows.append(("mismatch |Δ p| max (last)", f"{mean(last, 'mismatch/prob_abs_diff_max'):.2e}"))
@@ -124,8 +123,6 @@ def summarize_run(run: str | Path) -> list[tuple[str, str]]:
 def default_plot_path(runs: Sequence[str | Path]) -> Path:
     """``RUN/curves.png`` for one run; for several, ``curves_A_vs_B.png`` (run folder names) next to the
     first run, so that a comparison never replaces a run's own plot."""
-    if not runs:
-        raise ValueError("plot needs at least one run folder")
     folders = _folders(runs)
     if len(folders) == 1:
         return folders[0] / "curves.png"
@@ -134,6 +131,8 @@ def default_plot_path(runs: Sequence[str | Path]) -> Path:
 
 
 def _folders(runs: Sequence[str | Path]) -> list[Path]:
+    if not runs:
+        raise ValueError("plot needs at least one run folder")
     return [Path(r) if Path(r).is_dir() else Path(r).parent for r in runs]
 
 
@@ -150,11 +149,9 @@ def draw_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None, s
 
     ``smooth`` is the moving-average window (default: about a tenth of the longest run, at least 1).
     """
-    if not runs:
-        raise ValueError("plot needs at least one run folder")
+    names = _distinct_names(_folders(runs), "/")  # runs in folders of one name told apart by their parents'
     if labels is not None and len(labels) != len(runs):
         raise ValueError(f"got {len(labels)} labels for {len(runs)} runs")
-    names = _distinct_names(_folders(runs), "/")  # runs in folders of one name told apart by their parents'
     curves = [load_run(r, labels[i] if labels else None, names[i]) for i, r in enumerate(runs)]
     import matplotlib
 
@@ -162,8 +159,7 @@ def draw_runs(runs: Sequence[str | Path], labels: Sequence[str] | None = None, s
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    longest = max(len(c.records) for c in curves)
-    window = smooth if smooth is not None else max(1, longest // 10)
+    window = smooth if smooth is not None else max(1, max(len(c.records) for c in curves) // 10)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (key, name, log_scale) in zip(axes.flat, PANELS):
