@@ -77,8 +77,7 @@ def last_boxed(text: str) -> str | None:
 
 def _boxed_value(content: str) -> Fraction | None:
     content = _UNIT_TEXT.sub(" ", content.replace("\\!", "").replace("{,}", ","))  # "72 \text{ cm}^2": 72
-    frac = _FRAC.search(content)
-    if frac:
+    if frac := _FRAC.search(content):
         num, den = (frac.group(1), frac.group(2)) if frac.group(1) is not None else (frac.group(3), frac.group(4))
         n, d = parse_number(num), parse_number(den)
         if n is not None and d:
@@ -86,8 +85,7 @@ def _boxed_value(content: str) -> Fraction | None:
             value = n / d + (abs(parse_number(whole.group(1)) or 0) if whole else 0)
             sign = -1 if re.search(r"-\s*(?:\d+\s*)?\\[dt]?frac", content) else 1
             return sign * value
-    scientific = _SCIENTIFIC.search(content)  # "1.5 \times 10^{3}": 1500
-    if scientific:
+    if scientific := _SCIENTIFIC.search(content):  # "1.5 \times 10^{3}": 1500
         mantissa, exponent = parse_number(scientific.group(1)), int(scientific.group(2))
         if mantissa is not None and abs(exponent) <= 30:
             return mantissa * Fraction(10) ** exponent

@@ -201,20 +201,19 @@ class RewardPool:
                 raise TypeError(f"{name}[{bad}] is a {type(seq[bad]).__name__}, expected str")
         n = len(completions)
         result = RewardResult(rewards=[0.0] * n, status=["ok"] * n)
-        if n:
-            if self.config.num_workers == 0:
-                for i in range(n):
-                    self._record(result, i, *_call_reward(self._fn, completions[i], references[i]))
-            else:
-                if not self._workers:
-                    raise RuntimeError("RewardPool.score() called after close()")
-                try:
-                    self._score_in_workers(result, completions, references)
-                except BaseException:  # e.g. Ctrl-C: busy workers hold stale work, never reuse them
-                    for worker in list(self._workers):
-                        if worker.pending:
-                            self._replace(worker)
-                    raise
+        if self.config.num_workers == 0:
+            for i in range(n):
+                self._record(result, i, *_call_reward(self._fn, completions[i], references[i]))
+        elif n:  # no samples: nothing to send (a closed pool too)
+            if not self._workers:
+                raise RuntimeError("RewardPool.score() called after close()")
+            try:
+                self._score_in_workers(result, completions, references)
+            except BaseException:  # e.g. Ctrl-C: busy workers hold stale work, never reuse them
+                for worker in list(self._workers):
+                    if worker.pending:
+                        self._replace(worker)
+                raise
         # the messages of the lowest-numbered failed samples, whatever order the workers finished in
         result.errors = [message for _, message in sorted(result._failures)[:MAX_ERROR_MESSAGES]]
         return result
