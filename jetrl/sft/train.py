@@ -346,9 +346,8 @@ def run_sft(config: SFTConfig, progress: bool = True, log: Callable[[str], None]
     bar.close()
 
     model.eval()
-    dtype = getattr(torch, config.save_dtype)
-    model.to(dtype)  # keeps the Parameter objects: the optimizer's references stay valid
-    if dtype == torch.float32:  # a BF16 run saved in fp32 keeps its fp32 master weights, not their rounding
+    model.to(getattr(torch, config.save_dtype))  # keeps the Parameter objects: the optimizer's references stay valid
+    if config.save_dtype == "float32":  # a BF16 run saved in fp32 keeps its fp32 master weights, not their rounding
         optimizer.sync_params_from_masters()
     save_model(model, out)
     result = evaluate(model, tokenizer, eval_set, max_tokens=max_tokens, progress=progress)
