@@ -1,6 +1,8 @@
 """Run a function on N CPU ranks (gloo) the way torchrun would: one process per rank, torchrun's variables.
 
-Processes are forked (no re-import of torch: a rank starts in milliseconds); each returns its result
+Processes are forked (no re-import of torch: a rank starts in milliseconds), or spawned on a machine with a CUDA
+device: there the parent has asked CUDA for its devices, after which a forked child's first CUDA call (the optimizer
+asks whether the stream is capturing a graph) fails with "initialization error". Each rank returns its result
 through a pickle file. A rank that raises fails :func:`run_ranks` with its traceback, and the others are
 terminated (``torch.multiprocessing`` does that), so a broken test cannot hang the suite."""
 
@@ -44,13 +46,15 @@ def _forget_parents_forkserver() -> None:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0) -> list[Any]:
-    """``[fn(rank, *args) for each rank]``, run in ``world_size`` forked processes; ``fn`` sets up its own
+    """``[fn(rank, *args) for each rank]``, run in ``world_size`` processes; ``fn`` sets up its own
     process group (e.g. :func:`jetrl.parallel.init_parallel`) from the variables set here."""
+    import torch
     import torch.multiprocessing as mp
 
+    start_method = "spawn" if torch.cuda.is_available() else "fork"
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), out, args), nprocs=world_size,
-                                 join=False, start_method="fork")
+                                 join=False, start_method=start_method)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):  # returns when any rank ends
             if time.monotonic() >= deadline:
