@@ -366,7 +366,7 @@ class ModelRunner:
         for j in range(out.steps):  # a decode run: each step's sampled tokens are the next one's inputs
             if j:  # a row past its own steps idles: it stays where it is and writes into the scratch block
                 live = row_steps_t > j if row_steps else 1
-                ids_t, pos_t, ctx_t = tokens, pos_t + live, ctx_t + live
+                ids_t, pos_t, ctx_t = tokens_run[-1], pos_t + live, ctx_t + live
                 slots_t = table_t.gather(1, (pos_t // bs)[:, None]).squeeze(1) * bs + pos_t % bs
                 if row_steps:
                     slots_t = torch.where(live, slots_t, self.scratch_block * bs)
