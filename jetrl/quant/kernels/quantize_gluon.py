@@ -60,7 +60,8 @@ def _kernels():
     def load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC: gl.constexpr):
         """The (128, 128) tile of x at (pid_m, pid_k), zero past M and K, in 16-byte coalesced loads (a row of
         the tile is 128 / VEC threads)."""
-        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[32 * VEC // 128, 128 // VEC],
+        layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC],
+                                                threads_per_warp=[32 * VEC // 128, 128 // VEC],
                                                 warps_per_cta=[4, 1], order=[1, 0])
         rm = pid_m * 128 + gl.arange(0, 128, layout=gl.SliceLayout(1, layout))
         rk = pid_k * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
@@ -106,7 +107,8 @@ def _kernels():
         pid_m = gl.program_id(0)
         pid_k = gl.program_id(1)
         tile = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
-        smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         if HAS_SCALE:  # the row scales, loaded with the tile (one per thread), handed to all through shared memory
             one_each: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4],
                                                       order=[0])
@@ -134,7 +136,8 @@ def _kernels():
             row_scale = _block_scale(gl.max(gl.abs(x), axis=1), POW2)
             row_recip, row_scale_r = _recip_scale(row_scale)
             qa = _to_e4m3_recip(x, row_recip[:, None], row_scale_r[:, None], POW2)
-            gl.store(act_ptr + rm[:, None].to(gl.int64) * K + rk[None, :], qa, mask=(rm[:, None] < M) & (rk[None, :] < K))
+            gl.store(act_ptr + rm[:, None].to(gl.int64) * K + rk[None, :], qa,
+                     mask=(rm[:, None] < M) & (rk[None, :] < K))
             gl.store(act_scale_ptr + pid_k * ACT_SCALE_M + rm, row_scale, mask=rm < M)
 
     @gluon.jit(do_not_specialize=["M", "ACT_SCALE_M"])
@@ -145,7 +148,8 @@ def _kernels():
         pid_m = gl.program_id(0)
         pid_k = gl.program_id(1)
         tile = load_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, VEC)
-        smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [128, 128],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
         smem.store(tile)
         tile_to_token(smem, smem, OUT_M, K, tok_ptr, tok_scale_ptr, pid_m, pid_k, POW2, False)
         tile_to_act(smem, M, K, act_ptr, act_scale_ptr, ACT_SCALE_M, pid_m, pid_k, POW2)

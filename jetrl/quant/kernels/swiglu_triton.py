@@ -124,9 +124,10 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
 
     Returns ``(out, data, scale)``: ``out`` (M, K) contiguous in gate's dtype; with ``quantize`` the 1x128
     E4M3 ``data`` (M, K) and fp32 ``scale`` (M, Kb) in the layout of
-    :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128` (:func:`~jetrl.quant.kernels.quantize_triton.act_buffers`),
-    else ``None, None``. ``write_out=False`` (with ``quantize``): ``out`` is not written, and ``None`` is returned in
-    its place (the caller's consumer reads the FP8 only).
+    :func:`jetrl.quant.kernels.quantize_triton.quantize_act_1x128`
+    (:func:`~jetrl.quant.kernels.quantize_triton.act_buffers`), else ``None, None``. ``write_out=False`` (with
+    ``quantize``): ``out`` is not written, and ``None`` is returned in its place (the caller's consumer reads the FP8
+    only).
     """
     m, k = gate.shape
     out = torch.empty((m, k), dtype=gate.dtype, device=gate.device) if write_out else None
