@@ -95,7 +95,10 @@ def check_train_job(config: RunConfig, eval_examples: int | None = None) -> int:
     """What ``jetrl train`` checks before any weight loads: the config's names (task, format, reward, ...), the
     device, the model's config and tokenizer (with its end-of-sequence token), and every prompt read and tokenized
     against the context; returns the number of held-out problems to evaluate on (``eval_examples``; ``None``: 200
-    where the run has a task or a held-out file, else 0), raising ValueError for a count the data cannot give."""
+    where the run has a task or a held-out file, else 0), or the held-out file's row count where that is smaller
+    (with a warning). ValueError for held-out problems asked of a run with neither a task nor a held-out file, or
+    for a held-out file without ``data.path``; FileNotFoundError for a held-out file that is not there (its path is
+    resolved into ``config.data.eval_path``)."""
     held_out = config.data.task or config.data.eval_path
     num_eval = eval_examples if eval_examples is not None else (200 if held_out else 0)
     if num_eval and not held_out:
