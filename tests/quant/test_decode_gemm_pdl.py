@@ -21,6 +21,8 @@ from sm90_compile import skip_without_sm90_compiler
 
 # loads, stores, atomics and prefetches of global memory (TMA, bulk and cp.async copies included), predicated or not;
 # a kernel's parameters are no one's writes, so ld.param may come first
+# a branch ahead of the wait could let some programs skip it (a wait under a program-dependent condition)
+_BRANCH = re.compile(r"^\s*(?:@!?%p\d+\s+)?bra(?:\.uni)?\s", re.M)
 _MEMORY = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld\.global|ld\.weak|ld\.volatile|ld\.acquire|ld\.relaxed|st\.global|"
                      r"atom\.|red\.|cp\.async|cp\.reduce\.async|prefetch)", re.M)
 
@@ -59,6 +61,7 @@ def test_nothing_read_or_written_before_the_wait(tma, split, groups):
     assert len(waits) == 1, waits
     before = [m.group(1) for m in _MEMORY.finditer(ptx[:waits[0]])]
     assert before == [], before  # no load, store or atomic ahead of the wait
+    assert not _BRANCH.search(ptx[:waits[0]])  # and every program reaches it
     assert _MEMORY.search(ptx[waits[0]:])  # (the pattern does see the kernel's memory instructions)
     triggers = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", ptx)]
     assert len(triggers) == 1 and triggers[0] > waits[0]  # the kernel after it may launch once it has waited
@@ -93,6 +96,7 @@ def test_kernels_around_the_gemm_wait_first():
         assert on.count("griddepcontrol.wait") == 1 and "griddepcontrol" not in off, fn.__name__
         wait = on.index("griddepcontrol.wait")
         assert not _MEMORY.search(on[:wait]), fn.__name__  # at the start, before the kernel's first access
+        assert not _BRANCH.search(on[:wait]), fn.__name__  # and every program reaches it
         assert _MEMORY.search(on[wait:]), fn.__name__
         triggers = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents", on)]
         want = 0 if fn is rope_triton._rope_qk_kernel else 1
@@ -169,8 +173,8 @@ def test_kernels_around_the_gemm_launch_as_dependents_with_their_wait(monkeypatc
 @pytest.mark.parametrize("capability, pdl, want", [((8, 0), True, False), ((8, 9), True, False), ((9, 0), True, True),
                                                    ((10, 0), True, True), ((9, 0), False, False)])
 def test_pdl_only_from_hopper_on(monkeypatch, capability, pdl, want):
-    """``griddepcontrol`` is sm_90's: on an Ampere or Ada GPU neither the feeding kernels' trigger nor the GEMM's
-    wait is compiled (the bf16 recipe runs the fused norm and SwiGLU there too)."""
+    """``griddepcontrol`` is sm_90's: on an Ampere or Ada GPU none of the waits and triggers of the decode GEMM and
+    the kernels around it is compiled (the bf16 recipe runs the fused norm and SwiGLU there too)."""
     import torch
 
     from jetrl.quant.kernels import tuning

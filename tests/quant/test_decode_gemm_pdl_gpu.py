@@ -63,8 +63,9 @@ def test_pdl_launch_gives_the_plain_launchs_bits(cuda_backend, case):
 
 
 def _chain(cuda_backend, x, norm_w, w_o, w_gate_up, w_down, cos, sin):
-    """norm -> GEMM -> 1x128 quantizer -> GEMM -> norm -> GEMM -> SwiGLU -> GEMM -> RoPE, each kernel fed by the one
-    just before it (the decode step's order); with PDL each launches while the one before it runs."""
+    """norm -> GEMM -> 1x128 quantizer -> GEMM -> norm -> GEMM -> SwiGLU -> GEMM -> RoPE in the decode step's manner,
+    each kernel fed by the one just before it, the second norm's residual by the GEMM three kernels back; with PDL
+    each launches while the one before it runs."""
     from jetrl.quant.kernels import gemm_decode_triton as dk
     from jetrl.quant.kernels.norm_triton import rms_norm_forward
     from jetrl.quant.kernels.quantize_triton import quantize_act_1x128
@@ -75,10 +76,10 @@ def _chain(cuda_backend, x, norm_w, w_o, w_gate_up, w_down, cos, sin):
         return dk.fp8_decode_gemm(data, scale, w.data, w.scale, 128, torch.bfloat16)
 
     _, _, _, q = rms_norm_forward(x, None, norm_w, 1e-5, quantize=True, pow2_scale=True)
-    y = gemm(q.data, q.scale, w_o)
-    data, scale = quantize_act_1x128(y, pow2_scale=True)
+    y1 = gemm(q.data, q.scale, w_o)
+    data, scale = quantize_act_1x128(y1, pow2_scale=True)
     y = gemm(data, scale, w_o)
-    _, _, _, q = rms_norm_forward(y, x, norm_w, 1e-5, quantize=True, pow2_scale=True)
+    _, _, _, q = rms_norm_forward(y, y1, norm_w, 1e-5, quantize=True, pow2_scale=True)
     gu = gemm(q.data, q.scale, w_gate_up)
     _, data, scale = swiglu_fwd(gu[:, :14336], gu[:, 14336:], quantize=True, pow2_scale=True)
     y = gemm(data, scale, w_down).view(-1, 32, 128)

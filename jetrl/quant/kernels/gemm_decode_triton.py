@@ -8,8 +8,8 @@ Operands and scales are laid out as for :func:`jetrl.quant.kernels.gemm_triton.b
 the kernel before it (``tuning.decode_gemm_pdl``, :func:`~jetrl.quant.kernels.tuning.early_dependents`), and so are
 the kernels around it in a decode step (the fused norm, SwiGLU, the activation quantizer, RoPE): each one's first
 instruction waits (``griddepcontrol.wait``) until the kernel before it has finished and its writes are visible,
-then lets its own dependents launch, so the next kernel's programs are placed and set up while it runs. Nothing is
-read or written before the wait, so the result is the same bits.
+then lets its own dependents launch (RoPE only waits), so the next kernel's programs are placed and set up while it
+runs. Nothing is read or written before the wait, so the result is the same bits.
 
 The launch is a :class:`~jetrl.quant.kernels.tuning.DecodeGemmConfig`: by default from the tuning object's per-M
 policies and per-shape configs, which ``bench/kernels.py --sections decode-sweep`` measures.

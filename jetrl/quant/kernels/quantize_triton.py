@@ -203,8 +203,8 @@ def _quantize_rows_cols_kernel(
     """One tile of x quantized per row (``ROWS``: 1x128, BLOCK_K == 128; data (M, K) row-major, scales at
     ``stride_sm``/``stride_sk``) or per column (128x1, BLOCK_M == 128; the E4M3 tile transposed and stored
     into a row-major (K, OUT_M) buffer, rows M..OUT_M of x read as zeros; scales a row-major (Mb, K) buffer)."""
-    if PDL:  # a programmatic dependent (tuning.decode_gemm_pdl): wait for the kernel before (a decode GEMM may
-        gdc_wait()  # still be writing this one's input), then let the next one (a decode GEMM) launch
+    if PDL:  # a programmatic dependent (tuning.decode_gemm_pdl): wait for the kernel before (attention or a GEMM
+        gdc_wait()  # may still be writing this one's input), then let the next one (a decode GEMM) launch
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
