@@ -159,7 +159,6 @@ def test_kernels_around_the_gemm_launch_as_dependents_with_their_wait(monkeypatc
         recorders[name] = _Recorder()
         monkeypatch.setattr(module, name, recorders[name])
     monkeypatch.setattr(tuning, "early_dependents", lambda device: on)
-    monkeypatch.setattr(norm_triton, "early_dependents", lambda device: on)
     x = torch.randn(37, 256).to(torch.bfloat16)
     norm_triton.rms_norm_forward(x, x, torch.ones(256, dtype=torch.bfloat16), 1e-5, quantize=True, pow2_scale=True)
     swiglu_triton.swiglu_fwd(x, x, quantize=True, pow2_scale=True)

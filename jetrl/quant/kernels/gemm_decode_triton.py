@@ -286,11 +286,10 @@ def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
         j = i if i < len(weights) else 0
         _, sc, bias = weights[j]
         groups += [w_args[j], sc, bias if has_bias else out, ns[i] if i < len(weights) else 0]
-    pdl = tuning.early_dependents(a_data.device)
     _fp8_decode_gemm_kernel[(tiles, split)](
         a_arg, out, a_scale, ws, locks, *groups, m, k, *a_data.stride(), *b0.stride(), *out.stride(), *a_scale.stride(),
         *bs0.stride(), KB_PER_SPLIT=kb_per_split, SPLIT_K=split, B_SCALE_ROWS=b_scale_rows, NUM_GROUPS=len(weights),
         HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n, M_TILES=m_tiles, K_UNROLL=cfg.k_unroll,
-        USE_TMA=use_tma, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS,
-        **tuning.pdl_launch(pdl))
+        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS,
+        **tuning.pdl_args(a_data.device))
     return out

@@ -32,7 +32,7 @@ from jetrl.quant.formats import ACT, BLOCK_SIZE, Fp8Tensor
 from jetrl.quant.kernels.decode_splits import sm_count
 from jetrl.quant.kernels.quantize_triton import _block_scale, _cdiv, _quantize_e4m3, act_buffers
 from jetrl.quant.kernels.quantize_triton import cast_rne as _cast  # RNE to bf16 under the interpreter too
-from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, early_dependents, pdl_launch
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, pdl_args
 
 
 # Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register with 16
@@ -268,14 +268,13 @@ def rms_norm_forward(
     q_data, q_scale = act_buffers(m, d, device) if quantize else (None, None)
     if m:
         block_m, block_d, chunks, num_warps = _tile(m, d, max_tile, ROWS_TILE_FWD)
-        pdl = early_dependents(device)
         _rms_norm_fwd_kernel[(_cdiv(m, block_m),)](
             x, residual if residual is not None else x, weight, out, h if h is not None else x, rstd,
             q_data if quantize else out, q_scale if quantize else rstd,
             m, d, eps, q_scale.shape[1] if quantize else m,
             HAS_RES=residual is not None, QUANT=quantize, POW2=pow2_scale,
             BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, QG=min(BLOCK_SIZE, block_d),
-            PDL=pdl, num_warps=num_warps, **COMPILE_OPTIONS, **pdl_launch(pdl))
+            num_warps=num_warps, **COMPILE_OPTIONS, **pdl_args(device))
     return out, h, rstd, Fp8Tensor(q_data, q_scale[:, :m].t(), ACT) if quantize else None
 
 

@@ -346,11 +346,10 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, *, block_m: in
     m, k = x.shape
     data, scale_buf = act_buffers(m, k, x.device)
     if m and k:
-        pdl = tuning.early_dependents(x.device)
         _quantize_rows_cols_kernel[(_cdiv(m, block_m), scale_buf.shape[0])](
             x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, scale_buf.shape[1], 0,  # OUT_M: 128x1 only
             POW2=pow2_scale, ROWS=True, BLOCK_M=block_m, BLOCK_K=BLOCK, num_warps=num_warps,
-            PDL=pdl, **COMPILE_OPTIONS, **tuning.pdl_launch(pdl))
+            **COMPILE_OPTIONS, **tuning.pdl_args(x.device))
     return data, scale_buf[:, :m].t()
 
 

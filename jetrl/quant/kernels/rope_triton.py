@@ -115,13 +115,9 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     block_half = triton.next_power_of_2(half)
     block_hq, block_hk = _block_h(hq, block_half), _block_h(hk, block_half)
     num_qb, num_kb = -(-hq // block_hq), -(-hk // block_hk)
-    pdl = tuning.early_dependents(q.device)
     _rope_qk_kernel[(n, num_qb + num_kb)](
-        q, k, q_out, k_out, cos, sin,
-        hq, hk, half, num_qb,
-        *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
-        BACKWARD=backward,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, PDL=pdl,
-        num_warps=4, enable_fp_fusion=False, **tuning.pdl_launch(pdl),
-    )
+        q, k, q_out, k_out, cos, sin, hq, hk, half, num_qb,
+        *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2], BACKWARD=backward,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
+        **tuning.pdl_args(q.device))
     return q_out, k_out

@@ -139,13 +139,11 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
         block_m = _block_m(m)
         grid = (_cdiv(m, block_m), _cdiv(k, BLOCK_K))
         dest = out if write_out else gate  # unwritten: the pointer only names the output dtype
-        pdl = tuning.early_dependents(gate.device)
         _swiglu_fwd_kernel[grid](
             gate, up, dest, data if quantize else dest, scale_buf if quantize else dest,
             m, k, gate.stride(0), up.stride(0), scale_buf.shape[1] if quantize else m,
-            POW2=pow2_scale, QUANTIZE=quantize, BLOCK_M=block_m,
-            PDL=pdl, WRITE_OUT=write_out, num_warps=4, enable_fp_fusion=False, **tuning.pdl_launch(pdl),
-        )
+            POW2=pow2_scale, QUANTIZE=quantize, BLOCK_M=block_m, WRITE_OUT=write_out, num_warps=4,
+            enable_fp_fusion=False, **tuning.pdl_args(gate.device))
     return out, data, scale_buf[:, :m].t() if quantize else None
 
 

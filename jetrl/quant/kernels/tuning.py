@@ -569,9 +569,9 @@ def early_dependents(device: torch.device) -> bool:
     return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def pdl_launch(pdl: bool) -> dict:
-    """A launch's options where it is a programmatic dependent (``pdl``: :func:`early_dependents`)."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_args(device: torch.device) -> dict:
+    """A kernel's ``PDL`` flag (its wait) with the launch option that goes with it, from :func:`early_dependents`."""
+    return {"PDL": True, "launch_pdl": True} if early_dependents(device) else {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)
