@@ -135,17 +135,17 @@ def _train_config(args: argparse.Namespace) -> RunConfig:
 
 def _cmd_train(args: argparse.Namespace) -> None:
     config = _train_config(args)
-    num_eval = check_train_job(config, args.eval_examples)  # before the evaluation that precedes training
+    data = check_train_job(config, args.eval_examples)  # before the evaluation that precedes training
     # under torchrun every rank runs this command; rank 0 alone prepares the folder, evaluates and reports
     if launched_rank() != 0:
-        run(config, require_checkpoint=args.resume == "must")
+        run(config, require_checkpoint=args.resume == "must", data=data)
         return
     prepare_output_dir(config, overwrite=args.overwrite)  # last: --overwrite deletes the old run
     print(f"jetrl train: {config.recipe} recipe, model {config.model.path}, "
           f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
           file=sys.stderr)
-    result = train_and_evaluate(config, num_eval, require_checkpoint=args.resume == "must",
-                                progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+    result = train_and_evaluate(config, data.num_eval, require_checkpoint=args.resume == "must",
+                                progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), data=data)
     print(text_table(result.rows(), title="jetrl train: summary"))
 
 

@@ -5,7 +5,7 @@ problems before training (skipped when the run resumes from a checkpoint, whose 
 configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``; the run's
 curves in ``<output_dir>/curves.png``; and its summary rows. It is a separate module because the RL stage
 imports neither the evaluation nor the plotting. :func:`check_train_job` makes the command's checks before a model
-loads.
+loads; the prompts it read and tokenized go to the run, which does not read them again.
 
 Under torchrun only rank 0 calls it, after preparing the output folder
 (:func:`jetrl.rl.loop.prepare_output_dir`); the other ranks call :func:`jetrl.rl.loop.run` with the
@@ -22,7 +22,7 @@ from typing import Callable
 
 from jetrl.asset_files import existing_path
 from jetrl.config import RunConfig
-from jetrl.data import check_run_prompts
+from jetrl.data import RunPrompts, check_run_prompts
 from jetrl.evaluate import EVAL_SEED, held_out_accuracy
 from jetrl.models import check_eos, resolve_device
 from jetrl.plotting import METRICS_FILE, plot_runs, summarize_run
@@ -91,14 +91,15 @@ def _recorded_before(path: Path, config: RunConfig, num_eval: int) -> float | No
     return recorded.get("greedy_accuracy_before") if same else None
 
 
-def check_train_job(config: RunConfig, eval_examples: int | None = None) -> int:
+def check_train_job(config: RunConfig, eval_examples: int | None = None) -> RunPrompts:
     """What ``jetrl train`` checks before any weight loads: the config's names (task, format, reward, ...), the
     device, the model's config and tokenizer (with its end-of-sequence token), and every prompt read and tokenized
-    against the context; returns the number of held-out problems to evaluate on (``eval_examples``; ``None``: 200
-    where the run has a task or a held-out file, else 0), or the held-out file's row count where that is smaller
-    (with a warning). ValueError for held-out problems asked of a run with neither a task nor a held-out file, or
-    for a held-out file without ``data.path``; FileNotFoundError for a held-out file that is not there (its path is
-    resolved into ``config.data.eval_path``)."""
+    against the context; returns those prompts (:func:`jetrl.data.check_run_prompts`; pass them on to the run) and
+    the number of held-out problems to evaluate on (``eval_examples``; ``None``: 200 where the run has a task or a
+    held-out file, else 0), or the held-out file's row count where that is smaller (with a warning). ValueError for
+    held-out problems asked of a run with neither a task nor a held-out file, or for a held-out file without
+    ``data.path``; FileNotFoundError for a held-out file that is not there (its path is resolved into
+    ``config.data.eval_path``)."""
     held_out = config.data.task or config.data.eval_path
     num_eval = eval_examples if eval_examples is not None else (200 if held_out else 0)
     if num_eval and not held_out:
@@ -117,15 +118,16 @@ def check_train_job(config: RunConfig, eval_examples: int | None = None) -> int:
 
 
 def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoint: bool = False,
-                       progress: bool = True, log: Callable[[str], None] = print) -> TrainJobResult:
+                       progress: bool = True, log: Callable[[str], None] = print,
+                       data: RunPrompts | None = None) -> TrainJobResult:
     """Run RL as configured, with greedy accuracy on ``num_eval`` held-out problems before and after.
 
     ``num_eval`` > 0 needs a built-in task (``data.task``; its problems drawn with
     :data:`jetrl.evaluate.EVAL_SEED`) or a held-out file (``data.eval_path``; its first ``num_eval`` rows),
-    measured by :func:`jetrl.evaluate.held_out_accuracy` in the run's recipe. ``require_checkpoint`` is
-    :func:`jetrl.rl.loop.run`'s. ``progress`` shows bars over the evaluations and the steps; without it each
-    step is a ``log`` line. ``log`` also announces each evaluation. The run's threads and kernel settings
-    (:func:`jetrl.rl.loop.run_settings`) are in force throughout."""
+    measured by :func:`jetrl.evaluate.held_out_accuracy` in the run's recipe. ``require_checkpoint`` and ``data``
+    (the prompts :func:`check_train_job` returned) are :func:`jetrl.rl.loop.run`'s. ``progress`` shows bars over
+    the evaluations and the steps; without it each step is a ``log`` line. ``log`` also announces each evaluation.
+    The run's threads and kernel settings (:func:`jetrl.rl.loop.run_settings`) are in force throughout."""
     with run_settings(config):  # the evaluations compute with the run's threads and kernels too
         before = None
         resumes = config.trainer.resume and has_checkpoint(Path(config.trainer.output_dir) / CHECKPOINT_SUBDIR)
@@ -136,7 +138,7 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
             before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)
         with Progress(config.trainer.steps, "train", unit="step", enabled=progress) as bar:
             run(config, on_step=_step_reporter(config.trainer.steps, bar, log=None if progress else log),
-                require_checkpoint=require_checkpoint)
+                require_checkpoint=require_checkpoint, data=data)
         out = Path(config.trainer.output_dir)
         result = TrainJobResult(output_dir=out, plot=plot_runs([out], out / PLOT_FILE), summary=summarize_run(out),
                                 recipe=config.recipe, num_eval=num_eval)

@@ -3,7 +3,7 @@
 Feeds the RL loop (``data <- rl``); imports nothing else from jetrl.
 """
 
-from jetrl.data.build import DataSpec, RunDataSpec, build_prompt_dataset, check_run_prompts
+from jetrl.data.build import DataSpec, RunDataSpec, RunPrompts, build_prompt_dataset, check_run_prompts
 from jetrl.data.datasets import (
     DATASET_FORMATS, ColumnMap, DatasetConfig, PromptDataset, check_prompt_lengths, load_prompt_dataset,
 )
@@ -17,8 +17,8 @@ from jetrl.data.templates import TemplateConfig, decode_completion, encode_promp
 
 __all__ = [
     "read_prompts", "BUILTIN_REWARDS", "DATASET_FORMATS", "TASKS", "RewardConfig", "RewardPool", "RewardPoolConfig",
-    "build_prompt_dataset", "build_reward_fn", "check_prompt_lengths", "check_run_prompts", "RunDataSpec", "DataSpec",
-    "decode_completion", "encode_prompt", "get_task",
+    "build_prompt_dataset", "build_reward_fn", "check_prompt_lengths", "check_run_prompts", "RunDataSpec", "RunPrompts",
+    "DataSpec", "decode_completion", "encode_prompt", "get_task",
     "gsm8k_reward", "math_reward", "resolve_reward", "BatchLoader", "ColumnMap", "DatasetConfig", "EpochSampler",
     "Prompt", "PromptDataset", "TemplateConfig", "has_chat_template", "load_prompt_dataset", "render_prompt",
 ]

@@ -11,6 +11,8 @@ import dataclasses
 import warnings
 from typing import Any, Protocol
 
+import numpy as np
+
 from jetrl.data.datasets import (
     DATASET_FORMATS, ColumnMap, DatasetConfig, PromptDataset, check_prompt_lengths, load_prompt_dataset,
 )
@@ -73,19 +75,30 @@ class RunDataSpec(DataSpec, Protocol):
     eval_path: str | None
 
 
-def check_run_prompts(spec: RunDataSpec, seed: int, tokenizer: Any, num_eval: int = 0) -> int:
+@dataclasses.dataclass
+class RunPrompts:
+    """A run's prompts as :func:`check_run_prompts` read and checked them, for the RL loop to take instead of
+    reading and tokenizing them again: the ``dataset``, each prompt's ``token_ids`` (in dataset order) and
+    ``num_eval``, the number of held-out problems to evaluate on."""
+
+    dataset: PromptDataset
+    token_ids: list[np.ndarray]
+    num_eval: int = 0
+
+
+def check_run_prompts(spec: RunDataSpec, seed: int, tokenizer: Any, num_eval: int = 0) -> RunPrompts:
     """Read and check a run's prompts before its model loads, as the RL loop will use them: enough for one step,
     a reward that resolves, and every prompt tokenized within ``max_prompt_tokens`` (the loop meets a prompt only
     when a batch draws it); with ``num_eval`` held-out problems from ``eval_path``, that file's first ``num_eval``
-    rows are read too (columns and values; not their token counts). Returns ``num_eval``, or the held-out file's
-    row count where that is smaller (with a warning), so that the accuracy is reported over the problems actually
-    evaluated."""
+    rows are read too (columns and values; not their token counts). Returns the prompts with their token ids, and
+    ``num_eval``, or the held-out file's row count where that is smaller (with a warning), so that the accuracy is
+    reported over the problems actually evaluated."""
     dataset = build_prompt_dataset(spec, seed=seed)
     if len(dataset) < spec.prompts_per_step:
         raise ValueError(f"data.prompts_per_step ({spec.prompts_per_step}) is larger than the dataset "
                          f"({len(dataset)} prompts); lower it or use more data")
     build_reward_fn(RewardConfig(name=spec.reward), default=dataset.reward)
-    check_prompt_lengths(dataset, tokenizer, spec.max_prompt_tokens)
+    token_ids = check_prompt_lengths(dataset, tokenizer, spec.max_prompt_tokens)
     if num_eval and spec.eval_path is not None:
         held_out = build_prompt_dataset(dataclasses.replace(spec, path=spec.eval_path, task=None,  # type: ignore
                                                             max_examples=num_eval), seed=seed)
@@ -93,7 +106,7 @@ def check_run_prompts(spec: RunDataSpec, seed: int, tokenizer: Any, num_eval: in
             warnings.warn(f"data.eval_path {spec.eval_path} has {len(held_out)} rows, fewer than the {num_eval} "
                           f"held-out problems asked for: the accuracy is over its {len(held_out)}")
             num_eval = len(held_out)
-    return num_eval
+    return RunPrompts(dataset, token_ids, num_eval)
 
 
-__all__ = ["DataSpec", "RunDataSpec", "build_prompt_dataset", "check_run_prompts"]
+__all__ = ["DataSpec", "RunDataSpec", "RunPrompts", "build_prompt_dataset", "check_run_prompts"]

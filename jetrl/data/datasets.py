@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from jetrl.data.prompt import Prompt
 from jetrl.data.sources import read_rows
 from jetrl.data.templates import TemplateConfig, encode_prompt, render_prompt
@@ -136,11 +138,13 @@ def prompts_from_rows(rows: Sequence[dict[str, Any]], columns: ColumnMap, availa
     return prompts
 
 
-def check_prompt_lengths(dataset: PromptDataset, tokenizer: Any, max_prompt_tokens: int) -> None:
+def check_prompt_lengths(dataset: PromptDataset, tokenizer: Any, max_prompt_tokens: int) -> list[np.ndarray]:
     """A ValueError naming the first prompt of ``dataset`` that, rendered and tokenized as the RL loop does
     (:func:`~jetrl.data.templates.encode_prompt`), is empty or longer than ``max_prompt_tokens``
     (``data.max_prompt_tokens``). The loop meets a prompt only when a batch draws it, so a run calls this
-    before it loads the model: a bad row late in the file would otherwise stop it after hours of training."""
+    before it loads the model: a bad row late in the file would otherwise stop it after hours of training.
+    Returns each prompt's token ids (int32, in ``dataset`` order), which the loop takes instead of tokenizing again."""
+    token_ids = []
     for prompt in dataset:
         ids = encode_prompt(tokenizer, dataset.render(prompt, tokenizer))
         where = f"{dataset.name}: prompt {prompt.index} (row {prompt.index + 1})"
@@ -149,6 +153,8 @@ def check_prompt_lengths(dataset: PromptDataset, tokenizer: Any, max_prompt_toke
         if len(ids) > max_prompt_tokens:
             raise ValueError(f"{where} has {len(ids)} tokens, more than data.max_prompt_tokens={max_prompt_tokens}; "
                              f"raise it or filter the dataset")
+        token_ids.append(np.asarray(ids, dtype=np.int32))
+    return token_ids
 
 
 def load_prompt_dataset(config: DatasetConfig | str, **overrides: Any) -> PromptDataset:

@@ -9,6 +9,9 @@ against the free disk space first: ``trainer.on_disk_full``), kept (``trainer.ke
 alone (``trainer.weights_only``) and which one is resumed from (a damaged one is skipped) is the training stage's
 checkpoint policy (:mod:`jetrl.train.policy`); this module runs it.
 
+``jetrl train`` checks the data before the run (:func:`jetrl.data.check_run_prompts`) and passes on the prompts it
+read and tokenized (``run``'s ``data``), so the run reads and tokenizes them once.
+
 A sample whose reward fails scores 0.0 and is counted; too many failures in a step stop the run (the ``reward``
 section, :class:`~jetrl.config.schema.RewardLimitsConfig`; :class:`~jetrl.data.reward_pool.RewardFailureGuard`).
 
@@ -37,7 +40,7 @@ import numpy as np
 import torch
 
 from jetrl.config import ConfigError, RunConfig, load_config, save_config
-from jetrl.data import BatchLoader, build_prompt_dataset, decode_completion, encode_prompt
+from jetrl.data import BatchLoader, RunPrompts, build_prompt_dataset, decode_completion, encode_prompt
 from jetrl.data.reward_pool import RewardFailureGuard, RewardPool, RewardPoolConfig, RewardResult
 from jetrl.data.rewards import RewardConfig, build_reward_fn
 from jetrl.models import check_tokenizer, load_model, load_tokenizer, resolve_checkpoint, resolve_device
@@ -116,12 +119,15 @@ def guarded_rewards(pool: RewardPool, guard: RewardFailureGuard,
 
 
 class DatasetPrompts:
-    """Adapts a ``jetrl.data`` prompt dataset to the trainer: renders and tokenizes each prompt."""
+    """Adapts a ``jetrl.data`` prompt dataset to the trainer: renders and tokenizes each prompt, or takes its ids
+    from ``token_ids`` (each prompt's, in dataset order, as :func:`jetrl.data.check_prompt_lengths` returns them)."""
 
     def __init__(self, dataset: Any, tokenizer: Any, batch_size: int, seed: int, shuffle: bool,
-                 max_prompt_tokens: int) -> None:
-        self.dataset, self.tokenizer = dataset, tokenizer
-        self.loader = BatchLoader(dataset, batch_size, seed=seed, shuffle=shuffle)
+                 max_prompt_tokens: int, token_ids: Sequence[np.ndarray] | None = None) -> None:
+        if token_ids is not None and len(token_ids) != len(dataset):
+            raise ValueError(f"{len(token_ids)} prompts' token ids for a dataset of {len(dataset)}")
+        self.dataset, self.tokenizer, self.token_ids = dataset, tokenizer, token_ids
+        self.loader = BatchLoader(range(len(dataset)), batch_size, seed=seed, shuffle=shuffle)  # positions
         self.max_prompt_tokens = max_prompt_tokens
 
     def decode(self, ids: list[int]) -> str:
@@ -129,10 +135,12 @@ class DatasetPrompts:
         return decode_completion(self.tokenizer, ids)
 
     def next_batch(self) -> list[PromptItem]:
-        """The next ``batch_size`` prompts, rendered and tokenized; over-long prompts are an error."""
+        """The next ``batch_size`` prompts with their token ids; over-long prompts are an error."""
         items = []
-        for prompt in self.loader.next_batch():
-            ids = encode_prompt(self.tokenizer, self.dataset.render(prompt, self.tokenizer))
+        for i in self.loader.next_batch():
+            prompt = self.dataset[i]
+            ids = (self.token_ids[i].tolist() if self.token_ids is not None else
+                   encode_prompt(self.tokenizer, self.dataset.render(prompt, self.tokenizer)))
             if not ids:
                 raise ValueError(f"prompt {prompt.index} tokenizes to nothing")
             if len(ids) > self.max_prompt_tokens:
@@ -196,12 +204,13 @@ def run_settings(config: RunConfig) -> Iterator[int]:
 
 def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         on_step: Callable[[int, dict[str, float]], None] | None = None,
-        require_checkpoint: bool = False) -> dict[str, float]:
+        require_checkpoint: bool = False, data: RunPrompts | None = None) -> dict[str, float]:
     """Run RL as configured; returns the last step's metrics. ``config`` may be a file path.
     ``on_step(step, metrics)`` is called after every step on rank 0 (the command line's progress bar).
     Under torchrun every rank calls this (see the module doc). With ``trainer.resume`` and no checkpoint to
     resume from, the run warns and starts from step 0, unless ``require_checkpoint``, which makes that a
-    FileNotFoundError."""
+    FileNotFoundError. ``data``: the prompts :func:`jetrl.data.check_run_prompts` read and tokenized for this
+    config, used as they are; None reads the data section's prompts here."""
     if not isinstance(config, RunConfig):
         config = load_config(config, overrides)
     elif overrides:
@@ -212,13 +221,13 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
         parallel = init_parallel(config.model.device, config.distributed.shard_size, config.distributed.timeout_s)
         try:
             with parallel.guard():
-                return _run(config, parallel, on_step, require_checkpoint)
+                return _run(config, parallel, on_step, require_checkpoint, data)
         finally:
             parallel.close()
 
 
 def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, float]], None] | None,
-         require_checkpoint: bool) -> dict[str, float]:
+         require_checkpoint: bool, data: RunPrompts | None = None) -> dict[str, float]:
     out = Path(config.trainer.output_dir)
     if parallel.is_main:
         prepare_output_dir(config)
@@ -228,7 +237,8 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
         check_resumable(ckpt_root, require_checkpoint, warn=parallel.is_main)
 
     seed_everything(config.trainer.seed)
-    dataset = build_prompt_dataset(config.data, seed=config.trainer.seed)  # data errors before the model is loaded
+    # data errors before the model is loaded
+    dataset = data.dataset if data is not None else build_prompt_dataset(config.data, seed=config.trainer.seed)
     if len(dataset) < config.data.prompts_per_step:
         raise ConfigError(f"data.prompts_per_step ({config.data.prompts_per_step}) is larger than the dataset "
                           f"({len(dataset)} prompts); lower it or use more data")
@@ -240,7 +250,8 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     if config.model.gradient_checkpointing:
         model.set_activation_checkpointing(True, blocks=config.model.checkpoint_blocks)
     prompts = DatasetPrompts(dataset, tokenizer, config.data.prompts_per_step, config.trainer.seed,
-                             config.data.shuffle, config.data.max_prompt_tokens)
+                             config.data.shuffle, config.data.max_prompt_tokens,
+                             token_ids=data.token_ids if data is not None else None)
     # the KV pool is sized for the longest sequence a rollout can make, not the model's full context
     engine = RolloutEngine(model, tokenizer, progress=config.rollout.progress and parallel.is_main,
                            max_num_seqs=min(256, config.rollout_batch_size),

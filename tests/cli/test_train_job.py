@@ -158,3 +158,32 @@ def test_a_resume_with_nothing_to_resume_measures_the_accuracy_before_training(t
     assert len(calls) == 1 and "checkpoints" in calls[0]
     assert "0.500 -> 0.500" in capsys.readouterr().out
     assert json.loads((tmp_path / "runs/tiny-default/eval.json").read_text())["greedy_accuracy_before"] == 0.5
+
+
+def test_jetrl_train_reads_and_tokenizes_the_training_file_once(tmp_path, monkeypatch):
+    """The checks before the model loads read the file and tokenized every prompt; the run then read the file again
+    and tokenized each prompt a batch drew once more. Here the file is read once and each prompt tokenized once."""
+    import jetrl.data.datasets as datasets
+    import jetrl.data.sources as sources
+
+    monkeypatch.chdir(tmp_path)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    reads, encoded = [], []
+    real_read, real_encode = sources.read_jsonl, datasets.encode_prompt
+
+    def read_jsonl(path, *args, **kwargs):
+        reads.append(str(path))
+        return real_read(path, *args, **kwargs)
+
+    def encode_prompt(tokenizer, text):
+        encoded.append(text)
+        return real_encode(tokenizer, text)
+
+    monkeypatch.setattr(sources, "read_jsonl", read_jsonl)
+    for module in (datasets, loop):  # where the checks and the run tokenize prompts
+        monkeypatch.setattr(module, "encode_prompt", encode_prompt)
+    data = ["--data.task=none", f"--data.path={train}", "--data.reward=arithmetic"]
+    assert main(["train", *data, "--eval-examples", "0", "--no-progress", "--max-steps", "2", *TINY[3:]]) == 0
+    assert reads == [str(train)]
+    assert len(encoded) == 6 and len(set(encoded)) == 6

@@ -42,6 +42,25 @@ def test_decoded_completion_drops_the_final_eos_so_anchored_checkers_pass():
     assert countdown_reward(text, "1,2>3") == 1.0
 
 
+def test_prompts_given_their_token_ids_batch_as_tokenized_ones(monkeypatch):
+    """The ids check_prompt_lengths returned (jetrl train's check before the model loads) stand in for tokenizing
+    each prompt again when a batch draws it: the same batches, in the same shuffled order, without a tokenization."""
+    import jetrl.rl.loop as loop
+    from jetrl.data import check_prompt_lengths
+
+    tokenizer = build_char_tokenizer()
+    dataset = PromptDataset([Prompt(index=i, text=f"{i}+{i}", answer=str(2 * i)) for i in range(5)])
+    token_ids = check_prompt_lengths(dataset, tokenizer, 64)
+    tokenized = DatasetPrompts(dataset, tokenizer, batch_size=3, seed=1, shuffle=True, max_prompt_tokens=64)
+    want = [tokenized.next_batch() for _ in range(4)]
+    monkeypatch.setattr(loop, "encode_prompt", lambda *args: pytest.fail("a prompt was tokenized again"))
+    given = DatasetPrompts(dataset, tokenizer, batch_size=3, seed=1, shuffle=True, max_prompt_tokens=64,
+                           token_ids=token_ids)
+    got = [given.next_batch() for _ in range(4)]
+    assert got == want and all(type(t) is int for batch in got for item in batch for t in item.ids)
+    assert given.state_dict() == tokenized.state_dict()
+
+
 # ------------------------------------------------------------------ reward failures reach the step's metrics
 
 def _ids_reward(text: str, reference: str) -> float:
