@@ -307,7 +307,7 @@ def test_the_unwritten_product_compiles_for_sm90_without_its_stores():
     names = kernel.arg_names
     stores = {}
     for write in (True, False):
-        consts = dict(POW2=False, QUANTIZE=True, BLOCK_M=32, LAUNCH_DEPS=False, WRITE_OUT=write)
+        consts = dict(POW2=False, QUANTIZE=True, BLOCK_M=32, PDL=False, WRITE_OUT=write)
         ptrs = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
         signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
         src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})

@@ -5,11 +5,11 @@ over enough programs to keep every SM busy, and reduces the partials determinist
 Operands and scales are laid out as for :func:`jetrl.quant.kernels.gemm_triton.blockwise_fp8_gemm`.
 
 **Programmatic dependent launch.** On a Hopper or later GPU the kernel is launched as a programmatic dependent of
-the kernel before it (``tuning.decode_gemm_pdl``, :func:`~jetrl.quant.kernels.tuning.early_dependents`): the
-kernels that feed a decode GEMM (the fused norm, SwiGLU and the activation quantizer) let their dependents launch
-as soon as all their programs have started, so the GEMM's programs are placed and set up while that kernel runs;
-their first instruction waits (``griddepcontrol.wait``) until it has finished and its writes are visible. Nothing
-is read or written before that wait, so the result is the same bits.
+the kernel before it (``tuning.decode_gemm_pdl``, :func:`~jetrl.quant.kernels.tuning.early_dependents`), and so are
+the kernels around it in a decode step (the fused norm, SwiGLU, the activation quantizer, RoPE): each one's first
+instruction waits (``griddepcontrol.wait``) until the kernel before it has finished and its writes are visible,
+then lets its own dependents launch (RoPE only waits), so the next kernel's programs are placed and set up while it
+runs. Nothing is read or written before the wait, so the result is the same bits.
 
 The launch is a :class:`~jetrl.quant.kernels.tuning.DecodeGemmConfig`: by default from the tuning object's per-M
 policies and per-shape configs, which ``bench/kernels.py --sections decode-sweep`` measures.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.decode_splits import sm_count
@@ -58,6 +58,7 @@ def _fp8_decode_gemm_kernel(
     """
     if PDL:
         gdc_wait()  # the kernel before has finished: its writes (A, A's scales) are visible from here on
+        gdc_launch_dependents()  # the kernel after (a norm, SwiGLU, RoPE) may launch now: it waits for this one
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_n = pid // M_TILES
@@ -285,11 +286,10 @@ def _decode_gemm(a_data, a_scale, weights, b_scale_rows, out_dtype, config):
         j = i if i < len(weights) else 0
         _, sc, bias = weights[j]
         groups += [w_args[j], sc, bias if has_bias else out, ns[i] if i < len(weights) else 0]
-    pdl = tuning.early_dependents(a_data.device)
     _fp8_decode_gemm_kernel[(tiles, split)](
         a_arg, out, a_scale, ws, locks, *groups, m, k, *a_data.stride(), *b0.stride(), *out.stride(), *a_scale.stride(),
         *bs0.stride(), KB_PER_SPLIT=kb_per_split, SPLIT_K=split, B_SCALE_ROWS=b_scale_rows, NUM_GROUPS=len(weights),
         HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=cfg.block_n, M_TILES=m_tiles, K_UNROLL=cfg.k_unroll,
-        USE_TMA=use_tma, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS,
-        **({"launch_pdl": True} if pdl else {}))
+        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **COMPILE_OPTIONS,
+        **tuning.pdl_args(a_data.device))
     return out

@@ -26,13 +26,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetrl.quant.formats import ACT, BLOCK_SIZE, Fp8Tensor
 from jetrl.quant.kernels.decode_splits import sm_count
 from jetrl.quant.kernels.quantize_triton import _block_scale, _cdiv, _quantize_e4m3, act_buffers
 from jetrl.quant.kernels.quantize_triton import cast_rne as _cast  # RNE to bf16 under the interpreter too
-from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, early_dependents
+from jetrl.quant.kernels.tuning import COMPILE_OPTIONS, pdl_args
 
 
 # Longest row held in registers (power of two, >= 128); chosen so that ptxas (sm_90) spills no register with 16
@@ -117,11 +117,12 @@ def _rms_norm_fwd_kernel(
     M, D, eps, QS_M,
     HAS_RES: tl.constexpr, QUANT: tl.constexpr, POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_CHUNKS: tl.constexpr, QG: tl.constexpr,
-    LAUNCH_DEPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One tile of BLOCK_M rows: residual add, sum of squares, rstd, normalise, weight, FP8. Inputs and
     outputs are row-major (M, D) with row stride D; the FP8 scales go to a (Db, QS_M) buffer."""
-    if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
+    if PDL:  # a programmatic dependent (tuning.decode_gemm_pdl): wait for the kernel before (a decode GEMM may
+        gdc_wait()  # still be writing this one's input), then let the next one (a decode GEMM) launch
         gdc_launch_dependents()
     pid = tl.program_id(0)
     rm = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -273,7 +274,7 @@ def rms_norm_forward(
             m, d, eps, q_scale.shape[1] if quantize else m,
             HAS_RES=residual is not None, QUANT=quantize, POW2=pow2_scale,
             BLOCK_M=block_m, BLOCK_D=block_d, NUM_CHUNKS=chunks, QG=min(BLOCK_SIZE, block_d),
-            LAUNCH_DEPS=early_dependents(device), num_warps=num_warps, **COMPILE_OPTIONS)
+            num_warps=num_warps, **COMPILE_OPTIONS, **pdl_args(device, quantize))
     return out, h, rstd, Fp8Tensor(q_data, q_scale[:, :m].t(), ACT) if quantize else None
 
 

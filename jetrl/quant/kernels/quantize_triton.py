@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetrl.quant.formats import AMAX_EPS, E4M3, E4M3_MAX
 from jetrl.quant.kernels import tuning
@@ -198,12 +198,13 @@ def _quantize_rows_cols_kernel(
     x_ptr, M, K, stride_xm, stride_xk,
     out_ptr, scale_ptr, stride_sm, stride_sk, OUT_M,
     POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    LAUNCH_DEPS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """One tile of x quantized per row (``ROWS``: 1x128, BLOCK_K == 128; data (M, K) row-major, scales at
     ``stride_sm``/``stride_sk``) or per column (128x1, BLOCK_M == 128; the E4M3 tile transposed and stored
     into a row-major (K, OUT_M) buffer, rows M..OUT_M of x read as zeros; scales a row-major (Mb, K) buffer)."""
-    if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
+    if PDL:  # a programmatic dependent (tuning.decode_gemm_pdl): wait for the kernel before (attention or a GEMM
+        gdc_wait()  # may still be writing this one's input), then let the next one (a decode GEMM) launch
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -348,7 +349,7 @@ def quantize_act_1x128(x: torch.Tensor, pow2_scale: bool = False, *, block_m: in
         _quantize_rows_cols_kernel[(_cdiv(m, block_m), scale_buf.shape[0])](
             x, m, k, x.stride(0), x.stride(1), data, scale_buf, 1, scale_buf.shape[1], 0,  # OUT_M: 128x1 only
             POW2=pow2_scale, ROWS=True, BLOCK_M=block_m, BLOCK_K=BLOCK, num_warps=num_warps,
-            LAUNCH_DEPS=tuning.early_dependents(x.device), **COMPILE_OPTIONS)
+            **COMPILE_OPTIONS, **tuning.pdl_args(x.device))
     return data, scale_buf[:, :m].t()
 
 

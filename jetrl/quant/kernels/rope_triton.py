@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import cast_rne
 
 MAX_TILE = 2048  # elements per half-tile (BLOCK_H * BLOCK_HALF): registers for four fp32 tiles at 4 warps
@@ -77,9 +79,11 @@ def _rope_qk_kernel(
     stride_qn, stride_qh, stride_qd, stride_kn, stride_kh, stride_kd,
     stride_cn, stride_cd, stride_sn, stride_sd,
     BACKWARD: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (n, j) rotates token n's q heads block j (j < NUM_QB), else its k heads block j - NUM_QB."""
+    if PDL:  # a programmatic dependent (tuning.decode_gemm_pdl): the q/k/v GEMM before may still be writing q and k
+        gdc_wait()
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     if j < NUM_QB:
@@ -112,11 +116,8 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     block_hq, block_hk = _block_h(hq, block_half), _block_h(hk, block_half)
     num_qb, num_kb = -(-hq // block_hq), -(-hk // block_hk)
     _rope_qk_kernel[(n, num_qb + num_kb)](
-        q, k, q_out, k_out, cos, sin,
-        hq, hk, half, num_qb,
-        *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2],
-        BACKWARD=backward,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        num_warps=4, enable_fp_fusion=False,
-    )
+        q, k, q_out, k_out, cos, sin, hq, hk, half, num_qb,
+        *q.stride()[:3], *k.stride()[:3], *cos.stride()[:2], *sin.stride()[:2], BACKWARD=backward,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
+        **tuning.pdl_args(q.device))
     return q_out, k_out

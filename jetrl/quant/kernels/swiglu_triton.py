@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetrl.quant.kernels import tuning
 from jetrl.quant.kernels.quantize_triton import _block_scale, _cdiv, _quantize_e4m3, act_buffers, cast_rne
@@ -51,12 +51,13 @@ def _swiglu_fwd_kernel(
     gate_ptr, up_ptr, out_ptr, q_ptr, scale_ptr,
     M, K, stride_gm, stride_um, SCALE_M,
     POW2: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    LAUNCH_DEPS: tl.constexpr, WRITE_OUT: tl.constexpr,
+    PDL: tl.constexpr, WRITE_OUT: tl.constexpr,
 ):
     """One (BLOCK_M, 128) tile: ``out = rnd(rnd(silu(gate)) * up)`` and its 1x128 FP8 (data row-major
     (M, K), scales into a (Kb, SCALE_M) buffer); ``out`` stored only with ``WRITE_OUT`` (``out_ptr`` otherwise only
     names the dtype)."""
-    if LAUNCH_DEPS:  # a decode GEMM after this kernel may launch now, and wait for it (tuning.decode_gemm_pdl)
+    if PDL:  # a programmatic dependent (tuning.decode_gemm_pdl): wait for the kernel before (a decode GEMM may
+        gdc_wait()  # still be writing this one's input), then let the next one (a decode GEMM) launch
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -141,10 +142,8 @@ def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, pow
         _swiglu_fwd_kernel[grid](
             gate, up, dest, data if quantize else dest, scale_buf if quantize else dest,
             m, k, gate.stride(0), up.stride(0), scale_buf.shape[1] if quantize else m,
-            POW2=pow2_scale, QUANTIZE=quantize, BLOCK_M=block_m,
-            LAUNCH_DEPS=tuning.early_dependents(gate.device), WRITE_OUT=write_out, num_warps=4,
-            enable_fp_fusion=False,
-        )
+            POW2=pow2_scale, QUANTIZE=quantize, BLOCK_M=block_m, WRITE_OUT=write_out, num_warps=4,
+            enable_fp_fusion=False, **tuning.pdl_args(gate.device, quantize))
     return out, data, scale_buf[:, :m].t() if quantize else None
 
 

@@ -280,9 +280,9 @@ class GemmRouting:
       to the decode kernel (a grouped launch at least ``decode_max_m``), ``decode_max_m_by_shape`` per-shape
       exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
     * ``decode_policies`` / ``decode_shape_configs``: the decode GEMM's configs (:meth:`decode_config`);
-    * ``decode_gemm_pdl`` (on): on a Hopper or later GPU the decode GEMM is a programmatic dependent launch of the
-      kernel that feeds it, and waits for its writes before it reads anything: the same bits either way
-      (:mod:`~jetrl.quant.kernels.gemm_decode_triton`).
+    * ``decode_gemm_pdl`` (on): on a Hopper or later GPU the decode GEMM and the kernels before and after it are
+      programmatic dependent launches, each waiting for the kernel before it before it reads anything: the same bits
+      either way (:func:`early_dependents`, :mod:`~jetrl.quant.kernels.gemm_decode_triton`).
     """
 
     gemm: str = knob("auto", "the FP8 GEMM path: auto (decode kernel, cuBLAS, Triton by shape), deepgemm, or "
@@ -299,8 +299,8 @@ class GemmRouting:
     decode_policies: tuple[DecodePolicy, ...] = knob(DECODE_POLICIES, "the decode GEMM's configs by rows", None)
     decode_shape_configs: Mapping[tuple[int, int, int, bool], DecodeGemmConfig] = knob(
         DECODE_SHAPE_CONFIGS, "the decode GEMM's configs of measured shapes", None, factory=True)
-    decode_gemm_pdl: bool = knob(True, "on Hopper: the decode GEMM launches while the kernel feeding it "
-                                 "runs (programmatic dependent launch; the same bits)", _BOOL)
+    decode_gemm_pdl: bool = knob(True, "on Hopper: the decode GEMM and the kernels around it launch while the "
+                                 "kernel before each runs (programmatic dependent launch; the same bits)", _BOOL)
 
     def _check(self) -> None:
         if self.gemm not in GEMM_CHOICES:
@@ -556,15 +556,24 @@ def interpreting() -> bool:
 
 
 def early_dependents(device: torch.device) -> bool:
-    """Whether a kernel feeding the decode GEMM on ``device`` lets its programmatic dependents launch as soon as all
-    its programs have started, and the GEMM launches as one: ``decode_gemm_pdl`` on a GPU of compute capability 9.0
-    or later (``griddepcontrol`` is Hopper's), not under ``TRITON_INTERPRET=1`` (the interpreter has no such launch,
-    on CPU or CUDA tensors)."""
+    """Whether the decode GEMM on ``device`` and the kernels before and after it in a decode step (the fused norms,
+    SwiGLU, the 1x128 quantizer, RoPE) launch as programmatic dependents: each waits for the kernel before it
+    (``griddepcontrol.wait``) before it reads or writes anything, then lets the next one launch (RoPE only waits), so a
+    kernel's launch overlaps the one before it. ``decode_gemm_pdl`` on a GPU of compute capability 9.0 or later
+    (``griddepcontrol`` is Hopper's), not under ``TRITON_INTERPRET=1`` (the interpreter has no such launch, on CPU or
+    CUDA tensors)."""
     if device.type != "cuda" or not current().decode_gemm_pdl or interpreting():
         return False
     import torch
 
     return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(device: torch.device, feeds_fp8: bool = True) -> dict:
+    """A kernel's ``PDL`` flag (its wait) with the launch option that goes with it, from :func:`early_dependents`;
+    ``feeds_fp8``: whether this launch's output is an FP8 GEMM's input (the fused norm and SwiGLU launch as
+    dependents only when they quantize: in ``bf16`` the kernels around them are cuBLAS's)."""
+    return {"PDL": True, "launch_pdl": True} if feeds_fp8 and early_dependents(device) else {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)
