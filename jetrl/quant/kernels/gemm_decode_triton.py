@@ -6,7 +6,8 @@ Operands and scales are laid out as for :func:`jetrl.quant.kernels.gemm_triton.b
 
 **Programmatic dependent launch.** On a Hopper or later GPU the kernel is launched as a programmatic dependent of
 the kernel before it (``tuning.decode_gemm_pdl``, :func:`~jetrl.quant.kernels.tuning.early_dependents`), and so are
-the kernels around it in a decode step (the fused norm, SwiGLU, the activation quantizer, RoPE): each one's first
+the kernels around it in a decode step (the activation quantizer, RoPE, and the fused norm and SwiGLU where they
+quantize for an FP8 GEMM: :func:`~jetrl.quant.kernels.tuning.pdl_args`): each one's first
 instruction waits (``griddepcontrol.wait``) until the kernel before it has finished and its writes are visible,
 then lets its own dependents launch (RoPE only waits), so the next kernel's programs are placed and set up while it
 runs. Nothing is read or written before the wait, so the result is the same bits.
