@@ -16,8 +16,8 @@ for run in merge1 base1 merge2 base2; do S=$SECONDS
     --json $R/ro_$run.json > $R/ro_$run.log 2>&1); echo "$run rc=$? $((SECONDS-S))s" >> $R/gpu.txt
 done
 L=$((540-(SECONDS-T0))); S=$SECONDS
-[ $L -gt 40 ] && PYTHONPATH=$PWD timeout $L python -m pytest -m gpu -q -p no:cacheprovider -n 2 tests/exact > $R/exact.log 2>&1 \
-  && echo "exact rc=$? $((SECONDS-S))s: $(tail -1 $R/exact.log)" >> $R/gpu.txt
+[ $L -gt 40 ] && { PYTHONPATH=$PWD timeout $L python -m pytest -m gpu -q -p no:cacheprovider -n 2 tests/exact \
+  > $R/exact.log 2>&1; echo "exact rc=$? $((SECONDS-S))s: $(tail -1 $R/exact.log)" >> $R/gpu.txt; }
 grep -h FAILED $R/tests.log $R/exact.log | head; cat $R/gpu.txt
 python - <<'PY'
 import json, os
