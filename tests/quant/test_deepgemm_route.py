@@ -130,3 +130,17 @@ def test_the_plan_reads_the_models_fp8_weights_after_a_forward():
         got = forward_gemm_weights(model)
     assert sorted(got) == sorted([GemmWeight(512, 256, biased_group=True), GemmWeight(768, 256),
                                   GemmWeight(256, 256), GemmWeight(256, 384)])
+
+
+def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
+    """sgl-deep-gemm's builds name no torch, yet each runs on one only (on another, every tensor reads as
+    0-dimensional in its first check): the route says which build matches instead of failing inside the GEMM."""
+    problem = dg.build_problem("0.2.1", "2.11.0+cu130")
+    assert "built against torch 2.13" in problem and "2.11.0+cu130" in problem
+    assert "0.1.4.post1" in problem and "0.2.1," not in problem  # the torch 2.11 builds, and only those
+    assert dg.build_problem("0.2.5", "2.13.0") is not None
+    assert "no build" in dg.build_problem("0.2.1", "2.12.1")
+    for version, torch_version in (("0.1.4.post1", "2.11.0+cu130"), ("0.2.1", "2.13.0+cpu"), ("0.2.5", "2.14.1")):
+        assert dg.build_problem(version, torch_version) is None
+    assert dg.build_problem(None, "2.11.0") is None  # DeepGEMM built from source: compiled against this torch
+    assert dg.build_problem("9.9.9", "2.11.0") is None  # a build jetrl has not seen: left to load and run
