@@ -82,8 +82,8 @@ def test_decode_rows_to_output_rounding(dg, m, n, k):
 def test_decode_rows_route_by_the_rule(dg):
     """Under ``gemm="deepgemm"`` the rollout's decode-sized rows go to DeepGEMM, except a long-K weight up to the
     split-K bound (on the decode kernel, past that kernel's own per-shape bound) and a grouped launch with biases
-    up to the grouped decode kernel's bound (it adds them in its epilogue); the same rows on the training side stay
-    on the default route."""
+    up to the grouped decode kernel's bound (it adds them in its epilogue); a GEMM of the same shape on the training
+    side takes the same path, past the rule's rows the default route's."""
     from jetrl.quant import precision_side
     from jetrl.quant.kernels.cuda_backend import CudaBackend, gemm_path
 
@@ -105,12 +105,16 @@ def test_decode_rows_route_by_the_rule(dg):
                 "decode" if m <= bound else "deepgemm")
         with tuning.override(deepgemm_decode_max_m=0):
             assert gemm_path(a, w[2048, 1536]) != "deepgemm"
-    for m in (16, 256):  # the training side (DGrad, or a tiny micro-batch): the default route's choice
+    for m in (16, 256, 1024):  # the training side: the rule reads the shape, never the side
         a = be.quantize(torch.randn(m, 1536, device="cuda", dtype=torch.bfloat16), ACT)
         with tuning.override(gemm="deepgemm"):
             got = gemm_path(a, w[2048, 1536])
+            with precision_side("rollout"):
+                assert gemm_path(a, w[2048, 1536]) == got
         with tuning.override(gemm="auto"):
-            assert got == gemm_path(a, w[2048, 1536]) != "deepgemm"
+            default = gemm_path(a, w[2048, 1536])
+        # decode-sized rows (a tiny micro-batch too) DeepGEMM's, larger ones (prefill, micro-batches) the default's
+        assert got == ("deepgemm" if m <= tuning.current().deepgemm_rule()["decode_max_m"] else default) != "decode"
 
 
 def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):

@@ -148,7 +148,8 @@ def gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype = torch.bfloat16) ->
     rows = a_data.shape[0]
     b_data = b.data if b.data.is_contiguous() else b.data.contiguous()
     out = torch.empty((rows, b.shape[0]), dtype=torch.bfloat16, device=a.data.device)
-    dg.fp8_gemm_nt((a_data, a_scale), (b_data, b.scale.contiguous()), out)
+    # compiled per (N, K), M at run time: DeepGEMM 2.6.1's default, which the PyPI builds' wrapper does not share
+    dg.fp8_gemm_nt((a_data, a_scale), (b_data, b.scale.contiguous()), out, compiled_dims="nk")
     return out[:m] if rows != m else out
 
 
