@@ -144,3 +144,9 @@ def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
         assert dg.build_problem(version, torch_version) is None
     assert dg.build_problem(None, "2.11.0") is None  # DeepGEMM built from source: compiled against this torch
     assert dg.build_problem("9.9.9", "2.11.0") is None  # a build jetrl has not seen: left to load and run
+
+
+@pytest.mark.skipif(dg.installed(), reason="DeepGEMM is installed here")
+def test_choosing_deepgemm_where_it_is_not_installed_says_where_to_get_it():
+    with pytest.raises(ValueError, match="needs DeepGEMM.*github.com/deepseek-ai/DeepGEMM.*sgl-deep-gemm"):
+        tuning.KernelTuning(gemm="deepgemm")

@@ -14,7 +14,8 @@ the padded rows as the cuBLAS route does), ``b`` 128x128 tiles (scales contiguou
 compiled per (N, K), M is a runtime argument.
 
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
-tuning's ``gemm`` is ``"deepgemm"`` (opt-in, as DeepGEMM is built from source). DeepGEMM picks its tile sizes per
+tuning's ``gemm`` is ``"deepgemm"`` (opt-in: DeepGEMM is built from source, or installed as the PyPI build for the
+running torch, which :func:`build_problem` checks). DeepGEMM picks its tile sizes per
 call from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set
 ahead, in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later
 process reads (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first

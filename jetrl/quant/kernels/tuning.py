@@ -308,7 +308,8 @@ class GemmRouting:
                              f"got {self.gemm!r}")
         if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
             raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
-                             "not installed (build it from github.com/deepseek-ai/DeepGEMM)")
+                             "not installed (build it from github.com/deepseek-ai/DeepGEMM, or install the PyPI build "
+                             "for this torch: sgl-deep-gemm, versions per torch in docs/recipes.md)")
         bounds = [p.max_m for p in self.decode_policies]
         if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")
