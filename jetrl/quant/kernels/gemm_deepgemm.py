@@ -15,11 +15,11 @@ compiled per (N, K), M is a runtime argument.
 
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
 tuning's ``gemm`` is ``"deepgemm"`` (opt-in: DeepGEMM is built from source, or installed as the PyPI build for the
-running torch, which :func:`build_problem` checks). DeepGEMM picks its tile sizes per
-call from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set
-ahead, in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later
-process reads (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first
-capture). Without CUDA graphs a kernel compiles when first met (seconds, once per machine through the disk cache).
+running torch, which :func:`build_problem` checks). DeepGEMM picks its tile sizes per call from M, so a run meets a
+kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes,
+into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
+(:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first capture).
+Without CUDA graphs a kernel compiles when first met (seconds, once per machine through the disk cache).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def build_problem(sgl_version: str | None, torch_version: str) -> str | None:
     if built is None or built == here:
         return None
     matching = sorted(v for v, t in SGL_DEEP_GEMM_TORCH.items() if t == here)
-    return (f"sgl-deep-gemm {sgl_version} is built against torch {built[0]}.{built[1]}, not this torch {torch_version}; "
+    return (f"sgl-deep-gemm {sgl_version} is built against torch {built[0]}.{built[1]}, "
+            f"not this torch {torch_version}; "
             + (f"the builds for torch {here[0]}.{here[1]}: {', '.join(matching)}" if matching else
                "no build in jetrl's table is for this torch"))
 

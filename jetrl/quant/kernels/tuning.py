@@ -560,9 +560,9 @@ def early_dependents(device: torch.device) -> bool:
     """Whether the decode GEMM on ``device`` and the kernels before and after it in a decode step (the fused norms and
     SwiGLU where they quantize, the 1x128 quantizer, RoPE; :func:`pdl_args`) launch as programmatic dependents: each
     waits for the kernel before it (``griddepcontrol.wait``) before it reads or writes anything, then lets the next one
-    launch (RoPE only waits), so a kernel's launch overlaps the one before it. ``decode_gemm_pdl`` on a GPU of compute capability 9.0 or later
-    (``griddepcontrol`` is Hopper's), not under ``TRITON_INTERPRET=1`` (the interpreter has no such launch, on CPU or
-    CUDA tensors)."""
+    launch (RoPE only waits), so a kernel's launch overlaps the one before it. ``decode_gemm_pdl`` on a GPU of compute
+    capability 9.0 or later (``griddepcontrol`` is Hopper's), not under ``TRITON_INTERPRET=1`` (the interpreter has no
+    such launch, on CPU or CUDA tensors)."""
     if device.type != "cuda" or not current().decode_gemm_pdl or interpreting():
         return False
     import torch
