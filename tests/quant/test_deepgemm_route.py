@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import subprocess
+import sys
+import textwrap
 
+import pytest
+import torch
+
+from jetrl.quant.kernels import deepgemm_builds as builds
 from jetrl.quant.kernels import gemm_deepgemm as dg
 from jetrl.quant.kernels import tuning
 from jetrl.rl.micro_batch import round_up
@@ -135,15 +141,53 @@ def test_the_plan_reads_the_models_fp8_weights_after_a_forward():
 def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
     """sgl-deep-gemm's builds name no torch, yet each runs on one only (on another, every tensor reads as
     0-dimensional in its first check): the route says which build matches instead of failing inside the GEMM."""
-    problem = dg.build_problem("0.2.1", "2.11.0+cu130")
+    problem = builds.build_problem("0.2.1", "2.11.0+cu130")
     assert "built against torch 2.13" in problem and "2.11.0+cu130" in problem
     assert "0.1.4.post1" in problem and "0.2.1," not in problem  # the torch 2.11 builds, and only those
-    assert dg.build_problem("0.2.5", "2.13.0") is not None
-    assert "no build" in dg.build_problem("0.2.1", "2.12.1")
+    assert builds.build_problem("0.2.5", "2.13.0") is not None
+    assert "no build" in builds.build_problem("0.2.1", "2.12.1")
     for version, torch_version in (("0.1.4.post1", "2.11.0+cu130"), ("0.2.1", "2.13.0+cpu"), ("0.2.5", "2.14.1")):
-        assert dg.build_problem(version, torch_version) is None
-    assert dg.build_problem(None, "2.11.0") is None  # DeepGEMM built from source: compiled against this torch
-    assert dg.build_problem("9.9.9", "2.11.0") is None  # a build jetrl has not seen: left to load and run
+        assert builds.build_problem(version, torch_version) is None
+    assert builds.build_problem(None, "2.11.0") is None  # DeepGEMM built from source: compiled against this torch
+    assert builds.build_problem("9.9.9", "2.11.0") is None  # a build jetrl has not seen: left to load and run
+
+
+def _fake_sgl_build(root, version: str) -> None:
+    """A ``deep_gemm`` package under ``root`` that the distribution ``sgl-deep-gemm`` ``version`` provides, as pip
+    installs it (its dist-info names the package in top_level.txt); importing it would fail the test."""
+    (root / "deep_gemm").mkdir()
+    (root / "deep_gemm" / "__init__.py").write_text("raise AssertionError('a build for another torch was imported')\n")
+    info = root / f"sgl_deep_gemm-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sgl-deep-gemm\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("deep_gemm\n")
+
+
+@pytest.mark.parametrize("matches", [False, True], ids=["other-torch", "this-torch"])
+def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path, matches):
+    """The tuning object (read before a model loads) refuses gemm=deepgemm where the installed sgl-deep-gemm is
+    another torch's build, naming this torch's builds, without importing it; this torch's build passes the check."""
+    here = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    version = next(v for v, t in builds.SGL_DEEP_GEMM_TORCH.items() if (t == here) == matches)
+    _fake_sgl_build(tmp_path, version)
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        from jetrl.quant.kernels import tuning
+        try:
+            tuning.KernelTuning(gemm="deepgemm")
+        except ValueError as exc:
+            print("ERROR", exc)
+        else:
+            print("OK")
+        print("imported", "deep_gemm" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if matches:
+        assert out.stdout.split() == ["OK", "imported", "False"]
+    else:
+        assert out.stdout.startswith("ERROR") and f"sgl-deep-gemm {version} is built against torch" in out.stdout
+        assert f"the builds for torch {here[0]}.{here[1]}:" in out.stdout and "imported False" in out.stdout
 
 
 @pytest.mark.skipif(dg.installed(), reason="DeepGEMM is installed here")

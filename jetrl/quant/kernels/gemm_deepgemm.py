@@ -15,9 +15,9 @@ compiled per (N, K), M is a runtime argument.
 
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
 tuning's ``gemm`` is ``"deepgemm"`` (opt-in: DeepGEMM is built from source, or installed as the PyPI build for the
-running torch, which :func:`build_problem` checks). DeepGEMM picks its tile sizes per call from M, so a run meets a
-kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead, in parallel processes,
-into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
+running torch, which :mod:`~jetrl.quant.kernels.deepgemm_builds` checks). DeepGEMM picks its tile sizes per call
+from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead,
+in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later process reads
 (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first capture).
 Without CUDA graphs a kernel compiles when first met (seconds, once per machine through the disk cache).
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -41,51 +40,18 @@ from dataclasses import dataclass
 import torch
 
 from jetrl.quant.formats import ACT, E4M3, WEIGHT, Fp8Tensor
+from jetrl.quant.kernels import deepgemm_builds as builds
 from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
-
-
-# The torch (major, minor) each PyPI build of DeepGEMM (``sgl-deep-gemm``) is compiled against, which its metadata does
-# not name (read off the torch headers' line numbers and the torch symbols in each build's module). On another torch
-# such a build loads, but its inlined tensor accessors read another tensor layout: every tensor it is given looks
-# 0-dimensional and its first check fails, or a missing symbol aborts the process (docs/recipes.md).
-SGL_DEEP_GEMM_TORCH = {
-    "0.1.0": (2, 11), "0.1.2": (2, 11), "0.1.3": (2, 11), "0.1.4.post1": (2, 11),
-    "0.1.5.post3": (2, 13), "0.1.6": (2, 13), "0.1.7": (2, 13), "0.2.0": (2, 13), "0.2.1": (2, 13),
-    "0.1.8rc0": (2, 14), "0.2.1.post1": (2, 14), "0.2.3": (2, 14), "0.2.5": (2, 14),
-}
-
-
-def build_problem(sgl_version: str | None, torch_version: str) -> str | None:
-    """Why ``sgl-deep-gemm`` ``sgl_version`` cannot run on ``torch_version``, or None: where it is another torch's
-    build (:data:`SGL_DEEP_GEMM_TORCH`). None for DeepGEMM built from source (``sgl_version`` None: compiled against
-    the torch it runs on) and for a build not in the table."""
-    built = SGL_DEEP_GEMM_TORCH.get(sgl_version) if sgl_version else None
-    here = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
-    if built is None or built == here:
-        return None
-    matching = sorted(v for v, t in SGL_DEEP_GEMM_TORCH.items() if t == here)
-    return (f"sgl-deep-gemm {sgl_version} is built against torch {built[0]}.{built[1]}, "
-            f"not this torch {torch_version}; "
-            + (f"the builds for torch {here[0]}.{here[1]}: {', '.join(matching)}" if matching else
-               "no build in jetrl's table is for this torch"))
-
-
-def _sgl_version() -> str | None:
-    """The installed ``sgl-deep-gemm``'s version where that distribution provides ``deep_gemm``, else None."""
-    providers = importlib.metadata.packages_distributions().get("deep_gemm", [])
-    if not any(name.lower().replace("_", "-") == "sgl-deep-gemm" for name in providers):
-        return None
-    return importlib.metadata.version("sgl-deep-gemm")
 
 
 @functools.lru_cache(maxsize=None)
 def _module():
     """The ``deep_gemm`` module, or None where it is not installed, is a PyPI build for another torch
-    (:func:`build_problem`, checked before the import, which already calls into the build's module) or does not load
-    (said once, as a warning)."""
+    (:func:`~jetrl.quant.kernels.deepgemm_builds.problem`, checked before the import, which already calls into the
+    build's module) or does not load (said once, as a warning)."""
     if importlib.util.find_spec("deep_gemm") is None:
         return None
-    problem = build_problem(_sgl_version(), torch.__version__)
+    problem = builds.problem()
     if problem is not None:
         warnings.warn(f"DeepGEMM is installed but cannot run here: {problem}", RuntimeWarning, stacklevel=2)
         return None

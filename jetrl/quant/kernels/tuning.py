@@ -27,8 +27,9 @@ A run sets fields from its config (``kernels: ["exact_split_k=1", ...]``, read b
 reader of ``KEY=VALUE`` settings, which the benchmarks' ``--tuning`` and arms use too) for the whole run.
 
 ``JETRL_FP8_GEMM`` (``auto`` | ``cublas`` | ``deepgemm`` | ``triton`` | ``decode``) is read once, when this module is
-imported, into the default object's ``gemm``. This module imports neither Triton nor any other module of jetrl besides
-:mod:`jetrl.quant.formats`, so the CPU tests and the benchmarks' ``--help`` read it without a GPU.
+imported, into the default object's ``gemm``. This module imports neither Triton nor DeepGEMM nor any other module of
+jetrl besides :mod:`jetrl.quant.formats` and :mod:`~jetrl.quant.kernels.deepgemm_builds`, so the CPU tests and the
+benchmarks' ``--help`` read it without a GPU.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from jetrl.quant.formats import BLOCK_SIZE
+from jetrl.quant.kernels import deepgemm_builds
 
 if TYPE_CHECKING:
     import torch
@@ -306,10 +307,9 @@ class GemmRouting:
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"the FP8 GEMM path (JETRL_FP8_GEMM or tuning gemm=) must be one of {GEMM_CHOICES}, "
                              f"got {self.gemm!r}")
-        if self.gemm == "deepgemm" and importlib.util.find_spec("deep_gemm") is None:
-            raise ValueError("the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM, which is "
-                             "not installed (build it from github.com/deepseek-ai/DeepGEMM, or install the PyPI build "
-                             "for this torch: sgl-deep-gemm, versions per torch in docs/recipes.md)")
+        if self.gemm == "deepgemm" and (problem := deepgemm_builds.problem()) is not None:
+            raise ValueError(f"the FP8 GEMM path deepgemm (JETRL_FP8_GEMM or tuning gemm=) needs DeepGEMM for this "
+                             f"torch: {problem}")
         bounds = [p.max_m for p in self.decode_policies]
         if not bounds or bounds != sorted(bounds) or bounds[-1] != DECODE_GEMM_MAX_M:
             raise ValueError(f"KernelTuning.decode_policies must rise to max_m={DECODE_GEMM_MAX_M}, got {bounds}")

@@ -1,0 +1,66 @@
+"""Which DeepGEMM can run under this torch, read without importing it: the PyPI builds (``sgl-deep-gemm``) per torch.
+
+DeepGEMM's module is a C++ extension compiled against one torch. Built from source it matches the torch it was
+built with; a PyPI build of ``sgl-deep-gemm`` names no torch in its metadata, yet runs on one only. On another torch
+it loads, but its inlined tensor accessors read another tensor layout: every tensor it is given looks 0-dimensional
+and its first check fails, or a missing symbol aborts the process (docs/recipes.md). This module holds the table
+of builds and the check, so that the tuning object (:mod:`~jetrl.quant.kernels.tuning`) refuses ``gemm=deepgemm``
+as a config error before a model loads, and the route (:mod:`~jetrl.quant.kernels.gemm_deepgemm`) never imports a
+build for another torch. It imports nothing of jetrl and neither DeepGEMM nor Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+
+import torch
+
+# The torch (major, minor) each PyPI build of DeepGEMM (``sgl-deep-gemm``) is compiled against, which its metadata does
+# not name (read off the torch headers' line numbers and the torch symbols in each build's module).
+SGL_DEEP_GEMM_TORCH = {
+    "0.1.0": (2, 11), "0.1.2": (2, 11), "0.1.3": (2, 11), "0.1.4.post1": (2, 11),
+    "0.1.5.post3": (2, 13), "0.1.6": (2, 13), "0.1.7": (2, 13), "0.2.0": (2, 13), "0.2.1": (2, 13),
+    "0.1.8rc0": (2, 14), "0.2.1.post1": (2, 14), "0.2.3": (2, 14), "0.2.5": (2, 14),
+}
+
+
+def build_problem(sgl_version: str | None, torch_version: str) -> str | None:
+    """Why ``sgl-deep-gemm`` ``sgl_version`` cannot run on ``torch_version``, or None: where it is another torch's
+    build (:data:`SGL_DEEP_GEMM_TORCH`). None for DeepGEMM built from source (``sgl_version`` None: compiled against
+    the torch it runs on) and for a build not in the table."""
+    built = SGL_DEEP_GEMM_TORCH.get(sgl_version) if sgl_version else None
+    here = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    if built is None or built == here:
+        return None
+    return (f"sgl-deep-gemm {sgl_version} is built against torch {built[0]}.{built[1]}, "
+            f"not this torch {torch_version}; " + builds_for(torch_version))
+
+
+def builds_for(torch_version: str) -> str:
+    """The sentence naming the ``sgl-deep-gemm`` builds for ``torch_version`` (or that the table has none)."""
+    here = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    matching = sorted(v for v, t in SGL_DEEP_GEMM_TORCH.items() if t == here)
+    if not matching:
+        return "no build in jetrl's table is for this torch"
+    return f"the builds for torch {here[0]}.{here[1]}: {', '.join(matching)}"
+
+
+def installed_sgl_version() -> str | None:
+    """The installed ``sgl-deep-gemm``'s version where that distribution provides ``deep_gemm``, else None (DeepGEMM
+    built from source, or none installed)."""
+    providers = importlib.metadata.packages_distributions().get("deep_gemm", [])
+    if not any(name.lower().replace("_", "-") == "sgl-deep-gemm" for name in providers):
+        return None
+    return importlib.metadata.version("sgl-deep-gemm")
+
+
+@functools.lru_cache(maxsize=None)
+def problem() -> str | None:
+    """Why DeepGEMM cannot run under this torch (not installed, or a PyPI build for another torch), or None where
+    an installed ``deep_gemm`` may load. Whether it then loads is :func:`gemm_deepgemm.installed`'s to say."""
+    if importlib.util.find_spec("deep_gemm") is None:
+        return ("DeepGEMM is not installed (build it from github.com/deepseek-ai/DeepGEMM, or install the PyPI build "
+                f"for this torch: sgl-deep-gemm, {builds_for(torch.__version__)}; docs/recipes.md)")
+    return build_problem(installed_sgl_version(), torch.__version__)
