@@ -105,7 +105,8 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
         if where == "deepgemm" and not deepgemm.is_available(a.data.device):
             raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
                                "DeepGEMM does not load here (see the warning before); rebuild it "
-                               "(github.com/deepseek-ai/DeepGEMM), or choose another path")
+                               "(github.com/deepseek-ai/DeepGEMM), install the sgl-deep-gemm build for this torch "
+                               "(docs/recipes.md), or choose another path")
         if where is not None:
             return where
     if choice in ("auto", "deepgemm") and m <= cfg.decode_rows(n, k, grouped):
