@@ -45,6 +45,6 @@ for name in ("rollout", "rollout8b"):
         t, f, o = r["decode_tokens_per_s"], r["decode_roofline_fraction"], r["over_bf16"]
         print(name, r["shape"], r["setting"], "  ".join(f"{a} {t[a]:,.0f} ({f[a]:.1%}, {o.get(a, 1):.3f}x)" for a in t))
 for name in ("rl_head", "rl_old"):
-    try: print(name, "\n".join(open(f"{R}/{name}.tail").read().strip().splitlines()[-8:]))
+    try: print(name, "\n".join(open(f"{R}/{name}.tail").read().strip().splitlines()[-14:]))
     except Exception as e: print(name, "missing", e)
 PY
