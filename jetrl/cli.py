@@ -144,8 +144,8 @@ def _cmd_train(args: argparse.Namespace) -> None:
     print(f"jetrl train: {config.recipe} recipe, model {config.model.path}, "
           f"{config.data.task or config.data.path}, {config.trainer.steps} steps -> {config.trainer.output_dir}",
           file=sys.stderr)
-    result = train_and_evaluate(config, data.num_eval, require_checkpoint=args.resume == "must",
-                                progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr), data=data)
+    result = train_and_evaluate(config, data, require_checkpoint=args.resume == "must",
+                                progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
     print(text_table(result.rows(), title="jetrl train: summary"))
 
 

@@ -181,11 +181,12 @@ def _generate(engine: RolloutEngine, tokenizer: Any, ids: Sequence[list[int]],
 
 
 def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, seed: int = EVAL_SEED,
-                      progress: bool = False) -> float:
+                      progress: bool = False, tokenizer: Any = None) -> float:
     """Greedy accuracy of the checkpoint at ``model_path`` on ``num_examples`` held-out problems, in the run's
     recipe, dtype and KV-cache format: the first rows of ``data.eval_path`` (a run on a file, e.g. GSM8K's test
     split beside its train split, read in the run's format), or problems of the run's built-in task drawn with
-    another seed than the training prompts. ``progress`` shows a bar over the problems."""
+    another seed than the training prompts. ``progress`` shows a bar over the problems. ``tokenizer``: the one
+    already loaded from ``model.tokenizer`` or ``model_path`` (None: loaded here)."""
     if config.data.eval_path is not None:
         data = dataclasses.replace(config.data, path=config.data.eval_path, task=None, max_examples=num_examples)
     elif config.data.task is not None:
@@ -199,7 +200,8 @@ def held_out_accuracy(model_path: str, config: RunConfig, num_examples: int, see
     dataset = build_prompt_dataset(data, seed=seed)
     model = load_model(model_path, dtype=getattr(torch, config.model.dtype),
                        device=resolve_device(config.model.device), recipe=config.recipe)
-    tokenizer = load_tokenizer(config.model.tokenizer or model_path)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(config.model.tokenizer or model_path)
     return evaluate(model, tokenizer, dataset, max_tokens=config.rollout.max_tokens, progress=progress,
                     stop_fraction=config.reward.stop_fraction, max_abs_reward=config.reward.max_abs,
                     kv_fp8=config.kv_fp8).accuracy

@@ -117,17 +117,18 @@ def check_train_job(config: RunConfig, eval_examples: int | None = None) -> RunP
     return check_run_prompts(config.data, config.trainer.seed, tokenizer, num_eval)
 
 
-def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoint: bool = False,
-                       progress: bool = True, log: Callable[[str], None] = print,
-                       data: RunPrompts | None = None) -> TrainJobResult:
-    """Run RL as configured, with greedy accuracy on ``num_eval`` held-out problems before and after.
+def train_and_evaluate(config: RunConfig, data: RunPrompts, *, require_checkpoint: bool = False,
+                       progress: bool = True, log: Callable[[str], None] = print) -> TrainJobResult:
+    """Run RL as configured on ``data`` (what :func:`check_train_job` returned: the prompts, the tokenizer and
+    ``num_eval``), with greedy accuracy on ``data.num_eval`` held-out problems before and after.
 
     ``num_eval`` > 0 needs a built-in task (``data.task``; its problems drawn with
     :data:`jetrl.evaluate.EVAL_SEED`) or a held-out file (``data.eval_path``; its first ``num_eval`` rows),
-    measured by :func:`jetrl.evaluate.held_out_accuracy` in the run's recipe. ``require_checkpoint`` and ``data``
-    (the prompts :func:`check_train_job` returned) are :func:`jetrl.rl.loop.run`'s. ``progress`` shows bars over
-    the evaluations and the steps; without it each step is a ``log`` line. ``log`` also announces each evaluation.
-    The run's threads and kernel settings (:func:`jetrl.rl.loop.run_settings`) are in force throughout."""
+    measured by :func:`jetrl.evaluate.held_out_accuracy` in the run's recipe. ``require_checkpoint`` is
+    :func:`jetrl.rl.loop.run`'s. ``progress`` shows bars over the evaluations and the steps; without it each step
+    is a ``log`` line. ``log`` also announces each evaluation. The run's threads and kernel settings
+    (:func:`jetrl.rl.loop.run_settings`) are in force throughout."""
+    num_eval = data.num_eval
     with run_settings(config):  # the evaluations compute with the run's threads and kernels too
         before = None
         resumes = config.trainer.resume and has_checkpoint(Path(config.trainer.output_dir) / CHECKPOINT_SUBDIR)
@@ -135,7 +136,8 @@ def train_and_evaluate(config: RunConfig, num_eval: int = 0, *, require_checkpoi
             before = _recorded_before(Path(config.trainer.output_dir) / EVAL_FILE, config, num_eval)
         elif num_eval:  # a resume with nothing to resume from starts from the configured model
             log(f"greedy accuracy ({config.recipe} recipe) on {num_eval} held-out problems before training ...")
-            before = held_out_accuracy(config.model.path, config, num_eval, progress=progress)
+            before = held_out_accuracy(config.model.path, config, num_eval, progress=progress,
+                                       tokenizer=data.tokenizer)
         with Progress(config.trainer.steps, "train", unit="step", enabled=progress) as bar:
             run(config, on_step=_step_reporter(config.trainer.steps, bar, log=None if progress else log),
                 require_checkpoint=require_checkpoint, data=data)

@@ -78,11 +78,13 @@ class RunDataSpec(DataSpec, Protocol):
 @dataclasses.dataclass
 class RunPrompts:
     """A run's prompts as :func:`check_run_prompts` read and checked them, for the RL loop to take instead of
-    reading and tokenizing them again: the ``dataset``, each prompt's ``token_ids`` (in dataset order) and
-    ``num_eval``, the number of held-out problems to evaluate on."""
+    reading and tokenizing them again: the ``dataset``, each prompt's ``token_ids`` (in dataset order), the
+    ``tokenizer`` that made them (the run's, loaded once) and ``num_eval``, the number of held-out problems to
+    evaluate on."""
 
     dataset: PromptDataset
     token_ids: list[np.ndarray]
+    tokenizer: Any
     num_eval: int = 0
 
 
@@ -90,8 +92,8 @@ def check_run_prompts(spec: RunDataSpec, seed: int, tokenizer: Any, num_eval: in
     """Read and check a run's prompts before its model loads, as the RL loop will use them: enough for one step,
     a reward that resolves, and every prompt tokenized within ``max_prompt_tokens`` (the loop meets a prompt only
     when a batch draws it); with ``num_eval`` held-out problems from ``eval_path``, that file's first ``num_eval``
-    rows are read too (columns and values; not their token counts). Returns the prompts with their token ids, and
-    ``num_eval``, or the held-out file's row count where that is smaller (with a warning), so that the accuracy is
+    rows are read too (columns and values; not their token counts). Returns the prompts with their token ids,
+    ``tokenizer`` and ``num_eval``, or the held-out file's row count where that is smaller (with a warning), so that the accuracy is
     reported over the problems actually evaluated."""
     dataset = build_prompt_dataset(spec, seed=seed)
     if len(dataset) < spec.prompts_per_step:
@@ -106,7 +108,7 @@ def check_run_prompts(spec: RunDataSpec, seed: int, tokenizer: Any, num_eval: in
             warnings.warn(f"data.eval_path {spec.eval_path} has {len(held_out)} rows, fewer than the {num_eval} "
                           f"held-out problems asked for: the accuracy is over its {len(held_out)}")
             num_eval = len(held_out)
-    return RunPrompts(dataset, token_ids, num_eval)
+    return RunPrompts(dataset, token_ids, tokenizer, num_eval)
 
 
 __all__ = ["DataSpec", "RunDataSpec", "RunPrompts", "build_prompt_dataset", "check_run_prompts"]

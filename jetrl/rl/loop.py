@@ -73,8 +73,9 @@ def prepare_output_dir(config: RunConfig, overwrite: bool = False) -> Path:
                             outputs=RUN_OUTPUTS)
 
 
-def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
-    """Read the policy's config.json and tokenizer (not its weights) and check the run against them: the
+def check_model(config: RunConfig, tokenizer: Any = None) -> tuple[str, DecoderConfig, Any]:
+    """Read the policy's config.json and tokenizer (not its weights; ``tokenizer``: the one already loaded from
+    ``model.tokenizer`` or the checkpoint, checked again) and check the run against them: the
     longest sequence (``data.max_prompt_tokens + rollout.max_tokens``) fits in the model's context, and the
     tokenizer matches the model (:func:`jetrl.models.check_tokenizer`), ``model.checkpoint_blocks`` is at most
     its blocks, and (first, before any file is read) the rollout's sampling parameters are valid. Returns
@@ -93,7 +94,8 @@ def check_model(config: RunConfig) -> tuple[str, DecoderConfig, Any]:
         raise ConfigError(f"model.checkpoint_blocks ({blocks}) is more than the model's "
                           f"{model_config.num_hidden_layers} decoder blocks")
     where = config.model.tokenizer or folder
-    tokenizer = load_tokenizer(where)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(where)
     check_tokenizer(tokenizer, model_config, where)
     if config.rollout.top_k > model_config.vocab_size:  # a UserWarning: shown once per process
         warnings.warn(f"rollout.top_k={config.rollout.top_k} is larger than the vocabulary ({model_config.vocab_size} "
@@ -243,7 +245,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
         raise ConfigError(f"data.prompts_per_step ({config.data.prompts_per_step}) is larger than the dataset "
                           f"({len(dataset)} prompts); lower it or use more data")
     reward = build_reward_fn(RewardConfig(name=config.data.reward), default=getattr(dataset, "reward", None))
-    folder, _, tokenizer = check_model(config)
+    folder, _, tokenizer = check_model(config, data.tokenizer if data is not None else None)
     if parallel.is_main:
         save_config(config, out / "config.yaml")
     model = load_model(folder, dtype=getattr(torch, config.model.dtype), device=parallel.device, recipe=config.recipe)

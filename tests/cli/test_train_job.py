@@ -37,8 +37,8 @@ def test_jetrl_train_evaluates_and_trains_under_the_configs_kernels_with_one_thr
     monkeypatch.chdir(tmp_path)
     seen = {}
 
-    def held_out_accuracy(model_path, config, num_eval, progress=True):  # what the evaluation would compute under
-        seen.setdefault("evaluations", []).append(tuning.current().exact_split_k)
+    def held_out_accuracy(model_path, config, num_eval, progress=True, tokenizer=None):
+        seen.setdefault("evaluations", []).append(tuning.current().exact_split_k)  # the kernel setting it runs under
         return 0.5
 
     real_seed = loop.seed_everything
@@ -187,3 +187,22 @@ def test_jetrl_train_reads_and_tokenizes_the_training_file_once(tmp_path, monkey
     assert main(["train", *data, "--eval-examples", "0", "--no-progress", "--max-steps", "2", *TINY[3:]]) == 0
     assert reads == [str(train)]
     assert len(encoded) == 6 and len(set(encoded)) == 6
+
+
+def test_jetrl_train_loads_the_policy_tokenizer_once(tmp_path, monkeypatch):
+    """The checks before the model loads, the evaluation before training and the run each loaded the tokenizer
+    (four loads with the evaluation after training). Now the checks' tokenizer serves the run and the evaluation
+    before it; the evaluation after training loads the checkpoint's own copy."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    loads = []
+    real = AutoTokenizer.from_pretrained.__func__
+
+    def from_pretrained(cls, path, *args, **kwargs):
+        loads.append(str(path))
+        return real(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(from_pretrained))
+    assert main(["train", "--eval-examples", "2", *TINY]) == 0
+    assert len(loads) == 2 and "checkpoints" not in loads[0] and "checkpoints" in loads[1], loads

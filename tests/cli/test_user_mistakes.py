@@ -79,8 +79,8 @@ def test_a_held_out_file_shorter_than_eval_examples_is_reported_as_it_is(no_mode
     """--eval-examples 5 on a one-row held-out file evaluated one problem and reported five."""
     seen = {}
 
-    def train_and_evaluate(config, num_eval, **kwargs):
-        seen["num_eval"] = num_eval
+    def train_and_evaluate(config, data, **kwargs):
+        seen["num_eval"] = data.num_eval
         raise ValueError("stop here")
 
     monkeypatch.setattr(jetrl.cli, "train_and_evaluate", train_and_evaluate)
