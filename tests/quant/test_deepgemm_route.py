@@ -144,6 +144,8 @@ def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
     problem = builds.build_problem("0.2.1", "2.11.0+cu130")
     assert "built against torch 2.13" in problem and "2.11.0+cu130" in problem
     assert "0.1.4.post1" in problem and "0.2.1," not in problem  # the torch 2.11 builds, and only those
+    assert problem.endswith("(pip install sgl-deep-gemm==0.1.4.post1)")  # the newest of them
+    assert builds.builds_for("2.14.0").endswith("(pip install sgl-deep-gemm==0.2.5)")  # 0.2.5 > 0.2.1.post1 > 0.1.8rc0
     assert builds.build_problem("0.2.5", "2.13.0") is not None
     assert "no build" in builds.build_problem("0.2.1", "2.12.1")
     for version, torch_version in (("0.1.4.post1", "2.11.0+cu130"), ("0.2.1", "2.13.0+cpu"), ("0.2.5", "2.14.1")):

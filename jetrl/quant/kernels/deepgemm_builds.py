@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 
 import torch
+from packaging.version import Version
 
 # The torch (major, minor) each PyPI build of DeepGEMM (``sgl-deep-gemm``) is compiled against, which its metadata does
 # not name (read off the torch headers' line numbers and the torch symbols in each build's module).
@@ -39,12 +40,14 @@ def build_problem(sgl_version: str | None, torch_version: str) -> str | None:
 
 
 def builds_for(torch_version: str) -> str:
-    """The sentence naming the ``sgl-deep-gemm`` builds for ``torch_version`` (or that the table has none)."""
+    """The sentence naming the ``sgl-deep-gemm`` builds for ``torch_version``, oldest first, and the pip command for
+    the newest (or that the table has none)."""
     here = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
-    matching = sorted(v for v, t in SGL_DEEP_GEMM_TORCH.items() if t == here)
+    matching = sorted((v for v, t in SGL_DEEP_GEMM_TORCH.items() if t == here), key=Version)
     if not matching:
         return "no build in jetrl's table is for this torch"
-    return f"the builds for torch {here[0]}.{here[1]}: {', '.join(matching)}"
+    return (f"the builds for torch {here[0]}.{here[1]}: {', '.join(matching)} "
+            f"(pip install sgl-deep-gemm=={matching[-1]})")
 
 
 def installed_sgl_version() -> str | None:
