@@ -6,7 +6,7 @@
 # DeepGEMM beside bf16 and jet; a decode profile (1.5B x 64, bf16 and jet); bench/rl_step.py at HEAD and at c8fe8a8
 # (the commit before 55c70f5's two-way launch, carried in .old: `mkdir .old && git archive c8fe8a8 jetrl bench |
 # tar -x -C .old`); on an H200 the 8B shape at 64.
-#   run(command="bash experiments/head-check/job.sh SECONDS", carry=[".whl", ".old"])
+#   run(command="bash experiments/head-check/job.sh SECONDS [slim]", carry=[".whl", ".old"])
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 R=$OUT; T0=$SECONDS; D=${1:-560}
 left() { echo $((D-(SECONDS-T0))); }
@@ -28,7 +28,12 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   grep -m5 FAILED /tmp/dg_tests.log
   ARMS="$ARMS,jet@gemm=deepgemm"
 fi
-step rollout 150 python bench/rollout.py --shape 1.5b,0.5b --settings b64,b256 --arms "$ARMS" --json $R/rollout.json
+if [ "$2" = slim ]; then  # little device time left: DeepGEMM against the default route at 1.5B only
+  step rollout 100 python bench/rollout.py --shape 1.5b --settings b64,b256 --arms "${ARMS/,jet+kv8/}" \
+    --json $R/rollout.json
+else
+  step rollout 150 python bench/rollout.py --shape 1.5b,0.5b --settings b64,b256 --arms "$ARMS" --json $R/rollout.json
+fi
 step profile 90 python bench/decode_profile.py --shape 1.5b --batches 64 --arms bf16,jet --start 400 --top 25 \
   --json $R/profile.json
 step rl_head 100 python bench/rl_step.py --layers 6 --steps 3 --json $R/rl_head.json
