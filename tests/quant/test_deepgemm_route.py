@@ -156,9 +156,9 @@ def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
 
 def _fake_sgl_build(root, version: str) -> None:
     """A ``deep_gemm`` package under ``root`` that the distribution ``sgl-deep-gemm`` ``version`` provides, as pip
-    installs it (its dist-info names the package in top_level.txt); importing it would fail the test."""
+    installs it (its dist-info names the package in top_level.txt); importing it fails as a broken build's would."""
     (root / "deep_gemm").mkdir()
-    (root / "deep_gemm" / "__init__.py").write_text("raise AssertionError('a build for another torch was imported')\n")
+    (root / "deep_gemm" / "__init__.py").write_text("raise ImportError('the fake build was imported')\n")
     info = root / f"sgl_deep_gemm-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sgl-deep-gemm\nVersion: {version}\n")
@@ -168,7 +168,9 @@ def _fake_sgl_build(root, version: str) -> None:
 @pytest.mark.parametrize("matches", [False, True], ids=["other-torch", "this-torch"])
 def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path, matches):
     """The tuning object (read before a model loads) refuses gemm=deepgemm where the installed sgl-deep-gemm is
-    another torch's build, naming this torch's builds, without importing it; this torch's build passes the check."""
+    another torch's build, naming this torch's builds, without importing it; this torch's build passes the check.
+    The route's loader agrees: it refuses the other torch's build with a warning before importing it, and imports
+    this torch's (whose import here fails, as a broken build's would: a warning, and no DeepGEMM)."""
     here = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     version = next(v for v, t in builds.SGL_DEEP_GEMM_TORCH.items() if (t == here) == matches)
     _fake_sgl_build(tmp_path, version)
@@ -181,15 +183,25 @@ def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path
             print("ERROR", exc)
         else:
             print("OK")
-        print("imported", "deep_gemm" in sys.modules)
+        import warnings
+        from jetrl.quant.kernels import gemm_deepgemm
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            print("installed", gemm_deepgemm.installed())
+        print("warned", " | ".join(str(w.message) for w in caught))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1] == "installed False", out.stdout
     if matches:
-        assert out.stdout.split() == ["OK", "imported", "False"]
+        assert lines[0] == "OK"
+        assert lines[2] == "warned DeepGEMM is installed but does not load (ImportError: the fake build was imported)"
     else:
-        assert out.stdout.startswith("ERROR") and f"sgl-deep-gemm {version} is built against torch" in out.stdout
-        assert f"the builds for torch {here[0]}.{here[1]}:" in out.stdout and "imported False" in out.stdout
+        assert lines[0].startswith("ERROR") and f"sgl-deep-gemm {version} is built against torch" in lines[0]
+        assert f"the builds for torch {here[0]}.{here[1]}:" in lines[0]
+        assert lines[2].startswith("warned DeepGEMM is installed but cannot run here: sgl-deep-gemm") and \
+            "does not load" not in lines[2]  # refused before the import
 
 
 @pytest.mark.skipif(dg.installed(), reason="DeepGEMM is installed here")
