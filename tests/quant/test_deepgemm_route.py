@@ -170,7 +170,8 @@ def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path
     """The tuning object (read before a model loads) refuses gemm=deepgemm where the installed sgl-deep-gemm is
     another torch's build, naming this torch's builds, without importing it; this torch's build passes the check.
     The route's loader agrees: it refuses the other torch's build with a warning before importing it, and imports
-    this torch's (whose import here fails, as a broken build's would: a warning, and no DeepGEMM)."""
+    this torch's (whose import here fails, as a broken build's would: a warning, and no DeepGEMM), after which the
+    first GEMM DeepGEMM's rule takes stops with an error that names the way out."""
     here = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     version = next(v for v, t in builds.SGL_DEEP_GEMM_TORCH.items() if (t == here) == matches)
     _fake_sgl_build(tmp_path, version)
@@ -189,14 +190,29 @@ def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path
             warnings.simplefilter("always")
             print("installed", gemm_deepgemm.installed())
         print("warned", " | ".join(str(w.message) for w in caught))
+        if "OK" in sys.argv:  # a decode-sized GEMM under gemm=deepgemm, where DeepGEMM does not load
+            import torch
+            from jetrl.quant import reference
+            from jetrl.quant.formats import ACT, WEIGHT
+            from jetrl.quant.kernels.cuda_backend import gemm_path
+            a = reference.quantize_tensor(torch.randn(16, 256), ACT)
+            b = reference.quantize_tensor(torch.randn(256, 256), WEIGHT)
+            with tuning.override(gemm="deepgemm"):
+                try:
+                    print("path", gemm_path(a, b))
+                except RuntimeError as exc:
+                    print("RuntimeError", exc)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", script, "OK" if matches else "ERROR"], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1] == "installed False", out.stdout
     if matches:
         assert lines[0] == "OK"
         assert lines[2] == "warned DeepGEMM is installed but does not load (ImportError: the fake build was imported)"
+        assert lines[3].startswith("RuntimeError the FP8 GEMM path is set to DeepGEMM") and \
+            "install the sgl-deep-gemm build for this torch" in lines[3]  # at the first GEMM it would take
     else:
         assert lines[0].startswith("ERROR") and f"sgl-deep-gemm {version} is built against torch" in lines[0]
         assert f"the builds for torch {here[0]}.{here[1]}:" in lines[0]
