@@ -102,7 +102,7 @@ def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: st
         raise ValueError(f"pass@k needs k >= 1, got k={ks[0]}")
     if ks[-1] > n:
         raise ValueError(f"pass@{ks[-1]} needs at least {ks[-1]} samples per prompt; raise n (now {n})")
-    reward_name = reward or getattr(dataset, "reward", None)
+    reward_name = reward or dataset.reward
     if reward_name is None:
         raise ValueError("the dataset names no reward function; pass one (e.g. --reward gsm8k)")
     all_texts = [dataset.render(p, tokenizer) for p in dataset]  # every prompt checked before any is generated

@@ -178,7 +178,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, dev
     model = build_model(config, dtype=dtype, device=device, recipe="bf16", init=False)
     load_weights(model, folder)
     apply_recipe(model, recipe)
-    model.source_path = folder  # type: ignore[attr-defined]
+    model.source_path = folder
     return model
 
 
@@ -333,7 +333,7 @@ def save_model(model: DecoderLM, path: str | os.PathLike, fp8: bool = False,
         if file.endswith(".safetensors"):
             os.chmod(os.path.join(path, file), mode)
 
-    source = getattr(model, "source_path", None)
+    source = model.source_path
     if source and os.path.isdir(source) and os.path.abspath(source) != os.path.abspath(path):
         for file in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(source, file)):

@@ -216,10 +216,9 @@ def _plain_head_weight(model) -> torch.Tensor | None:
     ``nn.Linear`` head, ``compute_logits`` not overridden); ``None`` sends the model to the generic path."""
     from jetrl.models.transformer import DecoderLM
 
-    head = getattr(model, "lm_head", None)
     if (isinstance(model, DecoderLM) and type(model).compute_logits is DecoderLM.compute_logits
-            and type(head) is nn.Linear and head.bias is None):
-        return head.weight
+            and type(model.lm_head) is nn.Linear and model.lm_head.bias is None):
+        return model.lm_head.weight
     return None
 
 

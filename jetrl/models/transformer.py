@@ -237,6 +237,9 @@ class DecoderLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, device=device, dtype=dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+        # the checkpoint folder whose tokenizer files go with these weights (set by load_model; save_model copies
+        # them along)
+        self.source_path: str | None = None
         self.tie_weights()
 
     # ---------------------------------------------------------------- setup

@@ -244,7 +244,7 @@ def _run(config: RunConfig, parallel: Any, on_step: Callable[[int, dict[str, flo
     if len(dataset) < config.data.prompts_per_step:
         raise ConfigError(f"data.prompts_per_step ({config.data.prompts_per_step}) is larger than the dataset "
                           f"({len(dataset)} prompts); lower it or use more data")
-    reward = build_reward_fn(RewardConfig(name=config.data.reward), default=getattr(dataset, "reward", None))
+    reward = build_reward_fn(RewardConfig(name=config.data.reward), default=dataset.reward)
     folder, _, tokenizer = check_model(config, data.tokenizer if data is not None else None)
     if parallel.is_main:
         save_config(config, out / "config.yaml")
