@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from jetrl.config import RunConfig
-from jetrl.data import Prompt, RewardPool, RewardPoolConfig, build_prompt_dataset, render_prompt
+from jetrl.data import Prompt, PromptDataset, RewardPool, RewardPoolConfig, build_prompt_dataset, render_prompt
 from jetrl.data.reward_pool import RewardFailureGuard
 # the RL loop's own prompt encoding (a single BOS under chat templates) and reward text (no special tokens)
 from jetrl.data.templates import decode_completion, encode_prompt
@@ -74,7 +74,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)  # C(n - c, k) is 0 for k > n - c
 
 
-def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: Any, *, reward: str | None = None, n: int = 1,
+def evaluate(model: torch.nn.Module, tokenizer: Any, dataset: PromptDataset, *, reward: str | None = None, n: int = 1,
              temperature: float = 0.0, top_p: float = 1.0, max_tokens: int = 256, ks: Sequence[int] = (1,),
              seed: int = 0, batch_size: int = 64, progress: bool = False, keep_samples: bool = False,
              reward_workers: int = EVAL_REWARD_WORKERS, stop_fraction: float = 1.0,

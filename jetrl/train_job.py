@@ -5,7 +5,8 @@ problems before training (skipped when the run resumes from a checkpoint, whose 
 configured model's) and after it (on the newest complete checkpoint), written to ``<output_dir>/eval.json``; the run's
 curves in ``<output_dir>/curves.png``; and its summary rows. It is a separate module because the RL stage
 imports neither the evaluation nor the plotting. :func:`check_train_job` makes the command's checks before a model
-loads; the prompts it read and tokenized go to the run, which does not read them again.
+loads; the prompts it read and tokenized, with the tokenizer it loaded, go to the run (and the evaluation before
+it), which do not read or load them again.
 
 Under torchrun only rank 0 calls it, after preparing the output folder
 (:func:`jetrl.rl.loop.prepare_output_dir`); the other ranks call :func:`jetrl.rl.loop.run` with the
@@ -94,12 +95,12 @@ def _recorded_before(path: Path, config: RunConfig, num_eval: int) -> float | No
 def check_train_job(config: RunConfig, eval_examples: int | None = None) -> RunPrompts:
     """What ``jetrl train`` checks before any weight loads: the config's names (task, format, reward, ...), the
     device, the model's config and tokenizer (with its end-of-sequence token), and every prompt read and tokenized
-    against the context; returns those prompts (:func:`jetrl.data.check_run_prompts`; pass them on to the run) and
-    the number of held-out problems to evaluate on (``eval_examples``; ``None``: 200 where the run has a task or a
-    held-out file, else 0), or the held-out file's row count where that is smaller (with a warning). ValueError for
-    held-out problems asked of a run with neither a task nor a held-out file, or for a held-out file without
-    ``data.path``; FileNotFoundError for a held-out file that is not there (its path is resolved into
-    ``config.data.eval_path``)."""
+    against the context; returns those prompts with the tokenizer (:func:`jetrl.data.check_run_prompts`; pass them
+    on to :func:`train_and_evaluate`) and the number of held-out problems to evaluate on (``eval_examples``;
+    ``None``: 200 where the run has a task or a held-out file, else 0), or the held-out file's row count where that
+    is smaller (with a warning). ValueError for held-out problems asked of a run with neither a task nor a held-out
+    file, or for a held-out file without ``data.path``; FileNotFoundError for a held-out file that is not there
+    (its path is resolved into ``config.data.eval_path``)."""
     held_out = config.data.task or config.data.eval_path
     num_eval = eval_examples if eval_examples is not None else (200 if held_out else 0)
     if num_eval and not held_out:
@@ -122,7 +123,7 @@ def train_and_evaluate(config: RunConfig, data: RunPrompts, *, require_checkpoin
     """Run RL as configured on ``data`` (what :func:`check_train_job` returned: the prompts, the tokenizer and
     ``num_eval``), with greedy accuracy on ``data.num_eval`` held-out problems before and after.
 
-    ``num_eval`` > 0 needs a built-in task (``data.task``; its problems drawn with
+    ``data.num_eval`` > 0 needs a built-in task (the config's ``data.task``; its problems drawn with
     :data:`jetrl.evaluate.EVAL_SEED`) or a held-out file (``data.eval_path``; its first ``num_eval`` rows),
     measured by :func:`jetrl.evaluate.held_out_accuracy` in the run's recipe. ``require_checkpoint`` is
     :func:`jetrl.rl.loop.run`'s. ``progress`` shows bars over the evaluations and the steps; without it each step

@@ -93,8 +93,8 @@ def check_run_prompts(spec: RunDataSpec, seed: int, tokenizer: Any, num_eval: in
     a reward that resolves, and every prompt tokenized within ``max_prompt_tokens`` (the loop meets a prompt only
     when a batch draws it); with ``num_eval`` held-out problems from ``eval_path``, that file's first ``num_eval``
     rows are read too (columns and values; not their token counts). Returns the prompts with their token ids,
-    ``tokenizer`` and ``num_eval``, or the held-out file's row count where that is smaller (with a warning), so that the accuracy is
-    reported over the problems actually evaluated."""
+    ``tokenizer`` and ``num_eval``, or the held-out file's row count where that is smaller (with a warning), so
+    that the accuracy is reported over the problems actually evaluated."""
     dataset = build_prompt_dataset(spec, seed=seed)
     if len(dataset) < spec.prompts_per_step:
         raise ValueError(f"data.prompts_per_step ({spec.prompts_per_step}) is larger than the dataset "

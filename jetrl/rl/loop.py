@@ -10,7 +10,8 @@ alone (``trainer.weights_only``) and which one is resumed from (a damaged one is
 checkpoint policy (:mod:`jetrl.train.policy`); this module runs it.
 
 ``jetrl train`` checks the data before the run (:func:`jetrl.data.check_run_prompts`) and passes on the prompts it
-read and tokenized (``run``'s ``data``), so the run reads and tokenizes them once.
+read and tokenized with the tokenizer it loaded (``run``'s ``data``), so the run reads and tokenizes them, and loads
+the tokenizer, once.
 
 A sample whose reward fails scores 0.0 and is counted; too many failures in a step stop the run (the ``reward``
 section, :class:`~jetrl.config.schema.RewardLimitsConfig`; :class:`~jetrl.data.reward_pool.RewardFailureGuard`).
@@ -212,7 +213,8 @@ def run(config: RunConfig | str | Path, overrides: Sequence[str] = (),
     Under torchrun every rank calls this (see the module doc). With ``trainer.resume`` and no checkpoint to
     resume from, the run warns and starts from step 0, unless ``require_checkpoint``, which makes that a
     FileNotFoundError. ``data``: the prompts :func:`jetrl.data.check_run_prompts` read and tokenized for this
-    config, used as they are; None reads the data section's prompts here."""
+    config, used as they are, with its tokenizer; None reads the data section's prompts and loads the tokenizer
+    here."""
     if not isinstance(config, RunConfig):
         config = load_config(config, overrides)
     elif overrides:

@@ -154,29 +154,44 @@ def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
     assert builds.build_problem("9.9.9", "2.11.0") is None  # a build jetrl has not seen: left to load and run
 
 
+def _fake_deep_gemm(root, message: str) -> None:
+    """A ``deep_gemm`` package under ``root`` whose import fails with ``message``, as a broken build's would."""
+    (root / "deep_gemm").mkdir(parents=True)
+    (root / "deep_gemm" / "__init__.py").write_text(f"raise ImportError({message!r})\n")
+
+
 def _fake_sgl_build(root, version: str) -> None:
-    """A ``deep_gemm`` package under ``root`` that the distribution ``sgl-deep-gemm`` ``version`` provides, as pip
-    installs it (its dist-info names the package in top_level.txt); importing it fails as a broken build's would."""
-    (root / "deep_gemm").mkdir()
-    (root / "deep_gemm" / "__init__.py").write_text("raise ImportError('the fake build was imported')\n")
+    """:func:`_fake_deep_gemm` as the distribution ``sgl-deep-gemm`` ``version`` provides it, laid out as pip
+    installs it (top_level.txt names the package, RECORD its files)."""
+    _fake_deep_gemm(root, "the fake PyPI build was imported")
     info = root / f"sgl_deep_gemm-{version}.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sgl-deep-gemm\nVersion: {version}\n")
     (info / "top_level.txt").write_text("deep_gemm\n")
+    (info / "RECORD").write_text(f"deep_gemm/__init__.py,,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
 
 
-@pytest.mark.parametrize("matches", [False, True], ids=["other-torch", "this-torch"])
-def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path, matches):
+@pytest.mark.parametrize("case", ["other-torch", "this-torch", "source-build-first"])
+def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path, case):
     """The tuning object (read before a model loads) refuses gemm=deepgemm where the installed sgl-deep-gemm is
-    another torch's build, naming this torch's builds, without importing it; this torch's build passes the check.
-    The route's loader agrees: it refuses the other torch's build with a warning before importing it, and imports
-    this torch's (whose import here fails, as a broken build's would: a warning, and no DeepGEMM), after which the
-    first GEMM DeepGEMM's rule takes stops with an error that names the way out."""
+    another torch's build, naming this torch's builds, without importing it; this torch's build passes the check,
+    and so does DeepGEMM built from source found first on the path beside another torch's PyPI build (the build
+    that imports is the one judged). The route's loader agrees: it refuses the other torch's build with a warning
+    before importing it, and imports the others (whose import here fails, as a broken build's would: a warning,
+    and no DeepGEMM), after which the first GEMM DeepGEMM's rule takes stops with an error that names the way
+    out."""
     here = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    version = next(v for v, t in builds.SGL_DEEP_GEMM_TORCH.items() if (t == here) == matches)
-    _fake_sgl_build(tmp_path, version)
+    matches = case == "this-torch"
+    version = next((v for v, t in builds.SGL_DEEP_GEMM_TORCH.items() if (t == here) == matches), None)
+    if version is None:
+        pytest.skip(f"no sgl-deep-gemm build in the table is for torch {here[0]}.{here[1]}")
+    _fake_sgl_build(tmp_path / "site", version)
+    paths = [str(tmp_path / "site")]
+    if case == "source-build-first":
+        _fake_deep_gemm(tmp_path / "src", "the fake source build was imported")
+        paths.insert(0, str(tmp_path / "src"))
     script = textwrap.dedent(f"""
-        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        import sys; sys.path[:0] = {paths!r}
         from jetrl.quant.kernels import tuning
         try:
             tuning.KernelTuning(gemm="deepgemm")
@@ -203,16 +218,19 @@ def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path
                 except RuntimeError as exc:
                     print("RuntimeError", exc)
     """)
-    out = subprocess.run([sys.executable, "-c", script, "OK" if matches else "ERROR"], capture_output=True,
+    passes = case != "other-torch"
+    out = subprocess.run([sys.executable, "-c", script, "OK" if passes else "ERROR"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1] == "installed False", out.stdout
-    if matches:
+    if passes:
+        which = "PyPI" if matches else "source"
         assert lines[0] == "OK"
-        assert lines[2] == "warned DeepGEMM is installed but does not load (ImportError: the fake build was imported)"
-        assert lines[3].startswith("RuntimeError the FP8 GEMM path is set to DeepGEMM") and \
-            "install the sgl-deep-gemm build for this torch" in lines[3]  # at the first GEMM it would take
+        assert lines[2] == f"warned DeepGEMM is installed but does not load (ImportError: the fake {which} build " \
+            "was imported)"
+        assert lines[3].startswith("RuntimeError the FP8 GEMM path is set to DeepGEMM")  # at the first GEMM it takes
+        assert lines[3].endswith(f"{builds.builds_for(torch.__version__)}), or choose another path")
     else:
         assert lines[0].startswith("ERROR") and f"sgl-deep-gemm {version} is built against torch" in lines[0]
         assert f"the builds for torch {here[0]}.{here[1]}:" in lines[0]

@@ -32,7 +32,7 @@ import torch
 from jetrl.quant import reference
 from jetrl.quant.backend import KERNEL_DTYPES, GemmWeight
 from jetrl.quant.formats import ACT, TOKEN, WEIGHT, Block, Fp8Tensor, check_block
-from jetrl.quant.kernels import bias_triton, gemm_exact_triton, gemm_triton, quantize_gluon, tuning
+from jetrl.quant.kernels import bias_triton, deepgemm_builds, gemm_exact_triton, gemm_triton, quantize_gluon, tuning
 from jetrl.quant.kernels import gemm_decode_triton as dk
 from jetrl.quant.kernels import gemm_deepgemm as deepgemm
 from jetrl.quant.kernels import gemm_scaled_mm as scaled_mm
@@ -106,7 +106,8 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
             raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
                                "DeepGEMM does not load here (see the warning before); rebuild it "
                                "(github.com/deepseek-ai/DeepGEMM), install the sgl-deep-gemm build for this torch "
-                               "(docs/recipes.md), or choose another path")
+                               f"(docs/recipes.md; {deepgemm_builds.builds_for(torch.__version__)}), or choose "
+                               "another path")
         if where is not None:
             return where
     if choice in ("auto", "deepgemm") and m <= cfg.decode_rows(n, k, grouped):

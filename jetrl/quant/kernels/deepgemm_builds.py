@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+import os
 
 import torch
 from packaging.version import Version
@@ -51,18 +52,26 @@ def builds_for(torch_version: str) -> str:
 
 
 def installed_sgl_version() -> str | None:
-    """The installed ``sgl-deep-gemm``'s version where that distribution provides ``deep_gemm``, else None (DeepGEMM
-    built from source, or none installed)."""
+    """The installed ``sgl-deep-gemm``'s version where that distribution provides the ``deep_gemm`` that imports
+    here, else None (DeepGEMM built from source, or none installed). A source build found first on the path, beside
+    an installed ``sgl-deep-gemm``, is the source build: the module's file must be one of the distribution's."""
+    spec = importlib.util.find_spec("deep_gemm")
     providers = importlib.metadata.packages_distributions().get("deep_gemm", [])
-    if not any(name.lower().replace("_", "-") == "sgl-deep-gemm" for name in providers):
+    if spec is None or not any(name.lower().replace("_", "-") == "sgl-deep-gemm" for name in providers):
         return None
-    return importlib.metadata.version("sgl-deep-gemm")
+    dist = importlib.metadata.distribution("sgl-deep-gemm")
+    if spec.origin and dist.files is not None:  # the files pip recorded (RECORD)
+        origin = os.path.realpath(spec.origin)
+        if not any(os.path.realpath(dist.locate_file(f)) == origin for f in dist.files):
+            return None
+    return dist.version
 
 
 @functools.lru_cache(maxsize=None)
 def problem() -> str | None:
     """Why DeepGEMM cannot run under this torch (not installed, or a PyPI build for another torch), or None where
-    an installed ``deep_gemm`` may load. Whether it then loads is :func:`gemm_deepgemm.installed`'s to say."""
+    an installed ``deep_gemm`` may load. Whether it then loads is
+    :func:`~jetrl.quant.kernels.gemm_deepgemm.installed`'s to say."""
     if importlib.util.find_spec("deep_gemm") is None:
         return ("DeepGEMM is not installed (build it from github.com/deepseek-ai/DeepGEMM, or install the PyPI build "
                 f"for this torch: sgl-deep-gemm, {builds_for(torch.__version__)}; docs/recipes.md)")

@@ -270,9 +270,9 @@ class GemmRouting:
 
     * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
       rules hold, else the Triton GEMM); ``"deepgemm"``: the same, but the GEMMs its rule takes go to DeepGEMM
-      (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; opt-in, as DeepGEMM is built from source; an error where it is
-      not installed); or one path forced: ``"cublas"``, ``"triton"``,
-      ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
+      (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; opt-in, as DeepGEMM is built from source or installed as the
+      PyPI build for this torch; an error where it is not installed or is another torch's build); or one path
+      forced: ``"cublas"``, ``"triton"``, ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
     * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m``: DeepGEMM's rule
       (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most ``deepgemm_decode_max_m``
       rows (its decode steps; 0: none), where a weight whose K is more than twice its N stays on the split-K decode
