@@ -28,12 +28,17 @@ SGL_DEEP_GEMM_TORCH = {
 }
 
 
+def _major_minor(torch_version: str) -> tuple[int, int]:
+    major, minor = torch_version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
 def build_problem(sgl_version: str | None, torch_version: str) -> str | None:
     """Why ``sgl-deep-gemm`` ``sgl_version`` cannot run on ``torch_version``, or None: where it is another torch's
     build (:data:`SGL_DEEP_GEMM_TORCH`). None for DeepGEMM built from source (``sgl_version`` None: compiled against
     the torch it runs on) and for a build not in the table."""
     built = SGL_DEEP_GEMM_TORCH.get(sgl_version) if sgl_version else None
-    here = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    here = _major_minor(torch_version)
     if built is None or built == here:
         return None
     return (f"sgl-deep-gemm {sgl_version} is built against torch {built[0]}.{built[1]}, "
@@ -43,7 +48,7 @@ def build_problem(sgl_version: str | None, torch_version: str) -> str | None:
 def builds_for(torch_version: str) -> str:
     """The sentence naming the ``sgl-deep-gemm`` builds for ``torch_version``, oldest first, and the pip command for
     the newest (or that the table has none)."""
-    here = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    here = _major_minor(torch_version)
     matching = sorted((v for v, t in SGL_DEEP_GEMM_TORCH.items() if t == here), key=Version)
     if not matching:
         return "no build in jetrl's table is for this torch"
