@@ -154,6 +154,29 @@ def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
     assert builds.build_problem("9.9.9", "2.11.0") is None  # a build jetrl has not seen: left to load and run
 
 
+def test_the_deepgemm_extras_pin_the_newest_build_for_each_torch_jetrl_runs_on():
+    """``pip install 'jetrl[deepgemm-torch2-11]'`` (pip before 24 does not read ``2.11`` as ``2-11``) installs the
+    build the config check and its messages name for that torch: the extras and the table agree, for every torch
+    jetrl supports (2.11 and 2.13)."""
+    import pathlib
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    pins = {}
+    for extra, requirements in project["optional-dependencies"].items():
+        if (found := re.fullmatch(r"deepgemm-torch(\d+)-(\d+)", extra)) is not None:
+            assert len(requirements) == 1 and requirements[0].startswith("sgl-deep-gemm=="), requirements
+            pins[f"{found[1]}.{found[2]}.0"] = requirements[0].removeprefix("sgl-deep-gemm==")
+    assert sorted(pins) == ["2.11.0", "2.13.0"]
+    for torch_version, pinned in pins.items():
+        assert builds.build_problem(pinned, torch_version) is None
+        assert builds.builds_for(torch_version).endswith(f"(pip install sgl-deep-gemm=={pinned})")
+
+
 def _fake_deep_gemm(root, message: str) -> None:
     """A ``deep_gemm`` package under ``root`` whose import fails with ``message``, as a broken build's would."""
     (root / "deep_gemm").mkdir(parents=True)
