@@ -25,7 +25,7 @@ the linear layers for new modules; or the kernel tuning in force changes
 :func:`~jetrl.models.cuda_graphs.capture`, after one eager warm-up). A new weight version is
 re-quantized into the same FP8 buffers, so graphs survive optimizer steps in ``jet``, but a sharded model's
 weights, gathered for each rollout, move every step. The first capture of a set of graphs first compiles the
-GEMM kernels that compile at first use (DeepGEMM's, under ``gemm="deepgemm"``) for every candidate size at once.
+GEMM kernels that compile at first use (DeepGEMM's, where it loads) for every candidate size at once.
 ``graph_captures`` and ``graph_capture_seconds`` count the work (that compilation included).
 
 **Precision.** Every forward runs under ``torch.no_grad`` and ``precision_side("rollout")``, so in ``jet``

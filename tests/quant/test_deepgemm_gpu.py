@@ -1,7 +1,8 @@
 """DeepGEMM's route for the FP8 GEMMs (:mod:`jetrl.quant.kernels.gemm_deepgemm`) on the GPU, where it is installed.
 
 Its GEMMs against the reference's to output rounding (128x128 weights, at unaligned row counts and the rollout's
-decode row counts); the rule's routing of the rollout's decode rows (``gemm="deepgemm"``); a rollout whose decode
+decode row counts); the rule's routing of the rollout's decode rows (``gemm="deepgemm"`` and the default ``"auto"``
+where DeepGEMM loads); a rollout whose decode
 graphs compile DeepGEMM's kernels ahead (:func:`~jetrl.quant.backend.prepare_gemms`); and ahead-of-time compilation
 filling the disk cache from worker processes.
 """
@@ -111,14 +112,18 @@ def test_decode_rows_route_by_the_rule(dg):
             got = gemm_path(a, w[2048, 1536])
             with precision_side("rollout"):
                 assert gemm_path(a, w[2048, 1536]) == got
-        with tuning.override(gemm="auto"):
+        with tuning.override(gemm="auto"):  # the default: the same path wherever DeepGEMM loads
+            assert gemm_path(a, w[2048, 1536]) == got
+        with tuning.override(gemm="auto", deepgemm_decode_max_m=0):  # the default route without DeepGEMM
             default = gemm_path(a, w[2048, 1536])
         # decode-sized rows (a tiny micro-batch too) DeepGEMM's, larger ones (prefill, micro-batches) the default's
         assert got == ("deepgemm" if m <= tuning.current().deepgemm_rule()["decode_max_m"] else default) != "decode"
 
 
-def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):
-    """A qwen2-type model (q/k/v biases) generates under ``gemm="deepgemm"`` with its decode steps in CUDA graphs:
+@pytest.mark.parametrize("gemm", ["auto", "deepgemm"])
+def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch, gemm):
+    """A qwen2-type model (q/k/v biases) generates under ``gemm="deepgemm"`` and under the default ``"auto"`` (where
+    DeepGEMM loads) with its decode steps in CUDA graphs:
     the first capture compiles every graph size's kernels ahead, the captured steps run DeepGEMM, and the samples
     are those of eager decoding on the same kernels, to BF16 noise (a graph's attention may split the context
     differently: tests/rollout/test_rollout_gpu.py)."""
@@ -144,7 +149,7 @@ def test_rollout_decodes_through_deepgemm_in_graphs(dg, monkeypatch):
         calls.append((a.shape[0], b.shape[0], b.shape[1]))
         return real_gemm(a, b, *args, **kw)
 
-    with tuning.override(gemm="deepgemm"):
+    with tuning.override(gemm=gemm):
         eager = RolloutEngine(model, memory_budget=POOL_BYTES, cuda_graphs=False, max_num_seqs=32, progress=False,
                               max_model_len=128)
         a = eager.generate(prompts, params)

@@ -138,6 +138,25 @@ def test_the_plan_reads_the_models_fp8_weights_after_a_forward():
                                   GemmWeight(256, 256), GemmWeight(256, 384)])
 
 
+def test_auto_routes_to_deepgemm_where_it_loads_and_its_rule_takes_rows():
+    """The default ``gemm="auto"`` uses DeepGEMM's rule where DeepGEMM loads for the GPU at hand, and asks only
+    when the rule takes rows (``deepgemm_decode_max_m=0`` keeps auto on the default route); a forced path never
+    asks. (``gemm="deepgemm"``, which requires DeepGEMM: the config-error tests below.)"""
+    asked = []
+
+    def loads(answer):
+        return lambda: asked.append(answer) or answer
+
+    assert tuning.KernelTuning().gemm == "auto"
+    assert tuning.KernelTuning(gemm="auto").uses_deepgemm(loads(True)) and asked == [True]
+    assert not tuning.KernelTuning(gemm="auto").uses_deepgemm(loads(False)) and asked == [True, False]
+    asked.clear()
+    assert not tuning.KernelTuning(gemm="auto", deepgemm_decode_max_m=0).uses_deepgemm(loads(True))
+    for forced in ("cublas", "triton", "decode"):
+        assert not tuning.KernelTuning(gemm=forced).uses_deepgemm(loads(True))
+    assert asked == []
+
+
 def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
     """sgl-deep-gemm's builds name no torch, yet each runs on one only (on another, every tensor reads as
     0-dimensional in its first check): the route says which build matches instead of failing inside the GEMM."""

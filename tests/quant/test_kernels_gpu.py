@@ -380,11 +380,11 @@ def test_grouped_decode_gemm_variants_equal_one_by_one(cuda_backend, m, variant)
     assert torch.isfinite(out.float()).all() and torch.equal(out, torch.cat(one, dim=1))
 
 
-@tuning.override(gemm="auto", decode_max_m=64, grouped_decode_max_m=256,
+@tuning.override(gemm="auto", deepgemm_decode_max_m=0, decode_max_m=64, grouped_decode_max_m=256,
                  decode_max_m_by_shape={(1024, 4096): 128, ("grouped", 6144, 4096): 128})
 def test_decode_routing_bounds(cuda_backend):
-    """Single GEMMs up to decode_max_m, grouped launches up to grouped_decode_max_m and per-shape entries
-    go to the decode kernel; M > 256 never does; a grouped launch past its bound returns None."""
+    """Without DeepGEMM's rule, single GEMMs up to decode_max_m, grouped launches up to grouped_decode_max_m and
+    per-shape entries go to the decode kernel; M > 256 never does; a grouped launch past its bound returns None."""
     from jetrl.quant.kernels import cuda_backend as cuda_mod
 
     g = torch.Generator(device="cuda").manual_seed(9)

@@ -9,7 +9,8 @@ backend (quantization bit for bit, GEMMs to output rounding):
 * GEMMs, per shape class (:func:`gemm_path`): decode-sized M, and grouped launches of weights sharing an input
   (q/k/v, gate/up) up to their own bound, on the split-K decode GEMM (:mod:`~jetrl.quant.kernels.gemm_decode_triton`:
   bound by the weight's bytes, it streams the FP8 weight with every SM, which cuBLAS's 128x128-tile blockwise
-  kernel does not at small M), or with the tuning's ``gemm="deepgemm"`` on DeepGEMM (its rule); the rest on
+  kernel does not at small M), or on DeepGEMM where it loads (its rule; the tuning's ``gemm`` "auto" or "deepgemm",
+  :meth:`~jetrl.quant.kernels.tuning.KernelTuning.uses_deepgemm`); the rest on
   cuBLAS's blockwise ``scaled_mm`` (:mod:`~jetrl.quant.kernels.gemm_scaled_mm`) where its layout rules hold, else
   the Triton GEMM (:mod:`~jetrl.quant.kernels.gemm_triton`);
 * exact mode's GEMMs: the batch-invariant Triton GEMMs of :mod:`~jetrl.quant.kernels.gemm_exact_triton`, or one of
@@ -98,7 +99,7 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
         return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
     grouped = grouped_n is not None
     n = grouped_n if grouped else b.shape[0]
-    if choice == "deepgemm" and deepgemm.supports(a, b, out_dtype):
+    if deepgemm.supports(a, b, out_dtype) and cfg.uses_deepgemm(lambda: deepgemm.is_available(a.data.device)):
         # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
         where = deepgemm.route(m, n, k, decode_bound=cfg.decode_rows(n, k, grouped) if biased else 0,
                                **cfg.deepgemm_rule())
@@ -221,7 +222,7 @@ class CudaBackend:
         decode kernel up to its bound as :meth:`grouped_gemm` does
         (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
         cfg = tuning.current()
-        if cfg.gemm != "deepgemm" or not deepgemm.is_available(device):
+        if not deepgemm.is_available(device) or not cfg.uses_deepgemm(lambda: True):
             return 0.0
         biased = {(w.n, w.k) for w in weights if w.biased_group}
         shapes = deepgemm.planned_shapes(

@@ -1,5 +1,5 @@
-"""DeepGEMM's blockwise FP8 GEMMs on Hopper: an opt-in route for the rollout's decode GEMMs (tuning
-``gemm="deepgemm"``).
+"""DeepGEMM's blockwise FP8 GEMMs on Hopper: the rollout's decode GEMMs where DeepGEMM loads (tuning ``gemm``
+``"auto"``, the default, or ``"deepgemm"``, which requires it).
 
 `DeepGEMM <https://github.com/deepseek-ai/DeepGEMM>`_ (DeepSeek's CUDA library, built from source with the CUDA
 toolkit; its kernels are compiled at first use and cached on disk) multiplies E4M3 operands with fp32 block scales
@@ -13,9 +13,10 @@ MN-major and TMA-aligned: M rounded up to 4, which is how jetrl's 1x128 producer
 the padded rows as the cuBLAS route does), ``b`` 128x128 tiles (scales contiguous), BF16 ``d``; the kernel is
 compiled per (N, K), M is a runtime argument.
 
-The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it when the
-tuning's ``gemm`` is ``"deepgemm"`` (opt-in: DeepGEMM is built from source, or installed as the PyPI build for the
-running torch, which :mod:`~jetrl.quant.kernels.deepgemm_builds` checks). DeepGEMM picks its tile sizes per call
+The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it where the
+tuning routes to DeepGEMM (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.uses_deepgemm`: under ``"auto"`` where
+:func:`is_available`; DeepGEMM is built from source, or installed as the PyPI build for the running torch, which
+:mod:`~jetrl.quant.kernels.deepgemm_builds` checks, e.g. by the extra ``jetrl[deepgemm-torch2-11]``). DeepGEMM picks its tile sizes per call
 from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead,
 in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later
 process reads (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first
@@ -84,7 +85,7 @@ def supports(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> bool:
 
 def route(m: int, n: int, k: int, *, decode_max_m: int = 0, split_k_max_m: int = 0,
           decode_bound: int = 0) -> str | None:
-    """Where ``gemm="deepgemm"`` sends ``a`` (m, k) @ ``b`` (n, k)^T that DeepGEMM's layouts take (:func:`supports`):
+    """Where DeepGEMM's rule sends ``a`` (m, k) @ ``b`` (n, k)^T that DeepGEMM's layouts take (:func:`supports`):
     ``"deepgemm"``, ``"decode"`` (jetrl's split-K decode kernel keeps it) or None (the default route decides: the
     decode kernel up to its bound, cuBLAS above). The bounds are the tuning's
     (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.deepgemm_rule`); ``decode_bound``: rows up to which the

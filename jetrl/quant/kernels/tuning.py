@@ -268,15 +268,17 @@ class GemmRouting:
 
     Where each FP8 GEMM runs (the CUDA backend, :func:`jetrl.quant.kernels.cuda_backend.gemm_path`):
 
-    * ``gemm``: ``"auto"`` (decode-sized M to the split-K decode GEMM, the rest to cuBLAS where its layout
-      rules hold, else the Triton GEMM); ``"deepgemm"``: the same, but the GEMMs its rule takes go to DeepGEMM
-      (:mod:`~jetrl.quant.kernels.gemm_deepgemm`; opt-in, as DeepGEMM is built from source or installed as the
-      PyPI build for this torch; an error where it is not installed or is another torch's build); or one path
-      forced: ``"cublas"``, ``"triton"``, ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``;
+    * ``gemm``: ``"auto"`` (the GEMMs DeepGEMM's rule takes to DeepGEMM where it loads here, decode-sized M to
+      the split-K decode GEMM, the rest to cuBLAS where its layout rules hold, else the Triton GEMM);
+      ``"deepgemm"``: the same, but DeepGEMM is required (a config error where it is not installed or is another
+      torch's build, an error at its first GEMM where it does not load); or one path forced: ``"cublas"``,
+      ``"triton"``, ``"decode"`` (M <= 256 only); the default comes from ``JETRL_FP8_GEMM``. DeepGEMM is built from
+      source or installed as the PyPI build for this torch (:mod:`~jetrl.quant.kernels.deepgemm_builds`);
     * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m``: DeepGEMM's rule
       (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most ``deepgemm_decode_max_m``
-      rows (its decode steps; 0: none), where a weight whose K is more than twice its N stays on the split-K decode
-      kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training GEMMs stay on the default route;
+      rows (its decode steps; 0: none, which keeps ``auto`` off DeepGEMM), where a weight whose K is more than twice
+      its N stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training
+      GEMMs stay on the default route;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel (a grouped launch at least ``decode_max_m``), ``decode_max_m_by_shape`` per-shape
       exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
@@ -286,12 +288,12 @@ class GemmRouting:
       either way (:func:`early_dependents`, :mod:`~jetrl.quant.kernels.gemm_decode_triton`).
     """
 
-    gemm: str = knob("auto", "the FP8 GEMM path: auto (decode kernel, cuBLAS, Triton by shape), deepgemm, or "
-                     "one forced: cublas, triton, decode; default from JETRL_FP8_GEMM", None)
-    deepgemm_decode_max_m: int = knob(DECODE_GEMM_MAX_M, "under gemm=deepgemm: the most rows of a GEMM "
-                                      "(a decode step's) that DeepGEMM takes (0: none)", _INT_TO_DECODE)
-    deepgemm_split_k_max_m: int = knob(128, "under gemm=deepgemm: up to this many rows a weight with K > 2N "
-                                       "stays on the split-K decode kernel", _INT_TO_DECODE)
+    gemm: str = knob("auto", "FP8 GEMM path: auto (DeepGEMM where it loads, decode kernel, cuBLAS by shape), deepgemm "
+                     "(DeepGEMM required), cublas, triton, decode; default JETRL_FP8_GEMM", None)
+    deepgemm_decode_max_m: int = knob(DECODE_GEMM_MAX_M, "the most rows of a GEMM (a decode step's) that DeepGEMM "
+                                      "takes (0: none, and auto never uses DeepGEMM)", _INT_TO_DECODE)
+    deepgemm_split_k_max_m: int = knob(128, "where DeepGEMM runs: up to this many rows a weight with K > 2N stays on "
+                                       "the split-K decode kernel", _INT_TO_DECODE)
     decode_max_m: int = knob(64, "the most rows a single FP8 GEMM sends to the split-K decode kernel", _INT0)
     grouped_decode_max_m: int = knob(64, "the same for a grouped launch (q/k/v, gate/up); at least decode_max_m "
                                          "applies", _INT0)
@@ -316,6 +318,14 @@ class GemmRouting:
         # tables given as plain dicts are frozen too
         object.__setattr__(self, "decode_max_m_by_shape", MappingProxyType(dict(self.decode_max_m_by_shape)))
         object.__setattr__(self, "decode_shape_configs", MappingProxyType(dict(self.decode_shape_configs)))
+
+    def uses_deepgemm(self, loads: Callable[[], bool]) -> bool:
+        """Whether DeepGEMM's rule routes GEMMs: under ``gemm="deepgemm"`` always, under ``"auto"`` where the rule
+        takes rows (``deepgemm_decode_max_m`` > 0) and ``loads()`` (DeepGEMM loads for the GPU at hand: the CUDA
+        backend passes :func:`~jetrl.quant.kernels.gemm_deepgemm.is_available`; called only then)."""
+        if self.gemm == "deepgemm":
+            return True
+        return self.gemm == "auto" and self.deepgemm_decode_max_m > 0 and loads()
 
     def deepgemm_rule(self) -> dict[str, int]:
         """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`), as its keywords."""
