@@ -99,7 +99,7 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
         return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
     grouped = grouped_n is not None
     n = grouped_n if grouped else b.shape[0]
-    if deepgemm.supports(a, b, out_dtype) and cfg.uses_deepgemm(lambda: deepgemm.is_available(a.data.device)):
+    if cfg.uses_deepgemm(lambda: deepgemm.is_available(a.data.device)) and deepgemm.supports(a, b, out_dtype):
         # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
         where = deepgemm.route(m, n, k, decode_bound=cfg.decode_rows(n, k, grouped) if biased else 0,
                                **cfg.deepgemm_rule())
