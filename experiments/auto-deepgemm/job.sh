@@ -19,9 +19,8 @@ pip install -q --no-deps --target /tmp/dg .whl/*.whl > /dev/null 2>&1
 export PYTHONPATH=/tmp/dg:$PWD CUDA_HOME=${CUDA_HOME:-$(dirname $(dirname $(which nvcc)))} DG_JIT_USE_NVRTC=0 \
   DG_JIT_CACHE_DIR=/tmp/dgcache
 python -c "from jetrl.quant.kernels import gemm_deepgemm as d, tuning; import torch; print('deepgemm loads', d.is_available(torch.device('cuda')), 'auto uses it', tuning.current().uses_deepgemm(lambda: d.is_available(torch.device('cuda'))))" | tee -a $R/gpu.txt
-step tests 150 170 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/quant/test_deepgemm_gpu.py \
-  tests/quant/test_kernels_gpu.py tests/quant/test_decode_gemm_pdl_gpu.py tests/quant/test_seam.py \
-  tests/models/test_cuda_graphs.py tests/rollout/test_rollout_gpu.py
+step tests 100 130 python -m pytest -m gpu -q -p no:cacheprovider -n 8 tests/quant/test_deepgemm_gpu.py \
+  tests/quant/test_kernels_gpu.py::test_decode_routing_bounds tests/quant/test_seam.py tests/rollout/test_rollout_gpu.py
 grep -E "passed|failed|FAILED" /tmp/tests.log | tail -8 | tee -a $R/gpu.txt
 step train_dg 100 150 python bench/train_run.py --shape qwen2.5-0.5b --setting to-max --steps 4 --recipes bf16,jet \
   --json $R/train_dg.json
