@@ -14,7 +14,7 @@ module                         what it holds
 ``quantize_triton``            1x128, 128x1, 128x128 (+ W^T) and 1x128 -> 128x1 quantization; shared helpers
 ``quantize_gluon``             the 128x1 kernels and grad_out's one-pass 1x128 + 128x1 in Gluon
 ``gemm_scaled_mm``             cuBLAS blockwise FP8 GEMM (``F.scaled_mm``) and its layout rules
-``gemm_deepgemm``              DeepGEMM's blockwise FP8 GEMMs (the decode GEMMs, where DeepGEMM loads) and compiling them ahead
+``gemm_deepgemm``              DeepGEMM's FP8 GEMMs (decode GEMMs, where it loads) and compiling them ahead
 ``gemm_triton``                the Triton blockwise FP8 GEMM (shapes cuBLAS rejects)
 ``gemm_decode_triton``         the split-K decode GEMM (and grouped q/k/v, gate/up launches)
 ``gemm_exact_triton``          exact mode's batch-invariant FP8 and 16/32-bit GEMMs (tiles and K split fixed per shape)

@@ -16,11 +16,11 @@ compiled per (N, K), M is a runtime argument.
 The routing rule (:func:`route`) lives here; :func:`jetrl.quant.kernels.cuda_backend.gemm_path` asks it where the
 tuning routes to DeepGEMM (:meth:`~jetrl.quant.kernels.tuning.KernelTuning.uses_deepgemm`: under ``"auto"`` where
 :func:`is_available`; DeepGEMM is built from source, or installed as the PyPI build for the running torch, which
-:mod:`~jetrl.quant.kernels.deepgemm_builds` checks, e.g. by the extra ``jetrl[deepgemm-torch2-11]``). DeepGEMM picks its tile sizes per call
-from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels` compiles a run's set ahead,
-in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default ``~/.deep_gemm``) that every later
-process reads (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's decode graphs call at their first
-capture).
+:mod:`~jetrl.quant.kernels.deepgemm_builds` checks, e.g. by the extra ``jetrl[deepgemm-torch2-11]``). DeepGEMM
+picks its tile sizes per call from M, so a run meets a kernel per (shape, tile configuration): :func:`compile_kernels`
+compiles a run's set ahead, in parallel processes, into the disk cache (``DG_JIT_CACHE_DIR``, default
+``~/.deep_gemm``) that every later process reads (:func:`jetrl.quant.backend.prepare_gemms`, which the rollout's
+decode graphs call at their first capture).
 Without CUDA graphs a kernel compiles when first met (seconds, once per machine through the disk cache).
 """
 
