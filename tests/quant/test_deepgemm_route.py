@@ -169,6 +169,9 @@ def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
     assert "no build" in builds.build_problem("0.2.1", "2.12.1")
     for version, torch_version in (("0.1.4.post1", "2.11.0+cu130"), ("0.2.1", "2.13.0+cpu"), ("0.2.5", "2.14.1")):
         assert builds.build_problem(version, torch_version) is None
+    # the named build is the recommended one where there is one (torch 2.11's ran the GPU tests), not the newest
+    assert "0.1.5.post1" in problem and builds.build_problem("0.1.5.post1", "2.13.0") is not None
+    assert builds.build_problem("0.2.4rc0", "2.14.0") is not None and builds.build_problem("0.2.4rc0", "2.15.0") is None
     assert builds.build_problem(None, "2.11.0") is None  # DeepGEMM built from source: compiled against this torch
     assert builds.build_problem("9.9.9", "2.11.0") is None  # a build jetrl has not seen: left to load and run
 
@@ -192,7 +195,8 @@ def test_the_deepgemm_extras_pin_the_newest_build_for_each_torch_jetrl_runs_on()
             pins[f"{found[1]}.{found[2]}.0"] = requirements[0].removeprefix("sgl-deep-gemm==")
     assert sorted(pins) == ["2.11.0", "2.13.0"]
     for torch_version, pinned in pins.items():
-        assert builds.build_problem(pinned, torch_version) is None
+        assert builds.SGL_DEEP_GEMM_TORCH[pinned] == builds._major_minor(torch_version)
+        assert builds.RECOMMENDED[builds._major_minor(torch_version)] == pinned
         assert builds.builds_for(torch_version).endswith(f"(pip install sgl-deep-gemm=={pinned})")
 
 

@@ -20,12 +20,22 @@ import torch
 from packaging.version import Version
 
 # The torch (major, minor) each PyPI build of DeepGEMM (``sgl-deep-gemm``) is compiled against, which its metadata does
-# not name (read off the torch headers' line numbers and the torch symbols in each build's module).
+# not name: read off the line numbers of torch's headers in the assertion messages baked into each build's module
+# (c10/core/SymInt.h, c10/util/intrusive_ptr.h, c10/core/TensorImpl.h), against torch 2.11-2.15's headers. Every
+# release to 0.2.5 but 0.0.1rc0 and 0.0.1rc1 (no torch headers in them).
 SGL_DEEP_GEMM_TORCH = {
-    "0.1.0": (2, 11), "0.1.2": (2, 11), "0.1.3": (2, 11), "0.1.4.post1": (2, 11),
-    "0.1.5.post3": (2, 13), "0.1.6": (2, 13), "0.1.7": (2, 13), "0.2.0": (2, 13), "0.2.1": (2, 13),
-    "0.1.8rc0": (2, 14), "0.2.1.post1": (2, 14), "0.2.3": (2, 14), "0.2.5": (2, 14),
+    **dict.fromkeys(("0.0.1", "0.1.0rc0", "0.1.0", "0.1.1", "0.1.2", "0.1.3rc0", "0.1.3rc1", "0.1.3", "0.1.4rc0",
+                     "0.1.4rc1", "0.1.4", "0.1.4.post1", "0.1.5rc0", "0.1.5rc2", "0.1.5rc3", "0.1.5", "0.1.5.post1"),
+                    (2, 11)),
+    **dict.fromkeys(("0.1.5rc1", "0.1.5rc4", "0.1.5.post2", "0.1.5.post3", "0.1.6", "0.1.7rc0", "0.1.7", "0.2.0rc0",
+                     "0.2.0", "0.2.1"), (2, 13)),
+    **dict.fromkeys(("0.1.8rc0", "0.2.1rc0", "0.2.1rc1", "0.2.1.post1", "0.2.2", "0.2.3", "0.2.3.post1",
+                     "0.2.3.post2", "0.2.5"), (2, 14)),
+    **dict.fromkeys(("0.2.3rc0", "0.2.4rc0"), (2, 15)),
 }
+# The build each torch's extra (``jetrl[deepgemm-torch2-11]``, ...) pins and the messages name: torch 2.11's is the
+# one jetrl's GPU tests ran (docs/recipes.md); elsewhere the newest build in the table is named.
+RECOMMENDED = {(2, 11): "0.1.4.post1", (2, 13): "0.2.1"}
 
 
 def _major_minor(torch_version: str) -> tuple[int, int]:
@@ -47,13 +57,13 @@ def build_problem(sgl_version: str | None, torch_version: str) -> str | None:
 
 def builds_for(torch_version: str) -> str:
     """The sentence naming the ``sgl-deep-gemm`` builds for ``torch_version``, oldest first, and the pip command for
-    the newest (or that the table has none)."""
+    the one to install (:data:`RECOMMENDED`, else the newest), or that the table has none."""
     here = _major_minor(torch_version)
     matching = sorted((v for v, t in SGL_DEEP_GEMM_TORCH.items() if t == here), key=Version)
     if not matching:
         return "no build in jetrl's table is for this torch"
     return (f"the builds for torch {here[0]}.{here[1]}: {', '.join(matching)} "
-            f"(pip install sgl-deep-gemm=={matching[-1]})")
+            f"(pip install sgl-deep-gemm=={RECOMMENDED.get(here, matching[-1])})")
 
 
 def installed_sgl_version() -> str | None:
