@@ -138,35 +138,16 @@ def test_the_plan_reads_the_models_fp8_weights_after_a_forward():
                                   GemmWeight(256, 256), GemmWeight(256, 384)])
 
 
-def test_auto_routes_to_deepgemm_where_it_loads_and_its_rule_takes_rows():
-    """The default ``gemm="auto"`` uses DeepGEMM's rule where DeepGEMM loads for the GPU at hand, and asks only
-    when the rule takes rows (``deepgemm_decode_max_m=0`` keeps auto on the default route); a forced path never
-    asks. (``gemm="deepgemm"``, which requires DeepGEMM: the config-error tests below.)"""
-    asked = []
-
-    def loads(answer):
-        return lambda: asked.append(answer) or answer
-
-    assert tuning.KernelTuning().gemm == "auto"
-    assert tuning.KernelTuning(gemm="auto").uses_deepgemm(loads(True)) and asked == [True]
-    assert not tuning.KernelTuning(gemm="auto").uses_deepgemm(loads(False)) and asked == [True, False]
-    asked.clear()
-    assert not tuning.KernelTuning(gemm="auto", deepgemm_decode_max_m=0).uses_deepgemm(loads(True))
-    for forced in ("cublas", "triton", "decode"):
-        assert not tuning.KernelTuning(gemm=forced).uses_deepgemm(loads(True))
-    assert asked == []
-
-
 def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
     """sgl-deep-gemm's builds name no torch, yet each runs on one only (on another, every tensor reads as
     0-dimensional in its first check): the route says which build matches instead of failing inside the GEMM."""
     problem = builds.build_problem("0.2.1", "2.11.0+cu130")
     assert "built against torch 2.13" in problem and "2.11.0+cu130" in problem
     assert "0.1.4.post1" in problem and "0.2.1," not in problem  # the torch 2.11 builds, and only those
-    assert problem.endswith("(pip install sgl-deep-gemm==0.1.4.post1)")  # the newest of them
+    assert problem.endswith("(pip install sgl-deep-gemm==0.1.4.post1)")  # the recommended one
     assert builds.builds_for("2.14.0").endswith("(pip install sgl-deep-gemm==0.2.5)")  # 0.2.5 > 0.2.1.post1 > 0.1.8rc0
     assert builds.build_problem("0.2.5", "2.13.0") is not None
-    assert "no build" in builds.build_problem("0.2.1", "2.12.1")
+    assert builds.build_problem("0.2.1", "2.12.1").endswith("no sgl-deep-gemm build is known for torch 2.12")
     for version, torch_version in (("0.1.4.post1", "2.11.0+cu130"), ("0.2.1", "2.13.0+cpu"), ("0.2.5", "2.14.1")):
         assert builds.build_problem(version, torch_version) is None
     # the named build is the recommended one where there is one (torch 2.11's ran the GPU tests), not the newest
@@ -176,7 +157,7 @@ def test_a_pypi_build_for_another_torch_is_refused_with_the_builds_that_match():
     assert builds.build_problem("9.9.9", "2.11.0") is None  # a build jetrl has not seen: left to load and run
 
 
-def test_the_deepgemm_extras_pin_the_newest_build_for_each_torch_jetrl_runs_on():
+def test_the_deepgemm_extras_pin_the_recommended_build_for_each_torch_jetrl_runs_on():
     """``pip install 'jetrl[deepgemm-torch2-11]'`` (pip before 24 does not read ``2.11`` as ``2-11``) installs the
     build the config check and its messages name for that torch: the extras and the table agree, for every torch
     jetrl supports (2.11 and 2.13)."""
@@ -215,6 +196,54 @@ def _fake_sgl_build(root, version: str) -> None:
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: sgl-deep-gemm\nVersion: {version}\n")
     (info / "top_level.txt").write_text("deep_gemm\n")
     (info / "RECORD").write_text(f"deep_gemm/__init__.py,,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+
+
+@pytest.mark.parametrize("case", ["none", "this-torch", "source-build", "other-torch", "unknown-release"])
+def test_auto_uses_deepgemm_only_where_a_build_known_for_this_torch_loads(tmp_path, case):
+    """The default ``gemm="auto"`` routes DeepGEMM's rule where the installed DeepGEMM is this torch's PyPI build or
+    a source build and it loads (``loads()``, asked only then); another torch's build and a release jetrl's table
+    does not know are left alone with one warning (only ``gemm="deepgemm"`` uses the latter); no DeepGEMM is no
+    warning. A forced path and ``deepgemm_decode_max_m=0`` never route there, nor ask."""
+    import json
+
+    here = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    version = {"this-torch": next((v for v, t in builds.SGL_DEEP_GEMM_TORCH.items() if t == here), None),
+               "other-torch": next(v for v, t in builds.SGL_DEEP_GEMM_TORCH.items() if t != here),
+               "unknown-release": "9.9.9"}.get(case, "")
+    if version is None:
+        pytest.skip(f"no sgl-deep-gemm build in the table is for torch {here[0]}.{here[1]}")
+    if case == "source-build":
+        _fake_deep_gemm(tmp_path / "site", "the fake source build was imported")
+    elif case != "none":
+        _fake_sgl_build(tmp_path / "site", version)
+    script = textwrap.dedent(f"""
+        import json, sys, warnings
+        sys.path[:0] = [{str(tmp_path / "site")!r}]
+        from jetrl.quant.kernels import tuning
+        asked = []
+        def loads():
+            asked.append(1)
+            return True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            on = tuning.KernelTuning(gemm="auto").uses_deepgemm(loads)
+            off = [tuning.KernelTuning(gemm=g).uses_deepgemm(loads) for g in ("cublas", "triton", "decode")]
+            off.append(tuning.KernelTuning(gemm="auto", deepgemm_decode_max_m=0).uses_deepgemm(loads))
+            again = tuning.KernelTuning().uses_deepgemm(lambda: False)  # DeepGEMM does not load: no route
+        print(json.dumps(dict(on=on, off=off, again=again, asked=len(asked), warned=[str(w.message) for w in caught])))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["off"] == [False] * 4 and got["again"] is False
+    usable = case in ("this-torch", "source-build")
+    assert got["on"] is usable and got["asked"] == int(usable)
+    if case in ("none", "this-torch", "source-build"):
+        assert got["warned"] == []
+    else:
+        assert len(got["warned"]) == 1 and got["warned"][0].startswith(
+            "DeepGEMM is installed, but gemm=auto does not use it: ")
+        assert ("is built against torch" if case == "other-torch" else "is not in jetrl's table") in got["warned"][0]
 
 
 @pytest.mark.parametrize("case", ["other-torch", "this-torch", "source-build-first"])
@@ -279,7 +308,7 @@ def test_gemm_deepgemm_with_a_build_for_another_torch_is_a_config_error(tmp_path
         assert lines[3].endswith(f"{builds.builds_for(torch.__version__)}), or choose another path")
     else:
         assert lines[0].startswith("ERROR") and f"sgl-deep-gemm {version} is built against torch" in lines[0]
-        assert f"the builds for torch {here[0]}.{here[1]}:" in lines[0]
+        assert f"sgl-deep-gemm's builds for torch {here[0]}.{here[1]} are" in lines[0]
         assert lines[2].startswith("warned DeepGEMM is installed but cannot run here: sgl-deep-gemm") and \
             "does not load" not in lines[2]  # refused before the import
 

@@ -232,6 +232,7 @@ def test_gemm_to_output_rounding(cuda_backend, b_block, mnk, out_dtype, path):
 
 @pytest.mark.parametrize("mnk", [(1, 6144, 4096), (16, 4096, 4096), (64, 28672, 4096), (64, 4096, 14336),
                                  (37, 1000, 1100)])
+@tuning.override(deepgemm_decode_max_m=0)  # the backend's GEMM on the decode kernel where DeepGEMM loads too
 def test_decode_gemm_deterministic_split_k(cuda_backend, mnk):
     """The split-K decode GEMM: within output rounding of the exact product, bitwise equal across calls,
     across split counts' own repeated runs, and inside a CUDA graph (the counters reset themselves)."""
@@ -261,6 +262,7 @@ def test_decode_gemm_deterministic_split_k(cuda_backend, mnk):
 
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("bias", [False, True])
+@tuning.override(deepgemm_decode_max_m=0)  # the grouped decode launch, where DeepGEMM loads too
 def test_grouped_decode_gemm_equals_one_by_one(cuda_backend, m, bias):
     """q/k/v-like weights sharing an input: one launch, each slice bitwise the single GEMM (+ bias) run with
     the grouped launch's split (the default split depends on the total width, so it can differ from a lone

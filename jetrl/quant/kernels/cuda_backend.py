@@ -89,7 +89,7 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
     """Which GEMM runs ``a @ b.T``: ``"decode"``, ``"deepgemm"``, ``"cublas"`` or ``"triton"`` (see the module
     docstring); ``grouped_n`` (the total width) asks for a grouped launch of weights shaped like ``b``, ``biased``
     with biases, which the grouped decode kernel adds in its epilogue and DeepGEMM cannot (two more launches), so
-    under ``gemm="deepgemm"`` such a launch keeps the decode kernel where its bound takes the rows
+    where DeepGEMM's rule routes such a launch keeps the decode kernel where its bound takes the rows
     (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`). The choice reads the GEMM's operands and the tuning, never
     which phase (rollout or training) runs it."""
     cfg = tuning.current()
@@ -99,16 +99,16 @@ def gemm_path(a: Fp8Tensor, b: Fp8Tensor, grouped_n: int | None = None,
         return "decode" if m <= tuning.DECODE_GEMM_MAX_M else "triton"
     grouped = grouped_n is not None
     n = grouped_n if grouped else b.shape[0]
-    if cfg.uses_deepgemm(lambda: deepgemm.is_available(a.data.device)) and deepgemm.supports(a, b, out_dtype):
+    if (m <= cfg.deepgemm_decode_max_m and cfg.uses_deepgemm(lambda: deepgemm.is_available(a.data.device))
+            and deepgemm.supports(a, b, out_dtype)):
         # a grouped launch's rows go where the stacked weight's GEMM goes (the caller then runs that GEMM)
         where = deepgemm.route(m, n, k, decode_bound=cfg.decode_rows(n, k, grouped) if biased else 0,
                                **cfg.deepgemm_rule())
         if where == "deepgemm" and not deepgemm.is_available(a.data.device):
             raise RuntimeError("the FP8 GEMM path is set to DeepGEMM (JETRL_FP8_GEMM=deepgemm or tuning gemm=), but "
                                "DeepGEMM does not load here (see the warning before); rebuild it "
-                               "(github.com/deepseek-ai/DeepGEMM), install the sgl-deep-gemm build for this torch "
-                               f"(docs/recipes.md; {deepgemm_builds.builds_for(torch.__version__)}), or choose "
-                               "another path")
+                               "(github.com/deepseek-ai/DeepGEMM; docs/recipes.md; "
+                               f"{deepgemm_builds.builds_for(torch.__version__)}), or choose another path")
         if where is not None:
             return where
     if choice in ("auto", "deepgemm") and m <= cfg.decode_rows(n, k, grouped):

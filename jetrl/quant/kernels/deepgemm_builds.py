@@ -15,6 +15,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import os
+import warnings
 
 import torch
 from packaging.version import Version
@@ -56,14 +57,19 @@ def build_problem(sgl_version: str | None, torch_version: str) -> str | None:
 
 
 def builds_for(torch_version: str) -> str:
-    """The sentence naming the ``sgl-deep-gemm`` builds for ``torch_version``, oldest first, and the pip command for
-    the one to install (:data:`RECOMMENDED`, else the newest), or that the table has none."""
+    """The clause naming the ``sgl-deep-gemm`` releases for ``torch_version`` (final releases, oldest first; the
+    count of pre-releases) and the pip command for the one to install (:data:`RECOMMENDED`, else the newest final
+    release, else the newest pre-release), or that none is known."""
     here = _major_minor(torch_version)
     matching = sorted((v for v, t in SGL_DEEP_GEMM_TORCH.items() if t == here), key=Version)
     if not matching:
-        return "no build in jetrl's table is for this torch"
-    return (f"the builds for torch {here[0]}.{here[1]}: {', '.join(matching)} "
-            f"(pip install sgl-deep-gemm=={RECOMMENDED.get(here, matching[-1])})")
+        return f"no sgl-deep-gemm build is known for torch {here[0]}.{here[1]}"
+    final = [v for v in matching if not Version(v).is_prerelease]
+    pre = len(matching) - len(final)
+    listed = ", ".join(final) + (f" and {pre} pre-release{'s' * (pre > 1)}" if final and pre else "")
+    pick = RECOMMENDED.get(here, (final or matching)[-1])
+    return (f"sgl-deep-gemm's builds for torch {here[0]}.{here[1]} are {listed or ', '.join(matching) + ' (pre-releases)'} "
+            f"(pip install sgl-deep-gemm=={pick})")
 
 
 def installed_sgl_version() -> str | None:
@@ -88,6 +94,27 @@ def problem() -> str | None:
     an installed ``deep_gemm`` may load. Whether it then loads is
     :func:`~jetrl.quant.kernels.gemm_deepgemm.installed`'s to say."""
     if importlib.util.find_spec("deep_gemm") is None:
-        return ("DeepGEMM is not installed (build it from github.com/deepseek-ai/DeepGEMM, or install the PyPI build "
-                f"for this torch: sgl-deep-gemm, {builds_for(torch.__version__)}; docs/recipes.md)")
+        return (f"DeepGEMM is not installed (build it from github.com/deepseek-ai/DeepGEMM; "
+                f"{builds_for(torch.__version__)}; docs/recipes.md)")
     return build_problem(installed_sgl_version(), torch.__version__)
+
+
+@functools.lru_cache(maxsize=None)
+def auto_problem() -> str | None:
+    """Why the default ``gemm="auto"`` leaves DeepGEMM alone, or None where it may use it (a PyPI build for this
+    torch, or DeepGEMM built from source; whether it then loads is
+    :func:`~jetrl.quant.kernels.gemm_deepgemm.installed`'s to say): not installed, a PyPI build for another torch
+    (:func:`problem`), or a release not in :data:`SGL_DEEP_GEMM_TORCH`, whose torch is unknown (on another torch a
+    build can abort the process), which only ``gemm="deepgemm"`` uses. An installed DeepGEMM left alone is said once,
+    as a warning."""
+    if importlib.util.find_spec("deep_gemm") is None:
+        return "DeepGEMM is not installed"
+    reason = problem()
+    version = installed_sgl_version()
+    if reason is None and version is not None and version not in SGL_DEEP_GEMM_TORCH:
+        reason = (f"sgl-deep-gemm {version} is not in jetrl's table of builds, so the torch it runs on is unknown "
+                  "(kernels: [gemm=deepgemm] uses it anyway)")
+    if reason is not None:
+        warnings.warn(f"DeepGEMM is installed, but gemm=auto does not use it: {reason}", RuntimeWarning, stacklevel=2)
+    return reason
+

@@ -277,8 +277,8 @@ class GemmRouting:
     * ``deepgemm_decode_max_m`` / ``deepgemm_split_k_max_m``: DeepGEMM's rule
       (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`): the rollout's Fprop of at most ``deepgemm_decode_max_m``
       rows (its decode steps; 0: none, which keeps ``auto`` off DeepGEMM), where a weight whose K is more than twice
-      its N stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); the training
-      GEMMs stay on the default route;
+      its N stays on the split-K decode kernel up to ``deepgemm_split_k_max_m`` rows (at most 256); GEMMs of more
+      rows (prefill, training micro-batches) stay on the default route;
     * ``decode_max_m`` / ``grouped_decode_max_m``: the most rows a single / grouped (q/k/v, gate/up) GEMM sends
       to the decode kernel (a grouped launch at least ``decode_max_m``), ``decode_max_m_by_shape`` per-shape
       exceptions (see :data:`DECODE_MAX_M_BY_SHAPE`);
@@ -321,11 +321,13 @@ class GemmRouting:
 
     def uses_deepgemm(self, loads: Callable[[], bool]) -> bool:
         """Whether DeepGEMM's rule routes GEMMs: under ``gemm="deepgemm"`` always, under ``"auto"`` where the rule
-        takes rows (``deepgemm_decode_max_m`` > 0) and ``loads()`` (DeepGEMM loads for the GPU at hand: the CUDA
-        backend passes :func:`~jetrl.quant.kernels.gemm_deepgemm.is_available`; called only then)."""
+        takes rows (``deepgemm_decode_max_m`` > 0), the installed DeepGEMM is one jetrl knows runs on this torch
+        (:func:`~jetrl.quant.kernels.deepgemm_builds.auto_problem`) and ``loads()`` (it loads for the GPU at hand:
+        the CUDA backend passes :func:`~jetrl.quant.kernels.gemm_deepgemm.is_available`; called only then)."""
         if self.gemm == "deepgemm":
             return True
-        return self.gemm == "auto" and self.deepgemm_decode_max_m > 0 and loads()
+        return (self.gemm == "auto" and self.deepgemm_decode_max_m > 0 and deepgemm_builds.auto_problem() is None
+                and loads())
 
     def deepgemm_rule(self) -> dict[str, int]:
         """The bounds of DeepGEMM's rule (:func:`~jetrl.quant.kernels.gemm_deepgemm.route`), as its keywords."""
