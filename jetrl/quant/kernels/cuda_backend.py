@@ -222,7 +222,7 @@ class CudaBackend:
         decode kernel up to its bound as :meth:`grouped_gemm` does
         (:func:`~jetrl.quant.kernels.gemm_deepgemm.compile_kernels`); the seconds taken."""
         cfg = tuning.current()
-        if not deepgemm.is_available(device) or not cfg.uses_deepgemm(lambda: True):
+        if not (cfg.uses_deepgemm(lambda: deepgemm.is_available(device)) and deepgemm.is_available(device)):
             return 0.0
         biased = {(w.n, w.k) for w in weights if w.biased_group}
         shapes = deepgemm.planned_shapes(
