@@ -329,8 +329,6 @@ def test_decode_gemm_variants(cuda_backend, mnk, variant):
 
 
 def _shape_config_cases():
-    from jetrl.quant.kernels import gemm_decode_triton as dk
-
     lower = {32: 1, 64: 33, 128: 65, 256: 129}
     return [(key, m) for key in tuning.current().decode_shape_configs for m in (lower[key[0]], key[0])]
 
