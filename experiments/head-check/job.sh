@@ -2,7 +2,7 @@
 # What the landed decode loop has not had measured, one device call, adaptive to D seconds (default 560):
 # with DeepGEMM's PyPI build for torch 2.11 carried in .whl (`pip download --no-deps -d .whl
 # sgl-deep-gemm==0.1.4.post1 apache-tvm-ffi==0.1.11 --python-version 3.12 --only-binary :all: --platform
-# manylinux_2_28_x86_64`), its GPU tests; the rollout (1.5B and 0.5B, 64 and 256 sequences) with jet+kv8 and jet on
+# manylinux2014_x86_64`), its GPU tests; the rollout (1.5B and 0.5B, 64 and 256 sequences) with jet+kv8 and jet on
 # DeepGEMM beside bf16 and jet; a decode profile (1.5B x 64, bf16 and jet); bench/rl_step.py at HEAD and at c8fe8a8
 # (the commit before 55c70f5's two-way launch, carried in .old: `mkdir .old && git archive c8fe8a8 jetrl bench |
 # tar -x -C .old`); on an H200 the 8B shape at 64.

@@ -66,10 +66,12 @@ def builds_for(torch_version: str) -> str:
         return f"no sgl-deep-gemm build is known for torch {here[0]}.{here[1]}"
     final = [v for v in matching if not Version(v).is_prerelease]
     pre = len(matching) - len(final)
-    listed = ", ".join(final) + (f" and {pre} pre-release{'s' * (pre > 1)}" if final and pre else "")
+    if not final:
+        listed = ", ".join(matching) + " (pre-releases)"
+    else:
+        listed = ", ".join(final) + (f" and {pre} pre-release{'s' * (pre > 1)}" if pre else "")
     pick = RECOMMENDED.get(here, (final or matching)[-1])
-    return (f"sgl-deep-gemm's builds for torch {here[0]}.{here[1]} are {listed or ', '.join(matching) + ' (pre-releases)'} "
-            f"(pip install sgl-deep-gemm=={pick})")
+    return f"sgl-deep-gemm's builds for torch {here[0]}.{here[1]} are {listed} (pip install sgl-deep-gemm=={pick})"
 
 
 def installed_sgl_version() -> str | None:
@@ -109,12 +111,11 @@ def auto_problem() -> str | None:
     as a warning."""
     if importlib.util.find_spec("deep_gemm") is None:
         return "DeepGEMM is not installed"
-    reason = problem()
     version = installed_sgl_version()
+    reason = build_problem(version, torch.__version__)
     if reason is None and version is not None and version not in SGL_DEEP_GEMM_TORCH:
         reason = (f"sgl-deep-gemm {version} is not in jetrl's table of builds, so the torch it runs on is unknown "
                   "(kernels: [gemm=deepgemm] uses it anyway)")
     if reason is not None:
         warnings.warn(f"DeepGEMM is installed, but gemm=auto does not use it: {reason}", RuntimeWarning, stacklevel=2)
     return reason
-
